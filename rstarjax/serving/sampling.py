@@ -1,0 +1,117 @@
+"""Per-slot token sampling: temperature, top-k, top-p, greedy, a reproducible RNG per request.
+
+Everything here is pure and shape-static so it runs inside the engine's jitted steps with one
+compile for any mix of per-slot settings. Each row of a batch carries its own parameters:
+
+- ``temperature[b] <= 0`` means greedy (argmax); otherwise logits are divided by it;
+- ``top_k[b] <= 0`` disables top-k; otherwise only the k most likely tokens may be drawn;
+- ``top_p[b] >= 1`` disables nucleus filtering; otherwise the smallest set of most likely
+  tokens whose probability reaches ``top_p`` is kept (the token that crosses the threshold
+  is included, as in HF transformers' ``TopPLogitsWarper`` and vLLM);
+- the random key of a draw is ``fold_in(PRNGKey(seed[b]), counter[b])`` where ``counter`` is
+  the number of tokens this request has sampled so far. A request therefore draws the same
+  tokens whatever slot, batch or engine it runs in: reproducible from its seed alone.
+
+The returned log-prob is the *policy's* log-prob, ``log_softmax(logits)[token]`` of the raw
+(temperature 1, unfiltered) logits in float32: exactly what the trainer's forward recomputes
+as the "old" log-prob for importance ratios (rStar2-Agent eq. 6 uses pi_old of the sampled
+token). Temperature / top-k / top-p only change which token is drawn.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded. ``stop_ids``: generation of a turn ends *after* emitting
+    any of these ids; ``max_new_tokens`` bounds the tokens sampled for the request."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    max_new_tokens: int = 256
+    stop_ids: Sequence[int] = ()
+
+    def __post_init__(self):
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def request_keys(seeds: jax.Array, counters: jax.Array) -> jax.Array:
+    """One PRNG key per row: ``fold_in(PRNGKey(seed), counter)`` (see module docstring)."""
+    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(
+        seeds.astype(jnp.uint32), counters.astype(jnp.uint32)
+    )
+
+
+def filter_logits(
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> jax.Array:
+    """Tempered logits with tokens outside top-k / top-p set to -inf. f32[B,V] -> f32[B,V].
+
+    Works on the descending sort of each row so per-row k and p need no recompilation.
+    Ties at the k-th value are broken by sort order (so exactly k tokens survive).
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    safe_t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    scaled = logits / safe_t
+    order = jnp.argsort(-scaled, axis=-1)  # descending, stable
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
+    keep = rank < k
+    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    # Probability mass strictly before each token: a token is kept while that mass < top_p,
+    # so the token that crosses the threshold is kept and the top-1 token always is.
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = keep & (mass_before < top_p[:, None])
+    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+    # Scatter back to vocabulary order.
+    inverse = jnp.argsort(order, axis=-1)
+    return jnp.take_along_axis(sorted_logits, inverse, axis=-1)
+
+
+def sample_tokens(
+    logits: jax.Array,
+    seeds: jax.Array,
+    counters: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    forced: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row and return ``(tokens int32[B], logprobs f32[B])``.
+
+    ``forced[b] >= 0`` replaces the draw by that token (teacher forcing: scripted policies and
+    the benchmark's fixed workloads); its log-prob is still the policy's.
+    """
+    logits = logits.astype(jnp.float32)
+    filtered = filter_logits(logits, temperature, top_k, top_p)
+    keys = request_keys(seeds, counters)
+    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, filtered)
+    greedy = jnp.argmax(logits, axis=-1)
+    tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+    if forced is not None:
+        tokens = jnp.where(forced >= 0, forced, tokens).astype(jnp.int32)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    return tokens, logprobs
