@@ -1,0 +1,95 @@
+"""Group-relative advantages and reward shaping (rStar2-Agent eq. 2 / eq. 7; Dr. GRPO; DAPO; Kimi k1.5).
+
+All functions are pure NumPy over one prompt's group (or a flat batch with group ids): they run on
+the host between rollout and batching, never inside jit.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def group_advantages(rewards, std_normalize: bool = True, eps: float = 1e-6, ddof: int = 1) -> np.ndarray:
+    """Outcome advantage per rollout of ONE group, rStar2-Agent eq. 7 (= GRPO eq. 2).
+
+    A_i = (r_i - mean(r)) / (std(r) + eps). ``std_normalize=False`` is Dr. GRPO (Liu et al. 2025):
+    A_i = r_i - mean(r). ``ddof=1`` (sample std) matches verl's GRPO estimator (torch.std), on
+    which the official rStar2-Agent code runs; ``ddof=0`` is the population std.
+    A group of one has no relative signal: its advantage is 0.
+    All-equal groups give exactly 0 (numerator 0), whatever eps.
+    """
+    r = np.asarray(rewards, np.float64)
+    if r.ndim != 1:
+        raise ValueError(f"rewards must be 1-D, got shape {r.shape}")
+    if r.size == 0:
+        raise ValueError("empty group")
+    if not np.all(np.isfinite(r)):
+        raise ValueError(f"non-finite reward in {r}")
+    if r.size == 1:
+        return np.zeros(1, np.float32)
+    centered = r - r.mean()
+    if not std_normalize:
+        return centered.astype(np.float32)
+    return (centered / (r.std(ddof=ddof) + eps)).astype(np.float32)
+
+
+def grouped_advantages(rewards, group_ids, std_normalize: bool = True, eps: float = 1e-6, ddof: int = 1) -> np.ndarray:
+    """eq. 7 applied per group over a flat batch; ``group_ids[i]`` names rollout i's prompt."""
+    r = np.asarray(rewards, np.float64)
+    g = np.asarray(group_ids)
+    if r.shape != g.shape or r.ndim != 1:
+        raise ValueError(f"rewards {r.shape} and group_ids {g.shape} must be equal 1-D shapes")
+    out = np.zeros(r.shape, np.float32)
+    for gid in np.unique(g):
+        idx = np.flatnonzero(g == gid)
+        out[idx] = group_advantages(r[idx], std_normalize=std_normalize, eps=eps, ddof=ddof)
+    return out
+
+
+def is_informative_group(rewards, atol: float = 0.0) -> bool:
+    """DAPO dynamic sampling predicate (Yu et al. 2025, eq. 11 constraint 0 < |correct| < G).
+
+    A group whose rewards are all equal has zero advantage everywhere and contributes no
+    gradient. With dynamic sampling on, the trainer drops such groups after rollout and keeps
+    drawing new prompts (up to a bounded number of extra rollout rounds) until the batch holds
+    the configured number of informative groups. Stated as "rewards not all equal" so that
+    shaped (non-binary) rewards are handled too.
+    """
+    r = np.asarray(rewards, np.float64)
+    if r.size == 0:
+        raise ValueError("empty group")
+    return bool(np.ptp(r) > atol)
+
+
+def kimi_length_reward(lengths, correct, coef: float = 1.0) -> np.ndarray:
+    """Kimi k1.5 length penalty (Kimi Team 2025, §2.3.3 of the published report; §3.2.9 of the
+    draft describes it without the formula): per group,
+
+        lambda_i = 0.5 - (len_i - min_len) / (max_len - min_len)
+        len_reward_i = lambda_i            if the rollout is correct
+                       min(0, lambda_i)    otherwise
+
+    i.e. correct rollouts get a bonus for being short and a penalty for being long; wrong ones
+    only the penalty. Returns ``coef * len_reward`` to be *added* to the answer reward (after
+    RoC, before advantages). All lengths equal -> 0 (the report's max = min case).
+    """
+    n = np.asarray(lengths, np.float64)
+    c = np.asarray(correct, bool)
+    if n.shape != c.shape or n.ndim != 1 or n.size == 0:
+        raise ValueError(f"lengths {n.shape} and correct {c.shape} must be equal non-empty 1-D shapes")
+    lo, hi = n.min(), n.max()
+    if hi == lo:
+        return np.zeros(n.shape, np.float32)
+    lam = 0.5 - (n - lo) / (hi - lo)
+    return (coef * np.where(c, lam, np.minimum(0.0, lam))).astype(np.float32)
+
+
+def overlong_filter_weights(truncated: Sequence[bool]) -> np.ndarray:
+    """DAPO overlong filtering (Yu et al. 2025): per-rollout loss weight 0 for truncated rollouts.
+
+    Off by default: rStar2-Agent §4.3.1 found it harmful (it keeps repetitive overlong outputs
+    unpunished). When on, make_train_batch multiplies each rollout's loss mask by this weight, so
+    the global token denominator also excludes those tokens.
+    """
+    return np.where(np.asarray(truncated, bool), 0.0, 1.0).astype(np.float32)

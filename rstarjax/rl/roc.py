@@ -1,0 +1,212 @@
+"""Resample-on-Correct (RoC): keep G of 2G rollouts per prompt (rStar2-Agent §2.2.3, eq. 4-5).
+
+Negatives (reward <= 0) are down-sampled uniformly, keeping their diversity; positives are
+down-sampled with probability inversely proportional to a penalty p_total = p_err + p_format,
+so clean successful traces (no tool errors, exactly one <answer>) dominate the positive signal.
+
+Decisions the paper leaves open (see docs/algorithm.md):
+
+* **Counts.** With N rollouts and G kept: ``n_neg = floor(|neg| * G / N)`` (= floor(|neg|/2)
+  for the paper's N = 2G) and ``n_pos = G - n_neg``. For N = 2G there are always enough
+  positives (|pos| - n_pos = G - ceil(|neg|/2) >= 0). For N < 2G (rollouts lost upstream) any
+  shortfall of positives is filled with further uniformly drawn negatives; N < G is an error.
+  All-negative groups keep G uniform negatives; all-positive groups keep G weighted positives.
+* **p_total = 0.** Weights are ``1 / (p_total + zero_penalty_eps)`` (default eps 0.01): a
+  perfect trace is ~50x likelier to be picked first than a tool-free one (p_total = 0.5) but
+  the draw stays a draw, so penalty-0 traces never get an infinite weight.
+* **Sampling without replacement** is successive sampling: each draw picks among the
+  remaining positives with probability w_i / sum(remaining w); chosen ones are removed.
+* **Positive** means reward > 0 on the *answer-only* reward (eq. 3), before any shaping.
+* ``variant="topk"`` reproduces the official code (verl recipe/rstar2_agent down_sample/roc.py):
+  counts ``round(|neg| G/N)`` / ``round(|pos| G/N)`` (Python round, half to even), the rest
+  filled from the other side, both sides sorted by p_total ascending (stable: ties by index)
+  and cut deterministically. Unlike the official code, tool errors come from the structured
+  counts (``Trajectory.tool_errors``), never from searching tool output for "error".
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from rstarjax.rl.trajectory import Trajectory
+
+P_ERR_NO_TOOL_CALL = 0.5  # eq. 4: default error ratio for trajectories that never call a tool
+P_FORMAT_NO_ANSWER = 1.0  # eq. 5: maximum format penalty without an <answer> tag
+DEFAULT_ZERO_PENALTY_EPS = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class RocStats:
+    """The per-trajectory numbers RoC needs (a Trajectory can be reduced to these)."""
+
+    reward: float
+    tool_calls: int
+    tool_errors: int  # parse + execution + timeout
+    answer_tags: int
+    turns: int
+
+    @classmethod
+    def from_trajectory(cls, traj: Trajectory) -> "RocStats":
+        return cls(
+            reward=float(traj.reward),
+            tool_calls=int(traj.tool_calls),
+            tool_errors=int(traj.tool_errors.total),
+            answer_tags=int(traj.answer_tags),
+            turns=int(traj.turns),
+        )
+
+    def __post_init__(self):
+        if self.tool_calls < 0 or self.tool_errors < 0 or self.answer_tags < 0 or self.turns < 0:
+            raise ValueError(f"negative count in {self}")
+        if self.tool_errors > self.tool_calls:
+            raise ValueError(f"tool_errors {self.tool_errors} > tool_calls {self.tool_calls}")
+
+
+def _stats(x: Trajectory | RocStats) -> RocStats:
+    return x if isinstance(x, RocStats) else RocStats.from_trajectory(x)
+
+
+def p_err(traj: Trajectory | RocStats) -> float:
+    """Tool error ratio, rStar2-Agent eq. 4.
+
+    0.5 when the trajectory made no tool call (encourages tool use), else
+    (erroneous tool calls) / (all tool calls), errors = parse + execution + timeout.
+    """
+    s = _stats(traj)
+    if s.tool_calls == 0:
+        return P_ERR_NO_TOOL_CALL
+    return s.tool_errors / s.tool_calls
+
+
+def p_format(traj: Trajectory | RocStats) -> float:
+    """Answer-format penalty, rStar2-Agent eq. 5.
+
+    1 when there is no <answer> tag, else min(1, (num <answer> tags - 1) / num turns).
+    A trajectory with answer tags but 0 recorded turns is malformed: it gets the maximum 1.
+    """
+    s = _stats(traj)
+    if s.answer_tags == 0:
+        return P_FORMAT_NO_ANSWER
+    if s.turns == 0:
+        return P_FORMAT_NO_ANSWER
+    return min(1.0, (s.answer_tags - 1) / s.turns)
+
+
+def p_total(traj: Trajectory | RocStats) -> float:
+    """Total RoC penalty p_err + p_format (rStar2-Agent §2.2.3, after eq. 5)."""
+    return p_err(traj) + p_format(traj)
+
+
+def selection_weights(penalties: np.ndarray, zero_penalty_eps: float = DEFAULT_ZERO_PENALTY_EPS) -> np.ndarray:
+    """Sampling weights inversely proportional to the penalty (rStar2-Agent §2.2.3)."""
+    if zero_penalty_eps <= 0:
+        raise ValueError("zero_penalty_eps must be > 0 (a penalty of 0 would get an infinite weight)")
+    return 1.0 / (np.asarray(penalties, np.float64) + zero_penalty_eps)
+
+
+def weighted_sample_without_replacement(weights: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Successive sampling: k draws, each proportional to the weights of the items not yet drawn."""
+    w = np.array(weights, np.float64)
+    if k > len(w) or k < 0:
+        raise ValueError(f"cannot draw {k} of {len(w)}")
+    if np.any(~np.isfinite(w)) or np.any(w <= 0):
+        raise ValueError("weights must be finite and > 0")
+    chosen = []
+    for _ in range(k):
+        p = w / w.sum()
+        i = int(rng.choice(len(w), p=p))
+        chosen.append(i)
+        w[i] = 0.0
+    return np.asarray(chosen, np.int64)
+
+
+def _as_rng(rng) -> np.random.Generator:
+    if isinstance(rng, np.random.Generator):
+        return rng
+    if isinstance(rng, (int, np.integer)):
+        return np.random.default_rng(int(rng))
+    raise TypeError(f"rng must be a numpy Generator or an int seed, got {type(rng)}")
+
+
+def roc_counts(num_neg: int, num_pos: int, group_size: int) -> tuple[int, int]:
+    """(negatives kept, positives kept) for the paper variant; see the module docstring."""
+    n = num_neg + num_pos
+    if n < group_size:
+        raise ValueError(f"RoC needs at least group_size={group_size} rollouts, got {n}")
+    n_neg = min(num_neg, (num_neg * group_size) // n)  # floor(|neg|/2) when n == 2G
+    n_pos = group_size - n_neg
+    if n_pos > num_pos:  # only when n < 2G: top up with more negatives
+        n_neg += n_pos - num_pos
+        n_pos = num_pos
+    return n_neg, n_pos
+
+
+def roc_select(
+    trajs_or_stats: Sequence[Trajectory | RocStats],
+    group_size: int,
+    rng: np.random.Generator | int,
+    variant: str = "paper",
+    zero_penalty_eps: float = DEFAULT_ZERO_PENALTY_EPS,
+) -> list[int]:
+    """Indices (sorted ascending) of the ``group_size`` rollouts RoC keeps from one prompt's group.
+
+    rStar2-Agent §2.2.3: negatives uniformly, positives without replacement with probability
+    inversely proportional to p_total (eq. 4 + eq. 5). ``variant="topk"``: the official code's
+    deterministic lowest-penalty cut (``rng`` then unused).
+    """
+    stats = [_stats(t) for t in trajs_or_stats]
+    if group_size <= 0:
+        raise ValueError("group_size must be > 0")
+    if len(stats) < group_size:
+        raise ValueError(f"RoC needs at least group_size={group_size} rollouts, got {len(stats)}")
+    rewards = np.array([s.reward for s in stats], np.float64)
+    if not np.all(np.isfinite(rewards)):
+        raise ValueError("non-finite reward")
+    pos = np.flatnonzero(rewards > 0)
+    neg = np.flatnonzero(rewards <= 0)
+    penalties = np.array([p_total(s) for s in stats], np.float64)
+
+    if variant == "paper":
+        gen = _as_rng(rng)
+        n_neg, n_pos = roc_counts(len(neg), len(pos), group_size)
+        kept_neg = gen.choice(neg, size=n_neg, replace=False) if n_neg else np.zeros(0, np.int64)
+        picks = weighted_sample_without_replacement(selection_weights(penalties[pos], zero_penalty_eps), n_pos, gen)
+        kept_pos = pos[picks]
+    elif variant == "topk":
+        n = len(stats)
+        n_neg = round(len(neg) * group_size / n)
+        n_pos = round(len(pos) * group_size / n)
+        # Fill whatever rounding left over from the side that has rollouts to spare.
+        n_pos = min(len(pos), group_size - n_neg)
+        n_neg = group_size - n_pos
+        if n_neg > len(neg):
+            raise AssertionError("unreachable: len(stats) >= group_size")
+        order_neg = neg[np.argsort(penalties[neg], kind="stable")]
+        order_pos = pos[np.argsort(penalties[pos], kind="stable")]
+        kept_neg, kept_pos = order_neg[:n_neg], order_pos[:n_pos]
+    else:
+        raise ValueError(f"unknown RoC variant {variant!r} (expected 'paper' or 'topk')")
+    kept = sorted(int(i) for i in np.concatenate([kept_neg, kept_pos]))
+    assert len(kept) == group_size and len(set(kept)) == group_size
+    return kept
+
+
+def roc_metrics(trajs_or_stats: Sequence[Trajectory | RocStats], kept: Sequence[int]) -> dict[str, float]:
+    """Tool-error ratio among positives before/after RoC (the paper's Fig. 4 quantity) and penalties."""
+    stats = [_stats(t) for t in trajs_or_stats]
+
+    def err_ratio(idx):
+        calls = sum(stats[i].tool_calls for i in idx if stats[i].reward > 0)
+        errs = sum(stats[i].tool_errors for i in idx if stats[i].reward > 0)
+        return errs / calls if calls else 0.0
+
+    all_idx = range(len(stats))
+    kept_pos = [i for i in kept if stats[i].reward > 0]
+    return {
+        "roc/pos_tool_error_ratio_before": err_ratio(all_idx),
+        "roc/pos_tool_error_ratio_after": err_ratio(kept),
+        "roc/kept_pos_mean_p_total": float(np.mean([p_total(stats[i]) for i in kept_pos])) if kept_pos else 0.0,
+        "roc/kept_pos_fraction": len(kept_pos) / max(1, len(kept)),
+    }
