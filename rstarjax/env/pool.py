@@ -1,0 +1,580 @@
+"""CodeExecutor: the trainer-side half of the code environment (rStar2-Agent §3.1).
+
+    submit() --> bounded central queue --> send thread i --batch (<= 64)--> worker process i
+                                                 ^                               | one result per
+    Future resolved <---- receive thread i <-----+-------------------------------+ finished call
+
+* One send thread per worker pulls up to `batch_size` calls from the central queue (flushing a
+  partial batch after `flush_s`) whenever its worker has free capacity; unlike the paper's send
+  workers it does not wait for the whole batch before sending more, so one slow call does not
+  hold 63 finished ones back.
+* One receive thread per worker resolves futures as results arrive. EOF on the worker socket
+  means the worker died: all its in-flight calls are answered (infra error) and it is replaced.
+* A watchdog answers calls that waited in the queue longer than `queue_timeout` and kills a
+  worker that has made no progress for longer than its longest in-flight timeout + `grace_s`.
+Every call is resolved exactly once (see `_resolve`); every wait has a bound.
+
+Multi-host: each host builds its own CodeExecutor for the rollouts it owns; there is no
+cross-host service.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from .results import ERROR, ExecResult, VerifyResult
+from .sandbox import SAFE_ENV, SandboxLimits
+from .zygote import recv_frame, send_frame
+
+_ZYGOTE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
+
+
+class ExecutorClosedError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class ExecutorConfig:
+    num_workers: int = 2  # worker processes (each with its own send/receive thread)
+    slots_per_worker: int = 4  # sandboxes a worker runs at once
+    inflight_per_worker: int = 0  # calls handed to a worker at once; 0 -> 2 * slots_per_worker
+    batch_size: int = 64  # paper §3.1: send workers group up to 64 calls
+    flush_s: float = 0.002  # ... or send what they have after this long
+    max_queue: int = 100_000  # central queue bound (backpressure beyond it)
+    submit_timeout: float = 60.0  # how long submit() blocks on a full queue before answering "overloaded"
+    queue_timeout: float = 900.0  # a call not dispatched within this is answered with an error
+    default_timeout: float = 10.0  # per-call wall-clock limit
+    max_timeout: float = 600.0
+    verify_timeout: float = 10.0
+    grace_s: float = 5.0  # a worker silent for (longest in-flight timeout + grace) is killed
+    startup_timeout: float = 120.0
+    limits: SandboxLimits = dataclasses.field(default_factory=SandboxLimits)
+    isolate: bool = True  # namespaces + uid drop where the kernel allows (see docs/code_env.md)
+    uid_base: int = 61000  # sandbox uids: uid_base + worker * slots + slot
+    tmpfs_bytes: int = 512 << 20  # private /tmp, /var/tmp, /dev/shm of the sandboxes
+    python: str = sys.executable
+
+
+@dataclasses.dataclass(eq=False)
+class _Job:
+    id: int
+    op: str  # "exec" | "verify"
+    payload: dict
+    timeout: float
+    future: concurrent.futures.Future
+    t_submit: float
+    t_dequeue: float = 0.0
+    resolved: bool = False
+
+    def wire(self) -> dict:
+        return {"id": self.id, "op": self.op, "timeout": self.timeout, **self.payload}
+
+
+class _JobQueue:
+    """Bounded FIFO with batch get, expiry and close; every wait has a timeout."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self.items: collections.deque[_Job] = collections.deque()
+        self.cv = threading.Condition()
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def put(self, job: _Job, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self.cv:
+            while len(self.items) >= self.maxsize and not self.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cv.wait(left)
+            if self.closed:
+                return False
+            self.items.append(job)
+            self.cv.notify_all()
+            return True
+
+    def get_batch(self, max_n: int, flush_s: float, timeout: float) -> list[_Job]:
+        deadline = time.monotonic() + timeout
+        with self.cv:
+            while not self.items and not self.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                self.cv.wait(left)
+            flush_at = time.monotonic() + flush_s
+            while len(self.items) < max_n and not self.closed:
+                left = flush_at - time.monotonic()
+                if left <= 0:
+                    break
+                self.cv.wait(left)
+            batch = [self.items.popleft() for _ in range(min(max_n, len(self.items)))]
+            self.cv.notify_all()
+            return batch
+
+    def put_front(self, jobs: list[_Job]) -> None:
+        with self.cv:
+            self.items.extendleft(reversed(jobs))
+            self.cv.notify_all()
+
+    def expire(self, older_than: float) -> list[_Job]:
+        with self.cv:
+            if not self.items or self.items[0].t_submit >= older_than:
+                return []
+            keep, gone = collections.deque(), []
+            for job in self.items:
+                (gone if job.t_submit < older_than else keep).append(job)
+            self.items = keep
+            self.cv.notify_all()
+            return gone
+
+    def close(self) -> list[_Job]:
+        with self.cv:
+            self.closed = True
+            rest = list(self.items)
+            self.items.clear()
+            self.cv.notify_all()
+            return rest
+
+
+class _Zygote:
+    """The preloaded interpreter that forks workers (see zygote.py)."""
+
+    def __init__(self, config: ExecutorConfig, workdir_root: str):
+        self.lock = threading.Lock()
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        wire_config = {
+            "control_fd": child.fileno(),
+            "limits": dataclasses.asdict(config.limits),
+            "slots": config.slots_per_worker,
+            "isolate": config.isolate,
+            "uid_base": config.uid_base,
+            "tmpfs_bytes": config.tmpfs_bytes,
+            "workdir_root": workdir_root,
+        }
+        env = dict(SAFE_ENV, HOME="/", PYTHONDONTWRITEBYTECODE="1")
+        self.proc = subprocess.Popen(
+            [config.python, "-s", _ZYGOTE_PATH, json.dumps(wire_config)],
+            pass_fds=[child.fileno()],
+            env=env,  # scrubbed: the trainer's secrets never reach the zygote or sandboxes
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            cwd="/",
+            start_new_session=True,  # a Ctrl-C to the trainer's group is the trainer's business
+        )
+        child.close()
+        self.sock = parent
+        self.sock.settimeout(config.startup_timeout)
+        try:
+            msg = self.sock.recv(1 << 16)
+        except OSError as exc:
+            self.kill()
+            raise RuntimeError(f"code-environment zygote did not start: {exc}") from exc
+        if not msg:
+            code = self.proc.wait(5)
+            raise RuntimeError(f"code-environment zygote exited during startup (status {code})")
+        ready = json.loads(msg)
+        self.isolation = ready["isolation"]
+        self.sock.settimeout(30.0)
+
+    def spawn(self, index: int) -> tuple[socket.socket, int, int]:
+        """A new worker connected to a fresh socketpair: (socket, pid, pidfd)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with self.lock:
+                socket.send_fds(self.sock, [json.dumps({"op": "spawn", "index": index}).encode()], [theirs.fileno()])
+                msg = self.sock.recv(1 << 16)
+            if not msg:
+                raise OSError("zygote closed its control socket")
+            pid = int(json.loads(msg)["pid"])
+            pidfd = os.pidfd_open(pid)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return ours, pid, pidfd
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self, timeout: float = 5.0) -> None:
+        try:
+            self.sock.close()  # EOF -> the zygote exits
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+            self.proc.wait(5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
+
+@dataclasses.dataclass(eq=False)
+class _WorkerHandle:
+    index: int
+    sock: socket.socket
+    pid: int
+    pidfd: int
+    inflight: dict = dataclasses.field(default_factory=dict)
+    alive: bool = True
+    last_progress: float = dataclasses.field(default_factory=time.monotonic)
+
+    def kill(self) -> None:
+        try:
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        except (ProcessLookupError, OSError):
+            pass
+
+
+class CodeExecutor:
+    """Isolated, pooled Python execution for tool calls and reward verification.
+
+    Use as a context manager (or call start()/close()). Thread-safe.
+    """
+
+    def __init__(self, num_workers: int | None = None, config: ExecutorConfig | None = None, **overrides):
+        config = dataclasses.replace(config or ExecutorConfig(), **overrides)
+        if num_workers is not None:
+            config = dataclasses.replace(config, num_workers=num_workers)
+        if config.num_workers < 1 or config.slots_per_worker < 1:
+            raise ValueError("num_workers and slots_per_worker must be >= 1")
+        self.config = config
+        self.capacity = config.inflight_per_worker or 2 * config.slots_per_worker
+        self._queue = _JobQueue(config.max_queue)
+        self._cv = threading.Condition()
+        self._resolve_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._workers: list[_WorkerHandle | None] = [None] * config.num_workers
+        self._threads: list[threading.Thread] = []
+        self._zygote: _Zygote | None = None
+        self._zygote_lock = threading.Lock()
+        self._workdir_root = ""
+        self._started = False
+        self._closing = False
+        self.stats = collections.Counter()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def __enter__(self) -> "CodeExecutor":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def isolation(self) -> dict:
+        """What the kernel allowed: {root, netns, mountns, private_tmp, pidns, uid_drop}."""
+        return dict(self._zygote.isolation) if self._zygote else {}
+
+    def start(self) -> "CodeExecutor":
+        if self._started:
+            return self
+        # Sandboxes see this path only inside the zygote's private /tmp when that mount works.
+        self._workdir_root = tempfile.mkdtemp(prefix="rstarjax-sandbox-")
+        self._zygote = _Zygote(self.config, self._workdir_root)
+        for i in range(self.config.num_workers):
+            self._workers[i] = self._spawn_worker(i)
+        for i in range(self.config.num_workers):
+            for target, name in ((self._send_loop, "send"), (self._receive_loop, "recv")):
+                t = threading.Thread(target=target, args=(i,), name=f"code-env-{name}-{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
+        t = threading.Thread(target=self._watchdog_loop, name="code-env-watchdog", daemon=True)
+        t.start()
+        self._threads.append(t)
+        self._started = True
+        return self
+
+    def close(self, drain_timeout: float | None = None) -> None:
+        """Stop accepting calls, wait (bounded) for in-flight ones, answer the rest, stop processes."""
+        if not self._started or self._closing:
+            return
+        for job in self._queue.close():
+            self._resolve(job, self._infra_result(job, "the code executor was closed"))
+        deadline = time.monotonic() + (drain_timeout if drain_timeout is not None else self.config.grace_s)
+        with self._cv:
+            while any(w is not None and w.inflight for w in self._workers) and time.monotonic() < deadline:
+                self._cv.wait(0.05)
+            self._closing = True
+            handles = [w for w in self._workers if w is not None]
+            self._cv.notify_all()
+        for h in handles:
+            self._worker_died(h, "the code executor was closed")
+        for t in self._threads:
+            t.join(timeout=5.0)
+        if self._zygote is not None:
+            self._zygote.close()
+        import shutil
+
+        shutil.rmtree(self._workdir_root, ignore_errors=True)
+
+    # -- public API ------------------------------------------------------------------------
+    def submit(self, code: str, stdin: str = "", timeout: float | None = None) -> concurrent.futures.Future:
+        """Queue one execution. Returns a Future[ExecResult]; blocks only while the queue is full
+        (at most `submit_timeout`, then the future carries an "overloaded" infra error)."""
+        if not isinstance(code, str):
+            raise TypeError(f"code must be str, got {type(code).__name__}")
+        if stdin is None:
+            stdin = ""
+        if not isinstance(stdin, str):
+            raise TypeError(f"stdin must be str, got {type(stdin).__name__}")
+        return self._submit("exec", {"code": code, "stdin": stdin}, self._check_timeout(timeout))
+
+    def submit_verify(self, response_text: str, gold, timeout: float | None = None) -> concurrent.futures.Future:
+        """Reward of one response, computed in a sandbox under a wall-clock kill.
+        Returns a Future[VerifyResult] (`bool(result)` is the reward; a timeout gives False)."""
+        if not isinstance(response_text, str):
+            raise TypeError(f"response_text must be str, got {type(response_text).__name__}")
+        timeout = self._check_timeout(timeout if timeout is not None else self.config.verify_timeout)
+        return self._submit("verify", {"response": response_text, "gold": str(gold)}, timeout)
+
+    def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult:
+        fut = self.submit(code, stdin, timeout)
+        return self._wait(fut, self._check_timeout(timeout))
+
+    def run_batch(self, calls, timeout: float | None = None) -> list[ExecResult]:
+        """`calls`: iterable of code strings or (code, stdin) pairs. Results in the same order."""
+        futures = []
+        for call in calls:
+            code, stdin = (call, "") if isinstance(call, str) else call
+            futures.append(self.submit(code, stdin, timeout))
+        limit = self._check_timeout(timeout)
+        return [self._wait(f, limit) for f in futures]
+
+    def verify(self, response_text: str, gold, timeout: float | None = None) -> VerifyResult:
+        fut = self.submit_verify(response_text, gold, timeout)
+        return self._wait(fut, self._check_timeout(timeout or self.config.verify_timeout))
+
+    async def arun(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult:
+        """Async form of run(): never blocks the event loop (backpressure is awaited)."""
+        timeout = self._check_timeout(timeout)
+        if not isinstance(code, str):
+            raise TypeError(f"code must be str, got {type(code).__name__}")
+        job = self._make_job("exec", {"code": code, "stdin": stdin or ""}, timeout)
+        deadline = time.monotonic() + self.config.submit_timeout
+        while not self._queue.put(job, timeout=0.0):
+            if self._queue.closed or time.monotonic() >= deadline:
+                self._reject(job)
+                break
+            await asyncio.sleep(0.005)
+        return await asyncio.wait_for(asyncio.wrap_future(job.future), self._result_bound(timeout))
+
+    async def arun_batch(self, calls, timeout: float | None = None) -> list[ExecResult]:
+        tasks = [self.arun(*((c, "") if isinstance(c, str) else c), timeout=timeout) for c in calls]
+        return list(await asyncio.gather(*tasks))
+
+    # -- internals: submission -------------------------------------------------------------
+    def _check_timeout(self, timeout: float | None) -> float:
+        timeout = self.config.default_timeout if timeout is None else float(timeout)
+        if not (timeout > 0 and math.isfinite(timeout)) or timeout > self.config.max_timeout:
+            raise ValueError(f"timeout must be in (0, {self.config.max_timeout}] seconds, got {timeout}")
+        return timeout
+
+    def _make_job(self, op: str, payload: dict, timeout: float) -> _Job:
+        if not self._started or self._closing:
+            raise ExecutorClosedError("CodeExecutor is not running (use it as a context manager)")
+        fut = concurrent.futures.Future()
+        fut.set_running_or_notify_cancel()  # cancel() cannot drop a call: it is answered once
+        return _Job(next(self._ids), op, payload, timeout, fut, time.monotonic())
+
+    def _submit(self, op: str, payload: dict, timeout: float) -> concurrent.futures.Future:
+        job = self._make_job(op, payload, timeout)
+        self.stats["submitted"] += 1
+        if not self._queue.put(job, timeout=self.config.submit_timeout):
+            self._reject(job)
+        return job.future
+
+    def _reject(self, job: _Job) -> None:
+        self.stats["rejected"] += 1
+        why = "the code executor was closed" if self._queue.closed else (
+            f"code environment overloaded: queue full ({self.config.max_queue}) for {self.config.submit_timeout:g} s")
+        self._resolve(job, self._infra_result(job, why))
+
+    def _result_bound(self, timeout: float) -> float:
+        # Queue expiry + run + worker-hang detection + respawn: past this something is broken.
+        return self.config.queue_timeout + self.config.submit_timeout + timeout + 2 * self.config.grace_s + 30.0
+
+    def _wait(self, fut: concurrent.futures.Future, timeout: float):
+        try:
+            return fut.result(timeout=self._result_bound(timeout))
+        except concurrent.futures.TimeoutError:  # pragma: no cover - the watchdog answers first
+            return ExecResult(ERROR, "code environment did not answer in time", infra_error=True)
+
+    # -- internals: resolution -------------------------------------------------------------
+    def _resolve(self, job: _Job, result) -> None:
+        """Answer a call exactly once (later attempts are ignored and counted)."""
+        with self._resolve_lock:
+            if job.resolved:
+                self.stats["duplicate_answers_ignored"] += 1
+                return
+            job.resolved = True
+        if isinstance(result, ExecResult):
+            self.stats[f"result_{result.kind}"] += 1
+            if result.infra_error:
+                self.stats["infra_errors"] += 1
+        elif isinstance(result, VerifyResult) and result.timed_out:
+            self.stats["verify_timeouts"] += 1
+        job.future.set_result(result)
+
+    @staticmethod
+    def _infra_result(job: _Job, why: str):
+        if job.op == "verify":
+            return VerifyResult(False, timed_out=False, error=why)
+        return ExecResult(ERROR, f"SandboxError: {why}", infra_error=True)
+
+    def _result_from_wire(self, job: _Job, msg: dict):
+        if job.op == "verify":
+            return VerifyResult(bool(msg.get("correct")), bool(msg.get("timed_out")), str(msg.get("error", "")))
+        now = time.monotonic()
+        timings = {
+            "submit": job.t_submit, "dequeue": job.t_dequeue, "worker_recv": msg.get("t_recv", 0.0),
+            "start": msg.get("t_start", 0.0), "end": msg.get("t_end", 0.0), "worker_sent": msg.get("t_sent", 0.0),
+            "resolved": now,
+        }
+        return ExecResult(msg["kind"], msg.get("text", ""), float(msg.get("duration_s", 0.0)), timings=timings)
+
+    # -- internals: workers ----------------------------------------------------------------
+    def _spawn_worker(self, index: int) -> _WorkerHandle:
+        with self._zygote_lock:
+            try:
+                sock, pid, pidfd = self._zygote.spawn(index)
+            except (OSError, ValueError, KeyError):
+                # The zygote itself is gone or wedged: start a new one (imports again, ~1-2 s).
+                self.stats["zygote_restarts"] += 1
+                self._zygote.kill()
+                self._zygote = _Zygote(self.config, self._workdir_root)
+                sock, pid, pidfd = self._zygote.spawn(index)
+        return _WorkerHandle(index, sock, pid, pidfd)
+
+    def _worker_died(self, h: _WorkerHandle, why: str) -> None:
+        with self._cv:
+            if not h.alive:
+                return
+            h.alive = False
+            jobs = list(h.inflight.values())
+            h.inflight.clear()
+            self._cv.notify_all()
+        h.kill()
+        try:
+            h.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if not self._closing:
+            self.stats["worker_deaths"] += 1
+        for job in jobs:
+            self._resolve(job, self._infra_result(job, f"sandbox worker died ({why}); the call was not completed"))
+
+    def _send_loop(self, i: int) -> None:
+        cfg = self.config
+        while True:
+            with self._cv:
+                while True:
+                    if self._closing:
+                        return
+                    h = self._workers[i]
+                    if h is not None and h.alive and len(h.inflight) < self.capacity:
+                        break
+                    self._cv.wait(0.1)
+                free = self.capacity - len(h.inflight)
+            batch = self._queue.get_batch(min(cfg.batch_size, free), cfg.flush_s, timeout=0.1)
+            if not batch:
+                if self._queue.closed:
+                    return
+                continue
+            now = time.monotonic()
+            with self._cv:
+                if not h.alive or self._closing:
+                    self._queue.put_front(batch)  # never dispatched: someone else takes them
+                    if self._closing:
+                        for job in self._queue.close():
+                            self._resolve(job, self._infra_result(job, "the code executor was closed"))
+                    continue
+                if not h.inflight:
+                    h.last_progress = now
+                for job in batch:
+                    job.t_dequeue = now
+                    h.inflight[job.id] = job
+            try:
+                send_frame(h.sock, {"op": "batch", "calls": [job.wire() for job in batch]})
+                self.stats["batches"] += 1
+            except OSError as exc:
+                self._worker_died(h, f"send failed: {exc}")
+
+    def _receive_loop(self, i: int) -> None:
+        while not self._closing:
+            h = self._workers[i]
+            try:
+                msg = recv_frame(h.sock)
+            except (OSError, ValueError) as exc:
+                msg, why = None, f"{type(exc).__name__}: {exc}"
+            else:
+                why = "worker process exited"
+            if msg is None:
+                self._worker_died(h, why)
+                h.sock.close()
+                os.close(h.pidfd)
+                if self._closing:
+                    return
+                self._replace_worker(i)
+                continue
+            with self._cv:
+                job = h.inflight.pop(msg.get("id"), None)
+                h.last_progress = time.monotonic()
+                self._cv.notify_all()
+            if job is not None:
+                self._resolve(job, self._result_from_wire(job, msg))
+
+    def _replace_worker(self, i: int) -> None:
+        delay = 0.05
+        while not self._closing:
+            try:
+                handle = self._spawn_worker(i)
+            except Exception as exc:  # noqa: BLE001 - keep trying; queued calls expire meanwhile
+                print(f"rstarjax.env: respawning worker {i} failed: {exc}", file=sys.stderr)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            with self._cv:
+                self._workers[i] = handle
+                self._cv.notify_all()
+            return
+
+    def _watchdog_loop(self) -> None:
+        while not self._closing:
+            time.sleep(0.1)
+            now = time.monotonic()
+            for job in self._queue.expire(now - self.config.queue_timeout):
+                self.stats["queue_timeouts"] += 1
+                self._resolve(job, self._infra_result(job, f"not dispatched within {self.config.queue_timeout:g} s"))
+            with self._cv:
+                hung = []
+                for h in self._workers:
+                    if h is None or not h.alive or not h.inflight:
+                        continue
+                    # A worker runs <= slots calls at once, each killed at its timeout, so it must
+                    # answer something at least every (longest timeout + grace) seconds.
+                    longest = max(job.timeout for job in h.inflight.values())
+                    if now - h.last_progress > longest + self.config.grace_s:
+                        hung.append(h)
+            for h in hung:
+                self.stats["hung_workers_killed"] += 1
+                h.kill()  # the receive thread sees EOF, answers its calls and replaces it

@@ -1,0 +1,237 @@
+"""Child-side execution: what happens inside one freshly forked sandbox process.
+
+The worker (see zygote.py) forks one child per call. The child confines itself (rlimits, its own
+session, parent-death signal, unprivileged uid, scrubbed environment, fresh working directory),
+runs the model's code with `exec`, and writes ONE JSON line describing the outcome on fd 3.
+Everything the model printed goes to fd 1/2, which the worker reads with a cap.
+
+Only the standard library is imported at module level: this module is loaded by the zygote.
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+import ctypes
+import dataclasses
+import io
+import json
+import linecache
+import os
+import re
+import resource
+import signal
+import sys
+import traceback
+
+CODE_FILENAME = "<code>"
+RESULT_FD = 3
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+CLONE_NEWNS = 0x00020000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+@dataclasses.dataclass
+class SandboxLimits:
+    """Per-call resource limits (all enforced by the kernel inside the child)."""
+
+    memory_bytes: int = 1 << 30  # RLIMIT_AS
+    max_processes: int = 64  # RLIMIT_NPROC, counted per sandbox uid (one uid per slot)
+    max_file_bytes: int = 64 << 20  # RLIMIT_FSIZE
+    max_open_files: int = 256  # RLIMIT_NOFILE
+    max_output_bytes: int = 64 << 10  # per stream kept by the worker (head + tail)
+    cpu_slack_s: int = 1  # RLIMIT_CPU = ceil(timeout) + slack (wall clock is enforced separately)
+
+
+def libc_call(name: str, *args) -> int:
+    """Call a libc function; returns 0 or the errno (never raises)."""
+    rc = getattr(_libc, name)(*args)
+    return 0 if rc == 0 else (ctypes.get_errno() or -1)
+
+
+# --------------------------------------------------------------------------------------------
+# Environment and confinement of the child.
+
+SAFE_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "PYTHONIOENCODING": "utf-8",
+    "PYTHONHASHSEED": "0",
+    # BLAS thread pools inherited through fork are broken; one thread per sandbox is also what a
+    # CPU-shared pool wants.
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "NUMEXPR_NUM_THREADS": "1",
+    "MPLBACKEND": "Agg",
+}
+
+
+def scrubbed_env(home: str) -> dict[str, str]:
+    env = dict(SAFE_ENV)
+    env["HOME"] = home
+    env["TMPDIR"] = home
+    return env
+
+
+def set_limits(limits: SandboxLimits, timeout_s: float) -> None:
+    cpu = int(timeout_s + 0.999) + limits.cpu_slack_s
+    for res, value in (
+        (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_CPU, cpu),
+        (resource.RLIMIT_AS, limits.memory_bytes),
+        (resource.RLIMIT_NPROC, limits.max_processes),
+        (resource.RLIMIT_FSIZE, limits.max_file_bytes),
+        (resource.RLIMIT_NOFILE, limits.max_open_files),
+    ):
+        resource.setrlimit(res, (value, value))
+
+
+def drop_privileges(uid: int) -> None:
+    """Become an unprivileged uid (no capabilities, no supplementary groups)."""
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    if os.geteuid() != uid or os.getuid() != uid:  # pragma: no cover - kernel guarantees it
+        os._exit(99)
+
+
+def confine_child(limits: SandboxLimits, timeout_s: float, workdir: str, sandbox_uid: int | None) -> None:
+    """Runs in the freshly forked child, before any model code. Any failure aborts the child."""
+    os.setsid()  # own session and process group
+    libc_call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # worker dies -> we die
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE, signal.SIGALRM):
+        signal.signal(sig, signal.SIG_DFL)
+    # A non-default SIGPIPE disposition is what CPython itself sets: keep EPIPE as an exception.
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    set_limits(limits, timeout_s)
+    os.chdir(workdir)
+    os.environ.clear()
+    os.environ.update(scrubbed_env(workdir))
+    if sandbox_uid is not None:
+        drop_privileges(sandbox_uid)
+    os.umask(0o077)
+
+
+# --------------------------------------------------------------------------------------------
+# Running the code (IPython-like: the value of a trailing expression is displayed).
+
+_LIB_PATH = re.compile(r"(/[^\s\"':]*)?/(site|dist)-packages/")
+_STDLIB_PATH = re.compile(re.escape(os.path.dirname(os.__file__)) + r"/")
+
+
+def scrub_paths(text: str, workdir: str | None = None) -> str:
+    """Remove host paths from messages shown to the model."""
+    text = _LIB_PATH.sub("<lib>/", text)
+    text = _STDLIB_PATH.sub("<stdlib>/", text)
+    if workdir:
+        text = text.replace(workdir + "/", "").replace(workdir, ".")
+    return text
+
+
+def format_exception_compact(exc: BaseException, workdir: str | None = None) -> str:
+    """Traceback restricted to the model's own frames, repeated frames collapsed, no host paths."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == CODE_FILENAME]
+    lines = []
+    if frames:
+        lines.append("Traceback (most recent call last):\n")
+        lines.extend(traceback.StackSummary.from_list(frames).format())
+    lines.extend(traceback.format_exception_only(type(exc), exc))
+    return scrub_paths("".join(lines), workdir).rstrip("\n")
+
+
+def middle_truncate(text: str, max_chars: int) -> str:
+    if len(text) <= max_chars:
+        return text
+    head = max_chars // 2
+    tail = max_chars - head
+    return f"{text[:head]}\n... [{len(text) - max_chars} characters truncated] ...\n{text[-tail:]}"
+
+
+def run_code(code: str, workdir: str | None, max_chars: int) -> dict:
+    """Execute `code` in a fresh __main__ namespace. Returns {"status": ok|display|error, "text"}.
+
+    ok: finished, nothing to display (the worker turns it into "stdout" if anything was printed);
+    display: the repr of the trailing expression; error: compact traceback.
+    """
+    linecache.cache[CODE_FILENAME] = (len(code), None, code.splitlines(True), CODE_FILENAME)
+    namespace = {"__name__": "__main__", "__builtins__": builtins, "__file__": CODE_FILENAME}
+    try:
+        tree = ast.parse(code, CODE_FILENAME, "exec")
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        exec(compile(tree, CODE_FILENAME, "exec"), namespace)
+        value = None
+        if last is not None:
+            value = eval(compile(ast.Expression(last.value), CODE_FILENAME, "eval"), namespace)
+        if value is None:
+            return {"status": "ok", "text": ""}
+        return {"status": "display", "text": middle_truncate(repr(value), max_chars)}
+    except SystemExit as exc:  # sys.exit(): 0 / None is a normal end, like a script
+        if exc.code in (None, 0):
+            return {"status": "ok", "text": ""}
+        return {"status": "error", "text": middle_truncate(f"SystemExit: {exc.code}", max_chars)}
+    except BaseException as exc:  # noqa: BLE001 - everything the model raises is a result
+        try:
+            text = format_exception_compact(exc, workdir)
+        except BaseException:  # noqa: BLE001 - e.g. MemoryError while formatting
+            text = f"{type(exc).__name__}"
+        return {"status": "error", "text": middle_truncate(text, max_chars)}
+
+
+def install_stdio() -> None:
+    """Fresh text streams over fds 0-2 (the forked ones belong to the zygote)."""
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace")
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace")
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
+    )
+    sys.argv = [""]
+
+
+def write_result(payload: dict) -> None:
+    data = (json.dumps(payload) + "\n").encode()
+    view = memoryview(data)
+    while view:
+        n = os.write(RESULT_FD, view)
+        view = view[n:]
+
+
+def child_main(call: dict, limits: SandboxLimits, workdir: str, sandbox_uid: int | None, fds: dict) -> None:
+    """Entry point of the forked child. Never returns."""
+    status = 70
+    try:
+        os.dup2(fds["stdin"], 0)
+        os.dup2(fds["stdout"], 1)
+        os.dup2(fds["stderr"], 2)
+        os.dup2(fds["result"], RESULT_FD)
+        os.closerange(RESULT_FD + 1, 1 << 16)  # nothing of the worker's reaches the model
+        confine_child(limits, float(call["timeout"]), workdir, sandbox_uid)
+        install_stdio()
+        if call["op"] == "verify":
+            payload = _run_verify(call)
+        else:
+            payload = run_code(call["code"], workdir, limits.max_output_bytes)
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BaseException:  # noqa: BLE001 - a closed/broken stdout is the model's business
+            pass
+        write_result(payload)
+        status = 0
+    finally:
+        os._exit(status)
+
+
+def _run_verify(call: dict) -> dict:
+    from rstarjax.env.verify import verify_answer  # preloaded by the zygote
+
+    try:
+        return {"status": "verify", "correct": bool(verify_answer(call["response"], call["gold"]))}
+    except BaseException as exc:  # noqa: BLE001
+        return {"status": "verify", "correct": False, "error": f"{type(exc).__name__}: {exc}"[:500]}

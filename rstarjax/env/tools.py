@@ -1,0 +1,144 @@
+"""Tool-call parsing and tool-response formatting (rStar2-Agent §2.1, Fig. 3).
+
+The model calls the tool as
+    <tool_call>{"name": "execute_python_code_with_standard_io",
+                "arguments": {"code": "...", "input": "..."}}</tool_call>
+Anything wrong with a call becomes a ToolCallError whose message is shown to the model inside
+<tool_response> and counted as a parse error; nothing here raises on model text.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+from .results import DISPLAY, ERROR, STDOUT, TIMEOUT, ExecResult
+
+TOOL_NAME = "execute_python_code_with_standard_io"
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+DEFAULT_MAX_CHARS = 4096
+
+_CALL_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    code: str
+    stdin: str = ""
+    name: str = TOOL_NAME
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCallError:
+    message: str
+
+
+# Error classes the rollout counts (rl.trajectory.ToolErrorCounts fields).
+PARSE, EXECUTION, TIMEOUT_ERROR = "parse", "execution", "timeout"
+
+
+def classify_tool_error(outcome) -> str | None:
+    """'parse' | 'execution' | 'timeout' for a failed tool call, None for a successful one."""
+    if isinstance(outcome, ToolCallError):
+        return PARSE
+    if isinstance(outcome, ExecResult):
+        if outcome.kind == ERROR:
+            return EXECUTION
+        if outcome.kind == TIMEOUT:
+            return TIMEOUT_ERROR
+        return None
+    raise TypeError(f"expected ToolCallError or ExecResult, got {type(outcome).__name__}")
+
+
+def has_tool_call(text: str) -> bool:
+    return TOOL_CALL_OPEN in text
+
+
+def parse_tool_call(text: str, tool_names: tuple[str, ...] = (TOOL_NAME,)) -> ToolCall | ToolCallError | None:
+    """The first tool call in `text`. None when the text contains no <tool_call> at all (the
+    rollout ends that turn without a call); ToolCallError for any malformed call. Never raises."""
+    if not isinstance(text, str) or TOOL_CALL_OPEN not in text:
+        return None
+    m = _CALL_BLOCK.search(text)
+    if m is None:
+        return ToolCallError(f"Tool call is not terminated: expected {TOOL_CALL_CLOSE} after {TOOL_CALL_OPEN}.")
+    return parse_tool_call_body(m.group(1), tool_names)
+
+
+def parse_tool_calls(text: str, tool_names: tuple[str, ...] = (TOOL_NAME,)) -> list[ToolCall | ToolCallError]:
+    """Every complete <tool_call> block in `text`, in order."""
+    if not isinstance(text, str):
+        return []
+    return [parse_tool_call_body(body, tool_names) for body in _CALL_BLOCK.findall(text)]
+
+
+def parse_tool_call_body(body: str, tool_names: tuple[str, ...] = (TOOL_NAME,)) -> ToolCall | ToolCallError:
+    body = body.strip()
+    if not body:
+        return ToolCallError("Tool call is empty: expected a JSON object with \"name\" and \"arguments\".")
+    try:
+        # strict=False: models write raw newlines inside JSON strings; that much we forgive.
+        obj = json.loads(body, strict=False)
+    except (ValueError, RecursionError) as exc:
+        return ToolCallError(f"Tool call is not valid JSON: {str(exc)[:200]}")
+    if not isinstance(obj, dict):
+        return ToolCallError(f"Tool call must be a JSON object, got {type(obj).__name__}.")
+    name = obj.get("name")
+    if name not in tool_names:
+        known = ", ".join(tool_names)
+        return ToolCallError(f"Unknown tool {str(name)[:100]!r}; available tools: {known}.")
+    args = obj.get("arguments")
+    if isinstance(args, str):  # some models double-encode the arguments
+        try:
+            args = json.loads(args, strict=False)
+        except ValueError:
+            return ToolCallError("Tool call \"arguments\" is a string that is not a JSON object.")
+    if not isinstance(args, dict):
+        return ToolCallError("Tool call needs an \"arguments\" object with a \"code\" string.")
+    code = args.get("code")
+    if not isinstance(code, str):
+        return ToolCallError("Tool call arguments need a \"code\" string.")
+    if not code.strip():
+        return ToolCallError("Tool call \"code\" is empty.")
+    stdin = args.get("input", "")
+    if stdin is None:
+        stdin = ""
+    if not isinstance(stdin, str):
+        if isinstance(stdin, (int, float)) and not isinstance(stdin, bool):
+            stdin = str(stdin)
+        else:
+            return ToolCallError("Tool call \"input\" must be a string.")
+    return ToolCall(code=code, stdin=stdin, name=name)
+
+
+def truncate_middle(text: str, max_chars: int) -> str:
+    """Keep the head and tail, mark what was cut (at most `max_chars` plus the marker)."""
+    if max_chars <= 0 or len(text) <= max_chars:
+        return text
+    head = max_chars // 2
+    tail = max_chars - head
+    return f"{text[:head]}\n... [{len(text) - max_chars} characters truncated] ...\n{text[len(text) - tail:]}"
+
+
+NO_OUTPUT = "(no output)"
+
+
+def format_tool_response(outcome, max_chars: int = DEFAULT_MAX_CHARS) -> str:
+    """The text that goes inside <tool_response>...</tool_response> for a result or a parse error."""
+    if isinstance(outcome, ToolCallError):
+        text = f"Tool call error: {outcome.message}"
+    elif isinstance(outcome, ExecResult):
+        if outcome.kind in (STDOUT, DISPLAY):
+            text = outcome.text if outcome.text.strip() else NO_OUTPUT
+        elif outcome.kind == ERROR:
+            text = outcome.text or "Error"
+        else:
+            text = outcome.text or "TimeoutError: execution timed out"
+    else:
+        raise TypeError(f"expected ToolCallError or ExecResult, got {type(outcome).__name__}")
+    return truncate_middle(text, max_chars)
+
+
+def wrap_tool_response(inner: str) -> str:
+    return f"{TOOL_RESPONSE_OPEN}{inner}{TOOL_RESPONSE_CLOSE}"

@@ -1,0 +1,110 @@
+"""Answer extraction and checking (rStar2-Agent §2.2: reward 1 iff the boxed answer in <answer>
+matches the ground truth under math-verify, else 0).
+
+`verify_answer` is the pure function; it runs in the caller's process with NO time limit of its
+own. In training, call it through `CodeExecutor.submit_verify`, which runs it in a pool process
+under a wall-clock kill. math-verify's own timeouts are disabled on purpose: they use
+`signal.alarm`, which raises (and is swallowed, giving reward 0) off the main thread.
+"""
+from __future__ import annotations
+
+import re
+
+_ANSWER_BLOCK = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
+_BOX_OPENERS = ("\\boxed", "\\fbox")
+# "1000", "-17", "+3", "1,000,000" (thousands separators only in the canonical 3-digit groups).
+_INTEGER = re.compile(r"[+-]?(?:\d+|\d{1,3}(?:,\d{3})+)")
+_STRIP_WRAPPERS = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$", re.DOTALL)
+MAX_ANSWER_CHARS = 1000  # longer "answers" are not answers; they also feed sympy pathologies
+
+
+def find_boxed(text: str) -> list[str]:
+    """Contents of every \\boxed{...} / \\fbox{...} (balanced braces), in order of appearance."""
+    out = []
+    i = 0
+    while True:
+        starts = [(text.find(op, i), op) for op in _BOX_OPENERS]
+        starts = [(s, op) for s, op in starts if s >= 0]
+        if not starts:
+            return out
+        start, op = min(starts)
+        j = start + len(op)
+        while j < len(text) and text[j] == " ":
+            j += 1
+        if j >= len(text) or text[j] != "{":
+            i = j
+            continue
+        depth, k = 0, j
+        while k < len(text):
+            if text[k] == "{":
+                depth += 1
+            elif text[k] == "}":
+                depth -= 1
+                if depth == 0:
+                    break
+            k += 1
+        if depth != 0:  # unbalanced: not a complete box
+            return out
+        out.append(text[j + 1 : k])
+        i = k + 1
+
+
+def extract_final_answer(response_text: str) -> str | None:
+    """The final answer: the last \\boxed{} inside the last <answer> block when there is one
+    (paper §2.2), else the last \\boxed{} of the response. None when there is no box."""
+    blocks = _ANSWER_BLOCK.findall(response_text)
+    scope = blocks[-1] if blocks else response_text
+    boxes = find_boxed(scope)
+    if not boxes:
+        return None
+    return boxes[-1].strip()
+
+
+def normalize_integer(text: str) -> int | None:
+    """The integer written by `text` ("1,000", "$-3$", "\\text{42}", "7."), or None."""
+    s = text.strip().strip("$").strip()
+    m = _STRIP_WRAPPERS.match(s)
+    if m:
+        s = m.group(1).strip()
+    s = s.replace("\\!", "").replace("{,}", ",").replace(" ", "")
+    if s.endswith("."):
+        s = s[:-1]
+    if _INTEGER.fullmatch(s):
+        return int(s.replace(",", ""))
+    return None
+
+
+def verify_answer(response_text: str, gold) -> bool:
+    """Reward of one response: does its final boxed answer equal `gold`?
+
+    Integer fast path (the paper trains on integer answers): when both sides are plain integers
+    they are compared exactly without sympy. Otherwise math-verify decides (equivalent forms such
+    as \\frac{1}{2} vs 0.5).
+    """
+    answer = extract_final_answer(response_text)
+    if answer is None or not answer or len(answer) > MAX_ANSWER_CHARS:
+        return False
+    gold_text = str(gold).strip()
+    gold_int = normalize_integer(gold_text)
+    pred_int = normalize_integer(answer)
+    if gold_int is not None and pred_int is not None:
+        return gold_int == pred_int
+    return _math_verify(answer, gold_text)
+
+
+def _math_verify(answer: str, gold_text: str) -> bool:
+    from math_verify import grader, parse, parser, verify
+
+    # We disable math-verify's alarm-based timeouts on purpose (see module docstring); the
+    # wall-clock kill is the pool's job. Silence its once-per-process warning about it.
+    parser.TIMEOUT_WARNING_SHOWN = grader.TIMEOUT_WARNING_SHOWN = True
+    gold_parsed = parse("\\boxed{" + gold_text + "}", parsing_timeout=None)
+    pred_parsed = parse("\\boxed{" + answer + "}", parsing_timeout=None)
+    if not gold_parsed or not pred_parsed:
+        return False
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+
+
+def warm_up() -> None:
+    """Import math-verify and exercise its parser once (called by the zygote before forking)."""
+    _math_verify("\\frac{1}{2}", "0.5")

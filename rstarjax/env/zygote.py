@@ -1,0 +1,516 @@
+"""The zygote and its execution workers (run as a separate, clean interpreter).
+
+Process tree (pool.py starts the zygote with `python zygote.py CONFIG_JSON`):
+
+    trainer (CodeExecutor)                         root PID namespace, untouched
+      zygote      numpy/sympy/scipy/math_verify imported once; own network + mount namespace
+        worker i  forked from the zygote on request; an event loop running <= `slots` sandboxes
+          sandbox forked per call; PID 1 of a fresh PID namespace; unprivileged uid per slot
+
+Why a separate interpreter rather than a fork of the trainer: the trainer has JAX threads (fork
+after threads is unsafe) and its environment holds secrets. The zygote starts from a scrubbed
+environment and never imports jax.
+
+Wire format everywhere: 4-byte big-endian length + UTF-8 JSON. Nothing is unpickled: sandboxes
+are hostile and a worker runs as root.
+"""
+from __future__ import annotations
+
+import collections
+import gc
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import struct
+import sys
+import time
+
+HEADER = struct.Struct(">I")
+MAX_FRAME = 256 << 20
+MAX_RESULT_BYTES = 4 << 20  # the child's JSON line on fd 3
+
+
+def _bootstrap_package() -> None:
+    """Import rstarjax.env.* without running rstarjax/__init__.py (which may import jax)."""
+    import types
+
+    env_dir = os.path.dirname(os.path.abspath(__file__))
+    pkg_dir = os.path.dirname(env_dir)
+    for name, path in (("rstarjax", pkg_dir), ("rstarjax.env", env_dir)):
+        if name not in sys.modules:
+            module = types.ModuleType(name)
+            module.__path__ = [path]
+            sys.modules[name] = module
+
+
+# --------------------------------------------------------------------------------------------
+# framing
+
+
+def send_frame(sock: socket.socket, obj) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(HEADER.pack(len(data)) + data)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket):
+    header = recv_exact(sock, HEADER.size)
+    if header is None:
+        return None
+    (n,) = HEADER.unpack(header)
+    if n > MAX_FRAME:
+        raise ValueError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+    body = recv_exact(sock, n)
+    if body is None:
+        return None
+    return json.loads(body)
+
+
+class FrameReader:
+    """Incremental decoder for a non-blocking socket."""
+
+    def __init__(self):
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> list:
+        self.buf += data
+        out = []
+        while len(self.buf) >= HEADER.size:
+            (n,) = HEADER.unpack_from(self.buf)
+            if n > MAX_FRAME:
+                raise ValueError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+            if len(self.buf) < HEADER.size + n:
+                break
+            out.append(json.loads(bytes(self.buf[HEADER.size : HEADER.size + n])))
+            del self.buf[: HEADER.size + n]
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# capped output capture
+
+
+class CappedBuffer:
+    """Keeps the first and last `cap // 2` bytes of a stream; counts what it drops."""
+
+    def __init__(self, cap: int):
+        self.half = max(cap // 2, 1)
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.dropped = 0
+
+    def add(self, data: bytes) -> None:
+        room = self.half - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data
+            excess = len(self.tail) - self.half
+            if excess > 0:
+                self.dropped += excess
+                del self.tail[:excess]
+
+    def text(self) -> str:
+        head = bytes(self.head).decode("utf-8", errors="replace")
+        tail = bytes(self.tail).decode("utf-8", errors="replace")
+        if self.dropped:
+            return f"{head}\n... [{self.dropped} bytes truncated] ...\n{tail}"
+        return head + tail
+
+
+# --------------------------------------------------------------------------------------------
+# isolation probing (in the zygote, once)
+
+
+def setup_zygote_isolation(config: dict) -> dict:
+    """Cut the network and give sandboxes a private /tmp; report what the kernel allowed."""
+    from rstarjax.env import sandbox
+
+    info = {"root": os.geteuid() == 0, "netns": False, "mountns": False, "private_tmp": False}
+    if not config.get("isolate", True):
+        return info
+    # Network: a fresh namespace holds only a down loopback -> no connection succeeds. The
+    # zygote talks to the trainer over inherited socketpairs, which do not need a network.
+    info["netns"] = sandbox.libc_call("unshare", sandbox.CLONE_NEWNET) == 0
+    if info["root"] and sandbox.libc_call("unshare", sandbox.CLONE_NEWNS) == 0:
+        info["mountns"] = True
+        # Make every mount private so nothing we mount propagates to the host.
+        if sandbox.libc_call("mount", b"none", b"/", None, sandbox.MS_REC | sandbox.MS_PRIVATE, None) == 0:
+            ok = True
+            for path in (b"/tmp", b"/var/tmp", b"/dev/shm"):
+                if os.path.isdir(path):
+                    opts = b"size=%d,mode=1777" % config["tmpfs_bytes"]
+                    flags = sandbox.MS_NOSUID | sandbox.MS_NODEV
+                    ok &= sandbox.libc_call("mount", b"tmpfs", path, b"tmpfs", flags, opts) == 0
+            info["private_tmp"] = ok
+    return info
+
+
+def probe_pidns() -> bool:
+    from rstarjax.env import sandbox
+
+    pid = os.fork()
+    if pid == 0:
+        ok = sandbox.libc_call("unshare", sandbox.CLONE_NEWPID) == 0
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# the worker: an event loop over <= slots sandboxes
+
+
+class Running:
+    __slots__ = (
+        "call", "pid", "pidfd", "slot", "workdir", "stdout", "stderr", "result", "fds", "deadline",
+        "t_recv", "t_start", "timed_out", "exit_status",
+    )
+
+
+class Worker:
+    def __init__(self, sock: socket.socket, index: int, config: dict, isolation: dict):
+        from rstarjax.env import sandbox
+
+        self.sandbox = sandbox
+        self.sock = sock
+        self.index = index
+        self.config = config
+        self.isolation = isolation
+        self.limits = sandbox.SandboxLimits(**config["limits"])
+        self.slots = int(config["slots"])
+        self.free_slots = list(range(self.slots))
+        self.pending: collections.deque = collections.deque()
+        self.running: dict[int, Running] = {}  # by pidfd
+        self.sel = selectors.DefaultSelector()
+        self.reader = FrameReader()
+        self.workdir_root = os.path.join(config["workdir_root"], f"w{index}")
+        self.counter = 0
+        self.use_pidns = isolation["pidns"]
+        self.own_pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY) if self.use_pidns else -1
+        self.uid_drop = isolation["uid_drop"]
+
+    def slot_uid(self, slot: int) -> int | None:
+        if not self.uid_drop:
+            return None
+        return int(self.config["uid_base"]) + self.index * self.slots + slot
+
+    def serve(self) -> None:
+        shutil.rmtree(self.workdir_root, ignore_errors=True)  # leftovers of a killed predecessor
+        os.makedirs(self.workdir_root, mode=0o711)
+        self.sock.setblocking(False)
+        self.sel.register(self.sock, selectors.EVENT_READ, ("parent", None))
+        while True:
+            timeout = None
+            if self.running:
+                now = time.monotonic()
+                timeout = max(0.0, min(r.deadline for r in self.running.values() if not r.timed_out) - now) \
+                    if any(not r.timed_out for r in self.running.values()) else 0.5
+            for key, _ in self.sel.select(timeout):
+                what, run = key.data
+                if what == "parent":
+                    if not self._read_parent():
+                        return
+                elif what == "exit":
+                    self._finish(run)
+                else:
+                    self._drain(key.fileobj, run, what)
+            self._enforce_deadlines()
+            while self.pending and self.free_slots:
+                self._start(self.pending.popleft())
+
+    # -- parent messages -------------------------------------------------------------------
+    def _read_parent(self) -> bool:
+        try:
+            data = self.sock.recv(1 << 20)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        if not data:
+            return False
+        now = time.monotonic()
+        for msg in self.reader.feed(data):
+            if msg.get("op") == "batch":
+                for call in msg["calls"]:
+                    call["t_recv"] = now
+                    self.pending.append(call)
+            elif msg.get("op") == "exit":
+                return False
+        return True
+
+    def _reply(self, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        frame = HEADER.pack(len(data)) + data
+        self.sock.setblocking(True)
+        try:
+            self.sock.sendall(frame)
+        finally:
+            self.sock.setblocking(False)
+
+    # -- sandbox lifecycle -----------------------------------------------------------------
+    def _start(self, call: dict) -> None:
+        sandbox = self.sandbox
+        slot = self.free_slots.pop()
+        uid = self.slot_uid(slot)
+        self.counter += 1
+        workdir = os.path.join(self.workdir_root, f"c{self.counter}")
+        os.mkdir(workdir, 0o700)
+        if uid is not None:
+            os.chown(workdir, uid, uid)
+        stdin_fd = os.memfd_create("stdin", 0)
+        data = (call.get("stdin") or "").encode("utf-8", errors="replace")
+        if data:
+            os.write(stdin_fd, data)  # memfd: no pipe-capacity deadlock for big inputs
+            os.lseek(stdin_fd, 0, os.SEEK_SET)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        res_r, res_w = os.pipe()
+        fds = {"stdin": stdin_fd, "stdout": out_w, "stderr": err_w, "result": res_w}
+        t_start = time.monotonic()
+        if self.use_pidns:
+            sandbox.libc_call("unshare", sandbox.CLONE_NEWPID)  # the next child is PID 1 of a new ns
+        pid = os.fork()
+        if pid == 0:
+            try:
+                sandbox.child_main(call, self.limits, workdir, uid, fds)
+            finally:
+                os._exit(71)
+        if self.use_pidns:
+            sandbox.libc_call("setns", self.own_pidns_fd, sandbox.CLONE_NEWPID)  # back, for the next unshare
+        for fd in (stdin_fd, out_w, err_w, res_w):
+            os.close(fd)
+        run = Running()
+        run.call, run.pid, run.slot, run.workdir = call, pid, slot, workdir
+        run.pidfd = os.pidfd_open(pid)
+        cap = self.limits.max_output_bytes
+        run.stdout, run.stderr, run.result = CappedBuffer(cap), CappedBuffer(cap), bytearray()
+        run.fds = {}
+        run.t_recv, run.t_start = call.get("t_recv", t_start), t_start
+        run.deadline = t_start + float(call["timeout"])
+        run.timed_out = False
+        for name, fd in (("stdout", out_r), ("stderr", err_r), ("result", res_r)):
+            os.set_blocking(fd, False)
+            run.fds[name] = fd
+            self.sel.register(fd, selectors.EVENT_READ, (name, run))
+        self.sel.register(run.pidfd, selectors.EVENT_READ, ("exit", run))
+        self.running[run.pidfd] = run
+
+    def _drain(self, fd: int, run: Running, what: str) -> None:
+        while True:
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.sel.unregister(fd)
+                os.close(fd)
+                run.fds.pop(what, None)
+                return
+            if what == "result":
+                if len(run.result) < MAX_RESULT_BYTES:
+                    run.result += data[: MAX_RESULT_BYTES - len(run.result)]
+            else:
+                getattr(run, what).add(data)
+            if len(data) < (1 << 16):
+                return
+
+    def _enforce_deadlines(self) -> None:
+        now = time.monotonic()
+        for run in self.running.values():
+            if not run.timed_out and now >= run.deadline:
+                run.timed_out = True
+                self._kill(run)
+
+    def _kill(self, run: Running) -> None:
+        try:
+            signal.pidfd_send_signal(run.pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if not self.use_pidns:
+            try:
+                os.killpg(run.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _sweep_uid(self, uid: int | None) -> None:
+        """Without a PID namespace: kill whatever the call left behind (double forks, setsid)."""
+        if uid is None:
+            return
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setresuid(uid, uid, uid)
+                os.kill(-1, signal.SIGKILL)  # as `uid`: reaches only that uid's processes
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+
+    def _finish(self, run: Running) -> None:
+        _, status = os.waitpid(run.pid, 0)
+        t_end = time.monotonic()
+        # The sandbox (PID 1 of its namespace) is gone and the kernel killed everything it left;
+        # whatever it wrote is already in the pipes.
+        for what, fd in list(run.fds.items()):
+            self._drain(fd, run, what)
+            if what in run.fds:
+                self.sel.unregister(fd)
+                os.close(fd)
+        self.sel.unregister(run.pidfd)
+        os.close(run.pidfd)
+        del self.running[run.pidfd]
+        if not self.use_pidns:
+            self._sweep_uid(self.slot_uid(run.slot))
+        shutil.rmtree(run.workdir, ignore_errors=True)
+        self.free_slots.append(run.slot)
+        reply = self._classify(run, status)
+        reply.update(id=run.call["id"], t_recv=run.t_recv, t_start=run.t_start, t_end=t_end, t_sent=time.monotonic())
+        self._reply(reply)
+
+    def _classify(self, run: Running, status: int) -> dict:
+        """Turn raw process outcome + streams into one of the four result kinds."""
+        call = run.call
+        stdout = run.stdout.text()
+        stderr = self.sandbox.scrub_paths(run.stderr.text(), run.workdir)
+        limit = call["timeout"]
+        duration = time.monotonic() - run.t_start
+        if run.timed_out:
+            if call["op"] == "verify":
+                return {"op": "verify", "correct": False, "timed_out": True, "error": f"verifier exceeded {limit:g} s"}
+            msg = f"TimeoutError: execution exceeded the {limit:g} s time limit"
+            text = f"{stdout.rstrip()}\n{msg}" if stdout.strip() else msg
+            return {"kind": "timeout", "text": text, "duration_s": duration}
+        payload = None
+        if run.result:
+            try:
+                payload = json.loads(bytes(run.result).split(b"\n", 1)[0])
+                if not isinstance(payload, dict):
+                    payload = None
+            except ValueError:
+                payload = None
+        code = os.waitstatus_to_exitcode(status)
+        if call["op"] == "verify":
+            if payload is not None and payload.get("status") == "verify":
+                return {"op": "verify", "correct": bool(payload.get("correct")), "timed_out": False,
+                        "error": str(payload.get("error", ""))}
+            return {"op": "verify", "correct": False, "timed_out": False, "error": f"verifier process ended: {code}"}
+        if payload is None or payload.get("status") not in ("ok", "display", "error"):
+            # The process ended without reporting: os._exit(), a signal, or a crash.
+            if code == 0:
+                return self._success(stdout, "", duration)
+            if code < 0:
+                try:
+                    name = signal.Signals(-code).name
+                except ValueError:
+                    name = f"signal {-code}"
+                if -code == signal.SIGXCPU:
+                    return {"kind": "timeout", "text": "TimeoutError: CPU time limit exceeded", "duration_s": duration}
+                reason = f"Process killed by {name}"
+                if -code == signal.SIGSEGV:
+                    reason += " (segmentation fault)"
+            else:
+                reason = f"Process exited with status {code}"
+            text = "\n".join(s for s in (stdout.rstrip(), stderr.rstrip(), reason) if s)
+            return {"kind": "error", "text": text, "duration_s": duration}
+        if payload["status"] == "error":
+            text = "\n".join(s for s in (stdout.rstrip(), str(payload.get("text", ""))) if s)
+            return {"kind": "error", "text": text, "duration_s": duration}
+        display = str(payload.get("text", "")) if payload["status"] == "display" else ""
+        return self._success(stdout, display, duration)
+
+    @staticmethod
+    def _success(stdout: str, display: str, duration: float) -> dict:
+        if stdout:
+            return {"kind": "stdout", "text": stdout, "duration_s": duration}
+        return {"kind": "display", "text": display, "duration_s": duration}
+
+
+# --------------------------------------------------------------------------------------------
+# the zygote
+
+
+def worker_main(fd: int, index: int, config: dict, isolation: dict) -> None:
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    sock = socket.socket(fileno=fd)
+    try:
+        Worker(sock, index, config, isolation).serve()
+    finally:
+        os._exit(0)  # children die with us (PR_SET_PDEATHSIG)
+
+
+def preload() -> None:
+    """Import what model code usually imports, so a forked sandbox pays nothing for it."""
+    import math  # noqa: F401
+    import fractions  # noqa: F401
+    import itertools  # noqa: F401
+
+    import numpy  # noqa: F401
+    import scipy  # noqa: F401
+    import scipy.special  # noqa: F401
+    import sympy  # noqa: F401
+
+    from rstarjax.env import sandbox  # noqa: F401
+    from rstarjax.env import verify
+
+    verify.warm_up()
+
+
+def zygote_main(argv: list[str]) -> None:
+    config = json.loads(argv[1])
+    control = socket.socket(fileno=int(config["control_fd"]))
+    _bootstrap_package()
+    from rstarjax.env import sandbox
+
+    isolation = setup_zygote_isolation(config)
+    os.makedirs(config["workdir_root"], mode=0o711, exist_ok=True)
+    preload()
+    if "jax" in sys.modules:  # pragma: no cover - guarded by a test
+        raise RuntimeError("the zygote must not import jax")
+    isolation["pidns"] = bool(config.get("isolate", True)) and probe_pidns()
+    isolation["uid_drop"] = bool(config.get("isolate", True)) and isolation["root"]
+    if not isolation["pidns"]:
+        # Orphans of a sandbox (double fork) get reparented to their worker rather than to init.
+        sandbox.libc_call("prctl", sandbox.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    gc.collect()
+    gc.freeze()  # keep the preloaded heap out of GC passes: fewer copy-on-write faults per fork
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped automatically
+    # The control socket is SOCK_SEQPACKET: one message per send, fds ride along (SCM_RIGHTS).
+    control.send(json.dumps({"op": "ready", "pid": os.getpid(), "isolation": isolation}).encode())
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(control, 1 << 16, 4)
+        except OSError:
+            break
+        if not msg:
+            break
+        request = json.loads(msg)
+        if request.get("op") != "spawn" or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            continue
+        pid = os.fork()
+        if pid == 0:
+            control.close()
+            worker_main(fds[0], int(request["index"]), config, isolation)
+        os.close(fds[0])
+        control.send(json.dumps({"op": "spawned", "index": request["index"], "pid": pid}).encode())
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    zygote_main(sys.argv)
