@@ -1,0 +1,225 @@
+"""Resample-on-Correct against hand-computed eq. 4-5 values and exact sampling probabilities."""
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from rstarjax.rl.roc import RocStats, p_err, p_format, p_total, roc_select
+from rstarjax.rl.trajectory import Finish, Segment, SegmentKind, ToolErrorCounts, Trajectory
+
+
+def traj(reward=1.0, calls=0, parse=0, execution=0, timeout=0, answers=1, turns=1, text=""):
+    return Trajectory(
+        prompt_ids=np.array([1, 2]),
+        segments=[Segment(SegmentKind.MODEL, [3, 4], [-0.5, -0.5])],
+        turns=turns,
+        tool_calls=calls,
+        tool_errors=ToolErrorCounts(parse=parse, execution=execution, timeout=timeout),
+        answer_tags=answers,
+        finish=Finish.ANSWERED,
+        reward=reward,
+        response_text=text,
+    )
+
+
+# ---- eq. 4 / eq. 5 by hand -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw, expected",
+    [
+        (dict(calls=0), 0.5),  # no tool call: default 0.5
+        (dict(calls=3, execution=1), 1 / 3),
+        (dict(calls=4, parse=1, timeout=1), 0.5),  # all three failure kinds count
+        (dict(calls=2, parse=1, execution=1), 1.0),
+        (dict(calls=5), 0.0),
+    ],
+)
+def test_p_err_eq4(kw, expected):
+    assert p_err(traj(**kw)) == pytest.approx(expected)
+
+
+def test_p_err_uses_structured_counts_not_text():
+    # A clean run whose tool output merely *prints* the word "error" is not an error (the official
+    # code greps for "error"; we count failed calls reported by the environment).
+    t = traj(calls=2, text="<tool_response>no error found; Error bars: 3</tool_response>")
+    assert p_err(t) == 0.0
+
+
+@pytest.mark.parametrize(
+    "answers, turns, expected",
+    [
+        (0, 3, 1.0),  # no <answer>: maximum penalty
+        (1, 3, 0.0),
+        (2, 4, 0.25),
+        (3, 4, 0.5),
+        (5, 2, 1.0),  # min(1, 4/2)
+        (2, 1, 1.0),
+    ],
+)
+def test_p_format_eq5(answers, turns, expected):
+    assert p_format(traj(answers=answers, turns=turns)) == pytest.approx(expected)
+
+
+def test_p_total_and_stats_equivalence():
+    t = traj(calls=4, execution=1, answers=3, turns=8)
+    assert p_total(t) == pytest.approx(0.25 + 0.25)
+    s = RocStats(reward=1.0, tool_calls=4, tool_errors=1, answer_tags=3, turns=8)
+    assert p_total(s) == p_total(t)
+
+
+def test_bad_stats_rejected():
+    with pytest.raises(ValueError):
+        RocStats(reward=1.0, tool_calls=1, tool_errors=2, answer_tags=1, turns=1)
+    with pytest.raises(ValueError):
+        roc_select([traj()] * 3, group_size=4, rng=0)
+    with pytest.raises(ValueError):
+        roc_select([traj()] * 4, group_size=2, rng=0, variant="nope")
+
+
+# ---- counts ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_neg", range(0, 9))
+def test_counts_floor_half_negatives(num_neg):
+    g = 4
+    group = [traj(reward=0.0) for _ in range(num_neg)] + [traj(reward=1.0) for _ in range(2 * g - num_neg)]
+    for seed in range(5):
+        kept = roc_select(group, g, np.random.default_rng(seed))
+        assert len(kept) == g and len(set(kept)) == g and all(0 <= i < 2 * g for i in kept)
+        assert sum(group[i].reward == 0 for i in kept) == num_neg // 2  # floor(|neg| / 2)
+
+
+def test_short_group_tops_up_with_negatives():
+    # 5 rollouts for G = 4 (3 lost upstream): 1 pos, 4 neg -> floor(4*4/5)=3 neg + 1 pos = 4.
+    group = [traj(reward=1.0)] + [traj(reward=0.0) for _ in range(4)]
+    kept = roc_select(group, 4, 0)
+    assert 0 in kept and len(kept) == 4
+    # 0 positives and 4 rollouts: all negatives kept.
+    assert roc_select([traj(reward=0.0)] * 4, 4, 0) == [0, 1, 2, 3]
+
+
+def test_seeded_and_deterministic():
+    group = [traj(reward=float(i % 2), calls=i % 3, execution=int(i % 3 == 2)) for i in range(16)]
+    a = roc_select(group, 8, np.random.default_rng(7))
+    b = roc_select(group, 8, np.random.default_rng(7))
+    assert a == b
+    assert len({tuple(roc_select(group, 8, s)) for s in range(20)}) > 1
+
+
+# ---- sampling probabilities ------------------------------------------------------------------
+
+
+def exact_inclusion(weights, k):
+    """Inclusion probability of each item under successive weighted sampling, by enumerating
+    every ordered k-draw: P(i1..ik) = prod_j w_ij / (W - w_i1 - ... - w_i(j-1))."""
+    n = len(weights)
+    incl = np.zeros(n)
+    total = float(sum(weights))
+    for seq in itertools.permutations(range(n), k):
+        p, left = 1.0, total
+        for i in seq:
+            p *= weights[i] / left
+            left -= weights[i]
+        for i in seq:
+            incl[i] += p
+    return incl
+
+
+def test_positive_inclusion_matches_successive_sampling():
+    # 2G = 8, G = 4, 1 negative -> floor(1/2) = 0 negatives, 4 of the 7 positives.
+    specs = [  # (calls, errors, answers, turns) -> p_total by hand
+        (2, 0, 1, 2),  # 0 + 0          = 0.0
+        (4, 1, 1, 2),  # 0.25 + 0       = 0.25
+        (0, 0, 1, 1),  # 0.5 + 0        = 0.5
+        (2, 1, 2, 2),  # 0.5 + 0.5      = 1.0
+        (1, 1, 0, 1),  # 1.0 + 1.0      = 2.0
+        (3, 0, 3, 4),  # 0 + 0.5        = 0.5
+        (5, 1, 1, 3),  # 0.2 + 0        = 0.2
+    ]
+    p_hand = [0.0, 0.25, 0.5, 1.0, 2.0, 0.5, 0.2]
+    group = [traj(reward=1.0, calls=c, execution=e, answers=a, turns=t) for c, e, a, t in specs]
+    group.append(traj(reward=0.0))
+    assert [p_total(t) for t in group[:7]] == pytest.approx(p_hand)
+    w = [1.0 / (p + 0.01) for p in p_hand]  # documented weight: 1 / (p_total + 0.01)
+    expected = exact_inclusion(w, 4)
+    assert expected.sum() == pytest.approx(4.0)
+
+    trials = 6000
+    rng = np.random.default_rng(123)
+    counts = np.zeros(8)
+    for _ in range(trials):
+        for i in roc_select(group, 4, rng):
+            counts[i] += 1
+    assert counts[7] == 0  # the lone negative: floor(1/2) = 0 kept
+    freq = counts[:7] / trials
+    se = np.sqrt(expected * (1 - expected) / trials)
+    z = (freq - expected) / np.maximum(se, 1e-9)
+    assert np.all(np.abs(z) < 4.5), (freq, expected, z)
+    # Lower penalty => more often kept (the point of RoC).
+    assert freq[0] > freq[1] > freq[2] > freq[3] > freq[4]
+
+
+def test_first_pick_probability():
+    # G=2 from 4 (all positive): the first pick ~ w_i / W; check the marginal of "kept" instead
+    # against the exact 2-draw inclusion, which depends on the first pick distribution.
+    group = [traj(reward=1.0, calls=0, answers=1), traj(reward=1.0, calls=1, answers=1),
+             traj(reward=1.0, calls=2, execution=1, answers=1), traj(reward=1.0, calls=1, execution=1, answers=0)]
+    w = np.array([1 / 0.51, 1 / 0.01, 1 / 0.51, 1 / 2.01])
+    expected = exact_inclusion(list(w), 2)
+    trials = 4000
+    counts = np.zeros(4)
+    for s in range(trials):
+        for i in roc_select(group, 2, s):
+            counts[i] += 1
+    freq = counts / trials
+    se = np.sqrt(expected * (1 - expected) / trials)
+    assert np.all(np.abs(freq - expected) < 4.5 * np.maximum(se, 1e-3)), (freq, expected)
+
+
+def test_negatives_uniform():
+    # 2G = 8: 6 negatives with very different penalties, 2 positives -> keep 3 of 6 negatives,
+    # each with probability 1/2 regardless of its penalty.
+    group = [traj(reward=0.0, calls=i, execution=min(i, 1), answers=i % 3) for i in range(6)]
+    group += [traj(reward=1.0), traj(reward=1.0)]
+    trials = 3000
+    counts = np.zeros(8)
+    rng = np.random.default_rng(5)
+    for _ in range(trials):
+        for i in roc_select(group, 4, rng):
+            counts[i] += 1
+    assert counts[6] + counts[7] == trials  # n_neg = floor(6/2) = 3, so exactly 1 positive per draw
+    freq = counts[:6] / trials
+    se = math.sqrt(0.25 / trials)
+    assert np.all(np.abs(freq - 0.5) < 4.5 * se), freq
+
+
+def test_all_negative_and_all_positive_groups():
+    neg = [traj(reward=0.0) for _ in range(8)]
+    assert len(roc_select(neg, 4, 0)) == 4
+    pos = [traj(reward=1.0, calls=2, execution=int(i >= 4)) for i in range(8)]  # 4 clean, 4 with 50% errors
+    clean = 0
+    for s in range(300):
+        clean += sum(i < 4 for i in roc_select(pos, 4, s))
+    assert clean / (300 * 4) > 0.9  # weights 100 vs ~1.96
+
+
+# ---- the official deterministic variant -------------------------------------------------------
+
+
+def test_topk_variant_by_hand():
+    # 8 rollouts, G=4: negatives at 0,1,2 (3 -> round(1.5)=2), positives at 3..7 -> 2 positives.
+    group = [
+        traj(reward=0.0, calls=0),  # p 0.5
+        traj(reward=0.0, calls=1, execution=1),  # p 1.0
+        traj(reward=0.0, calls=2),  # p 0.0
+        traj(reward=1.0, calls=2, execution=1),  # 0.5
+        traj(reward=1.0, calls=0),  # 0.5
+        traj(reward=1.0, calls=3),  # 0.0
+        traj(reward=1.0, calls=4, execution=1),  # 0.25
+        traj(reward=1.0, calls=1, answers=2, turns=1),  # 1.0
+    ]
+    assert roc_select(group, 4, rng=None, variant="topk") == [0, 2, 5, 6]
+    # Ties broken by original index (stable), like Python's sort in the official code.
+    assert roc_select([traj(reward=1.0)] * 6, 3, rng=None, variant="topk") == [0, 1, 2]
