@@ -1,0 +1,309 @@
+"""HuggingFace checkpoint I/O: ``load_hf`` / ``save_hf`` for Qwen3ForCausalLM and
+Qwen2ForCausalLM safetensors directories.
+
+Reading memory-maps each ``.safetensors`` file (a tiny header parser, so bf16 needs no torch)
+and builds every parameter with ``jax.make_array_from_callback``: each device reads only its
+own slice from the map, so the host never holds two full copies of the weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from rstarjax.models.config import ModelConfig
+from rstarjax.models.qwen3 import Qwen3
+from rstarjax.models.sharding import DEFAULT_RULES, state_shardings
+
+SAFETENSORS_DTYPES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+}
+_DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+# Tensors some exporters write that carry no information we need.
+IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where one of our parameters lives in a HF checkpoint."""
+    ours: str  # attribute path in Qwen3, e.g. "layers.q_proj"
+    hf: str  # HF name; "{i}" is the layer index for stacked params
+    transpose: bool  # HF Linear stores [out, in]; we store [in, out]
+    stacked: bool  # has a leading layers axis in our layout
+
+
+def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """Our parameters <-> HF tensor names for this config, in HF order."""
+    L = "model.layers.{i}."
+    specs = [TensorSpec("embed", "model.embed_tokens.weight", False, False)]
+    layer = [("input_norm", "input_layernorm.weight", False)]
+    for proj in ("q", "k", "v"):
+        layer.append((f"{proj}_proj", f"self_attn.{proj}_proj.weight", True))
+        if cfg.attention_bias:
+            layer.append((f"{proj}_bias", f"self_attn.{proj}_proj.bias", False))
+    if cfg.qk_norm:
+        layer += [("q_norm", "self_attn.q_norm.weight", False),
+                  ("k_norm", "self_attn.k_norm.weight", False)]
+    layer += [("o_proj", "self_attn.o_proj.weight", True),
+              ("post_attention_norm", "post_attention_layernorm.weight", False),
+              ("gate_proj", "mlp.gate_proj.weight", True),
+              ("up_proj", "mlp.up_proj.weight", True),
+              ("down_proj", "mlp.down_proj.weight", True)]
+    specs += [TensorSpec(f"layers.{ours}", L + hf, t, True) for ours, hf, t in layer]
+    specs.append(TensorSpec("final_norm", "model.norm.weight", False, False))
+    if not cfg.tie_word_embeddings:
+        specs.append(TensorSpec("lm_head", "lm_head.weight", True, False))
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors, read by memory map and written by hand (bf16 without torch)
+# ---------------------------------------------------------------------------------------------
+class SafetensorsFile:
+    """Zero-copy view of one .safetensors file: ``file[name]`` is a read-only np.memmap view."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ValueError(f"{path}: truncated safetensors file (no header length)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > os.path.getsize(path) - 8:
+                raise ValueError(f"{path}: header length {n} exceeds the file size")
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        self.header = header
+        self._data_start = 8 + n
+        self._map = np.memmap(path, dtype=np.uint8, mode="r")
+
+    def keys(self):
+        return self.header.keys()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        if info["dtype"] not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{self.path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        buf = self._map[self._data_start + start:self._data_start + end]
+        return buf.view(dtype).reshape(info["shape"])
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
+    """Write tensors (numpy, bf16 via ml_dtypes) in the safetensors format."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    arrays = []
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"tensor {name!r}: dtype {arr.dtype} cannot be saved")
+        header[name] = {"dtype": _DTYPE_NAMES[arr.dtype], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+        arrays.append(arr)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # align the data section to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for arr in arrays:
+            f.write(arr.reshape(-1).view(np.uint8).data)
+
+
+def _open_checkpoint(path: str) -> dict[str, SafetensorsFile]:
+    """HF tensor name -> the file holding it (single file or sharded with an index)."""
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    single_path = os.path.join(path, "model.safetensors")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = {fn: SafetensorsFile(os.path.join(path, fn)) for fn in sorted(set(weight_map.values()))}
+        where = {}
+        for name, fn in weight_map.items():
+            if name not in files[fn].header:
+                raise ValueError(f"index says tensor {name!r} is in {fn}, but it is not there")
+            where[name] = files[fn]
+        return where
+    if os.path.exists(single_path):
+        f = SafetensorsFile(single_path)
+        return {name: f for name in f.keys()}
+    raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# load
+# ---------------------------------------------------------------------------------------------
+def _expected_hf_shape(spec: TensorSpec, ours_shape: tuple[int, ...]) -> tuple[int, ...]:
+    shape = ours_shape[1:] if spec.stacked else ours_shape
+    return tuple(reversed(shape)) if spec.transpose else tuple(shape)
+
+
+def _read_slice(where, spec: TensorSpec, index, dtype, num_layers: int) -> np.ndarray:
+    """Our-layout slice ``index`` of a parameter, read straight from the memory maps."""
+    def one(name, idx):
+        src = where[name][name]
+        if spec.transpose:  # slice in HF layout first, so only needed pages are touched
+            return np.asarray(src[tuple(reversed(idx))].T, dtype=dtype)
+        return np.asarray(src[idx], dtype=dtype)
+
+    index = tuple(index) if index is not None else ()
+    if not spec.stacked:
+        return one(spec.hf, index)
+    layer_idx = index[0] if index else slice(None)
+    rest = index[1:] if index else ()
+    layers = range(num_layers)[layer_idx]
+    return np.stack([one(spec.hf.format(i=i), rest) for i in layers])
+
+
+def load_hf(path: str, dtype=jnp.bfloat16, param_dtype=jnp.float32, mesh: Mesh | None = None,
+            rules=DEFAULT_RULES, **config_overrides) -> Qwen3:
+    """Load a HF Qwen3/Qwen2 checkpoint directory into a ``Qwen3`` module.
+
+    ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype. With ``mesh`` every
+    parameter is placed on its logical-axis sharding, each device reading only its slice.
+    Raises naming the tensor or config field on a missing tensor, a shape mismatch, an
+    unexpected tensor or an unsupported architecture.
+    """
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"{cfg_path} not found")
+    with open(cfg_path) as f:
+        cfg = ModelConfig.from_hf_dict(json.load(f), dtype=dtype, param_dtype=param_dtype,
+                                       **config_overrides)
+    where = _open_checkpoint(path)
+
+    abstract = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    if mesh is not None:
+        shardings = state_shardings(abstract_state, mesh, rules)
+        sharding_of = {p: v.get_value() for p, v in nnx.to_flat_state(shardings)}
+    else:
+        single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding_of = {}
+    flat = dict(nnx.to_flat_state(abstract_state))
+    specs = tensor_specs(cfg)
+
+    # Validate everything from headers before reading a byte of data.
+    consumed = set()
+    for spec in specs:
+        var = flat[tuple(spec.ours.split("."))]
+        want = _expected_hf_shape(spec, var.get_value().shape)
+        names = [spec.hf.format(i=i) for i in range(cfg.num_hidden_layers)] if spec.stacked \
+            else [spec.hf]
+        for name in names:
+            if name not in where:
+                raise KeyError(f"checkpoint {path} lacks tensor {name!r}")
+            got = where[name].shape(name)
+            if got != want:
+                raise ValueError(f"tensor {name!r} has shape {got}, config implies {want}")
+            consumed.add(name)
+    if cfg.tie_word_embeddings:
+        consumed.add("lm_head.weight")  # some exporters write the tied head anyway
+    unexpected = [n for n in where if n not in consumed and not n.endswith(IGNORABLE_SUFFIXES)]
+    if unexpected:
+        raise ValueError(f"checkpoint {path} has tensors this config does not use: "
+                         f"{sorted(unexpected)[:8]}")
+
+    new_flat = []
+    for spec in specs:
+        key = tuple(spec.ours.split("."))
+        var = flat[key]
+        shape, pdt = var.get_value().shape, var.get_value().dtype
+        sharding = sharding_of.get(key, single) if mesh is not None else single
+        arr = jax.make_array_from_callback(
+            shape, sharding,
+            lambda idx, spec=spec, pdt=pdt: _read_slice(where, spec, idx, pdt,
+                                                        cfg.num_hidden_layers))
+        new_flat.append((key, var.replace(arr)))
+    seen = {k for k, _ in new_flat}
+    missing = [k for k in flat if k not in seen]
+    if missing:
+        raise RuntimeError(f"internal: parameters {missing} have no HF mapping")
+    return nnx.merge(graphdef, nnx.from_flat_state(new_flat))
+
+
+# ---------------------------------------------------------------------------------------------
+# save
+# ---------------------------------------------------------------------------------------------
+def _shard_file_name(k: int, n: int) -> str:
+    return f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+
+
+def save_hf(model: Qwen3, path: str, tokenizer=None, max_shard_bytes: int = 5 * 2**30,
+            dtype=None) -> None:
+    """Write a transformers-loadable directory: config.json, generation_config.json,
+    ``model-0000k-of-0000n.safetensors`` shards of at most ``max_shard_bytes`` (a single larger
+    tensor gets its own shard), model.safetensors.index.json, and the tokenizer if given.
+    ``dtype`` (default: the parameters' dtype) is the saved tensor dtype."""
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
+        raise TypeError(f"tokenizer {type(tokenizer).__name__} has no save_pretrained(path)")
+    cfg = model.config
+    out_dtype = np.dtype(dtype if dtype is not None else cfg.param_dtype)
+    if out_dtype not in _DTYPE_NAMES:
+        raise ValueError(f"cannot save dtype {out_dtype}")
+    os.makedirs(path, exist_ok=True)
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
+
+    # Plan: (hf name, our key, layer or None, transpose) in HF order, then greedy sharding.
+    plan = []
+    for spec in tensor_specs(cfg):
+        key = tuple(spec.ours.split("."))
+        shape = flat[key].get_value().shape
+        layers = range(cfg.num_hidden_layers) if spec.stacked else [None]
+        for i in layers:
+            nbytes = int(np.prod(shape[1:] if spec.stacked else shape)) * out_dtype.itemsize
+            plan.append((spec.hf.format(i=i), key, i, spec.transpose, nbytes))
+    shards: list[list[tuple]] = [[]]
+    size = 0
+    for item in plan:
+        if shards[-1] and size + item[-1] > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += item[-1]
+
+    weight_map, total = {}, 0
+    for k, shard in enumerate(shards):
+        fname = _shard_file_name(k, len(shards))
+        tensors = {}
+        for hf_name, key, layer, transpose, nbytes in shard:
+            arr = flat[key][...]
+            arr = arr[layer] if layer is not None else arr  # slice on device, fetch one tensor
+            host = np.asarray(jax.device_get(arr)).astype(out_dtype)
+            tensors[hf_name] = host.T if transpose else host
+            weight_map[hf_name] = fname
+            total += nbytes
+        write_safetensors(os.path.join(path, fname), tensors)
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+    hf_cfg = cfg.to_hf_dict()
+    hf_cfg["torch_dtype"] = hf_cfg["dtype"] = {"bfloat16": "bfloat16", "float32": "float32",
+                                               "float16": "float16"}.get(out_dtype.name, "float32")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_cfg, f, indent=2)
+    gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+           "do_sample": False}
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump(gen, f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)

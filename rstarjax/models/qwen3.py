@@ -1,0 +1,263 @@
+"""Flax NNX Qwen3 dense decoder (and the Qwen2.5 variant via config flags).
+
+Layer parameters are stored *stacked* (leading ``layers`` axis) in one layout whether the
+forward runs as ``lax.scan`` (fast compile for 40+ layers) or as an unrolled Python loop, so
+checkpoints, sharding rules and HF conversion never depend on ``scan_layers``.
+
+Two entry points (docs/design.md):
+  ``model(tokens, positions=None, segment_ids=None) -> f32[B, T, V]`` packed training forward;
+  ``model.decode(tokens, cache, num_new) -> (f32[B, T, V], KVCache)`` cached serving forward.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rstarjax.models.config import ModelConfig
+from rstarjax.models.kv_cache import KVCache
+from rstarjax.models.sharding import constrain
+
+# Names of the stacked per-layer parameters, in the order HF lists them.
+LAYER_PARAM_NAMES = ("input_norm", "q_proj", "q_bias", "k_proj", "k_bias", "v_proj", "v_bias",
+                     "q_norm", "k_norm", "o_proj", "post_attention_norm", "gate_proj", "up_proj",
+                     "down_proj")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure building blocks
+# ---------------------------------------------------------------------------------------------
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in f32 (as HF Qwen3RMSNorm), result in x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """(sin, cos) f32[..., head_dim // 2] for integer positions (HF default rope)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.sin(angles), jnp.cos(angles)
+
+
+def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on x[B, T, heads, head_dim]; sin/cos are [B, T, head_dim // 2]."""
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    sin, cos = sin[:, :, None, :], cos[:, :, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+           implementation: str | None) -> jax.Array:
+    """GQA attention: q[B,T,N,H], k/v[B,S,K,H], mask bool[B,1,T,S] (True = attend)."""
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=q.shape[-1] ** -0.5,
+                                        implementation=implementation)
+
+
+def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
+    """bool[B,1,T,T]: token t sees s <= t of the same segment (padding id 0 sees padding, so no
+    row is empty and no NaN appears; its outputs are ignored by callers)."""
+    t = segment_ids.shape[1]
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (causal[None] & same)[:, None]
+
+
+def _remat(fn: Callable, policy: str) -> Callable:
+    if policy == "none":
+        return fn
+    policies = {"full": None,
+                "dots": jax.checkpoint_policies.checkpoint_dots,
+                "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+    return jax.checkpoint(fn, policy=policies[policy], prevent_cse=False)
+
+
+def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, sin: jax.Array, cos: jax.Array,
+                  attention: Callable[[jax.Array, jax.Array, jax.Array], tuple]):
+    """One pre-norm block. ``attention(q, k, v) -> (out[B,T,N,H], aux)`` abstracts training
+    (self-attention with a mask) vs decoding (write into the cache, attend over it)."""
+    dt = cfg.dtype
+    b, t, _ = x.shape
+    nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+
+    def proj(h, name, heads):
+        y = h @ p[name].astype(dt)
+        bias = p.get(name.replace("proj", "bias"))
+        if bias is not None:
+            y = y + bias.astype(dt)
+        return y.reshape(b, t, heads, hd)
+
+    h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
+    q, k, v = proj(h, "q_proj", nq), proj(h, "k_proj", nkv), proj(h, "v_proj", nkv)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+    out, aux = attention(q, k, v)
+    x = x + out.reshape(b, t, nq * hd) @ p["o_proj"].astype(dt)
+    x = constrain(x, ("batch", "seq", "act_embed"))
+
+    h = rms_norm(x, p["post_attention_norm"], cfg.rms_norm_eps)
+    gate = constrain(h @ p["gate_proj"].astype(dt), ("batch", "seq", "act_mlp"))
+    up = constrain(h @ p["up_proj"].astype(dt), ("batch", "seq", "act_mlp"))
+    x = x + (jax.nn.silu(gate) * up) @ p["down_proj"].astype(dt)
+    return constrain(x, ("batch", "seq", "act_embed")), aux
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------------------------
+def _param(rngs: nnx.Rngs | None, shape, dtype, axes, init: str) -> nnx.Param:
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:  # HF initializer_range 0.02
+        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=axes)
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder layers' parameters, stacked on a leading ``layers`` axis (stored [in, out])."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        L, d, f = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
+        q_dim, kv_dim, pd = cfg.num_attention_heads * cfg.head_dim, \
+            cfg.num_key_value_heads * cfg.head_dim, cfg.param_dtype
+        P = lambda shape, axes, init="normal": _param(rngs, (L, *shape), pd, ("layers", *axes), init)
+        self.input_norm = P((d,), ("norm",), "ones")
+        self.q_proj = P((d, q_dim), ("embed", "q_heads"))
+        self.k_proj = P((d, kv_dim), ("embed", "kv_heads"))
+        self.v_proj = P((d, kv_dim), ("embed", "kv_heads"))
+        self.q_bias = P((q_dim,), ("q_heads",), "zeros") if cfg.attention_bias else None
+        self.k_bias = P((kv_dim,), ("kv_heads",), "zeros") if cfg.attention_bias else None
+        self.v_bias = P((kv_dim,), ("kv_heads",), "zeros") if cfg.attention_bias else None
+        self.q_norm = P((cfg.head_dim,), ("norm",), "ones") if cfg.qk_norm else None
+        self.k_norm = P((cfg.head_dim,), ("norm",), "ones") if cfg.qk_norm else None
+        self.o_proj = P((q_dim, d), ("q_heads", "embed"))
+        self.post_attention_norm = P((d,), ("norm",), "ones")
+        self.gate_proj = P((d, f), ("embed", "mlp"))
+        self.up_proj = P((d, f), ("embed", "mlp"))
+        self.down_proj = P((f, d), ("mlp", "embed"))
+
+    def stacked(self) -> dict[str, jax.Array]:
+        """Raw stacked arrays by name (absent optional params left out)."""
+        out = {}
+        for name in LAYER_PARAM_NAMES:
+            var = getattr(self, name)
+            if var is not None:
+                out[name] = var[...]
+        return out
+
+
+class Qwen3(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.param_dtype,
+                            ("vocab", "embed"), "normal")
+        self.layers = DecoderLayers(cfg, rngs=rngs)
+        self.final_norm = _param(rngs, (cfg.hidden_size,), cfg.param_dtype, ("norm",), "ones")
+        self.lm_head = None if cfg.tie_word_embeddings else _param(
+            rngs, (cfg.hidden_size, cfg.vocab_size), cfg.param_dtype, ("embed", "vocab"), "normal")
+
+    # ---- shared pieces ---------------------------------------------------------------------
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.config.dtype)
+        return constrain(x, ("batch", "seq", "act_embed"))
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        h = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps).astype(cfg.dtype)
+        if self.lm_head is None:
+            logits = jnp.einsum("btd,vd->btv", h, self.embed[...].astype(cfg.dtype),
+                                preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("btd,dv->btv", h, self.lm_head[...].astype(cfg.dtype),
+                                preferred_element_type=jnp.float32)
+        return constrain(logits.astype(jnp.float32), ("batch", "seq", "act_vocab"))
+
+    def _run_layers(self, x, sin, cos, layer_fn, carry_extra):
+        """Apply ``layer_fn(p, x, extra, i) -> (x, extra)`` over all layers, scanned or unrolled
+        (same function, same numbers)."""
+        cfg = self.config
+        params = self.layers.stacked()
+        body = _remat(layer_fn, cfg.remat_policy)
+        if cfg.scan_layers:
+            def step(carry, xs):
+                h, extra = carry
+                p, i = xs
+                return body(p, h, extra, i), None
+            (x, carry_extra), _ = jax.lax.scan(
+                step, (x, carry_extra), (params, jnp.arange(cfg.num_hidden_layers)))
+        else:
+            for i in range(cfg.num_hidden_layers):
+                p = jax.tree.map(lambda a, i=i: a[i], params)
+                x, carry_extra = body(p, x, carry_extra, jnp.asarray(i))
+        return x, carry_extra
+
+    # ---- training / scoring forward -------------------------------------------------------
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """int32[B,T] -> f32[B,T,V]. Packed sequences: causal attention within a segment."""
+        cfg = self.config
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be int32[B, T], got shape {tokens.shape}")
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, t), jnp.int32)
+        if positions.shape != (b, t) or segment_ids.shape != (b, t):
+            raise ValueError(f"positions {positions.shape} and segment_ids {segment_ids.shape} "
+                             f"must match tokens {tokens.shape}")
+        mask = segment_causal_mask(segment_ids)
+        sin, cos = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
+
+        def layer_fn(p, x, extra, i):
+            attention = lambda q, k, v: (attend(q, k, v, mask, cfg.attention_impl), None)
+            x, _ = decoder_layer(cfg, p, x, sin, cos, attention)
+            return x, extra
+
+        x, _ = self._run_layers(self._embed(tokens), sin, cos, layer_fn, ())
+        return self._logits(x)
+
+    # ---- cached decoding ------------------------------------------------------------------
+    def decode(self, tokens: jax.Array, cache: KVCache, num_new: jax.Array
+               ) -> tuple[jax.Array, KVCache]:
+        """Per-row cached forward (docs/design.md): token i of row b sits at position
+        ``lengths[b] + i``, is written there (out-of-range writes dropped, never clamped) and
+        attends to cache entries ``<= lengths[b] + i``; returns lengths + num_new."""
+        cfg = self.config
+        if tokens.ndim != 2 or tokens.shape[0] != cache.batch:
+            raise ValueError(f"tokens {tokens.shape} must be [B={cache.batch}, T]")
+        b, t = tokens.shape
+        s = cache.max_len
+        positions = cache.lengths[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)
+        sin, cos = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
+        mask = (jnp.arange(s)[None, None, :] <= positions[:, :, None])[:, None]  # [B,1,T,S]
+        rows = jnp.arange(b)[:, None]
+
+        def layer_fn(p, x, kv, i):
+            ck_all, cv_all = kv
+
+            def attention(q, k, v):
+                # Scatter into the full cache carry (in place in the scan loop); mode="drop"
+                # discards writes past max_len instead of clamping onto earlier entries.
+                ck = ck_all.at[i, rows, positions].set(k.astype(ck_all.dtype), mode="drop")
+                cv = cv_all.at[i, rows, positions].set(v.astype(cv_all.dtype), mode="drop")
+                k_l = jax.lax.dynamic_index_in_dim(ck, i, 0, keepdims=False).astype(q.dtype)
+                v_l = jax.lax.dynamic_index_in_dim(cv, i, 0, keepdims=False).astype(q.dtype)
+                return attend(q, k_l, v_l, mask, cfg.attention_impl), (ck, cv)
+
+            return decoder_layer(cfg, p, x, sin, cos, attention)
+
+        x, (new_k, new_v) = self._run_layers(self._embed(tokens), sin, cos, layer_fn,
+                                             (cache.k, cache.v))
+        new_cache = KVCache(k=new_k, v=new_v,
+                            lengths=cache.lengths + num_new.astype(cache.lengths.dtype))
+        return self._logits(x), new_cache

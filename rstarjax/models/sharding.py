@@ -1,0 +1,137 @@
+"""Mesh (data, fsdp, tensor), logical-axis rules, and helpers to build/shard models for jit.
+
+Every parameter carries ``logical_axes`` metadata (e.g. ``("layers", "embed", "mlp")``); the
+rules below map logical names to mesh axes. A dimension whose size is not divisible by its mesh
+axes is replicated instead (tiny test models on big meshes), never silently padded.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical name -> mesh axis (str), tuple of mesh axes, or None (replicated).
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # parameters
+    ("layers", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("norm", None),
+    # activations
+    ("batch", ("data", "fsdp")),
+    ("seq", None),
+    ("act_embed", None),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+)
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
+    """Mesh with axes (data, fsdp, tensor); one size may be -1 (= the remaining devices)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices not divisible by {known} ({sizes})")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} "
+                         f"devices, have {len(devices)}")
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
+                         devices=devices)
+
+
+def _mesh_axis_sizes(mesh) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.axis_sizes if hasattr(mesh, "axis_sizes")
+                    else mesh.devices.shape))
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | None, mesh,
+                    rules=DEFAULT_RULES) -> P:
+    """PartitionSpec for an array with these logical axes on this mesh. Mesh axes absent from
+    the mesh, already used by an earlier dim, or not dividing the dim are dropped."""
+    rule_map = dict(rules)
+    sizes = _mesh_axis_sizes(mesh)
+    used: set[str] = set()
+    spec = []
+    for dim, name in enumerate(logical_axes):
+        target = rule_map.get(name) if name is not None else None
+        if name is not None and name not in rule_map:
+            raise ValueError(f"logical axis {name!r} has no sharding rule")
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        axes = tuple(a for a in axes if a in sizes and a not in used and sizes[a] > 1)
+        if shape is not None and axes:
+            # Keep the longest prefix of mesh axes that divides the dimension.
+            while axes and shape[dim] % int(np.prod([sizes[a] for a in axes])):
+                axes = axes[:-1]
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*spec)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules=DEFAULT_RULES) -> jax.Array:
+    """Activation sharding hint; a no-op unless a mesh is set with ``jax.set_mesh``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh, rules))
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.State:
+    """NamedSharding per variable, from its ``logical_axes`` metadata (replicated if none)."""
+    def one(var):
+        axes = var.get_metadata().get("logical_axes")
+        shape = var.get_value().shape
+        spec = P() if axes is None else logical_to_spec(axes, shape, mesh, rules)
+        return var.replace(NamedSharding(mesh, spec))
+    return jax.tree.map(one, state, is_leaf=_is_var)
+
+
+def model_shardings(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.State:
+    """Shardings of ``nnx.state(model)`` (use as jit in/out_shardings for the state)."""
+    return state_shardings(nnx.state(model), mesh, rules)
+
+
+def create_sharded_model(model_fn, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.Module:
+    """Build ``model_fn()`` (e.g. ``lambda: Qwen3(cfg, rngs=nnx.Rngs(0))``) with every
+    parameter initialised directly on its sharding (never a full replica on one device)."""
+    abstract = nnx.eval_shape(model_fn)
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = state_shardings(abstract_state, mesh, rules)
+
+    state = jax.jit(lambda: nnx.state(model_fn()), out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.Module:
+    """Move an existing model's parameters onto their shardings (in place; returns model)."""
+    state = nnx.state(model)
+    placed = jax.device_put(state, state_shardings(state, mesh, rules))
+    nnx.update(model, placed)
+    return model
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2, rules=DEFAULT_RULES) -> NamedSharding:
+    """Sharding for per-token inputs ``[B, T, ...]``: batch over (data, fsdp)."""
+    batch = logical_to_spec(("batch",), None, mesh, rules)[0]
+    return NamedSharding(mesh, P(batch, *([None] * (ndim - 1))))
+
+
+def jit_shardings(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES):
+    """(state shardings, per-token batch sharding) for ``jax.jit`` in/out_shardings."""
+    return model_shardings(model, mesh, rules), batch_sharding(mesh, rules=rules)
