@@ -1,0 +1,103 @@
+"""Shared defaults for every rstarjax run (rStar2-Agent §4.3 / §5.1 unless noted).
+
+Presets (stage1.py, stage2.py, stage3.py, ...) start from ``get_config()`` here and change a few
+fields. Paths that must come from the user (model, data) default to "" and are rejected at start
+by ``rstarjax.main.validate`` with a message that names the flag to set.
+
+`--config=configs/base.py:filter` selects a mode through the config argument.
+"""
+import ml_collections
+
+MODES = ("rl", "filter")
+
+
+def get_config(arg=None):
+    c = ml_collections.ConfigDict()
+    c.mode = arg or "rl"  # rl | filter (sft / eval / demo are added by their own presets)
+    c.seed = 0
+    c.total_steps = 300  # optimizer steps in this stage (global step count at its end)
+
+    # ---- policy model ----------------------------------------------------------------------
+    c.model = ml_collections.ConfigDict()
+    c.model.preset = "qwen3-14b"  # ModelConfig.preset; the HF config.json wins when present
+    c.model.hf_path = ""  # directory with config.json + *.safetensors (required for rl/filter)
+    c.model.tokenizer_path = ""  # default: hf_path
+    c.model.dtype = "bfloat16"  # compute dtype; master weights stay float32
+    c.model.remat_policy = "full"
+
+    # ---- data --------------------------------------------------------------------------------
+    c.data = ml_collections.ConfigDict()
+    c.data.train_path = ""  # jsonl with {"problem", "answer"} rows (required)
+    c.data.problem_key = "problem"
+    c.data.answer_key = "answer"
+    c.data.shuffle = True
+    c.data.num_epochs = 0  # 0 = repeat forever
+
+    # ---- rollouts / GRPO-RoC (§2.2.3, §4.3) -------------------------------------------------
+    c.rl = ml_collections.ConfigDict()
+    c.rl.prompts_per_step = 512
+    c.rl.group_size = 16  # G: rollouts per prompt kept for the update
+    c.rl.oversample = 32  # 2G rollouts sampled before RoC down-samples to G
+    c.rl.max_turns = 10
+    c.rl.max_prompt_len = 2048
+    c.rl.max_response_len = 8192  # tokens of model + tool text per trajectory
+    c.rl.max_tool_response_chars = 2048
+    c.rl.temperature = 1.0
+    c.rl.top_p = 1.0
+    c.rl.top_k = -1
+    c.rl.tool_timeout_s = 5.0
+    c.rl.num_tool_workers = 32
+    c.rl.rollout_timeout_s = 3600.0  # a whole step's rollouts; past it the step fails loudly
+    c.rl.roc = True  # False: plain GRPO on G rollouts (the paper's baseline)
+
+    # ---- policy loss (eq. 6; E1's LossConfig) -------------------------------------------------
+    c.loss = ml_collections.ConfigDict()
+    c.loss.clip_low = 0.2  # epsilon_low
+    c.loss.clip_high = 0.28  # epsilon_high (Clip-Higher)
+    c.loss.kl_coef = 0.0  # the paper removes the KL term
+    c.loss.entropy_coef = 0.0  # and the entropy bonus
+
+    # ---- optimizer ----------------------------------------------------------------------------
+    c.optim = ml_collections.ConfigDict()
+    c.optim.learning_rate = 1e-6
+    c.optim.warmup_steps = 20
+    c.optim.weight_decay = 0.01
+    c.optim.grad_clip_norm = 1.0
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.999
+    c.optim.eps = 1e-8
+
+    # ---- trainer -------------------------------------------------------------------------------
+    c.trainer = ml_collections.ConfigDict()
+    c.trainer.micro_batch_size = 64  # global rows per gradient-accumulation micro-step
+    c.trainer.mini_batches = 1  # optimizer updates per rollout batch
+    c.trainer.recompute_old_logprobs = True
+    c.trainer.compute_dtype = ml_collections.config_dict.placeholder(str)  # None: model decides
+    c.trainer.colocated = True  # rollout engine and trainer share devices (kimi k1.5 §4.2)
+
+    # ---- device mesh (data, fsdp, tensor); -1 = the rest of the devices --------------------------
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = 1
+    c.mesh.fsdp = -1
+    c.mesh.tensor = 1
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 10
+    c.checkpoint.keep = 3
+    c.checkpoint.async_save = True
+    c.checkpoint.init_from = ""  # a previous stage's checkpoint dir (params [+ optimizer])
+    c.checkpoint.reset_optimizer = False  # stage 3: fresh optimizer state (§4.3)
+    c.checkpoint.update_reference = False  # stage 3: reference model := latest policy (§4.3)
+
+    # ---- logging -----------------------------------------------------------------------------------
+    c.logging = ml_collections.ConfigDict()
+    c.logging.tensorboard = True
+    c.logging.progress_bar = True
+
+    # ---- stage-3 difficulty filter (§4.3) -----------------------------------------------------------
+    c.filter = ml_collections.ConfigDict()
+    c.filter.k = 8  # rollouts per problem with the latest policy
+    c.filter.output_path = ""  # default: WORKDIR/filtered.jsonl
+    c.filter.batch_prompts = 64
+    return c

@@ -1,0 +1,347 @@
+"""The policy trainer: one jitted, sharded, micro-batched GRPO-RoC update (rStar2-Agent eq. 6).
+
+State lives outside the NNX module (``nnx.split``): ``TrainState(params, opt_state, step)`` is a
+plain pytree, so it can be jitted with explicit in/out shardings, donated, checkpointed by Orbax
+and sent to the rollout engine in memory.
+
+Micro-batching is exact: every micro-batch's loss is divided by the token count of the *whole*
+(mini-)batch, so the sum of the micro-batch gradients equals the full-batch gradient of eq. 6
+(whose normaliser is ``sum_i |o_i|`` over the batch), whatever the split.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from rstarjax.models import sharding as sharding_lib
+from rstarjax.rl import loss as loss_lib
+
+BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask", "old_logprobs", "advantages",
+              "rollout_logprobs")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    micro_batch_size: int = 0  # global rows per micro-batch; 0 = the whole mini-batch at once
+    mini_batches: int = 1  # optimizer updates per rollout batch (verl's ppo_mini_batch split)
+    # Cast params to this dtype before the forward (f32 master copy kept); None leaves the
+    # precision to the model (ModelConfig.dtype already computes in bf16 from f32 params).
+    compute_dtype: str | None = None
+    recompute_old_logprobs: bool = True  # old log-probs from a trainer forward, not the sampler
+
+    def __post_init__(self):
+        if self.micro_batch_size < 0:
+            raise ValueError(f"micro_batch_size must be >= 0, got {self.micro_batch_size}")
+        if self.mini_batches < 1:
+            raise ValueError(f"mini_batches must be >= 1, got {self.mini_batches}")
+        if self.compute_dtype is not None:
+            jnp.dtype(self.compute_dtype)  # raises on an unknown dtype name
+
+    @classmethod
+    def from_config(cls, trainer_cfg) -> "TrainerConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in dict(trainer_cfg).items() if k in names})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    params: Any  # nnx.State of nnx.Param, float32 master weights
+    opt_state: Any  # optax state
+    step: jax.Array  # int32 scalar: optimizer updates applied so far
+
+
+def cast_floating(tree, dtype):
+    """Cast floating leaves (params) to the compute dtype; gradients flow back in f32."""
+    dtype = jnp.dtype(dtype)
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def batch_to_dict(batch) -> dict[str, jax.Array]:
+    """TrainBatch (dataclass) or mapping -> dict of the six arrays the step consumes."""
+    get = batch.get if isinstance(batch, Mapping) else (lambda k, d=None: getattr(batch, k, d))
+    missing = [k for k in BATCH_KEYS[:-1] if get(k) is None]
+    if missing:
+        raise ValueError(f"TrainBatch lacks {missing}")
+    out = {k: get(k) for k in BATCH_KEYS}
+    if out["rollout_logprobs"] is None:  # sampler log-probs, kept apart for truncated IS
+        out["rollout_logprobs"] = out["old_logprobs"]
+    shapes = {k: tuple(np.shape(v)) for k, v in out.items()}
+    if len(set(shapes.values())) != 1 or len(shapes["tokens"]) != 2:
+        raise ValueError(f"TrainBatch arrays must all be [B, L]; got {shapes}")
+    return out
+
+
+def split_micro_batches(x: jax.Array, num_micro: int) -> jax.Array:
+    """[B, ...] -> [num_micro, B / num_micro, ...] taking rows with stride ``num_micro``.
+
+    Strided (row r goes to micro-batch r % num_micro) so that, with rows sharded contiguously
+    over devices, every device holds an equal part of every micro-batch: all devices work on
+    each micro-step.
+    """
+    b = x.shape[0]
+    if b % num_micro:
+        raise ValueError(f"batch of {b} rows is not divisible into {num_micro} micro-batches")
+    return jnp.swapaxes(x.reshape((b // num_micro, num_micro) + x.shape[1:]), 0, 1)
+
+
+def forward_logprobs(graphdef, rest, params, batch: Mapping[str, jax.Array], compute_dtype):
+    """Log-prob of each target token under ``params`` and the entropy at its position, [B, L]."""
+    if compute_dtype is not None:
+        params = cast_floating(params, compute_dtype)
+    model = nnx.merge(graphdef, params, rest)
+    logits = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+    # log-softmax in f32 whatever the compute dtype
+    return loss_lib.token_logprobs_and_entropy(logits.astype(jnp.float32), batch["tokens"])
+
+
+def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, loss_cfg, num_micro: int,
+                    compute_dtype=None, micro_sharding: NamedSharding | None = None):
+    """Pure ``(TrainState, batch dict) -> (TrainState, metrics)``: one optimizer update.
+
+    The policy-loss normaliser is the whole batch's loss-mask sum (eq. 6's sum_i |o_i|), so the
+    micro-batch gradients add up to the full-batch gradient exactly.
+    """
+
+    def micro_loss(params, micro, denom):
+        logprobs, entropy = forward_logprobs(graphdef, rest, params, micro, compute_dtype)
+        return loss_lib.policy_loss(
+            logprobs, micro["old_logprobs"], micro["advantages"], micro["loss_mask"], denom, loss_cfg,
+            rollout_logprobs=micro["rollout_logprobs"], entropy=entropy, segment_ids=micro["segment_ids"],
+        )
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def step(state: TrainState, batch: Mapping[str, jax.Array], denom: jax.Array):
+        """``denom`` <= 0: eq. 6's token count of this batch; > 0: a given constant (Dr. GRPO)."""
+        batch = {k: batch[k] for k in BATCH_KEYS}
+        denom = jnp.where(denom > 0, denom, jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0))
+        micros = {k: split_micro_batches(v, num_micro) for k, v in batch.items()}
+        if micro_sharding is not None:
+            micros = jax.lax.with_sharding_constraint(micros, micro_sharding)
+        zero_grads = jax.tree.map(jnp.zeros_like, state.params)
+
+        def body(carry, micro):
+            grads, loss_sum, metric_sum = carry
+            (loss, metrics), g = grad_fn(state.params, micro, denom)
+            grads = jax.tree.map(jnp.add, grads, g)
+            metric_sum = jax.tree.map(jnp.add, metric_sum, metrics)
+            return (grads, loss_sum + loss, metric_sum), None
+
+        metric_shapes = jax.eval_shape(lambda: grad_fn(state.params, jax.tree.map(lambda x: x[0], micros), denom))
+        zero_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes[0][1])
+        (grads, loss, metrics), _ = jax.lax.scan(body, (zero_grads, jnp.float32(0.0), zero_metrics), micros)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        # Loss-module metrics that are token sums over ``denom`` add up exactly across micro-steps.
+        metrics = dict(metrics)
+        metrics.update(loss=loss, grad_norm=grad_norm, tokens=denom)
+        return TrainState(params, opt_state, state.step + 1), metrics
+
+    return step
+
+
+def logprob_gap(sampled: np.ndarray, recomputed: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+    """Mismatch between the sampler's and the trainer's log-probs on trained tokens.
+
+    ``logprob_gap_abs``: mean |difference|; ``logprob_gap_kl``: mean of the k3 estimator of
+    KL(sampler || trainer), exp(d) - 1 - d with d = trainer - sampler (>= 0, unbiased).
+    """
+    mask = np.asarray(mask, np.float64)
+    n = max(mask.sum(), 1.0)
+    d = (np.asarray(recomputed, np.float64) - np.asarray(sampled, np.float64)) * mask
+    return {
+        "logprob_gap_abs": float(np.abs(d).sum() / n),
+        "logprob_gap_max": float(np.abs(d).max()) if d.size else 0.0,
+        "logprob_gap_kl": float(((np.exp(d) - 1.0 - d) * mask).sum() / n),
+    }
+
+
+class Trainer:
+    """Owns the train state on the mesh and the jitted step.
+
+    ``trainer.train(batch)`` runs ``mini_batches`` updates on one rollout batch (after an optional
+    old-log-prob recompute) and returns host metrics. ``trainer.model()`` rebuilds an NNX module
+    that views the current params (what the colocated rollout engine serves).
+    """
+
+    def __init__(self, model: nnx.Module, optim_cfg, loss_cfg, cfg: TrainerConfig, mesh: Mesh | None = None,
+                 optimizer: optax.GradientTransformation | None = None):
+        from rstarjax.rl import optim as optim_lib
+
+        self.cfg = cfg
+        self.loss_cfg = loss_cfg
+        self.mesh = mesh if mesh is not None else sharding_lib.make_mesh(1, -1, 1)
+        self.optimizer = optimizer if optimizer is not None else optim_lib.make_optimizer(optim_cfg)
+        self._schedule = optim_lib.lr_schedule(optim_cfg) if optimizer is None else None
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.param_sharding = sharding_lib.state_shardings(params, self.mesh)
+        self.batch_sharding = sharding_lib.batch_sharding(self.mesh)
+        self.replicated = NamedSharding(self.mesh, P())
+        abstract_opt = jax.eval_shape(self.optimizer.init, params)
+        opt_sharding = optax.tree_utils.tree_map_params(
+            self.optimizer, lambda _, s: s, abstract_opt, self.param_sharding,
+            transform_non_params=lambda _: self.replicated,
+        )
+        self.state_sharding = TrainState(self.param_sharding, opt_sharding, self.replicated)
+        params = jax.device_put(params, self.param_sharding)
+        with jax.set_mesh(self.mesh):
+            opt_state = jax.jit(self.optimizer.init, out_shardings=opt_sharding)(params)
+        self.state = TrainState(params, opt_state, jax.device_put(jnp.int32(0), self.replicated))
+        self._steps: dict[int, Callable] = {}
+        self._logprob_fns: dict[int, Callable] = {}
+
+    # ------------------------------------------------------------------ jitted functions
+    @property
+    def data_parallel_size(self) -> int:
+        return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+
+    def _num_micro(self, rows: int) -> int:
+        mbs = self.cfg.micro_batch_size or rows
+        if rows % mbs:
+            raise ValueError(f"mini-batch of {rows} rows is not a multiple of micro_batch_size={mbs}")
+        if mbs % self.data_parallel_size:
+            raise ValueError(f"micro_batch_size={mbs} must be a multiple of data*fsdp="
+                             f"{self.data_parallel_size} devices")
+        return rows // mbs
+
+    def _batch_shardings(self) -> dict[str, NamedSharding]:
+        return {k: self.batch_sharding for k in BATCH_KEYS}
+
+    def _micro_sharding(self) -> NamedSharding:
+        # [M, B/M, L]: each micro-batch's rows are spread over all data-parallel devices
+        return NamedSharding(self.mesh, P(None, *self.batch_sharding.spec))
+
+    def step_fn(self, rows: int) -> Callable:
+        """The jitted ``(state, batch, denom) -> (state, metrics)`` for ``rows``-row mini-batches."""
+        num_micro = self._num_micro(rows)
+        if num_micro not in self._steps:
+            step = make_train_step(self.graphdef, self.rest, self.optimizer, self.loss_cfg, num_micro,
+                                   self.cfg.compute_dtype, self._micro_sharding())
+            self._steps[num_micro] = jax.jit(
+                step,
+                in_shardings=(self.state_sharding, self._batch_shardings(), self.replicated),
+                out_shardings=(self.state_sharding, self.replicated),
+                donate_argnums=(0,),
+            )
+        return self._steps[num_micro]
+
+    def logprob_fn(self, rows: int) -> Callable:
+        """Jitted ``(params, batch) -> log-probs [B, L]``, micro-batched like the step."""
+        num_micro = self._num_micro(rows)
+        if num_micro not in self._logprob_fns:
+            micro_sharding = self._micro_sharding()
+            graphdef, rest, dtype = self.graphdef, self.rest, self.cfg.compute_dtype
+
+            def fn(params, batch):
+                micros = {k: split_micro_batches(batch[k], num_micro) for k in BATCH_KEYS}
+                micros = jax.lax.with_sharding_constraint(micros, micro_sharding)
+                lp = jax.lax.map(lambda m: forward_logprobs(graphdef, rest, params, m, dtype)[0], micros)
+                return jnp.swapaxes(lp, 0, 1).reshape(batch["tokens"].shape)  # undo the strided split
+
+            self._logprob_fns[num_micro] = jax.jit(
+                fn, in_shardings=(self.param_sharding, self._batch_shardings()),
+                out_shardings=self.batch_sharding,
+            )
+        return self._logprob_fns[num_micro]
+
+    # ------------------------------------------------------------------ host API
+    def put_batch(self, batch) -> dict[str, jax.Array]:
+        """Host arrays -> global arrays on the mesh.
+
+        Single process: the full batch. Multi-process: each process passes *its own* rows (its
+        data shard); the global batch is their concatenation in process order.
+        """
+        arrays = batch_to_dict(batch)
+        if jax.process_count() == 1:
+            return {k: jax.device_put(np.asarray(v), self.batch_sharding) for k, v in arrays.items()}
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
+                for k, v in arrays.items()}
+
+    def compute_logprobs(self, batch: Mapping[str, jax.Array]) -> jax.Array:
+        with jax.set_mesh(self.mesh):
+            return self.logprob_fn(batch["tokens"].shape[0])(self.state.params, batch)
+
+    def train(self, batch, denom: float | None = None) -> dict[str, float]:
+        """Old log-probs (optionally recomputed), then ``mini_batches`` optimizer updates.
+
+        ``batch``: a TrainBatch / mapping of host arrays (this process's rows) or the dict
+        ``put_batch`` returned. ``denom``: a constant loss normaliser (Dr. GRPO); default the
+        token count of each mini-batch (eq. 6).
+        """
+        batch = dict(batch) if _is_global(batch) else self.put_batch(batch)
+        metrics: dict[str, float] = {}
+        if self.cfg.recompute_old_logprobs:
+            recomputed = self.compute_logprobs(batch)
+            metrics.update(_gap_on_device(batch["rollout_logprobs"], recomputed, batch["loss_mask"]))
+            batch["old_logprobs"] = recomputed
+        rows = batch["tokens"].shape[0]
+        n = self.cfg.mini_batches
+        if rows % n:
+            raise ValueError(f"batch of {rows} rows does not split into mini_batches={n}")
+        denom_arr = jax.device_put(jnp.float32(denom if denom else 0.0), self.replicated)
+        per_update = []
+        with jax.set_mesh(self.mesh):
+            for i in range(n):
+                # contiguous mini-batches (verl's order); each has its own token-mean normaliser
+                mini = batch
+                if n > 1:
+                    mini = {k: v[i * rows // n:(i + 1) * rows // n] for k, v in batch.items()}
+                    mini = jax.device_put(mini, self._batch_shardings())
+                self.state, m = self.step_fn(rows // n)(self.state, mini, denom_arr)
+                per_update.append(m)
+        host = jax.device_get(per_update)
+        for k in host[0]:
+            metrics[f"train/{k}"] = float(np.mean([h[k] for h in host]))
+        metrics["train/step"] = self.step
+        metrics["train/lr"] = self.learning_rate()
+        return metrics
+
+    @property
+    def step(self) -> int:
+        return int(jax.device_get(self.state.step))
+
+    def learning_rate(self) -> float:
+        """The rate the last update used (nan when a custom optimizer was passed)."""
+        if self._schedule is None:
+            return float("nan")
+        return float(self._schedule(max(self.step - 1, 0)))
+
+    def reset_optimizer(self) -> None:
+        """Fresh optimizer state (rStar2-Agent §4.3, stage 3); the step counter is kept."""
+        with jax.set_mesh(self.mesh):
+            opt_state = jax.jit(self.optimizer.init, out_shardings=self.state_sharding.opt_state)(
+                self.state.params)
+        self.state = TrainState(self.state.params, opt_state, self.state.step)
+
+    def model(self) -> nnx.Module:
+        """An NNX module over the current params (no copy)."""
+        return nnx.merge(self.graphdef, self.state.params, self.rest)
+
+
+def _is_global(batch) -> bool:
+    return isinstance(batch, Mapping) and all(isinstance(batch.get(k), jax.Array) for k in BATCH_KEYS)
+
+
+@jax.jit
+def _gap_sums(sampled, recomputed, mask):
+    d = (recomputed - sampled) * mask
+    return jnp.sum(jnp.abs(d)), jnp.max(jnp.abs(d)), jnp.sum((jnp.exp(d) - 1.0 - d) * mask), jnp.sum(mask)
+
+
+def _gap_on_device(sampled, recomputed, mask) -> dict[str, float]:
+    """``logprob_gap`` computed where the (possibly multi-process) arrays live."""
+    s_abs, s_max, s_kl, n = jax.device_get(_gap_sums(sampled, recomputed, mask))
+    n = max(float(n), 1.0)
+    return {"train/logprob_gap_abs": float(s_abs) / n, "train/logprob_gap_max": float(s_max),
+            "train/logprob_gap_kl": float(s_kl) / n}
