@@ -1,0 +1,457 @@
+"""The rStar2-Agent chat template (paper Fig. 3, §2.1), string-level and id-level.
+
+Layout (ChatML, as Qwen; `{...}` are fillers)::
+
+    <|im_start|>system\\n{SYSTEM_PROMPT}<|im_end|>\\n
+    <|im_start|>user\\n{USER_PROMPT_PREFIX}{question}<|im_end|>\\n
+    <|im_start|>assistant\\n                                      <- end of render_prompt()
+    {reason...}<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call><|im_end|>    <- model
+    \\n<|im_start|>user\\n<tool_response>\\n{tool output}\\n</tool_response><|im_end|>\\n
+    <|im_start|>assistant\\n                                      <- render_tool_response_turn()
+    {reason...}<answer>\\boxed{N}</answer><|im_end|>                                     <- model
+
+Turn boundaries (the rollout appends ids turn by turn and never re-tokenizes, so SFT must
+tokenize the same way): a model turn starts right after "<|im_start|>assistant\\n" and ends with
+the <|im_end|> it generated; the "\\n" after <|im_end|> belongs to the next template piece. Both
+cuts are clean for the BPE: an added token always splits the pre-tokenizer, and "assistant\\n"
+followed by a non-whitespace character splits there too (letters never absorb a newline). So
+`tokenizer.encode(render_conversation(m)) == encode_conversation(tok, m).ids ==` the rollout's
+concatenation, provided assistant contents do not start with whitespace (a "\\n" + " " run would
+merge across the cut): `render_conversation` rejects those with a ValueError.
+
+Untrusted text (the question, tool output, later user turns) is plain text in the id-level
+helpers: a program printing "<|im_end|>" cannot forge a turn. For such text the string-level
+render then `encode` differs (by design); for all other text the two agree. Template text
+(system prompt, whose "<tool_call>" examples are real added tokens as in Qwen's template) is not.
+
+Deviations from Fig. 3 (the figure is OCR'd and garbled in places):
+- "<jim_start>"/"<jim_end>" are <|im_start|>/<|im_end|>.
+- No "<think>" after the assistant prompt. The prompt asks for <reason>...</reason> as the
+  reasoning delimiter, every assistant turn in the paper's traces (Figs. 10, 11) starts directly
+  with <reason> after "<|im_start|>assistant", an opened <think> is never closed in those traces,
+  and in a small-vocab demo model <think> is an untrained embedding. A lone "<think>" in Fig. 3
+  is most likely Qwen3's own thinking-mode generation prompt leaking into the figure.
+- The tool block uses Qwen's function-calling layout with its newlines ("# Tools\\n\\nYou may
+  call...", one JSON schema per line inside <tools>, "<tool_call>\\n{...}\\n</tool_call>") — the
+  layout Qwen base/instruct models have seen and the one in the paper's traces (Figs. 10, 11);
+  Fig. 3's line breaks are page wrapping.
+- The schema is valid JSON: Fig. 3 puts "required"/"return" inside "properties" (unbalanced
+  braces); here "required": ["code", "input"] sits in "parameters" and "return" in the function.
+- Tool calls follow the assistant text directly ("</reason><tool_call>", as Fig. 11), several
+  calls in one turn are separated by "\\n"; consecutive tool results share one user turn, each
+  in its own <tool_response> block (Qwen's convention).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+TOOL_NAME = "execute_python_code_with_standard_io"
+
+TOOL_SCHEMA: dict = {
+    "type": "function",
+    "function": {
+        "name": TOOL_NAME,
+        "description": (
+            "Execute Python code with standard input and capture standard output. This function "
+            "takes a Python code string and an input string, provides the input string through "
+            "standard input (stdin) to the code, and captures and returns any output produced "
+            "through standard output (stdout). If the executed code raises an exception, the error "
+            "message will be captured and returned instead."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "code": {
+                    "type": "string",
+                    "description": (
+                        "A string containing Python code to be executed. The code can read from "
+                        "standard input using the input() function."
+                    ),
+                },
+                "input": {
+                    "type": "string",
+                    "description": (
+                        "A string that will be provided as standard input to the code when it "
+                        "calls input()."
+                    ),
+                },
+            },
+            "required": ["code", "input"],
+        },
+        "return": {
+            "type": "string",
+            "description": (
+                "str: The output produced by the executed code through standard output. If an "
+                "error occurs during execution, the error message will be returned."
+            ),
+        },
+    },
+}
+
+SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves "
+    "it. The Assistant first thinks about the reasoning process in the mind and then provides the "
+    "user with the answer. The reasoning process and answer are enclosed within <reason> </reason> "
+    "and <answer> </answer> tags, respectively, i.e., <reason> reasoning process here </reason>"
+    "<answer> answer here </answer>.\n\n"
+    "# Tools\n\n"
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n"
+    "<tools>\n" + json.dumps(TOOL_SCHEMA, ensure_ascii=False) + "\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+USER_PROMPT_PREFIX = (
+    "You must put your answer inside <answer> </answer> tags, i.e., <answer> answer here </answer>. "
+    "And your final answer will be extracted automatically by the \\boxed{} tag.\n"
+    "This is the problem: "
+)
+
+COMPACT_SYSTEM_PROMPT = (
+    "Reason in <reason></reason>, answer in <answer></answer>. Run Python with <tool_call>\n"
+    '{"name": "' + TOOL_NAME + '", "arguments": {"code": "...", "input": ""}}\n</tool_call>'
+)
+COMPACT_USER_PROMPT_PREFIX = "Put the answer in \\boxed{}.\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatFormat:
+    """The fixed texts of a prompt. RSTAR2 is paper Fig. 3; COMPACT keeps the same structure and
+    tool-call syntax in ~60 tokens (Qwen3 vocab; ~85 with 3000 ranks) for tiny demo models with a ~512-token budget."""
+
+    system_prompt: str = SYSTEM_PROMPT
+    user_prompt_prefix: str = USER_PROMPT_PREFIX
+
+
+RSTAR2 = ChatFormat()
+COMPACT = ChatFormat(COMPACT_SYSTEM_PROMPT, COMPACT_USER_PROMPT_PREFIX)
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
+
+
+class TokenizerLike(Protocol):
+    added_token_ids: Mapping[str, int]
+
+    def encode(self, text: str) -> list[int]: ...
+    def encode_ordinary(self, text: str) -> list[int]: ...
+    def token_id(self, token: str) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A span of a rendered conversation.
+
+    special: the text is one added token placed by the template (or the model's <|im_end|>).
+    assistant: generated by the model (SFT loss mask 1). Assistant text is its own tokenization
+      unit and may contain added tokens (the model emits <tool_call> etc.).
+    trusted: template text (system prompt, user prefix, role names): added tokens written in it
+      are real ones. Untrusted text (question, tool output, later user turns) is plain text.
+    Non-assistant text between two added tokens / assistant pieces is one tokenization unit.
+    """
+
+    text: str
+    special: bool = False
+    assistant: bool = False
+    trusted: bool = True
+
+
+def _special(token: str, assistant: bool = False) -> Piece:
+    return Piece(token, special=True, assistant=assistant)
+
+
+def _text(text: str) -> Piece:
+    return Piece(text)
+
+
+def _data(text: str) -> Piece:
+    return Piece(text, trusted=False)
+
+
+# ---- pieces -----------------------------------------------------------------------------------
+def _turn_open(role: str, newline_before: bool = False) -> list[Piece]:
+    return ([_text("\n")] if newline_before else []) + [_special(IM_START), _text(role + "\n")]
+
+
+def _system_user_pieces(system: str, user_prefix: str, question: str) -> list[Piece]:
+    return (
+        _turn_open("system") + [_text(system), _special(IM_END)]
+        + _turn_open("user", newline_before=True) + [_text(user_prefix), _data(question), _special(IM_END)]
+    )
+
+
+def _generation_prompt_pieces() -> list[Piece]:
+    return _turn_open("assistant", newline_before=True)
+
+
+def _tool_responses_pieces(texts: Sequence[str]) -> list[Piece]:
+    pieces = [_text("\n"), _special(IM_START), _text("user")]
+    for text in texts:
+        pieces += [_text("\n"), _special(TOOL_RESPONSE), _text("\n"), _data(text), _text("\n"), _special(TOOL_RESPONSE_END)]
+    return pieces + [_special(IM_END)]
+
+
+def prompt_pieces(question: str, fmt: ChatFormat = RSTAR2) -> list[Piece]:
+    _check_str("question", question)
+    return _system_user_pieces(fmt.system_prompt, fmt.user_prompt_prefix, question) + _generation_prompt_pieces()
+
+
+def tool_response_turn_pieces(texts: str | Sequence[str], close_assistant_turn: bool = False) -> list[Piece]:
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    if not texts:
+        raise ValueError("a tool response turn needs at least one tool output")
+    for t in texts:
+        _check_str("tool output", t)
+    # An engine that stops at </tool_call> has not emitted <|im_end|>: the template closes the turn.
+    close = [_special(IM_END)] if close_assistant_turn else []
+    return close + _tool_responses_pieces(texts) + _generation_prompt_pieces()
+
+
+def format_tool_call(name: str, arguments: Mapping[str, Any] | str) -> str:
+    """'<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>' (JSON args verbatim if str)."""
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return f'{TOOL_CALL}\n{{"name": "{name}", "arguments": {args}}}\n{TOOL_CALL_END}'
+
+
+def _assistant_text(message: Mapping[str, Any]) -> str:
+    content = message.get("content") or ""
+    _check_str("assistant content", content)
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", call)
+        if "name" not in fn or "arguments" not in fn:
+            raise ValueError(f"a tool call needs 'name' and 'arguments': {call!r}")
+        calls.append(format_tool_call(fn["name"], fn["arguments"]))
+    text = content + "\n".join(calls)
+    if not text:
+        raise ValueError("an assistant message needs content or tool_calls")
+    if text[0].isspace():
+        raise ValueError(
+            "assistant content must not start with whitespace: it would merge with the newline of "
+            "'<|im_start|>assistant\\n' when the conversation is tokenized as one string, while the "
+            f"rollout tokenizes turn by turn (content starts {text[:20]!r})"
+        )
+    return text
+
+
+def conversation_pieces(
+    messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False, fmt: ChatFormat = RSTAR2
+) -> list[Piece]:
+    """OpenAI-style messages -> pieces. An optional leading system message replaces fmt's system
+    prompt; the first user message is the question (after fmt's user prefix); later user messages are
+    verbatim; role="tool" messages become <tool_response> blocks of one user turn."""
+    messages = list(messages)
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"message {i}: role must be system/user/assistant/tool, got {m!r:.80}")
+    system = fmt.system_prompt
+    if messages and messages[0]["role"] == "system":
+        system = messages.pop(0).get("content") or ""
+        _check_str("system content", system)
+    if not messages or messages[0]["role"] != "user":
+        raise ValueError("the conversation must start with the user's question (after an optional system)")
+    pieces = _system_user_pieces(system, fmt.user_prompt_prefix, _content(messages[0], 0))
+    i = 1
+    while i < len(messages):
+        role = messages[i]["role"]
+        if role == "assistant":
+            pieces += _generation_prompt_pieces()
+            pieces += [Piece(_assistant_text(messages[i]), assistant=True), _special(IM_END, assistant=True)]
+            i += 1
+        elif role == "tool":
+            if messages[i - 1]["role"] != "assistant" or not messages[i - 1].get("tool_calls"):
+                raise ValueError(f"message {i}: a tool result must follow an assistant message with tool_calls")
+            j = i
+            while j < len(messages) and messages[j]["role"] == "tool":
+                j += 1
+            pieces += _tool_responses_pieces([_content(messages[k], k) for k in range(i, j)])
+            i = j
+        elif role == "user":
+            pieces += _turn_open("user", newline_before=True) + [_data(_content(messages[i], i)), _special(IM_END)]
+            i += 1
+        else:
+            raise ValueError(f"message {i}: a system message is only allowed first")
+    if add_generation_prompt:
+        pieces += _generation_prompt_pieces()
+    else:
+        pieces.append(_text("\n"))  # ChatML closes every turn with a newline
+    return pieces
+
+
+# ---- string level -----------------------------------------------------------------------------
+def render(pieces: Sequence[Piece]) -> str:
+    return "".join(p.text for p in pieces)
+
+
+def render_prompt(question: str, fmt: ChatFormat = RSTAR2) -> str:
+    """System prompt + user question + assistant generation prompt (paper Fig. 3)."""
+    return render(prompt_pieces(question, fmt))
+
+
+def render_tool_response_turn(texts: str | Sequence[str], close_assistant_turn: bool = False) -> str:
+    """What the rollout appends after a model turn that ended with <|im_end|> (or, with
+    close_assistant_turn=True, one that stopped at </tool_call>): the tool output(s) as a user turn
+    in <tool_response> blocks, then the next assistant generation prompt."""
+    return render(tool_response_turn_pieces(texts, close_assistant_turn))
+
+
+def render_conversation(
+    messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False, fmt: ChatFormat = RSTAR2
+) -> str:
+    """SFT rendering of OpenAI-style messages (assistant tool_calls, role="tool" results)."""
+    return render(conversation_pieces(messages, add_generation_prompt, fmt))
+
+
+def render_conversation_with_mask(
+    messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False, fmt: ChatFormat = RSTAR2
+) -> tuple[str, np.ndarray]:
+    """(text, bool[len(text)]): True on characters the model generates (incl. its <|im_end|>)."""
+    pieces = conversation_pieces(messages, add_generation_prompt, fmt)
+    mask = np.concatenate([np.full(len(p.text), p.assistant, bool) for p in pieces])
+    return render(pieces), mask
+
+
+# ---- id level ---------------------------------------------------------------------------------
+def encode_pieces(tokenizer: TokenizerLike, pieces: Sequence[Piece]) -> tuple[np.ndarray, np.ndarray]:
+    """(int32 ids, bool assistant mask). Equals `tokenizer.encode(render(pieces))` whenever the
+    untrusted text holds no added-token string: added tokens cut the BPE pre-tokenizer, so the
+    text between them is encoded unit by unit; assistant text is its own unit (see module doc)."""
+    added = tokenizer.added_token_ids
+    splitter = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
+    ids: list[int] = []
+    mask: list[bool] = []
+    run: list[str] = []
+
+    def flush():
+        if run:
+            new = tokenizer.encode_ordinary("".join(run))
+            ids.extend(new)
+            mask.extend([False] * len(new))
+            run.clear()
+
+    def add_special(token: str, assistant: bool):
+        flush()
+        ids.append(tokenizer.token_id(token))
+        mask.append(assistant)
+
+    for p in pieces:
+        if p.special:
+            add_special(p.text, p.assistant)
+        elif p.assistant:
+            flush()
+            new = tokenizer.encode(p.text)
+            ids.extend(new)
+            mask.extend([True] * len(new))
+        elif p.trusted:
+            for k, part in enumerate(splitter.split(p.text)):
+                if k % 2:  # re.split puts the captured added tokens at odd positions
+                    add_special(part, False)
+                elif part:
+                    run.append(part)
+        else:
+            run.append(p.text)
+    flush()
+    return np.asarray(ids, np.int32), np.asarray(mask, bool)
+
+
+def encode_prompt(tokenizer: TokenizerLike, question: str, fmt: ChatFormat = RSTAR2) -> list[int]:
+    """Prompt ids for the rollout (the question's text can never produce an added token)."""
+    return encode_pieces(tokenizer, prompt_pieces(question, fmt))[0].tolist()
+
+
+def encode_tool_response_turn(
+    tokenizer: TokenizerLike, texts: str | Sequence[str], close_assistant_turn: bool = False
+) -> list[int]:
+    """Ids the rollout appends after a model turn (see render_tool_response_turn); the tool output
+    is plain text even if it prints "<|im_end|>"."""
+    return encode_pieces(tokenizer, tool_response_turn_pieces(texts, close_assistant_turn))[0].tolist()
+
+
+@dataclasses.dataclass
+class EncodedConversation:
+    ids: np.ndarray  # int32[n]
+    assistant_mask: np.ndarray  # bool[n]: SFT loss on these target tokens
+
+
+def encode_conversation(
+    tokenizer: TokenizerLike,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = False,
+    fmt: ChatFormat = RSTAR2,
+) -> EncodedConversation:
+    ids, mask = encode_pieces(tokenizer, conversation_pieces(messages, add_generation_prompt, fmt))
+    return EncodedConversation(ids, mask)
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+def _check_str(what: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, got {type(value).__name__}")
+
+
+def _content(message: Mapping[str, Any], index: int) -> str:
+    content = message.get("content")
+    if not isinstance(content, str):
+        raise TypeError(f"message {index} ({message.get('role')}): content must be a str, got {type(content).__name__}")
+    return content
+
+
+def _jinja_string(s: str) -> str:
+    # A JSON string literal (ASCII-only) is a valid Jinja string literal with the same value.
+    return json.dumps(s, ensure_ascii=True)
+
+
+def jinja_chat_template(fmt: ChatFormat = RSTAR2) -> str:
+    """The same template as conversation_pieces(), for HF `apply_chat_template` (saved into
+    tokenizer_config.json by Tokenizer.save_pretrained); tests/test_chat_template.py checks that
+    transformers renders exactly what render_conversation renders."""
+    return (
+        "{%- set default_system = " + _jinja_string(fmt.system_prompt) + " %}"
+        "{%- set user_prefix = " + _jinja_string(fmt.user_prompt_prefix) + " %}"
+        "{%- if messages[0].role == 'system' %}"
+        "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>' }}"
+        "{%- set start = 1 %}"
+        "{%- else %}"
+        "{{- '<|im_start|>system\\n' + default_system + '<|im_end|>' }}"
+        "{%- set start = 0 %}"
+        "{%- endif %}"
+        "{%- set ns = namespace(seen_question=false) %}"
+        "{%- for message in messages[start:] %}"
+        "{%- if message.role == 'user' %}"
+        "{{- '\\n<|im_start|>user\\n' }}"
+        "{%- if not ns.seen_question %}{{- user_prefix }}{%- set ns.seen_question = true %}{%- endif %}"
+        "{{- message.content + '<|im_end|>' }}"
+        "{%- elif message.role == 'assistant' %}"
+        "{{- '\\n<|im_start|>assistant\\n' }}"
+        "{%- if message.content %}{{- message.content }}{%- endif %}"
+        "{%- if message.tool_calls %}"
+        "{%- for tool_call in message.tool_calls %}"
+        "{%- if not loop.first %}{{- '\\n' }}{%- endif %}"
+        "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+        "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+        "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+        "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+        "{{- '}\\n</tool_call>' }}"
+        "{%- endfor %}"
+        "{%- endif %}"
+        "{{- '<|im_end|>' }}"
+        "{%- elif message.role == 'tool' %}"
+        "{%- if loop.first or loop.previtem.role != 'tool' %}{{- '\\n<|im_start|>user' }}{%- endif %}"
+        "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+        "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>' }}{%- endif %}"
+        "{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '\\n<|im_start|>assistant\\n' }}{%- else %}{{- '\\n' }}{%- endif %}"
+    )
+
+
+JINJA_CHAT_TEMPLATE = jinja_chat_template(RSTAR2)
