@@ -22,7 +22,9 @@ def _rand_text(rng, lo=0, hi=40):
 
 def _assistant_content(rng):
     text = _rand_text(rng)
-    return rng.choice(["<reason>", "Let", "1", "'", "中", "("]) + text  # never leading whitespace
+    # never a leading line break (rejected, see test_bad_conversations_are_clear_errors)
+    text = rng.choice(["<reason>", "Let", "1", "'", "中", "(", " ", "  x", "\t", " \u00a0"]) + text
+    return "y" + text if re.match(r"\s*[\r\n]", text) else text
 
 
 def _tool_call(rng):
@@ -206,10 +208,9 @@ def test_tool_response_turn_layout(tok):
 
 def test_bad_conversations_are_clear_errors():
     q = {"role": "user", "content": "Q"}
-    with pytest.raises(ValueError, match="whitespace"):
-        ct.render_conversation([q, {"role": "assistant", "content": " hi"}])
-    with pytest.raises(ValueError, match="whitespace"):
-        ct.render_conversation([q, {"role": "assistant", "content": "\nhi"}])
+    for bad_start in ("\nhi", "  \nhi", "\t\r\nx", "\n"):
+        with pytest.raises(ValueError, match="line break"):
+            ct.render_conversation([q, {"role": "assistant", "content": bad_start}])
     with pytest.raises(ValueError, match="role"):
         ct.render_conversation([q, {"role": "bot", "content": "x"}])
     with pytest.raises(ValueError, match="start with the user"):

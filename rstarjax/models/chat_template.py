@@ -16,8 +16,9 @@ the <|im_end|> it generated; the "\\n" after <|im_end|> belongs to the next temp
 cuts are clean for the BPE: an added token always splits the pre-tokenizer, and "assistant\\n"
 followed by a non-whitespace character splits there too (letters never absorb a newline). So
 `tokenizer.encode(render_conversation(m)) == encode_conversation(tok, m).ids ==` the rollout's
-concatenation, provided assistant contents do not start with whitespace (a "\\n" + " " run would
-merge across the cut): `render_conversation` rejects those with a ValueError.
+concatenation, provided no assistant content starts with a line break, possibly after other
+whitespace (the "\\n\\n" run would merge across the cut): `render_conversation` rejects those
+with a ValueError.
 
 Untrusted text (the question, tool output, later user turns) is plain text in the id-level
 helpers: a program printing "<|im_end|>" cannot forge a turn. For such text the string-level
@@ -222,6 +223,11 @@ def format_tool_call(name: str, arguments: Mapping[str, Any] | str) -> str:
     return f'{TOOL_CALL}\n{{"name": "{name}", "arguments": {args}}}\n{TOOL_CALL_END}'
 
 
+# The pre-tokenizer's `\s*[\r\n]+` would join "assistant\n" with such a start; anything else
+# (a letter, a digit, "<", spaces then a non-space) starts a new pre-token.
+_MERGES_WITH_PROMPT_NEWLINE = re.compile(r"\s*[\r\n]")
+
+
 def _assistant_text(message: Mapping[str, Any]) -> str:
     content = message.get("content") or ""
     _check_str("assistant content", content)
@@ -234,11 +240,12 @@ def _assistant_text(message: Mapping[str, Any]) -> str:
     text = content + "\n".join(calls)
     if not text:
         raise ValueError("an assistant message needs content or tool_calls")
-    if text[0].isspace():
+    if _MERGES_WITH_PROMPT_NEWLINE.match(text):
         raise ValueError(
-            "assistant content must not start with whitespace: it would merge with the newline of "
-            "'<|im_start|>assistant\\n' when the conversation is tokenized as one string, while the "
-            f"rollout tokenizes turn by turn (content starts {text[:20]!r})"
+            "assistant content must not start with a line break (after optional whitespace): it "
+            "would merge with the newline of '<|im_start|>assistant\\n' when the conversation is "
+            "tokenized as one string, while the rollout tokenizes turn by turn "
+            f"(content starts {text[:20]!r})"
         )
     return text
 
