@@ -1,0 +1,202 @@
+"""Evaluation (rStar2-Agent §5.1, Table 4): k samples per problem, pass@1 averaged over k,
+maj@k, pass@k and mean response length, per dataset.
+
+The metric functions are pure (numbers in, numbers out). ``evaluate_samples`` turns sampled
+trajectories into per-problem records and a per-dataset table; ``run_eval`` drives the real
+rollout loop (rl/agent_loop.py) over benchmark files (the AIME 2024/2025 and MATH-500 jsonl /
+parquet layouts that ``rl.data.load_problems`` reads) and writes ``eval_table.md``,
+``eval_results.json`` and ``eval_samples.jsonl`` (one line per problem with its trajectories).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from rstarjax.env.verify import extract_final_answer, normalize_integer
+from rstarjax.rl.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+# ---- metrics (pure) --------------------------------------------------------------------------
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, eq. 1):
+    1 - C(n - c, k) / C(n, k), computed as a stable product."""
+    if not (0 <= c <= n) or k < 1:
+        raise ValueError(f"need 0 <= c <= n and k >= 1, got n={n} c={c} k={k}")
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
+
+
+def mean_pass_at_1(correct: Sequence[bool]) -> float:
+    """pass@1 averaged over the k samples of one problem (the paper's "average pass@1")."""
+    if len(correct) == 0:
+        raise ValueError("no samples")
+    return float(np.mean(np.asarray(correct, np.float64)))
+
+
+def answer_key(answer: str | None) -> str | None:
+    """Vote key of an extracted answer: integers canonically ("1,000" == "1000"), else the text
+    with spaces removed. None (no answer) never votes."""
+    if answer is None or not answer.strip():
+        return None
+    as_int = normalize_integer(answer)
+    return str(as_int) if as_int is not None else answer.replace(" ", "")
+
+
+def majority_vote(answers: Sequence[str | None], correct: Sequence[bool]) -> bool:
+    """maj@k: is the most frequent answer among the samples correct?
+
+    Ties go to the answer that reached the top count first (sample order), so the result is
+    deterministic. A problem where no sample produced an answer scores 0. The winning answer's
+    correctness is that of its first sample (verification is a function of the answer alone)."""
+    if len(answers) != len(correct):
+        raise ValueError(f"{len(answers)} answers but {len(correct)} correctness flags")
+    counts: collections.Counter = collections.Counter()
+    first: dict[str, int] = {}
+    best, best_count = None, 0
+    for i, a in enumerate(answers):
+        key = answer_key(a)
+        if key is None:
+            continue
+        counts[key] += 1
+        first.setdefault(key, i)
+        if counts[key] > best_count:
+            best, best_count = key, counts[key]
+    return bool(correct[first[best]]) if best is not None else False
+
+
+@dataclasses.dataclass
+class ProblemResult:
+    uid: str
+    dataset: str
+    problem: str
+    gold: str
+    answers: list[str | None]
+    correct: list[bool]
+    response_lengths: list[int]  # tokens of model + tool text per sample
+    samples: list[dict] = dataclasses.field(default_factory=list)  # per-sample details for the JSONL
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def dataset_metrics(results: Sequence[ProblemResult], k: int) -> dict[str, float]:
+    """Table 4 figures over one dataset: pass@1 (mean over k), maj@k, pass@k, mean length."""
+    if not results:
+        raise ValueError("no problems")
+    for r in results:
+        if len(r.correct) < k:
+            raise ValueError(f"problem {r.uid} has {len(r.correct)} samples, fewer than k={k}")
+    return {
+        "num_problems": len(results),
+        "k": k,
+        "pass@1": float(np.mean([mean_pass_at_1(r.correct) for r in results])),
+        f"maj@{k}": float(np.mean([majority_vote(r.answers, r.correct) for r in results])),
+        f"pass@{k}": float(np.mean([pass_at_k(len(r.correct), sum(r.correct), k) for r in results])),
+        "mean_response_length": float(np.mean([np.mean(r.response_lengths) for r in results])),
+    }
+
+
+def problem_result(record: Mapping[str, str], trajectories: Sequence[Trajectory], dataset: str) -> ProblemResult:
+    """One problem's samples -> ProblemResult (reward > 0 is "correct", as in training)."""
+    answers = [extract_final_answer(t.response_text) for t in trajectories]
+    samples = [
+        {
+            "response": t.response_text,
+            "answer": a,
+            "reward": float(t.reward),
+            "response_length": int(len(t.response_ids)),
+            "model_tokens": t.num_model_tokens,
+            "turns": t.turns,
+            "tool_calls": t.tool_calls,
+            "tool_errors": t.tool_errors.total,
+            "finish": getattr(t.finish, "value", str(t.finish)),
+        }
+        for t, a in zip(trajectories, answers)
+    ]
+    return ProblemResult(
+        uid=str(record.get("uid", "")),
+        dataset=dataset,
+        problem=record["problem"],
+        gold=str(record["answer"]),
+        answers=answers,
+        correct=[t.reward > 0 for t in trajectories],
+        response_lengths=[int(len(t.response_ids)) for t in trajectories],
+        samples=samples,
+    )
+
+
+def format_table(per_dataset: Mapping[str, Mapping[str, float]], k: int) -> str:
+    """A Markdown table with one row per dataset (percentages, as the paper's tables)."""
+    cols = ["pass@1", f"maj@{k}", f"pass@{k}"]
+    lines = ["| dataset | problems | " + " | ".join(cols) + " | mean length |",
+             "|---|---:|" + "---:|" * len(cols) + "---:|"]
+    for name, m in per_dataset.items():
+        vals = " | ".join(f"{100 * m[c]:.1f}" for c in cols)
+        lines.append(f"| {name} | {m['num_problems']} | {vals} | {m['mean_response_length']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- driver ------------------------------------------------------------------------------------
+RolloutFn = Callable[[Sequence[Mapping[str, str]], int], Sequence[Sequence[Trajectory]]]
+"""(problem records, k) -> for each record, its k trajectories (rewards already computed)."""
+
+
+def evaluate_records(datasets: Mapping[str, Sequence[Mapping[str, str]]], rollout_fn: RolloutFn, k: int,
+                     out_dir: str | None = None) -> dict[str, dict[str, float]]:
+    """Sample k trajectories per problem of every dataset, score them and (optionally) write
+    ``eval_samples.jsonl``, ``eval_results.json`` and ``eval_table.md`` into ``out_dir``."""
+    per_dataset: dict[str, dict[str, float]] = {}
+    all_results: list[ProblemResult] = []
+    for name, records in datasets.items():
+        groups = rollout_fn(records, k)
+        if len(groups) != len(records):
+            raise RuntimeError(f"rollouts returned {len(groups)} groups for {len(records)} problems")
+        results = [problem_result(rec, trajs, name) for rec, trajs in zip(records, groups)]
+        per_dataset[name] = dataset_metrics(results, k)
+        all_results.extend(results)
+        log.info("eval %s: %s", name, per_dataset[name])
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "eval_samples.jsonl"), "w") as f:
+            for r in all_results:
+                f.write(json.dumps(r.to_json(), ensure_ascii=False) + "\n")
+        with open(os.path.join(out_dir, "eval_results.json"), "w") as f:
+            json.dump(per_dataset, f, indent=2)
+        with open(os.path.join(out_dir, "eval_table.md"), "w") as f:
+            f.write(format_table(per_dataset, k))
+    return per_dataset
+
+
+def load_benchmarks(paths: Sequence[str], names: Sequence[str] | None = None,
+                    limit: int = 0) -> dict[str, list[dict[str, str]]]:
+    """Benchmark files -> {dataset name: records}. Answers are kept as written (MATH-500 has
+    non-integer answers; math-verify compares them). Name defaults to the file's stem."""
+    from rstarjax.rl.data import load_problems
+
+    if isinstance(paths, str):
+        paths = [p for p in paths.split(",") if p]
+    if not paths:
+        raise ValueError("eval needs at least one benchmark file (--config.eval.paths=a.jsonl,b.parquet)")
+    names = list(names) if names else [os.path.splitext(os.path.basename(p))[0] for p in paths]
+    if len(names) != len(paths):
+        raise ValueError(f"{len(names)} dataset names for {len(paths)} files")
+    out = {}
+    for name, path in zip(names, paths):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"benchmark file {path!r} does not exist")
+        records, _ = load_problems(path, integer_only=False)
+        out[name] = records[:limit] if limit else records
+    return out

@@ -1,0 +1,113 @@
+"""Evaluation metrics against independent references (subset enumeration, hand-computed tables)."""
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+
+from rstarjax.rl import evaluate as ev
+from rstarjax.rl.trajectory import Finish, Segment, SegmentKind, Trajectory
+
+
+def _pass_at_k_enumerated(correct, k):
+    """Probability that a uniformly random k-subset holds a correct sample, by enumeration."""
+    subsets = list(itertools.combinations(range(len(correct)), k))
+    return sum(any(correct[i] for i in s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("n,c,k", [(5, 0, 1), (5, 1, 1), (5, 2, 3), (6, 3, 2), (8, 1, 8), (8, 7, 4), (7, 7, 3)])
+def test_pass_at_k_matches_enumeration(n, c, k):
+    correct = [True] * c + [False] * (n - c)
+    assert ev.pass_at_k(n, c, k) == pytest.approx(_pass_at_k_enumerated(correct, k), abs=1e-12)
+    assert ev.pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12)
+
+
+def test_pass_at_k_large_n_stable():
+    # C(200, 100) overflows float; the product form must still agree with exact rationals.
+    n, c, k = 200, 3, 100
+    exact = 1 - math.comb(n - c, k) / math.comb(n, k)
+    assert ev.pass_at_k(n, c, k) == pytest.approx(exact, rel=1e-9)
+
+
+@pytest.mark.parametrize("args", [(3, 4, 1), (3, -1, 1), (3, 1, 0), (3, 1, 4)])
+def test_pass_at_k_rejects_bad_input(args):
+    with pytest.raises(ValueError):
+        ev.pass_at_k(*args)
+
+
+def test_majority_vote_cases():
+    # "1,000" and "1000" are the same vote; it wins 2 to 1 and is correct.
+    assert ev.majority_vote(["1,000", "7", "1000"], [True, False, True]) is True
+    # the wrong answer has the majority
+    assert ev.majority_vote(["7", "7", "5"], [False, False, True]) is False
+    # None never votes: the single real answer wins
+    assert ev.majority_vote([None, None, "5"], [False, False, True]) is True
+    # no answers at all
+    assert ev.majority_vote([None, None], [False, False]) is False
+    # tie 1-1: the first to reach the top count wins
+    assert ev.majority_vote(["3", "4"], [False, True]) is False
+    assert ev.majority_vote(["4", "3"], [True, False]) is True
+    with pytest.raises(ValueError):
+        ev.majority_vote(["1"], [True, False])
+
+
+def _traj(text, reward, n_model=3, n_tool=2):
+    segs = [Segment(SegmentKind.MODEL, np.arange(n_model), np.zeros(n_model))]
+    if n_tool:
+        segs.append(Segment(SegmentKind.TOOL, np.arange(n_tool)))
+    return Trajectory(prompt_ids=np.arange(4), segments=segs, reward=reward, finish=Finish.ANSWERED,
+                      response_text=text)
+
+
+def _box(x):
+    return f"<answer>\\boxed{{{x}}}</answer>"
+
+
+def test_dataset_metrics_hand_computed(tmp_path):
+    records = [{"uid": "a", "problem": "p1", "answer": "12"}, {"uid": "b", "problem": "p2", "answer": "5"}]
+    groups = [
+        # 1 of 4 right; majority (3x "11") is wrong; lengths 5,5,5,5
+        [_traj(_box(12), 1.0), _traj(_box(11), 0.0), _traj(_box(11), 0.0), _traj(_box(11), 0.0)],
+        # 1 of 4 right, majority right ("5" once, others no answer); lengths 1+0 ... (model only)
+        [_traj("no answer", 0.0, 1, 0), _traj(_box(5), 1.0, 1, 0), _traj("x", 0.0, 1, 0), _traj("y", 0.0, 1, 0)],
+    ]
+    out = ev.evaluate_records({"toy": records}, lambda recs, k: groups, k=4, out_dir=str(tmp_path))
+    m = out["toy"]
+    assert m["pass@1"] == pytest.approx((0.25 + 0.25) / 2)
+    assert m["maj@4"] == pytest.approx(0.5)
+    assert m["pass@4"] == pytest.approx(1.0)
+    assert m["mean_response_length"] == pytest.approx((5 + 1) / 2)
+    lines = (tmp_path / "eval_samples.jsonl").read_text().splitlines()
+    assert [json.loads(l)["uid"] for l in lines] == ["a", "b"]
+    assert json.loads(lines[0])["answers"] == ["12", "11", "11", "11"]
+    assert "| toy | 2 | 25.0 | 50.0 | 100.0 | 3 |" in (tmp_path / "eval_table.md").read_text()
+
+
+def test_dataset_metrics_rejects_too_few_samples():
+    r = ev.ProblemResult("u", "d", "p", "1", ["1"], [True], [3])
+    with pytest.raises(ValueError, match="fewer than k"):
+        ev.dataset_metrics([r], k=2)
+
+
+def test_load_benchmarks_layouts(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    aime24 = tmp_path / "aime24.jsonl"  # HuggingFaceH4/aime_2024 layout
+    aime24.write_text("\n".join(json.dumps({"id": i, "problem": f"P{i}", "solution": "...", "answer": str(i)})
+                                for i in range(3)))
+    aime25 = tmp_path / "aime25.jsonl"  # opencompass AIME2025 layout
+    aime25.write_text(json.dumps({"question": "Q", "answer": "70"}) + "\n")
+    math500 = tmp_path / "math500.parquet"  # HuggingFaceH4/MATH-500 layout, non-integer answers kept
+    pq.write_table(pa.Table.from_pylist([{"problem": "M", "solution": "s", "answer": "\\frac{1}{2}",
+                                          "subject": "Algebra", "level": 2, "unique_id": "x"}]), math500)
+    out = ev.load_benchmarks([str(aime24), str(aime25), str(math500)])
+    assert list(out) == ["aime24", "aime25", "math500"]
+    assert [r["answer"] for r in out["aime24"]] == ["0", "1", "2"]
+    assert out["aime25"][0]["problem"] == "Q"
+    assert out["math500"][0]["answer"] == "\\frac{1}{2}"
+    with pytest.raises(FileNotFoundError):
+        ev.load_benchmarks([str(tmp_path / "missing.jsonl")])
+    with pytest.raises(ValueError):
+        ev.load_benchmarks([])
