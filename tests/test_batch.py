@@ -138,3 +138,34 @@ def test_train_batch_is_a_pytree():
     out = jax.jit(lambda x: x.loss_mask.sum() + x.advantages.sum())(b)
     assert float(out) == pytest.approx(3 + 4.0)
     assert isinstance(b.rows(0, 1), TrainBatch)
+
+
+def test_packed_and_padded_logprobs_agree_through_the_model():
+    """Packing is only correct if positions restart and segment_ids isolate sequences in the real
+    model: the per-token log-probs of every trajectory must not depend on the layout."""
+    from flax import nnx
+
+    from rstarjax.models import ModelConfig, Qwen3
+
+    cfg = ModelConfig.preset("tiny")
+    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(3)
+    trajs = []
+    for _ in range(4):
+        n = int(rng.integers(2, 6))
+        trajs.append(Trajectory(prompt_ids=rng.integers(1, 500, int(rng.integers(1, 4))),
+                                segments=[Segment(M, rng.integers(1, 500, n), np.full(n, -1.0)),
+                                          Segment(T, rng.integers(1, 500, 2))]))
+    padded, lay_p = build_train_batch(trajs, [1.0] * 4, seq_len=20, pad_id=0)
+    # Same [4, 20] shape as the padded batch (one compile); packing uses only the first rows.
+    packed, lay_k = build_train_batch(trajs, [1.0] * 4, seq_len=20, pad_id=0, pack=True, num_rows=4)
+    assert packed.shape == padded.shape and max(pl.row for pl in lay_k.placements) <= 1
+
+    @nnx.jit
+    def logprobs(model, b):
+        return token_logprobs(model(b.tokens, positions=b.positions, segment_ids=b.segment_ids), b.tokens)
+
+    lp_p, lp_k = np.asarray(logprobs(model, padded)), np.asarray(logprobs(model, packed))
+    for a, b in zip(lay_p.placements, lay_k.placements):
+        np.testing.assert_allclose(lp_k[b.row, b.start + 1 : b.start + b.length],
+                                   lp_p[a.row, a.start + 1 : a.start + a.length], atol=2e-5)
