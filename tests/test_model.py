@@ -85,8 +85,9 @@ def test_scan_equals_unrolled_loop_values_and_grads(tiny):
     def loss(model):
         return jnp.mean(jax.nn.log_softmax(model(tokens))[..., 7])
 
-    grads = [nnx.grad(loss)(m) for m in (tiny, unrolled, remat)]
-    np.testing.assert_allclose(tiny(tokens), unrolled(tokens), atol=1e-5)
+    grads = [nnx.jit(nnx.grad(loss))(m) for m in (tiny, unrolled, remat)]
+    np.testing.assert_allclose(_jit_forward(tiny)(tokens), _jit_forward(unrolled)(tokens),
+                               atol=1e-5)
     for g in grads[1:]:
         for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(g)):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-4)
@@ -105,8 +106,8 @@ def test_packed_segments_equal_separate_sequences(tiny):
     segments[0, :7], segments[0, 7:12] = 1, 2
     out = fwd(jnp.asarray(packed), jnp.asarray(positions), jnp.asarray(segments))
     assert np.isfinite(np.asarray(out)).all()  # padding rows too: no NaN
-    sep_a = tiny(jnp.asarray(a[None], jnp.int32))
-    sep_b = tiny(jnp.asarray(b[None], jnp.int32))
+    sep_a = fwd(jnp.asarray(a[None], jnp.int32))
+    sep_b = fwd(jnp.asarray(b[None], jnp.int32))
     np.testing.assert_allclose(out[0, :7], sep_a[0], atol=1e-5)
     np.testing.assert_allclose(out[0, 7:12], sep_b[0], atol=1e-5)
     # Without segment ids, b would see a: the logits must differ (the mask matters).
@@ -118,7 +119,7 @@ def test_bf16_compute_gives_f32_logits_close_to_f32():
     tokens = jnp.asarray(np.random.RandomState(2).randint(0, 512, (2, 10)), jnp.int32)
     m32 = Qwen3(TINY32, rngs=nnx.Rngs(3))
     m16 = Qwen3(TINY32.replace(dtype=jnp.bfloat16), rngs=nnx.Rngs(3))
-    out16, out32 = m16(tokens), m32(tokens)
+    out16, out32 = _jit_forward(m16)(tokens), _jit_forward(m32)(tokens)
     assert out16.dtype == jnp.float32
     assert float(jnp.abs(out16 - out32).max()) < 0.05 * float(jnp.abs(out32).max()) + 1e-2
 
@@ -159,8 +160,9 @@ def test_decode_chunked_prefill_then_steps_matches_forward(tiny):
         for r in range(3):
             got[r].append(np.asarray(logits[r, 0]))
     np.testing.assert_array_equal(cache.lengths, np.array(prompt_lens) + steps)
+    fwd = _jit_forward(tiny)
     for r in range(3):
-        ref = tiny(jnp.asarray(seqs[r][None], jnp.int32))[0]
+        ref = fwd(jnp.asarray(seqs[r][None], jnp.int32))[0]
         np.testing.assert_allclose(np.stack(got[r]), ref, atol=2e-5)
 
 
@@ -171,15 +173,16 @@ def test_decode_drops_out_of_range_writes_never_clamps(tiny):
     cache = KVCache.init(TINY32, batch=2, max_len=max_len, dtype=jnp.float32)
     rng = np.random.RandomState(5)
     prompt = jnp.asarray(rng.randint(0, 512, (2, 6)), jnp.int32)
-    _, cache = tiny.decode(prompt, cache, jnp.array([6, 6], jnp.int32))
+    decode = _jit_decode(tiny)
+    _, cache = decode(prompt, cache, jnp.array([6, 6], jnp.int32))
     before_k = np.asarray(cache.k)
     tail = jnp.asarray(rng.randint(0, 512, (2, 4)), jnp.int32)
-    _, after = tiny.decode(tail, cache, jnp.array([4, 0], jnp.int32))
+    _, after = decode(tail, cache, jnp.array([4, 0], jnp.int32))
     np.testing.assert_array_equal(np.asarray(after.k)[:, :, :6], before_k[:, :, :6])
     np.testing.assert_array_equal(after.lengths, [10, 6])
     # The two entries that fit equal what a fresh decode of the same 8 tokens writes there.
     fresh = KVCache.init(TINY32, batch=2, max_len=max_len, dtype=jnp.float32)
-    _, fresh = tiny.decode(jnp.concatenate([prompt, tail[:, :2]], 1), fresh,
+    _, fresh = decode(jnp.concatenate([prompt, tail[:, :2]], 1), fresh,
                            jnp.array([8, 8], jnp.int32))
     np.testing.assert_allclose(np.asarray(after.k)[:, 0, 6:], np.asarray(fresh.k)[:, 0, 6:],
                                atol=1e-5)
