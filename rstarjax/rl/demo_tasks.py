@@ -1,0 +1,214 @@
+"""Procedural integer-answer problems for CPU demos, and SFT tool-use traces in rStar2-Agent format.
+
+The problems are easy with the Python tool and hopeless "in the head" for a tiny model:
+large-number multiplication, modular exponentiation, counting multiples of a or b up to N, digit
+sums of big powers. They are short (~20-30 tokens) for a ~512-token budget.
+
+Splits are disjoint by construction: a problem belongs to the held-out split iff a stable hash of
+its text falls in the held-out bucket, whatever the seed or the number of problems drawn.
+
+SFT traces (paper Fig. 2 layout): a short <reason>, a <tool_call> with code that computes the
+answer, the tool result (the code really runs in a child Python process), then
+<reason>...</reason><answer>\\boxed{N}</answer>, as OpenAI-style messages for
+`rstarjax.models.chat_template.render_conversation` / `encode_conversation`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+
+from rstarjax.models.chat_template import TOOL_NAME
+
+TASK_KINDS = ("multiply", "modpow", "count_divisible", "digit_sum_power")
+SPLITS = ("train", "test")
+HELD_OUT_BUCKETS = 10  # 1 in 10 problem texts is held out
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoTask:
+    kind: str
+    problem: str
+    answer: str
+    code: str  # a program that prints the answer (what the SFT trace's tool call runs)
+    reason: str  # the trace's opening <reason> text
+
+    def as_row(self) -> dict[str, str]:
+        return {"problem": self.problem, "answer": self.answer}
+
+
+# ---- generators: pure functions of a random.Random ---------------------------------------------
+def _multiply(rng: random.Random) -> DemoTask:
+    a, b = rng.randint(10**4, 10**7 - 1), rng.randint(10**4, 10**7 - 1)
+    return DemoTask(
+        "multiply", f"Compute {a} * {b}.", str(a * b), f"print({a} * {b})",
+        "Multiplying large numbers by hand is error-prone, so I will compute it in Python.",
+    )
+
+
+def _modpow(rng: random.Random) -> DemoTask:
+    base, exp, mod = rng.randint(2, 999), rng.randint(100, 99999), rng.randint(101, 99991)
+    return DemoTask(
+        "modpow", f"Compute {base}^{exp} mod {mod}.", str(pow(base, exp, mod)),
+        f"print(pow({base}, {exp}, {mod}))",
+        "Modular exponentiation is fast with Python's three-argument pow.",
+    )
+
+
+def _count_divisible(rng: random.Random) -> DemoTask:
+    n = rng.randint(1000, 99999)
+    a = rng.randint(2, 40)
+    b = rng.choice([k for k in range(2, 41) if k % a and a % k])  # neither divides the other
+    lcm = a * b // _gcd(a, b)
+    answer = n // a + n // b - n // lcm  # inclusion-exclusion; the trace's code counts directly
+    return DemoTask(
+        "count_divisible",
+        f"How many integers from 1 to {n} are divisible by {a} or {b}?",
+        str(answer),
+        f"print(sum(1 for k in range(1, {n + 1}) if k % {a} == 0 or k % {b} == 0))",
+        "I will count the multiples of either number directly with a loop.",
+    )
+
+
+def _digit_sum_power(rng: random.Random) -> DemoTask:
+    base, exp = rng.randint(2, 99), rng.randint(20, 300)
+    return DemoTask(
+        "digit_sum_power",
+        f"What is the sum of the digits of {base}^{exp}?",
+        str(sum(int(d) for d in str(base**exp))),
+        f"print(sum(int(d) for d in str({base} ** {exp})))",
+        "The power is huge; Python integers are exact, so I will sum its digits in code.",
+    )
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+GENERATORS: dict[str, Callable[[random.Random], DemoTask]] = {
+    "multiply": _multiply,
+    "modpow": _modpow,
+    "count_divisible": _count_divisible,
+    "digit_sum_power": _digit_sum_power,
+}
+
+
+def split_of(problem: str) -> str:
+    """"test" for the held-out bucket of a stable hash of the problem text, else "train"."""
+    bucket = int.from_bytes(hashlib.sha256(problem.encode()).digest()[:8], "big") % HELD_OUT_BUCKETS
+    return "test" if bucket == 0 else "train"
+
+
+def generate_tasks(
+    num: int, split: str = "train", seed: int = 0, kinds: Sequence[str] = TASK_KINDS
+) -> list[DemoTask]:
+    """`num` distinct problems of `split`, kinds in round-robin order. Deterministic in
+    (split, seed, kinds); train and test never share a problem text."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    unknown = [k for k in kinds if k not in GENERATORS]
+    if unknown or not kinds:
+        raise ValueError(f"unknown task kinds {unknown}; choose from {TASK_KINDS}")
+    if num < 0:
+        raise ValueError(f"num must be >= 0, got {num}")
+    rng = random.Random(f"rstarjax-demo-{split}-{seed}")
+    tasks: list[DemoTask] = []
+    seen: set[str] = set()
+    max_draws = 200 * num + 1000  # the spaces are huge; this only guards a pathological caller
+    for draw in range(max_draws):
+        if len(tasks) == num:
+            break
+        task = GENERATORS[kinds[len(tasks) % len(kinds)]](rng)
+        if task.problem in seen or split_of(task.problem) != split:
+            continue
+        seen.add(task.problem)
+        tasks.append(task)
+    if len(tasks) < num:
+        raise RuntimeError(f"only {len(tasks)} distinct {split} problems after {max_draws} draws")
+    return tasks
+
+
+def make_dataset(num: int, split: str = "train", seed: int = 0, kinds: Sequence[str] = TASK_KINDS) -> list[dict[str, str]]:
+    """Rows {"problem": str, "answer": str} (the RL data contract)."""
+    return [t.as_row() for t in generate_tasks(num, split, seed, kinds)]
+
+
+# ---- running code in a child process -----------------------------------------------------------
+_CHILD = r"""
+import contextlib, io, json, sys, traceback
+codes = json.loads(sys.stdin.read())
+out = []
+for code in codes:
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
+        text = buf.getvalue()
+    except BaseException:
+        text = buf.getvalue() + traceback.format_exc(limit=2)
+    out.append(text.rstrip("\n"))
+sys.__stdout__.write(json.dumps(out))
+"""
+
+
+def run_programs(codes: Sequence[str], timeout: float = 60.0) -> list[str]:
+    """Run each program in one fresh child interpreter (isolated from this process); returns the
+    stdout of each, trailing newlines stripped as rstarjax.env's sandbox does (an exception's
+    traceback is appended to its output). Raises TimeoutError if the batch exceeds `timeout`."""
+    if not codes:
+        return []
+    proc = subprocess.Popen(
+        [sys.executable, "-I", "-c", _CHILD],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(json.dumps(list(codes)), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise TimeoutError(f"{len(codes)} demo programs did not finish within {timeout} s") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"demo program runner failed (exit {proc.returncode}): {stderr[-500:]}")
+    outputs = json.loads(stdout)
+    if len(outputs) != len(codes):
+        raise RuntimeError(f"runner returned {len(outputs)} outputs for {len(codes)} programs")
+    return outputs
+
+
+# ---- SFT traces --------------------------------------------------------------------------------
+def sft_trace(task: DemoTask, tool_output: str) -> list[dict]:
+    """OpenAI-style messages: question, reason + tool call, tool result, reason + boxed answer.
+    The final answer is taken from the tool output (as a model would), not from `task.answer`."""
+    result = tool_output.strip()
+    return [
+        {"role": "user", "content": task.problem},
+        {
+            "role": "assistant",
+            "content": f"<reason>{task.reason}</reason>",
+            "tool_calls": [
+                {"type": "function", "function": {"name": TOOL_NAME, "arguments": {"code": task.code, "input": ""}}}
+            ],
+        },
+        {"role": "tool", "content": tool_output},
+        {
+            "role": "assistant",
+            "content": f"<reason>The code printed {result}.</reason><answer>\\boxed{{{result}}}</answer>",
+        },
+    ]
+
+
+def make_sft_traces(
+    tasks: Sequence[DemoTask],
+    runner: Callable[[Sequence[str]], list[str]] = run_programs,
+) -> list[list[dict]]:
+    """Runs every task's code (default: a child process; pass e.g. a wrapper around
+    rstarjax.env.CodeExecutor to use the RL sandbox) and keeps only traces whose tool output is
+    the task's answer (a failed run never becomes training data)."""
+    outputs = runner([t.code for t in tasks])
+    return [sft_trace(t, out) for t, out in zip(tasks, outputs, strict=True) if out.strip() == t.answer]

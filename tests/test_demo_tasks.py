@@ -1,0 +1,113 @@
+"""Demo tasks: answers against independent computations, disjoint splits, SFT traces that the
+chat template, the env's tool-call parser and math-verify (the RL reward) all accept."""
+import re
+import time
+
+import pytest
+
+from rstarjax.models import chat_template as ct
+from rstarjax.models.tokenizer import load_tokenizer
+from rstarjax.rl import demo_tasks as dt
+
+
+def _independent_answer(problem: str) -> int:
+    """Recompute from the problem text alone, by a different method than the generator's."""
+    nums = [int(x) for x in re.findall(r"\d+", problem)]
+    if problem.startswith("Compute") and "mod" in problem:
+        base, exp, mod = nums
+        result, b = 1, base % mod
+        for bit in bin(exp)[2:][::-1]:  # right-to-left square-and-multiply
+            if bit == "1":
+                result = result * b % mod
+            b = b * b % mod
+        return result
+    if problem.startswith("Compute"):
+        a, b = nums
+        return sum(int(d) * 10**i * a for i, d in enumerate(reversed(str(b))))  # long multiplication
+    if problem.startswith("How many"):
+        _, n, a, b = nums
+        return sum(1 for k in range(1, n + 1) if k % a == 0 or k % b == 0)
+    base, exp = nums
+    value, total = base**exp, 0
+    while value:
+        value, digit = divmod(value, 10)
+        total += digit
+    return total
+
+
+def test_answers_are_correct_and_code_really_prints_them():
+    tasks = dt.generate_tasks(40, "train", seed=3)
+    assert {t.kind for t in tasks} == set(dt.TASK_KINDS)
+    outputs = dt.run_programs([t.code for t in tasks])
+    for task, out in zip(tasks, outputs):
+        assert int(task.answer) == _independent_answer(task.problem), task
+        assert out == task.answer
+
+
+def test_splits_are_disjoint_and_deterministic():
+    train = dt.make_dataset(600, "train", seed=0)
+    test = dt.make_dataset(150, "test", seed=0)
+    test_other_seed = dt.make_dataset(150, "test", seed=1)
+    assert set(r["problem"] for r in train).isdisjoint(r["problem"] for r in test + test_other_seed)
+    assert len({r["problem"] for r in train}) == 600
+    assert dt.make_dataset(600, "train", seed=0) == train
+    assert dt.make_dataset(50, "train", seed=1) != train[:50]
+    assert all(set(r) == {"problem", "answer"} and r["answer"].isdigit() for r in train)
+    only = dt.make_dataset(20, "test", kinds=("modpow",))
+    assert all("mod" in r["problem"] for r in only)
+
+
+def test_problems_are_short_for_the_demo_budget():
+    small = load_tokenizer(3000)
+    rows = dt.make_dataset(200, "train")
+    assert max(len(small.encode(r["problem"])) for r in rows) <= 40
+
+
+def test_sft_traces_render_parse_and_verify():
+    from rstarjax.env import parse_tool_call, verify_answer
+
+    small = load_tokenizer(3000)
+    tasks = dt.generate_tasks(24, "train", seed=5)
+    traces = dt.make_sft_traces(tasks)
+    assert len(traces) == len(tasks)
+    for task, msgs in zip(tasks, traces):
+        enc = ct.encode_conversation(small, msgs, fmt=ct.COMPACT)
+        assert len(enc.ids) <= 512 and enc.assistant_mask.sum() > 20
+        assert enc.ids.tolist() == small.encode(ct.render_conversation(msgs, fmt=ct.COMPACT))
+        first_turn = ct.render_conversation(msgs[:2])
+        call = parse_tool_call(first_turn[first_turn.rindex("<|im_start|>assistant"):])
+        assert call.code == task.code and call.stdin == ""
+        assert msgs[2]["content"] == task.answer
+        assert verify_answer(msgs[3]["content"], task.answer)
+        assert not verify_answer(msgs[3]["content"], str(int(task.answer) + 1))
+
+
+def test_failed_runs_never_become_training_data():
+    tasks = dt.generate_tasks(4, "train")
+    assert all(t.answer != "1" for t in tasks)
+    wrong = lambda codes: ["1"] * len(codes)  # noqa: E731
+    assert dt.make_sft_traces(tasks, runner=wrong) == []
+    half = lambda codes: [t.answer if i % 2 else "oops" for i, t in enumerate(tasks)]  # noqa: E731
+    assert [m[0]["content"] for m in dt.make_sft_traces(tasks, runner=half)] == [t.problem for t in tasks[1::2]]
+
+
+def test_runner_isolation_errors_and_timeout():
+    out = dt.run_programs(["print('<|im_end|>')", "1/0", "import sys; sys.exit(3)", "x = 1"])
+    assert out[0] == "<|im_end|>"
+    assert "ZeroDivisionError" in out[1]
+    assert "SystemExit" in out[2]
+    assert out[3] == ""
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        dt.run_programs(["while True: pass"], timeout=1.0)
+    assert time.monotonic() - start < 10
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="split"):
+        dt.generate_tasks(3, "val")
+    with pytest.raises(ValueError, match="kinds"):
+        dt.generate_tasks(3, kinds=("sorting",))
+    with pytest.raises(ValueError):
+        dt.generate_tasks(-1)
+    assert dt.run_programs([]) == []
