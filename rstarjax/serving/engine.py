@@ -1,0 +1,410 @@
+"""Slot-based serving engine: JetStream's Engine contract for our Qwen3, plus ``extend``.
+
+One engine owns ``num_slots`` decode slots over a dense per-slot KV cache of ``max_len``
+tokens (``KVCache`` ``[layers, num_slots, max_len, kv_heads, head_dim]`` with per-slot
+lengths). The model weights are an ``nnx.split`` state pytree: ``update_params`` swaps the
+reference (no copy), so a trainer colocated on the same devices hands its new state over for
+free.
+
+Token flow of one slot (the "pending token" invariant):
+
+- ``prefill`` runs the prompt and *samples* the first token; that token is returned to the
+  caller but its K/V is not yet in the cache: it is the slot's *pending* token.
+- each ``generate`` step feeds every active slot's pending token (one cache position) and
+  samples the next one, which becomes pending.
+- ``extend(slot, tokens)`` feeds ``[pending] + tokens`` in one bucketed forward (a tool
+  response appended to a live conversation, no re-prefill) and samples the next pending token.
+
+So the cache always holds exactly the conversation minus its last sampled token.
+
+Compiles are bounded: one ``generate`` step (fixed slot count), one forward per prefill
+bucket (shared by ``prefill`` and ``extend``: both run the same row forward with the same
+shapes), one row-slice and one row-insert. With the default buckets (powers of two from
+``min_bucket`` to ``max_len``) that is ``log2(max_len / min_bucket) + 1 + 3`` programs.
+
+Stops: each slot carries up to ``MAX_STOP_IDS`` stop ids and a token budget; ``generate``
+deactivates a slot on device the step it emits a stop id, exhausts its budget, or fills its
+cache (``DoneReason``). Host-side, ``ResultTokens`` report token, log-prob, validity and done
+reason per slot.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rstarjax.models.kv_cache import KVCache
+from rstarjax.serving.sampling import SamplingParams, sample_tokens
+
+MAX_STOP_IDS = 8  # per-request stop ids kept on device (padded with -1)
+
+
+class DoneReason(enum.IntEnum):
+    NOT_DONE = 0
+    STOP = 1  # emitted one of the request's stop ids (the id is part of the output)
+    BUDGET = 2  # sampled its max_new_tokens
+    CONTEXT = 3  # the slot's KV cache is full: the sampled token could not be fed
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything the decode step needs, one row per slot (a pytree; donated each step)."""
+
+    cache: KVCache
+    pending: jax.Array  # int32[B]: sampled token not yet fed to the cache
+    active: jax.Array  # bool[B]: decoding (not free, not done, not waiting on a tool)
+    seeds: jax.Array  # int32[B]
+    counters: jax.Array  # int32[B]: tokens sampled so far by the request (RNG stream index)
+    temperature: jax.Array  # f32[B]
+    top_k: jax.Array  # int32[B]
+    top_p: jax.Array  # f32[B]
+    stop_ids: jax.Array  # int32[B, MAX_STOP_IDS], -1 padded
+    budget: jax.Array  # int32[B]: tokens this slot may still sample
+
+    def replace(self, **changes) -> "DecodeState":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass
+class Prefix:
+    """Result of ``prefill``: a one-row cache holding the prompt and the first sampled token."""
+
+    cache: KVCache  # batch 1, max_len of the engine
+    token: int
+    logprob: float
+    length: int  # tokens in the cache (prompt length)
+    sampling: SamplingParams
+    done: DoneReason  # the first token may already end the request
+
+
+@dataclasses.dataclass
+class ResultTokens:
+    """Host copy of one ``generate`` step: per slot."""
+
+    tokens: np.ndarray  # int32[B]
+    logprobs: np.ndarray  # f32[B]
+    valid: np.ndarray  # bool[B]: the slot was decoding this step (token is real)
+    done: np.ndarray  # int32[B] DoneReason, nonzero the step a slot stops
+    lengths: np.ndarray  # int32[B] tokens in the cache after the step
+
+
+@dataclasses.dataclass
+class SlotToken:
+    """The token sampled after ``extend``."""
+
+    token: int
+    logprob: float
+    done: DoneReason
+
+
+def default_buckets(max_len: int, min_bucket: int = 16) -> tuple[int, ...]:
+    """Powers of two from ``min_bucket`` below ``max_len``, then ``max_len``."""
+    out, b = [], min_bucket
+    while b < max_len:
+        out.append(b)
+        b *= 2
+    out.append(max_len)
+    return tuple(out)
+
+
+def _stop_row(params: SamplingParams) -> np.ndarray:
+    if len(params.stop_ids) > MAX_STOP_IDS:
+        raise ValueError(f"at most {MAX_STOP_IDS} stop ids per request, got {len(params.stop_ids)}")
+    row = np.full((MAX_STOP_IDS,), -1, np.int32)
+    row[: len(params.stop_ids)] = params.stop_ids
+    return row
+
+
+# ---- jitted programs (module level so every engine with the same shapes shares them) ------
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _row_forward(graphdef, params, row: KVCache, tokens, num_new, seed, counter, temperature,
+                 top_k, top_p, forced):
+    """Feed ``tokens[0, :num_new]`` into a one-row cache; sample after the last one."""
+    model = nnx.merge(graphdef, params)
+    logits, row = model.decode(tokens, row, num_new)
+    last = jnp.take_along_axis(logits, (num_new - 1)[:, None, None], axis=1)[:, 0]
+    tok, lp = sample_tokens(last, seed, counter, temperature, top_k, top_p, forced)
+    return row, tok[0], lp[0]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_row(state: DecodeState, slot, row: KVCache, pending, active, seed, counter,
+             temperature, top_k, top_p, stop_ids, budget) -> DecodeState:
+    def put(big, small):
+        return jax.lax.dynamic_update_index_in_dim(big, small, slot, 0)
+
+    cache = state.cache
+    cache = cache.replace(
+        k=jax.lax.dynamic_update_slice_in_dim(cache.k, row.k.astype(cache.k.dtype), slot, 1),
+        v=jax.lax.dynamic_update_slice_in_dim(cache.v, row.v.astype(cache.v.dtype), slot, 1),
+        lengths=put(cache.lengths, row.lengths[0]),
+    )
+    return state.replace(
+        cache=cache, pending=put(state.pending, pending), active=put(state.active, active),
+        seeds=put(state.seeds, seed), counters=put(state.counters, counter),
+        temperature=put(state.temperature, temperature), top_k=put(state.top_k, top_k),
+        top_p=put(state.top_p, top_p), stop_ids=put(state.stop_ids, stop_ids),
+        budget=put(state.budget, budget))
+
+
+@jax.jit
+def _get_row(state: DecodeState, slot) -> KVCache:
+    c = state.cache
+    return KVCache(k=jax.lax.dynamic_slice_in_dim(c.k, slot, 1, 1),
+                   v=jax.lax.dynamic_slice_in_dim(c.v, slot, 1, 1),
+                   lengths=jax.lax.dynamic_slice_in_dim(c.lengths, slot, 1, 0))
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _generate_step(graphdef, params, state: DecodeState, forced):
+    model = nnx.merge(graphdef, params)
+    active = state.active
+    num_new = active.astype(jnp.int32)
+    logits, cache = model.decode(state.pending[:, None], state.cache, num_new)
+    tok, lp = sample_tokens(logits[:, 0], state.seeds, state.counters, state.temperature,
+                            state.top_k, state.top_p, forced)
+    budget = state.budget - num_new
+    hit_stop = jnp.any(tok[:, None] == state.stop_ids, axis=-1)
+    # The new token needs one more cache position to be fed later.
+    full = cache.lengths >= cache.max_len
+    done = jnp.where(hit_stop, DoneReason.STOP,
+                     jnp.where(budget <= 0, DoneReason.BUDGET,
+                               jnp.where(full, DoneReason.CONTEXT, DoneReason.NOT_DONE)))
+    done = jnp.where(active, done, DoneReason.NOT_DONE).astype(jnp.int32)
+    new_state = state.replace(
+        cache=cache,
+        pending=jnp.where(active, tok, state.pending),
+        active=active & (done == DoneReason.NOT_DONE),
+        counters=state.counters + num_new,
+        budget=budget)
+    return new_state, (tok, lp, active, done, cache.lengths)
+
+
+class Engine:
+    """JetStream-style engine over one model replica (see module docstring).
+
+    The engine object keeps a host mirror of each slot's cache length and liveness (one
+    decode state per engine), which is what the scheduler reads as free KV capacity.
+    """
+
+    def __init__(self, model: nnx.Module, *, num_slots: int, max_len: int,
+                 buckets: Sequence[int] | None = None, cache_dtype=None, min_bucket: int = 16):
+        if num_slots < 1 or max_len < 2:
+            raise ValueError(f"need num_slots >= 1 and max_len >= 2, got {num_slots}, {max_len}")
+        self.config = model.config
+        self.graphdef, self.params = nnx.split(model)
+        self.num_slots = int(num_slots)
+        self.max_len = int(max_len)
+        self.buckets = tuple(sorted(buckets)) if buckets else default_buckets(max_len, min_bucket)
+        if self.buckets[-1] > max_len:
+            raise ValueError(f"bucket {self.buckets[-1]} exceeds max_len {max_len}")
+        self.cache_dtype = cache_dtype or self.config.dtype
+        self._slot_len = np.zeros(num_slots, np.int64)  # host mirror of cache lengths
+        self._slot_live = np.zeros(num_slots, bool)  # holds a request (decoding or waiting)
+        self.busy_seconds = 0.0  # time spent inside engine programs (incl. the host sync)
+        self.prefill_tokens = 0  # tokens run through prefill/extend forwards (unpadded)
+
+    # ---- JetStream contract ----------------------------------------------------------------
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self.num_slots
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self.buckets[-1]
+
+    def init_decode_state(self) -> DecodeState:
+        b = self.num_slots
+        self._slot_len[:] = 0
+        self._slot_live[:] = False
+        return DecodeState(
+            cache=KVCache.init(self.config, b, self.max_len, self.cache_dtype),
+            pending=jnp.zeros(b, jnp.int32), active=jnp.zeros(b, bool),
+            seeds=jnp.zeros(b, jnp.int32), counters=jnp.zeros(b, jnp.int32),
+            temperature=jnp.zeros(b, jnp.float32), top_k=jnp.zeros(b, jnp.int32),
+            top_p=jnp.ones(b, jnp.float32), stop_ids=jnp.full((b, MAX_STOP_IDS), -1, jnp.int32),
+            budget=jnp.zeros(b, jnp.int32))
+
+    def bucket_for(self, n: int) -> int:
+        for b in self.buckets:
+            if n <= b:
+                return b
+        raise ValueError(f"{n} tokens exceed the largest prefill bucket {self.buckets[-1]}")
+
+    def prefill(self, params, tokens: Sequence[int], true_length: int | None = None,
+                existing_prefix: Prefix | None = None, *, sampling: SamplingParams | None = None,
+                forced_token: int = -1) -> Prefix:
+        """Run a prompt (or append it to ``existing_prefix``) and sample its first token."""
+        sampling = sampling or (existing_prefix.sampling if existing_prefix else SamplingParams())
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        n = int(true_length if true_length is not None else tokens.shape[0])
+        if n < 1 or n > tokens.shape[0]:
+            raise ValueError(f"true_length {n} must be in [1, {tokens.shape[0]}]")
+        tokens = tokens[:n]
+        if existing_prefix is not None:
+            # Feed the prefix's pending token first, exactly like extend.
+            tokens = np.concatenate([[existing_prefix.token], tokens]).astype(np.int32)
+            row, start, counter = existing_prefix.cache, existing_prefix.length, 1
+        else:
+            row, start, counter = self._empty_row(), 0, 0
+        if start + len(tokens) > self.max_len:
+            raise ValueError(f"prompt of {start + len(tokens)} tokens does not fit max_len "
+                             f"{self.max_len}")
+        row, tok, lp = self._forward(params, row, tokens, sampling, counter, forced_token)
+        length = start + len(tokens)
+        done = self._first_token_done(tok, sampling, sampling.max_new_tokens, length)
+        return Prefix(cache=row, token=tok, logprob=lp, length=length, sampling=sampling,
+                      done=done)
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+        """Place a prefix in ``slot``; the slot decodes from its first token on."""
+        self._check_slot(slot)
+        s = prefix.sampling
+        t0 = time.perf_counter()
+        state = _set_row(
+            decode_state, jnp.int32(slot), prefix.cache, jnp.int32(prefix.token),
+            jnp.bool_(prefix.done == DoneReason.NOT_DONE), jnp.int32(s.seed), jnp.int32(1),
+            jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p),
+            jnp.asarray(_stop_row(s)), jnp.int32(s.max_new_tokens - 1))
+        self.busy_seconds += time.perf_counter() - t0
+        self._slot_len[slot] = prefix.length
+        self._slot_live[slot] = True
+        return state
+
+    def generate(self, params, decode_state: DecodeState,
+                 forced: np.ndarray | None = None) -> tuple[DecodeState, ResultTokens]:
+        """One decode step for every active slot. ``forced[b] >= 0`` teacher-forces slot b."""
+        f = jnp.full(self.num_slots, -1, jnp.int32) if forced is None else jnp.asarray(forced, jnp.int32)
+        t0 = time.perf_counter()
+        state, (tok, lp, valid, done, lengths) = _generate_step(self.graphdef, params,
+                                                                decode_state, f)
+        res = ResultTokens(*jax.device_get((tok, lp, valid, done, lengths)))
+        self.busy_seconds += time.perf_counter() - t0
+        self._slot_len[res.valid] = res.lengths[res.valid]
+        return state, res
+
+    def free_resource(self, slot: int) -> None:
+        """Release ``slot`` (its cache rows are simply overwritten by the next insert).
+
+        The decode state is not touched: the caller must not step a freed slot again (a
+        slot stops decoding on its own when done; ``deactivate`` stops it early)."""
+        self._check_slot(slot)
+        self._slot_live[slot] = False
+        self._slot_len[slot] = 0
+
+    # ---- multi-turn additions -------------------------------------------------------------
+    def extend(self, params, decode_state: DecodeState, slot: int, tokens: Sequence[int], *,
+               max_new_tokens: int | None = None, forced_token: int = -1
+               ) -> tuple[DecodeState, SlotToken]:
+        """Append ``tokens`` (e.g. a tool response turn) to a live slot without re-prefilling.
+
+        Feeds the slot's pending token followed by ``tokens``, samples the next token and
+        re-activates the slot. ``max_new_tokens`` (if given) is the slot's new budget of
+        sampled tokens, counting the one sampled here. Raises ``ValueError`` when the
+        conversation would not fit the slot (``free_tokens_in_slot``)."""
+        self._check_slot(slot)
+        if not self._slot_live[slot]:
+            raise ValueError(f"slot {slot} holds no request")
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        need = len(tokens) + 1
+        if self._slot_len[slot] + need > self.max_len:
+            raise ValueError(f"slot {slot}: {self._slot_len[slot]} + {need} tokens exceed "
+                             f"max_len {self.max_len}")
+        t0 = time.perf_counter()
+        row = _get_row(decode_state, jnp.int32(slot))
+        host = jax.device_get((
+            decode_state.pending[slot], decode_state.seeds[slot], decode_state.counters[slot],
+            decode_state.temperature[slot], decode_state.top_k[slot], decode_state.top_p[slot],
+            decode_state.budget[slot], decode_state.stop_ids[slot]))
+        pending, seed, counter, top_k, budget = (int(host[i]) for i in (0, 1, 2, 4, 6))
+        temp, top_p, stop_row = float(host[3]), float(host[5]), np.asarray(host[7])
+        self.busy_seconds += time.perf_counter() - t0
+        sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
+        feed = np.concatenate([[pending], tokens]).astype(np.int32)
+        row, tok, lp = self._forward(params, row, feed, sampling, counter, forced_token)
+        budget = budget if max_new_tokens is None else int(max_new_tokens)
+        length = int(self._slot_len[slot]) + need
+        done = self._first_token_done(tok, dataclasses.replace(
+            sampling, stop_ids=tuple(int(x) for x in stop_row if x >= 0)), budget, length)
+        t0 = time.perf_counter()
+        state = _set_row(decode_state, jnp.int32(slot), row, jnp.int32(tok),
+                         jnp.bool_(done == DoneReason.NOT_DONE), jnp.int32(seed),
+                         jnp.int32(counter + 1), jnp.float32(temp), jnp.int32(top_k),
+                         jnp.float32(top_p), jnp.asarray(stop_row), jnp.int32(budget - 1))
+        self.busy_seconds += time.perf_counter() - t0
+        self._slot_len[slot] = length
+        return state, SlotToken(token=tok, logprob=lp, done=done)
+
+    def update_params(self, new_params) -> None:
+        """Swap the weights (an ``nnx.split`` state with the same structure). No copy: the
+        engine keeps a reference, so a colocated trainer's arrays are served directly."""
+        if jax.tree.structure(new_params) != jax.tree.structure(self.params):
+            raise ValueError("update_params: the new state's tree structure differs from the "
+                             "served model's")
+        self.params = new_params
+
+    # ---- capacity for the scheduler --------------------------------------------------------
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_slots * self.max_len
+
+    def free_kv_tokens(self) -> int:
+        """KV positions not holding any live request's tokens."""
+        return int(self.kv_capacity_tokens - self._slot_len[self._slot_live].sum())
+
+    def free_slots(self) -> list[int]:
+        return [int(i) for i in np.flatnonzero(~self._slot_live)]
+
+    def free_tokens_in_slot(self, slot: int) -> int:
+        return int(self.max_len - self._slot_len[slot])
+
+    def slot_length(self, slot: int) -> int:
+        return int(self._slot_len[slot])
+
+    # ---- internals -------------------------------------------------------------------------
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} out of range [0, {self.num_slots})")
+
+    def _empty_row(self) -> KVCache:
+        # Contents beyond `lengths` are never read, so any row with length 0 works; keep one.
+        if getattr(self, "_empty", None) is None:
+            self._empty = KVCache.init(self.config, 1, self.max_len, self.cache_dtype)
+        return self._empty
+
+    def _forward(self, params, row, feed: np.ndarray, sampling: SamplingParams, counter: int,
+                 forced_token: int):
+        n = len(feed)
+        bucket = self.bucket_for(n)
+        padded = np.zeros((1, bucket), np.int32)
+        padded[0, :n] = feed
+        t0 = time.perf_counter()
+        row, tok, lp = _row_forward(
+            self.graphdef, params, row, jnp.asarray(padded), jnp.array([n], jnp.int32),
+            jnp.array([sampling.seed], jnp.int32), jnp.array([counter], jnp.int32),
+            jnp.array([sampling.temperature], jnp.float32),
+            jnp.array([sampling.top_k], jnp.int32), jnp.array([sampling.top_p], jnp.float32),
+            jnp.array([forced_token], jnp.int32))
+        tok, lp = int(tok), float(lp)
+        self.busy_seconds += time.perf_counter() - t0
+        self.prefill_tokens += n
+        return row, tok, lp
+
+    def _first_token_done(self, tok: int, sampling: SamplingParams, budget: int,
+                          length: int) -> DoneReason:
+        if tok in sampling.stop_ids:
+            return DoneReason.STOP
+        if budget - 1 <= 0:  # `budget` counts the token just sampled
+            return DoneReason.BUDGET
+        if length >= self.max_len:
+            return DoneReason.CONTEXT
+        return DoneReason.NOT_DONE
