@@ -31,7 +31,7 @@ PR_SET_CHILD_SUBREAPER = 36
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
-MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -41,11 +41,12 @@ class SandboxLimits:
     """Per-call resource limits (all enforced by the kernel inside the child)."""
 
     memory_bytes: int = 1 << 30  # RLIMIT_AS
-    max_processes: int = 64  # RLIMIT_NPROC, counted per sandbox uid (one uid per slot)
+    max_processes: int = 32  # RLIMIT_NPROC (processes + threads), per sandbox uid (one uid per slot)
     max_file_bytes: int = 64 << 20  # RLIMIT_FSIZE
     max_open_files: int = 256  # RLIMIT_NOFILE
     max_output_bytes: int = 64 << 10  # per stream kept by the worker (head + tail)
     cpu_slack_s: int = 1  # RLIMIT_CPU = ceil(timeout) + slack (wall clock is enforced separately)
+    nice: int = 10  # sandboxes yield to their worker, so a fork bomb cannot starve the kill
 
 
 def libc_call(name: str, *args) -> int:
@@ -111,6 +112,7 @@ def confine_child(limits: SandboxLimits, timeout_s: float, workdir: str, sandbox
     # A non-default SIGPIPE disposition is what CPython itself sets: keep EPIPE as an exception.
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     set_limits(limits, timeout_s)
+    os.setpriority(os.PRIO_PROCESS, 0, limits.nice)
     os.chdir(workdir)
     os.environ.clear()
     os.environ.update(scrubbed_env(workdir))

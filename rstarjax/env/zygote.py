@@ -156,7 +156,88 @@ def setup_zygote_isolation(config: dict) -> dict:
                     flags = sandbox.MS_NOSUID | sandbox.MS_NODEV
                     ok &= sandbox.libc_call("mount", b"tmpfs", path, b"tmpfs", flags, opts) == 0
             info["private_tmp"] = ok
+        info["exposed"] = expose_python_tree()
     return info
+
+
+def python_tree() -> list[str]:
+    """Directories an unprivileged sandbox must be able to read to import and to run python."""
+    import sysconfig
+
+    paths = {sys.base_prefix, sys.prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        paths.add(sysconfig.get_paths()[key])
+    paths.update(p for p in sys.path if p and os.path.isdir(p))
+    return sorted(os.path.realpath(p) for p in paths)
+
+
+def first_closed_ancestor(path: str) -> str | None:
+    """The outermost ancestor of `path` that others cannot traverse (mode lacks o+x)."""
+    current = "/"
+    for part in path.strip("/").split("/"):
+        current = os.path.join(current, part)
+        try:
+            if not os.stat(current).st_mode & 0o001:
+                return current
+        except OSError:
+            return None
+    return None
+
+
+def expose_python_tree() -> list[str]:
+    """In our private mount namespace, make the interpreter readable to the sandbox uid.
+
+    Python often lives under a 0700 home (/root/.pyenv). We never change host permissions:
+    instead a 0755 tmpfs covers the closed directory (hiding the rest of it, e.g. /root/.ssh,
+    from sandboxes) and only the needed child directories are bind-mounted back into it.
+    """
+    from rstarjax.env import sandbox
+
+    plan: dict[str, set[str]] = {}
+    for path in python_tree():
+        closed = first_closed_ancestor(path)
+        if closed is None or closed == path:
+            continue
+        child = path[len(closed) + 1 :].split("/")[0]
+        plan.setdefault(closed, set()).add(child)
+    exposed = []
+    for closed, children in plan.items():
+        handles = {c: os.open(os.path.join(closed, c), os.O_PATH) for c in children}
+        try:
+            if sandbox.libc_call("mount", b"tmpfs", closed.encode(), b"tmpfs", sandbox.MS_NOSUID | sandbox.MS_NODEV,
+                                 b"size=1m,mode=0755") != 0:
+                continue
+            for child, fd in handles.items():
+                target = os.path.join(closed, child)
+                os.mkdir(target, 0o755)
+                if sandbox.libc_call("mount", f"/proc/self/fd/{fd}".encode(), target.encode(), None,
+                                     sandbox.MS_BIND | sandbox.MS_REC, None) == 0:
+                    exposed.append(target)
+        finally:
+            for fd in handles.values():
+                os.close(fd)
+    return exposed
+
+
+def probe_unprivileged_imports(uid: int) -> bool:
+    """Can `uid` read the standard library? (If not, dropping to it would break every import.)"""
+    import sysconfig
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            os.listdir(stdlib)
+            with open(os.path.join(stdlib, "statistics.py"), "rb"):
+                pass
+            os._exit(0)
+        except BaseException:  # noqa: BLE001
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
 
 
 def probe_pidns() -> bool:
@@ -177,7 +258,7 @@ def probe_pidns() -> bool:
 class Running:
     __slots__ = (
         "call", "pid", "pidfd", "slot", "workdir", "stdout", "stderr", "result", "fds", "deadline",
-        "t_recv", "t_start", "timed_out", "exit_status",
+        "t_recv", "t_start", "timed_out", "replied",
     )
 
 
@@ -302,6 +383,7 @@ class Worker:
         run.t_recv, run.t_start = call.get("t_recv", t_start), t_start
         run.deadline = t_start + float(call["timeout"])
         run.timed_out = False
+        run.replied = False
         for name, fd in (("stdout", out_r), ("stderr", err_r), ("result", res_r)):
             os.set_blocking(fd, False)
             run.fds[name] = fd
@@ -336,6 +418,13 @@ class Worker:
             if not run.timed_out and now >= run.deadline:
                 run.timed_out = True
                 self._kill(run)
+                # Answer now: the verdict is known, and tearing down a big process tree (a fork
+                # bomb of 64 copies of a 100 MB interpreter) can take a second on a busy machine.
+                # The slot stays taken until the process is really gone.
+                for what, fd in list(run.fds.items()):
+                    if what != "result":
+                        self._drain(fd, run, what)
+                self._send_result(run, 0, now)
 
     def _kill(self, run: Running) -> None:
         try:
@@ -378,8 +467,13 @@ class Worker:
             self._sweep_uid(self.slot_uid(run.slot))
         shutil.rmtree(run.workdir, ignore_errors=True)
         self.free_slots.append(run.slot)
+        if not run.replied:
+            self._send_result(run, status, t_end)
+
+    def _send_result(self, run: Running, status: int, t_end: float) -> None:
         reply = self._classify(run, status)
         reply.update(id=run.call["id"], t_recv=run.t_recv, t_start=run.t_start, t_end=t_end, t_sent=time.monotonic())
+        run.replied = True
         self._reply(reply)
 
     def _classify(self, run: Running, status: int) -> dict:
@@ -474,6 +568,8 @@ def zygote_main(argv: list[str]) -> None:
     config = json.loads(argv[1])
     control = socket.socket(fileno=int(config["control_fd"]))
     _bootstrap_package()
+    env_dir = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != env_dir]  # no top-level "sandbox"
     from rstarjax.env import sandbox
 
     isolation = setup_zygote_isolation(config)
@@ -483,6 +579,10 @@ def zygote_main(argv: list[str]) -> None:
         raise RuntimeError("the zygote must not import jax")
     isolation["pidns"] = bool(config.get("isolate", True)) and probe_pidns()
     isolation["uid_drop"] = bool(config.get("isolate", True)) and isolation["root"]
+    if isolation["uid_drop"] and not probe_unprivileged_imports(int(config["uid_base"])):
+        # Better a working sandbox contained by its PID namespace than one that cannot import.
+        isolation["uid_drop"] = False
+        isolation["uid_drop_refused"] = "the sandbox uid cannot read the Python installation"
     if not isolation["pidns"]:
         # Orphans of a sandbox (double fork) get reparented to their worker rather than to init.
         sandbox.libc_call("prctl", sandbox.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)

@@ -1,0 +1,62 @@
+"""Answer extraction and math-verify checking (in-process), independent of the pool."""
+import pytest
+
+from rstarjax.env import extract_final_answer, find_boxed, verify_answer
+
+
+@pytest.mark.parametrize(
+    "response, gold",
+    [
+        (r"<answer>\boxed{\frac{1}{2}}</answer>", "0.5"),
+        (r"<answer>\boxed{0.5}</answer>", r"\frac{1}{2}"),
+        (r"<answer>\boxed{1,000}</answer>", "1000"),
+        (r"<answer>\boxed{1000}</answer>", "1,000"),
+        (r"<answer>$\boxed{ 110 }$</answer>", "110"),
+        (r"<answer>\boxed{\text{42}}</answer>", "42"),
+        (r"<answer>\boxed{-7}</answer>", "-7"),
+        (r"<answer>\boxed{x^2 + 2x + 1}</answer>", "(x+1)^2"),
+        (r"<answer>\boxed{\sqrt{8}}</answer>", r"2\sqrt{2}"),
+        (r"<answer>\boxed{\frac{4}{2}}</answer>", "2"),
+        (r"the answer is \boxed{24}", "24"),  # no <answer> block: last box of the response
+    ],
+)
+def test_equivalent_forms_are_correct(response, gold):
+    assert verify_answer(response, gold) is True
+
+
+@pytest.mark.parametrize(
+    "response, gold",
+    [
+        (r"<answer>\boxed{3}</answer>", "4"),
+        (r"<answer>\boxed{1,001}</answer>", "1000"),
+        (r"<answer>\boxed{0.51}</answer>", r"\frac{1}{2}"),
+        (r"<answer>110</answer>", "110"),  # no box
+        ("no answer at all", "1"),
+        (r"<answer>\boxed{}</answer>", "1"),
+        (r"<answer>\boxed{12</answer>", "12"),  # unbalanced
+        # the box outside <answer> does not count when an <answer> block exists
+        (r"I guess \boxed{5}. <answer>\boxed{6}</answer>", "5"),
+    ],
+)
+def test_wrong_or_missing_answers(response, gold):
+    assert verify_answer(response, gold) is False
+
+
+def test_several_boxes_last_one_counts():
+    assert verify_answer(r"<answer>\boxed{1} or rather \boxed{2}</answer>", "2") is True
+    assert verify_answer(r"<answer>\boxed{1} or rather \boxed{2}</answer>", "1") is False
+
+
+def test_extraction_handles_nested_braces_and_fbox():
+    assert find_boxed(r"\boxed{\frac{a}{b}} and \fbox{c}") == [r"\frac{a}{b}", "c"]
+    assert extract_final_answer(r"<answer>\boxed{\dfrac{1}{\sqrt{2}}}</answer>") == r"\dfrac{1}{\sqrt{2}}"
+    assert extract_final_answer("nothing") is None
+
+
+def test_works_off_the_main_thread():
+    # math-verify's own timeouts use signal.alarm, which fails off the main thread and silently
+    # yields 0 (the verl/TRL bug); ours are disabled, so a worker thread gets the true verdict.
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert pool.submit(verify_answer, r"<answer>\boxed{\frac{1}{2}}</answer>", "0.5").result(60) is True
