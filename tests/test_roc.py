@@ -223,3 +223,22 @@ def test_topk_variant_by_hand():
     assert roc_select(group, 4, rng=None, variant="topk") == [0, 2, 5, 6]
     # Ties broken by original index (stable), like Python's sort in the official code.
     assert roc_select([traj(reward=1.0)] * 6, 3, rng=None, variant="topk") == [0, 1, 2]
+
+
+def test_successive_sampling_order_probabilities():
+    # P(first = i) = w_i / W and P(first = i, second = j) = w_i/W * w_j/(W - w_i).
+    from rstarjax.rl.roc import weighted_sample_without_replacement
+
+    w = np.array([5.0, 1.0, 2.0, 0.5])
+    rng = np.random.default_rng(11)
+    trials = 20000
+    pairs = np.zeros((4, 4))
+    for _ in range(trials):
+        a, b = weighted_sample_without_replacement(w, 2, rng)
+        pairs[a, b] += 1
+    W = w.sum()
+    exact = np.array([[0 if i == j else w[i] / W * w[j] / (W - w[i]) for j in range(4)] for i in range(4)])
+    se = np.sqrt(exact * (1 - exact) / trials)
+    assert np.all(np.abs(pairs / trials - exact) < 4.5 * np.maximum(se, 1e-4)), (pairs / trials, exact)
+    with pytest.raises(ValueError):
+        weighted_sample_without_replacement(np.array([1.0, 0.0]), 1, rng)

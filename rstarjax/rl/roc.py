@@ -15,7 +15,8 @@ Decisions the paper leaves open (see docs/algorithm.md):
   perfect trace is ~50x likelier to be picked first than a tool-free one (p_total = 0.5) but
   the draw stays a draw, so penalty-0 traces never get an infinite weight.
 * **Sampling without replacement** is successive sampling: each draw picks among the
-  remaining positives with probability w_i / sum(remaining w); chosen ones are removed.
+  remaining positives with probability w_i / sum(remaining w); chosen ones are removed
+  (vectorised with Efraimidis-Spirakis keys, which have exactly that distribution).
 * **Positive** means reward > 0 on the *answer-only* reward (eq. 3), before any shaping.
 * ``variant="topk"`` reproduces the official code (verl recipe/rstar2_agent down_sample/roc.py):
   counts ``round(|neg| G/N)`` / ``round(|pos| G/N)`` (Python round, half to even), the rest
@@ -107,19 +108,20 @@ def selection_weights(penalties: np.ndarray, zero_penalty_eps: float = DEFAULT_Z
 
 
 def weighted_sample_without_replacement(weights: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Successive sampling: k draws, each proportional to the weights of the items not yet drawn."""
-    w = np.array(weights, np.float64)
+    """k indices drawn by successive sampling: each draw picks among the items not drawn yet with
+    probability proportional to their weights. Returned in draw order.
+
+    Implemented with Efraimidis-Spirakis keys (log u_i / w_i, the k largest), which has exactly the
+    successive-sampling distribution (Efraimidis & Spirakis 2006) in one vectorised pass.
+    """
+    w = np.asarray(weights, np.float64)
     if k > len(w) or k < 0:
         raise ValueError(f"cannot draw {k} of {len(w)}")
     if np.any(~np.isfinite(w)) or np.any(w <= 0):
         raise ValueError("weights must be finite and > 0")
-    chosen = []
-    for _ in range(k):
-        p = w / w.sum()
-        i = int(rng.choice(len(w), p=p))
-        chosen.append(i)
-        w[i] = 0.0
-    return np.asarray(chosen, np.int64)
+    u = 1.0 - rng.random(len(w))  # in (0, 1]: log is finite
+    keys = np.log(u) / w
+    return np.argsort(-keys, kind="stable")[:k].astype(np.int64)
 
 
 def _as_rng(rng) -> np.random.Generator:
