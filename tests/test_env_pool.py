@@ -1,0 +1,205 @@
+"""Dispatch: every call answered exactly once, dead/hung workers replaced, bounded waits,
+backpressure, async API, reward verification in the pool."""
+import asyncio
+import concurrent.futures
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from rstarjax.env import CodeExecutor, ExecutorClosedError, ExecutorConfig, VerifyResult
+
+
+@pytest.fixture(scope="module")
+def ex():
+    with CodeExecutor(num_workers=2, slots_per_worker=4) as executor:
+        yield executor
+
+
+def test_batch_results_are_in_order_and_match_their_calls(ex):
+    calls = [(f"print({i} * 3)", "") for i in range(50)] + [("print(input())", "hello")]
+    results = ex.run_batch(calls)
+    assert [r.text for r in results[:50]] == [f"{i * 3}\n" for i in range(50)]
+    assert results[50].text == "hello\n"
+
+
+def test_submit_returns_futures_from_many_threads(ex):
+    def work(k):
+        futs = [ex.submit(f"print({k * 100 + j})") for j in range(10)]
+        return [f.result(timeout=60).text for f in futs]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(work, range(4)))
+    assert outs == [[f"{k * 100 + j}\n" for j in range(10)] for k in range(4)]
+
+
+def test_async_api(ex):
+    async def main():
+        one = await ex.arun("print('async')")
+        many = await ex.arun_batch([f"{i} ** 2" for i in range(8)])
+        return one, many
+
+    one, many = asyncio.run(main())
+    assert one.text == "async\n"
+    assert [r.text for r in many] == [str(i**2) for i in range(8)]
+
+
+def test_bad_arguments_are_clear_errors(ex):
+    with pytest.raises(TypeError):
+        ex.submit(b"print(1)")
+    with pytest.raises(TypeError):
+        ex.submit("print(1)", stdin=3)
+    for bad in (0, -1, float("nan"), float("inf"), 10**9):
+        with pytest.raises(ValueError):
+            ex.submit("print(1)", timeout=bad)
+
+
+def test_verify_in_the_pool(ex):
+    assert ex.submit_verify(r"<answer>\boxed{\frac{1}{2}}</answer>", "0.5").result(60) == VerifyResult(True)
+    assert bool(ex.verify(r"<answer>\boxed{1,000}</answer>", 1000)) is True
+    assert bool(ex.verify(r"<answer>\boxed{7}</answer>", "8")) is False
+    assert bool(ex.verify("no box here", "8")) is False
+
+
+def test_pathological_verification_times_out_as_reward_zero(ex):
+    before = ex.stats["verify_timeouts"]
+    t0 = time.monotonic()
+    r = ex.verify(r"<answer>\boxed{9^{9^{9^{9}}}}</answer>", r"\frac{1}{3}", timeout=1.0)
+    assert time.monotonic() - t0 < 2.0
+    assert r == VerifyResult(False, timed_out=True, error=r.error) and not r
+    assert ex.stats["verify_timeouts"] == before + 1
+    assert bool(ex.verify(r"<answer>\boxed{3}</answer>", "3")) is True  # the pool still serves
+
+
+def test_verification_from_a_worker_thread_is_not_silently_zero(ex):
+    # The verl/TRL failure mode: signal.alarm off the main thread -> every reward 0.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(ex.verify, r"<answer>\boxed{0.5}</answer>", r"\frac{1}{2}") for _ in range(4)]
+        assert all(bool(f.result(60)) for f in futs)
+
+
+def test_a_killed_worker_is_replaced_and_its_calls_answered():
+    with CodeExecutor(num_workers=1, slots_per_worker=2) as ex:
+        futs = [ex.submit("import time\ntime.sleep(30)", timeout=60) for _ in range(3)]
+        time.sleep(0.5)
+        os.kill(ex._workers[0].pid, signal.SIGKILL)
+        results = [f.result(timeout=10) for f in futs]
+        assert all(r.kind == "error" and r.infra_error and "worker died" in r.text for r in results)
+        assert ex.run("print('alive')").text == "alive\n"
+        assert ex.stats["worker_deaths"] == 1
+
+
+def test_a_hung_worker_is_killed_by_the_watchdog():
+    with CodeExecutor(num_workers=1, slots_per_worker=1, grace_s=0.5) as ex:
+        fut = ex.submit("import time\ntime.sleep(0.2)\nprint('late')", timeout=0.5)
+        time.sleep(0.05)
+        os.kill(ex._workers[0].pid, signal.SIGSTOP)  # a worker that stops answering
+        r = fut.result(timeout=5)
+        assert r.infra_error and r.kind == "error"
+        assert ex.stats["hung_workers_killed"] == 1
+        assert ex.run("print(1)").text == "1\n"
+
+
+def test_queue_timeout_answers_undispatched_calls():
+    with CodeExecutor(num_workers=1, slots_per_worker=1, inflight_per_worker=1, queue_timeout=0.5) as ex:
+        busy = ex.submit("import time\ntime.sleep(2)", timeout=5)
+        t0 = time.monotonic()
+        waiting = ex.submit("print('never ran')")
+        r = waiting.result(timeout=5)
+        assert r.infra_error and "not dispatched" in r.text
+        assert 0.4 < time.monotonic() - t0 < 1.5
+        assert busy.result(timeout=10).kind == "display"
+
+
+def test_backpressure_is_bounded():
+    with CodeExecutor(num_workers=1, slots_per_worker=1, inflight_per_worker=1, max_queue=2, submit_timeout=0.3) as ex:
+        futs = [ex.submit("import time\ntime.sleep(1.5)", timeout=5) for _ in range(3)]  # 1 running + 2 queued
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        over = ex.submit("print(1)")
+        assert 0.25 < time.monotonic() - t0 < 1.0  # blocked, but only for submit_timeout
+        r = over.result(timeout=1)
+        assert r.infra_error and "overloaded" in r.text
+        assert ex.stats["rejected"] == 1
+        assert all(f.result(timeout=20).kind == "display" for f in futs)
+
+
+def test_close_answers_queued_calls_and_rejects_new_ones():
+    ex = CodeExecutor(num_workers=1, slots_per_worker=1, inflight_per_worker=1).start()
+    futs = [ex.submit("import time\ntime.sleep(3)", timeout=5) for _ in range(3)]
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    ex.close(drain_timeout=0.2)
+    assert time.monotonic() - t0 < 10
+    results = [f.result(timeout=1) for f in futs]  # every call answered, none left hanging
+    assert all(r.kind == "error" and r.infra_error for r in results)
+    with pytest.raises(ExecutorClosedError):
+        ex.submit("print(1)")
+
+
+def test_the_zygote_never_imports_jax():
+    code = (
+        "import jax, sys\n"  # the trainer has jax loaded ...
+        "from rstarjax.env import CodeExecutor\n"
+        "with CodeExecutor(num_workers=1) as ex:\n"
+        "    r = ex.run(\"import sys\\nprint('jax' in sys.modules, 'sympy' in sys.modules, 'torch' in sys.modules)\")\n"
+        "    print(r.text, end='')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "False True False\n"  # ... the sandboxes do not, sympy is preloaded
+
+
+@pytest.mark.slow
+def test_soak_10k_mixed_calls_with_random_worker_kills():
+    """Each call prints its own id; with workers SIGKILLed at random, every call is answered
+    exactly once, either with its own output or an infra error, never another call's."""
+    rng = random.Random(0)
+    n = 10_000
+    kinds = []
+    with CodeExecutor(num_workers=2, slots_per_worker=4, default_timeout=5.0) as ex:
+        stop = threading.Event()
+
+        def killer():
+            while not stop.wait(rng.uniform(0.5, 1.5)):
+                h = ex._workers[rng.randrange(len(ex._workers))]
+                if h is not None and h.alive:
+                    h.kill()
+
+        t = threading.Thread(target=killer)
+        t.start()
+        futs = []
+        for i in range(n):
+            k = rng.random()
+            if k < 0.7:
+                code, want = f"print({i})", ("stdout", f"{i}\n")
+            elif k < 0.85:
+                code, want = f"{i} + 0", ("display", str(i))
+            elif k < 0.97:
+                code, want = f"raise ValueError({i})", ("error", f"ValueError: {i}")
+            else:
+                code, want = f"print({i})\nimport time\ntime.sleep(0.05)", ("stdout", f"{i}\n")
+            futs.append(ex.submit(code))
+            kinds.append(want)
+        results = [f.result(timeout=300) for f in futs]
+        stop.set()
+        t.join()
+        stats = dict(ex.stats)
+    lost = infra = 0
+    for r, (kind, text) in zip(results, kinds):
+        if r.infra_error:
+            infra += 1
+            continue
+        assert r.kind == kind, (r, kind, text)
+        assert (r.text == text) if kind != "error" else r.text.endswith(text), (r, text)
+    assert stats.get("duplicate_answers_ignored", 0) == 0
+    assert stats["submitted"] == n
+    assert sum(v for k, v in stats.items() if k.startswith("result_")) == n  # exactly once
+    assert stats["worker_deaths"] >= 1 and infra <= 10 * stats["worker_deaths"] * 8
+    print(f"soak: {n} calls, {stats['worker_deaths']} worker deaths, {infra} infra errors, lost {lost}")
