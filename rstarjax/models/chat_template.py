@@ -45,6 +45,7 @@ Deviations from Fig. 3 (the figure is OCR'd and garbled in places):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -328,12 +329,16 @@ def render_conversation_with_mask(
 
 
 # ---- id level ---------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=8)
+def _added_token_splitter(tokens: tuple[str, ...]) -> re.Pattern:
+    return re.compile("(" + "|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)) + ")")
+
+
 def encode_pieces(tokenizer: TokenizerLike, pieces: Sequence[Piece]) -> tuple[np.ndarray, np.ndarray]:
     """(int32 ids, bool assistant mask). Equals `tokenizer.encode(render(pieces))` whenever the
     untrusted text holds no added-token string: added tokens cut the BPE pre-tokenizer, so the
     text between them is encoded unit by unit; assistant text is its own unit (see module doc)."""
-    added = tokenizer.added_token_ids
-    splitter = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
+    splitter = _added_token_splitter(tuple(tokenizer.added_token_ids))
     ids: list[int] = []
     mask: list[bool] = []
     run: list[str] = []
