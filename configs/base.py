@@ -21,6 +21,7 @@ def get_config(arg=None):
     c.model = ml_collections.ConfigDict()
     c.model.preset = "qwen3-14b"  # ModelConfig.preset; the HF config.json wins when present
     c.model.hf_path = ""  # directory with config.json + *.safetensors (required for rl/filter)
+    c.model.random_init = False  # True: the preset with random weights (tests / demos only)
     c.model.tokenizer_path = ""  # default: hf_path
     c.model.dtype = "bfloat16"  # compute dtype; master weights stay float32
     c.model.remat_policy = "full"
@@ -52,8 +53,8 @@ def get_config(arg=None):
 
     # ---- policy loss (eq. 6; E1's LossConfig) -------------------------------------------------
     c.loss = ml_collections.ConfigDict()
-    c.loss.clip_low = 0.2  # epsilon_low
-    c.loss.clip_high = 0.28  # epsilon_high (Clip-Higher)
+    c.loss.eps_low = 0.2  # epsilon_low
+    c.loss.eps_high = 0.28  # epsilon_high (Clip-Higher)
     c.loss.kl_coef = 0.0  # the paper removes the KL term
     c.loss.entropy_coef = 0.0  # and the entropy bonus
 
@@ -80,6 +81,14 @@ def get_config(arg=None):
     c.mesh.data = 1
     c.mesh.fsdp = -1
     c.mesh.tensor = 1
+
+    # ---- multi-process (jax.distributed) -------------------------------------------------------
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.num_processes = 1  # > 1: initialize with the fields below
+    c.distributed.process_id = 0
+    c.distributed.coordinator_address = ""  # host:port of process 0
+    c.distributed.auto = False  # True: jax.distributed.initialize() finds the cluster itself
+    c.distributed.timeout_s = 300
 
     # ---- checkpoints -----------------------------------------------------------------------------
     c.checkpoint = ml_collections.ConfigDict()

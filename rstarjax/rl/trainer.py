@@ -345,3 +345,232 @@ def _gap_on_device(sampled, recomputed, mask) -> dict[str, float]:
     n = max(float(n), 1.0)
     return {"train/logprob_gap_abs": float(s_abs) / n, "train/logprob_gap_max": float(s_max),
             "train/logprob_gap_kl": float(s_kl) / n}
+
+
+# ============================================================================ the RL loop
+# A rollout function: (problem records of this process, rollouts per prompt, seed, policy version)
+# -> Trajectories with ``group_id`` = index of the record in the list (optionally with a dict of
+# timing / stats figures). The real one wraps rl/agent_loop.run_rollouts on the serving engine;
+# tests pass deterministic stand-ins.
+RolloutFn = Callable[[list, int, int, int], Any]
+
+PAD_ID = 0  # value of padding tokens; never attended to (segment 0) nor trained on (mask 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """The rollout-side numbers of one RL step (config.rl), rStar2-Agent §2.2.3 / §4.3."""
+
+    prompts_per_step: int = 512  # global, over all processes
+    group_size: int = 16  # G
+    oversample: int = 32  # 2G
+    max_prompt_len: int = 2048
+    max_response_len: int = 8192
+    roc: bool = True
+    roc_variant: str = "paper"
+
+    @property
+    def seq_len(self) -> int:
+        return self.max_prompt_len + self.max_response_len
+
+    @classmethod
+    def from_config(cls, rl) -> "RLConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in dict(rl).items() if k in names})
+
+
+def select_groups(trajectories, num_groups: int, cfg: RLConfig, seed: int):
+    """RoC per group (or the first G when ``cfg.roc`` is off): kept trajectories, in group order."""
+    from rstarjax.rl import roc as roc_lib
+
+    groups: dict[int, list] = {g: [] for g in range(num_groups)}
+    for t in trajectories:
+        if t.group_id not in groups:
+            raise ValueError(f"trajectory group_id={t.group_id} outside [0, {num_groups})")
+        groups[t.group_id].append(t)
+    kept = []
+    for g, trajs in groups.items():
+        if len(trajs) != cfg.oversample:
+            raise ValueError(f"group {g} has {len(trajs)} rollouts, expected oversample={cfg.oversample}")
+        if cfg.roc:
+            idx = roc_lib.roc_select(trajs, cfg.group_size, np.random.default_rng([seed, g]), variant=cfg.roc_variant)
+        else:
+            idx = range(cfg.group_size)
+        kept.extend(trajs[i] for i in idx)
+    return kept
+
+
+def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfig, loss_cfg, seed: int,
+            timer=None) -> dict[str, float]:
+    """One GRPO-RoC step on this process's prompts: rollouts (2G each) -> RoC keeps G ->
+    advantages (eq. 7) -> TrainBatch -> update. Returns host metrics (rollout + train)."""
+    import time as _time
+
+    from rstarjax.rl import advantages as adv_lib
+    from rstarjax.rl import batch as batch_lib
+    from rstarjax.rl import metrics as metrics_lib
+
+    t0 = _time.perf_counter()
+    out = rollout_fn(records, cfg.oversample, seed, trainer.step)
+    trajs, extra = (out if isinstance(out, tuple) else (out, {}))
+    t1 = _time.perf_counter()
+    kept = select_groups(trajs, len(records), cfg, seed)
+    adv = adv_lib.grouped_advantages([t.reward for t in kept], [t.group_id for t in kept],
+                                     std_normalize=getattr(loss_cfg, "std_normalize", True))
+    batch = batch_lib.make_train_batch(kept, adv, seq_len=cfg.seq_len, pad_id=PAD_ID,
+                                       num_rows=len(records) * cfg.group_size,
+                                       overlong_filter=getattr(loss_cfg, "overlong_filter", False))
+    metrics = {}
+    metrics.update(metrics_lib.rollout_metrics(trajs, prefix="rollout_all/"))
+    metrics.update(metrics_lib.group_metrics(trajs, prefix="rollout_all/"))
+    metrics.update(metrics_lib.rollout_metrics(kept, prefix="rollout/"))
+    metrics.update(metrics_lib.roc_metrics(trajs, kept))
+    t2 = _time.perf_counter()
+    metrics.update(trainer.train(batch))
+    t3 = _time.perf_counter()
+    timings = {"rollout": t1 - t0, "prepare": t2 - t1, "train": t3 - t2}
+    if "tools" in extra:
+        timings_tools = float(extra.pop("tools"))
+        metrics["time/tools"] = timings_tools
+    metrics.update(metrics_lib.throughput_metrics(int(sum(len(t.response_ids) for t in trajs)), timings))
+    metrics.update({f"rollout_extra/{k}": float(v) for k, v in extra.items()})
+    return metrics
+
+
+def build_mesh(config) -> Mesh:
+    return sharding_lib.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+
+
+def build_model(config, mesh: Mesh) -> nnx.Module:
+    """The policy: HF checkpoint at config.model.hf_path, or (model.random_init) a preset with
+    random weights (tests, demos)."""
+    from rstarjax.models import ModelConfig, Qwen3
+
+    dtype = jnp.dtype(config.model.dtype)
+    if not config.model.random_init:
+        from rstarjax.models import load_hf
+        return load_hf(config.model.hf_path, dtype=dtype, mesh=mesh, remat_policy=config.model.remat_policy)
+    cfg = ModelConfig.preset(config.model.preset, dtype=dtype, remat_policy=config.model.remat_policy)
+    return sharding_lib.create_sharded_model(lambda: Qwen3(cfg, rngs=nnx.Rngs(config.seed)), mesh)
+
+
+def build_dataset(config):
+    """grain iterator over this process's share of the prompts (repeats when num_epochs == 0)."""
+    from rstarjax.rl import data as data_lib
+
+    per_process = config.rl.prompts_per_step // jax.process_count()
+    ds, report = data_lib.problem_dataset(
+        config.data.train_path, per_process, seed=config.seed,
+        num_epochs=config.data.num_epochs or None, shuffle=config.data.shuffle,
+    )
+    return ds, report
+
+
+def initial_state(trainer: Trainer, ckpt, config) -> dict:
+    """Resume from this run's latest checkpoint, else start from ``checkpoint.init_from`` (a
+    previous stage), else from scratch. Returns the checkpoint meta (empty when fresh)."""
+    from rstarjax.rl import checkpoint as ckpt_lib
+
+    if ckpt.latest_step() is not None:
+        abstract = ckpt_lib.abstract_like(trainer.state, trainer.state_sharding)
+        trainer.state, meta = ckpt.restore(abstract)
+        return meta
+    if config.checkpoint.init_from:
+        abstract = ckpt_lib.abstract_like(trainer.state, trainer.state_sharding)
+        if config.checkpoint.reset_optimizer:
+            params, meta, _ = ckpt_lib.restore_params(config.checkpoint.init_from,
+                                                     ckpt_lib.abstract_like(trainer.state.params,
+                                                                            trainer.param_sharding))
+            trainer.state = TrainState(params, trainer.state.opt_state, trainer.state.step)
+            trainer.reset_optimizer()
+            trainer.state = TrainState(trainer.state.params, trainer.state.opt_state,
+                                       jax.device_put(jnp.int32(int(meta.get("step", 0))), trainer.replicated))
+        else:
+            src = ckpt_lib.Checkpointer(config.checkpoint.init_from, ckpt_lib.CheckpointConfig(async_save=False))
+            trainer.state, meta = src.restore(abstract)
+            src.close()
+        # a new stage reads new data (or the same data with a new length budget) from its start
+        return {"step": int(meta.get("step", 0)), "init_from": config.checkpoint.init_from}
+    return {}
+
+
+def run_rl(config, workdir: str, rollout_fn: RolloutFn | None = None, model: nnx.Module | None = None,
+           on_update: Callable[[Trainer], None] | None = None) -> Trainer:
+    """The RL entry point: ``config.total_steps`` GRPO-RoC steps, resumable from ``workdir``.
+
+    ``rollout_fn`` defaults to the agent loop on a colocated serving engine; ``on_update`` is
+    called after every update (the colocated engine takes the new params in memory there).
+    """
+    import os
+
+    import tqdm
+
+    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.rl import loss as loss_lib_
+    from rstarjax.rl import metrics as metrics_lib
+    from rstarjax.rl import optim as optim_lib
+
+    mesh = build_mesh(config)
+    model = model if model is not None else build_model(config, mesh)
+    loss_cfg = loss_lib_.LossConfig(**dict(config.loss))
+    trainer = Trainer(model, optim_lib.OptimConfig.from_config(config.optim), loss_cfg,
+                      TrainerConfig.from_config(config.trainer), mesh=mesh)
+    rl_cfg = RLConfig.from_config(config.rl)
+    if rollout_fn is None:
+        rollout_fn, on_update = make_colocated_rollout_fn(config, trainer)
+
+    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), ckpt_lib.CheckpointConfig.from_config(config.checkpoint))
+    meta = initial_state(trainer, ckpt, config)
+    dataset, _ = build_dataset(config)
+    data_iter = iter(dataset)
+    if meta.get("data_state") is not None and not meta.get("init_from"):
+        data_iter.set_state(meta["data_state"])
+    base_key = ckpt_lib.key_from_json(meta["rng"]) if "rng" in meta else jax.random.key(config.seed)
+    if on_update is not None and trainer.step > 0:
+        on_update(trainer)  # the engine serves the restored policy
+
+    is_main = jax.process_index() == 0
+    writer = metrics_lib.MetricsWriter(os.path.join(workdir, "logs"), enabled=is_main,
+                                       tensorboard=config.logging.tensorboard)
+    start = trainer.step
+    bar = tqdm.tqdm(total=config.total_steps, initial=start, disable=not (is_main and config.logging.progress_bar),
+                    desc="rl", dynamic_ncols=True)
+    try:
+        while trainer.step < config.total_steps:
+            step = trainer.step
+            try:
+                records = next(data_iter)
+            except StopIteration:
+                break
+            # one seed per step, derived from the run key: same rollouts after a resume
+            seed = int(jax.random.randint(jax.random.fold_in(base_key, step), (), 0, 2**31 - 1))
+            metrics = rl_step(trainer, rollout_fn, records, rl_cfg, loss_cfg, seed)
+            if on_update is not None:
+                on_update(trainer)
+            new_step = trainer.step
+            if ckpt.should_save(new_step, config.total_steps):
+                ckpt.save(new_step, trainer.state, {
+                    "step": new_step, "rng": ckpt_lib.key_to_json(base_key),
+                    "data_state": data_iter.get_state(), "stage_total_steps": config.total_steps,
+                })
+            writer.write(new_step, metrics)
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}",
+                            len=f"{metrics.get('rollout/response_length_mean', 0):.0f}")
+    finally:
+        bar.close()
+        ckpt.close()  # waits for the last async save
+        writer.close()
+    return trainer
+
+
+def make_colocated_rollout_fn(config, trainer: Trainer):
+    """The agent loop on a serving engine sharing the trainer's devices (kimi k1.5 §4.2 hybrid
+    deployment): after each update the engine takes the new params in memory, no copy to disk."""
+    try:
+        from rstarjax.rl import agent_loop  # noqa: F401  (written by the serving room)
+    except ImportError as e:
+        raise RuntimeError(
+            "rstarjax.rl.agent_loop is not available, so no real rollouts can run; pass rollout_fn= "
+            "to run_rl (tests) or install the serving room's code") from e
+    return agent_loop.make_rollout_fn(config, trainer.model()), lambda tr: agent_loop.update_params(tr.model())

@@ -1,0 +1,148 @@
+"""Checkpoints: Orbax CheckpointManager with async saves and keep-N.
+
+A checkpoint holds two items:
+  * ``state``: the TrainState pytree (params, optimizer state, step), saved sharded and restored
+    straight onto the trainer's shardings;
+  * ``meta``: a JSON object with what the host loop needs to continue exactly: the RL RNG key
+    data, the data iterator state (grain ``get_state()``), the policy version and free-form info.
+
+Orbax writes to a temporary directory and renames it when complete, so a process killed with
+SIGKILL mid-save leaves no checkpoint that ``restore`` would read: it resumes from the last
+finished one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = 10
+    keep: int = 3
+    async_save: bool = True
+
+    def __post_init__(self):
+        if self.every_steps < 1:
+            raise ValueError(f"checkpoint.every_steps must be >= 1, got {self.every_steps}")
+        if self.keep < 1:
+            raise ValueError(f"checkpoint.keep must be >= 1, got {self.keep}")
+
+    @classmethod
+    def from_config(cls, c) -> "CheckpointConfig":
+        return cls(every_steps=c.every_steps, keep=c.keep, async_save=c.async_save)
+
+
+def abstract_like(tree, shardings=None):
+    """ShapeDtypeStructs (with the target shardings) for restoring onto the mesh."""
+    if shardings is None:
+        shardings = jax.tree.map(lambda x: x.sharding, tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def key_to_json(key: jax.Array) -> list[int]:
+    """A typed PRNG key (or raw uint32 key) as a JSON list."""
+    data = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    return np.asarray(jax.device_get(data)).astype(np.uint32).ravel().tolist()
+
+
+def key_from_json(data: list[int]) -> jax.Array:
+    return jax.random.wrap_key_data(np.asarray(data, np.uint32))
+
+
+class Checkpointer:
+    """``save(step, state, meta)`` every ``every_steps`` steps (async), keep the last ``keep``."""
+
+    def __init__(self, directory: str, cfg: CheckpointConfig = CheckpointConfig()):
+        self.directory = os.path.abspath(directory)
+        self.cfg = cfg
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.keep,
+            save_interval_steps=1,  # the decision is ours (should_save), orbax just writes
+            enable_async_checkpointing=cfg.async_save,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+
+    def should_save(self, step: int, last_step: int | None = None) -> bool:
+        return step % self.cfg.every_steps == 0 or (last_step is not None and step == last_step)
+
+    def save(self, step: int, state, meta: dict[str, Any], force: bool = False) -> bool:
+        """Start saving (returns at once when async). Every process must call it."""
+        if step in self._manager.all_steps():
+            return False
+        saved = self._manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))),
+            force=force,
+        )
+        if saved:
+            log.info("checkpoint %d -> %s (async=%s)", step, self.directory, self.cfg.async_save)
+        return saved
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def restore(self, abstract_state, step: int | None = None):
+        """(state, meta) of ``step`` (default the latest finished one) onto ``abstract_state``'s
+        shapes and shardings (see ``abstract_like``)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
+        out = self._manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
+        )
+        return out["state"], dict(out["meta"] or {})
+
+    def wait(self) -> None:
+        """Block until the pending async save is on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def restore_params(directory: str, abstract_params, step: int | None = None):
+    """Only the params of a (previous stage's) checkpoint: stage 2 -> 3 hand-off (§4.3).
+
+    Reads ``state.params`` and ignores the optimizer state, so a stage can reset the optimizer.
+    """
+    ckpt = Checkpointer(directory, CheckpointConfig(async_save=False))
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no finished checkpoint in {directory}")
+        out = ckpt._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item={"params": abstract_params},
+                    restore_args={"params": jax.tree.map(
+                        lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype),
+                        abstract_params)},
+                    partial_restore=True,
+                ),
+                meta=ocp.args.JsonRestore(),
+            ),
+        )
+        return out["state"]["params"], dict(out["meta"] or {}), step
+    finally:
+        ckpt._manager.close()

@@ -1,0 +1,200 @@
+"""Checkpoints: save/restore round trip, keep-N, and SIGKILL-resume determinism of the RL loop.
+
+The resume test runs the real ``run_rl`` loop (tiny model, real RoC / advantages / batch / loss /
+optimizer / Orbax) in subprocesses with a deterministic stand-in for the rollout engine, kills
+one with SIGKILL after a checkpoint, resumes it, and compares its final parameters with an
+uninterrupted run. This file doubles as the worker: ``python tests/test_checkpoint.py WORKDIR N``.
+"""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "configs"))
+
+
+# ------------------------------------------------------------------------------ worker side
+def fake_rollout_fn(records, n, seed, policy_version):
+    """Deterministic trajectories from (problem text, seed): what an engine would return."""
+    from rstarjax.rl.trajectory import Finish, Segment, SegmentKind, ToolErrorCounts, Trajectory
+
+    out = []
+    for g, rec in enumerate(records):
+        h = int(hashlib.sha256(rec["problem"].encode()).hexdigest()[:8], 16)
+        rng = np.random.default_rng([h, seed])
+        prompt = rng.integers(1, 500, size=rng.integers(2, 8)).astype(np.int32)
+        for _ in range(n):
+            k = int(rng.integers(1, 6))
+            segs = [Segment(SegmentKind.MODEL, rng.integers(1, 500, k), -rng.random(k) * 3)]
+            if rng.random() < 0.5:
+                segs.append(Segment(SegmentKind.TOOL, rng.integers(1, 500, 2)))
+                segs.append(Segment(SegmentKind.MODEL, rng.integers(1, 500, 2), -rng.random(2) * 3))
+            calls = int(rng.integers(0, 3))
+            out.append(Trajectory(
+                prompt_ids=prompt, segments=segs, turns=len(segs), tool_calls=calls,
+                tool_errors=ToolErrorCounts(execution=int(rng.integers(0, calls + 1))),
+                answer_tags=int(rng.integers(0, 3)), finish=Finish.ANSWERED,
+                reward=float(rng.random() < 0.5), group_id=g, policy_version=policy_version))
+    if os.environ.get("WORKER_SLOW"):
+        time.sleep(float(os.environ["WORKER_SLOW"]))
+    return out
+
+
+def worker_config(workdir, total_steps):
+    import base
+
+    c = base.get_config()
+    c.total_steps = total_steps
+    c.model.preset = "tiny"
+    c.model.random_init = True
+    c.model.dtype = "float32"
+    c.model.remat_policy = "none"
+    c.data.train_path = os.path.join(workdir, "train.jsonl")
+    c.rl.prompts_per_step = 2
+    c.rl.group_size = 2
+    c.rl.oversample = 4
+    c.rl.max_prompt_len = 8
+    c.rl.max_response_len = 8
+    c.optim.learning_rate = 1e-3
+    c.optim.warmup_steps = 2
+    c.trainer.micro_batch_size = 2
+    c.checkpoint.every_steps = 1
+    c.checkpoint.keep = 2
+    c.logging.progress_bar = False
+    return c
+
+
+def worker(workdir, total_steps):
+    import jax
+    from rstarjax.rl import trainer as trainer_lib
+
+    cfg = worker_config(workdir, total_steps)
+    tr = trainer_lib.run_rl(cfg, workdir, rollout_fn=fake_rollout_fn)
+    np.savez(os.path.join(workdir, "final.npz"), *[np.asarray(x) for x in jax.tree.leaves(tr.state.params)])
+
+
+def write_data(workdir, n=7):
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "train.jsonl"), "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n")
+
+
+def launch(workdir, steps, slow=None):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if slow:
+        env["WORKER_SLOW"] = str(slow)
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), workdir, str(steps)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finished(proc, timeout):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"worker timed out:\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def committed_steps(ckpt_dir):
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(int(d) for d in os.listdir(ckpt_dir)
+                  if d.isdigit() and os.path.exists(os.path.join(ckpt_dir, d, "commit_success.txt")))
+
+
+# ------------------------------------------------------------------------------ tests
+@pytest.mark.slow
+def test_sigkill_and_resume_reaches_the_same_parameters(tmp_path):
+    steps = 5
+    ref, killed = str(tmp_path / "ref"), str(tmp_path / "killed")
+    write_data(ref)
+    write_data(killed)  # 7 problems, 2 per step: the data order wraps an epoch, and must resume right
+
+    proc = launch(killed, steps, slow=1.0)
+    ref_proc = launch(ref, steps)
+    deadline = time.time() + 400
+    while not any(s >= 2 for s in committed_steps(os.path.join(killed, "checkpoints"))):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    done_before = committed_steps(os.path.join(killed, "checkpoints"))
+    assert max(done_before) < steps
+
+    finished(ref_proc, 400)
+    finished(launch(killed, steps), 400)
+
+    a = np.load(os.path.join(ref, "final.npz"))
+    b = np.load(os.path.join(killed, "final.npz"))
+    assert len(a.files) == len(b.files) > 0
+    for k in a.files:
+        np.testing.assert_array_equal(a[k], b[k])
+    # the resumed run really resumed (it did not start again from step 0)
+    logged = [json.loads(line)["step"] for line in open(os.path.join(killed, "logs", "metrics.jsonl"))]
+    assert logged.count(1) == 1 and logged[-1] == steps
+    # and the run did move: parameters differ from a fresh init
+    from rstarjax.rl import metrics as metrics_lib
+    recs = metrics_lib.read_jsonl(os.path.join(ref, "logs", "metrics.jsonl"))
+    assert [r["step"] for r in recs] == list(range(1, steps + 1))
+    assert all(r["train/grad_norm"] > 0 for r in recs)
+    assert committed_steps(os.path.join(ref, "checkpoints")) == [steps - 1, steps]  # keep=2
+
+
+def test_checkpointer_round_trip_keep_n_and_meta(tmp_path):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from rstarjax.models import sharding as sharding_lib
+    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.rl.trainer import TrainState
+
+    mesh = sharding_lib.make_mesh(1, 4, 2)
+    shard = NamedSharding(mesh, P("fsdp", "tensor"))
+    rep = NamedSharding(mesh, P())
+    rng = np.random.default_rng(0)
+
+    def state(i):
+        w = jax.device_put(rng.normal(size=(8, 6)).astype(np.float32), shard)
+        return TrainState({"w": w, "b": jax.device_put(np.float32(i), rep)},
+                          {"mu": jax.device_put(np.full((8, 6), i, np.float32), shard)},
+                          jax.device_put(jnp.int32(i), rep))
+
+    saved = {}
+    with ckpt_lib.Checkpointer(str(tmp_path / "c"), ckpt_lib.CheckpointConfig(every_steps=1, keep=2)) as ck:
+        for i in (1, 2, 3):
+            saved[i] = jax.device_get(state(i))
+            ck.save(i, state(i) if False else jax.device_put(saved[i], TrainState(
+                {"w": shard, "b": rep}, {"mu": shard}, rep)),
+                {"step": i, "rng": ckpt_lib.key_to_json(jax.random.key(i)), "data_state": {"next_index": i}})
+        ck.wait()
+        assert ck.all_steps() == [2, 3]
+        target = TrainState({"w": shard, "b": rep}, {"mu": shard}, rep)
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=s),
+                                saved[3], target)
+        got, meta = ck.restore(abstract)
+    np.testing.assert_array_equal(np.asarray(got.params["w"]), saved[3].params["w"])
+    assert got.params["w"].sharding == shard
+    assert int(got.step) == 3 and meta["data_state"] == {"next_index": 3}
+    assert jnp.array_equal(jax.random.key_data(ckpt_lib.key_from_json(meta["rng"])),
+                           jax.random.key_data(jax.random.key(3)))
+    with pytest.raises(FileNotFoundError, match="no finished checkpoint"):
+        ckpt_lib.Checkpointer(str(tmp_path / "empty")).restore(abstract)
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,100 @@
+"""Configs: presets carry the paper's numbers; bad configs fail at start with a fix-it message."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "configs"))
+
+import base  # noqa: E402
+import stage1  # noqa: E402
+import stage2  # noqa: E402
+import stage3  # noqa: E402
+
+from rstarjax.main import ConfigError, validate  # noqa: E402
+
+
+def good_config(tmp_path, mod=stage1, arg=None):
+    c = mod.get_config(arg)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"problem": "1+1", "answer": "2"}\n')
+    c.data.train_path = str(data)
+    c.model.random_init = True
+    c.model.preset = "tiny"
+    return c
+
+
+def test_presets_follow_the_paper():
+    s1, s2, s3 = stage1.get_config(), stage2.get_config(), stage3.get_config()
+    # §4.3: 512 prompts x 2G=32 -> G=16, lr 1e-6; 8K -> 12K -> 12K; 300 + 85 + 125 = 510 steps
+    assert (s1.rl.prompts_per_step, s1.rl.oversample, s1.rl.group_size) == (512, 32, 16)
+    assert s1.optim.learning_rate == s2.optim.learning_rate == s3.optim.learning_rate == 1e-6
+    assert (s1.rl.max_response_len, s2.rl.max_response_len, s3.rl.max_response_len) == (8192, 12288, 12288)
+    assert (s1.rl.max_turns, s2.rl.max_turns, s3.rl.max_turns) == (10, 10, 15)
+    assert (s1.total_steps, s2.total_steps, s3.total_steps) == (300, 385, 510)
+    # Clip-Higher, no KL, no entropy (§2.2.1); stage 3 resets the optimizer (§4.3)
+    assert (s1.loss.eps_low, s1.loss.eps_high, s1.loss.kl_coef, s1.loss.entropy_coef) == (0.2, 0.28, 0.0, 0.0)
+    assert s3.checkpoint.reset_optimizer and not s1.checkpoint.reset_optimizer
+    assert s3.filter.k == 8 and stage3.get_config("filter").mode == "filter"
+    assert base.get_config().mode == "rl"
+    # every loss field is one LossConfig knows (the trainer builds LossConfig(**config.loss))
+    from rstarjax.rl.loss import LossConfig
+    LossConfig(**dict(s1.loss))
+
+
+def test_valid_config_passes(tmp_path):
+    validate(good_config(tmp_path), num_devices=8)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: setattr(c.rl, "oversample", 24), "oversample=24 must be 2 \\* group_size = 32"),
+    (lambda c: setattr(c.model, "random_init", False), "model.hf_path is empty"),
+    (lambda c: setattr(c.data, "train_path", "/nonexistent/x.jsonl"), "train_path='/nonexistent/x.jsonl' does not exist"),
+    (lambda c: (setattr(c.mesh, "fsdp", 3)), "does not fit the 8 devices"),
+    (lambda c: setattr(c.trainer, "micro_batch_size", 100), "micro_batch_size=100 must divide"),
+    (lambda c: (setattr(c.trainer, "micro_batch_size", 4), setattr(c.mesh, "data", 8), setattr(c.mesh, "fsdp", 1)),
+     "multiple of data\\*fsdp=8"),
+    (lambda c: setattr(c.rl, "max_turns", 0), "max_turns=0 must be >= 1"),
+    (lambda c: setattr(c.checkpoint, "init_from", "/nope"), "init_from='/nope' is not a directory"),
+    (lambda c: setattr(c, "mode", "dance"), "mode='dance' is unknown"),
+])
+def test_inconsistent_values_fail_with_a_fix(tmp_path, change, message):
+    c = good_config(tmp_path)
+    change(c)
+    with pytest.raises(ConfigError, match=message):
+        validate(c, num_devices=8)
+
+
+def test_all_errors_reported_together(tmp_path):
+    c = good_config(tmp_path)
+    c.rl.oversample = 3
+    c.rl.max_turns = 0
+    with pytest.raises(ConfigError) as e:
+        validate(c, num_devices=8)
+    assert "oversample=3" in str(e.value) and "max_turns=0" in str(e.value)
+
+
+def test_stage3_needs_a_stage2_checkpoint(tmp_path):
+    c = good_config(tmp_path, stage3)
+    with pytest.raises(ConfigError, match="need --config.checkpoint.init_from"):
+        validate(c, num_devices=8)
+    c.checkpoint.init_from = str(tmp_path)
+    validate(c, num_devices=8)
+
+
+def _main(*args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "rstarjax.main", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_command_line_rejects_unknown_keys_and_bad_values(tmp_path):
+    """The real entry point: a typo in an override and a missing data path both exit non-zero
+    with a message naming the key, before any model is built."""
+    r = _main("--config=configs/stage2.py", f"--workdir={tmp_path}", "--config.rl.max_turn=10")
+    assert r.returncode != 0 and "max_turn" in r.stderr
+    r = _main("--config=configs/stage2.py", f"--workdir={tmp_path}", "--config.rl.max_turns=12")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "--config.model.hf_path is empty" in r.stderr and "--config.data.train_path is empty" in r.stderr
