@@ -306,3 +306,22 @@ def test_loss_config_validation():
         loss_denominator(np.ones((2, 3)), LossConfig(dr_grpo=True))
     assert loss_denominator(np.ones((2, 3)), LossConfig(dr_grpo=True), num_sequences=4, max_response_len=10) == 40
     assert not LossConfig(dr_grpo=True).std_normalize
+
+
+def test_trajectory_advantages_groups_and_length_penalty():
+    from rstarjax.rl.advantages import trajectory_advantages
+
+    def t(gid, reward, n_model, n_tool=0):
+        segs = [Segment(SegmentKind.MODEL, np.zeros(n_model), np.zeros(n_model))]
+        if n_tool:
+            segs.append(Segment(SegmentKind.TOOL, np.zeros(n_tool)))
+        return Trajectory(prompt_ids=np.ones(2), segments=segs, reward=reward, group_id=gid)
+
+    trajs = [t(0, 1.0, 10, n_tool=50), t(0, 1.0, 30), t(0, 0.0, 20), t(1, 1.0, 5), t(1, 0.0, 5)]
+    shaped, adv = trajectory_advantages(trajs, length_penalty_coef=0.1)
+    # group 0: model lengths 10, 30, 20 (tool tokens ignored) -> lambda 0.5, -0.5, 0.0
+    np.testing.assert_allclose(shaped, [1.05, 0.95, 0.0, 1.0, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(adv[:3], group_advantages([1.05, 0.95, 0.0]), rtol=1e-6)
+    np.testing.assert_allclose(adv[3:], group_advantages([1.0, 0.0]), rtol=1e-6)
+    _, plain = trajectory_advantages(trajs, std_normalize=False)
+    np.testing.assert_allclose(plain[:3], [1 / 3, 1 / 3, -2 / 3], rtol=1e-6)

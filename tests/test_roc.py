@@ -242,3 +242,20 @@ def test_successive_sampling_order_probabilities():
     assert np.all(np.abs(pairs / trials - exact) < 4.5 * np.maximum(se, 1e-4)), (pairs / trials, exact)
     with pytest.raises(ValueError):
         weighted_sample_without_replacement(np.array([1.0, 0.0]), 1, rng)
+
+
+def test_roc_select_batch_per_group():
+    from rstarjax.rl.roc import roc_select_batch
+
+    trajs = []
+    for gid in (5, 2):
+        for i in range(8):
+            t = traj(reward=float(i < 3))
+            t.group_id = gid
+            trajs.append(t)
+    kept = roc_select_batch(trajs, 4, 0)
+    assert len(kept) == 8
+    for lo in (0, 8):
+        sub = [i for i in kept if lo <= i < lo + 8]
+        assert len(sub) == 4 and sum(trajs[i].reward == 0 for i in sub) == 2  # floor(5/2)
+    assert roc_select_batch(trajs, 4, 0) == kept

@@ -93,3 +93,24 @@ def overlong_filter_weights(truncated: Sequence[bool]) -> np.ndarray:
     the global token denominator also excludes those tokens.
     """
     return np.where(np.asarray(truncated, bool), 0.0, 1.0).astype(np.float32)
+
+
+def trajectory_advantages(
+    trajectories: Sequence, std_normalize: bool = True, length_penalty_coef: float = 0.0, eps: float = 1e-6
+) -> tuple[np.ndarray, np.ndarray]:
+    """(shaped rewards, advantages) for RoC-kept trajectories, grouped by ``Trajectory.group_id``.
+
+    The reward is the 0/1 answer reward (eq. 3) plus, if ``length_penalty_coef`` > 0, the Kimi k1.5
+    length reward over each group, with length = the number of model-sampled tokens (tool output
+    is not the policy's verbosity) and correct = reward > 0. Advantages follow eq. 7 per group.
+    """
+    rewards = np.array([float(t.reward) for t in trajectories], np.float64)
+    groups = np.array([int(t.group_id) for t in trajectories])
+    shaped = rewards.copy()
+    if length_penalty_coef > 0:
+        lengths = np.array([t.num_model_tokens for t in trajectories], np.float64)
+        for gid in np.unique(groups):
+            idx = np.flatnonzero(groups == gid)
+            shaped[idx] += kimi_length_reward(lengths[idx], rewards[idx] > 0, coef=length_penalty_coef)
+    adv = grouped_advantages(shaped, groups, std_normalize=std_normalize, eps=eps)
+    return shaped.astype(np.float32), adv

@@ -212,3 +212,28 @@ def roc_metrics(trajs_or_stats: Sequence[Trajectory | RocStats], kept: Sequence[
         "roc/kept_pos_mean_p_total": float(np.mean([p_total(stats[i]) for i in kept_pos])) if kept_pos else 0.0,
         "roc/kept_pos_fraction": len(kept_pos) / max(1, len(kept)),
     }
+
+
+def roc_select_batch(
+    trajectories: Sequence[Trajectory],
+    group_size: int,
+    rng: np.random.Generator | int,
+    variant: str = "paper",
+    zero_penalty_eps: float = DEFAULT_ZERO_PENALTY_EPS,
+) -> list[int]:
+    """``roc_select`` applied to every prompt group (by ``Trajectory.group_id``) of a flat batch.
+
+    Returns sorted indices into ``trajectories``; groups are processed in ascending group_id so a
+    seeded Generator gives the same result whatever the rollout completion order was within the
+    list (as long as each group's own order is the same).
+    """
+    gen = _as_rng(rng) if variant == "paper" else rng
+    by_group: dict[int, list[int]] = {}
+    for i, t in enumerate(trajectories):
+        by_group.setdefault(int(t.group_id), []).append(i)
+    kept: list[int] = []
+    for gid in sorted(by_group):
+        idx = by_group[gid]
+        sel = roc_select([trajectories[i] for i in idx], group_size, gen, variant=variant, zero_penalty_eps=zero_penalty_eps)
+        kept.extend(idx[j] for j in sel)
+    return sorted(kept)
