@@ -191,12 +191,9 @@ def load_hf(path: str, dtype=jnp.bfloat16, param_dtype=jnp.float32, mesh: Mesh |
 
     abstract = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
-    if mesh is not None:
-        shardings = state_shardings(abstract_state, mesh, rules)
-        sharding_of = {p: v.get_value() for p, v in nnx.to_flat_state(shardings)}
-    else:
-        single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        sharding_of = {}
+    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharding_of = {} if mesh is None else {
+        p: v.get_value() for p, v in nnx.to_flat_state(state_shardings(abstract_state, mesh, rules))}
     flat = dict(nnx.to_flat_state(abstract_state))
     specs = tensor_specs(cfg)
 
@@ -226,7 +223,7 @@ def load_hf(path: str, dtype=jnp.bfloat16, param_dtype=jnp.float32, mesh: Mesh |
         key = tuple(spec.ours.split("."))
         var = flat[key]
         shape, pdt = var.get_value().shape, var.get_value().dtype
-        sharding = sharding_of.get(key, single) if mesh is not None else single
+        sharding = sharding_of.get(key, single)
         arr = jax.make_array_from_callback(
             shape, sharding,
             lambda idx, spec=spec, pdt=pdt: _read_slice(where, spec, idx, pdt,
