@@ -1,0 +1,315 @@
+"""Multi-turn agent rollouts with a Python tool (rStar2-Agent §2.1), producing ``Trajectory``s.
+
+One episode: prompt (system + question, paper Fig. 3) -> decode until ``</tool_call>``,
+``<|im_end|>`` or EOS -> parse the call -> run it in the code environment -> append the tool
+response turn -> decode on, until one of:
+
+- a turn ends with ``<|im_end|>``/EOS: ``ANSWERED`` if the model's text has an ``<answer>``
+  block, else ``NO_TOOL_CALL`` (the paper ends the rollout when a turn has no tool call);
+- the ``max_turns``-th turn asks for a tool: ``MAX_TURNS`` (that call is not executed);
+- the response budget (model + tool tokens) or the slot's context is exhausted:
+  ``MAX_LENGTH`` (truncated, reward 0);
+- the tool layer fails or a wait times out: ``ERROR`` (reward 0). Terminal conditions end
+  the episode cleanly (SkyRL-Agent §3.4); recoverable ones (a malformed call, code that
+  raises or times out) go back to the model inside ``<tool_response>``.
+
+Token bookkeeping (token-in/token-out, never re-tokenized):
+
+- a MODEL segment is exactly what the engine sampled in a turn, ending with its stop id
+  (``</tool_call>``, ``<|im_end|>`` or EOS), with the sampler's log-probs (loss mask 1);
+- the engine stops *at* ``</tool_call>`` (the tool is dispatched the moment the call is
+  complete), so the model never generates the ``<|im_end|>`` closing that turn: the TOOL
+  segment appended by ``encode_tool_response_turn(..., close_assistant_turn=True)`` starts
+  with ``<|im_end|>`` and runs to the next ``<|im_start|>assistant\\n``. All template tokens
+  are loss-mask 0: the model is not trained to close a turn after a tool call (it can't not
+  stop there at inference time anyway, as the engine stops it).
+
+The reward is ``executor.submit_verify(model_text, gold)`` on the *model's* text only, so a
+program printing ``\\boxed{...}`` in a tool response cannot earn it; truncated / errored
+episodes get 0 without verification.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+import weakref
+from typing import Any, Sequence
+
+import numpy as np
+
+from rstarjax.env import classify_tool_error, format_tool_response, parse_tool_call
+from rstarjax.env.tools import ToolCallError
+from rstarjax.models.chat_template import encode_prompt, encode_tool_response_turn
+from rstarjax.rl.trajectory import Finish, Segment, SegmentKind, ToolErrorCounts, Trajectory
+from rstarjax.serving.engine import DoneReason, Engine
+from rstarjax.serving.sampling import SamplingParams
+from rstarjax.serving.scheduler import CallTool, Extend, RolloutScheduler
+from rstarjax.serving.scheduler import Finish as Done
+
+ANSWER_OPEN = "<answer>"
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    max_turns: int = 10  # T: model turns per episode
+    max_response_len: int = 8192  # model + tool tokens after the prompt
+    tool_timeout_s: float = 5.0  # wall-clock limit of one code execution (in the sandbox)
+    tool_wait_s: float = 60.0  # bound on waiting for the executor itself (infrastructure)
+    verify_timeout_s: float = 30.0
+    max_tool_response_chars: int = 2048
+    rollout_timeout_s: float = 3600.0
+
+    def __post_init__(self):
+        if self.max_turns < 1 or self.max_response_len < 2:
+            raise ValueError(f"need max_turns >= 1 and max_response_len >= 2, got "
+                             f"{self.max_turns}, {self.max_response_len}")
+
+
+@dataclasses.dataclass
+class RolloutRequest:
+    prompt_ids: Sequence[int]
+    gold_answer: str
+    group_id: int = 0
+    sampling: SamplingParams = SamplingParams()
+    policy_version: int = 0
+    # Teacher-forced model tokens (all turns concatenated): a scripted policy for tests and
+    # benchmarks. The engine still runs the model and reports each forced token's log-prob.
+    script: Sequence[int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StopIds:
+    tool_call_end: int
+    im_end: int
+    eos: int
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> "StopIds":
+        return cls(tokenizer.token_id("</tool_call>"), tokenizer.token_id("<|im_end|>"),
+                   tokenizer.token_id("<|endoftext|>"))
+
+    @property
+    def all(self) -> tuple[int, ...]:
+        return (self.tool_call_end, self.im_end, self.eos)
+
+
+class AgentEpisode:
+    """The per-rollout state machine the scheduler drives (``serving.scheduler.Episode``)."""
+
+    def __init__(self, request: RolloutRequest, tokenizer, executor, config: AgentConfig,
+                 stops: StopIds):
+        self.request = request
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.config = config
+        self.stops = stops
+        self.prompt_ids = [int(t) for t in request.prompt_ids]
+        self.sampling = dataclasses.replace(request.sampling, stop_ids=stops.all,
+                                            max_new_tokens=config.max_response_len)
+        self.traj = Trajectory(prompt_ids=np.asarray(self.prompt_ids, np.int32), segments=[],
+                               group_id=request.group_id, policy_version=request.policy_version)
+        self.model_text = ""
+        self.error = ""
+        self.verify_future: concurrent.futures.Future | None = None
+        self.tool_wait_s = 0.0
+        self.done = False
+        self._scripted = 0  # script tokens consumed by finished turns
+        self._lock = threading.Lock()  # tool callbacks run on executor threads
+
+    # ---- scheduler hooks ------------------------------------------------------------------
+    def forced_token(self, turn_offset: int) -> int:
+        script = self.request.script
+        if script is None:
+            return -1
+        i = self._scripted + turn_offset
+        return int(script[i]) if i < len(script) else -1
+
+    def on_turn_end(self, ids, logprobs, reason: DoneReason):
+        t = self.traj
+        self._scripted += len(ids)
+        t.segments.append(Segment(SegmentKind.MODEL, list(ids), list(logprobs)))
+        t.turns += 1
+        text = self.tokenizer.decode(ids)
+        self.model_text += text
+        t.response_text += text
+        t.answer_tags = self.model_text.count(ANSWER_OPEN)
+        if reason in (DoneReason.BUDGET, DoneReason.CONTEXT):
+            return self._finish(Finish.MAX_LENGTH)
+        if ids[-1] != self.stops.tool_call_end:  # <|im_end|> or EOS: the episode is over
+            return self._finish(Finish.ANSWERED if t.answer_tags else Finish.NO_TOOL_CALL)
+        if t.turns >= self.config.max_turns:
+            return self._finish(Finish.MAX_TURNS)
+        t.tool_calls += 1
+        return CallTool(self._dispatch(parse_tool_call(text)))
+
+    def on_tool_ready(self, ids, free_tokens_in_slot: int):
+        room = self.config.max_response_len - len(self.traj.response_ids)
+        # The tool turn must fit with room for at least one more model token.
+        if len(ids) + 1 > min(room, free_tokens_in_slot):
+            return self._finish(Finish.MAX_LENGTH)
+        self.traj.segments.append(Segment(SegmentKind.TOOL, list(ids)))
+        self.traj.response_text += self.tokenizer.decode(ids)
+        return Extend(ids, max_new_tokens=room - len(ids))
+
+    def on_abort(self, why: str) -> None:
+        self.error = why
+        self._finish(Finish.ERROR)
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _finish(self, finish: Finish):
+        self.traj.finish = finish
+        self.done = True
+        if finish not in (Finish.MAX_LENGTH, Finish.ERROR):
+            self.verify_future = self.executor.submit_verify(
+                self.model_text, self.request.gold_answer, timeout=self.config.verify_timeout_s)
+        return Done()
+
+    def _dispatch(self, call) -> concurrent.futures.Future:
+        """Future of the tool turn's ids; execution starts now (asynchronous to decoding)."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        if call is None:  # "</tool_call>" with no "<tool_call>" before it in this turn
+            call = ToolCallError("Tool call has no opening <tool_call> tag.")
+        if isinstance(call, ToolCallError):
+            self._count_error(call)
+            out.set_result(self._tool_turn_ids(call))
+            return out
+        t0 = time.monotonic()
+        fut = self.executor.submit(call.code, call.stdin, timeout=self.config.tool_timeout_s)
+
+        def done(f):
+            try:
+                result = f.result()
+                self.tool_wait_s += time.monotonic() - t0
+                self._count_error(result)
+                out.set_result(self._tool_turn_ids(result))
+            except BaseException as e:  # executor closed / infrastructure failure
+                out.set_exception(e)
+
+        fut.add_done_callback(done)
+        return out
+
+    def _count_error(self, outcome) -> None:
+        kind = classify_tool_error(outcome)
+        if kind is not None:
+            with self._lock:
+                errs = self.traj.tool_errors
+                setattr(errs, kind, getattr(errs, kind) + 1)
+
+    def _tool_turn_ids(self, outcome) -> list[int]:
+        text = format_tool_response(outcome, max_chars=self.config.max_tool_response_chars)
+        return encode_tool_response_turn(self.tokenizer, text, close_assistant_turn=True)
+
+
+def _collect_rewards(episodes: Sequence[AgentEpisode], timeout_s: float) -> int:
+    """Fill ``traj.reward``; returns how many verifications failed or timed out (reward 0)."""
+    deadline = time.monotonic() + timeout_s
+    failed = 0
+    for ep in episodes:
+        ep.traj.reward = 0.0
+        if ep.verify_future is None:
+            continue
+        try:
+            ep.traj.reward = float(bool(ep.verify_future.result(
+                timeout=max(0.0, deadline - time.monotonic()))))
+        except Exception:  # timeout / infrastructure: reward 0, counted
+            failed += 1
+    return failed
+
+
+def run_rollouts(scheduler_or_engines: RolloutScheduler | Engine | Sequence[Engine], tokenizer,
+                 executor, requests: Sequence[RolloutRequest], config: AgentConfig = AgentConfig()
+                 ) -> tuple[list[Trajectory], dict[str, float]]:
+    """Run every request to a ``Trajectory`` (same order) with its reward; plus timings.
+
+    Engines given directly get a dynamic scheduler with ``max_rollout_len`` = the longest
+    prompt + ``max_response_len`` (capped to the slot size)."""
+    stops = StopIds.from_tokenizer(tokenizer)
+    if isinstance(scheduler_or_engines, RolloutScheduler):
+        scheduler = scheduler_or_engines
+    else:
+        engines = ([scheduler_or_engines] if isinstance(scheduler_or_engines, Engine)
+                   else list(scheduler_or_engines))
+        longest = max((len(r.prompt_ids) for r in requests), default=1)
+        scheduler = RolloutScheduler(
+            engines, max_rollout_len=min(engines[0].max_len, longest + config.max_response_len),
+            policy="dynamic", tool_timeout_s=config.tool_wait_s,
+            timeout_s=config.rollout_timeout_s)
+    episodes = [AgentEpisode(r, tokenizer, executor, config, stops) for r in requests]
+    t0 = time.perf_counter()
+    stats = scheduler.run(episodes)
+    t1 = time.perf_counter()
+    failed = _collect_rewards(episodes, config.verify_timeout_s)
+    timings = {f"timing/rollout_{k}": v for k, v in stats.as_dict().items()}
+    timings.update({
+        "timing/rollout_s": t1 - t0,
+        "timing/verify_wait_s": time.perf_counter() - t1,
+        "timing/tool_exec_wait_s": float(sum(ep.tool_wait_s for ep in episodes)),
+        "rollout/verify_failures": float(failed),
+        "rollout/errors": float(sum(ep.traj.finish == Finish.ERROR for ep in episodes)),
+    })
+    return [ep.traj for ep in episodes], timings
+
+
+# ---- the trainer's hook (rl/trainer.py: make_colocated_rollout_fn) ------------------------------
+
+_LIVE_ROLLOUT_FNS: "weakref.WeakSet[ColocatedRollouts]" = weakref.WeakSet()
+
+
+class ColocatedRollouts:
+    """``RolloutFn`` for the trainer: (records, n per prompt, seed, policy version) ->
+    (trajectories with ``group_id`` = record index, timings). Owns one engine on the
+    trainer's devices and a code executor."""
+
+    def __init__(self, config, model, *, tokenizer=None, executor=None, num_slots: int = 64,
+                 fmt=None):
+        from rstarjax.env import CodeExecutor
+        from rstarjax.models.chat_template import RSTAR2
+        from rstarjax.models.tokenizer import load_tokenizer
+
+        rl = config.rl
+        self.agent_config = AgentConfig(
+            max_turns=int(rl.max_turns), max_response_len=int(rl.max_response_len),
+            tool_timeout_s=float(rl.tool_timeout_s),
+            max_tool_response_chars=int(rl.max_tool_response_chars),
+            rollout_timeout_s=float(rl.rollout_timeout_s))
+        self.sampling = dict(temperature=float(rl.temperature), top_p=float(rl.top_p),
+                             top_k=max(0, int(rl.top_k)))
+        self.max_prompt_len = int(rl.max_prompt_len)
+        self.tokenizer = tokenizer or load_tokenizer()
+        self.fmt = fmt or RSTAR2
+        self.executor = executor or CodeExecutor(num_workers=int(rl.num_tool_workers))
+        self.engine = Engine(model, num_slots=num_slots,
+                             max_len=self.max_prompt_len + self.agent_config.max_response_len)
+        _LIVE_ROLLOUT_FNS.add(self)
+
+    def update_params(self, model_or_state) -> None:
+        from flax import nnx
+        state = model_or_state if not isinstance(model_or_state, nnx.Module) else nnx.split(
+            model_or_state)[1]
+        self.engine.update_params(state)
+
+    def __call__(self, records, n_per_prompt: int, seed: int, policy_version: int):
+        requests = []
+        for g, rec in enumerate(records):
+            prompt = encode_prompt(self.tokenizer, rec["problem"], self.fmt)
+            if len(prompt) > self.max_prompt_len:
+                raise ValueError(f"prompt of record {g} has {len(prompt)} tokens > "
+                                 f"max_prompt_len {self.max_prompt_len}")
+            for j in range(n_per_prompt):
+                sp = SamplingParams(seed=(seed * 1_000_003 + g * n_per_prompt + j) % (2**31 - 1),
+                                    **self.sampling)
+                requests.append(RolloutRequest(prompt, str(rec["answer"]), g, sp, policy_version))
+        return run_rollouts(self.engine, self.tokenizer, self.executor, requests,
+                            self.agent_config)
+
+
+def make_rollout_fn(config, model, **kwargs) -> ColocatedRollouts:
+    return ColocatedRollouts(config, model, **kwargs)
+
+
+def update_params(model_or_state: Any) -> None:
+    """Hand new weights to every live colocated rollout engine (in memory, no copy)."""
+    for fn in list(_LIVE_ROLLOUT_FNS):
+        fn.update_params(model_or_state)

@@ -1,0 +1,188 @@
+"""Agent loop against the real code environment, real tokenizer and real (tiny) model.
+
+The policy is scripted: each request carries a fixed token stream that the engine
+teacher-forces, so turns and tool calls are known; the engine still runs the model and reports
+each token's log-prob, which is checked against the uncached training forward.
+"""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rstarjax.env import CodeExecutor, ExecResult, format_tool_response
+from rstarjax.models.chat_template import COMPACT, encode_prompt, encode_tool_response_turn
+from rstarjax.models.config import ModelConfig
+from rstarjax.models.qwen3 import Qwen3
+from rstarjax.models.tokenizer import load_tokenizer
+from rstarjax.rl.agent_loop import AgentConfig, RolloutRequest, run_rollouts
+from rstarjax.rl.trajectory import Finish, SegmentKind
+from rstarjax.serving import Engine, SamplingParams
+from rstarjax.serving.scheduler import RolloutScheduler
+
+MAX_LEN = 1024
+TOOL = "execute_python_code_with_standard_io"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(486)  # 486 BPE ranks + 26 added tokens = vocab 512
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig.preset("tiny", dtype=jnp.float32, vocab_size=512)
+    return Qwen3(cfg, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return Engine(model, num_slots=4, max_len=MAX_LEN, buckets=(64, 256, MAX_LEN),
+                  cache_dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def executor():
+    with CodeExecutor(num_workers=2) as ex:
+        yield ex
+
+
+def call(code, stdin=""):
+    args = json.dumps({"code": code, "input": stdin})
+    return f'<reason>run it</reason><tool_call>\n{{"name": "{TOOL}", "arguments": {args}}}\n</tool_call>'
+
+
+ANSWER = "<reason>done</reason><answer>\\boxed{42}</answer><|im_end|>"
+
+
+def request(tok, turns, gold="42", group=0):
+    script = [i for t in turns for i in tok.encode(t)]
+    return RolloutRequest(encode_prompt(tok, "What is 6*7?", COMPACT), gold, group,
+                          SamplingParams(temperature=1.0, seed=group), script=script)
+
+
+def tool_turn(tok, outcome):
+    return encode_tool_response_turn(tok, format_tool_response(outcome, 2048),
+                                     close_assistant_turn=True)
+
+
+def check_tokens(tok, traj, turns, tool_outcomes):
+    """Model segments = the script's turns; tool segments = the template around the outcome."""
+    model_segs = [s for s in traj.segments if s.kind == SegmentKind.MODEL]
+    tool_segs = [s for s in traj.segments if s.kind == SegmentKind.TOOL]
+    assert [s.ids.tolist() for s in model_segs] == [tok.encode(t) for t in turns]
+    assert [s.ids.tolist() for s in tool_segs] == [tool_turn(tok, o) for o in tool_outcomes]
+    for s in tool_segs:
+        assert s.ids[0] == tok.token_id("<|im_end|>")
+    kinds = [s.kind for s in traj.segments]
+    assert kinds == [SegmentKind.MODEL, SegmentKind.TOOL] * len(tool_segs) + [SegmentKind.MODEL]
+    mask = traj.loss_mask
+    assert mask.sum() == sum(len(s.ids) for s in model_segs)
+
+
+def test_episodes_with_real_tools(tok, model, engine, executor):
+    cases = {
+        "success": [call("print(6*7)"), ANSWER],
+        "error_then_fix": [call("print(6*7/0)"), call("print(6*7)"), ANSWER],
+        "timeout": [call("while True:\n    pass"), ANSWER],
+        "malformed": ['<tool_call>\n{"name": "' + TOOL + '", "arguments": {"code": </tool_call>',
+                      ANSWER],
+        "no_tool_call": ["<reason>I guess</reason> 41<|im_end|>"],
+        # A hostile program prints the boxed answer: the reward reads the model's text only.
+        "hostile": [call("print('<ans' + 'wer>' + chr(92) + 'box' + 'ed{' + str(6*7) + '}</answer>')"),
+                    "<reason>see above</reason><|im_end|>"],
+    }
+    reqs = [request(tok, turns, group=i) for i, turns in enumerate(cases.values())]
+    cfg = AgentConfig(max_turns=5, max_response_len=MAX_LEN - 200, tool_timeout_s=1.0,
+                      tool_wait_s=30.0)
+    trajs, timings = run_rollouts(engine, tok, executor, reqs, cfg)
+    by = dict(zip(cases, trajs))
+    for name, t in by.items():
+        assert t.group_id == list(cases).index(name)
+
+    t = by["success"]
+    assert (t.finish, t.reward, t.turns, t.tool_calls, t.tool_errors.total) == (
+        Finish.ANSWERED, 1.0, 2, 1, 0)
+    check_tokens(tok, t, cases["success"], [ExecResult("stdout", "42\n")])
+    assert t.answer_tags == 1
+
+    t = by["error_then_fix"]
+    assert (t.finish, t.reward, t.tool_calls, t.tool_errors.execution, t.tool_errors.total) == (
+        Finish.ANSWERED, 1.0, 2, 1, 1)
+    assert "ZeroDivisionError" in t.response_text
+
+    t = by["timeout"]
+    assert (t.finish, t.reward, t.tool_errors.timeout, t.tool_errors.total) == (
+        Finish.ANSWERED, 1.0, 1, 1)
+
+    t = by["malformed"]
+    assert (t.finish, t.tool_calls, t.tool_errors.parse, t.tool_errors.total) == (
+        Finish.ANSWERED, 1, 1, 1)
+    assert "not valid JSON" in t.response_text
+
+    t = by["no_tool_call"]
+    assert (t.finish, t.reward, t.turns, t.tool_calls) == (Finish.NO_TOOL_CALL, 0.0, 1, 0)
+    check_tokens(tok, t, cases["no_tool_call"], [])
+
+    t = by["hostile"]
+    assert t.finish == Finish.NO_TOOL_CALL and t.reward == 0.0 and t.answer_tags == 0
+    assert "\\boxed{42}" in t.response_text
+
+    # Sampled (here: forced) log-probs are the policy's under the uncached forward.
+    t = by["error_then_fix"]
+    ids = np.concatenate([t.prompt_ids, t.response_ids])
+    logits = np.asarray(model(jnp.asarray(ids[None, :-1]))[0], np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    p = len(t.prompt_ids)
+    ref = logp[np.arange(p - 1, len(ids) - 1), ids[p:]]
+    m = t.loss_mask.astype(bool)
+    np.testing.assert_allclose(t.sampled_logprobs[m], ref[m], atol=1e-4)
+    assert timings["timing/rollout_s"] > 0 and timings["rollout/errors"] == 0
+
+
+def test_max_turns_and_max_length(tok, engine, executor):
+    many_calls = [call("print(1)"), call("print(2)"), call("print(3)"), ANSWER]
+    trajs, _ = run_rollouts(engine, tok, executor, [request(tok, many_calls)],
+                            AgentConfig(max_turns=2, max_response_len=300))
+    t = trajs[0]
+    assert (t.finish, t.turns, t.tool_calls, t.reward) == (Finish.MAX_TURNS, 2, 1, 0.0)
+    check_tokens(tok, t, many_calls[:2], [ExecResult("stdout", "1\n")])
+
+    # A budget that the first turn + tool response leave almost exhausted.
+    first = len(tok.encode(many_calls[0]))
+    budget = first + len(tool_turn(tok, ExecResult("stdout", "1\n"))) + 5
+    trajs, _ = run_rollouts(engine, tok, executor, [request(tok, many_calls)],
+                            AgentConfig(max_turns=10, max_response_len=budget))
+    t = trajs[0]
+    assert t.finish == Finish.MAX_LENGTH and t.truncated and t.reward == 0.0
+    assert len(t.response_ids) == budget
+    assert t.segments[-1].kind == SegmentKind.MODEL and len(t.segments[-1].ids) == 5
+
+    # The tool response itself does not fit: truncated before appending it.
+    trajs, _ = run_rollouts(engine, tok, executor, [request(tok, many_calls)],
+                            AgentConfig(max_turns=10, max_response_len=first + 3))
+    t = trajs[0]
+    assert t.finish == Finish.MAX_LENGTH and len(t.segments) == 1
+
+
+def test_static_and_dynamic_schedulers_agree(tok, model, engine, executor):
+    """Same trajectories whatever the policy or slice count (scripted + seeded: deterministic)."""
+    turns = [[call(f"print({i}*7)"), ANSWER] for i in range(5)] + [[ANSWER]] * 3
+    reqs = [request(tok, tt, gold=str(42), group=i) for i, tt in enumerate(turns)]
+    engine2 = Engine(model, num_slots=4, max_len=MAX_LEN, buckets=(64, 256, MAX_LEN),
+                     cache_dtype=jnp.float32)
+    cfg = AgentConfig(max_turns=4, max_response_len=300)
+    outs = []
+    for policy in ("dynamic", "static"):
+        sched = RolloutScheduler([engine, engine2], max_rollout_len=MAX_LEN, policy=policy)
+        trajs, timings = run_rollouts(sched, tok, executor, reqs, cfg)
+        outs.append(trajs)
+        assert timings["timing/rollout_makespan_s"] > 0
+    for a, b in zip(*outs):
+        assert a.response_ids.tolist() == b.response_ids.tolist()
+        np.testing.assert_allclose(a.sampled_logprobs, b.sampled_logprobs, atol=1e-5)
+        assert (a.finish, a.reward, a.group_id) == (b.finish, b.reward, b.group_id)
+    assert [t.reward for t in outs[0]] == [1.0] * 8  # every script answers \\boxed{42}
