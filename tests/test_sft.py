@@ -1,0 +1,160 @@
+"""SFT: loss vs HF transformers (PyTorch fp32, labels=-100 outside assistant turns), the
+schedule vs transformers' get_cosine_schedule_with_warmup, packing, bad input, learning."""
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rstarjax.models import ModelConfig, Qwen3, load_tokenizer, save_hf
+from rstarjax.models import chat_template as ct
+from rstarjax.rl import sft
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+NUM_REGULAR = 1000
+
+
+def _conversation(i):
+    code = f"print({1234 + i} * {56 + i})"
+    return [
+        {"role": "user", "content": f"Compute {1234 + i} * {56 + i}."},
+        {"role": "assistant", "content": "<reason>Use Python.</reason>",
+         "tool_calls": [{"type": "function", "function": {"name": ct.TOOL_NAME,
+                                                          "arguments": {"code": code, "input": ""}}}]},
+        {"role": "tool", "content": str((1234 + i) * (56 + i))},
+        {"role": "assistant", "content": f"<answer>\\boxed{{{(1234 + i) * (56 + i)}}}</answer>"},
+    ]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(NUM_REGULAR)
+
+
+def _one_device_mesh():
+    import jax
+    from rstarjax.models.sharding import make_mesh
+    return make_mesh(1, 1, 1, devices=jax.devices()[:1])
+
+
+def _tiny_model(tok, seed=0):
+    cfg = ModelConfig.preset("tiny", vocab_size=tok.vocab_size, dtype=jnp.float32,
+                             bos_token_id=tok.endoftext_id, eos_token_id=tok.eos_id)
+    return Qwen3(cfg, rngs=nnx.Rngs(seed))
+
+
+def test_schedule_matches_transformers():
+    total, peak = 50, 5e-6
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    sched = transformers.get_cosine_schedule_with_warmup(opt, num_warmup_steps=int(0.04 * total),
+                                                         num_training_steps=total)
+    for step in range(total):
+        ours = float(sft.sft_learning_rate(step, total, peak, 0.04))
+        assert ours == pytest.approx(opt.param_groups[0]["lr"], rel=1e-5, abs=1e-12), step
+        opt.step()
+        sched.step()
+
+
+def test_masked_packed_loss_matches_hf(tok, tmp_path):
+    convs = [_conversation(i) for i in range(5)]
+    model = _tiny_model(tok)
+    save_hf(model, str(tmp_path))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    examples, _ = sft.encode_examples(tok, convs, seq_len=512, fmt=ct.COMPACT)
+    nll, count = 0.0, 0
+    for ex in examples:
+        ids = torch.tensor(ex.ids[None].astype(np.int64))
+        labels = torch.where(torch.tensor(ex.mask[None]), ids, torch.full_like(ids, -100))
+        with torch.no_grad():
+            out = hf(input_ids=ids, labels=labels)
+        n = int(ex.mask[1:].sum())  # HF shifts: the label at t is predicted from t-1
+        nll += float(out.loss) * n
+        count += n
+    reference = nll / count
+
+    cfg = sft.SFTConfig(epochs=1, batch_size=5, learning_rate=1e-3, warmup_ratio=0.0, seq_len=512)
+    plan = sft.plan_batches([len(e.ids) for e in examples], 5, 1, 512, seed=0)
+    assert len(plan) == 1 and sum(len(r) for r in plan[0]) == 5
+    assert any(len(r) > 1 for r in plan[0]), "the test must exercise packing"
+    # 8 rows on the 8-device mesh of conftest: the loss is sharded over devices
+    trainer = sft.SFTTrainer(model, cfg, total_steps=1, num_rows=8)
+    arrays = sft.pack_rows(examples, plan[0], 8, 512, tok.pad_id)
+    metrics = trainer.train_step(arrays)
+    assert metrics["sft/loss"] == pytest.approx(reference, rel=1e-4)
+    assert metrics["sft/tokens"] == count
+
+
+def test_assistant_mask_covers_only_model_text(tok):
+    ex, _ = sft.encode_examples(tok, [_conversation(3)], seq_len=512, fmt=ct.COMPACT)
+    text = tok.decode(ex[0].ids[ex[0].mask])
+    assert "<tool_call>" in text and "\\boxed{" in text and text.count("<|im_end|>") == 2
+    assert "Compute" not in text  # the question
+    assert "<tool_response>" not in text and "assistant" not in text  # tool turn, role headers
+
+
+def test_pack_rows_layout(tok):
+    ex = [sft.SFTExample(np.array([5, 6, 7], np.int32), np.array([0, 1, 1], bool)),
+          sft.SFTExample(np.array([8, 9], np.int32), np.array([0, 1], bool))]
+    a = sft.pack_rows(ex, [[0, 1]], num_rows=2, seq_len=6, pad_id=0)
+    np.testing.assert_array_equal(a["tokens"], [[5, 6, 7, 8, 9, 0], [0] * 6])
+    np.testing.assert_array_equal(a["positions"][0], [0, 1, 2, 0, 1, 0])
+    np.testing.assert_array_equal(a["segment_ids"][0], [1, 1, 1, 2, 2, 0])
+    np.testing.assert_array_equal(a["loss_mask"][0], [0, 1, 1, 0, 1, 0])
+    with pytest.raises(ValueError):
+        sft.pack_rows(ex, [[0, 1]], num_rows=1, seq_len=4, pad_id=0)
+    with pytest.raises(ValueError):
+        sft.pack_rows(ex, [[0], [1]], num_rows=1, seq_len=6, pad_id=0)
+
+
+def test_plan_covers_every_example_each_epoch():
+    lengths = [5, 9, 3, 7, 2, 8, 4]
+    plan = sft.plan_batches(lengths, batch_size=3, epochs=2, seq_len=10, seed=1)
+    assert len(plan) == 2 * 3  # ceil(7 / 3) steps per epoch
+    for epoch in range(2):
+        seen = sorted(i for step in plan[3 * epoch:3 * epoch + 3] for row in step for i in row)
+        assert seen == list(range(7))
+    for step in plan:
+        for row in step:
+            assert sum(lengths[i] for i in row) <= 10
+
+
+def test_bad_input(tok, tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(json.dumps({"text": "no messages"}) + "\n")
+    with pytest.raises(ValueError, match="no 'messages'"):
+        sft.load_conversations(str(p))
+    with pytest.raises(FileNotFoundError):
+        sft.load_conversations(str(tmp_path / "missing.jsonl"))
+    examples, stats = sft.encode_examples(tok, [_conversation(0)] * 2 + [[{"role": "user", "content": "x"}]],
+                                          seq_len=400, fmt=ct.COMPACT)
+    assert len(examples) == 2 and stats["no_assistant_tokens"] == 1
+    with pytest.raises(ValueError, match="no usable"):
+        sft.encode_examples(tok, [_conversation(0)], seq_len=10, fmt=ct.COMPACT)
+    with pytest.raises(ValueError, match="conversation 0"):
+        sft.encode_examples(tok, [[{"role": "assistant", "content": "x"}]], seq_len=100)
+
+
+@pytest.mark.slow
+def test_sft_learns_and_checkpoints(tok, tmp_path):
+    """A few steps on 16 conversations cut the loss; the checkpoint restores the same params."""
+    from rstarjax.rl import checkpoint as ckpt_lib
+
+    convs = [_conversation(i) for i in range(16)]
+    cfg = sft.SFTConfig(epochs=10, batch_size=16, learning_rate=1e-2, warmup_ratio=0.0, seq_len=512)
+    trainer, summary = sft.train_sft(_tiny_model(tok), tok, convs, cfg, fmt=ct.COMPACT, workdir=str(tmp_path),
+                                     mesh=_one_device_mesh(),
+                                     checkpoint_cfg=ckpt_lib.CheckpointConfig(every_steps=3, async_save=False),
+                                     meta={"note": "test"})
+    assert summary["steps"] == 10
+    assert summary["final_loss"] < 0.65 * summary["first_loss"]
+    # resuming in a finished workdir runs no step and leaves the params as they were
+    again, summary2 = sft.train_sft(_tiny_model(tok, seed=1), tok, convs, cfg, fmt=ct.COMPACT, workdir=str(tmp_path),
+                                    mesh=_one_device_mesh(),
+                                    checkpoint_cfg=ckpt_lib.CheckpointConfig(every_steps=3, async_save=False))
+    a = nnx.state(trainer.model(), nnx.Param)
+    b = nnx.state(again.model(), nnx.Param)
+    for x, y in zip(np.asarray(a["embed"][...]), np.asarray(b["embed"][...])):
+        np.testing.assert_array_equal(x, y)
