@@ -1,4 +1,6 @@
 """Trainer: micro-batched and sharded updates against an independent full-batch reference."""
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -178,3 +180,80 @@ def test_bad_shapes_fail_clearly():
         tr.put_batch(bad)
     with pytest.raises(ValueError, match="mini_batches"):
         trainer_lib.TrainerConfig(mini_batches=0)
+
+
+# ------------------------------------------------------------------ metrics (pure functions)
+def _traj(reward, calls, errors, tags, finish="answered", model_len=3, tool_len=2, group=0, turns=2):
+    from rstarjax.rl.trajectory import Finish, Segment, SegmentKind, ToolErrorCounts, Trajectory
+
+    segs = [Segment(SegmentKind.MODEL, np.ones(model_len), np.zeros(model_len))]
+    if tool_len:
+        segs.append(Segment(SegmentKind.TOOL, np.ones(tool_len)))
+    return Trajectory(prompt_ids=np.ones(4), segments=segs, turns=turns, tool_calls=calls,
+                      tool_errors=ToolErrorCounts(parse=errors // 2, execution=errors - errors // 2),
+                      answer_tags=tags, finish=Finish(finish), reward=reward, group_id=group)
+
+
+def test_rollout_metrics_by_hand():
+    from rstarjax.rl import metrics as M
+
+    trajs = [
+        _traj(1.0, calls=4, errors=1, tags=1, model_len=3, tool_len=2),  # len 5
+        _traj(1.0, calls=0, errors=0, tags=2, model_len=6, tool_len=0),  # len 6
+        _traj(0.0, calls=2, errors=2, tags=0, finish="max_length", model_len=9, tool_len=1),  # len 10
+    ]
+    m = M.rollout_metrics(trajs, prefix="")
+    assert m["reward_mean"] == pytest.approx(2 / 3)
+    assert m["response_length_mean"] == pytest.approx(7.0) and m["response_length_max"] == 10
+    assert m["model_tokens_mean"] == pytest.approx(6.0)
+    assert m["truncation_ratio"] == pytest.approx(1 / 3)
+    assert m["tool_calls_mean"] == pytest.approx(2.0)
+    assert m["tool_error_ratio"] == pytest.approx(3 / 6)
+    assert m["tool_error_ratio_positive"] == pytest.approx(1 / 4)  # Fig. 4: positives only
+    assert m["format_violation_ratio"] == pytest.approx(2 / 3)  # 0 tags and 2 tags
+    r = M.roc_metrics(trajs, trajs[1:])
+    assert r["roc/tool_error_ratio_positive_before"] == pytest.approx(0.25)
+    assert r["roc/tool_error_ratio_positive_after"] == 0.0  # the only positive left made no call
+    assert r["roc/kept_fraction"] == pytest.approx(2 / 3)
+    g = M.group_metrics([_traj(1, 0, 0, 1, group=0), _traj(1, 0, 0, 1, group=0),
+                         _traj(0, 0, 0, 1, group=1), _traj(1, 0, 0, 1, group=1),
+                         _traj(0, 0, 0, 1, group=2)], prefix="")
+    assert g == {"groups_all_correct": pytest.approx(1 / 3), "groups_all_wrong": pytest.approx(1 / 3)}
+    t = M.throughput_metrics(300, {"rollout": 2.0, "train": 1.0})
+    assert t["perf/tokens_per_second"] == pytest.approx(100.0) and t["time/step"] == 3.0
+
+
+def test_metrics_writer_jsonl_and_tensorboard(tmp_path):
+    from rstarjax.rl import metrics as M
+
+    with M.MetricsWriter(str(tmp_path)) as w:
+        w.write(1, {"a": 1.5, "b": float("nan")})
+        w.write(2, {"a": np.float32(2.5)})
+    recs = M.read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [(r["step"], r["a"]) for r in recs] == [(1, 1.5), (2, 2.5)] and recs[0]["b"] == "nan"
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
+
+
+# ------------------------------------------------------------------ stage-3 filter (§4.3)
+def test_stage3_filter_drops_only_problems_solved_k_of_k(tmp_path):
+    import json
+
+    from rstarjax.rl import stage3_filter as F
+
+    records = [{"problem": f"p{i}", "answer": str(i)} for i in range(7)]
+    solved = {0: 8, 1: 7, 2: 0, 3: 8, 4: 1, 5: 8, 6: 4}  # correct rollouts out of 8 per problem
+
+    def rollout_fn(recs, n, seed, version):
+        return [_traj(float(j < solved[int(r["answer"])]), 0, 0, 1, group=g)
+                for g, r in enumerate(recs) for j in range(n)]
+
+    kept, summary = F.filter_problems(records, rollout_fn, k=8, batch_prompts=3, seed=0)
+    assert [r["problem"] for r in kept] == ["p1", "p2", "p4", "p6"]
+    assert [r["stage2_pass_rate"] for r in kept] == [7 / 8, 0.0, 1 / 8, 4 / 8]
+    assert summary["dropped_all_correct"] == 3 and summary["kept"] == 4
+    out = tmp_path / "f.jsonl"
+    F.write_jsonl_atomic(str(out), kept)
+    assert [json.loads(x)["answer"] for x in out.read_text().splitlines()] == ["1", "2", "4", "6"]
+    # a problem whose rollouts did not all come back is an error, not silently kept or dropped
+    with pytest.raises(ValueError, match="expected 8 rollouts"):
+        F.filter_problems(records, lambda recs, n, s, v: rollout_fn(recs, n, s, v)[:-1], 8, 3, 0)

@@ -415,11 +415,11 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
     trajs, extra = (out if isinstance(out, tuple) else (out, {}))
     t1 = _time.perf_counter()
     kept = select_groups(trajs, len(records), cfg, seed)
-    adv = adv_lib.grouped_advantages([t.reward for t in kept], [t.group_id for t in kept],
-                                     std_normalize=getattr(loss_cfg, "std_normalize", True))
+    _, adv = adv_lib.trajectory_advantages(  # eq. 7 per group (+ optional Kimi length reward)
+        kept, std_normalize=loss_cfg.std_normalize, length_penalty_coef=loss_cfg.length_penalty_coef)
     batch = batch_lib.make_train_batch(kept, adv, seq_len=cfg.seq_len, pad_id=PAD_ID,
                                        num_rows=len(records) * cfg.group_size,
-                                       overlong_filter=getattr(loss_cfg, "overlong_filter", False))
+                                       overlong_filter=loss_cfg.overlong_filter)
     metrics = {}
     metrics.update(metrics_lib.rollout_metrics(trajs, prefix="rollout_all/"))
     metrics.update(metrics_lib.group_metrics(trajs, prefix="rollout_all/"))
@@ -429,11 +429,11 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
     metrics.update(trainer.train(batch))
     t3 = _time.perf_counter()
     timings = {"rollout": t1 - t0, "prepare": t2 - t1, "train": t3 - t2}
-    if "tools" in extra:
-        timings_tools = float(extra.pop("tools"))
-        metrics["time/tools"] = timings_tools
     metrics.update(metrics_lib.throughput_metrics(int(sum(len(t.response_ids) for t in trajs)), timings))
-    metrics.update({f"rollout_extra/{k}": float(v) for k, v in extra.items()})
+    # the rollout function's own figures (engine / scheduler / tool timings), already namespaced
+    metrics.update({k: float(v) for k, v in extra.items() if isinstance(v, (int, float, np.number))})
+    if "timing/tool_exec_wait_s" in extra:
+        metrics["time/tools"] = float(extra["timing/tool_exec_wait_s"])
     return metrics
 
 
@@ -573,4 +573,5 @@ def make_colocated_rollout_fn(config, trainer: Trainer):
         raise RuntimeError(
             "rstarjax.rl.agent_loop is not available, so no real rollouts can run; pass rollout_fn= "
             "to run_rl (tests) or install the serving room's code") from e
-    return agent_loop.make_rollout_fn(config, trainer.model()), lambda tr: agent_loop.update_params(tr.model())
+    rollout_fn = agent_loop.make_rollout_fn(config, trainer.model())
+    return rollout_fn, lambda tr: rollout_fn.update_params(tr.model())
