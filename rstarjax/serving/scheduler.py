@@ -214,7 +214,7 @@ class RolloutScheduler:
             if time.monotonic() > deadline:
                 raise TimeoutError("rollout slice passed its deadline")
             params = engine.params  # update_params between runs takes effect here
-            state = self._admit(engine, params, state, slots, source)
+            state = self._admit(engine, params, state, slots, source, stats)
             if not slots:
                 if len(source) == 0:
                     break
@@ -239,7 +239,7 @@ class RolloutScheduler:
         stats.busy_s += engine.busy_seconds - busy0
         stats.prefill_tokens += engine.prefill_tokens - prefill0
 
-    def _admit(self, engine, params, state, slots, source):
+    def _admit(self, engine, params, state, slots, source, stats):
         if self.sync_turns and slots:
             return state  # static batch inference: the next wave waits for the whole batch
         k = capacity_for(engine, self.max_rollout_len)
@@ -258,6 +258,7 @@ class RolloutScheduler:
                                     forced_token=ep.forced_token(0))
             state = engine.insert(prefix, state, slot)
             slots[slot] = _Slot(ep)
+            stats.episodes += 1
             self._add_token(engine, slots, slot, prefix.token, prefix.logprob, prefix.done)
         return state
 

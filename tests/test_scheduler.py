@@ -1,0 +1,142 @@
+"""Rollout scheduler: capacity policy, dynamic hand-out, asynchronous tool waits, bounded waits.
+
+Episodes here are scripted protocol implementations (the agent loop's are tested in
+test_agent_loop.py); engines run the real tiny model.
+"""
+import concurrent.futures
+import threading
+import time
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from rstarjax.models.config import ModelConfig
+from rstarjax.models.qwen3 import Qwen3
+from rstarjax.serving import DoneReason, Engine, SamplingParams
+from rstarjax.serving.scheduler import (CallTool, Extend, Finish, RolloutScheduler,
+                                        capacity_for)
+
+MAX_LEN = 64
+STOP = 3  # turn separator in the scripts
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Qwen3(ModelConfig.preset("tiny", dtype=jnp.float32), rngs=nnx.Rngs(0))
+
+
+def make_engine(model, slots=2):
+    return Engine(model, num_slots=slots, max_len=MAX_LEN, buckets=(16, MAX_LEN),
+                  cache_dtype=jnp.float32)
+
+
+class ScriptEpisode:
+    """Turns of fixed tokens (each ends with STOP); between turns a 'tool' that answers
+    ``tool_ids`` after ``tool_delay`` seconds (a timer thread) or never (``None``)."""
+
+    def __init__(self, turn_lengths, tool_delay=0.0, tool_ids=(5, 6)):
+        self.prompt_ids = [1, 2]
+        self.sampling = SamplingParams(temperature=0.0, stop_ids=(STOP,), max_new_tokens=60)
+        self.script = [t for n in turn_lengths for t in [7] * (n - 1) + [STOP]]
+        self.turns_left = len(turn_lengths)
+        self.tool_delay, self.tool_ids = tool_delay, list(tool_ids)
+        self.received, self.turn_end_times, self.aborted = [], [], None
+        self.tool_returned_at = None
+
+    def forced_token(self, offset):
+        i = len(self.received) + offset
+        return self.script[i] if i < len(self.script) else STOP
+
+    def on_turn_end(self, ids, logprobs, reason):
+        self.received += ids
+        self.turn_end_times.append(time.monotonic())
+        self.turns_left -= 1
+        if self.turns_left == 0 or reason != DoneReason.STOP:
+            return Finish()
+        fut = concurrent.futures.Future()
+        if self.tool_delay is not None:
+            def answer():
+                self.tool_returned_at = time.monotonic()
+                fut.set_result(self.tool_ids)
+            threading.Timer(self.tool_delay, answer).start()
+        return CallTool(fut)
+
+    def on_tool_ready(self, ids, free):
+        return Extend(ids, max_new_tokens=60)
+
+    def on_abort(self, why):
+        self.aborted = why
+
+
+def test_capacity_reserves_growth_of_live_rollouts(model):
+    eng = make_engine(model, slots=4)
+    state = eng.init_decode_state()
+    assert capacity_for(eng, MAX_LEN) == 4
+    state = eng.insert(eng.prefill(eng.params, [1] * 10), state, 0)
+    # 4*64 - 10 free tokens, minus 54 the live rollout may still grow, over L = 64 -> 3.
+    assert capacity_for(eng, MAX_LEN) == 3
+    assert capacity_for(eng, 16) == 3  # never more than the free slots
+    with pytest.raises(ValueError):
+        capacity_for(eng, MAX_LEN + 1)
+
+
+def test_tool_wait_does_not_stall_other_slots(model):
+    eng = make_engine(model)
+    slow = ScriptEpisode([4, 4], tool_delay=1.0)
+    busy = ScriptEpisode([40])
+    stats = RolloutScheduler([eng], max_rollout_len=MAX_LEN).run([slow, busy])
+    assert busy.turn_end_times[0] < slow.tool_returned_at  # decoded while the tool ran
+    assert slow.received == slow.script and busy.received == busy.script
+    assert stats.slices[0].episodes == 2 and stats.slices[0].tool_wait_s >= 1.0
+
+
+def test_static_sync_turns_waits_for_the_batch(model):
+    eng = make_engine(model)
+    slow = ScriptEpisode([4, 4], tool_delay=0.2)
+    busy = ScriptEpisode([40])
+    RolloutScheduler([eng], max_rollout_len=MAX_LEN, policy="static").run([slow, busy])
+    # Lock-step turns: the slow episode's second turn starts only after the busy turn ended.
+    assert slow.turn_end_times[1] > busy.turn_end_times[0]
+
+
+def test_dynamic_hands_out_work_as_capacity_frees(model):
+    engines = [make_engine(model, slots=1), make_engine(model, slots=1)]
+    long_first = [ScriptEpisode([50])] + [ScriptEpisode([4]) for _ in range(7)]
+    dyn = RolloutScheduler(engines, max_rollout_len=MAX_LEN, policy="dynamic").run(long_first)
+    # The slice stuck on the long rollout takes few; the other takes the rest as it frees.
+    assert sorted(s.episodes for s in dyn.slices) == [1, 7]
+    eps = [ScriptEpisode([50])] + [ScriptEpisode([4]) for _ in range(7)]
+    sta = RolloutScheduler(engines, max_rollout_len=MAX_LEN, policy="static").run(eps)
+    assert [s.episodes for s in sta.slices] == [4, 4]
+    assert all(e.received == e.script for e in long_first + eps)
+
+
+def test_waits_are_bounded(model):
+    eng = make_engine(model)
+    stuck = ScriptEpisode([4, 4], tool_delay=None)  # its tool never answers
+    ok = ScriptEpisode([5])
+    RolloutScheduler([eng], max_rollout_len=MAX_LEN, tool_timeout_s=0.3).run([stuck, ok])
+    assert stuck.aborted and "0.3" in stuck.aborted and ok.received == ok.script
+    with pytest.raises(TimeoutError):
+        RolloutScheduler([eng], max_rollout_len=MAX_LEN, timeout_s=0.5).run(
+            [ScriptEpisode([4, 4], tool_delay=None)])
+
+
+def test_bad_input_and_episode_errors_surface(model):
+    eng = make_engine(model)
+    with pytest.raises(ValueError):
+        RolloutScheduler([eng], max_rollout_len=MAX_LEN, policy="fifo")
+    with pytest.raises(ValueError):
+        RolloutScheduler([eng], max_rollout_len=MAX_LEN + 1)
+    long_prompt = ScriptEpisode([4])
+    long_prompt.prompt_ids = [1] * MAX_LEN
+    with pytest.raises(ValueError):
+        RolloutScheduler([eng], max_rollout_len=MAX_LEN).run([long_prompt])
+
+    class Broken(ScriptEpisode):
+        def on_turn_end(self, ids, logprobs, reason):
+            raise RuntimeError("episode bug")
+
+    with pytest.raises(RuntimeError, match="episode bug"):
+        RolloutScheduler([make_engine(model)], max_rollout_len=MAX_LEN).run([Broken([4])])
