@@ -49,6 +49,38 @@ def test_async_api(ex):
     assert [r.text for r in many] == [str(i**2) for i in range(8)]
 
 
+@pytest.mark.parametrize(
+    "code, tier",
+    [
+        ("print(1)", "lean"),
+        ("import math, itertools\nfrom collections import Counter\nprint(math.comb(5, 2))", "lean"),
+        ("import sympy", "heavy"),
+        ("from sympy import symbols", "heavy"),
+        ("import numpy as np", "heavy"),
+        ("def f():\n    import scipy.special\n    return 1", "heavy"),
+        ("import math; import numpy", "heavy"),  # not a simple import line: conservative
+        ("__import__('numpy')", "heavy"),
+        ("exec('import numpy')", "heavy"),
+        ("import importlib", "heavy"),
+    ],
+)
+def test_routing_is_conservative(code, tier):
+    from rstarjax.env.routing import choose_tier
+
+    assert choose_tier(code) == tier
+
+
+def test_both_tiers_give_identical_results():
+    snippets = ["print(sum(range(10)))", "x = 2\nx ** 10", "import math\nmath.factorial(20)", "1/0",
+                "import sys\nprint(sys.stdin.read())", "while True: pass"]
+    with CodeExecutor(num_workers=1, lean_workers=0) as heavy_only:
+        want = [(r.kind, r.text) for r in heavy_only.run_batch([(c, "in") for c in snippets], timeout=0.5)]
+    with CodeExecutor(num_workers=1, lean_workers=1) as mixed:
+        got = [(r.kind, r.text) for r in mixed.run_batch([(c, "in") for c in snippets], timeout=0.5)]
+        assert mixed.stats["submitted"] == len(snippets)
+    assert got == want
+
+
 def test_bad_arguments_are_clear_errors(ex):
     with pytest.raises(TypeError):
         ex.submit(b"print(1)")
@@ -84,7 +116,7 @@ def test_verification_from_a_worker_thread_is_not_silently_zero(ex):
 
 
 def test_a_killed_worker_is_replaced_and_its_calls_answered():
-    with CodeExecutor(num_workers=1, slots_per_worker=2) as ex:
+    with CodeExecutor(num_workers=1, lean_workers=0, slots_per_worker=2) as ex:
         futs = [ex.submit("import time\ntime.sleep(30)", timeout=60) for _ in range(3)]
         time.sleep(0.5)
         os.kill(ex._workers[0].pid, signal.SIGKILL)
@@ -95,7 +127,7 @@ def test_a_killed_worker_is_replaced_and_its_calls_answered():
 
 
 def test_a_hung_worker_is_killed_by_the_watchdog():
-    with CodeExecutor(num_workers=1, slots_per_worker=1, grace_s=0.5) as ex:
+    with CodeExecutor(num_workers=1, lean_workers=0, slots_per_worker=1, grace_s=0.5) as ex:
         fut = ex.submit("import time\ntime.sleep(0.2)\nprint('late')", timeout=0.5)
         time.sleep(0.05)
         os.kill(ex._workers[0].pid, signal.SIGSTOP)  # a worker that stops answering
@@ -106,7 +138,7 @@ def test_a_hung_worker_is_killed_by_the_watchdog():
 
 
 def test_queue_timeout_answers_undispatched_calls():
-    with CodeExecutor(num_workers=1, slots_per_worker=1, inflight_per_worker=1, queue_timeout=0.5) as ex:
+    with CodeExecutor(num_workers=1, lean_workers=0, slots_per_worker=1, inflight_per_worker=1, queue_timeout=0.5) as ex:
         busy = ex.submit("import time\ntime.sleep(2)", timeout=5)
         t0 = time.monotonic()
         waiting = ex.submit("print('never ran')")
@@ -117,7 +149,8 @@ def test_queue_timeout_answers_undispatched_calls():
 
 
 def test_backpressure_is_bounded():
-    with CodeExecutor(num_workers=1, slots_per_worker=1, inflight_per_worker=1, max_queue=2, submit_timeout=0.3) as ex:
+    with CodeExecutor(num_workers=1, lean_workers=0, slots_per_worker=1, inflight_per_worker=1, max_queue=2,
+                      submit_timeout=0.3) as ex:
         futs = [ex.submit("import time\ntime.sleep(1.5)", timeout=5) for _ in range(3)]  # 1 running + 2 queued
         time.sleep(0.2)
         t0 = time.monotonic()
@@ -130,7 +163,7 @@ def test_backpressure_is_bounded():
 
 
 def test_close_answers_queued_calls_and_rejects_new_ones():
-    ex = CodeExecutor(num_workers=1, slots_per_worker=1, inflight_per_worker=1).start()
+    ex = CodeExecutor(num_workers=1, lean_workers=0, slots_per_worker=1, inflight_per_worker=1).start()
     futs = [ex.submit("import time\ntime.sleep(3)", timeout=5) for _ in range(3)]
     time.sleep(0.2)
     t0 = time.monotonic()

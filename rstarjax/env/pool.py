@@ -36,6 +36,7 @@ import threading
 import time
 
 from .results import ERROR, ExecResult, VerifyResult
+from .routing import HEAVY, LEAN, choose_tier
 from .sandbox import SAFE_ENV, SandboxLimits
 from .zygote import recv_frame, send_frame
 
@@ -48,12 +49,14 @@ class ExecutorClosedError(RuntimeError):
 
 @dataclasses.dataclass
 class ExecutorConfig:
-    num_workers: int = 2  # worker processes (each with its own send/receive thread)
+    num_workers: int = 2  # "heavy" worker processes: forked from the numpy/sympy/scipy zygote
+    lean_workers: int = -1  # workers forked from a bare zygote for code importing only light
+    #                         stdlib modules (4x cheaper fork); -1 -> num_workers, 0 -> disabled
     slots_per_worker: int = 4  # sandboxes a worker runs at once
     inflight_per_worker: int = 0  # calls handed to a worker at once; 0 -> 2 * slots_per_worker
     batch_size: int = 64  # paper §3.1: send workers group up to 64 calls
     flush_s: float = 0.002  # ... or send what they have after this long
-    max_queue: int = 100_000  # central queue bound (backpressure beyond it)
+    max_queue: int = 100_000  # central queue bound, per tier (backpressure beyond it)
     submit_timeout: float = 60.0  # how long submit() blocks on a full queue before answering "overloaded"
     queue_timeout: float = 900.0  # a call not dispatched within this is answered with an error
     default_timeout: float = 10.0  # per-call wall-clock limit
@@ -78,6 +81,7 @@ class _Job:
     t_submit: float
     t_dequeue: float = 0.0
     resolved: bool = False
+    tier: str = HEAVY
 
     def wire(self) -> dict:
         return {"id": self.id, "op": self.op, "timeout": self.timeout, **self.payload}
@@ -155,7 +159,7 @@ class _JobQueue:
 class _Zygote:
     """The preloaded interpreter that forks workers (see zygote.py)."""
 
-    def __init__(self, config: ExecutorConfig, workdir_root: str):
+    def __init__(self, config: ExecutorConfig, workdir_root: str, tier: str = HEAVY):
         self.lock = threading.Lock()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         wire_config = {
@@ -166,6 +170,7 @@ class _Zygote:
             "uid_base": config.uid_base,
             "tmpfs_bytes": config.tmpfs_bytes,
             "workdir_root": workdir_root,
+            "preload": tier,
         }
         env = dict(SAFE_ENV, HOME="/", PYTHONDONTWRITEBYTECODE="1")
         self.proc = subprocess.Popen(
@@ -259,14 +264,17 @@ class CodeExecutor:
             raise ValueError("num_workers and slots_per_worker must be >= 1")
         self.config = config
         self.capacity = config.inflight_per_worker or 2 * config.slots_per_worker
-        self._queue = _JobQueue(config.max_queue)
+        lean = config.num_workers if config.lean_workers < 0 else config.lean_workers
+        # Flat worker numbering: heavy workers first, then lean ones (the index picks sandbox uids).
+        self._worker_tier = [HEAVY] * config.num_workers + [LEAN] * lean
+        self._queues = {HEAVY: _JobQueue(config.max_queue), LEAN: _JobQueue(config.max_queue)}
         self._cv = threading.Condition()
         self._resolve_lock = threading.Lock()
         self._ids = itertools.count()
-        self._workers: list[_WorkerHandle | None] = [None] * config.num_workers
+        self._workers: list[_WorkerHandle | None] = [None] * len(self._worker_tier)
         self._threads: list[threading.Thread] = []
-        self._zygote: _Zygote | None = None
-        self._zygote_lock = threading.Lock()
+        self._zygotes: dict[str, _Zygote] = {}
+        self._zygote_locks = {HEAVY: threading.Lock(), LEAN: threading.Lock()}
         self._workdir_root = ""
         self._started = False
         self._closing = False
@@ -283,17 +291,18 @@ class CodeExecutor:
     @property
     def isolation(self) -> dict:
         """What the kernel allowed: {root, netns, mountns, private_tmp, pidns, uid_drop}."""
-        return dict(self._zygote.isolation) if self._zygote else {}
+        return dict(self._zygotes[HEAVY].isolation) if HEAVY in self._zygotes else {}
 
     def start(self) -> "CodeExecutor":
         if self._started:
             return self
         # Sandboxes see this path only inside the zygote's private /tmp when that mount works.
         self._workdir_root = tempfile.mkdtemp(prefix="rstarjax-sandbox-")
-        self._zygote = _Zygote(self.config, self._workdir_root)
-        for i in range(self.config.num_workers):
+        for tier in sorted(set(self._worker_tier)):
+            self._zygotes[tier] = _Zygote(self.config, self._workdir_root, tier)
+        for i in range(len(self._workers)):
             self._workers[i] = self._spawn_worker(i)
-        for i in range(self.config.num_workers):
+        for i in range(len(self._workers)):
             for target, name in ((self._send_loop, "send"), (self._receive_loop, "recv")):
                 t = threading.Thread(target=target, args=(i,), name=f"code-env-{name}-{i}", daemon=True)
                 t.start()
@@ -308,8 +317,9 @@ class CodeExecutor:
         """Stop accepting calls, wait (bounded) for in-flight ones, answer the rest, stop processes."""
         if not self._started or self._closing:
             return
-        for job in self._queue.close():
-            self._resolve(job, self._infra_result(job, "the code executor was closed"))
+        for queue in self._queues.values():
+            for job in queue.close():
+                self._resolve(job, self._infra_result(job, "the code executor was closed"))
         deadline = time.monotonic() + (drain_timeout if drain_timeout is not None else self.config.grace_s)
         with self._cv:
             while any(w is not None and w.inflight for w in self._workers) and time.monotonic() < deadline:
@@ -321,8 +331,8 @@ class CodeExecutor:
             self._worker_died(h, "the code executor was closed")
         for t in self._threads:
             t.join(timeout=5.0)
-        if self._zygote is not None:
-            self._zygote.close()
+        for zygote in self._zygotes.values():
+            zygote.close()
         import shutil
 
         shutil.rmtree(self._workdir_root, ignore_errors=True)
@@ -370,9 +380,11 @@ class CodeExecutor:
         if not isinstance(code, str):
             raise TypeError(f"code must be str, got {type(code).__name__}")
         job = self._make_job("exec", {"code": code, "stdin": stdin or ""}, timeout)
+        self.stats["submitted"] += 1
+        queue = self._queues[job.tier]
         deadline = time.monotonic() + self.config.submit_timeout
-        while not self._queue.put(job, timeout=0.0):
-            if self._queue.closed or time.monotonic() >= deadline:
+        while not queue.put(job, timeout=0.0):
+            if queue.closed or time.monotonic() >= deadline:
                 self._reject(job)
                 break
             await asyncio.sleep(0.005)
@@ -394,18 +406,20 @@ class CodeExecutor:
             raise ExecutorClosedError("CodeExecutor is not running (use it as a context manager)")
         fut = concurrent.futures.Future()
         fut.set_running_or_notify_cancel()  # cancel() cannot drop a call: it is answered once
-        return _Job(next(self._ids), op, payload, timeout, fut, time.monotonic())
+        has_lean = LEAN in self._worker_tier
+        tier = choose_tier(payload["code"]) if (op == "exec" and has_lean) else HEAVY
+        return _Job(next(self._ids), op, payload, timeout, fut, time.monotonic(), tier=tier)
 
     def _submit(self, op: str, payload: dict, timeout: float) -> concurrent.futures.Future:
         job = self._make_job(op, payload, timeout)
         self.stats["submitted"] += 1
-        if not self._queue.put(job, timeout=self.config.submit_timeout):
+        if not self._queues[job.tier].put(job, timeout=self.config.submit_timeout):
             self._reject(job)
         return job.future
 
     def _reject(self, job: _Job) -> None:
         self.stats["rejected"] += 1
-        why = "the code executor was closed" if self._queue.closed else (
+        why = "the code executor was closed" if self._queues[job.tier].closed else (
             f"code environment overloaded: queue full ({self.config.max_queue}) for {self.config.submit_timeout:g} s")
         self._resolve(job, self._infra_result(job, why))
 
@@ -454,15 +468,16 @@ class CodeExecutor:
 
     # -- internals: workers ----------------------------------------------------------------
     def _spawn_worker(self, index: int) -> _WorkerHandle:
-        with self._zygote_lock:
+        tier = self._worker_tier[index]
+        with self._zygote_locks[tier]:
             try:
-                sock, pid, pidfd = self._zygote.spawn(index)
+                sock, pid, pidfd = self._zygotes[tier].spawn(index)
             except (OSError, ValueError, KeyError):
                 # The zygote itself is gone or wedged: start a new one (imports again, ~1-2 s).
                 self.stats["zygote_restarts"] += 1
-                self._zygote.kill()
-                self._zygote = _Zygote(self.config, self._workdir_root)
-                sock, pid, pidfd = self._zygote.spawn(index)
+                self._zygotes[tier].kill()
+                self._zygotes[tier] = _Zygote(self.config, self._workdir_root, tier)
+                sock, pid, pidfd = self._zygotes[tier].spawn(index)
         return _WorkerHandle(index, sock, pid, pidfd)
 
     def _worker_died(self, h: _WorkerHandle, why: str) -> None:
@@ -485,6 +500,7 @@ class CodeExecutor:
 
     def _send_loop(self, i: int) -> None:
         cfg = self.config
+        queue = self._queues[self._worker_tier[i]]
         while True:
             with self._cv:
                 while True:
@@ -495,17 +511,17 @@ class CodeExecutor:
                         break
                     self._cv.wait(0.1)
                 free = self.capacity - len(h.inflight)
-            batch = self._queue.get_batch(min(cfg.batch_size, free), cfg.flush_s, timeout=0.1)
+            batch = queue.get_batch(min(cfg.batch_size, free), cfg.flush_s, timeout=0.1)
             if not batch:
-                if self._queue.closed:
+                if queue.closed:
                     return
                 continue
             now = time.monotonic()
             with self._cv:
                 if not h.alive or self._closing:
-                    self._queue.put_front(batch)  # never dispatched: someone else takes them
+                    queue.put_front(batch)  # never dispatched: someone else takes them
                     if self._closing:
-                        for job in self._queue.close():
+                        for job in queue.close():
                             self._resolve(job, self._infra_result(job, "the code executor was closed"))
                     continue
                 if not h.inflight:
@@ -562,9 +578,10 @@ class CodeExecutor:
         while not self._closing:
             time.sleep(0.1)
             now = time.monotonic()
-            for job in self._queue.expire(now - self.config.queue_timeout):
-                self.stats["queue_timeouts"] += 1
-                self._resolve(job, self._infra_result(job, f"not dispatched within {self.config.queue_timeout:g} s"))
+            for queue in self._queues.values():
+                for job in queue.expire(now - self.config.queue_timeout):
+                    self.stats["queue_timeouts"] += 1
+                    self._resolve(job, self._infra_result(job, f"not dispatched within {self.config.queue_timeout:g} s"))
             with self._cv:
                 hung = []
                 for h in self._workers:

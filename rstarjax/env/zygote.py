@@ -547,21 +547,44 @@ def worker_main(fd: int, index: int, config: dict, isolation: dict) -> None:
         os._exit(0)  # children die with us (PR_SET_PDEATHSIG)
 
 
-def preload() -> None:
+def preload(tier: str) -> None:
     """Import what model code usually imports, so a forked sandbox pays nothing for it."""
-    import math  # noqa: F401
-    import fractions  # noqa: F401
-    import itertools  # noqa: F401
+    import importlib
 
-    import numpy  # noqa: F401
-    import scipy  # noqa: F401
-    import scipy.special  # noqa: F401
-    import sympy  # noqa: F401
+    from rstarjax.env import routing, sandbox  # noqa: F401
 
-    from rstarjax.env import sandbox  # noqa: F401
-    from rstarjax.env import verify
+    for name in sorted(routing.LEAN_MODULES):
+        importlib.import_module(name)
+    if tier == routing.HEAVY:
+        import numpy  # noqa: F401
+        import scipy  # noqa: F401  (submodules are lazy; scipy.special alone would double fork cost)
+        import sympy  # noqa: F401
 
-    verify.warm_up()
+        from rstarjax.env import verify
+
+        verify.warm_up()
+        warm_up_libraries()
+
+
+def warm_up_libraries() -> None:
+    """Exercise what math tool calls typically do, once, in the zygote: sympy and numpy import
+    much lazily (printers, solvers, polys) and fill caches on first use; done here, every forked
+    sandbox inherits it instead of paying ~0.2-1 s for it again."""
+    import io
+    import contextlib
+
+    import numpy as np
+    import sympy
+
+    x, y = sympy.symbols("x y")
+    with contextlib.redirect_stdout(io.StringIO()):
+        print(sympy.expand((x + 1) ** 5), sympy.factor(x**2 - 1), sympy.simplify(sympy.sin(x) ** 2 + sympy.cos(x) ** 2))
+        print(sympy.solve(x**2 - 2, x), sympy.solve([x + y - 2, x - y], [x, y]), sympy.integrate(x**2, x))
+        print(sympy.factorint(2**32 + 1), sympy.isprime(97), sympy.primerange(2, 30), sympy.binomial(10, 3))
+        print(sympy.Rational(1, 3) + 1, sympy.pi.evalf(30), sympy.sqrt(8), sympy.latex(x**2), sympy.nsimplify(0.5))
+        print(sympy.Matrix([[1, 2], [3, 4]]).det(), sympy.diff(sympy.exp(x) * x, x), sympy.limit(sympy.sin(x) / x, x, 0))
+        print(sympy.series(sympy.exp(x), x, 0, 3), sympy.gcd(12, 18), sympy.divisors(28), sympy.totient(10))
+        print(np.array([1.5, 2.0]), np.arange(6).reshape(2, 3) @ np.ones(3), np.linalg.det(np.eye(2)))
 
 
 def zygote_main(argv: list[str]) -> None:
@@ -574,7 +597,7 @@ def zygote_main(argv: list[str]) -> None:
 
     isolation = setup_zygote_isolation(config)
     os.makedirs(config["workdir_root"], mode=0o711, exist_ok=True)
-    preload()
+    preload(config.get("preload", "heavy"))
     if "jax" in sys.modules:  # pragma: no cover - guarded by a test
         raise RuntimeError("the zygote must not import jax")
     isolation["pidns"] = bool(config.get("isolate", True)) and probe_pidns()

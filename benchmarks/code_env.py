@@ -1,0 +1,112 @@
+"""Code-environment throughput and latency, next to the one-interpreter-per-call baseline.
+
+Prints ONE JSON line. For trivial and sympy-using code, at 1, 64 and 1,000 concurrent
+submissions: calls/s, end-to-end latency p50/p99, and the dispatch overhead p99 (end-to-end
+minus queue wait minus time in the sandbox, i.e. what the machinery itself adds). The baseline
+runs `python -c CODE` per call (what the official rStar2-Agent environment does) with at most
+`2 * cpu_count` interpreters at once, on fewer calls (it is slow), in the same process and run.
+
+    python benchmarks/code_env.py [--workers N] [--slots S] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rstarjax.env import CodeExecutor  # noqa: E402
+
+CODES = {
+    "trivial": "print(1)",
+    "sympy": "import sympy\nx = sympy.Symbol('x')\nprint(sympy.expand((x + 1) ** 5))",
+}
+
+
+def pct(values, q) -> float:
+    return round(float(np.percentile(np.asarray(values) * 1e3, q)), 2) if len(values) else float("nan")
+
+
+def bench_pool(ex: CodeExecutor, code: str, concurrency: int, sequential_calls: int = 40) -> dict:
+    expected = ex.run(code).text
+    t0 = time.perf_counter()
+    if concurrency == 1:
+        results = [ex.run(code) for _ in range(sequential_calls)]
+    else:
+        futs = [ex.submit(code) for _ in range(concurrency)]
+        results = [f.result(timeout=600) for f in futs]
+    wall = time.perf_counter() - t0
+    bad = sum(r.text != expected for r in results)
+    lat, overhead, queued = [], [], []
+    for r in results:
+        t = r.timings
+        lat.append(t["resolved"] - t["submit"])
+        queued.append((t["dequeue"] - t["submit"]) + (t["start"] - t["worker_recv"]))
+        overhead.append((t["worker_recv"] - t["dequeue"]) + (t["resolved"] - t["end"]))
+    return {
+        "calls": len(results),
+        "calls_per_s": round(len(results) / wall, 1),
+        "p50_ms": pct(lat, 50),
+        "p99_ms": pct(lat, 99),
+        "queue_wait_p99_ms": pct(queued, 99),
+        "overhead_p50_ms": pct(overhead, 50),
+        "overhead_p99_ms": pct(overhead, 99),
+        "wrong": bad,
+    }
+
+
+def run_baseline_once(code: str) -> float:
+    t = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr)
+    return time.perf_counter() - t
+
+
+def bench_baseline(code: str, calls: int, parallel: int) -> dict:
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+        lat = list(pool.map(lambda _: run_baseline_once(code), range(calls)))
+    wall = time.perf_counter() - t0
+    return {"calls": calls, "parallel": parallel, "calls_per_s": round(calls / wall, 2),
+            "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="fewer calls (smoke run)")
+    args = parser.parse_args()
+    levels = (1, 64, 200) if args.quick else (1, 64, 1000)
+    cpus = len(os.sched_getaffinity(0))
+    out = {"bench": "code_env", "cpus": cpus, "workers": args.workers, "slots_per_worker": args.slots,
+           "load_avg_1m": round(os.getloadavg()[0], 2)}
+    with CodeExecutor(num_workers=args.workers, slots_per_worker=args.slots) as ex:
+        out["isolation"] = {k: v for k, v in ex.isolation.items() if isinstance(v, bool)}
+        ex.run_batch(["print(0)"] * 16 + [CODES["sympy"]] * 16)  # warm up
+        for name, code in CODES.items():
+            for c in levels:
+                out[f"pool_{name}_c{c}"] = bench_pool(ex, code, c)
+    parallel = 2 * cpus
+    for name, code in CODES.items():
+        n = 8 if args.quick else (48 if name == "trivial" else 16)
+        out[f"baseline_{name}"] = bench_baseline(code, n, parallel)
+        out[f"baseline_{name}_sequential"] = bench_baseline(code, 4 if args.quick else 8, 1)
+    for name in CODES:
+        best_pool = max(out[f"pool_{name}_c{c}"]["calls_per_s"] for c in levels[1:])
+        out[f"speedup_{name}_throughput"] = round(best_pool / out[f"baseline_{name}"]["calls_per_s"], 1)
+        out[f"speedup_{name}_latency_c1"] = round(
+            out[f"baseline_{name}_sequential"]["p50_ms"] / out[f"pool_{name}_c1"]["p50_ms"], 1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
