@@ -3,7 +3,9 @@
 Prints ONE JSON line. Each figure sits next to a baseline measured in the same process:
   roc:    paper variant (weighted successive sampling) vs the official deterministic top-k;
   batch:  packed (first-fit decreasing) vs one-sequence-per-row padding (rows, fill, build time);
-  logp:   fused logsumexp-gather token_logprobs vs log_softmax + take_along_axis (jit, fwd+bwd).
+  logp:   fused logsumexp-gather token_logprobs vs log_softmax + take_along_axis (jit, fwd+bwd);
+  hidden_logp: chunked (checkpointed) log-probs+entropy from hidden states vs full [B, L, V]
+          logits: compiled temp memory and time of fwd+bwd.
 Usage: python benchmarks/bench_rl_core.py [--groups 512] [--vocab 32768]
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rstarjax.rl.batch import build_train_batch
-from rstarjax.rl.loss import token_logprobs
+from rstarjax.rl.loss import chunked_token_logprobs_and_entropy, token_logprobs, token_logprobs_and_entropy
 from rstarjax.rl.roc import RocStats, roc_select
 from rstarjax.rl.trajectory import Segment, SegmentKind, ToolErrorCounts, Trajectory
 
@@ -67,6 +69,9 @@ def main():
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--logp_batch", type=int, default=4)
     ap.add_argument("--logp_len", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--chunk_len", type=int, default=2048)
+    ap.add_argument("--chunk", type=int, default=512)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     res = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend()}
@@ -106,6 +111,27 @@ def main():
         res[f"logp_{name}_ms"] = round(1e3 * timeit(lambda: jax.block_until_ready(f(logits)), repeat=5), 2)
     same = jnp.max(jnp.abs(jax.jit(token_logprobs)(logits, tokens) - jax.jit(naive)(logits, tokens)))
     res["logp_max_abs_diff"] = float(same)
+
+    # Peak temporary memory of grad(log-probs + entropy) from hidden states: chunked vs full logits.
+    d = args.hidden
+    hidden = jax.random.normal(jax.random.key(2), (1, args.chunk_len, d), jnp.float32)
+    w = jax.random.normal(jax.random.key(3), (d, v), jnp.float32) * 0.05
+    tok = jax.random.randint(jax.random.key(4), (1, args.chunk_len), 0, v)
+
+    def full_path(h, w):
+        lp, ent = token_logprobs_and_entropy(h @ w, tok)
+        return lp.sum() + ent.sum()
+
+    def chunk_path(h, w):
+        lp, ent = chunked_token_logprobs_and_entropy(h, w, tok, chunk_size=args.chunk)
+        return lp.sum() + ent.sum()
+
+    for name, fn in (("chunked", chunk_path), ("full_logits_baseline", full_path)):
+        f = jax.jit(jax.grad(fn, argnums=(0, 1)))
+        mem = f.lower(hidden, w).compile().memory_analysis()
+        res[f"hidden_logp_{name}_temp_mib"] = round(mem.temp_size_in_bytes / 2**20, 1) if mem else None
+        jax.block_until_ready(f(hidden, w))
+        res[f"hidden_logp_{name}_ms"] = round(1e3 * timeit(lambda: jax.block_until_ready(f(hidden, w)), repeat=2), 1)
     print(json.dumps(res))
 
 
