@@ -92,6 +92,9 @@ def test_bad_inputs():
         make_train_batch([hand_traj()], [float("nan")], seq_len=8, pad_id=0)
     with pytest.raises(ValueError, match="rows"):
         make_train_batch([hand_traj()] * 3, [1.0] * 3, seq_len=8, pad_id=0, num_rows=2)
+    probs = Trajectory(prompt_ids=np.array([1]), segments=[Segment(M, [2, 3], [0.9, 0.5])])  # probabilities, not logs
+    with pytest.raises(ValueError, match="log-probs must be <= 0"):
+        make_train_batch([probs], [1.0], seq_len=8, pad_id=0)
     empty_prompt = Trajectory(prompt_ids=np.array([], np.int32), segments=[Segment(M, [1], [-1.0])])
     with pytest.raises(ValueError, match="empty prompt"):
         make_train_batch([empty_prompt], [1.0], seq_len=8, pad_id=0)
@@ -140,6 +143,7 @@ def test_train_batch_is_a_pytree():
     assert isinstance(b.rows(0, 1), TrainBatch)
 
 
+@pytest.mark.slow
 def test_packed_and_padded_logprobs_agree_through_the_model():
     """Packing is only correct if positions restart and segment_ids isolate sequences in the real
     model: the per-token log-probs of every trajectory must not depend on the layout."""

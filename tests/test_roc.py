@@ -76,6 +76,10 @@ def test_bad_stats_rejected():
         roc_select([traj()] * 3, group_size=4, rng=0)
     with pytest.raises(ValueError):
         roc_select([traj()] * 4, group_size=2, rng=0, variant="nope")
+    other = traj()
+    other.group_id = 9
+    with pytest.raises(ValueError, match="several prompts"):
+        roc_select([traj(), traj(), other], group_size=2, rng=0)
 
 
 # ---- counts ----------------------------------------------------------------------------------

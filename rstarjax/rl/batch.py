@@ -143,6 +143,8 @@ def build_train_batch(
         a = _advantage_per_token(adv, resp.size, i)
         if not np.all(np.isfinite(a)) or not np.all(np.isfinite(lp)):
             raise ValueError(f"trajectory {i}: non-finite advantage or log-prob")
+        if lp.size and lp.max() > 1e-3:  # probabilities or logits passed by mistake
+            raise ValueError(f"trajectory {i}: sampled log-probs must be <= 0, got max {lp.max():.4g}")
         if overlong_filter and t.truncated:
             mask = np.zeros_like(mask)
         cut = False

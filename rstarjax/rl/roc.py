@@ -158,6 +158,10 @@ def roc_select(
     inversely proportional to p_total (eq. 4 + eq. 5). ``variant="topk"``: the official code's
     deterministic lowest-penalty cut (``rng`` then unused).
     """
+    gids = {int(t.group_id) for t in trajs_or_stats if isinstance(t, Trajectory)}
+    if len(gids) > 1:
+        raise ValueError(f"roc_select got trajectories of several prompts (group_ids {sorted(gids)}); "
+                         "use roc_select_batch")
     stats = [_stats(t) for t in trajs_or_stats]
     if group_size <= 0:
         raise ValueError("group_size must be > 0")
