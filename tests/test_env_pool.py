@@ -179,7 +179,7 @@ def test_the_zygote_never_imports_jax():
     code = (
         "import jax, sys\n"  # the trainer has jax loaded ...
         "from rstarjax.env import CodeExecutor\n"
-        "with CodeExecutor(num_workers=1) as ex:\n"
+        "with CodeExecutor(num_workers=1, lean_workers=0) as ex:\n"
         "    r = ex.run(\"import sys\\nprint('jax' in sys.modules, 'sympy' in sys.modules, 'torch' in sys.modules)\")\n"
         "    print(r.text, end='')\n"
     )

@@ -227,6 +227,12 @@ def test_writes_outside_its_directory(ex):
     # the per-call directory is fresh: the file is gone for the next call
     r = ex.run("import os\nprint(os.listdir('.'))")
     assert r.text == "[]\n"
+    if ex.isolation.get("private_tmp") and ex.isolation.get("uid_drop"):
+        # nothing written by one call is visible to the next (shared memory is swept)
+        r = ex.run("open('/dev/shm/left_behind', 'w').write('x')\nimport os\nprint(os.listdir('/dev/shm'))")
+        assert r.text == "['left_behind']\n"
+        for _ in range(2 * ex.config.num_workers * ex.config.slots_per_worker):
+            assert "left_behind" not in ex.run("import os\nprint(os.listdir('/dev/shm'))").text
 
 
 def test_cannot_read_the_parents_secrets(ex):
@@ -328,3 +334,37 @@ def test_imports_beyond_the_preloaded_ones_and_subprocesses_work(ex):
     r = ex.run("import subprocess, sys\nprint(subprocess.run([sys.executable, '-c', 'print(5)'], "
                "capture_output=True, text=True).stdout.strip())", timeout=10)
     assert (r.kind, r.text) == ("stdout", "5\n")
+
+
+def test_fallback_without_namespaces_or_uid_drop_still_cleans_up():
+    """isolate=False: what an unprivileged container gets. No dangerous cases here (model code
+    would run as us); only that results, timeouts and escaped grandchildren are handled."""
+    with CodeExecutor(num_workers=1, lean_workers=0, slots_per_worker=2, isolate=False) as ex:
+        assert not any(ex.isolation.get(k) for k in ("netns", "pidns", "uid_drop"))
+        assert ex.run("print(1)").text == "1\n"
+        assert ex.run("while True: pass", timeout=0.5).kind == "timeout"
+        code = (
+            "import os, time\n"
+            "r, w = os.pipe()\n"
+            "if os.fork() == 0:\n"
+            "    os.setsid()\n"
+            "    if os.fork() == 0:\n"
+            "        os.write(w, str(os.getpid()).encode())\n"
+            "        time.sleep(1000)\n"
+            "    os._exit(0)\n"
+            "print(os.read(r, 32).decode())"
+        )
+        r = ex.run(code, timeout=5)
+        escaped = int(r.text)
+        deadline = time.monotonic() + 3
+        while os.path.exists(f"/proc/{escaped}") and time.monotonic() < deadline:
+            with open(f"/proc/{escaped}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.05)
+        alive = os.path.exists(f"/proc/{escaped}")
+        if alive:
+            with open(f"/proc/{escaped}/stat") as f:
+                alive = f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        assert not alive, "the double-forked grandchild survived its call"
+        assert ex.run("print(2)").text == "2\n"

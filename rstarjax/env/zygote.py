@@ -150,9 +150,14 @@ def setup_zygote_isolation(config: dict) -> dict:
         # Make every mount private so nothing we mount propagates to the host.
         if sandbox.libc_call("mount", b"none", b"/", None, sandbox.MS_REC | sandbox.MS_PRIVATE, None) == 0:
             ok = True
-            for path in (b"/tmp", b"/var/tmp", b"/dev/shm"):
+            # /tmp and /var/tmp are not writable by sandboxes (they get a fresh per-call
+            # directory as cwd, HOME and TMPDIR), so no call can fill them for the next one;
+            # /dev/shm stays world-writable (multiprocessing needs it), small, and is swept
+            # after every call.
+            for path, mode, size in ((b"/tmp", b"0755", config["tmpfs_bytes"]), (b"/var/tmp", b"0755", 1 << 20),
+                                     (b"/dev/shm", b"1777", 64 << 20)):
                 if os.path.isdir(path):
-                    opts = b"size=%d,mode=1777" % config["tmpfs_bytes"]
+                    opts = b"size=%d,mode=%s" % (size, mode)
                     flags = sandbox.MS_NOSUID | sandbox.MS_NODEV
                     ok &= sandbox.libc_call("mount", b"tmpfs", path, b"tmpfs", flags, opts) == 0
             info["private_tmp"] = ok
@@ -450,6 +455,46 @@ class Worker:
                 os._exit(0)
         os.waitpid(pid, 0)
 
+    @staticmethod
+    def _sweep_shm(uid: int | None) -> None:
+        """Remove what the slot's uid left in /dev/shm (usually nothing: one cheap scandir)."""
+        if uid is None:
+            return
+        try:
+            with os.scandir("/dev/shm") as entries:
+                for entry in entries:
+                    try:
+                        if entry.stat(follow_symlinks=False).st_uid == uid:
+                            if entry.is_dir(follow_symlinks=False):
+                                shutil.rmtree(entry.path, ignore_errors=True)
+                            else:
+                                os.unlink(entry.path)
+                    except OSError:
+                        pass
+        except OSError:
+            pass
+
+    def _kill_orphans(self) -> None:
+        """Weakest fallback (no PID namespace, no uid drop): we are a child subreaper, so what a
+        call double-forked away is re-parented to us. Kill every child that is not a running
+        sandbox. (A daemon of a call still running in another slot dies early: acceptable.)"""
+        me = os.getpid()
+        live = {r.pid for r in self.running.values()}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) in live:
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == me:
+                try:
+                    os.kill(int(entry), signal.SIGKILL)
+                    os.waitpid(int(entry), 0)
+                except (ProcessLookupError, ChildProcessError):
+                    pass
+
     def _finish(self, run: Running) -> None:
         _, status = os.waitpid(run.pid, 0)
         t_end = time.monotonic()
@@ -464,8 +509,12 @@ class Worker:
         os.close(run.pidfd)
         del self.running[run.pidfd]
         if not self.use_pidns:
-            self._sweep_uid(self.slot_uid(run.slot))
+            if self.uid_drop:
+                self._sweep_uid(self.slot_uid(run.slot))
+            else:
+                self._kill_orphans()
         shutil.rmtree(run.workdir, ignore_errors=True)
+        self._sweep_shm(self.slot_uid(run.slot))
         self.free_slots.append(run.slot)
         if not run.replied:
             self._send_result(run, status, t_end)
@@ -540,6 +589,12 @@ class Worker:
 
 def worker_main(fd: int, index: int, config: dict, isolation: dict) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    if not isolation["pidns"]:
+        # Orphans of a sandbox (double fork) get re-parented to this worker rather than to
+        # init. (Not inherited through fork, so each worker sets it itself.)
+        from rstarjax.env import sandbox
+
+        sandbox.libc_call("prctl", sandbox.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     sock = socket.socket(fileno=fd)
     try:
         Worker(sock, index, config, isolation).serve()
@@ -606,9 +661,6 @@ def zygote_main(argv: list[str]) -> None:
         # Better a working sandbox contained by its PID namespace than one that cannot import.
         isolation["uid_drop"] = False
         isolation["uid_drop_refused"] = "the sandbox uid cannot read the Python installation"
-    if not isolation["pidns"]:
-        # Orphans of a sandbox (double fork) get reparented to their worker rather than to init.
-        sandbox.libc_call("prctl", sandbox.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     gc.collect()
     gc.freeze()  # keep the preloaded heap out of GC passes: fewer copy-on-write faults per fork
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped automatically
