@@ -182,13 +182,11 @@ def roc_select(
         kept_pos = pos[picks]
     elif variant == "topk":
         n = len(stats)
-        n_neg = round(len(neg) * group_size / n)
-        n_pos = round(len(pos) * group_size / n)
-        # Fill whatever rounding left over from the side that has rollouts to spare.
+        n_neg = round(len(neg) * group_size / n)  # Python round: half to even, as the official code
+        # Positives take the rest (the official code's two rounded counts always sum to G at N = 2G);
+        # with N < 2G a shortfall of positives goes back to the negatives.
         n_pos = min(len(pos), group_size - n_neg)
-        n_neg = group_size - n_pos
-        if n_neg > len(neg):
-            raise AssertionError("unreachable: len(stats) >= group_size")
+        n_neg = group_size - n_pos  # <= len(neg) because N >= G
         order_neg = neg[np.argsort(penalties[neg], kind="stable")]
         order_pos = pos[np.argsort(penalties[pos], kind="stable")]
         kept_neg, kept_pos = order_neg[:n_neg], order_pos[:n_pos]
