@@ -77,6 +77,7 @@ def test_config_errors_name_the_field():
 
 
 # ---- forward --------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_scan_equals_unrolled_loop_values_and_grads(tiny):
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 512, (2, 12)), jnp.int32)
     unrolled = Qwen3(TINY32.replace(scan_layers=False), rngs=nnx.Rngs(0))
