@@ -1,8 +1,9 @@
 """Code-environment throughput and latency, next to the one-interpreter-per-call baseline.
 
 Prints ONE JSON line. For trivial and sympy-using code, at 1, 64 and 1,000 concurrent
-submissions: calls/s, end-to-end latency p50/p99, and the dispatch overhead p99 (end-to-end
-minus queue wait minus time in the sandbox, i.e. what the machinery itself adds). The baseline
+submissions: calls/s, end-to-end latency p50/p99, and the dispatch overhead p50/p99 (end-to-end
+minus the wait for a free sandbox slot minus the time in the sandbox, fork and teardown
+included: what the queue/threads/sockets themselves add), with its return-path share. The baseline
 runs `python -c CODE` per call (what the official rStar2-Agent environment does) with at most
 `2 * cpu_count` interpreters at once, on fewer calls (it is slow), in the same process and run.
 
@@ -44,12 +45,16 @@ def bench_pool(ex: CodeExecutor, code: str, concurrency: int, sequential_calls: 
         results = [f.result(timeout=600) for f in futs]
     wall = time.perf_counter() - t0
     bad = sum(r.text != expected for r in results)
-    lat, overhead, queued = [], [], []
+    lat, overhead, queued, returned = [], [], [], []
     for r in results:
         t = r.timings
         lat.append(t["resolved"] - t["submit"])
+        # waiting for a free sandbox slot: in the central queue, then in the worker's own list
         queued.append((t["dequeue"] - t["submit"]) + (t["start"] - t["worker_recv"]))
+        # what the machinery adds: batch transport to the worker (incl. waiting for the worker's
+        # event loop, busy forking other calls) + the way back (worker reply -> future resolved)
         overhead.append((t["worker_recv"] - t["dequeue"]) + (t["resolved"] - t["end"]))
+        returned.append(t["resolved"] - t["end"])
     return {
         "calls": len(results),
         "calls_per_s": round(len(results) / wall, 1),
@@ -58,6 +63,8 @@ def bench_pool(ex: CodeExecutor, code: str, concurrency: int, sequential_calls: 
         "queue_wait_p99_ms": pct(queued, 99),
         "overhead_p50_ms": pct(overhead, 50),
         "overhead_p99_ms": pct(overhead, 99),
+        "return_path_p99_ms": pct(returned, 99),
+        "sandbox_p50_ms": pct([r.timings["end"] - r.timings["start"] for r in results], 50),
         "wrong": bad,
     }
 

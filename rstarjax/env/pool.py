@@ -242,12 +242,26 @@ class _WorkerHandle:
     inflight: dict = dataclasses.field(default_factory=dict)
     alive: bool = True
     last_progress: float = dataclasses.field(default_factory=time.monotonic)
+    fd_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    closed: bool = False
 
     def kill(self) -> None:
-        try:
-            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-        except (ProcessLookupError, OSError):
-            pass
+        # Under fd_lock: a pidfd number closed by release() may already belong to a new worker.
+        with self.fd_lock:
+            if self.closed:
+                return
+            try:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def release(self) -> None:
+        with self.fd_lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.sock.close()
+            os.close(self.pidfd)
 
 
 class CodeExecutor:
@@ -464,7 +478,8 @@ class CodeExecutor:
             "start": msg.get("t_start", 0.0), "end": msg.get("t_end", 0.0), "worker_sent": msg.get("t_sent", 0.0),
             "resolved": now,
         }
-        return ExecResult(msg["kind"], msg.get("text", ""), float(msg.get("duration_s", 0.0)), timings=timings)
+        return ExecResult(msg["kind"], str(msg.get("text", "")), float(msg.get("duration_s", 0.0)),
+                          infra_error=bool(msg.get("infra_error", False)), timings=timings)
 
     # -- internals: workers ----------------------------------------------------------------
     def _spawn_worker(self, index: int) -> _WorkerHandle:
@@ -546,8 +561,7 @@ class CodeExecutor:
                 why = "worker process exited"
             if msg is None:
                 self._worker_died(h, why)
-                h.sock.close()
-                os.close(h.pidfd)
+                h.release()
                 if self._closing:
                     return
                 self._replace_worker(i)
@@ -557,7 +571,11 @@ class CodeExecutor:
                 h.last_progress = time.monotonic()
                 self._cv.notify_all()
             if job is not None:
-                self._resolve(job, self._result_from_wire(job, msg))
+                try:
+                    result = self._result_from_wire(job, msg)
+                except (KeyError, TypeError, ValueError) as exc:
+                    result = self._infra_result(job, f"malformed answer from the worker: {exc!r}")
+                self._resolve(job, result)
 
     def _replace_worker(self, i: int) -> None:
         delay = 0.05

@@ -316,7 +316,11 @@ class Worker:
                     self._drain(key.fileobj, run, what)
             self._enforce_deadlines()
             while self.pending and self.free_slots:
-                self._start(self.pending.popleft())
+                call = self.pending.popleft()
+                try:
+                    self._start(call)
+                except OSError as exc:  # e.g. no memory/pids/space left: answer, keep serving
+                    self._reply_start_failure(call, exc)
 
     # -- parent messages -------------------------------------------------------------------
     def _read_parent(self) -> bool:
@@ -349,8 +353,21 @@ class Worker:
 
     # -- sandbox lifecycle -----------------------------------------------------------------
     def _start(self, call: dict) -> None:
-        sandbox = self.sandbox
         slot = self.free_slots.pop()
+        opened: list[int] = []
+        try:
+            self._spawn(call, slot, opened)
+        except BaseException:
+            for fd in opened:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self.free_slots.append(slot)
+            raise
+
+    def _spawn(self, call: dict, slot: int, opened: list) -> None:
+        sandbox = self.sandbox
         uid = self.slot_uid(slot)
         self.counter += 1
         workdir = os.path.join(self.workdir_root, f"c{self.counter}")
@@ -358,27 +375,34 @@ class Worker:
         if uid is not None:
             os.chown(workdir, uid, uid)
         stdin_fd = os.memfd_create("stdin", 0)
+        opened.append(stdin_fd)
         data = (call.get("stdin") or "").encode("utf-8", errors="replace")
         if data:
             os.write(stdin_fd, data)  # memfd: no pipe-capacity deadlock for big inputs
             os.lseek(stdin_fd, 0, os.SEEK_SET)
         out_r, out_w = os.pipe()
+        opened += [out_r, out_w]
         err_r, err_w = os.pipe()
+        opened += [err_r, err_w]
         res_r, res_w = os.pipe()
+        opened += [res_r, res_w]
         fds = {"stdin": stdin_fd, "stdout": out_w, "stderr": err_w, "result": res_w}
         t_start = time.monotonic()
         if self.use_pidns:
             sandbox.libc_call("unshare", sandbox.CLONE_NEWPID)  # the next child is PID 1 of a new ns
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        finally:
+            if self.use_pidns and os.getpid() != 1:
+                sandbox.libc_call("setns", self.own_pidns_fd, sandbox.CLONE_NEWPID)  # back, for the next unshare
         if pid == 0:
             try:
                 sandbox.child_main(call, self.limits, workdir, uid, fds)
             finally:
                 os._exit(71)
-        if self.use_pidns:
-            sandbox.libc_call("setns", self.own_pidns_fd, sandbox.CLONE_NEWPID)  # back, for the next unshare
         for fd in (stdin_fd, out_w, err_w, res_w):
             os.close(fd)
+            opened.remove(fd)
         run = Running()
         run.call, run.pid, run.slot, run.workdir = call, pid, slot, workdir
         run.pidfd = os.pidfd_open(pid)
@@ -393,8 +417,18 @@ class Worker:
             os.set_blocking(fd, False)
             run.fds[name] = fd
             self.sel.register(fd, selectors.EVENT_READ, (name, run))
+        opened.clear()  # owned by `run` from here on
         self.sel.register(run.pidfd, selectors.EVENT_READ, ("exit", run))
         self.running[run.pidfd] = run
+
+    def _reply_start_failure(self, call: dict, exc: OSError) -> None:
+        now = time.monotonic()
+        reply = {"id": call["id"], "t_recv": call.get("t_recv", now), "t_start": now, "t_end": now, "t_sent": now}
+        if call["op"] == "verify":
+            reply.update(op="verify", correct=False, timed_out=False, error=f"could not start the verifier: {exc}")
+        else:
+            reply.update(kind="error", text=f"SandboxError: could not start the sandbox: {exc}", infra_error=True)
+        self._reply(reply)
 
     def _drain(self, fd: int, run: Running, what: str) -> None:
         while True:
@@ -508,6 +542,8 @@ class Worker:
         self.sel.unregister(run.pidfd)
         os.close(run.pidfd)
         del self.running[run.pidfd]
+        if not run.replied:
+            self._send_result(run, status, t_end)  # answer first; cleaning up is our business
         if not self.use_pidns:
             if self.uid_drop:
                 self._sweep_uid(self.slot_uid(run.slot))
@@ -515,9 +551,7 @@ class Worker:
                 self._kill_orphans()
         shutil.rmtree(run.workdir, ignore_errors=True)
         self._sweep_shm(self.slot_uid(run.slot))
-        self.free_slots.append(run.slot)
-        if not run.replied:
-            self._send_result(run, status, t_end)
+        self.free_slots.append(run.slot)  # the slot (and its uid) is reused only once clean
 
     def _send_result(self, run: Running, status: int, t_end: float) -> None:
         reply = self._classify(run, status)
