@@ -122,6 +122,14 @@ def test_stdin_reaches_input_and_sys_stdin(ex):
     assert r.text == f"{len(big)}\n"
 
 
+def test_odd_code_is_a_result_not_a_crash(ex):
+    assert ex.run("print(1)\x00").kind == "error"  # NUL byte in the source
+    r = ex.run("print('\\ud800 lone surrogate')")
+    assert r.kind == "stdout" and "lone surrogate" in r.text
+    r = ex.run("")
+    assert (r.kind, r.text) == ("display", "")
+
+
 def test_main_guard_and_threads_work(ex):
     r = ex.run("import threading\nout = []\nt = threading.Thread(target=out.append, args=(1,))\nt.start(); t.join()\n"
                "if __name__ == '__main__':\n    print(out)")

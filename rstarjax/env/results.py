@@ -25,7 +25,7 @@ class ExecResult:
 
     kind: str
     text: str
-    duration_s: float = 0.0  # time the code ran in its sandbox (0 when it never started)
+    duration_s: float = dataclasses.field(default=0.0, compare=False)  # time in the sandbox (0: never started)
     infra_error: bool = False
     timings: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
