@@ -236,3 +236,10 @@ def test_soak_10k_mixed_calls_with_random_worker_kills():
     assert sum(v for k, v in stats.items() if k.startswith("result_")) == n  # exactly once
     assert stats["worker_deaths"] >= 1 and infra <= 10 * stats["worker_deaths"] * 8
     print(f"soak: {n} calls, {stats['worker_deaths']} worker deaths, {infra} infra errors, lost {lost}")
+
+
+def test_a_zygote_that_cannot_start_is_a_clear_error_not_a_hang():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="zygote"):
+        CodeExecutor(num_workers=1, lean_workers=0, python="/bin/false", startup_timeout=10).start()
+    assert time.monotonic() - t0 < 10

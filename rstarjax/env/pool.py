@@ -312,10 +312,23 @@ class CodeExecutor:
             return self
         # Sandboxes see this path only inside the zygote's private /tmp when that mount works.
         self._workdir_root = tempfile.mkdtemp(prefix="rstarjax-sandbox-")
-        for tier in sorted(set(self._worker_tier)):
-            self._zygotes[tier] = _Zygote(self.config, self._workdir_root, tier)
-        for i in range(len(self._workers)):
-            self._workers[i] = self._spawn_worker(i)
+        try:
+            for tier in sorted(set(self._worker_tier)):
+                self._zygotes[tier] = _Zygote(self.config, self._workdir_root, tier)
+            for i in range(len(self._workers)):
+                self._workers[i] = self._spawn_worker(i)
+        except BaseException:
+            # Leave nothing behind: a half-started pool would hold processes nobody closes.
+            for h in self._workers:
+                if h is not None:
+                    h.kill()
+                    h.release()
+            for zygote in self._zygotes.values():
+                zygote.kill()
+            import shutil
+
+            shutil.rmtree(self._workdir_root, ignore_errors=True)
+            raise
         for i in range(len(self._workers)):
             for target, name in ((self._send_loop, "send"), (self._receive_loop, "recv")):
                 t = threading.Thread(target=target, args=(i,), name=f"code-env-{name}-{i}", daemon=True)
