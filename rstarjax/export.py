@@ -1,0 +1,121 @@
+"""Export a training checkpoint as a HuggingFace model directory.
+
+    python -m rstarjax.export --checkpoint WORKDIR/checkpoints --out HF_DIR [--step N]
+        [--model_config config.json | --preset qwen3-14b] [--dtype bfloat16]
+
+The checkpoint is an Orbax directory written by ``rl.checkpoint.Checkpointer`` (RL or SFT).
+The architecture comes from, in order: ``--model_config`` (a HF config.json), the checkpoint's
+meta ``model_config`` (SFT and the demo store it), a ``config.json`` next to the checkpoint
+directory (``WORKDIR/hf``, ``WORKDIR/config.json``), or ``--preset``. Only the params are read
+(never the optimizer state); ``models.save_hf`` writes config.json, safetensors shards and the
+tokenizer (with the rStar2 chat template), so ``AutoModelForCausalLM.from_pretrained(HF_DIR)``
+and ``AutoTokenizer.from_pretrained(HF_DIR)`` load it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+
+
+def _read_meta(checkpoint_dir: str, step: int) -> dict:
+    path = os.path.join(checkpoint_dir, str(step), "meta", "metadata")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return {}
+
+
+def resolve_model_config(checkpoint_dir: str, meta: dict, model_config: str | None = None,
+                         preset: str | None = None):
+    """The ModelConfig of the checkpoint (see the module doc for the search order)."""
+    from rstarjax.models import ModelConfig
+
+    if model_config:
+        with open(model_config) as f:
+            return ModelConfig.from_hf_dict(json.load(f)), f"--model_config {model_config}"
+    if meta.get("model_config"):
+        return ModelConfig.from_hf_dict(meta["model_config"]), "checkpoint meta"
+    parent = os.path.dirname(os.path.abspath(checkpoint_dir))
+    for cand in (os.path.join(parent, "hf", "config.json"), os.path.join(parent, "config.json")):
+        if os.path.exists(cand):
+            with open(cand) as f:
+                return ModelConfig.from_hf_dict(json.load(f)), cand
+    if preset:
+        return ModelConfig.preset(preset), f"--preset {preset}"
+    raise ValueError(f"cannot tell the architecture of {checkpoint_dir}: its meta has no model_config; pass "
+                     "--model_config path/to/config.json (the base model's) or --preset NAME")
+
+
+def export_checkpoint(checkpoint_dir: str, out_dir: str, step: int | None = None, model_config: str | None = None,
+                      preset: str | None = None, dtype: str | None = None, tokenizer_num_regular_tokens: int | None = None
+                      ) -> dict:
+    """Write ``out_dir`` from the checkpoint's params; returns what was exported."""
+    from rstarjax.models import Qwen3, load_tokenizer, save_hf
+    from rstarjax.rl import checkpoint as ckpt_lib
+
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"checkpoint directory {checkpoint_dir!r} does not exist")
+    ckpt = ckpt_lib.Checkpointer(checkpoint_dir, ckpt_lib.CheckpointConfig(async_save=False))
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no finished checkpoint in {checkpoint_dir}")
+        if step not in ckpt.all_steps():
+            raise FileNotFoundError(f"step {step} not in {checkpoint_dir} (have {ckpt.all_steps()})")
+    finally:
+        ckpt.close()
+    meta = _read_meta(checkpoint_dir, step)
+    cfg, source = resolve_model_config(checkpoint_dir, meta, model_config, preset)
+    cfg = cfg.replace(dtype=jnp.float32, param_dtype=jnp.float32)
+    abstract_model = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
+    graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)
+    try:
+        params, _, _ = ckpt_lib.restore_params(checkpoint_dir, abstract, step)
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"checkpoint {checkpoint_dir} step {step} does not match the architecture from "
+                         f"{source} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab "
+                         f"{cfg.vocab_size}): {e}") from e
+    rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), rest)
+    model = nnx.merge(graphdef, params, rest)
+    n_regular = tokenizer_num_regular_tokens or meta.get("tokenizer_num_regular_tokens")
+    tokenizer = load_tokenizer(int(n_regular) if n_regular else None)
+    if tokenizer.num_tokens > cfg.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.num_tokens} tokens but the model only {cfg.vocab_size} rows; "
+                         "pass --tokenizer_num_regular_tokens")
+    save_hf(model, out_dir, tokenizer=tokenizer, dtype=jnp.dtype(dtype) if dtype else None)
+    return {"step": step, "out": out_dir, "config_source": source, "num_params": cfg.num_params}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rstarjax.export", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", required=True, help="Orbax checkpoint directory (WORKDIR/checkpoints)")
+    p.add_argument("--out", required=True, help="output HF directory")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--model_config", default=None, help="HF config.json of the architecture")
+    p.add_argument("--preset", default=None, help="ModelConfig preset, when nothing else names the architecture")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="saved tensor dtype (default: float32 master weights)")
+    p.add_argument("--tokenizer_num_regular_tokens", type=int, default=None,
+                   help="small-vocab tokenizer size (default: from the checkpoint meta, else full Qwen3)")
+    args = p.parse_args(argv)
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, args.step, args.model_config, args.preset, args.dtype,
+                                args.tokenizer_num_regular_tokens)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"export failed: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""rstarjax.export: a trainer checkpoint -> HF dir that transformers loads with the same logits."""
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rstarjax import export
+from rstarjax.models import ModelConfig, Qwen3, load_tokenizer
+from rstarjax.models.sharding import make_mesh
+from rstarjax.rl import checkpoint as ckpt_lib
+from rstarjax.rl.sft import model_meta
+from rstarjax.rl.trainer import Trainer, TrainerConfig
+from rstarjax.rl.loss import LossConfig
+from rstarjax.rl.optim import OptimConfig
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    tok = load_tokenizer(1000)
+    cfg = ModelConfig.preset("tiny", vocab_size=tok.num_tokens, dtype=jnp.float32,
+                             bos_token_id=tok.endoftext_id, eos_token_id=tok.eos_id)
+    model = Qwen3(cfg, rngs=nnx.Rngs(3))
+    trainer = Trainer(model, OptimConfig(), LossConfig(), TrainerConfig(),
+                      mesh=make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    root = tmp_path_factory.mktemp("run")
+    with ckpt_lib.Checkpointer(str(root / "checkpoints"), ckpt_lib.CheckpointConfig(async_save=False)) as c:
+        c.save(7, trainer.state, model_meta(model, tok))
+    return root, trainer.model(), tok
+
+
+def test_export_matches_transformers(checkpoint, tmp_path):
+    root, model, tok = checkpoint
+    out = export.export_checkpoint(str(root / "checkpoints"), str(tmp_path / "hf"))
+    assert out["step"] == 7 and out["config_source"] == "checkpoint meta"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    text = "<|im_start|>user\nCompute 1234 * 5678.<|im_end|>"
+    ids = tok.encode(text)
+    assert hf_tok(text)["input_ids"] == ids
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits.numpy()
+    ours = np.asarray(model(jnp.asarray([ids], jnp.int32)))
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_export_cli_and_errors(checkpoint, tmp_path):
+    root, _, _ = checkpoint
+    r = subprocess.run([sys.executable, "-m", "rstarjax.export", "--checkpoint", str(root / "checkpoints"),
+                        "--out", str(tmp_path / "cli"), "--dtype", "bfloat16"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["step"] == 7
+    assert json.loads((tmp_path / "cli" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with pytest.raises(FileNotFoundError):
+        export.export_checkpoint(str(tmp_path / "nope"), str(tmp_path / "x"))
+    with pytest.raises(FileNotFoundError, match="step 3"):
+        export.export_checkpoint(str(root / "checkpoints"), str(tmp_path / "x"), step=3)
+    # a wrong architecture is named, not a shape soup
+    with pytest.raises(ValueError, match="does not match"):
+        export.export_checkpoint(str(root / "checkpoints"), str(tmp_path / "x"), preset="tiny",
+                                 model_config=_write_cfg(tmp_path, hidden_size=32))
+    assert export.main(["--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "y")]) == 2
+
+
+def _write_cfg(tmp_path, **changes):
+    cfg = ModelConfig.preset("tiny", vocab_size=1026, **changes)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_hf_dict()))
+    return str(path)
