@@ -16,9 +16,12 @@ import sys
 from collections.abc import Callable
 
 # Modes and the function running each: (config, workdir) -> None. SFT / eval / demo register here.
+# Modes other than rl/filter check their own config section when they start.
 MODES: dict[str, str] = {
     "rl": "rstarjax.rl.trainer:run_rl",
     "filter": "rstarjax.rl.stage3_filter:run_filter",
+    "sft": "rstarjax.rl.sft:run_sft",
+    "demo": "rstarjax.rl.demo:run_demo",
 }
 
 KNOWN_DTYPES = ("float32", "bfloat16", "float16")
@@ -152,10 +155,11 @@ def validate(config, num_devices: int | None = None, num_processes: int = 1) -> 
     if mode not in MODES:
         raise ConfigError(f"config.mode={mode!r} is unknown; choose one of {sorted(MODES)} "
                           "(e.g. --config=configs/stage3.py:filter)")
+    if "mesh" in config:
+        errs += _validate_mesh(config, num_devices)
     if mode in ("rl", "filter"):
         errs += _validate_model(config)
         errs += _require_file(config.data.train_path, "--config.data.train_path", "a jsonl/parquet of problems")
-        errs += _validate_mesh(config, num_devices)
     if mode == "rl":
         errs += _validate_rl(config, num_devices, num_processes)
     if mode == "filter":

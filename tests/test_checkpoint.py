@@ -199,3 +199,60 @@ def test_checkpointer_round_trip_keep_n_and_meta(tmp_path):
 
 if __name__ == "__main__":
     worker(sys.argv[1], int(sys.argv[2]))
+
+
+def _stage_config(init_from, reset):
+    import base
+
+    c = base.get_config()
+    c.checkpoint.init_from = init_from
+    c.checkpoint.reset_optimizer = reset
+    return c
+
+
+def test_stage_handoff_keeps_or_resets_the_optimizer(tmp_path):
+    """init_from a previous stage: params and step always carry over; the optimizer state too,
+    unless reset_optimizer (stage 3, §4.3) gives fresh AdamW moments."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_trainer import tiny_model
+
+    from rstarjax.models import sharding as sharding_lib
+    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.rl import optim as optim_lib
+    from rstarjax.rl import trainer as trainer_lib
+    from rstarjax.rl.loss import LossConfig
+
+    mesh = sharding_lib.make_mesh(1, 2, 2, devices=jax.devices()[:4])
+
+    def make():
+        return trainer_lib.Trainer(tiny_model(), optim_lib.OptimConfig(), LossConfig(),
+                                   trainer_lib.TrainerConfig(), mesh=mesh)
+
+    prev = make()
+    # a "trained" previous stage: shifted params, non-zero moments, step 7
+    prev.state = trainer_lib.TrainState(
+        jax.tree.map(lambda x: x + 1.0, prev.state.params),
+        jax.tree.map(lambda x: x + 1 if jnp.issubdtype(x.dtype, jnp.floating) else x + 3, prev.state.opt_state),
+        prev.state.step + 7)
+    src = str(tmp_path / "stage2")
+    with ckpt_lib.Checkpointer(src) as ck:
+        ck.save(7, prev.state, {"step": 7})
+    want_params = [np.asarray(x) for x in jax.tree.leaves(prev.state.params)]
+    want_opt = [np.asarray(x) for x in jax.tree.leaves(prev.state.opt_state)]
+
+    for reset in (False, True):
+        nxt = make()
+        fresh_opt = [np.asarray(x) for x in jax.tree.leaves(nxt.state.opt_state)]
+        own = ckpt_lib.Checkpointer(str(tmp_path / f"stage3_{reset}"))
+        meta = trainer_lib.initial_state(nxt, own, _stage_config(src, reset))
+        own.close()
+        assert nxt.step == 7 and meta["step"] == 7 and "data_state" not in meta
+        for a, b in zip(jax.tree.leaves(nxt.state.params), want_params):
+            np.testing.assert_array_equal(np.asarray(a), b)
+        expected_opt = fresh_opt if reset else want_opt
+        for a, b in zip(jax.tree.leaves(nxt.state.opt_state), expected_opt):
+            np.testing.assert_array_equal(np.asarray(a), b)
+        assert jax.tree.leaves(nxt.state.params)[0].sharding == jax.tree.leaves(nxt.param_sharding)[0]

@@ -312,10 +312,13 @@ class Trainer:
         return int(jax.device_get(self.state.step))
 
     def learning_rate(self) -> float:
-        """The rate the last update used (nan when a custom optimizer was passed)."""
+        """The rate the last update used, from the optimizer's own schedule count (which restarts
+        when the optimizer is reset); nan when a custom optimizer was passed."""
         if self._schedule is None:
             return float("nan")
-        return float(self._schedule(max(self.step - 1, 0)))
+        counts = optax.tree_utils.tree_get_all_with_path(self.state.opt_state, "count")
+        count = max(int(jax.device_get(c)) for _, c in counts) if counts else self.step
+        return float(self._schedule(max(count - 1, 0)))
 
     def reset_optimizer(self) -> None:
         """Fresh optimizer state (rStar2-Agent §4.3, stage 3); the step counter is kept."""
