@@ -292,7 +292,8 @@ class CodeExecutor:
         self._workdir_root = ""
         self._started = False
         self._closing = False
-        self.stats = collections.Counter()
+        self.stats = collections.Counter()  # read-only for users; see _count
+        self._stats_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> "CodeExecutor":
@@ -407,7 +408,7 @@ class CodeExecutor:
         if not isinstance(code, str):
             raise TypeError(f"code must be str, got {type(code).__name__}")
         job = self._make_job("exec", {"code": code, "stdin": stdin or ""}, timeout)
-        self.stats["submitted"] += 1
+        self._count("submitted")
         queue = self._queues[job.tier]
         deadline = time.monotonic() + self.config.submit_timeout
         while not queue.put(job, timeout=0.0):
@@ -439,13 +440,13 @@ class CodeExecutor:
 
     def _submit(self, op: str, payload: dict, timeout: float) -> concurrent.futures.Future:
         job = self._make_job(op, payload, timeout)
-        self.stats["submitted"] += 1
+        self._count("submitted")
         if not self._queues[job.tier].put(job, timeout=self.config.submit_timeout):
             self._reject(job)
         return job.future
 
     def _reject(self, job: _Job) -> None:
-        self.stats["rejected"] += 1
+        self._count("rejected")
         why = "the code executor was closed" if self._queues[job.tier].closed else (
             f"code environment overloaded: queue full ({self.config.max_queue}) for {self.config.submit_timeout:g} s")
         self._resolve(job, self._infra_result(job, why))
@@ -460,20 +461,25 @@ class CodeExecutor:
         except concurrent.futures.TimeoutError:  # pragma: no cover - the watchdog answers first
             return ExecResult(ERROR, "code environment did not answer in time", infra_error=True)
 
+    def _count(self, key: str) -> None:
+        # Counter += is a read-modify-write: from several threads it would lose increments.
+        with self._stats_lock:
+            self.stats[key] += 1
+
     # -- internals: resolution -------------------------------------------------------------
     def _resolve(self, job: _Job, result) -> None:
         """Answer a call exactly once (later attempts are ignored and counted)."""
         with self._resolve_lock:
             if job.resolved:
-                self.stats["duplicate_answers_ignored"] += 1
+                self._count("duplicate_answers_ignored")
                 return
             job.resolved = True
         if isinstance(result, ExecResult):
-            self.stats[f"result_{result.kind}"] += 1
+            self._count(f"result_{result.kind}")
             if result.infra_error:
-                self.stats["infra_errors"] += 1
+                self._count("infra_errors")
         elif isinstance(result, VerifyResult) and result.timed_out:
-            self.stats["verify_timeouts"] += 1
+            self._count("verify_timeouts")
         job.future.set_result(result)
 
     @staticmethod
@@ -502,7 +508,7 @@ class CodeExecutor:
                 sock, pid, pidfd = self._zygotes[tier].spawn(index)
             except (OSError, ValueError, KeyError):
                 # The zygote itself is gone or wedged: start a new one (imports again, ~1-2 s).
-                self.stats["zygote_restarts"] += 1
+                self._count("zygote_restarts")
                 self._zygotes[tier].kill()
                 self._zygotes[tier] = _Zygote(self.config, self._workdir_root, tier)
                 sock, pid, pidfd = self._zygotes[tier].spawn(index)
@@ -522,7 +528,7 @@ class CodeExecutor:
         except OSError:
             pass
         if not self._closing:
-            self.stats["worker_deaths"] += 1
+            self._count("worker_deaths")
         for job in jobs:
             self._resolve(job, self._infra_result(job, f"sandbox worker died ({why}); the call was not completed"))
 
@@ -559,7 +565,7 @@ class CodeExecutor:
                     h.inflight[job.id] = job
             try:
                 send_frame(h.sock, {"op": "batch", "calls": [job.wire() for job in batch]})
-                self.stats["batches"] += 1
+                self._count("batches")
             except OSError as exc:
                 self._worker_died(h, f"send failed: {exc}")
 
@@ -611,7 +617,7 @@ class CodeExecutor:
             now = time.monotonic()
             for queue in self._queues.values():
                 for job in queue.expire(now - self.config.queue_timeout):
-                    self.stats["queue_timeouts"] += 1
+                    self._count("queue_timeouts")
                     self._resolve(job, self._infra_result(job, f"not dispatched within {self.config.queue_timeout:g} s"))
             with self._cv:
                 hung = []
@@ -624,5 +630,5 @@ class CodeExecutor:
                     if now - h.last_progress > longest + self.config.grace_s:
                         hung.append(h)
             for h in hung:
-                self.stats["hung_workers_killed"] += 1
+                self._count("hung_workers_killed")
                 h.kill()  # the receive thread sees EOF, answers its calls and replaces it
