@@ -111,3 +111,48 @@ def test_load_benchmarks_layouts(tmp_path):
         ev.load_benchmarks([str(tmp_path / "missing.jsonl")])
     with pytest.raises(ValueError):
         ev.load_benchmarks([])
+
+
+@pytest.mark.slow
+def test_run_eval_end_to_end(tmp_path):
+    """run_eval on a saved random tiny model: k samples per problem through the real agent loop
+    and sandbox; the table agrees with the per-sample rewards, which agree with the verifier."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from rstarjax.env import verify_answer
+    from rstarjax.models import ModelConfig, Qwen3, load_tokenizer, save_hf
+
+    sys_path = __import__("sys").path
+    sys_path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "configs"))
+    import eval as eval_config
+
+    tok = load_tokenizer(1000)
+    cfg = ModelConfig.preset("tiny", vocab_size=tok.num_tokens, dtype=jnp.float32,
+                             bos_token_id=tok.endoftext_id, eos_token_id=tok.eos_id)
+    save_hf(Qwen3(cfg, rngs=nnx.Rngs(0)), str(tmp_path / "hf"), tokenizer=tok)
+    bench = tmp_path / "toy.jsonl"
+    bench.write_text("\n".join(json.dumps({"problem": f"Compute {i} + {i}.", "answer": str(2 * i)}) for i in range(3)))
+    c = eval_config.get_config()
+    c.model.hf_path = str(tmp_path / "hf")
+    c.model.dtype = "float32"
+    c.model.tokenizer_num_regular_tokens = 1000
+    c.eval.paths = str(bench)
+    c.eval.k = 2
+    c.eval.max_turns = 2
+    c.eval.max_response_len = 24
+    c.eval.max_prompt_len = 200
+    c.eval.num_slots = 4
+    c.eval.chat_format = "compact"
+    c.eval.timeout_s = 600.0
+    c.rl.num_tool_workers = 1
+    c.mesh.fsdp = -1
+    out = ev.run_eval(c, str(tmp_path / "run"))
+    rows = [json.loads(l) for l in (tmp_path / "run" / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(len(r["samples"]) == 2 for r in rows)
+    rewards = [s["reward"] for r in rows for s in r["samples"]]
+    assert out["toy"]["pass@1"] == pytest.approx(np.mean(rewards))
+    for r in rows:
+        for s in r["samples"]:
+            assert s["response_length"] <= 24
+            assert s["reward"] == float(verify_answer(s["response"], r["gold"])) or s["finish"] == "max_length"

@@ -200,3 +200,61 @@ def load_benchmarks(paths: Sequence[str], names: Sequence[str] | None = None,
         records, _ = load_problems(path, integer_only=False)
         out[name] = records[:limit] if limit else records
     return out
+
+
+def grouped_rollout_fn(rollouts, seed: int = 0) -> RolloutFn:
+    """Adapter: the agent loop's ``(records, n, seed, version) -> (trajectories, timings)``
+    (``agent_loop.ColocatedRollouts``) -> ``(records, k) -> k trajectories per record``."""
+
+    def fn(records, k):
+        out = rollouts(list(records), k, seed, 0)
+        trajs = out[0] if isinstance(out, tuple) else out
+        groups: list[list[Trajectory]] = [[] for _ in records]
+        for t in trajs:
+            groups[t.group_id].append(t)
+        short = [i for i, g in enumerate(groups) if len(g) != k]
+        if short:
+            raise RuntimeError(f"rollouts returned the wrong number of samples for problems {short[:5]}")
+        return groups
+
+    return fn
+
+
+def eval_rollout_config(config):
+    """config.rl with the evaluation's sampling and budgets (§5.1: T=0.6, 30K tokens, 30 turns)."""
+    import copy
+
+    c = copy.deepcopy(config)
+    e = config.eval
+    c.rl.temperature = float(e.temperature)
+    c.rl.top_p = float(e.top_p)
+    c.rl.top_k = int(e.top_k)
+    c.rl.max_turns = int(e.max_turns)
+    c.rl.max_response_len = int(e.max_response_len)
+    c.rl.max_prompt_len = int(e.max_prompt_len)
+    c.rl.rollout_timeout_s = float(e.timeout_s)
+    return c
+
+
+def run_eval(config, workdir: str) -> dict[str, dict[str, float]]:
+    """``mode=eval``: k samples per problem of every benchmark file in ``config.eval.paths``
+    through the agent loop; writes eval_table.md, eval_results.json, eval_samples.jsonl."""
+    from rstarjax.env import CodeExecutor
+    from rstarjax.models.sharding import make_mesh
+    from rstarjax.rl import agent_loop
+    from rstarjax.rl import sft as sft_lib
+
+    e = config.eval
+    datasets = load_benchmarks(e.paths, list(e.names) if e.names else None, int(e.limit))
+    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    tokenizer = sft_lib.build_tokenizer(config)
+    model = sft_lib.build_model(config, mesh, tokenizer)
+    t0 = time.time()
+    with CodeExecutor(num_workers=int(config.rl.num_tool_workers)) as executor:
+        rollouts = agent_loop.ColocatedRollouts(eval_rollout_config(config), model, tokenizer=tokenizer,
+                                                executor=executor, num_slots=int(e.num_slots),
+                                                fmt=sft_lib.chat_format(e.chat_format))
+        out = evaluate_records(datasets, grouped_rollout_fn(rollouts, int(config.seed)), int(e.k), workdir)
+    log.info("eval finished in %.0f s", time.time() - t0)
+    print(format_table(out, int(e.k)), flush=True)
+    return out

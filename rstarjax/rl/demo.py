@@ -1,0 +1,196 @@
+"""The embedded demo: the whole recipe on a laptop in minutes (``configs/demo.py``).
+
+1. Procedural integer problems (``rl.demo_tasks``: big products, modular powers, counting,
+   digit sums) that a tiny model cannot do in its head but can with the Python tool; the
+   held-out split is disjoint from the training split by construction.
+2. A tiny Qwen3 with the small-vocabulary Qwen BPE, trained by non-reasoning SFT
+   (``rl.sft``) on tool-use traces in the paper's format (compact system prompt, see
+   ``chat_template.COMPACT``), deliberately short so the policy still miscopies numbers.
+3. Greedy held-out accuracy of the SFT policy through the real agent loop (serving engine,
+   sandboxed code execution, math-verify reward).
+4. GRPO-RoC (``rl.trainer.run_rl``) from the SFT weights with the same environment.
+5. Greedy held-out accuracy again; ``demo_summary.json``, curves (``rstarjax.report``) and a
+   HF export (``rstarjax.export``) in the workdir.
+
+``run_demo(config, workdir)`` is the ``mode=demo`` entry point.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+log = logging.getLogger(__name__)
+
+
+def _say(msg: str) -> None:
+    print(f"[demo] {msg}", flush=True)
+
+
+def build_demo_model(config, tokenizer, mesh) -> nnx.Module:
+    """A fresh Qwen3 of ``config.demo.model`` sizes with the tokenizer's (small) vocabulary."""
+    from rstarjax.models import ModelConfig, Qwen3
+    from rstarjax.models.sharding import shard_model
+
+    sizes = dict(config.demo.model)
+    # vocab = the tokenizer's real ids, not the padded table: the engine samples over every row and
+    # an untrained padding row decoded as text would crash the turn (reported to serving)
+    cfg = ModelConfig.preset("tiny", vocab_size=tokenizer.num_tokens, dtype=jnp.dtype(config.model.dtype),
+                             bos_token_id=tokenizer.endoftext_id, eos_token_id=tokenizer.eos_id,
+                             max_position_embeddings=int(config.rl.max_prompt_len + config.rl.max_response_len),
+                             **sizes)
+    return shard_model(Qwen3(cfg, rngs=nnx.Rngs(int(config.seed))), mesh)
+
+
+def write_jsonl(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+def greedy_accuracy(rollouts, records: Sequence[Mapping[str, str]], policy_version: int = 0
+                    ) -> tuple[float, list]:
+    """Held-out accuracy of greedy decoding through the agent loop (one sample per problem),
+    on the rollout function's engine and executor (no second compile)."""
+    from rstarjax.models.chat_template import encode_prompt
+    from rstarjax.rl.agent_loop import RolloutRequest, run_rollouts
+    from rstarjax.serving.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+    requests = [RolloutRequest(encode_prompt(rollouts.tokenizer, r["problem"], rollouts.fmt), str(r["answer"]), g,
+                               greedy, policy_version) for g, r in enumerate(records)]
+    trajs, _ = run_rollouts(rollouts.engine, rollouts.tokenizer, rollouts.executor, requests, rollouts.agent_config)
+    return float(np.mean([t.reward > 0 for t in trajs])), trajs
+
+
+def demo_datasets(config) -> dict[str, list]:
+    from rstarjax.rl import demo_tasks
+
+    d = config.demo
+    kinds = tuple(d.task_kinds) if d.task_kinds else demo_tasks.TASK_KINDS
+    sft_tasks = demo_tasks.generate_tasks(d.num_sft_problems, "train", seed=config.seed, kinds=kinds)
+    # RL problems: the same training split, a different seed (fresh problems, never held out)
+    rl_rows = demo_tasks.make_dataset(d.num_rl_problems, "train", seed=config.seed + 1, kinds=kinds)
+    eval_rows = demo_tasks.make_dataset(d.num_eval_problems, "test", seed=config.seed, kinds=kinds)
+    traces = demo_tasks.make_sft_traces(sft_tasks)
+    if len(traces) < 0.9 * len(sft_tasks):
+        raise RuntimeError(f"only {len(traces)} of {len(sft_tasks)} SFT traces ran correctly")
+    return {"sft_traces": traces, "rl_rows": rl_rows, "eval_rows": eval_rows}
+
+
+def rl_config_for_demo(config, workdir: str, train_path: str):
+    """The config run_rl reads: the demo's RL section with data from the generated file."""
+    c = copy.deepcopy(config)
+    c.data.train_path = train_path
+    c.checkpoint.init_from = ""
+    return c
+
+
+def run_demo(config, workdir: str) -> dict[str, Any]:
+    """``mode=demo``: SFT -> greedy eval -> GRPO-RoC -> greedy eval; writes demo_summary.json."""
+    from rstarjax.env import CodeExecutor
+    from rstarjax.models import save_hf
+    from rstarjax.models.sharding import make_mesh
+    from rstarjax.rl import agent_loop
+    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.rl import sft as sft_lib
+    from rstarjax.rl.metrics import MetricsWriter
+    from rstarjax.rl.trainer import run_rl
+
+    t_start = time.time()
+    os.makedirs(workdir, exist_ok=True)
+    summary_path = os.path.join(workdir, "demo_summary.json")
+    if os.path.exists(summary_path) and not config.demo.get("overwrite", False):
+        raise FileExistsError(f"{summary_path} exists: pick a new --workdir (the demo is not resumable)")
+    fmt = sft_lib.chat_format(config.sft.chat_format)
+    tokenizer = sft_lib.build_tokenizer(config)
+    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+
+    data = demo_datasets(config)
+    write_jsonl(os.path.join(workdir, "sft_traces.jsonl"), [{"messages": m} for m in data["sft_traces"]])
+    rl_path = os.path.join(workdir, "rl_train.jsonl")
+    write_jsonl(rl_path, data["rl_rows"])
+    write_jsonl(os.path.join(workdir, "heldout.jsonl"), data["eval_rows"])
+    _say(f"{len(data['sft_traces'])} SFT traces, {len(data['rl_rows'])} RL problems, "
+         f"{len(data['eval_rows'])} held-out problems ({time.time() - t_start:.0f}s)")
+
+    # ---- 1. non-reasoning SFT -----------------------------------------------------------------
+    model = build_demo_model(config, tokenizer, mesh)
+    sft_dir = os.path.join(workdir, "sft")
+    with MetricsWriter(os.path.join(sft_dir, "logs"), tensorboard=False) as mw:
+        sft_trainer, sft_summary = sft_lib.train_sft(
+            model, tokenizer, data["sft_traces"], sft_lib.SFTConfig.from_config(config.sft), mesh=mesh, fmt=fmt,
+            workdir=sft_dir, checkpoint_cfg=ckpt_lib.CheckpointConfig(every_steps=10**9, keep=1, async_save=False),
+            meta=sft_lib.model_meta(model, tokenizer), metrics_writer=mw, log_every=0)
+    _say(f"SFT: {sft_summary['steps']} steps, loss {sft_summary['first_loss']:.3f} -> "
+         f"{sft_summary['final_loss']:.3f} ({sft_summary['seconds']:.0f}s)")
+    policy = sft_trainer.model()
+
+    # ---- 2. held-out accuracy after SFT ------------------------------------------------------------
+    executor = CodeExecutor(num_workers=int(config.rl.num_tool_workers)).start()
+    try:
+        rollouts = agent_loop.ColocatedRollouts(config, policy, tokenizer=tokenizer, executor=executor,
+                                                num_slots=int(config.demo.num_slots), fmt=fmt)
+        t0 = time.time()
+        sft_acc, sft_trajs = greedy_accuracy(rollouts, data["eval_rows"])
+        _say(f"held-out greedy accuracy after SFT: {100 * sft_acc:.1f}% ({time.time() - t0:.0f}s)")
+
+        # ---- 3. GRPO-RoC ------------------------------------------------------------------------------
+        rl_dir = os.path.join(workdir, "rl")
+        t0 = time.time()
+        trainer = run_rl(rl_config_for_demo(config, rl_dir, rl_path), rl_dir, rollout_fn=rollouts, model=policy,
+                         on_update=lambda tr: rollouts.update_params(tr.model()))
+        rl_seconds = time.time() - t0
+        _say(f"RL: {trainer.step} GRPO-{'RoC' if config.rl.roc else 'plain'} steps ({rl_seconds:.0f}s)")
+
+        # ---- 4. held-out accuracy after RL ----------------------------------------------------------------
+        rollouts.update_params(trainer.model())
+        rl_acc, rl_trajs = greedy_accuracy(rollouts, data["eval_rows"], policy_version=trainer.step)
+        _say(f"held-out greedy accuracy after RL: {100 * rl_acc:.1f}%")
+    finally:
+        executor.close()
+
+    _write_eval_samples(os.path.join(workdir, "heldout_samples.jsonl"), data["eval_rows"], sft_trajs, rl_trajs)
+    if config.demo.export_hf:
+        save_hf(trainer.model(), os.path.join(workdir, "hf"), tokenizer=tokenizer)
+    summary = {
+        "sft_accuracy": sft_acc,
+        "rl_accuracy": rl_acc,
+        "num_eval_problems": len(data["eval_rows"]),
+        "wall_seconds": time.time() - t_start,
+        "sft_steps": sft_summary["steps"],
+        "rl_steps": trainer.step,
+        "rl_seconds": rl_seconds,
+        "roc": bool(config.rl.roc),
+        "seed": int(config.seed),
+    }
+    try:
+        from rstarjax import report
+        summary["plots"] = report.render(workdir)
+    except Exception as e:  # plots are a convenience; never lose the run's figures over them
+        log.warning("report failed: %s", e)
+    with open(summary_path, "w") as f:
+        json.dump(summary, f, indent=2)
+    _say(f"summary: {json.dumps({k: summary[k] for k in ('sft_accuracy', 'rl_accuracy', 'num_eval_problems', 'wall_seconds')})}")
+    return summary
+
+
+def _write_eval_samples(path: str, records, sft_trajs, rl_trajs) -> None:
+    rows = []
+    for r, a, b in zip(records, sft_trajs, rl_trajs):
+        rows.append({"problem": r["problem"], "answer": r["answer"],
+                     "sft": {"reward": a.reward, "response": a.response_text},
+                     "rl": {"reward": b.reward, "response": b.response_text}})
+    write_jsonl(path, rows)
