@@ -88,7 +88,7 @@ def test_tool_wait_does_not_stall_other_slots(model):
     stats = RolloutScheduler([eng], max_rollout_len=MAX_LEN).run([slow, busy])
     assert busy.turn_end_times[0] < slow.tool_returned_at  # decoded while the tool ran
     assert slow.received == slow.script and busy.received == busy.script
-    assert stats.slices[0].episodes == 2 and stats.slices[0].tool_wait_s >= 1.0
+    assert stats.slices[0].episodes == 2 and stats.slices[0].tool_wait_s > 0.5
 
 
 def test_static_sync_turns_waits_for_the_batch(model):

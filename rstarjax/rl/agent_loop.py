@@ -262,8 +262,8 @@ class ColocatedRollouts:
     (trajectories with ``group_id`` = record index, timings). Owns one engine on the
     trainer's devices and a code executor."""
 
-    def __init__(self, config, model, *, tokenizer=None, executor=None, num_slots: int = 64,
-                 fmt=None):
+    def __init__(self, config, model, *, tokenizer=None, executor=None,
+                 num_slots: int | None = None, fmt=None):
         from rstarjax.env import CodeExecutor
         from rstarjax.models.chat_template import RSTAR2
         from rstarjax.models.tokenizer import load_tokenizer
@@ -280,6 +280,7 @@ class ColocatedRollouts:
         self.tokenizer = tokenizer or load_tokenizer()
         self.fmt = fmt or RSTAR2
         self.executor = executor or CodeExecutor(num_workers=int(rl.num_tool_workers))
+        num_slots = num_slots or int(getattr(rl, "num_slots", 0) or 64)
         self.engine = Engine(model, num_slots=num_slots,
                              max_len=self.max_prompt_len + self.agent_config.max_response_len)
         _LIVE_ROLLOUT_FNS.add(self)

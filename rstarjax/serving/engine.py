@@ -197,11 +197,17 @@ class Engine:
     """
 
     def __init__(self, model: nnx.Module, *, num_slots: int, max_len: int,
-                 buckets: Sequence[int] | None = None, cache_dtype=None, min_bucket: int = 16):
+                 buckets: Sequence[int] | None = None, cache_dtype=None, min_bucket: int = 16,
+                 device: jax.Device | None = None):
         if num_slots < 1 or max_len < 2:
             raise ValueError(f"need num_slots >= 1 and max_len >= 2, got {num_slots}, {max_len}")
         self.config = model.config
         self.graphdef, self.params = nnx.split(model)
+        # A serving slice on its own device (group): weights and cache live there. Without
+        # `device` the model's arrays are served where they are (colocated, no copy).
+        self.device = device
+        if device is not None:
+            self.params = jax.device_put(self.params, device)
         self.num_slots = int(num_slots)
         self.max_len = int(max_len)
         self.buckets = tuple(sorted(buckets)) if buckets else default_buckets(max_len, min_bucket)
@@ -226,13 +232,14 @@ class Engine:
         b = self.num_slots
         self._slot_len[:] = 0
         self._slot_live[:] = False
-        return DecodeState(
+        state = DecodeState(
             cache=KVCache.init(self.config, b, self.max_len, self.cache_dtype),
             pending=jnp.zeros(b, jnp.int32), active=jnp.zeros(b, bool),
             seeds=jnp.zeros(b, jnp.int32), counters=jnp.zeros(b, jnp.int32),
             temperature=jnp.zeros(b, jnp.float32), top_k=jnp.zeros(b, jnp.int32),
             top_p=jnp.ones(b, jnp.float32), stop_ids=jnp.full((b, MAX_STOP_IDS), -1, jnp.int32),
             budget=jnp.zeros(b, jnp.int32))
+        return state if self.device is None else jax.device_put(state, self.device)
 
     def bucket_for(self, n: int) -> int:
         for b in self.buckets:
@@ -283,7 +290,12 @@ class Engine:
     def generate(self, params, decode_state: DecodeState,
                  forced: np.ndarray | None = None) -> tuple[DecodeState, ResultTokens]:
         """One decode step for every active slot. ``forced[b] >= 0`` teacher-forces slot b."""
-        f = jnp.full(self.num_slots, -1, jnp.int32) if forced is None else jnp.asarray(forced, jnp.int32)
+        if forced is None:
+            if getattr(self, "_no_force", None) is None:
+                self._no_force = jnp.full(self.num_slots, -1, jnp.int32)
+            f = self._no_force
+        else:
+            f = jnp.asarray(forced, jnp.int32)
         t0 = time.perf_counter()
         state, (tok, lp, valid, done, lengths) = _generate_step(self.graphdef, params,
                                                                 decode_state, f)
@@ -350,7 +362,8 @@ class Engine:
         if jax.tree.structure(new_params) != jax.tree.structure(self.params):
             raise ValueError("update_params: the new state's tree structure differs from the "
                              "served model's")
-        self.params = new_params
+        self.params = new_params if self.device is None else jax.device_put(new_params,
+                                                                             self.device)
 
     # ---- capacity for the scheduler --------------------------------------------------------
     @property
@@ -378,7 +391,8 @@ class Engine:
     def _empty_row(self) -> KVCache:
         # Contents beyond `lengths` are never read, so any row with length 0 works; keep one.
         if getattr(self, "_empty", None) is None:
-            self._empty = KVCache.init(self.config, 1, self.max_len, self.cache_dtype)
+            row = KVCache.init(self.config, 1, self.max_len, self.cache_dtype)
+            self._empty = row if self.device is None else jax.device_put(row, self.device)
         return self._empty
 
     def _forward(self, params, row, feed: np.ndarray, sampling: SamplingParams, counter: int,

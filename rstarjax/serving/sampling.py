@@ -106,9 +106,22 @@ def sample_tokens(
     the benchmark's fixed workloads); its log-prob is still the policy's.
     """
     logits = logits.astype(jnp.float32)
-    filtered = filter_logits(logits, temperature, top_k, top_p)
-    keys = request_keys(seeds, counters)
-    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, filtered)
+    sampled_rows = temperature > 0
+    # The full-vocabulary sort of top-k/top-p is by far the costliest part of a small-model
+    # decode step on CPU: skip it (lax.cond runs one branch) when no sampled row filters,
+    # and skip the draw entirely when every row is greedy.
+    needs_filter = jnp.any(sampled_rows & ((top_k > 0) | (top_p < 1.0)))
+
+    def draw():
+        tempered = logits / jnp.where(sampled_rows, temperature, 1.0)[:, None]
+        filtered = jax.lax.cond(needs_filter,
+                                lambda: filter_logits(logits, temperature, top_k, top_p),
+                                lambda: tempered)
+        keys = request_keys(seeds, counters)
+        return jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, filtered)
+
+    drawn = jax.lax.cond(jnp.any(sampled_rows), draw,
+                         lambda: jnp.zeros(logits.shape[:1], jnp.int32))
     greedy = jnp.argmax(logits, axis=-1)
     tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
     if forced is not None:

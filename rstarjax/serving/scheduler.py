@@ -118,6 +118,7 @@ class ScheduleStats:
             "busy_fraction_mean": float(np.mean(self.busy_fraction)),
             "tool_wait_s": float(sum(s.tool_wait_s for s in self.slices)),
             "decode_steps": float(sum(s.decode_steps for s in self.slices)),
+            "max_slice_steps": float(max(s.decode_steps for s in self.slices)),
             "prefill_tokens": float(sum(s.prefill_tokens for s in self.slices)),
         }
 
