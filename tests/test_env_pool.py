@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from rstarjax.env import CodeExecutor, ExecutorClosedError, ExecutorConfig, VerifyResult
+from rstarjax.env import CodeExecutor, ExecutorClosedError, VerifyResult
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,8 @@ def sandbox_processes(ex) -> list[int]:
     """Live processes running as one of the pool's sandbox uids (empty when uids are not dropped)."""
     if not ex.isolation.get("uid_drop"):
         return []
-    lo = ex.config.uid_base
-    hi = lo + ex.config.num_workers * ex.config.slots_per_worker
+    lo = ex.uid_base
+    hi = lo + ex.num_sandbox_uids
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

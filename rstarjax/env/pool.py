@@ -41,6 +41,17 @@ from .sandbox import SAFE_ENV, SandboxLimits
 from .zygote import recv_frame, send_frame
 
 _ZYGOTE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
+_executor_seq = itertools.count()
+_AUTO_UIDS = 128  # uids per executor in the automatic scheme
+
+
+def _auto_uid_base() -> int:
+    """A uid range no other live executor on this host uses: 128 uids per (pid, sequence).
+
+    Sharing uids between executors would couple them: RLIMIT_NPROC is counted per uid, and the
+    no-PID-namespace fallback kills everything of a slot's uid after each call."""
+    slot = (os.getpid() % 4_000_000) * 8 + next(_executor_seq) % 8
+    return 100_000 + slot * _AUTO_UIDS  # < 2**32 - 1
 
 
 class ExecutorClosedError(RuntimeError):
@@ -66,7 +77,8 @@ class ExecutorConfig:
     startup_timeout: float = 120.0
     limits: SandboxLimits = dataclasses.field(default_factory=SandboxLimits)
     isolate: bool = True  # namespaces + uid drop where the kernel allows (see docs/code_env.md)
-    uid_base: int = 61000  # sandbox uids: uid_base + worker * slots + slot
+    uid_base: int | None = None  # sandbox uids: uid_base + worker * slots + slot; None: a range
+    #                              unique to this executor (see _auto_uid_base)
     tmpfs_bytes: int = 512 << 20  # private /tmp, /var/tmp, /dev/shm of the sandboxes
     python: str = sys.executable
 
@@ -159,7 +171,7 @@ class _JobQueue:
 class _Zygote:
     """The preloaded interpreter that forks workers (see zygote.py)."""
 
-    def __init__(self, config: ExecutorConfig, workdir_root: str, tier: str = HEAVY):
+    def __init__(self, config: ExecutorConfig, workdir_root: str, tier: str = HEAVY, uid_base: int = 0):
         self.lock = threading.Lock()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         wire_config = {
@@ -167,7 +179,7 @@ class _Zygote:
             "limits": dataclasses.asdict(config.limits),
             "slots": config.slots_per_worker,
             "isolate": config.isolate,
-            "uid_base": config.uid_base,
+            "uid_base": uid_base,
             "tmpfs_bytes": config.tmpfs_bytes,
             "workdir_root": workdir_root,
             "preload": tier,
@@ -279,6 +291,14 @@ class CodeExecutor:
         self.config = config
         self.capacity = config.inflight_per_worker or 2 * config.slots_per_worker
         lean = config.num_workers if config.lean_workers < 0 else config.lean_workers
+        sandboxes = (config.num_workers + lean) * config.slots_per_worker
+        if config.uid_base is None:
+            if sandboxes > _AUTO_UIDS:
+                raise ValueError(f"{sandboxes} sandbox slots need an explicit uid_base (auto ranges hold {_AUTO_UIDS})")
+            self.uid_base = _auto_uid_base()
+        else:
+            self.uid_base = int(config.uid_base)
+        self.num_sandbox_uids = sandboxes
         # Flat worker numbering: heavy workers first, then lean ones (the index picks sandbox uids).
         self._worker_tier = [HEAVY] * config.num_workers + [LEAN] * lean
         self._queues = {HEAVY: _JobQueue(config.max_queue), LEAN: _JobQueue(config.max_queue)}
@@ -315,7 +335,7 @@ class CodeExecutor:
         self._workdir_root = tempfile.mkdtemp(prefix="rstarjax-sandbox-")
         try:
             for tier in sorted(set(self._worker_tier)):
-                self._zygotes[tier] = _Zygote(self.config, self._workdir_root, tier)
+                self._zygotes[tier] = _Zygote(self.config, self._workdir_root, tier, self.uid_base)
             for i in range(len(self._workers)):
                 self._workers[i] = self._spawn_worker(i)
         except BaseException:
@@ -510,7 +530,7 @@ class CodeExecutor:
                 # The zygote itself is gone or wedged: start a new one (imports again, ~1-2 s).
                 self._count("zygote_restarts")
                 self._zygotes[tier].kill()
-                self._zygotes[tier] = _Zygote(self.config, self._workdir_root, tier)
+                self._zygotes[tier] = _Zygote(self.config, self._workdir_root, tier, self.uid_base)
                 sock, pid, pidfd = self._zygotes[tier].spawn(index)
         return _WorkerHandle(index, sock, pid, pidfd)
 
