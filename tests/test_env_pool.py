@@ -243,3 +243,15 @@ def test_a_zygote_that_cannot_start_is_a_clear_error_not_a_hang():
     with pytest.raises(RuntimeError, match="zygote"):
         CodeExecutor(num_workers=1, lean_workers=0, python="/bin/false", startup_timeout=10).start()
     assert time.monotonic() - t0 < 10
+
+
+def test_tool_call_round_trip(ex):
+    from rstarjax.env import classify_tool_error, format_tool_response, parse_tool_call
+
+    text = ('<reason>square it</reason><tool_call>{"name": "execute_python_code_with_standard_io", '
+            '"arguments": {"code": "n = int(input())\\nprint(n * n)", "input": "12"}}</tool_call>')
+    call = parse_tool_call(text)
+    r = ex.submit(call.code, call.stdin, timeout=5).result(timeout=60)
+    assert format_tool_response(r) == "144\n" and classify_tool_error(r) is None
+    bad = ex.run(parse_tool_call(text.replace("int(input())", "int(input()) +")).code)
+    assert classify_tool_error(bad) == "execution" and "SyntaxError" in format_tool_response(bad)
