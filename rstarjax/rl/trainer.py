@@ -545,8 +545,10 @@ def run_rl(config, workdir: str, rollout_fn: RolloutFn | None = None, model: nnx
                 records = next(data_iter)
             except StopIteration:
                 break
-            # one seed per step, derived from the run key: same rollouts after a resume
-            seed = int(jax.random.randint(jax.random.fold_in(base_key, step), (), 0, 2**31 - 1))
+            # one seed per (step, process), derived from the run key: same rollouts after a resume,
+            # independent samples on every process
+            step_key = jax.random.fold_in(jax.random.fold_in(base_key, step), jax.process_index())
+            seed = int(jax.random.randint(step_key, (), 0, 2**31 - 1))
             metrics = rl_step(trainer, rollout_fn, records, rl_cfg, loss_cfg, seed)
             if on_update is not None:
                 on_update(trainer)
