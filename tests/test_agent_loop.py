@@ -186,3 +186,30 @@ def test_static_and_dynamic_schedulers_agree(tok, model, engine, executor):
         np.testing.assert_allclose(a.sampled_logprobs, b.sampled_logprobs, atol=1e-5)
         assert (a.finish, a.reward, a.group_id) == (b.finish, b.reward, b.group_id)
     assert [t.reward for t in outs[0]] == [1.0] * 8  # every script answers \\boxed{42}
+
+
+def test_trainer_rollout_hook_samples_real_episodes(tok, model, executor):
+    """make_rollout_fn / update_params as rl/trainer.py calls them (sampling, not scripted)."""
+    import importlib.util
+    import pathlib
+
+    from rstarjax.rl import agent_loop
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "base.py"
+    spec = importlib.util.spec_from_file_location("base_config", path)
+    base = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(base)
+    config = base.get_config()
+    config.rl.max_prompt_len, config.rl.max_response_len, config.rl.max_turns = 256, 48, 3
+    fn = agent_loop.make_rollout_fn(config, model, tokenizer=tok, executor=executor,
+                                    num_slots=4, fmt=COMPACT)
+    records = [{"problem": "What is 6*7?", "answer": "42"}, {"problem": "1+1?", "answer": "2"}]
+    trajs, timings = fn(records, 3, 11, 5)
+    assert [t.group_id for t in trajs] == [0, 0, 0, 1, 1, 1]
+    assert all(t.policy_version == 5 and t.turns >= 1 for t in trajs)
+    assert all(len(t.response_ids) <= 48 and t.loss_mask[0] == 1.0 for t in trajs)
+    assert len({tuple(t.response_ids.tolist()) for t in trajs}) > 1  # seeded, not identical
+    assert "timing/rollout_s" in timings
+    other = Qwen3(model.config, rngs=nnx.Rngs(3))
+    agent_loop.update_params(other)
+    assert jax.tree.leaves(fn.engine.params)[0] is jax.tree.leaves(nnx.split(other)[1])[0]

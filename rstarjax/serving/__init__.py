@@ -2,6 +2,8 @@
 from rstarjax.serving.engine import DecodeState, DoneReason, Engine, Prefix, ResultTokens, SlotToken
 from rstarjax.serving.generate import Completion, generate
 from rstarjax.serving.sampling import SamplingParams
+from rstarjax.serving.scheduler import RolloutScheduler, ScheduleStats, capacity_for
 
 __all__ = ["Completion", "DecodeState", "DoneReason", "Engine", "Prefix", "ResultTokens",
-           "SamplingParams", "SlotToken", "generate"]
+           "RolloutScheduler", "SamplingParams", "ScheduleStats", "SlotToken", "capacity_for",
+           "generate"]
