@@ -82,6 +82,7 @@ def check_tokens(tok, traj, turns, tool_outcomes):
     assert mask.sum() == sum(len(s.ids) for s in model_segs)
 
 
+@pytest.mark.slow  # ~30-50 s on 2 shared cores (compiles + sandboxed tool calls)
 def test_episodes_with_real_tools(tok, model, engine, executor):
     cases = {
         "success": [call("print(6*7)"), ANSWER],

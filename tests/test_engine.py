@@ -65,6 +65,7 @@ def _greedy_reference(model, prompt, max_new, stops=()):
     return out
 
 
+@pytest.mark.slow  # ~30 s on 2 shared cores: first compiles of the engine programs
 def test_greedy_with_refill_and_mixed_lengths_equals_full_forward(model):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 512, size=n).tolist() for n in (3, 17, 9, 30, 5)]

@@ -102,11 +102,13 @@ def test_static_sync_turns_waits_for_the_batch(model):
 
 def test_dynamic_hands_out_work_as_capacity_frees(model):
     engines = [make_engine(model, slots=1), make_engine(model, slots=1)]
-    long_first = [ScriptEpisode([50])] + [ScriptEpisode([4]) for _ in range(7)]
+    RolloutScheduler(engines, max_rollout_len=MAX_LEN).run([ScriptEpisode([4])])  # compile
+    # The first rollout holds its slice for 3 s (a slow tool call); short ones take ms each.
+    long_first = [ScriptEpisode([2, 2], tool_delay=3.0)] + [ScriptEpisode([4]) for _ in range(7)]
     dyn = RolloutScheduler(engines, max_rollout_len=MAX_LEN, policy="dynamic").run(long_first)
-    # The slice stuck on the long rollout takes few; the other takes the rest as it frees.
+    # The busy slice takes no more; the other takes the rest as its slot frees.
     assert sorted(s.episodes for s in dyn.slices) == [1, 7]
-    eps = [ScriptEpisode([50])] + [ScriptEpisode([4]) for _ in range(7)]
+    eps = [ScriptEpisode([2, 2], tool_delay=3.0)] + [ScriptEpisode([4]) for _ in range(7)]
     sta = RolloutScheduler(engines, max_rollout_len=MAX_LEN, policy="static").run(eps)
     assert [s.episodes for s in sta.slices] == [4, 4]
     assert all(e.received == e.script for e in long_first + eps)
