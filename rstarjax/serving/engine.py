@@ -307,8 +307,9 @@ class Engine:
     def free_resource(self, slot: int) -> None:
         """Release ``slot`` (its cache rows are simply overwritten by the next insert).
 
-        The decode state is not touched: the caller must not step a freed slot again (a
-        slot stops decoding on its own when done; ``deactivate`` stops it early)."""
+        The decode state is not touched (JetStream's signature has no state): free a slot
+        only once it stopped decoding (a ``done`` result, or while it waits on a tool);
+        ``insert`` into it re-initialises everything on device."""
         self._check_slot(slot)
         self._slot_live[slot] = False
         self._slot_len[slot] = 0
