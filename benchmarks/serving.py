@@ -2,7 +2,7 @@
 
 (1) decode tokens/s of the slot engine vs HF transformers ``generate`` (PyTorch), same
     config, same weights (checked: identical greedy tokens), same batch; compile excluded
-    (warm-up call first), ``transformers`` with its static KV cache default.
+    (warm-up call first), ``transformers`` with its default (dynamic) KV cache.
 (2) prefill tokens spent by ``Engine.extend`` on a multi-turn workload vs re-prefilling the
     whole conversation every turn (what JetStream/tunix-style loops do), and the seconds spent.
 (3) rollout makespan of the dynamic KV-capacity scheduler + asynchronous tool calls vs the
