@@ -279,11 +279,23 @@ class ColocatedRollouts:
         self.max_prompt_len = int(rl.max_prompt_len)
         self.tokenizer = tokenizer or load_tokenizer()
         self.fmt = fmt or RSTAR2
+        self._owns_executor = executor is None
         self.executor = executor or CodeExecutor(num_workers=int(rl.num_tool_workers))
         num_slots = num_slots or int(getattr(rl, "num_slots", 0) or 64)
         self.engine = Engine(model, num_slots=num_slots,
                              max_len=self.max_prompt_len + self.agent_config.max_response_len)
         _LIVE_ROLLOUT_FNS.add(self)
+
+    def close(self) -> None:
+        """Close the code executor if this object created it (a given one is the caller's)."""
+        if self._owns_executor:
+            self.executor.close()
+
+    def __enter__(self) -> "ColocatedRollouts":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def update_params(self, model_or_state) -> None:
         from flax import nnx
