@@ -519,7 +519,8 @@ def run_rl(config, workdir: str, rollout_fn: RolloutFn | None = None, model: nnx
     trainer = Trainer(model, optim_lib.OptimConfig.from_config(config.optim), loss_cfg,
                       TrainerConfig.from_config(config.trainer), mesh=mesh)
     rl_cfg = RLConfig.from_config(config.rl)
-    if rollout_fn is None:
+    owned_rollouts = rollout_fn is None
+    if owned_rollouts:
         rollout_fn, on_update = make_colocated_rollout_fn(config, trainer)
 
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), ckpt_lib.CheckpointConfig.from_config(config.checkpoint))
@@ -566,6 +567,8 @@ def run_rl(config, workdir: str, rollout_fn: RolloutFn | None = None, model: nnx
         bar.close()
         ckpt.close()  # waits for the last async save
         writer.close()
+        if owned_rollouts and hasattr(rollout_fn, "close"):
+            rollout_fn.close()  # the code-execution pool it started
     return trainer
 
 
