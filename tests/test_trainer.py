@@ -257,3 +257,28 @@ def test_stage3_filter_drops_only_problems_solved_k_of_k(tmp_path):
     # a problem whose rollouts did not all come back is an error, not silently kept or dropped
     with pytest.raises(ValueError, match="expected 8 rollouts"):
         F.filter_problems(records, lambda recs, n, s, v: rollout_fn(recs, n, s, v)[:-1], 8, 3, 0)
+
+
+def test_run_filter_writes_the_stage3_dataset(tmp_path):
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
+    import stage3
+
+    from rstarjax.rl import stage3_filter as F
+
+    data = tmp_path / "rl.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"q{i}", "answer": str(i)}) + "\n" for i in range(5)))
+    c = stage3.get_config("filter")
+    c.data.train_path = str(data)
+    c.logging.progress_bar = False
+
+    def rollout_fn(recs, n, seed, version):  # problems with an even answer are always solved
+        return [_traj(float(int(r["answer"]) % 2 == 0 or j == 0), 0, 0, 1, group=g)
+                for g, r in enumerate(recs) for j in range(n)]
+
+    summary = F.run_filter(c, str(tmp_path), rollout_fn=rollout_fn)
+    rows = [json.loads(x) for x in (tmp_path / "filtered.jsonl").read_text().splitlines()]
+    assert [r["answer"] for r in rows] == ["1", "3"] and summary["dropped_all_correct"] == 3
+    assert json.loads((tmp_path / "filtered.jsonl.summary.json").read_text())["kept"] == 2

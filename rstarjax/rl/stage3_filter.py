@@ -95,10 +95,17 @@ def run_filter(config, workdir: str, rollout_fn: Callable | None = None, model=N
         from rstarjax.rl import agent_loop  # the serving room's rollout loop
 
         rollout_fn = agent_loop.make_rollout_fn(config, model)
+        owned = rollout_fn
+    else:
+        owned = None
     bar = tqdm.tqdm(total=len(records), desc="filter", disable=not config.logging.progress_bar)
-    kept, summary = filter_problems(records, rollout_fn, config.filter.k, config.filter.batch_prompts,
-                                    config.seed, progress=bar.update)
-    bar.close()
+    try:
+        kept, summary = filter_problems(records, rollout_fn, config.filter.k, config.filter.batch_prompts,
+                                        config.seed, progress=bar.update)
+    finally:
+        bar.close()
+        if owned is not None and hasattr(owned, "close"):
+            owned.close()
     summary["data_report"] = str(report)
     out = config.filter.output_path or os.path.join(workdir, "filtered.jsonl")
     write_jsonl_atomic(out, kept)
