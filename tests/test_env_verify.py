@@ -60,3 +60,20 @@ def test_works_off_the_main_thread():
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         assert pool.submit(verify_answer, r"<answer>\boxed{\frac{1}{2}}</answer>", "0.5").result(60) is True
+
+
+def test_standalone_verify_is_bounded_on_pathological_input():
+    # A tower of powers makes sympy evaluate forever: the standalone verifier must give reward 0
+    # within its wall-clock bound instead of hanging the caller.
+    import time
+
+    start = time.monotonic()
+    assert verify_answer(r"<answer>\boxed{9^{9^{9^{9}}}+x}</answer>", "3", timeout=2.0) is False
+    assert time.monotonic() - start < 2.0 + 3.0
+
+
+def test_pure_check_agrees_with_bounded_form():
+    from rstarjax.env import is_correct
+
+    assert is_correct(r"<answer>\boxed{\frac{1}{2}}</answer>", "0.5") is True
+    assert is_correct(r"<answer>\boxed{7}</answer>", "8") is False

@@ -237,9 +237,9 @@ def child_main(call: dict, limits: SandboxLimits, workdir: str, sandbox_uid: int
 
 
 def _run_verify(call: dict) -> dict:
-    from rstarjax.env.verify import verify_answer  # preloaded by the zygote
+    from rstarjax.env.verify import is_correct  # preloaded by the zygote; under the pool's kill
 
     try:
-        return {"status": "verify", "correct": bool(verify_answer(call["response"], call["gold"]))}
+        return {"status": "verify", "correct": bool(is_correct(call["response"], call["gold"]))}
     except BaseException as exc:  # noqa: BLE001
         return {"status": "verify", "correct": False, "error": f"{type(exc).__name__}: {exc}"[:500]}

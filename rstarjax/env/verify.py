@@ -1,13 +1,16 @@
 """Answer extraction and checking (rStar2-Agent §2.2: reward 1 iff the boxed answer in <answer>
 matches the ground truth under math-verify, else 0).
 
-`verify_answer` is the pure function; it runs in the caller's process with NO time limit of its
-own. In training, call it through `CodeExecutor.submit_verify`, which runs it in a pool process
-under a wall-clock kill. math-verify's own timeouts are disabled on purpose: they use
-`signal.alarm`, which raises (and is swallowed, giving reward 0) off the main thread.
+`is_correct` is the pure check with no time limit of its own: the sandbox runs it inside a pool
+process under the pool's wall-clock kill (`CodeExecutor.submit_verify`, the training path).
+`verify_answer` is the standalone form: the integer fast path in-process, anything that needs
+sympy in a forked child that is killed after `timeout` seconds (reward 0). math-verify's own
+timeouts are disabled on purpose: they use `signal.alarm`, which raises (and is swallowed, giving
+reward 0) off the main thread.
 """
 from __future__ import annotations
 
+import multiprocessing
 import re
 
 _ANSWER_BLOCK = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
@@ -74,22 +77,65 @@ def normalize_integer(text: str) -> int | None:
     return None
 
 
-def verify_answer(response_text: str, gold) -> bool:
-    """Reward of one response: does its final boxed answer equal `gold`?
+def _integer_verdict(answer: str | None, gold_text: str) -> bool | None:
+    """The verdict when no sympy is needed (no answer, or both sides plain integers), else None."""
+    if answer is None or not answer or len(answer) > MAX_ANSWER_CHARS:
+        return False
+    gold_int = normalize_integer(gold_text)
+    pred_int = normalize_integer(answer)
+    if gold_int is not None and pred_int is not None:
+        return gold_int == pred_int
+    return None
+
+
+def is_correct(response_text: str, gold) -> bool:
+    """rStar2-Agent eq. 3: reward 1 iff the final boxed answer equals `gold`. No time limit:
+    call it only under a wall-clock kill (the sandbox does), or use `verify_answer`.
 
     Integer fast path (the paper trains on integer answers): when both sides are plain integers
     they are compared exactly without sympy. Otherwise math-verify decides (equivalent forms such
     as \\frac{1}{2} vs 0.5).
     """
-    answer = extract_final_answer(response_text)
-    if answer is None or not answer or len(answer) > MAX_ANSWER_CHARS:
-        return False
     gold_text = str(gold).strip()
-    gold_int = normalize_integer(gold_text)
-    pred_int = normalize_integer(answer)
-    if gold_int is not None and pred_int is not None:
-        return gold_int == pred_int
-    return _math_verify(answer, gold_text)
+    answer = extract_final_answer(response_text)
+    verdict = _integer_verdict(answer, gold_text)
+    return verdict if verdict is not None else _math_verify(answer, gold_text)
+
+
+def verify_answer(response_text: str, gold, timeout: float = 5.0) -> bool:
+    """`is_correct` with a wall-clock bound: the sympy path runs in a forked child that is
+    killed after `timeout` seconds, which counts as wrong (reward 0). Safe to call from any
+    thread (no signal.alarm). For many rewards at once use `CodeExecutor.submit_verify`."""
+    gold_text = str(gold).strip()
+    answer = extract_final_answer(response_text)
+    verdict = _integer_verdict(answer, gold_text)
+    if verdict is not None:
+        return verdict
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_verify_in_child, args=(answer, gold_text, child_end), daemon=True)
+    child.start()
+    child_end.close()
+    try:
+        if parent_end.poll(timeout):
+            return bool(parent_end.recv())
+        return False
+    except EOFError:  # the child died (e.g. out of memory): no verdict, reward 0
+        return False
+    finally:
+        parent_end.close()
+        if child.is_alive():
+            child.kill()
+        child.join(timeout=5.0)
+
+
+def _verify_in_child(answer: str, gold_text: str, conn) -> None:
+    try:
+        conn.send(_math_verify(answer, gold_text))
+    except Exception:
+        conn.send(False)
+    finally:
+        conn.close()
 
 
 def _math_verify(answer: str, gold_text: str) -> bool:
