@@ -367,17 +367,18 @@ def build_tokenizer(config):
 
 
 def build_model(config, mesh, tokenizer=None):
-    """The policy to fine-tune: ``model.hf_path`` (a HF checkpoint) or, without one, a fresh
-    ``model.preset`` (the demo's tiny model), its vocabulary sized to the tokenizer."""
+    """The policy to fine-tune: ``model.hf_path`` (a HF checkpoint) or, with ``model.random_init``,
+    a fresh ``model.preset`` whose vocabulary is sized to the tokenizer (the demo's small-vocab
+    model; ``rl.trainer.build_model`` keeps the preset's vocabulary, hence this variant)."""
     from rstarjax.models import ModelConfig, Qwen3, load_hf
     from rstarjax.models.sharding import shard_model
 
     dtype = jnp.dtype(config.model.dtype)
-    if config.model.hf_path:
+    if not config.model.get("random_init", False):
+        if not config.model.hf_path:
+            raise ValueError("set --config.model.hf_path=DIR (a HF Qwen3 checkpoint), or "
+                             "--config.model.random_init=True to train a freshly initialised model.preset")
         return load_hf(config.model.hf_path, dtype=dtype, mesh=mesh)
-    if not config.model.get("init_random", False):
-        raise ValueError("set --config.model.hf_path=DIR (a HF Qwen3 checkpoint), or model.init_random=True "
-                         "to train a freshly initialised model.preset")
     overrides = {"dtype": dtype}
     if tokenizer is not None:
         overrides.update(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.endoftext_id,
