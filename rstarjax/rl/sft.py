@@ -408,7 +408,8 @@ def run_sft(config, workdir: str) -> dict[str, Any]:
     tokenizer = build_tokenizer(config)
     conversations = load_conversations(config.sft.data_path)
     model = build_model(config, mesh, tokenizer)
-    with MetricsWriter(workdir, enabled=jax.process_index() == 0, tensorboard=config.logging.tensorboard) as mw:
+    with MetricsWriter(os.path.join(workdir, "logs"), enabled=jax.process_index() == 0,
+                       tensorboard=config.logging.tensorboard) as mw:  # where RL writes its metrics too
         trainer, summary = train_sft(
             model, tokenizer, conversations, cfg, mesh=mesh, fmt=chat_format(config.sft.chat_format),
             workdir=workdir, checkpoint_cfg=ckpt_lib.CheckpointConfig.from_config(config.checkpoint),
