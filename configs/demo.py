@@ -35,7 +35,7 @@ def get_config(arg=None):
         hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32))
     c.demo.task_kinds = ()  # () = all of rl.demo_tasks.TASK_KINDS
-    c.demo.num_sft_problems = 768
+    c.demo.num_sft_problems = 1600  # 100 SFT steps of 16: enough for the format and tool call
     c.demo.num_rl_problems = 4096
     c.demo.num_eval_problems = 256
     c.demo.num_slots = 64
@@ -46,7 +46,7 @@ def get_config(arg=None):
     c.sft.data_path = ""  # generated in the workdir
     c.sft.chat_format = "compact"
     c.sft.epochs = 1
-    c.sft.batch_size = 32
+    c.sft.batch_size = 16
     c.sft.learning_rate = 3e-3
     c.sft.warmup_ratio = 0.04
     c.sft.min_lr_ratio = 0.1
