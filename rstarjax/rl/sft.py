@@ -307,13 +307,9 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
     if cfg.max_steps:
         plan = plan[:cfg.max_steps]
     total = len(plan)
-    probe_mesh = mesh if mesh is not None else None
-    dp = 1
-    if probe_mesh is not None:
-        dp = probe_mesh.shape["data"] * probe_mesh.shape["fsdp"]
-    else:
-        dp = len(jax.devices())
-    multiple = max(cfg.micro_batch_size, dp) if cfg.micro_batch_size else dp
+    # rows: a multiple of the data-parallel devices and of the micro-batch (one compiled shape)
+    dp = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else len(jax.devices())
+    multiple = math.lcm(cfg.micro_batch_size or 1, dp)
     num_rows = fixed_num_rows(plan, multiple)
     trainer = SFTTrainer(model, cfg, total, num_rows, mesh=mesh)
 
