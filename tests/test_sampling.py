@@ -137,3 +137,24 @@ def test_forced_tokens_override_draw_but_keep_policy_logprob():
 def test_bad_sampling_params_raise(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_vocab_limit_never_samples_padding_ids_but_keeps_policy_logprob():
+    # Padding rows past the tokenizer get the largest logits: without the limit they would win
+    # greedy and dominate sampling; with it they are never drawn, and the reported log-prob is
+    # still the full-vocabulary log-softmax the trainer recomputes.
+    vocab, limit, rows = 16, 12, 256
+    logits = jnp.tile(jnp.arange(vocab, dtype=jnp.float32)[None] * 0.3, (rows, 1))
+    temperature = jnp.where(jnp.arange(rows) % 2 == 0, 1.0, 0.0)
+    tokens, logprobs = sample_tokens(
+        logits, jnp.arange(rows, dtype=jnp.int32), jnp.zeros(rows, jnp.int32), temperature,
+        jnp.zeros(rows, jnp.int32), jnp.ones(rows, jnp.float32), vocab_limit=limit)
+    tokens = np.asarray(tokens)
+    assert tokens.max() < limit
+    assert np.all(tokens[1::2] == limit - 1)  # greedy picks the best allowed id
+    full = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    np.testing.assert_allclose(np.asarray(logprobs), full[np.arange(rows), tokens], atol=1e-6)
+    unlimited, _ = sample_tokens(
+        logits, jnp.arange(rows, dtype=jnp.int32), jnp.zeros(rows, jnp.int32), temperature,
+        jnp.zeros(rows, jnp.int32), jnp.ones(rows, jnp.float32))
+    assert np.asarray(unlimited).max() >= limit  # the test would catch a missing limit

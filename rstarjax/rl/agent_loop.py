@@ -283,7 +283,8 @@ class ColocatedRollouts:
         self.executor = executor or CodeExecutor(num_workers=int(rl.num_tool_workers))
         num_slots = num_slots or int(getattr(rl, "num_slots", 0) or 64)
         self.engine = Engine(model, num_slots=num_slots,
-                             max_len=self.max_prompt_len + self.agent_config.max_response_len)
+                             max_len=self.max_prompt_len + self.agent_config.max_response_len,
+                             vocab_limit=len(self.tokenizer))
         _LIVE_ROLLOUT_FNS.add(self)
 
     def close(self) -> None:

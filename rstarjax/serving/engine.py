@@ -125,14 +125,14 @@ def _stop_row(params: SamplingParams) -> np.ndarray:
 
 # ---- jitted programs (module level so every engine with the same shapes shares them) ------
 
-@functools.partial(jax.jit, static_argnums=(0,))
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("vocab_limit",))
 def _row_forward(graphdef, params, row: KVCache, tokens, num_new, seed, counter, temperature,
-                 top_k, top_p, forced):
+                 top_k, top_p, forced, vocab_limit=None):
     """Feed ``tokens[0, :num_new]`` into a one-row cache; sample after the last one."""
     model = nnx.merge(graphdef, params)
     logits, row = model.decode(tokens, row, num_new)
     last = jnp.take_along_axis(logits, (num_new - 1)[:, None, None], axis=1)[:, 0]
-    tok, lp = sample_tokens(last, seed, counter, temperature, top_k, top_p, forced)
+    tok, lp = sample_tokens(last, seed, counter, temperature, top_k, top_p, forced, vocab_limit)
     return row, tok[0], lp[0]
 
 
@@ -164,14 +164,15 @@ def _get_row(state: DecodeState, slot) -> KVCache:
                    lengths=jax.lax.dynamic_slice_in_dim(c.lengths, slot, 1, 0))
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _generate_step(graphdef, params, state: DecodeState, forced):
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,),
+                   static_argnames=("vocab_limit",))
+def _generate_step(graphdef, params, state: DecodeState, forced, vocab_limit=None):
     model = nnx.merge(graphdef, params)
     active = state.active
     num_new = active.astype(jnp.int32)
     logits, cache = model.decode(state.pending[:, None], state.cache, num_new)
     tok, lp = sample_tokens(logits[:, 0], state.seeds, state.counters, state.temperature,
-                            state.top_k, state.top_p, forced)
+                            state.top_k, state.top_p, forced, vocab_limit)
     budget = state.budget - num_new
     hit_stop = jnp.any(tok[:, None] == state.stop_ids, axis=-1)
     # The new token needs one more cache position to be fed later.
@@ -198,10 +199,12 @@ class Engine:
 
     def __init__(self, model: nnx.Module, *, num_slots: int, max_len: int,
                  buckets: Sequence[int] | None = None, cache_dtype=None, min_bucket: int = 16,
-                 device: jax.Device | None = None):
+                 device: jax.Device | None = None, vocab_limit: int | None = None):
         if num_slots < 1 or max_len < 2:
             raise ValueError(f"need num_slots >= 1 and max_len >= 2, got {num_slots}, {max_len}")
         self.config = model.config
+        # Ids >= vocab_limit (embedding padding past the tokenizer) are never sampled.
+        self.vocab_limit = vocab_limit
         self.graphdef, self.params = nnx.split(model)
         # A serving slice on its own device (group): weights and cache live there. Without
         # `device` the model's arrays are served where they are (colocated, no copy).
@@ -298,7 +301,8 @@ class Engine:
             f = jnp.asarray(forced, jnp.int32)
         t0 = time.perf_counter()
         state, (tok, lp, valid, done, lengths) = _generate_step(self.graphdef, params,
-                                                                decode_state, f)
+                                                                decode_state, f,
+                                                                vocab_limit=self.vocab_limit)
         res = ResultTokens(*jax.device_get((tok, lp, valid, done, lengths)))
         self.busy_seconds += time.perf_counter() - t0
         self._slot_len[res.valid] = res.lengths[res.valid]
@@ -408,7 +412,7 @@ class Engine:
             jnp.array([sampling.seed], jnp.int32), jnp.array([counter], jnp.int32),
             jnp.array([sampling.temperature], jnp.float32),
             jnp.array([sampling.top_k], jnp.int32), jnp.array([sampling.top_p], jnp.float32),
-            jnp.array([forced_token], jnp.int32))
+            jnp.array([forced_token], jnp.int32), vocab_limit=self.vocab_limit)
         tok, lp = int(tok), float(lp)
         self.busy_seconds += time.perf_counter() - t0
         self.prefill_tokens += n

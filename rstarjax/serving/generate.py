@@ -37,13 +37,15 @@ def generate(
     max_len: int | None = None,
     engine: Engine | None = None,
     timeout_s: float = 3600.0,
+    vocab_limit: int | None = None,
 ) -> list[Completion]:
     """Complete every prompt (lists of token ids); returns one ``Completion`` per prompt, in order.
 
     ``model`` is a ``Qwen3`` (an engine with ``num_slots`` slots is built) or ignored when
     ``engine`` is given. Request i samples with seed ``seed + i``, so results do not depend on
     ``num_slots`` or on which slot a prompt lands in. Slots are refilled the step a request
-    finishes. ``timeout_s`` bounds the whole call (``TimeoutError``)."""
+    finishes. ``timeout_s`` bounds the whole call (``TimeoutError``). ``vocab_limit``: ids at or
+    past it (embedding padding beyond the tokenizer) are never sampled."""
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts:
         return []
@@ -52,7 +54,7 @@ def generate(
     if engine is None:
         longest = max(len(p) for p in prompts) + max_new_tokens
         engine = Engine(model, num_slots=min(num_slots, len(prompts)),
-                        max_len=max_len or longest)
+                        max_len=max_len or longest, vocab_limit=vocab_limit)
     stops = tuple(stop_ids or ())
     params = engine.params
     state = engine.init_decode_state()

@@ -99,13 +99,20 @@ def sample_tokens(
     top_k: jax.Array,
     top_p: jax.Array,
     forced: jax.Array | None = None,
+    vocab_limit: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row and return ``(tokens int32[B], logprobs f32[B])``.
 
     ``forced[b] >= 0`` replaces the draw by that token (teacher forcing: scripted policies and
     the benchmark's fixed workloads); its log-prob is still the policy's.
+    ``vocab_limit`` (static): ids >= it are never drawn. Model embeddings are padded past the
+    tokenizer (Qwen3: 151936 rows, 151669 tokens) and those ids decode to nothing; the returned
+    log-prob stays the full-vocabulary policy's, the one the trainer recomputes.
     """
-    logits = logits.astype(jnp.float32)
+    policy_logits = logits.astype(jnp.float32)
+    logits = policy_logits
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
     sampled_rows = temperature > 0
     # The full-vocabulary sort of top-k/top-p is by far the costliest part of a small-model
     # decode step on CPU: skip it (lax.cond runs one branch) when no sampled row filters,
@@ -126,5 +133,6 @@ def sample_tokens(
     tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
     if forced is not None:
         tokens = jnp.where(forced >= 0, forced, tokens).astype(jnp.int32)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(policy_logits, axis=-1), tokens[:, None],
+                                   axis=-1)[:, 0]
     return tokens, logprobs
