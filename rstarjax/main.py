@@ -21,6 +21,7 @@ MODES: dict[str, str] = {
     "rl": "rstarjax.rl.trainer:run_rl",
     "filter": "rstarjax.rl.stage3_filter:run_filter",
     "sft": "rstarjax.rl.sft:run_sft",
+    "eval": "rstarjax.rl.evaluate:run_eval",
     "demo": "rstarjax.rl.demo:run_demo",
 }
 
@@ -164,6 +165,17 @@ def validate(config, num_devices: int | None = None, num_processes: int = 1) -> 
         errs += _validate_rl(config, num_devices, num_processes)
     if mode == "filter":
         errs += _validate_filter(config)
+    if mode == "sft":
+        errs += _validate_model(config)
+        errs += _require_file(config.sft.data_path, "--config.sft.data_path",
+                              'a jsonl/parquet of {"messages": [...]} chat records')
+    if mode == "eval":
+        errs += _validate_model(config)
+        paths = [p for p in str(config.eval.paths).split(",") if p]
+        if not paths:
+            errs.append("--config.eval.paths is empty: set --config.eval.paths=aime24.jsonl,math500.parquet")
+        for path in paths:
+            errs += _require_file(path, "--config.eval.paths", "a benchmark jsonl/parquet")
     if errs:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errs))
 
@@ -205,12 +217,16 @@ def main(argv=None) -> None:
     from ml_collections import config_flags
 
     config_flags.DEFINE_config_file("config", None, "configs/<preset>.py[:mode]", lock_config=True)
-    flags.DEFINE_string("workdir", None, "checkpoints, logs and outputs go here")
-    flags.mark_flags_as_required(["config", "workdir"])
+    flags.DEFINE_string("workdir", None, "checkpoints, logs and outputs go here "
+                        "(default: runs/<mode>)")
+    flags.mark_flags_as_required(["config"])
 
     def _main(_):
+        config = flags.FLAGS.config
+        workdir = flags.FLAGS.workdir or os.path.join("runs", str(config.get("mode", "run")))
+        print(f"rstarjax: mode={config.get('mode')} workdir={os.path.abspath(workdir)}", flush=True)
         try:
-            run(flags.FLAGS.config, flags.FLAGS.workdir)
+            run(config, workdir)
         except ConfigError as e:
             print(e, file=sys.stderr)
             sys.exit(2)

@@ -98,3 +98,17 @@ def test_command_line_rejects_unknown_keys_and_bad_values(tmp_path):
     r = _main("--config=configs/stage2.py", f"--workdir={tmp_path}", "--config.rl.max_turns=12")
     assert r.returncode == 2, r.stderr[-2000:]
     assert "--config.model.hf_path is empty" in r.stderr and "--config.data.train_path is empty" in r.stderr
+
+
+def test_sft_and_eval_modes_name_their_missing_inputs():
+    import eval as eval_config  # configs/eval.py
+    import sft
+
+    with pytest.raises(ConfigError, match="--config.sft.data_path is empty"):
+        validate(sft.get_config())
+    with pytest.raises(ConfigError, match="--config.eval.paths is empty"):
+        validate(eval_config.get_config())
+    c = eval_config.get_config()
+    c.eval.paths = "/nonexistent/aime24.jsonl"
+    with pytest.raises(ConfigError, match="aime24.jsonl' does not exist"):
+        validate(c)
