@@ -50,6 +50,7 @@ def get_config(arg=None):
     c.rl.num_tool_workers = 32
     c.rl.rollout_timeout_s = 3600.0  # a whole step's rollouts; past it the step fails loudly
     c.rl.roc = True  # False: plain GRPO on G rollouts (the paper's baseline)
+    c.rl.roc_variant = "paper"  # "topk": the official code's deterministic top-k of positives
 
     # ---- policy loss (eq. 6; E1's LossConfig) -------------------------------------------------
     c.loss = ml_collections.ConfigDict()
@@ -57,6 +58,16 @@ def get_config(arg=None):
     c.loss.eps_high = 0.28  # epsilon_high (Clip-Higher)
     c.loss.kl_coef = 0.0  # the paper removes the KL term
     c.loss.entropy_coef = 0.0  # and the entropy bonus
+    # Options of peer frameworks, off by default (rstarjax/rl/loss.py documents each):
+    c.loss.dual_clip_c = ml_collections.config_dict.placeholder(float)  # e.g. 3.0
+    c.loss.dr_grpo = False  # Dr.GRPO: no std normalisation, constant denominator
+    c.loss.gspo = False  # GSPO sequence-level ratio
+    c.loss.gspo_eps_low = 3e-4
+    c.loss.gspo_eps_high = 4e-4
+    c.loss.tis_cap = ml_collections.config_dict.placeholder(float)  # truncated importance sampling
+    c.loss.overlong_filter = False  # DAPO; the paper found it harmful (§4.3.1)
+    c.loss.length_penalty_coef = 0.0  # Kimi k1.5 length reward
+    c.loss.dynamic_sampling = False  # DAPO dynamic sampling: not yet wired into the RL loop
 
     # ---- optimizer ----------------------------------------------------------------------------
     c.optim = ml_collections.ConfigDict()

@@ -112,3 +112,17 @@ def test_sft_and_eval_modes_name_their_missing_inputs():
     c.eval.paths = "/nonexistent/aime24.jsonl"
     with pytest.raises(ConfigError, match="aime24.jsonl' does not exist"):
         validate(c)
+
+
+def test_loss_options_are_settable_and_unwired_ones_refused(tmp_path):
+    c = good_config(tmp_path)
+    c.loss.dr_grpo = True
+    c.loss.dual_clip_c = 3.0
+    c.rl.roc_variant = "topk"
+    validate(c)  # every LossConfig option has a config key
+    from rstarjax.rl.loss import LossConfig
+
+    assert LossConfig(**dict(c.loss)).dr_grpo
+    c.loss.kl_coef = 0.1
+    with pytest.raises(ConfigError, match="kl_coef"):
+        validate(c)
