@@ -157,9 +157,12 @@ def setup_zygote_isolation(config: dict) -> dict:
             for path, mode, size in ((b"/tmp", b"0755", config["tmpfs_bytes"]), (b"/var/tmp", b"0755", 1 << 20),
                                      (b"/dev/shm", b"1777", 64 << 20)):
                 if os.path.isdir(path):
+                    # A checkout or virtualenv under /tmp (CI clones, say) must stay importable.
+                    keep = open_children_holding(path.decode(), code_roots())
                     opts = b"size=%d,mode=%s" % (size, mode)
                     flags = sandbox.MS_NOSUID | sandbox.MS_NODEV
-                    ok &= sandbox.libc_call("mount", b"tmpfs", path, b"tmpfs", flags, opts) == 0
+                    mounted = sandbox.libc_call("mount", b"tmpfs", path, b"tmpfs", flags, opts) == 0
+                    ok &= mounted and bind_back(path.decode(), keep)
             info["private_tmp"] = ok
         info["exposed"] = expose_python_tree()
     return info
@@ -174,6 +177,37 @@ def python_tree() -> list[str]:
         paths.add(sysconfig.get_paths()[key])
     paths.update(p for p in sys.path if p and os.path.isdir(p))
     return sorted(os.path.realpath(p) for p in paths)
+
+
+def code_roots() -> list[str]:
+    """Where the code the sandboxes run lives: the Python tree and rstarjax's own checkout
+    (an editable install is not on sys.path; its import hook points into the checkout)."""
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return python_tree() + [os.path.realpath(package_root)]
+
+
+def open_children_holding(mount_point: str, paths: list[str]) -> dict[str, int]:
+    """O_PATH handles to the direct children of `mount_point` that contain any of `paths`,
+    taken before a tmpfs covers `mount_point` (afterwards they are unreachable by name)."""
+    prefix = os.path.realpath(mount_point).rstrip("/") + "/"
+    children = {p[len(prefix):].split("/")[0] for p in paths if p.startswith(prefix)}
+    return {c: os.open(prefix + c, os.O_PATH) for c in children if os.path.isdir(prefix + c)}
+
+
+def bind_back(mount_point: str, handles: dict[str, int]) -> bool:
+    """Bind-mount each held child back into the fresh tmpfs at `mount_point`."""
+    from rstarjax.env import sandbox
+
+    ok = True
+    for child, fd in handles.items():
+        try:
+            target = os.path.join(mount_point, child)
+            os.mkdir(target, 0o755)
+            ok &= sandbox.libc_call("mount", f"/proc/self/fd/{fd}".encode(), target.encode(), None,
+                                    sandbox.MS_BIND | sandbox.MS_REC, None) == 0
+        finally:
+            os.close(fd)
+    return ok
 
 
 def first_closed_ancestor(path: str) -> str | None:
