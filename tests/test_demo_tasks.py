@@ -57,6 +57,22 @@ def test_splits_are_disjoint_and_deterministic():
     assert all("mod" in r["problem"] for r in only)
 
 
+def test_fixed_wording_and_digit_counts_per_kind():
+    """Copying must be a constant relative offset: per kind, the problem text, the code and the
+    answer have the same shape (every digit run replaced by its width) for every draw."""
+    def shape(text):
+        return re.sub(r"\d+", lambda m: f"<{len(m.group())}>", text)
+
+    tasks = dt.generate_tasks(400, "train", seed=7) + dt.generate_tasks(100, "test", seed=7)
+    for kind in dt.TASK_KINDS:
+        of_kind = [t for t in tasks if t.kind == kind]
+        assert len(of_kind) >= 100
+        assert len({(shape(t.problem), shape(t.code), shape(t.answer), t.reason) for t in of_kind}) == 1, kind
+        assert all(not t.answer.startswith("0") for t in of_kind)
+        # the answers are not one constant (rejection sampling kept the draws varied)
+        assert len({t.answer for t in of_kind}) > 0.9 * len(of_kind)
+
+
 def test_problems_are_short_for_the_demo_budget():
     small = load_tokenizer(3000)
     rows = dt.make_dataset(200, "train")

@@ -42,47 +42,73 @@ class DemoTask:
 
 
 # ---- generators: pure functions of a random.Random ---------------------------------------------
+# Every number a kind writes has a FIXED digit count (operands and answer), and each kind has one
+# fixed wording: copying a number (question -> code, tool output -> box) is then a constant
+# relative offset, which a 2-layer RoPE model learns in a few hundred steps; with variable widths
+# it needs a content-based induction head and the demo model never got there (docs/demo.md).
+def _draw(rng: random.Random, make: Callable[[random.Random], DemoTask], answer_digits: int) -> DemoTask:
+    """Rejection sampling: redraw until the answer has exactly `answer_digits` digits (every kind
+    accepts > 80 % of draws, so this ends fast)."""
+    for _ in range(10_000):
+        task = make(rng)
+        if len(task.answer) == answer_digits:
+            return task
+    raise RuntimeError(f"no {answer_digits}-digit answer in 10000 draws")  # pragma: no cover
+
+
+def _multiply_once(rng: random.Random) -> DemoTask:
+    a, b = rng.randint(3163, 9999), rng.randint(3163, 9999)  # 4 x 4 digits, product 8 digits
+    return DemoTask("multiply", f"Compute {a} * {b}.", str(a * b), f"print({a} * {b})", "Multiply in Python.")
+
+
 def _multiply(rng: random.Random) -> DemoTask:
-    a, b = rng.randint(10**4, 10**7 - 1), rng.randint(10**4, 10**7 - 1)
+    return _draw(rng, _multiply_once, 8)
+
+
+def _modpow_once(rng: random.Random) -> DemoTask:
+    base, exp, mod = rng.randint(100, 999), rng.randint(1000, 9999), rng.randint(1000, 9999)
     return DemoTask(
-        "multiply", f"Compute {a} * {b}.", str(a * b), f"print({a} * {b})",
-        "Multiplying large numbers by hand is error-prone, so I will compute it in Python.",
+        "modpow", f"Compute {base}^{exp} mod {mod}.", str(pow(base, exp, mod)),
+        f"print(pow({base}, {exp}, {mod}))", "Use pow in Python.",
     )
 
 
 def _modpow(rng: random.Random) -> DemoTask:
-    base, exp, mod = rng.randint(2, 999), rng.randint(100, 99999), rng.randint(101, 99991)
-    return DemoTask(
-        "modpow", f"Compute {base}^{exp} mod {mod}.", str(pow(base, exp, mod)),
-        f"print(pow({base}, {exp}, {mod}))",
-        "Modular exponentiation is fast with Python's three-argument pow.",
-    )
+    return _draw(rng, _modpow_once, 4)
 
 
-def _count_divisible(rng: random.Random) -> DemoTask:
-    n = rng.randint(1000, 99999)
-    a = rng.randint(2, 40)
-    b = rng.choice([k for k in range(2, 41) if k % a and a % k])  # neither divides the other
+def _count_divisible_once(rng: random.Random) -> DemoTask:
+    n = rng.randint(10000, 99999)
+    a = rng.randint(11, 40)
+    b = rng.choice([k for k in range(11, 41) if k % a and a % k])  # neither divides the other
     lcm = a * b // _gcd(a, b)
     answer = n // a + n // b - n // lcm  # inclusion-exclusion; the trace's code counts directly
     return DemoTask(
         "count_divisible",
         f"How many integers from 1 to {n} are divisible by {a} or {b}?",
         str(answer),
-        f"print(sum(1 for k in range(1, {n + 1}) if k % {a} == 0 or k % {b} == 0))",
-        "I will count the multiples of either number directly with a loop.",
+        f"print(sum(1 for k in range(1, {n} + 1) if k % {a} == 0 or k % {b} == 0))",
+        "Count them in Python.",
     )
 
 
-def _digit_sum_power(rng: random.Random) -> DemoTask:
-    base, exp = rng.randint(2, 99), rng.randint(20, 300)
+def _count_divisible(rng: random.Random) -> DemoTask:
+    return _draw(rng, _count_divisible_once, 4)
+
+
+def _digit_sum_power_once(rng: random.Random) -> DemoTask:
+    base, exp = rng.randint(10, 99), rng.randint(100, 999)
     return DemoTask(
         "digit_sum_power",
         f"What is the sum of the digits of {base}^{exp}?",
         str(sum(int(d) for d in str(base**exp))),
         f"print(sum(int(d) for d in str({base} ** {exp})))",
-        "The power is huge; Python integers are exact, so I will sum its digits in code.",
+        "Sum the digits in Python.",
     )
+
+
+def _digit_sum_power(rng: random.Random) -> DemoTask:
+    return _draw(rng, _digit_sum_power_once, 4)
 
 
 def _gcd(a: int, b: int) -> int:
