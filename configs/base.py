@@ -51,12 +51,15 @@ def get_config(arg=None):
     c.rl.rollout_timeout_s = 3600.0  # a whole step's rollouts; past it the step fails loudly
     c.rl.roc = True  # False: plain GRPO on G rollouts (the paper's baseline)
     c.rl.roc_variant = "paper"  # "topk": the official code's deterministic top-k of positives
+    # DAPO dynamic sampling (loss.dynamic_sampling): at most this many rollout rounds per step,
+    # the first included; refills stop once prompts_per_step informative groups are held.
+    c.rl.dynamic_sampling_max_rounds = 3
 
     # ---- policy loss (eq. 6; E1's LossConfig) -------------------------------------------------
     c.loss = ml_collections.ConfigDict()
     c.loss.eps_low = 0.2  # epsilon_low
     c.loss.eps_high = 0.28  # epsilon_high (Clip-Higher)
-    c.loss.kl_coef = 0.0  # the paper removes the KL term
+    c.loss.kl_coef = 0.0  # the paper removes the KL term; > 0: k3 KL to a frozen reference policy
     c.loss.entropy_coef = 0.0  # and the entropy bonus
     # Options of peer frameworks, off by default (rstarjax/rl/loss.py documents each):
     c.loss.dual_clip_c = ml_collections.config_dict.placeholder(float)  # e.g. 3.0
@@ -67,7 +70,7 @@ def get_config(arg=None):
     c.loss.tis_cap = ml_collections.config_dict.placeholder(float)  # truncated importance sampling
     c.loss.overlong_filter = False  # DAPO; the paper found it harmful (§4.3.1)
     c.loss.length_penalty_coef = 0.0  # Kimi k1.5 length reward
-    c.loss.dynamic_sampling = False  # DAPO dynamic sampling: not yet wired into the RL loop
+    c.loss.dynamic_sampling = False  # DAPO: drop zero-variance groups, refill (rl.dynamic_sampling_max_rounds)
 
     # ---- optimizer ----------------------------------------------------------------------------
     c.optim = ml_collections.ConfigDict()
@@ -108,7 +111,7 @@ def get_config(arg=None):
     c.checkpoint.async_save = True
     c.checkpoint.init_from = ""  # a previous stage's checkpoint dir (params [+ optimizer])
     c.checkpoint.reset_optimizer = False  # stage 3: fresh optimizer state (§4.3)
-    c.checkpoint.update_reference = False  # stage 3: reference model := latest policy (§4.3)
+    c.checkpoint.update_reference = False  # stage 3: KL reference := the init_from policy (§4.3; kl_coef > 0)
 
     # ---- logging -----------------------------------------------------------------------------------
     c.logging = ml_collections.ConfigDict()

@@ -124,14 +124,13 @@ def _validate_rl(config, num_devices: int | None, num_processes: int) -> list[st
         errs.append("--config.optim: learning_rate must be > 0, warmup_steps and weight_decay >= 0")
     if config.loss.eps_low <= 0 or config.loss.eps_low >= 1 or config.loss.eps_high <= 0:
         errs.append("--config.loss: need 0 < eps_low < 1 and eps_high > 0")
-    # Implemented in the loss but not yet in the RL loop: refuse rather than silently ignore.
-    if config.loss.kl_coef > 0:
-        errs.append(f"--config.loss.kl_coef={config.loss.kl_coef}: the KL term needs a reference "
-                    "model, which the RL loop does not keep yet; set --config.loss.kl_coef=0 "
-                    "(the paper removes the KL, §2.2.1)")
-    if config.loss.get("dynamic_sampling"):
-        errs.append("--config.loss.dynamic_sampling=True: refilling zero-variance groups is not "
-                    "wired into the RL loop yet; set it to False")
+    if config.loss.kl_coef < 0 or config.loss.entropy_coef < 0:
+        errs.append("--config.loss.kl_coef and entropy_coef must be >= 0 (0 = off; the paper uses 0, §2.2.1)")
+    rounds = config.rl.get("dynamic_sampling_max_rounds", 1)
+    if not isinstance(rounds, int) or rounds < 1:
+        errs.append(f"--config.rl.dynamic_sampling_max_rounds={rounds!r} must be an integer >= 1 "
+                    "(rollout rounds per step, the first included; 1 = drop zero-variance groups "
+                    "without refilling)")
     if config.rl.get("roc_variant", "paper") not in ("paper", "topk"):
         errs.append(f"--config.rl.roc_variant={config.rl.roc_variant!r}: choose 'paper' or 'topk'")
     if config.checkpoint.every_steps < 1 or config.checkpoint.keep < 1:

@@ -114,15 +114,25 @@ def test_sft_and_eval_modes_name_their_missing_inputs():
         validate(c)
 
 
-def test_loss_options_are_settable_and_unwired_ones_refused(tmp_path):
+def test_loss_options_are_settable_and_kl_dynamic_sampling_validated(tmp_path):
     c = good_config(tmp_path)
     c.loss.dr_grpo = True
     c.loss.dual_clip_c = 3.0
     c.rl.roc_variant = "topk"
     validate(c)  # every LossConfig option has a config key
     from rstarjax.rl.loss import LossConfig
+    from rstarjax.rl.trainer import RLConfig
 
     assert LossConfig(**dict(c.loss)).dr_grpo
+    # the KL term and DAPO dynamic sampling are wired into the RL loop: accepted
     c.loss.kl_coef = 0.1
-    with pytest.raises(ConfigError, match="kl_coef"):
+    c.loss.dynamic_sampling = True
+    validate(c)
+    assert RLConfig.from_config(c.rl).dynamic_sampling_max_rounds == 3
+    c.rl.dynamic_sampling_max_rounds = 0
+    with pytest.raises(ConfigError, match="dynamic_sampling_max_rounds=0 must be an integer >= 1"):
+        validate(c)
+    c.rl.dynamic_sampling_max_rounds = 1
+    c.loss.kl_coef = -0.1
+    with pytest.raises(ConfigError, match="kl_coef and entropy_coef must be >= 0"):
         validate(c)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,6 +28,7 @@ from rstarjax.rl import loss as loss_lib
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask", "old_logprobs", "advantages",
               "rollout_logprobs")
+REF_KEY = "ref_logprobs"  # log pi_ref per target token, added by Trainer.train when kl_coef > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,26 +106,35 @@ def forward_logprobs(graphdef, rest, params, batch: Mapping[str, jax.Array], com
     return loss_lib.token_logprobs_and_entropy(logits.astype(jnp.float32), batch["tokens"])
 
 
+def step_keys(loss_cfg) -> tuple[str, ...]:
+    """The batch arrays one update reads: ``BATCH_KEYS``, plus the reference policy's log-probs
+    when the KL term is on (so a run without KL carries no extra [B, L] array)."""
+    return BATCH_KEYS + (REF_KEY,) if loss_cfg.kl_coef > 0 else BATCH_KEYS
+
+
 def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, loss_cfg, num_micro: int,
                     compute_dtype=None, micro_sharding: NamedSharding | None = None):
     """Pure ``(TrainState, batch dict) -> (TrainState, metrics)``: one optimizer update.
 
     The policy-loss normaliser is the whole batch's loss-mask sum (eq. 6's sum_i |o_i|), so the
-    micro-batch gradients add up to the full-batch gradient exactly.
+    micro-batch gradients add up to the full-batch gradient exactly. With ``loss_cfg.kl_coef > 0``
+    the batch must also hold ``ref_logprobs`` (the frozen reference policy's, no gradient).
     """
+    keys = step_keys(loss_cfg)
 
     def micro_loss(params, micro, denom):
         logprobs, entropy = forward_logprobs(graphdef, rest, params, micro, compute_dtype)
         return loss_lib.policy_loss(
             logprobs, micro["old_logprobs"], micro["advantages"], micro["loss_mask"], denom, loss_cfg,
-            rollout_logprobs=micro["rollout_logprobs"], entropy=entropy, segment_ids=micro["segment_ids"],
+            ref_logprobs=micro.get(REF_KEY), rollout_logprobs=micro["rollout_logprobs"], entropy=entropy,
+            segment_ids=micro["segment_ids"],
         )
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def step(state: TrainState, batch: Mapping[str, jax.Array], denom: jax.Array):
         """``denom`` <= 0: eq. 6's token count of this batch; > 0: a given constant (Dr. GRPO)."""
-        batch = {k: batch[k] for k in BATCH_KEYS}
+        batch = {k: batch[k] for k in keys}
         denom = jnp.where(denom > 0, denom, jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0))
         micros = {k: split_micro_batches(v, num_micro) for k, v in batch.items()}
         if micro_sharding is not None:
@@ -200,6 +211,9 @@ class Trainer:
         self.state = TrainState(params, opt_state, jax.device_put(jnp.int32(0), self.replicated))
         self._steps: dict[int, Callable] = {}
         self._logprob_fns: dict[int, Callable] = {}
+        # The frozen reference policy of the KL term (k3, ``loss_cfg.kl_coef > 0``): a copy of the
+        # initial params unless ``set_reference`` replaces it. None (no memory) without the KL.
+        self.ref_params = self._copy_params(params) if loss_cfg.kl_coef > 0 else None
 
     # ------------------------------------------------------------------ jitted functions
     @property
@@ -215,8 +229,25 @@ class Trainer:
                              f"{self.data_parallel_size} devices")
         return rows // mbs
 
-    def _batch_shardings(self) -> dict[str, NamedSharding]:
-        return {k: self.batch_sharding for k in BATCH_KEYS}
+    def _batch_shardings(self, keys=BATCH_KEYS) -> dict[str, NamedSharding]:
+        return {k: self.batch_sharding for k in keys}
+
+    def _copy_params(self, params):
+        """A fresh on-mesh copy (the train step donates ``state``, so the reference may not alias it)."""
+        with jax.set_mesh(self.mesh):
+            return jax.jit(lambda p: jax.tree.map(jnp.copy, p), in_shardings=(self.param_sharding,),
+                           out_shardings=self.param_sharding)(params)
+
+    def set_reference(self, params=None) -> None:
+        """Make ``params`` (default: the current policy) the KL term's frozen reference.
+
+        Only meaningful with ``loss_cfg.kl_coef > 0``; otherwise no reference is kept and this
+        raises, so a misconfigured run does not silently hold a second copy of the weights.
+        """
+        if self.loss_cfg.kl_coef <= 0:
+            raise ValueError("set_reference needs loss.kl_coef > 0 (without the KL term no reference is kept)")
+        params = self.state.params if params is None else params
+        self.ref_params = self._copy_params(jax.device_put(params, self.param_sharding))
 
     def _micro_sharding(self) -> NamedSharding:
         # [M, B/M, L]: each micro-batch's rows are spread over all data-parallel devices
@@ -230,7 +261,8 @@ class Trainer:
                                    self.cfg.compute_dtype, self._micro_sharding())
             self._steps[num_micro] = jax.jit(
                 step,
-                in_shardings=(self.state_sharding, self._batch_shardings(), self.replicated),
+                in_shardings=(self.state_sharding, self._batch_shardings(step_keys(self.loss_cfg)),
+                              self.replicated),
                 out_shardings=(self.state_sharding, self.replicated),
                 donate_argnums=(0,),
             )
@@ -268,9 +300,11 @@ class Trainer:
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
                 for k, v in arrays.items()}
 
-    def compute_logprobs(self, batch: Mapping[str, jax.Array]) -> jax.Array:
+    def compute_logprobs(self, batch: Mapping[str, jax.Array], params=None) -> jax.Array:
+        """Log-probs of ``batch``'s tokens under ``params`` (default the current policy), [B, L]."""
+        params = self.state.params if params is None else params
         with jax.set_mesh(self.mesh):
-            return self.logprob_fn(batch["tokens"].shape[0])(self.state.params, batch)
+            return self.logprob_fn(batch["tokens"].shape[0])(params, {k: batch[k] for k in BATCH_KEYS})
 
     def train(self, batch, denom: float | None = None) -> dict[str, float]:
         """Old log-probs (optionally recomputed), then ``mini_batches`` optimizer updates.
@@ -280,11 +314,17 @@ class Trainer:
         token count of each mini-batch (eq. 6).
         """
         batch = dict(batch) if _is_global(batch) else self.put_batch(batch)
+        batch = {k: batch[k] for k in BATCH_KEYS}
         metrics: dict[str, float] = {}
         if self.cfg.recompute_old_logprobs:
             recomputed = self.compute_logprobs(batch)
             metrics.update(_gap_on_device(batch["rollout_logprobs"], recomputed, batch["loss_mask"]))
             batch["old_logprobs"] = recomputed
+        if self.loss_cfg.kl_coef > 0:
+            if self.ref_params is None:
+                raise ValueError("kl_coef > 0 but the trainer holds no reference params (set_reference)")
+            # same jitted forward as the old-log-prob recompute, outside the gradient
+            batch[REF_KEY] = self.compute_logprobs(batch, self.ref_params)
         rows = batch["tokens"].shape[0]
         n = self.cfg.mini_batches
         if rows % n:
@@ -297,7 +337,7 @@ class Trainer:
                 mini = batch
                 if n > 1:
                     mini = {k: v[i * rows // n:(i + 1) * rows // n] for k, v in batch.items()}
-                    mini = jax.device_put(mini, self._batch_shardings())
+                    mini = jax.device_put(mini, self._batch_shardings(tuple(batch)))
                 self.state, m = self.step_fn(rows // n)(self.state, mini, denom_arr)
                 per_update.append(m)
         host = jax.device_get(per_update)
@@ -371,6 +411,13 @@ class RLConfig:
     max_response_len: int = 8192
     roc: bool = True
     roc_variant: str = "paper"
+    # DAPO dynamic sampling (loss.dynamic_sampling): rollout rounds per step at most, the first
+    # included (verl's max_num_gen_batches); 1 = drop zero-variance groups without refilling.
+    dynamic_sampling_max_rounds: int = 3
+
+    def __post_init__(self):
+        if self.dynamic_sampling_max_rounds < 1:
+            raise ValueError(f"rl.dynamic_sampling_max_rounds must be >= 1, got {self.dynamic_sampling_max_rounds}")
 
     @property
     def seq_len(self) -> int:
@@ -403,40 +450,149 @@ def select_groups(trajectories, num_groups: int, cfg: RLConfig, seed: int):
     return kept
 
 
+def informative_groups(kept, loss_cfg) -> tuple[list[list], int]:
+    """DAPO dynamic sampling filter (Yu et al. 2025 eq. 11; ``advantages.is_informative_group``)
+    over RoC-kept trajectories: (groups whose eq.-7 rewards are not all equal, number dropped).
+
+    Applied AFTER RoC, on the rewards the advantages see (answer reward + optional Kimi length
+    reward): RoC can turn a mixed 2G group into an all-correct G (one wrong rollout, n_neg = 0),
+    which has zero advantage everywhere just like an all-equal 2G group.
+    """
+    from rstarjax.rl import advantages as adv_lib
+
+    by_group: dict[int, list] = {}
+    for t in kept:
+        by_group.setdefault(int(t.group_id), []).append(t)
+    keep, dropped = [], 0
+    for _, trajs in sorted(by_group.items()):
+        shaped, _ = adv_lib.trajectory_advantages(trajs, std_normalize=loss_cfg.std_normalize,
+                                                  length_penalty_coef=loss_cfg.length_penalty_coef)
+        if adv_lib.is_informative_group(shaped):
+            keep.append(trajs)
+        else:
+            dropped += 1
+    return keep, dropped
+
+
+def _any_process(flag: bool) -> bool:
+    """True if ``flag`` is True on any process: every process must run the same number of rollout
+    rounds (the colocated engine is a collective), so the refill decision is global."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
+
+
+def _round_seed(seed: int, round_index: int) -> int:
+    """Round 0 keeps the step's seed (dynamic sampling off/on give the same first rollouts)."""
+    if round_index == 0:
+        return seed
+    return int(np.random.default_rng([seed, round_index]).integers(0, 2**31 - 1))
+
+
+def _relabel(trajs, offset: int) -> list:
+    """Copies with ``group_id += offset``: groups of different rounds stay distinct."""
+    return [dataclasses.replace(t, group_id=int(t.group_id) + offset) for t in trajs]
+
+
+def _empty_train_batch(num_rows: int, seq_len: int):
+    """All-padding TrainBatch (mask 0 everywhere): a step where no group carried a signal."""
+    from rstarjax.rl import batch as batch_lib
+
+    z = np.zeros((num_rows, seq_len), np.float32)
+    zi = np.zeros((num_rows, seq_len), np.int32)
+    return batch_lib.TrainBatch(tokens=zi + PAD_ID, positions=zi.copy(), segment_ids=zi.copy(), loss_mask=z,
+                                old_logprobs=z.copy(), advantages=z.copy(), rollout_logprobs=z.copy())
+
+
 def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfig, loss_cfg, seed: int,
-            timer=None) -> dict[str, float]:
+            timer=None, more_records: Callable[[], list] | None = None) -> dict[str, float]:
     """One GRPO-RoC step on this process's prompts: rollouts (2G each) -> RoC keeps G ->
-    advantages (eq. 7) -> TrainBatch -> update. Returns host metrics (rollout + train)."""
+    advantages (eq. 7) -> TrainBatch -> update. Returns host metrics (rollout + train).
+
+    With ``loss_cfg.dynamic_sampling`` (DAPO): groups whose kept rewards are all equal are
+    dropped, and while fewer than ``len(records)`` informative groups are held (on any process)
+    and fewer than ``cfg.dynamic_sampling_max_rounds`` rounds ran, ``more_records()`` (the next
+    prompts of the data iterator; None or StopIteration ends the refill) gets rolled out too.
+    Extra informative groups beyond the quota are discarded (first come first kept). A shortfall
+    after the last round is padded with empty rows (loss mask 0): the batch keeps its configured
+    [len(records) * G, L] shape and the eq.-6 denominator counts only real tokens.
+    """
     import time as _time
 
     from rstarjax.rl import advantages as adv_lib
     from rstarjax.rl import batch as batch_lib
     from rstarjax.rl import metrics as metrics_lib
 
+    quota = len(records)
+    num_rows = quota * cfg.group_size
+    dynamic = bool(getattr(loss_cfg, "dynamic_sampling", False))
     t0 = _time.perf_counter()
-    out = rollout_fn(records, cfg.oversample, seed, trainer.step)
-    trajs, extra = (out if isinstance(out, tuple) else (out, {}))
+    all_trajs, all_kept, groups, extras = [], [], [], []
+    dropped, rounds, offset, batch_records = 0, 0, 0, records
+    while True:
+        out = rollout_fn(batch_records, cfg.oversample, _round_seed(seed, rounds), trainer.step)
+        trajs, extra = (out if isinstance(out, tuple) else (out, {}))
+        kept = select_groups(trajs, len(batch_records), cfg, _round_seed(seed, rounds))
+        rounds += 1
+        if offset:
+            trajs, kept = _relabel(trajs, offset), _relabel(kept, offset)
+        offset += len(batch_records)
+        all_trajs += trajs
+        all_kept += kept
+        extras.append(extra)
+        if not dynamic:
+            groups.append(kept)
+            break
+        informative, n_dropped = informative_groups(kept, loss_cfg)
+        dropped += n_dropped
+        groups += informative
+        short = len(groups) < quota
+        if rounds >= cfg.dynamic_sampling_max_rounds or more_records is None or not _any_process(short):
+            break
+        try:
+            batch_records = more_records()
+        except StopIteration:  # finite data ran out: train on what was collected
+            break
     t1 = _time.perf_counter()
-    kept = select_groups(trajs, len(records), cfg, seed)
-    _, adv = adv_lib.trajectory_advantages(  # eq. 7 per group (+ optional Kimi length reward)
-        kept, std_normalize=loss_cfg.std_normalize, length_penalty_coef=loss_cfg.length_penalty_coef)
-    batch = batch_lib.make_train_batch(kept, adv, seq_len=cfg.seq_len, pad_id=PAD_ID,
-                                       num_rows=len(records) * cfg.group_size,
-                                       overlong_filter=loss_cfg.overlong_filter)
+    train_trajs = [t for g in groups[:quota] for t in g] if dynamic else groups[0]
+    if train_trajs:
+        _, adv = adv_lib.trajectory_advantages(  # eq. 7 per group (+ optional Kimi length reward)
+            train_trajs, std_normalize=loss_cfg.std_normalize, length_penalty_coef=loss_cfg.length_penalty_coef)
+        batch = batch_lib.make_train_batch(train_trajs, adv, seq_len=cfg.seq_len, pad_id=PAD_ID,
+                                           num_rows=num_rows, overlong_filter=loss_cfg.overlong_filter)
+    else:
+        batch = _empty_train_batch(num_rows, cfg.seq_len)
     metrics = {}
-    metrics.update(metrics_lib.rollout_metrics(trajs, prefix="rollout_all/"))
-    metrics.update(metrics_lib.group_metrics(trajs, prefix="rollout_all/"))
-    metrics.update(metrics_lib.rollout_metrics(kept, prefix="rollout/"))
-    metrics.update(metrics_lib.roc_metrics(trajs, kept))
+    metrics.update(metrics_lib.rollout_metrics(all_trajs, prefix="rollout_all/"))
+    metrics.update(metrics_lib.group_metrics(all_trajs, prefix="rollout_all/"))
+    metrics.update(metrics_lib.rollout_metrics(train_trajs or all_kept, prefix="rollout/"))
+    metrics.update(metrics_lib.roc_metrics(all_trajs, all_kept))
+    if dynamic:
+        n_groups = min(len(groups), quota)
+        metrics.update({"dynamic_sampling/rounds": float(rounds),
+                        "dynamic_sampling/groups_dropped": float(dropped),
+                        "dynamic_sampling/groups_trained": float(n_groups),
+                        "dynamic_sampling/groups_padded": float(quota - n_groups),
+                        "dynamic_sampling/groups_surplus": float(max(len(groups) - quota, 0))})
     t2 = _time.perf_counter()
     metrics.update(trainer.train(batch))
     t3 = _time.perf_counter()
     timings = {"rollout": t1 - t0, "prepare": t2 - t1, "train": t3 - t2}
-    metrics.update(metrics_lib.throughput_metrics(int(sum(len(t.response_ids) for t in trajs)), timings))
-    # the rollout function's own figures (engine / scheduler / tool timings), already namespaced
-    metrics.update({k: float(v) for k, v in extra.items() if isinstance(v, (int, float, np.number))})
-    if "timing/tool_exec_wait_s" in extra:
-        metrics["time/tools"] = float(extra["timing/tool_exec_wait_s"])
+    metrics.update(metrics_lib.throughput_metrics(int(sum(len(t.response_ids) for t in all_trajs)), timings))
+    # the rollout function's own figures (engine / scheduler / tool timings), already namespaced:
+    # the first round's, with timings ("timing/...") summed over the rounds of a dynamic-sampling step
+    for i, extra in enumerate(extras):
+        for k, v in extra.items():
+            if not isinstance(v, (int, float, np.number)):
+                continue
+            if i == 0:
+                metrics[k] = float(v)
+            elif k.startswith("timing/"):
+                metrics[k] = metrics.get(k, 0.0) + float(v)
+    if "timing/tool_exec_wait_s" in metrics:
+        metrics["time/tools"] = float(metrics["timing/tool_exec_wait_s"])
     return metrics
 
 
@@ -481,7 +637,7 @@ def initial_state(trainer: Trainer, ckpt, config) -> dict:
     if config.checkpoint.init_from:
         abstract = ckpt_lib.abstract_like(trainer.state, trainer.state_sharding)
         if config.checkpoint.reset_optimizer:
-            params, meta, _ = ckpt_lib.restore_params(config.checkpoint.init_from,
+            params, meta, src_step = ckpt_lib.restore_params(config.checkpoint.init_from,
                                                      ckpt_lib.abstract_like(trainer.state.params,
                                                                             trainer.param_sharding))
             trainer.state = TrainState(params, trainer.state.opt_state, trainer.state.step)
@@ -490,11 +646,47 @@ def initial_state(trainer: Trainer, ckpt, config) -> dict:
                                        jax.device_put(jnp.int32(int(meta.get("step", 0))), trainer.replicated))
         else:
             src = ckpt_lib.Checkpointer(config.checkpoint.init_from, ckpt_lib.CheckpointConfig(async_save=False))
-            trainer.state, meta = src.restore(abstract)
+            src_step = src.latest_step()
+            trainer.state, meta = src.restore(abstract, step=src_step)
             src.close()
         # a new stage reads new data (or the same data with a new length budget) from its start
-        return {"step": int(meta.get("step", 0)), "init_from": config.checkpoint.init_from}
+        return {"step": int(meta.get("step", 0)), "init_from": config.checkpoint.init_from,
+                "init_from_step": int(src_step)}
     return {}
+
+
+def setup_reference(trainer: Trainer, config, meta: dict) -> dict | None:
+    """Choose the KL term's frozen reference policy (only with ``loss.kl_coef > 0``) and return
+    the record of that choice, saved in every checkpoint's meta as ``"reference"``.
+
+    * default: the initial policy, i.e. the params the trainer was built with (``build_model``:
+      the HF weights, or the seeded random preset), before any checkpoint was restored. The
+      Trainer copied them at construction;
+    * ``checkpoint.update_reference`` (stage 3, rStar2-Agent §4.3): the policy loaded from
+      ``checkpoint.init_from`` (the previous stage's latest checkpoint, by its step number).
+
+    The reference is never saved: on resume it is REBUILT deterministically from this record (the
+    same initial weights, or ``restore_params(init_from, step)``), so a SIGKILL-resumed run trains
+    against the very same reference without doubling the checkpoint size.
+    """
+    from rstarjax.rl import checkpoint as ckpt_lib
+
+    if config.loss.kl_coef <= 0:
+        return None
+    if not (config.checkpoint.update_reference and config.checkpoint.init_from):
+        return {"source": "initial"}
+    record = meta.get("reference")
+    if record and record.get("source") == "init_from":  # resuming this stage: the same checkpoint again
+        abstract = ckpt_lib.abstract_like(trainer.state.params, trainer.param_sharding)
+        params, _, _ = ckpt_lib.restore_params(record["path"], abstract, step=int(record["step"]))
+        trainer.set_reference(params)
+        return dict(record)
+    if "init_from_step" not in meta:
+        raise ValueError("update_reference: the run resumed from a checkpoint without a reference "
+                         "record; cannot tell which init_from step was the reference")
+    trainer.set_reference()  # initial_state just loaded the previous stage's policy
+    return {"source": "init_from", "path": os.path.abspath(config.checkpoint.init_from),
+            "step": int(meta["init_from_step"])}
 
 
 def run_rl(config, workdir: str, rollout_fn: RolloutFn | None = None, model: nnx.Module | None = None,
@@ -525,6 +717,7 @@ def run_rl(config, workdir: str, rollout_fn: RolloutFn | None = None, model: nnx
 
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), ckpt_lib.CheckpointConfig.from_config(config.checkpoint))
     meta = initial_state(trainer, ckpt, config)
+    reference = setup_reference(trainer, config, meta)
     dataset, _ = build_dataset(config)
     data_iter = iter(dataset)
     if meta.get("data_state") is not None and not meta.get("init_from"):
@@ -550,7 +743,10 @@ def run_rl(config, workdir: str, rollout_fn: RolloutFn | None = None, model: nnx
             # independent samples on every process
             step_key = jax.random.fold_in(jax.random.fold_in(base_key, step), jax.process_index())
             seed = int(jax.random.randint(step_key, (), 0, 2**31 - 1))
-            metrics = rl_step(trainer, rollout_fn, records, rl_cfg, loss_cfg, seed)
+            # dynamic sampling refills from the same iterator, so its checkpointed state covers
+            # every prompt a step consumed
+            metrics = rl_step(trainer, rollout_fn, records, rl_cfg, loss_cfg, seed,
+                              more_records=lambda: next(data_iter))
             if on_update is not None:
                 on_update(trainer)
             new_step = trainer.step
@@ -558,6 +754,7 @@ def run_rl(config, workdir: str, rollout_fn: RolloutFn | None = None, model: nnx
                 ckpt.save(new_step, trainer.state, {
                     "step": new_step, "rng": ckpt_lib.key_to_json(base_key),
                     "data_state": data_iter.get_state(), "stage_total_steps": config.total_steps,
+                    **({"reference": reference} if reference else {}),
                 })
             writer.write(new_step, metrics)
             bar.update(1)
