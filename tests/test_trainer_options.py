@@ -44,16 +44,17 @@ def direct_kl_loss(model, ref_logp, batch):
     return reference_loss(model, batch) + KL * kl, kl
 
 
+@pytest.mark.slow
 def test_kl_term_loss_and_gradient_equal_a_direct_reference_forward():
     batch = random_batch(4)
     ref_model = tiny_model(seed=1)  # a reference different from the policy, so KL and its gradient are non-zero
     ref_logp = jax.lax.stop_gradient(direct_logprobs(ref_model, batch))
     graphdef, params, rest = nnx.split(tiny_model(), nnx.Param, ...)
-    (want_loss, want_kl), grads = jax.value_and_grad(
-        lambda p: direct_kl_loss(nnx.merge(graphdef, p, rest), ref_logp, batch), has_aux=True)(params)
+    (want_loss, want_kl), grads = jax.jit(jax.value_and_grad(
+        lambda p: direct_kl_loss(nnx.merge(graphdef, p, rest), ref_logp, batch), has_aux=True))(params)
     want_params = jax.tree.map(lambda p, g: p - g, params, grads)  # SGD, lr 1
     # the KL part of the gradient is a real contribution (the test could fail without it)
-    pg_grads = jax.grad(lambda p: reference_loss(nnx.merge(graphdef, p, rest), batch))(params)
+    pg_grads = jax.jit(jax.grad(lambda p: reference_loss(nnx.merge(graphdef, p, rest), batch)))(params)
     assert max(float(np.abs(a - b).max()) for a, b in zip(leaves(grads), leaves(pg_grads))) > 1e-4
 
     mesh = sharding_lib.make_mesh(1, 2, 1, devices=jax.devices()[:2])
