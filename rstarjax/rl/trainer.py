@@ -11,7 +11,6 @@ Micro-batching is exact: every micro-batch's loss is divided by the token count 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
