@@ -33,7 +33,10 @@ def get_config(arg=None):
     c.demo = ml_collections.ConfigDict()
     c.demo.model = ml_collections.ConfigDict(dict(
         hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32))
+        num_key_value_heads=2, head_dim=32,
+        # Qwen3's 1e6 leaves a 32-dim head few fast-rotating pairs; copying digits by relative
+        # position needs them (measured: teacher-forced digit accuracy 34 % vs 21 % after 200 steps)
+        rope_theta=10000.0))
     c.demo.task_kinds = ()  # () = all of rl.demo_tasks.TASK_KINDS
     c.demo.num_sft_problems = 1600  # 100 SFT steps of 16: enough for the format and tool call
     c.demo.num_rl_problems = 4096
@@ -52,7 +55,7 @@ def get_config(arg=None):
     c.sft.min_lr_ratio = 0.1
     c.sft.weight_decay = 0.01
     c.sft.grad_clip_norm = 1.0
-    c.sft.seq_len = 1024
+    c.sft.seq_len = 384  # one trace (<= 331 tokens) per row: 2.6x less attention than packing into 1024
     c.sft.micro_batch_size = 0
     c.sft.max_steps = 0
     c.sft.seed = 0
