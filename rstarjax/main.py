@@ -231,6 +231,10 @@ def main(argv=None) -> None:
     flags.mark_flags_as_required(["config"])
 
     def _main(_):
+        from absl import logging
+
+        if not flags.FLAGS["verbosity"].present:  # Orbax logs every save at INFO; --verbosity=0 shows it
+            logging.set_verbosity(logging.WARNING)
         config = flags.FLAGS.config
         workdir = flags.FLAGS.workdir or os.path.join("runs", str(config.get("mode", "run")))
         print(f"rstarjax: mode={config.get('mode')} workdir={os.path.abspath(workdir)}", flush=True)
