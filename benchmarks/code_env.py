@@ -46,8 +46,14 @@ def bench_pool(ex: CodeExecutor, code: str, concurrency: int, sequential_calls: 
     wall = time.perf_counter() - t0
     bad = sum(r.text != expected for r in results)
     lat, overhead, queued, returned = [], [], [], []
+    untimed = [r for r in results if r.timings is None]  # answered by the pool itself (infra)
+    if untimed:
+        print(f"warning: {len(untimed)} calls answered without running: {untimed[0].text!r}",
+              file=sys.stderr)
     for r in results:
         t = r.timings
+        if t is None:
+            continue
         lat.append(t["resolved"] - t["submit"])
         # waiting for a free sandbox slot: in the central queue, then in the worker's own list
         queued.append((t["dequeue"] - t["submit"]) + (t["start"] - t["worker_recv"]))
@@ -57,6 +63,7 @@ def bench_pool(ex: CodeExecutor, code: str, concurrency: int, sequential_calls: 
         returned.append(t["resolved"] - t["end"])
     return {
         "calls": len(results),
+        "infra_answers": len(untimed),
         "calls_per_s": round(len(results) / wall, 1),
         "p50_ms": pct(lat, 50),
         "p99_ms": pct(lat, 99),
