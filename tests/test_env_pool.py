@@ -5,6 +5,7 @@ import concurrent.futures
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -255,3 +256,55 @@ def test_tool_call_round_trip(ex):
     assert format_tool_response(r) == "144\n" and classify_tool_error(r) is None
     bad = ex.run(parse_tool_call(text.replace("int(input())", "int(input()) +")).code)
     assert classify_tool_error(bad) == "execution" and "SyntaxError" in format_tool_response(bad)
+
+
+# A worker on its own, in a fresh interpreter, with its real selector wrapped so that every batch
+# of ready events lists a sandbox's exit before the EOF of its pipes. epoll can deliver them in
+# that order (an exit that fires while epoll_wait is copying out the previous batch goes to the
+# head of the ready list), rarely: it once killed a worker under load in the benchmark, and all
+# 8 of its in-flight calls came back as infra errors.
+_EXIT_FIRST_WORKER = r"""
+import socket, sys, time
+sys.path.insert(0, sys.argv[1])
+from rstarjax.env import zygote
+
+class ExitEventsFirst:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def select(self, timeout=None):
+        time.sleep(0.05)  # every sandbox that is done by now reports its pipes and its exit at once
+        return sorted(self.inner.select(timeout), key=lambda event: event[0].data[0] != "exit")
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+config = {"limits": {}, "slots": 2, "uid_base": 0, "workdir_root": sys.argv[3]}
+worker = zygote.Worker(socket.socket(fileno=int(sys.argv[2])), 0, config, {"pidns": False, "uid_drop": False})
+worker.sel = ExitEventsFirst(worker.sel)
+worker.serve()
+"""
+
+
+def test_a_sandbox_exit_reported_before_its_pipes_does_not_kill_the_worker(tmp_path):
+    from rstarjax.env.zygote import recv_frame, send_frame
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", _EXIT_FIRST_WORKER, repo, str(theirs.fileno()), str(tmp_path)],
+                            pass_fds=[theirs.fileno()])
+    theirs.close()
+    try:
+        ours.settimeout(60)
+        calls = [{"id": i, "op": "exec", "timeout": 5.0, "code": f"print({i})", "stdin": ""} for i in range(8)]
+        send_frame(ours, {"op": "batch", "calls": calls})
+        replies = {}
+        for _ in calls:
+            msg = recv_frame(ours)
+            assert msg is not None, f"the worker died (exit status {proc.wait(10)}) after {len(replies)} answers"
+            replies[msg["id"]] = (msg["kind"], msg["text"])
+        assert replies == {i: ("stdout", f"{i}\n") for i in range(8)}
+        assert proc.poll() is None
+    finally:
+        ours.close()  # EOF: the worker exits
+        proc.wait(10)

@@ -92,6 +92,7 @@ class _Job:
     future: concurrent.futures.Future
     t_submit: float
     t_dequeue: float = 0.0
+    t_sent: float = 0.0  # the batch holding this call was written to the worker's socket
     resolved: bool = False
     tier: str = HEAVY
 
@@ -508,14 +509,15 @@ class CodeExecutor:
             return VerifyResult(False, timed_out=False, error=why)
         return ExecResult(ERROR, f"SandboxError: {why}", infra_error=True)
 
-    def _result_from_wire(self, job: _Job, msg: dict):
+    def _result_from_wire(self, job: _Job, msg: dict, received: float):
         if job.op == "verify":
             return VerifyResult(bool(msg.get("correct")), bool(msg.get("timed_out")), str(msg.get("error", "")))
         now = time.monotonic()
+        # One clock (CLOCK_MONOTONIC is system-wide): trainer and worker stamps are comparable.
         timings = {
-            "submit": job.t_submit, "dequeue": job.t_dequeue, "worker_recv": msg.get("t_recv", 0.0),
-            "start": msg.get("t_start", 0.0), "end": msg.get("t_end", 0.0), "worker_sent": msg.get("t_sent", 0.0),
-            "resolved": now,
+            "submit": job.t_submit, "dequeue": job.t_dequeue, "sent": job.t_sent or job.t_dequeue,
+            "worker_recv": msg.get("t_recv", 0.0), "start": msg.get("t_start", 0.0), "end": msg.get("t_end", 0.0),
+            "worker_sent": msg.get("t_sent", 0.0), "received": received, "resolved": now,
         }
         return ExecResult(msg["kind"], str(msg.get("text", "")), float(msg.get("duration_s", 0.0)),
                           infra_error=bool(msg.get("infra_error", False)), timings=timings)
@@ -585,6 +587,9 @@ class CodeExecutor:
                     h.inflight[job.id] = job
             try:
                 send_frame(h.sock, {"op": "batch", "calls": [job.wire() for job in batch]})
+                sent = time.monotonic()
+                for job in batch:
+                    job.t_sent = sent
                 self._count("batches")
             except OSError as exc:
                 self._worker_died(h, f"send failed: {exc}")
@@ -598,6 +603,7 @@ class CodeExecutor:
                 msg, why = None, f"{type(exc).__name__}: {exc}"
             else:
                 why = "worker process exited"
+            received = time.monotonic()
             if msg is None:
                 self._worker_died(h, why)
                 h.release()
@@ -611,7 +617,7 @@ class CodeExecutor:
                 self._cv.notify_all()
             if job is not None:
                 try:
-                    result = self._result_from_wire(job, msg)
+                    result = self._result_from_wire(job, msg, received)
                 except (KeyError, TypeError, ValueError) as exc:
                     result = self._infra_result(job, f"malformed answer from the worker: {exc!r}")
                 self._resolve(job, result)

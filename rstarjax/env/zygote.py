@@ -297,7 +297,7 @@ def probe_pidns() -> bool:
 class Running:
     __slots__ = (
         "call", "pid", "pidfd", "slot", "workdir", "stdout", "stderr", "result", "fds", "deadline",
-        "t_recv", "t_start", "timed_out", "replied",
+        "t_recv", "t_start", "timed_out", "replied", "done",
     )
 
 
@@ -344,6 +344,10 @@ class Worker:
                 if what == "parent":
                     if not self._read_parent():
                         return
+                elif run.done:
+                    # Finished earlier in this same batch (epoll may list a sandbox's exit before
+                    # the EOF of its pipes): its fds are closed and unregistered already.
+                    continue
                 elif what == "exit":
                     self._finish(run)
                 else:
@@ -447,6 +451,7 @@ class Worker:
         run.deadline = t_start + float(call["timeout"])
         run.timed_out = False
         run.replied = False
+        run.done = False
         for name, fd in (("stdout", out_r), ("stderr", err_r), ("result", res_r)):
             os.set_blocking(fd, False)
             run.fds[name] = fd
@@ -564,6 +569,7 @@ class Worker:
                     pass
 
     def _finish(self, run: Running) -> None:
+        run.done = True
         _, status = os.waitpid(run.pid, 0)
         t_end = time.monotonic()
         # The sandbox (PID 1 of its namespace) is gone and the kernel killed everything it left;
@@ -666,6 +672,11 @@ def worker_main(fd: int, index: int, config: dict, isolation: dict) -> None:
     sock = socket.socket(fileno=fd)
     try:
         Worker(sock, index, config, isolation).serve()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()  # the trainer's stderr: a worker crash must leave its cause behind
+        raise
     finally:
         os._exit(0)  # children die with us (PR_SET_PDEATHSIG)
 
