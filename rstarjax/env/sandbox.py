@@ -1,8 +1,9 @@
 """Child-side execution: what happens inside one freshly forked sandbox process.
 
-The worker (see zygote.py) forks one child per call. The child confines itself (rlimits, its own
-session, parent-death signal, unprivileged uid, scrubbed environment, fresh working directory),
-runs the model's code with `exec`, and writes ONE JSON line describing the outcome on fd 3.
+The worker (see zygote.py) forks one child per call, ahead of need: the child confines itself
+(its own session, parent-death signal, nice, scrubbed environment, fresh working directory) and
+waits for its call; then it sets its rlimits, drops to its unprivileged uid, runs the model's
+code with `exec`, and writes ONE JSON line describing the outcome on fd 3.
 Everything the model printed goes to fd 1/2, which the worker reads with a cap.
 
 Only the standard library is imported at module level: this module is loaded by the zygote.
@@ -13,6 +14,7 @@ import ast
 import builtins
 import ctypes
 import dataclasses
+import fcntl
 import io
 import json
 import linecache
@@ -20,11 +22,13 @@ import os
 import re
 import resource
 import signal
+import socket
 import sys
 import traceback
 
 CODE_FILENAME = "<code>"
 RESULT_FD = 3
+CHANNEL_FD = 4  # a warm sandbox's socket to its worker, closed before the model's code runs
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -103,16 +107,15 @@ def drop_privileges(uid: int) -> None:
         os._exit(99)
 
 
-def confine_child(limits: SandboxLimits, timeout_s: float, workdir: str, sandbox_uid: int | None) -> None:
-    """Runs in the freshly forked child, before any model code. Any failure aborts the child."""
+def confine_while_warm(workdir: str) -> None:
+    """What a warm sandbox does before its call exists (see warm_child_main). Still root: no
+    process runs under a sandbox uid between calls, and the uid's limits start with the call."""
     os.setsid()  # own session and process group
     libc_call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # worker dies -> we die
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE, signal.SIGALRM):
         signal.signal(sig, signal.SIG_DFL)
     # A non-default SIGPIPE disposition is what CPython itself sets: keep EPIPE as an exception.
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    set_limits(limits, timeout_s)
-    os.setpriority(os.PRIO_PROCESS, 0, limits.nice)
     os.chdir(workdir)
     # The zygote already started from SAFE_ENV; drop anything else and point HOME/TMPDIR here
     # (touching few entries: every write in a forked child costs copy-on-write faults).
@@ -122,6 +125,12 @@ def confine_child(limits: SandboxLimits, timeout_s: float, workdir: str, sandbox
     for key, value in wanted.items():
         if os.environ.get(key) != value:
             os.environ[key] = value
+
+
+def confine_for_call(limits: SandboxLimits, timeout_s: float, sandbox_uid: int | None) -> None:
+    """The rest of the confinement, once the call (and so its timeout) is known; then the
+    model's code runs. Any failure aborts the child."""
+    set_limits(limits, timeout_s)
     if sandbox_uid is not None:
         drop_privileges(sandbox_uid)
     os.umask(0o077)
@@ -210,16 +219,58 @@ def write_result(payload: dict) -> None:
         view = view[n:]
 
 
-def child_main(call: dict, limits: SandboxLimits, workdir: str, sandbox_uid: int | None, fds: dict) -> None:
-    """Entry point of the forked child. Never returns."""
+def move_fds(targets: dict[int, int]) -> None:
+    """dup2 each source fd onto its target number and close every fd above the targets, safe
+    even when a source already sits on another's target number."""
+    high = {target: fcntl.fcntl(source, fcntl.F_DUPFD, 64) for target, source in targets.items()}
+    for target, fd in high.items():
+        os.dup2(fd, target)
+    os.closerange(max(targets) + 1, 1 << 16)  # nothing of the worker's reaches the model
+
+
+def receive_call(channel_fd: int) -> tuple[dict, int] | None:
+    """Block until the worker hands over a call: (call, stdin fd), or None when it closed the
+    channel instead (the worker is going away)."""
+    sock = socket.socket(fileno=channel_fd)
+    try:
+        _, fds, _, _ = socket.recv_fds(sock, 16, 2)
+    finally:
+        sock.detach()  # the fd stays open: the caller closes it
+    if len(fds) != 2:
+        for fd in fds:
+            os.close(fd)
+        return None
+    call_fd, stdin_fd = fds
+    try:
+        with os.fdopen(call_fd, "rb") as f:  # the worker rewound it
+            call = json.loads(f.read())
+    except BaseException:
+        os.close(stdin_fd)
+        raise
+    return call, stdin_fd
+
+
+def warm_child_main(limits: SandboxLimits, workdir: str, sandbox_uid: int | None, fds: dict) -> None:
+    """Entry point of a forked sandbox. Never returns.
+
+    It is forked ahead of need ("warm"): everything that does not depend on the call is done,
+    then it waits on `fds["channel"]` for the call and its stdin (two memfds), finishes
+    confining itself and runs the call."""
     status = 70
     try:
-        os.dup2(fds["stdin"], 0)
-        os.dup2(fds["stdout"], 1)
-        os.dup2(fds["stderr"], 2)
-        os.dup2(fds["result"], RESULT_FD)
-        os.closerange(RESULT_FD + 1, 1 << 16)  # nothing of the worker's reaches the model
-        confine_child(limits, float(call["timeout"]), workdir, sandbox_uid)
+        # First: until then we run at the worker's priority and would delay the worker itself.
+        os.setpriority(os.PRIO_PROCESS, 0, limits.nice)
+        move_fds({1: fds["stdout"], 2: fds["stderr"], RESULT_FD: fds["result"], CHANNEL_FD: fds["channel"]})
+        confine_while_warm(workdir)
+        received = receive_call(CHANNEL_FD)
+        if received is None:
+            status = 0
+            return
+        call, stdin_fd = received
+        os.dup2(stdin_fd, 0)
+        os.close(stdin_fd)
+        os.close(CHANNEL_FD)  # the model gets fds 0-3 and nothing else
+        confine_for_call(limits, float(call["timeout"]), sandbox_uid)
         install_stdio()
         if call["op"] == "verify":
             payload = _run_verify(call)

@@ -295,13 +295,25 @@ def probe_pidns() -> bool:
 
 
 class Running:
+    """One sandbox process. Warm (forked ahead of need, waiting for a call: `call` is None) or
+    running its call."""
+
     __slots__ = (
-        "call", "pid", "pidfd", "slot", "workdir", "stdout", "stderr", "result", "fds", "deadline",
+        "call", "pid", "pidfd", "slot", "workdir", "channel", "stdout", "stderr", "result", "fds", "deadline",
         "t_recv", "t_start", "timed_out", "replied", "done",
     )
 
 
 class Worker:
+    """An event loop over <= `slots` sandboxes.
+
+    Every free slot holds a warm sandbox: a child forked ahead of need that did all its per-call
+    setup except what depends on the call, and waits on a socket for it. Starting a call is
+    then two fds sent over that socket (microseconds) instead of a fork (about 3 ms of the heavy
+    zygote's page tables, more on a busy machine), and a slot is re-warmed after its call, at
+    most one fork per pass of the loop, so that batches and exits are read between forks.
+    """
+
     def __init__(self, sock: socket.socket, index: int, config: dict, isolation: dict):
         from rstarjax.env import sandbox
 
@@ -312,9 +324,12 @@ class Worker:
         self.isolation = isolation
         self.limits = sandbox.SandboxLimits(**config["limits"])
         self.slots = int(config["slots"])
-        self.free_slots = list(range(self.slots))
+        self.cold_slots = list(range(self.slots))  # no process: to be warmed
+        self.warm: collections.deque[Running] = collections.deque()
         self.pending: collections.deque = collections.deque()
-        self.running: dict[int, Running] = {}  # by pidfd
+        self.running: dict[int, Running] = {}  # every sandbox process, warm or busy, by pidfd
+        self.warm_failures = 0  # warm sandboxes that died before their call, in a row
+        self.warm_not_before = 0.0  # back-off after such a death
         self.sel = selectors.DefaultSelector()
         self.reader = FrameReader()
         self.workdir_root = os.path.join(config["workdir_root"], f"w{index}")
@@ -334,12 +349,7 @@ class Worker:
         self.sock.setblocking(False)
         self.sel.register(self.sock, selectors.EVENT_READ, ("parent", None))
         while True:
-            timeout = None
-            if self.running:
-                now = time.monotonic()
-                timeout = max(0.0, min(r.deadline for r in self.running.values() if not r.timed_out) - now) \
-                    if any(not r.timed_out for r in self.running.values()) else 0.5
-            for key, _ in self.sel.select(timeout):
+            for key, _ in self.sel.select(self._select_timeout()):
                 what, run = key.data
                 if what == "parent":
                     if not self._read_parent():
@@ -353,12 +363,17 @@ class Worker:
                 else:
                     self._drain(key.fileobj, run, what)
             self._enforce_deadlines()
-            while self.pending and self.free_slots:
-                call = self.pending.popleft()
-                try:
-                    self._start(call)
-                except OSError as exc:  # e.g. no memory/pids/space left: answer, keep serving
-                    self._reply_start_failure(call, exc)
+            self._start_pending()
+            self._warm_one()  # one fork, then back to select: reading the socket never waits for more
+
+    def _select_timeout(self) -> float | None:
+        if self.pending and self.warm:  # a sandbox was warmed for a call that waits: no sleeping
+            return 0.0
+        now = time.monotonic()
+        wake = [r.deadline for r in self.running.values() if r.call is not None and not r.timed_out]
+        if self.cold_slots:
+            wake.append(self.warm_not_before)
+        return max(0.0, min(wake) - now) if wake else None
 
     # -- parent messages -------------------------------------------------------------------
     def _read_parent(self) -> bool:
@@ -390,21 +405,35 @@ class Worker:
             self.sock.setblocking(False)
 
     # -- sandbox lifecycle -----------------------------------------------------------------
-    def _start(self, call: dict) -> None:
-        slot = self.free_slots.pop()
+    def _warm_one(self) -> None:
+        """Fork a warm sandbox for one cold slot (if any, and not backing off)."""
+        if not self.cold_slots or time.monotonic() < self.warm_not_before:
+            return
+        slot = self.cold_slots.pop()
         opened: list[int] = []
         try:
-            self._spawn(call, slot, opened)
-        except BaseException:
+            self._spawn_warm(slot, opened)
+        except OSError as exc:  # e.g. no memory/pids/space left: answer a call, keep serving
             for fd in opened:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-            self.free_slots.append(slot)
-            raise
+            self.cold_slots.append(slot)
+            self._warm_failed(exc)
 
-    def _spawn(self, call: dict, slot: int, opened: list) -> None:
+    def _warm_failed(self, exc: BaseException | str) -> None:
+        """A slot could not be warmed (fork failed, or the warm child died before its call).
+
+        Back off so a persistent failure does not spin the loop; past a few in a row, answer the
+        oldest pending call with the failure, as a failed fork did before warm sandboxes, so
+        that no call waits on a slot that cannot be prepared."""
+        self.warm_failures += 1
+        self.warm_not_before = time.monotonic() + min(0.005 * 2 ** self.warm_failures, 1.0)
+        if self.warm_failures >= 3 and self.pending:
+            self._reply_start_failure(self.pending.popleft(), exc)
+
+    def _spawn_warm(self, slot: int, opened: list) -> None:
         sandbox = self.sandbox
         uid = self.slot_uid(slot)
         self.counter += 1
@@ -412,20 +441,16 @@ class Worker:
         os.mkdir(workdir, 0o700)
         if uid is not None:
             os.chown(workdir, uid, uid)
-        stdin_fd = os.memfd_create("stdin", 0)
-        opened.append(stdin_fd)
-        data = (call.get("stdin") or "").encode("utf-8", errors="replace")
-        if data:
-            os.write(stdin_fd, data)  # memfd: no pipe-capacity deadlock for big inputs
-            os.lseek(stdin_fd, 0, os.SEEK_SET)
         out_r, out_w = os.pipe()
         opened += [out_r, out_w]
         err_r, err_w = os.pipe()
         opened += [err_r, err_w]
         res_r, res_w = os.pipe()
         opened += [res_r, res_w]
-        fds = {"stdin": stdin_fd, "stdout": out_w, "stderr": err_w, "result": res_w}
-        t_start = time.monotonic()
+        ours, theirs_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # `ours` closes itself if we fail
+        theirs = theirs_sock.detach()
+        opened.append(theirs)
+        fds = {"stdout": out_w, "stderr": err_w, "result": res_w, "channel": theirs}
         if self.use_pidns:
             sandbox.libc_call("unshare", sandbox.CLONE_NEWPID)  # the next child is PID 1 of a new ns
         try:
@@ -435,32 +460,88 @@ class Worker:
                 sandbox.libc_call("setns", self.own_pidns_fd, sandbox.CLONE_NEWPID)  # back, for the next unshare
         if pid == 0:
             try:
-                sandbox.child_main(call, self.limits, workdir, uid, fds)
+                sandbox.warm_child_main(self.limits, workdir, uid, fds)
             finally:
                 os._exit(71)
-        for fd in (stdin_fd, out_w, err_w, res_w):
+        for fd in (out_w, err_w, res_w, theirs):
             os.close(fd)
             opened.remove(fd)
         run = Running()
-        run.call, run.pid, run.slot, run.workdir = call, pid, slot, workdir
-        run.pidfd = os.pidfd_open(pid)
+        run.call, run.pid, run.slot, run.workdir, run.channel = None, pid, slot, workdir, ours
+        try:
+            run.pidfd = os.pidfd_open(pid)
+        except OSError:
+            os.kill(pid, signal.SIGKILL)  # a child we cannot watch must not live on
+            os.waitpid(pid, 0)
+            raise
         cap = self.limits.max_output_bytes
         run.stdout, run.stderr, run.result = CappedBuffer(cap), CappedBuffer(cap), bytearray()
         run.fds = {}
-        run.t_recv, run.t_start = call.get("t_recv", t_start), t_start
-        run.deadline = t_start + float(call["timeout"])
-        run.timed_out = False
-        run.replied = False
-        run.done = False
+        run.t_recv = run.t_start = run.deadline = 0.0
+        run.timed_out = run.replied = run.done = False
         for name, fd in (("stdout", out_r), ("stderr", err_r), ("result", res_r)):
             os.set_blocking(fd, False)
             run.fds[name] = fd
             self.sel.register(fd, selectors.EVENT_READ, (name, run))
+        ours.setblocking(False)  # one byte into an empty socket never blocks; be sure anyway
         opened.clear()  # owned by `run` from here on
         self.sel.register(run.pidfd, selectors.EVENT_READ, ("exit", run))
         self.running[run.pidfd] = run
+        self.warm.append(run)
 
-    def _reply_start_failure(self, call: dict, exc: OSError) -> None:
+    def _start_pending(self) -> None:
+        while self.pending and self.warm:
+            call, run = self.pending.popleft(), self.warm.popleft()
+            try:
+                call_fd, stdin_fd = self._call_fds(call)
+            except OSError as exc:  # no memory for the memfds: answer, keep the sandbox warm
+                self.warm.appendleft(run)
+                self._reply_start_failure(call, exc)
+                continue
+            try:
+                socket.send_fds(run.channel, [b"c"], [call_fd, stdin_fd])
+            except OSError:
+                # The warm child is gone (its exit event cleans up): the call takes the next one.
+                self.pending.appendleft(call)
+                self._kill(run)
+                continue
+            finally:
+                os.close(call_fd)
+                os.close(stdin_fd)
+            self._close_channel(run)  # the child has its call queued; we have nothing more to say
+            self.warm_failures = 0
+            run.call = call
+            run.t_start = time.monotonic()
+            run.t_recv = call.get("t_recv", run.t_start)
+            run.deadline = run.t_start + float(call["timeout"])
+
+    @staticmethod
+    def _call_fds(call: dict) -> tuple[int, int]:
+        """The call (JSON) and its stdin, each in a memfd: any size, and no pipe to fill."""
+        stdin = (call.get("stdin") or "").encode("utf-8", errors="replace")
+        message = json.dumps({k: v for k, v in call.items() if k != "stdin"}).encode()
+        fds = []
+        try:
+            for name, data in (("call", message), ("stdin", stdin)):
+                fd = os.memfd_create(name, 0)
+                fds.append(fd)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.lseek(fd, 0, os.SEEK_SET)
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds[0], fds[1]
+
+    @staticmethod
+    def _close_channel(run: Running) -> None:
+        if run.channel is not None:
+            run.channel.close()
+            run.channel = None
+
+    def _reply_start_failure(self, call: dict, exc: BaseException | str) -> None:
         now = time.monotonic()
         reply = {"id": call["id"], "t_recv": call.get("t_recv", now), "t_start": now, "t_end": now, "t_sent": now}
         if call["op"] == "verify":
@@ -493,7 +574,7 @@ class Worker:
     def _enforce_deadlines(self) -> None:
         now = time.monotonic()
         for run in self.running.values():
-            if not run.timed_out and now >= run.deadline:
+            if run.call is not None and not run.timed_out and now >= run.deadline:
                 run.timed_out = True
                 self._kill(run)
                 # Answer now: the verdict is known, and tearing down a big process tree (a fork
@@ -549,8 +630,9 @@ class Worker:
 
     def _kill_orphans(self) -> None:
         """Weakest fallback (no PID namespace, no uid drop): we are a child subreaper, so what a
-        call double-forked away is re-parented to us. Kill every child that is not a running
-        sandbox. (A daemon of a call still running in another slot dies early: acceptable.)"""
+        call double-forked away is re-parented to us. Kill every child that is not a sandbox
+        (warm or running). (A daemon of a call still running in another slot dies early:
+        acceptable.)"""
         me = os.getpid()
         live = {r.pid for r in self.running.values()}
         for entry in os.listdir("/proc"):
@@ -582,7 +664,13 @@ class Worker:
         self.sel.unregister(run.pidfd)
         os.close(run.pidfd)
         del self.running[run.pidfd]
-        if not run.replied:
+        self._close_channel(run)
+        if run.call is None:  # died warm (killed from outside, or its setup failed)
+            if run in self.warm:
+                self.warm.remove(run)
+            err = run.stderr.text().strip()
+            self._warm_failed(f"sandbox died before its call (status {status}){': ' + err[-300:] if err else ''}")
+        elif not run.replied:
             self._send_result(run, status, t_end)  # answer first; cleaning up is our business
         if not self.use_pidns:
             if self.uid_drop:
@@ -591,7 +679,7 @@ class Worker:
                 self._kill_orphans()
         shutil.rmtree(run.workdir, ignore_errors=True)
         self._sweep_shm(self.slot_uid(run.slot))
-        self.free_slots.append(run.slot)  # the slot (and its uid) is reused only once clean
+        self.cold_slots.append(run.slot)  # the slot (and its uid) is re-warmed only once clean
 
     def _send_result(self, run: Running, status: int, t_end: float) -> None:
         reply = self._classify(run, status)
