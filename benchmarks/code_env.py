@@ -45,7 +45,7 @@ def bench_pool(ex: CodeExecutor, code: str, concurrency: int, sequential_calls: 
         results = [f.result(timeout=600) for f in futs]
     wall = time.perf_counter() - t0
     bad = sum(r.text != expected for r in results)
-    lat, overhead, queued, returned = [], [], [], []
+    lat, overhead, queued, returned, transport = [], [], [], [], []
     untimed = [r for r in results if r.timings is None]  # answered by the pool itself (infra)
     if untimed:
         print(f"warning: {len(untimed)} calls answered without running: {untimed[0].text!r}",
@@ -60,6 +60,7 @@ def bench_pool(ex: CodeExecutor, code: str, concurrency: int, sequential_calls: 
         # what the machinery adds: batch transport to the worker (incl. waiting for the worker's
         # event loop, busy forking other calls) + the way back (worker reply -> future resolved)
         overhead.append((t["worker_recv"] - t["dequeue"]) + (t["resolved"] - t["end"]))
+        transport.append(t["worker_recv"] - t["dequeue"])
         returned.append(t["resolved"] - t["end"])
     return {
         "calls": len(results),
@@ -70,8 +71,9 @@ def bench_pool(ex: CodeExecutor, code: str, concurrency: int, sequential_calls: 
         "queue_wait_p99_ms": pct(queued, 99),
         "overhead_p50_ms": pct(overhead, 50),
         "overhead_p99_ms": pct(overhead, 99),
+        "transport_p99_ms": pct(transport, 99),
         "return_path_p99_ms": pct(returned, 99),
-        "sandbox_p50_ms": pct([r.timings["end"] - r.timings["start"] for r in results], 50),
+        "sandbox_p50_ms": pct([r.timings["end"] - r.timings["start"] for r in results if r.timings], 50),
         "wrong": bad,
     }
 

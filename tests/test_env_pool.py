@@ -82,6 +82,24 @@ def test_both_tiers_give_identical_results():
     assert got == want
 
 
+def test_an_idle_pool_hands_calls_to_sandboxes_forked_before_them(ex):
+    """Warm sandboxes: after a quiet moment the next call runs in a process that existed before
+    the call did, and gets its own stdin and timeout; a burst still gets fresh processes."""
+    age_code = ("import os, time\n"
+                "start = int(open('/proc/self/stat').read().rsplit(')', 1)[1].split()[19]) / os.sysconf('SC_CLK_TCK')\n"
+                "print(round(time.clock_gettime(time.CLOCK_BOOTTIME) - start, 2), input())")
+    time.sleep(0.6)
+    age, word = ex.run(age_code, stdin="warm").text.split()
+    assert word == "warm" and float(age) >= 0.4, age  # forked at least 0.4 s before the call
+    time.sleep(0.6)
+    assert ex.run("while True: pass", timeout=0.5).kind == "timeout"  # its own deadline
+    time.sleep(0.6)
+    assert bool(ex.verify(r"<answer>\boxed{\frac{1}{2}}</answer>", "0.5")) is True
+    burst = ex.run_batch([(age_code, str(i)) for i in range(40)])
+    assert [r.text.split()[1] for r in burst] == [str(i) for i in range(40)]
+    assert min(float(r.text.split()[0]) for r in burst) < 0.3  # cold starts: forked with their call
+
+
 def test_bad_arguments_are_clear_errors(ex):
     with pytest.raises(TypeError):
         ex.submit(b"print(1)")

@@ -38,7 +38,7 @@ import time
 from .results import ERROR, ExecResult, VerifyResult
 from .routing import HEAVY, LEAN, choose_tier
 from .sandbox import SAFE_ENV, SandboxLimits
-from .zygote import recv_frame, send_frame
+from .zygote import FrameReader, send_frame
 
 _ZYGOTE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
 _executor_seq = itertools.count()
@@ -66,7 +66,7 @@ class ExecutorConfig:
     slots_per_worker: int = 4  # sandboxes a worker runs at once
     inflight_per_worker: int = 0  # calls handed to a worker at once; 0 -> 2 * slots_per_worker
     batch_size: int = 64  # paper §3.1: send workers group up to 64 calls
-    flush_s: float = 0.002  # ... or send what they have after this long
+    flush_s: float = 0.0  # wait this long for a fuller batch; 0: send what is queued now (see docs)
     max_queue: int = 100_000  # central queue bound, per tier (backpressure beyond it)
     submit_timeout: float = 60.0  # how long submit() blocks on a full queue before answering "overloaded"
     queue_timeout: float = 900.0  # a call not dispatched within this is answered with an error
@@ -303,7 +303,12 @@ class CodeExecutor:
         # Flat worker numbering: heavy workers first, then lean ones (the index picks sandbox uids).
         self._worker_tier = [HEAVY] * config.num_workers + [LEAN] * lean
         self._queues = {HEAVY: _JobQueue(config.max_queue), LEAN: _JobQueue(config.max_queue)}
-        self._cv = threading.Condition()
+        # One lock for the workers' state. `_cv` announces changes anyone may wait for (deaths,
+        # replacements, drained workers); `_capacity[i]` wakes only send thread i when its worker
+        # frees capacity: with one shared condition every result woke every send thread.
+        self._state_lock = threading.RLock()
+        self._cv = threading.Condition(self._state_lock)
+        self._capacity = [threading.Condition(self._state_lock) for _ in self._worker_tier]
         self._resolve_lock = threading.Lock()
         self._ids = itertools.count()
         self._workers: list[_WorkerHandle | None] = [None] * len(self._worker_tier)
@@ -375,7 +380,7 @@ class CodeExecutor:
                 self._cv.wait(0.05)
             self._closing = True
             handles = [w for w in self._workers if w is not None]
-            self._cv.notify_all()
+            self._notify_everyone()
         for h in handles:
             self._worker_died(h, "the code executor was closed")
         for t in self._threads:
@@ -543,7 +548,7 @@ class CodeExecutor:
             h.alive = False
             jobs = list(h.inflight.values())
             h.inflight.clear()
-            self._cv.notify_all()
+            self._notify_everyone()
         h.kill()
         try:
             h.sock.shutdown(socket.SHUT_RDWR)
@@ -565,7 +570,7 @@ class CodeExecutor:
                     h = self._workers[i]
                     if h is not None and h.alive and len(h.inflight) < self.capacity:
                         break
-                    self._cv.wait(0.1)
+                    self._capacity[i].wait(0.1)
                 free = self.capacity - len(h.inflight)
             batch = queue.get_batch(min(cfg.batch_size, free), cfg.flush_s, timeout=0.1)
             if not batch:
@@ -597,25 +602,36 @@ class CodeExecutor:
     def _receive_loop(self, i: int) -> None:
         while not self._closing:
             h = self._workers[i]
+            why = self._receive_results(i, h)
+            self._worker_died(h, why)
+            h.release()
+            if self._closing:
+                return
+            self._replace_worker(i)
+
+    def _receive_results(self, i: int, h: _WorkerHandle) -> str:
+        """Answer calls as worker `h`'s results arrive; return why its stream ended. Reads
+        whatever is there in one recv (often several results under load): one wake-up, one
+        lock round and one GIL hand-off for all of them."""
+        reader = FrameReader()
+        while True:
             try:
-                msg = recv_frame(h.sock)
+                data = h.sock.recv(1 << 20)
+                msgs = reader.feed(data) if data else None
             except (OSError, ValueError) as exc:
-                msg, why = None, f"{type(exc).__name__}: {exc}"
-            else:
-                why = "worker process exited"
+                return f"{type(exc).__name__}: {exc}"
+            if msgs is None:
+                return "worker process exited"
             received = time.monotonic()
-            if msg is None:
-                self._worker_died(h, why)
-                h.release()
-                if self._closing:
-                    return
-                self._replace_worker(i)
-                continue
             with self._cv:
-                job = h.inflight.pop(msg.get("id"), None)
-                h.last_progress = time.monotonic()
-                self._cv.notify_all()
-            if job is not None:
+                jobs = [h.inflight.pop(msg.get("id"), None) for msg in msgs]
+                h.last_progress = received
+                self._capacity[i].notify()
+                if not h.inflight:
+                    self._cv.notify_all()  # close() waits for drained workers
+            for job, msg in zip(jobs, msgs):
+                if job is None:
+                    continue
                 try:
                     result = self._result_from_wire(job, msg, received)
                 except (KeyError, TypeError, ValueError) as exc:
@@ -634,8 +650,14 @@ class CodeExecutor:
                 continue
             with self._cv:
                 self._workers[i] = handle
-                self._cv.notify_all()
+                self._notify_everyone()
             return
+
+    def _notify_everyone(self) -> None:
+        """Wake every waiter on the workers' state (caller holds the lock)."""
+        self._cv.notify_all()
+        for capacity in self._capacity:
+            capacity.notify_all()
 
     def _watchdog_loop(self) -> None:
         while not self._closing:

@@ -1,9 +1,10 @@
 """Child-side execution: what happens inside one freshly forked sandbox process.
 
-The worker (see zygote.py) forks one child per call, ahead of need: the child confines itself
-(its own session, parent-death signal, nice, scrubbed environment, fresh working directory) and
-waits for its call; then it sets its rlimits, drops to its unprivileged uid, runs the model's
-code with `exec`, and writes ONE JSON line describing the outcome on fd 3.
+The worker (see zygote.py) forks one child per call, with the call or ahead of need (a warm
+sandbox, which waits on a socket for its call). The child confines itself (its own session,
+parent-death signal, nice, scrubbed environment, fresh working directory); once it has its call
+it sets its rlimits, drops to its unprivileged uid, runs the model's code with `exec`, and
+writes ONE JSON line describing the outcome on fd 3.
 Everything the model printed goes to fd 1/2, which the worker reads with a cap.
 
 Only the standard library is imported at module level: this module is loaded by the zygote.
@@ -107,9 +108,10 @@ def drop_privileges(uid: int) -> None:
         os._exit(99)
 
 
-def confine_while_warm(workdir: str) -> None:
-    """What a warm sandbox does before its call exists (see warm_child_main). Still root: no
-    process runs under a sandbox uid between calls, and the uid's limits start with the call."""
+def confine_before_call(workdir: str) -> None:
+    """What does not depend on the call (a warm sandbox does it before its call exists, see
+    child_main). Still root: no process runs under a sandbox uid between calls, and the uid's
+    limits start with the call."""
     os.setsid()  # own session and process group
     libc_call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # worker dies -> we die
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE, signal.SIGALRM):
@@ -250,26 +252,32 @@ def receive_call(channel_fd: int) -> tuple[dict, int] | None:
     return call, stdin_fd
 
 
-def warm_child_main(limits: SandboxLimits, workdir: str, sandbox_uid: int | None, fds: dict) -> None:
+def child_main(limits: SandboxLimits, workdir: str, sandbox_uid: int | None, fds: dict, call: dict | None) -> None:
     """Entry point of a forked sandbox. Never returns.
 
-    It is forked ahead of need ("warm"): everything that does not depend on the call is done,
-    then it waits on `fds["channel"]` for the call and its stdin (two memfds), finishes
-    confining itself and runs the call."""
+    With `call` (a cold start) it runs that call, reading stdin from `fds["stdin"]`. Without
+    (a warm sandbox, forked ahead of need) it does every step that does not depend on the call,
+    then waits on `fds["channel"]` for the call and its stdin (two memfds)."""
     status = 70
     try:
         # First: until then we run at the worker's priority and would delay the worker itself.
         os.setpriority(os.PRIO_PROCESS, 0, limits.nice)
-        move_fds({1: fds["stdout"], 2: fds["stderr"], RESULT_FD: fds["result"], CHANNEL_FD: fds["channel"]})
-        confine_while_warm(workdir)
-        received = receive_call(CHANNEL_FD)
-        if received is None:
-            status = 0
-            return
-        call, stdin_fd = received
-        os.dup2(stdin_fd, 0)
-        os.close(stdin_fd)
-        os.close(CHANNEL_FD)  # the model gets fds 0-3 and nothing else
+        targets = {1: fds["stdout"], 2: fds["stderr"], RESULT_FD: fds["result"]}
+        if call is None:
+            targets[CHANNEL_FD] = fds["channel"]
+        else:
+            targets[0] = fds["stdin"]
+        move_fds(targets)
+        confine_before_call(workdir)
+        if call is None:
+            received = receive_call(CHANNEL_FD)
+            if received is None:
+                status = 0
+                return
+            call, stdin_fd = received
+            os.dup2(stdin_fd, 0)
+            os.close(stdin_fd)
+            os.close(CHANNEL_FD)  # the model gets fds 0-3 and nothing else
         confine_for_call(limits, float(call["timeout"]), sandbox_uid)
         install_stdio()
         if call["op"] == "verify":

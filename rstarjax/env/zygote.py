@@ -29,6 +29,10 @@ import sys
 import time
 
 HEADER = struct.Struct(">I")
+# Re-warming a slot waits for this much quiet unless a call needs the sandbox now: at low
+# concurrency the next call (sent as soon as the previous answer arrives) then finds a warm
+# sandbox and is read at once, instead of waiting behind the fork that re-warms the slot.
+WARM_WHEN_QUIET_S = 0.005
 MAX_FRAME = 256 << 20
 MAX_RESULT_BYTES = 4 << 20  # the child's JSON line on fd 3
 
@@ -307,11 +311,15 @@ class Running:
 class Worker:
     """An event loop over <= `slots` sandboxes.
 
-    Every free slot holds a warm sandbox: a child forked ahead of need that did all its per-call
-    setup except what depends on the call, and waits on a socket for it. Starting a call is
-    then two fds sent over that socket (microseconds) instead of a fork (about 3 ms of the heavy
-    zygote's page tables, more on a busy machine), and a slot is re-warmed after its call, at
-    most one fork per pass of the loop, so that batches and exits are read between forks.
+    Forking (about 3 ms of the heavy zygote's page tables, several times that on a busy machine)
+    blocks the loop, so each pass forks at most once and then reads its socket and its
+    sandboxes' exits again: a batch waits for one fork at most, not for a slot-full of them.
+    * A call that waits for a slot gets a cold start: the fork carries the call along.
+    * A slot that frees while no call waits gets, once the loop is quiet, a warm sandbox: a child
+      forked ahead of need that did its setup and waits on a socket for its call. At low
+      concurrency the next call then starts with two fds sent over that socket (microseconds)
+      instead of a fork. (Under saturation warm sandboxes would only add a hand-over, and keep
+      more children sharing the worker's pages, i.e. more copy-on-write faults for the worker.)
     """
 
     def __init__(self, sock: socket.socket, index: int, config: dict, isolation: dict):
@@ -330,6 +338,7 @@ class Worker:
         self.running: dict[int, Running] = {}  # every sandbox process, warm or busy, by pidfd
         self.warm_failures = 0  # warm sandboxes that died before their call, in a row
         self.warm_not_before = 0.0  # back-off after such a death
+        self.last_busy = 0.0  # when select last returned something
         self.sel = selectors.DefaultSelector()
         self.reader = FrameReader()
         self.workdir_root = os.path.join(config["workdir_root"], f"w{index}")
@@ -349,7 +358,10 @@ class Worker:
         self.sock.setblocking(False)
         self.sel.register(self.sock, selectors.EVENT_READ, ("parent", None))
         while True:
-            for key, _ in self.sel.select(self._select_timeout()):
+            events = self.sel.select(self._select_timeout())
+            if events:
+                self.last_busy = time.monotonic()
+            for key, _ in events:
                 what, run = key.data
                 if what == "parent":
                     if not self._read_parent():
@@ -364,16 +376,21 @@ class Worker:
                     self._drain(key.fileobj, run, what)
             self._enforce_deadlines()
             self._start_pending()
-            self._warm_one()  # one fork, then back to select: reading the socket never waits for more
+            self._fill_one_slot()  # one fork, then back to select: a batch never waits for more
 
     def _select_timeout(self) -> float | None:
-        if self.pending and self.warm:  # a sandbox was warmed for a call that waits: no sleeping
+        if self.pending and (self.warm or self.cold_slots):  # a call can start: no sleeping
             return 0.0
         now = time.monotonic()
         wake = [r.deadline for r in self.running.values() if r.call is not None and not r.timed_out]
         if self.cold_slots:
-            wake.append(self.warm_not_before)
+            wake.append(self._warm_due())
         return max(0.0, min(wake) - now) if wake else None
+
+    def _warm_due(self) -> float:
+        """When a cold slot with no call for it should get a warm sandbox: once the loop has been
+        quiet for WARM_WHEN_QUIET_S, and never before a failure's back-off."""
+        return max(self.last_busy + WARM_WHEN_QUIET_S, self.warm_not_before)
 
     # -- parent messages -------------------------------------------------------------------
     def _read_parent(self) -> bool:
@@ -405,35 +422,39 @@ class Worker:
             self.sock.setblocking(False)
 
     # -- sandbox lifecycle -----------------------------------------------------------------
-    def _warm_one(self) -> None:
-        """Fork a warm sandbox for one cold slot (if any, and not backing off)."""
-        if not self.cold_slots or time.monotonic() < self.warm_not_before:
+    def _fill_one_slot(self) -> None:
+        """At most one fork per pass of the loop: for a call that waits (a cold start: the call
+        rides along in the fork, as cheap as it gets when calls queue up anyway), or, once the
+        loop is quiet, a warm sandbox that the next call will find ready."""
+        if not self.cold_slots:
+            return
+        call = self.pending.popleft() if self.pending else None
+        if call is None and time.monotonic() < self._warm_due():
             return
         slot = self.cold_slots.pop()
         opened: list[int] = []
         try:
-            self._spawn_warm(slot, opened)
-        except OSError as exc:  # e.g. no memory/pids/space left: answer a call, keep serving
+            self._spawn(slot, opened, call)
+        except OSError as exc:  # e.g. no memory/pids/space left: answer, keep serving
             for fd in opened:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
             self.cold_slots.append(slot)
-            self._warm_failed(exc)
+            if call is not None:
+                self._reply_start_failure(call, exc)
+            else:
+                self._warm_failed()
 
-    def _warm_failed(self, exc: BaseException | str) -> None:
-        """A slot could not be warmed (fork failed, or the warm child died before its call).
-
-        Back off so a persistent failure does not spin the loop; past a few in a row, answer the
-        oldest pending call with the failure, as a failed fork did before warm sandboxes, so
-        that no call waits on a slot that cannot be prepared."""
+    def _warm_failed(self) -> None:
+        """A warm sandbox could not be made, or died before its call: back off (warming is an
+        optimisation; calls that wait get cold starts, which answer their own failures)."""
         self.warm_failures += 1
         self.warm_not_before = time.monotonic() + min(0.005 * 2 ** self.warm_failures, 1.0)
-        if self.warm_failures >= 3 and self.pending:
-            self._reply_start_failure(self.pending.popleft(), exc)
 
-    def _spawn_warm(self, slot: int, opened: list) -> None:
+    def _spawn(self, slot: int, opened: list, call: dict | None) -> None:
+        """Fork the sandbox of `slot`: cold with `call`, or warm (call None) waiting on a socket."""
         sandbox = self.sandbox
         uid = self.slot_uid(slot)
         self.counter += 1
@@ -447,10 +468,15 @@ class Worker:
         opened += [err_r, err_w]
         res_r, res_w = os.pipe()
         opened += [res_r, res_w]
-        ours, theirs_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # `ours` closes itself if we fail
-        theirs = theirs_sock.detach()
-        opened.append(theirs)
-        fds = {"stdout": out_w, "stderr": err_w, "result": res_w, "channel": theirs}
+        fds = {"stdout": out_w, "stderr": err_w, "result": res_w}
+        ours = None
+        if call is None:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # `ours` closes itself if we fail
+            fds["channel"] = theirs.detach()
+        else:
+            fds["stdin"] = self._memfd("stdin", (call.get("stdin") or "").encode("utf-8", errors="replace"))
+        opened.append(fds.get("channel", fds.get("stdin")))
+        t_start = time.monotonic()
         if self.use_pidns:
             sandbox.libc_call("unshare", sandbox.CLONE_NEWPID)  # the next child is PID 1 of a new ns
         try:
@@ -460,14 +486,15 @@ class Worker:
                 sandbox.libc_call("setns", self.own_pidns_fd, sandbox.CLONE_NEWPID)  # back, for the next unshare
         if pid == 0:
             try:
-                sandbox.warm_child_main(self.limits, workdir, uid, fds)
+                sandbox.child_main(self.limits, workdir, uid, fds, call)
             finally:
                 os._exit(71)
-        for fd in (out_w, err_w, res_w, theirs):
-            os.close(fd)
-            opened.remove(fd)
+        for name in ("stdout", "stderr", "result", "channel", "stdin"):
+            if name in fds:
+                os.close(fds[name])
+                opened.remove(fds[name])
         run = Running()
-        run.call, run.pid, run.slot, run.workdir, run.channel = None, pid, slot, workdir, ours
+        run.call, run.pid, run.slot, run.workdir, run.channel = call, pid, slot, workdir, ours
         try:
             run.pidfd = os.pidfd_open(pid)
         except OSError:
@@ -477,63 +504,63 @@ class Worker:
         cap = self.limits.max_output_bytes
         run.stdout, run.stderr, run.result = CappedBuffer(cap), CappedBuffer(cap), bytearray()
         run.fds = {}
-        run.t_recv = run.t_start = run.deadline = 0.0
         run.timed_out = run.replied = run.done = False
+        if call is not None:
+            self._started(run, call, t_start)  # the fork counts as the sandbox's time, as always
         for name, fd in (("stdout", out_r), ("stderr", err_r), ("result", res_r)):
             os.set_blocking(fd, False)
             run.fds[name] = fd
             self.sel.register(fd, selectors.EVENT_READ, (name, run))
-        ours.setblocking(False)  # one byte into an empty socket never blocks; be sure anyway
         opened.clear()  # owned by `run` from here on
         self.sel.register(run.pidfd, selectors.EVENT_READ, ("exit", run))
         self.running[run.pidfd] = run
-        self.warm.append(run)
+        if call is None:
+            ours.setblocking(False)  # one byte into an empty socket never blocks; be sure anyway
+            self.warm.append(run)
 
     def _start_pending(self) -> None:
+        """Hand waiting calls to warm sandboxes: two memfds over a socket, no fork."""
         while self.pending and self.warm:
             call, run = self.pending.popleft(), self.warm.popleft()
+            fds = []
             try:
-                call_fd, stdin_fd = self._call_fds(call)
-            except OSError as exc:  # no memory for the memfds: answer, keep the sandbox warm
-                self.warm.appendleft(run)
-                self._reply_start_failure(call, exc)
-                continue
-            try:
-                socket.send_fds(run.channel, [b"c"], [call_fd, stdin_fd])
+                fds.append(self._memfd("call", json.dumps({k: v for k, v in call.items() if k != "stdin"}).encode()))
+                fds.append(self._memfd("stdin", (call.get("stdin") or "").encode("utf-8", errors="replace")))
+                socket.send_fds(run.channel, [b"c"], fds)
             except OSError:
-                # The warm child is gone (its exit event cleans up): the call takes the next one.
+                # No memory for a memfd, or the warm sandbox is gone (its exit event cleans up):
+                # the call goes back to the head of the line, and this sandbox is not used again.
                 self.pending.appendleft(call)
                 self._kill(run)
+                self._close_channel(run)
                 continue
             finally:
-                os.close(call_fd)
-                os.close(stdin_fd)
+                for fd in fds:
+                    os.close(fd)
             self._close_channel(run)  # the child has its call queued; we have nothing more to say
             self.warm_failures = 0
-            run.call = call
-            run.t_start = time.monotonic()
-            run.t_recv = call.get("t_recv", run.t_start)
-            run.deadline = run.t_start + float(call["timeout"])
+            self._started(run, call, time.monotonic())
 
     @staticmethod
-    def _call_fds(call: dict) -> tuple[int, int]:
-        """The call (JSON) and its stdin, each in a memfd: any size, and no pipe to fill."""
-        stdin = (call.get("stdin") or "").encode("utf-8", errors="replace")
-        message = json.dumps({k: v for k, v in call.items() if k != "stdin"}).encode()
-        fds = []
+    def _started(run: Running, call: dict, t_start: float) -> None:
+        run.call = call
+        run.t_start = t_start
+        run.t_recv = call.get("t_recv", t_start)
+        run.deadline = t_start + float(call["timeout"])
+
+    @staticmethod
+    def _memfd(name: str, data: bytes) -> int:
+        """`data` in a rewound memfd: any size, and no pipe to fill (a child reads it at leisure)."""
+        fd = os.memfd_create(name, 0)
         try:
-            for name, data in (("call", message), ("stdin", stdin)):
-                fd = os.memfd_create(name, 0)
-                fds.append(fd)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.lseek(fd, 0, os.SEEK_SET)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.lseek(fd, 0, os.SEEK_SET)
         except OSError:
-            for fd in fds:
-                os.close(fd)
+            os.close(fd)
             raise
-        return fds[0], fds[1]
+        return fd
 
     @staticmethod
     def _close_channel(run: Running) -> None:
@@ -668,8 +695,7 @@ class Worker:
         if run.call is None:  # died warm (killed from outside, or its setup failed)
             if run in self.warm:
                 self.warm.remove(run)
-            err = run.stderr.text().strip()
-            self._warm_failed(f"sandbox died before its call (status {status}){': ' + err[-300:] if err else ''}")
+            self._warm_failed()
         elif not run.replied:
             self._send_result(run, status, t_end)  # answer first; cleaning up is our business
         if not self.use_pidns:
