@@ -385,7 +385,7 @@ class Worker:
         wake = [r.deadline for r in self.running.values() if r.call is not None and not r.timed_out]
         if self.cold_slots:
             wake.append(self._warm_due())
-        return max(0.0, min(wake) - now) if wake else None
+        return min(max(0.0, min(wake) - now), 1.0) if wake else None  # bounded, whatever the inputs
 
     def _warm_due(self) -> float:
         """When a cold slot with no call for it should get a warm sandbox: once the loop has been
