@@ -100,6 +100,21 @@ def test_an_idle_pool_hands_calls_to_sandboxes_forked_before_them(ex):
     assert min(float(r.text.split()[0]) for r in burst) < 0.3  # cold starts: forked with their call
 
 
+def test_sandboxes_never_inherit_the_workers_real_time_scheduling(ex):
+    """Workers may run SCHED_FIFO (the dispatch path); model code must run SCHED_OTHER at nice
+    10 whether its sandbox was forked with its call (burst) or ahead of it (after a pause)."""
+    if ex.isolation.get("worker_realtime"):
+        assert all(os.sched_getscheduler(w.pid) & ~os.SCHED_RESET_ON_FORK == os.SCHED_FIFO for w in ex._workers)
+    code = "import os\nprint(os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))"
+    time.sleep(0.6)
+    warm = ex.run(code)
+    burst = ex.run_batch([code] * 24)
+    want = f"{os.SCHED_OTHER} 10\n"
+    assert [r.text for r in [warm] + burst] == [want] * 25
+    r = ex.run("import os\nos.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))")
+    assert r.kind == "error" and "PermissionError" in r.text or not ex.isolation.get("uid_drop")
+
+
 def test_bad_arguments_are_clear_errors(ex):
     with pytest.raises(TypeError):
         ex.submit(b"print(1)")

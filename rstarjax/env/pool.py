@@ -4,12 +4,14 @@
                                                  ^                               | one result per
     Future resolved <---- receive thread i <-----+-------------------------------+ finished call
 
-* One send thread per worker pulls up to `batch_size` calls from the central queue (flushing a
-  partial batch after `flush_s`) whenever its worker has free capacity; unlike the paper's send
-  workers it does not wait for the whole batch before sending more, so one slow call does not
-  hold 63 finished ones back.
-* One receive thread per worker resolves futures as results arrive. EOF on the worker socket
-  means the worker died: all its in-flight calls are answered (infra error) and it is replaced.
+* One send thread per worker pulls up to `batch_size` calls from the central queue whenever its
+  worker has free capacity: what is queued at that moment (batches form by themselves under
+  load; `flush_s` > 0 would wait for fuller ones). Unlike the paper's send workers it does not
+  wait for the whole batch before sending more, so one slow call does not hold 63 finished ones
+  back.
+* One receive thread per worker resolves futures as results arrive (all that one recv brings).
+  EOF on the worker socket means the worker died: all its in-flight calls are answered (infra
+  error) and it is replaced.
 * A watchdog answers calls that waited in the queue longer than `queue_timeout` and kills a
   worker that has made no progress for longer than its longest in-flight timeout + `grace_s`.
 Every call is resolved exactly once (see `_resolve`); every wait has a bound.
@@ -81,6 +83,9 @@ class ExecutorConfig:
     #                              unique to this executor (see _auto_uid_base)
     tmpfs_bytes: int = 512 << 20  # private /tmp, /var/tmp, /dev/shm of the sandboxes
     python: str = sys.executable
+    worker_realtime: bool = True  # workers run SCHED_FIFO (lowest RT priority) where the kernel
+    #                               allows it: their loop is the dispatch path (see zygote.py
+    #                               become_realtime); `isolation["worker_realtime"]` says if it did
 
 
 @dataclasses.dataclass(eq=False)
@@ -184,6 +189,7 @@ class _Zygote:
             "tmpfs_bytes": config.tmpfs_bytes,
             "workdir_root": workdir_root,
             "preload": tier,
+            "worker_realtime": config.worker_realtime,
         }
         env = dict(SAFE_ENV, HOME="/", PYTHONDONTWRITEBYTECODE="1")
         self.proc = subprocess.Popen(
@@ -331,7 +337,8 @@ class CodeExecutor:
 
     @property
     def isolation(self) -> dict:
-        """What the kernel allowed: {root, netns, mountns, private_tmp, pidns, uid_drop}."""
+        """What the kernel allowed: {root, netns, mountns, private_tmp, pidns, uid_drop,
+        worker_realtime}."""
         return dict(self._zygotes[HEAVY].isolation) if HEAVY in self._zygotes else {}
 
     def start(self) -> "CodeExecutor":
