@@ -2,8 +2,10 @@
 
 Prints ONE JSON line. For trivial and sympy-using code, at 1, 64 and 1,000 concurrent
 submissions: calls/s, end-to-end latency p50/p99, and the dispatch overhead p50/p99 (end-to-end
-minus the wait for a free sandbox slot minus the time in the sandbox, fork and teardown
-included: what the queue/threads/sockets themselves add), with its return-path share. The baseline
+minus the wait for a free sandbox slot minus the time in the sandbox from `start`, i.e. from its
+fork for a cold start or the hand-over for a warm one, teardown included: what the
+queue/threads/sockets themselves add), with its two parts, the way to the worker (transport) and
+the way back (return path). docs/code_env.md says exactly which stamps count. The baseline
 runs `python -c CODE` per call (what the official rStar2-Agent environment does) with at most
 `2 * cpu_count` interpreters at once, on fewer calls (it is slow), in the same process and run.
 
