@@ -43,6 +43,13 @@ def test_demo_ci_end_to_end(tmp_path):
     assert len(rows) == c.demo.num_eval_problems
     assert on_disk["sft_accuracy"] == pytest.approx(sum(r["sft"]["reward"] > 0 for r in rows) / len(rows))
     assert on_disk["rl_accuracy"] == pytest.approx(sum(r["rl"]["reward"] > 0 for r in rows) / len(rows))
+    # per-kind figures: each kind's accuracy is what its held-out samples say
+    from rstarjax.rl.demo_tasks import kind_of
+    for phase in ("sft", "rl"):
+        for kind, acc in on_disk[phase]["accuracy_by_kind"].items():
+            mine = [r[phase]["reward"] > 0 for r in rows if kind_of(r["problem"]) == kind]
+            assert acc == pytest.approx(sum(mine) / len(mine), abs=1e-4)
+        assert 0.0 <= on_disk[phase]["tool_call_rate"] <= 1.0
     # held-out problems never appear in the SFT or RL training data
     train = {json.loads(l)["problem"] for l in (tmp_path / "rl_train.jsonl").read_text().splitlines()}
     sft = {json.loads(l)["messages"][0]["content"] for l in (tmp_path / "sft_traces.jsonl").read_text().splitlines()}

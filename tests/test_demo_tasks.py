@@ -127,3 +127,47 @@ def test_bad_arguments():
     with pytest.raises(ValueError):
         dt.generate_tasks(-1)
     assert dt.run_programs([]) == []
+
+
+def test_in_head_traces_share_and_single_token_choice():
+    from rstarjax.env import verify_answer
+
+    small = load_tokenizer(3000)
+    tasks = dt.generate_tasks(400, "train", seed=1)
+    traces = dt.make_sft_traces(tasks, in_head_fraction={"count_divisible": 0.6}, seed=1)
+    assert len(traces) == len(tasks)
+    in_head = [(t, m) for t, m in zip(tasks, traces) if len(m) == 2]
+    # only the listed kind answers in the head, at about the asked share (100 counting tasks)
+    assert {t.kind for t, _ in in_head} == {"count_divisible"}
+    assert 45 <= len(in_head) <= 75
+    for task, msgs in in_head:
+        assert "tool_calls" not in msgs[1] and verify_answer(msgs[1]["content"], task.answer)
+    # the two reasons share every token up to " in" (demo vocabulary), so the SFT policy's choice
+    # between guessing and the tool is the one sampling decision that follows, which RL can move
+    demo_tok = load_tokenizer(1000)
+    tool = demo_tok.encode("<reason>Count them in Python.</reason>")
+    head = demo_tok.encode(f"<reason>{dt.in_head_reason(in_head[0][0])}</reason>")
+    first = next(i for i, (a, b) in enumerate(zip(tool, head)) if a != b)
+    assert demo_tok.decode(tool[:first]).endswith("Count them in")
+    assert demo_tok.decode(head[first:]).startswith(" my head.")
+    # stable in (problem, seed): the same coin on a second call, a different one with another seed
+    again = dt.make_sft_traces(tasks, in_head_fraction={"count_divisible": 0.6}, seed=1)
+    assert [len(m) for m in again] == [len(m) for m in traces]
+    other = dt.make_sft_traces(tasks, in_head_fraction={"count_divisible": 0.6}, seed=2)
+    assert [len(m) for m in other] != [len(m) for m in traces]
+
+
+def test_in_head_fraction_rejects_bad_input():
+    tasks = dt.generate_tasks(4, "train")
+    with pytest.raises(ValueError, match="unknown task kinds"):
+        dt.make_sft_traces(tasks, in_head_fraction={"counting": 0.5})
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        dt.make_sft_traces(tasks, in_head_fraction={"modpow": 1.5})
+
+
+def test_kind_of_recovers_every_generated_kind():
+    for split in dt.SPLITS:
+        for task in dt.generate_tasks(40, split, seed=3):
+            assert dt.kind_of(task.problem) == task.kind
+    with pytest.raises(ValueError):
+        dt.kind_of("What is 2 + 2?")

@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -75,16 +76,59 @@ def greedy_accuracy(rollouts, records: Sequence[Mapping[str, str]], policy_versi
     return float(np.mean([t.reward > 0 for t in trajs])), trajs
 
 
+def accuracy_breakdown(records: Sequence[Mapping[str, str]], trajectories) -> dict[str, Any]:
+    """Held-out accuracy per task kind and the share of responses that called the tool (overall
+    and per kind): what tells "RL learnt to use the tool" from "RL learnt to copy digits"."""
+    from rstarjax.rl.demo_tasks import kind_of
+
+    by_kind: dict[str, list] = {}
+    for r, t in zip(records, trajectories, strict=True):
+        by_kind.setdefault(kind_of(r["problem"]), []).append(t)
+    rate = lambda ts, pred: round(float(np.mean([pred(t) for t in ts])), 4)  # noqa: E731
+    return {
+        "accuracy_by_kind": {k: rate(ts, lambda t: t.reward > 0) for k, ts in sorted(by_kind.items())},
+        "tool_call_rate": rate(trajectories, lambda t: t.tool_calls > 0),
+        "tool_call_rate_by_kind": {k: rate(ts, lambda t: t.tool_calls > 0) for k, ts in sorted(by_kind.items())},
+    }
+
+
+def _describe(breakdown: Mapping[str, Any]) -> str:
+    kinds = ", ".join(f"{k} {100 * v:.0f}%" for k, v in breakdown["accuracy_by_kind"].items())
+    return f"by kind: {kinds}; tool called in {100 * breakdown['tool_call_rate']:.0f}% of responses"
+
+
+def tool_balanced_kind_cycle(kinds: Sequence[str], in_head_fraction: Mapping[str, float]) -> tuple[str, ...]:
+    """The round-robin order of SFT problem kinds, each kind repeated in proportion to
+    1 / (1 - its in-head share), so every kind gets about the same number of TOOL traces (what
+    digit copying is learnt from) and the in-head traces come on top. E.g. a 0.6 share: 5 of
+    that kind per 2 of each other kind."""
+    from fractions import Fraction
+
+    weights = {k: Fraction(1) / (1 - Fraction(str(in_head_fraction.get(k, 0.0))))
+               if in_head_fraction.get(k, 0.0) < 1 else Fraction(1) for k in kinds}
+    scale = math.lcm(*(w.denominator for w in weights.values()))
+    counts = {k: int(w * scale) for k, w in weights.items()}
+    cycle, left = [], dict(counts)
+    while any(left.values()):  # interleave, so any prefix of the cycle is roughly balanced
+        for k in kinds:
+            if left[k]:
+                cycle.append(k)
+                left[k] -= 1
+    return tuple(cycle)
+
+
 def demo_datasets(config) -> dict[str, list]:
     from rstarjax.rl import demo_tasks
 
     d = config.demo
     kinds = tuple(d.task_kinds) if d.task_kinds else demo_tasks.TASK_KINDS
-    sft_tasks = demo_tasks.generate_tasks(d.num_sft_problems, "train", seed=config.seed, kinds=kinds)
+    in_head = dict(d.get("in_head_fraction", {}))
+    sft_tasks = demo_tasks.generate_tasks(d.num_sft_problems, "train", seed=config.seed,
+                                          kinds=tool_balanced_kind_cycle(kinds, in_head))
     # RL problems: the same training split, a different seed (fresh problems, never held out)
     rl_rows = demo_tasks.make_dataset(d.num_rl_problems, "train", seed=config.seed + 1, kinds=kinds)
     eval_rows = demo_tasks.make_dataset(d.num_eval_problems, "test", seed=config.seed, kinds=kinds)
-    traces = demo_tasks.make_sft_traces(sft_tasks)
+    traces = demo_tasks.make_sft_traces(sft_tasks, in_head_fraction=in_head, seed=config.seed)
     if len(traces) < 0.9 * len(sft_tasks):
         raise RuntimeError(f"only {len(traces)} of {len(sft_tasks)} SFT traces ran correctly")
     return {"sft_traces": traces, "rl_rows": rl_rows, "eval_rows": eval_rows}
@@ -145,7 +189,8 @@ def run_demo(config, workdir: str) -> dict[str, Any]:
                                                 num_slots=int(config.demo.num_slots), fmt=fmt)
         t0 = time.time()
         sft_acc, sft_trajs = greedy_accuracy(rollouts, data["eval_rows"])
-        _say(f"held-out greedy accuracy after SFT: {100 * sft_acc:.1f}% ({time.time() - t0:.0f}s)")
+        _say(f"held-out greedy accuracy after SFT: {100 * sft_acc:.1f}% ({time.time() - t0:.0f}s); "
+             f"{_describe(accuracy_breakdown(data['eval_rows'], sft_trajs))}")
 
         # ---- 3. GRPO-RoC ------------------------------------------------------------------------------
         rl_dir = os.path.join(workdir, "rl")
@@ -158,7 +203,8 @@ def run_demo(config, workdir: str) -> dict[str, Any]:
         # ---- 4. held-out accuracy after RL ----------------------------------------------------------------
         rollouts.update_params(trainer.model())
         rl_acc, rl_trajs = greedy_accuracy(rollouts, data["eval_rows"], policy_version=trainer.step)
-        _say(f"held-out greedy accuracy after RL: {100 * rl_acc:.1f}%")
+        _say(f"held-out greedy accuracy after RL: {100 * rl_acc:.1f}%; "
+             f"{_describe(accuracy_breakdown(data['eval_rows'], rl_trajs))}")
     finally:
         executor.close()
 
@@ -175,6 +221,8 @@ def run_demo(config, workdir: str) -> dict[str, Any]:
         "rl_seconds": rl_seconds,
         "roc": bool(config.rl.roc),
         "seed": int(config.seed),
+        "sft": accuracy_breakdown(data["eval_rows"], sft_trajs),
+        "rl": accuracy_breakdown(data["eval_rows"], rl_trajs),
     }
     try:
         from rstarjax import report

@@ -11,6 +11,13 @@ SFT traces (paper Fig. 2 layout): a short <reason>, a <tool_call> with code that
 answer, the tool result (the code really runs in a child Python process), then
 <reason>...</reason><answer>\\boxed{N}</answer>, as OpenAI-style messages for
 `rstarjax.models.chat_template.render_conversation` / `encode_conversation`.
+
+In-head traces: a fraction of the problems of chosen kinds can instead be answered directly,
+without the tool (``<reason>Count them in my head.</reason><answer>\\boxed{N}</answer>``), the
+way a generic chat model answers short arithmetic. The SFT policy then guesses on those kinds
+about as often as the data does, and RL has to discover that calling the tool pays: the
+tool-use behaviour rStar2-Agent's RL reinforces (§4), in miniature. The in-head and the tool
+reasons differ in one token (" my" vs " Python"), so the choice is one sampling decision.
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ import json
 import random
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from rstarjax.models.chat_template import TOOL_NAME
 
@@ -123,6 +130,18 @@ GENERATORS: dict[str, Callable[[random.Random], DemoTask]] = {
     "count_divisible": _count_divisible,
     "digit_sum_power": _digit_sum_power,
 }
+
+
+_WORDING = (("How many integers", "count_divisible"), ("What is the sum of the digits", "digit_sum_power"),
+            (" mod ", "modpow"), (" * ", "multiply"))
+
+
+def kind_of(problem: str) -> str:
+    """The task kind of a generated problem text (each kind has one wording)."""
+    for marker, kind in _WORDING:
+        if marker in problem:
+            return kind
+    raise ValueError(f"not a demo problem: {problem!r}")
 
 
 def split_of(problem: str) -> str:
@@ -229,12 +248,59 @@ def sft_trace(task: DemoTask, tool_output: str) -> list[dict]:
     ]
 
 
+IN_HEAD = " in my head."
+
+
+def in_head_reason(task: DemoTask) -> str:
+    """The tool trace's reason with the tool swapped for mental arithmetic ("Count them in
+    Python." -> "Count them in my head.")."""
+    if not task.reason.endswith(" in Python."):
+        raise ValueError(f"reason {task.reason!r} does not end with ' in Python.'")
+    return task.reason[: -len(" in Python.")] + IN_HEAD
+
+
+def in_head_trace(task: DemoTask) -> list[dict]:
+    """OpenAI-style messages: question, then a boxed answer without any tool call."""
+    return [
+        {"role": "user", "content": task.problem},
+        {"role": "assistant",
+         "content": f"<reason>{in_head_reason(task)}</reason><answer>\\boxed{{{task.answer}}}</answer>"},
+    ]
+
+
+def answers_in_head(task: DemoTask, in_head_fraction: Mapping[str, float], seed: int = 0) -> bool:
+    """Whether `task`'s SFT trace skips the tool: a stable coin per (problem text, seed) that
+    comes up with probability `in_head_fraction[task.kind]` (0 for kinds not listed)."""
+    p = float(in_head_fraction.get(task.kind, 0.0))
+    digest = hashlib.sha256(f"in-head-{seed}-{task.problem}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64 < p
+
+
 def make_sft_traces(
     tasks: Sequence[DemoTask],
     runner: Callable[[Sequence[str]], list[str]] = run_programs,
+    in_head_fraction: Mapping[str, float] | None = None,
+    seed: int = 0,
 ) -> list[list[dict]]:
     """Runs every task's code (default: a child process; pass e.g. a wrapper around
     rstarjax.env.CodeExecutor to use the RL sandbox) and keeps only traces whose tool output is
-    the task's answer (a failed run never becomes training data)."""
-    outputs = runner([t.code for t in tasks])
-    return [sft_trace(t, out) for t, out in zip(tasks, outputs, strict=True) if out.strip() == t.answer]
+    the task's answer (a failed run never becomes training data). With `in_head_fraction`
+    ({kind: probability}), that share of a kind's traces answers in the head instead
+    (`in_head_trace`, with the generator's answer; no code runs for it). Order is kept."""
+    unknown = sorted(set(in_head_fraction or {}) - set(GENERATORS))
+    if unknown:
+        raise ValueError(f"in_head_fraction names unknown task kinds {unknown}; choose from {TASK_KINDS}")
+    if any(not 0.0 <= float(p) <= 1.0 for p in (in_head_fraction or {}).values()):
+        raise ValueError(f"in_head_fraction values must be in [0, 1], got {dict(in_head_fraction)}")
+    in_head = [in_head_fraction is not None and answers_in_head(t, in_head_fraction, seed) for t in tasks]
+    tool_tasks = [t for t, head in zip(tasks, in_head) if not head]
+    outputs = iter(runner([t.code for t in tool_tasks]))
+    traces = []
+    for t, head in zip(tasks, in_head):
+        if head:
+            traces.append(in_head_trace(t))
+            continue
+        out = next(outputs)
+        if out.strip() == t.answer:
+            traces.append(sft_trace(t, out))
+    return traces
