@@ -104,8 +104,11 @@ def tool_balanced_kind_cycle(kinds: Sequence[str], in_head_fraction: Mapping[str
     that kind per 2 of each other kind."""
     from fractions import Fraction
 
-    weights = {k: Fraction(1) / (1 - Fraction(str(in_head_fraction.get(k, 0.0))))
-               if in_head_fraction.get(k, 0.0) < 1 else Fraction(1) for k in kinds}
+    def weight(kind: str) -> Fraction:
+        share = Fraction(str(in_head_fraction.get(kind, 0.0)))
+        return 1 / (1 - share) if share < 1 else Fraction(1)  # an all-in-head kind has no tool traces
+
+    weights = {k: weight(k) for k in kinds}
     scale = math.lcm(*(w.denominator for w in weights.values()))
     counts = {k: int(w * scale) for k, w in weights.items()}
     cycle, left = [], dict(counts)
@@ -189,8 +192,9 @@ def run_demo(config, workdir: str) -> dict[str, Any]:
                                                 num_slots=int(config.demo.num_slots), fmt=fmt)
         t0 = time.time()
         sft_acc, sft_trajs = greedy_accuracy(rollouts, data["eval_rows"])
+        sft_breakdown = accuracy_breakdown(data["eval_rows"], sft_trajs)
         _say(f"held-out greedy accuracy after SFT: {100 * sft_acc:.1f}% ({time.time() - t0:.0f}s); "
-             f"{_describe(accuracy_breakdown(data['eval_rows'], sft_trajs))}")
+             f"{_describe(sft_breakdown)}")
 
         # ---- 3. GRPO-RoC ------------------------------------------------------------------------------
         rl_dir = os.path.join(workdir, "rl")
@@ -203,8 +207,8 @@ def run_demo(config, workdir: str) -> dict[str, Any]:
         # ---- 4. held-out accuracy after RL ----------------------------------------------------------------
         rollouts.update_params(trainer.model())
         rl_acc, rl_trajs = greedy_accuracy(rollouts, data["eval_rows"], policy_version=trainer.step)
-        _say(f"held-out greedy accuracy after RL: {100 * rl_acc:.1f}%; "
-             f"{_describe(accuracy_breakdown(data['eval_rows'], rl_trajs))}")
+        rl_breakdown = accuracy_breakdown(data["eval_rows"], rl_trajs)
+        _say(f"held-out greedy accuracy after RL: {100 * rl_acc:.1f}%; {_describe(rl_breakdown)}")
     finally:
         executor.close()
 
@@ -221,8 +225,8 @@ def run_demo(config, workdir: str) -> dict[str, Any]:
         "rl_seconds": rl_seconds,
         "roc": bool(config.rl.roc),
         "seed": int(config.seed),
-        "sft": accuracy_breakdown(data["eval_rows"], sft_trajs),
-        "rl": accuracy_breakdown(data["eval_rows"], rl_trajs),
+        "sft": sft_breakdown,
+        "rl": rl_breakdown,
     }
     try:
         from rstarjax import report

@@ -17,7 +17,7 @@ without the tool (``<reason>Count them in my head.</reason><answer>\\boxed{N}</a
 way a generic chat model answers short arithmetic. The SFT policy then guesses on those kinds
 about as often as the data does, and RL has to discover that calling the tool pays: the
 tool-use behaviour rStar2-Agent's RL reinforces (§4), in miniature. The in-head and the tool
-reasons differ in one token (" my" vs " Python"), so the choice is one sampling decision.
+reasons share every token up to "in", so the choice is the one sampling decision after it.
 """
 from __future__ import annotations
 
@@ -248,15 +248,15 @@ def sft_trace(task: DemoTask, tool_output: str) -> list[dict]:
     ]
 
 
-IN_HEAD = " in my head."
+IN_PYTHON, IN_HEAD = " in Python.", " in my head."
 
 
 def in_head_reason(task: DemoTask) -> str:
     """The tool trace's reason with the tool swapped for mental arithmetic ("Count them in
     Python." -> "Count them in my head.")."""
-    if not task.reason.endswith(" in Python."):
-        raise ValueError(f"reason {task.reason!r} does not end with ' in Python.'")
-    return task.reason[: -len(" in Python.")] + IN_HEAD
+    if not task.reason.endswith(IN_PYTHON):
+        raise ValueError(f"reason {task.reason!r} does not end with {IN_PYTHON!r}")
+    return task.reason[: -len(IN_PYTHON)] + IN_HEAD
 
 
 def in_head_trace(task: DemoTask) -> list[dict]:
@@ -287,12 +287,13 @@ def make_sft_traces(
     the task's answer (a failed run never becomes training data). With `in_head_fraction`
     ({kind: probability}), that share of a kind's traces answers in the head instead
     (`in_head_trace`, with the generator's answer; no code runs for it). Order is kept."""
-    unknown = sorted(set(in_head_fraction or {}) - set(GENERATORS))
+    shares = dict(in_head_fraction or {})
+    unknown = sorted(set(shares) - set(GENERATORS))
     if unknown:
         raise ValueError(f"in_head_fraction names unknown task kinds {unknown}; choose from {TASK_KINDS}")
-    if any(not 0.0 <= float(p) <= 1.0 for p in (in_head_fraction or {}).values()):
-        raise ValueError(f"in_head_fraction values must be in [0, 1], got {dict(in_head_fraction)}")
-    in_head = [in_head_fraction is not None and answers_in_head(t, in_head_fraction, seed) for t in tasks]
+    if any(not 0.0 <= float(p) <= 1.0 for p in shares.values()):
+        raise ValueError(f"in_head_fraction values must be in [0, 1], got {shares}")
+    in_head = [answers_in_head(t, shares, seed) for t in tasks]
     tool_tasks = [t for t, head in zip(tasks, in_head) if not head]
     outputs = iter(runner([t.code for t in tool_tasks]))
     traces = []
