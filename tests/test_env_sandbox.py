@@ -335,6 +335,35 @@ def test_runs_unprivileged_with_a_scrubbed_environment(ex):
     assert "RSTARJAX_TEST_SECRET" not in env and "XLA_FLAGS" not in env
 
 
+STATE_PROBE = """\
+import os, random, signal, sys, threading
+from concurrent.futures import ThreadPoolExecutor
+with ThreadPoolExecutor(2) as pool:
+    squares = sorted(pool.map(lambda x: x * x, range(4)))
+print(random.getrandbits(64), os.getcwd() == os.environ["HOME"] == os.environ["TMPDIR"], sorted(os.environ),
+      [signal.getsignal(s) == signal.SIG_DFL for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGCHLD)],
+      signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN, threading.current_thread() is threading.main_thread(),
+      threading.active_count(), squares, sys.stdout.errors)
+"""
+
+
+def test_each_sandbox_starts_from_the_same_clean_state_with_fresh_randomness(ex):
+    """What the zygote prepares once (signals, environment, stdio) and the after-fork work the
+    workers skip (threading's) must leave every sandbox, forked ahead of its call or with it,
+    as a fresh interpreter would be; the random generator must still be reseeded per fork."""
+    time.sleep(0.6)  # an idle pool: the next call finds a warm sandbox
+    runs = [ex.run(STATE_PROBE)] + ex.run_batch([STATE_PROBE] * 12)  # then cold starts
+    assert all(r.kind == "stdout" for r in runs), runs[0].text
+    seeds = [r.text.split(" ", 1)[0] for r in runs]
+    assert len(set(seeds)) == len(seeds)  # no two sandboxes share a random stream
+    rest = {r.text.split(" ", 1)[1] for r in runs}
+    assert len(rest) == 1
+    want_env = sorted(["HOME", "LANG", "LC_ALL", "MKL_NUM_THREADS", "MPLBACKEND", "NUMEXPR_NUM_THREADS",
+                       "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PATH", "PYTHONHASHSEED", "PYTHONIOENCODING",
+                       "TMPDIR"])
+    assert rest.pop() == f"True {want_env} {[True] * 4} True True 1 [0, 1, 4, 9] backslashreplace\n"
+
+
 def test_imports_beyond_the_preloaded_ones_and_subprocesses_work(ex):
     # The sandbox uid must be able to read the interpreter even when it lives in a 0700 home.
     r = ex.run("import statistics, json.tool, csv, encodings.idna\nprint(statistics.mean([1, 2, 3]))")

@@ -86,6 +86,9 @@ class ExecutorConfig:
     worker_realtime: bool = True  # workers run SCHED_FIFO (lowest RT priority) where the kernel
     #                               allows it: their loop is the dispatch path (see zygote.py
     #                               become_realtime); `isolation["worker_realtime"]` says if it did
+    huge_pages: bool = True  # the zygotes move their preloaded heap onto transparent huge pages
+    #                          (MADV_COLLAPSE): forks and exits copy/unmap far fewer page-table
+    #                          entries (see zygote.py collapse_heap); `isolation["huge_page_bytes"]`
 
 
 @dataclasses.dataclass(eq=False)
@@ -190,6 +193,7 @@ class _Zygote:
             "workdir_root": workdir_root,
             "preload": tier,
             "worker_realtime": config.worker_realtime,
+            "huge_pages": config.huge_pages,
         }
         env = dict(SAFE_ENV, HOME="/", PYTHONDONTWRITEBYTECODE="1")
         self.proc = subprocess.Popen(
