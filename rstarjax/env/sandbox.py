@@ -1,8 +1,10 @@
 """Child-side execution: what happens inside one freshly forked sandbox process.
 
 The worker (see zygote.py) forks one child per call, with the call or ahead of need (a warm
-sandbox, which waits on a socket for its call). The child confines itself (its own session,
-parent-death signal, nice, scrubbed environment, fresh working directory); once it has its call
+sandbox, which waits on a socket for its call). What is the same for every sandbox (signals,
+the scrubbed environment, stdio streams) the zygote prepared once (prepare_zygote). The child
+confines itself (its own session, parent-death signal, nice, HOME/TMPDIR and a fresh working
+directory); once it has its call
 it sets its rlimits, drops to its unprivileged uid, runs the model's code with `exec`, and
 writes ONE JSON line describing the outcome on fd 3.
 Everything the model printed goes to fd 1/2, which the worker reads with a cap.
