@@ -209,6 +209,12 @@ def test_close_answers_queued_calls_and_rejects_new_ones():
         ex.submit("print(1)")
 
 
+def run_fresh_python(code: str) -> subprocess.CompletedProcess:
+    """`code` in a new interpreter that imports this checkout (a clean process state to test)."""
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+
+
 def test_the_zygote_never_imports_jax():
     code = (
         "import jax, sys\n"  # the trainer has jax loaded ...
@@ -217,8 +223,7 @@ def test_the_zygote_never_imports_jax():
         "    r = ex.run(\"import sys\\nprint('jax' in sys.modules, 'sympy' in sys.modules, 'torch' in sys.modules)\")\n"
         "    print(r.text, end='')\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    out = run_fresh_python(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "False True False\n"  # ... the sandboxes do not, sympy is preloaded
 
@@ -235,8 +240,7 @@ def test_heap_collapse_onto_huge_pages_keeps_the_data_and_is_what_the_kernel_rep
         "rollup = open('/proc/self/smaps_rollup').read().split('AnonHugePages:')[1].split()[0]\n"
         "print(moved, int(rollup) * 1024, hashlib.sha256(b''.join(blobs)).hexdigest() == before)\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    out = run_fresh_python(code)
     assert out.returncode == 0, out.stderr
     moved, on_huge_pages, intact = out.stdout.split()
     assert intact == "True"

@@ -342,7 +342,7 @@ class CodeExecutor:
     @property
     def isolation(self) -> dict:
         """What the kernel allowed: {root, netns, mountns, private_tmp, pidns, uid_drop,
-        worker_realtime}."""
+        worker_realtime, huge_page_bytes} (the heavy zygote's)."""
         return dict(self._zygotes[HEAVY].isolation) if HEAVY in self._zygotes else {}
 
     def start(self) -> "CodeExecutor":

@@ -4,9 +4,8 @@ The worker (see zygote.py) forks one child per call, with the call or ahead of n
 sandbox, which waits on a socket for its call). What is the same for every sandbox (signals,
 the scrubbed environment, stdio streams) the zygote prepared once (prepare_zygote). The child
 confines itself (its own session, parent-death signal, nice, HOME/TMPDIR and a fresh working
-directory); once it has its call
-it sets its rlimits, drops to its unprivileged uid, runs the model's code with `exec`, and
-writes ONE JSON line describing the outcome on fd 3.
+directory); once it has its call it sets its rlimits, drops to its unprivileged uid, runs the
+model's code with `exec`, and writes ONE JSON line describing the outcome on fd 3.
 Everything the model printed goes to fd 1/2, which the worker reads with a cap.
 
 Only the standard library is imported at module level: this module is loaded by the zygote.

@@ -17,6 +17,7 @@ are hostile and a worker runs as root.
 from __future__ import annotations
 
 import collections
+import ctypes
 import gc
 import json
 import os
@@ -327,7 +328,6 @@ def collapse_heap() -> int:
     changes."""
     from rstarjax.env import sandbox
 
-    libc = sandbox._libc
     done = 0
     try:
         with open("/proc/self/maps") as maps:
@@ -343,9 +343,9 @@ def collapse_heap() -> int:
         hi &= ~(HUGE_PAGE - 1)
         if hi <= lo:
             continue
-        start, length = sandbox.ctypes.c_void_p(lo), sandbox.ctypes.c_size_t(hi - lo)
-        libc.madvise(start, length, MADV_HUGEPAGE)  # also keeps khugepaged's later work here
-        if libc.madvise(start, length, MADV_COLLAPSE) == 0:
+        start, length = ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo)
+        sandbox.libc_call("madvise", start, length, MADV_HUGEPAGE)  # khugepaged's later work goes here too
+        if sandbox.libc_call("madvise", start, length, MADV_COLLAPSE) == 0:
             done += hi - lo
     return done
 
