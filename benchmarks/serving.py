@@ -67,7 +67,7 @@ def bench_decode(quick: bool) -> dict:
 
     dev = "cuda" if args.device == "gpu" else "cpu"
     with tempfile.TemporaryDirectory() as d:
-        save_hf(model, d)
+        save_hf(model, d, tokenizer=False)  # random ids: the benchmark needs no tokenizer
         hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(dev).eval()
     ids = torch.tensor(prompts, device=dev)
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
