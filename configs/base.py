@@ -46,6 +46,7 @@ def get_config(arg=None):
     c.rl.max_prompt_len = 2048
     c.rl.max_response_len = 8192  # tokens of model + tool text per trajectory
     c.rl.max_tool_response_chars = 2048
+    c.rl.chat_format = "rstar2"  # rstar2 (paper Fig. 3) | compact (a short system prompt, as the demo)
     c.rl.temperature = 1.0
     c.rl.top_p = 1.0
     c.rl.top_k = -1

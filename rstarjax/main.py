@@ -137,6 +137,8 @@ def _validate_rl(config, num_devices: int | None, num_processes: int) -> list[st
         errs.append(f"--config.rl.dynamic_sampling_max_rounds={rounds!r} must be an integer >= 1 "
                     "(rollout rounds per step, the first included; 1 = drop zero-variance groups "
                     "without refilling)")
+    if config.rl.get("chat_format", "rstar2") not in ("rstar2", "compact"):
+        errs.append(f"--config.rl.chat_format={config.rl.chat_format!r}: choose 'rstar2' or 'compact'")
     if config.rl.get("roc_variant", "paper") not in ("paper", "topk"):
         errs.append(f"--config.rl.roc_variant={config.rl.roc_variant!r}: choose 'paper' or 'topk'")
     if config.checkpoint.every_steps < 1 or config.checkpoint.keep < 1:

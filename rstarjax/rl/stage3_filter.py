@@ -101,7 +101,8 @@ def run_filter(config, workdir: str, rollout_fn: Callable | None = None, model=N
 
         tokenizer = sft_lib.build_tokenizer(config)
         sft_lib.check_vocab(model, tokenizer)
-        rollout_fn = agent_loop.make_rollout_fn(config, model, tokenizer=tokenizer)
+        rollout_fn = agent_loop.make_rollout_fn(config, model, tokenizer=tokenizer,
+                                                fmt=sft_lib.chat_format(config.rl.get("chat_format", "rstar2")))
         owned = rollout_fn
     else:
         owned = None

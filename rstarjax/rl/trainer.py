@@ -968,5 +968,8 @@ def make_colocated_rollout_fn(config, trainer: Trainer):
         raise RuntimeError(
             "rstarjax.rl.agent_loop is not available, so no real rollouts can run; pass rollout_fn= "
             "to run_rl (tests) or install the serving room's code") from e
-    rollout_fn = agent_loop.make_rollout_fn(config, trainer.model())
+    from rstarjax.rl import sft as sft_lib
+
+    rollout_fn = agent_loop.make_rollout_fn(config, trainer.model(),
+                                            fmt=sft_lib.chat_format(config.rl.get("chat_format", "rstar2")))
     return rollout_fn, lambda tr: rollout_fn.update_params(tr.model())
