@@ -184,6 +184,7 @@ def _scripted_config(workdir, total_steps, init_from="", reset=False, data="trai
     return c
 
 
+@pytest.mark.slow  # ~20 s alone, over a minute on 2 shared cores (three runs, each compiling its step)
 def test_scripted_chain_steps_warmup_data_order_and_served_weights(tmp_path, monkeypatch):
     """SFT checkpoint -> stage 1 (2 steps) -> stage 2 (+2) -> stage 3 (+1, optimizer reset) through
     ``run_rl``: each stage trains its steps, the engine hook sees the restored weights before the
@@ -247,7 +248,8 @@ def test_scripted_chain_steps_warmup_data_order_and_served_weights(tmp_path, mon
     # the RL checkpoints carry what export needs
     from rstarjax.rl import checkpoint as ckpt_lib
 
-    meta = ckpt_lib.Checkpointer(str(tmp_path / "s3" / "checkpoints")).read_meta()
+    with ckpt_lib.Checkpointer(str(tmp_path / "s3" / "checkpoints")) as ck:
+        meta = ck.read_meta()
     assert meta["model_config"]["num_hidden_layers"] == 2 and meta["stage_start_step"] == 4
 
 
