@@ -505,7 +505,6 @@ def test_every_shipped_config_starts(name, arg, user_inputs, tmp_path, monkeypat
         if c.checkpoint.reset_optimizer or arg == "filter":  # stage 3 and its filter start from stage 2
             stage2 = _stage2_checkpoint(tmp_path, c)
             c.checkpoint.init_from = stage2
-    assert c.rl.num_tool_workers == 0  # the default: one worker per host core
     if name == "sft":
         run(c, str(tmp_path / "run"))
         assert (tmp_path / "run" / "hf" / "tokenizer.json").exists()
@@ -514,6 +513,7 @@ def test_every_shipped_config_starts(name, arg, user_inputs, tmp_path, monkeypat
         run(c, str(tmp_path / "run"))
     assert seen["executor"].text == "42\n"
     assert seen["engine"] is not None
+    assert c.rl.num_tool_workers == 0  # the default: one worker per host core
 
 
 def _stage2_checkpoint(tmp_path, config):
