@@ -109,11 +109,11 @@ def test_infrastructure_errors_are_excluded_from_the_update(trainer):
     whole); problem 3 loses three: fewer than G left, the group is dropped and counted."""
     infra = {(2, 0), (2, 1), (3, 0), (3, 1), (3, 2)}
     fn = scripted(REWARDS.get, lambda p, j: Finish.ERROR if (p, j) in infra else Finish.ANSWERED)
-    m = trainer_lib.rl_step(trainer, fn, records(2, 3), rl_cfg(prompts_per_step=2), LossConfig(), seed=3)
+    m = trainer_lib.rl_step(trainer, fn, records(2, 3, 0, 1), rl_cfg(), LossConfig(), seed=3)
     assert m["filter/infra_trajectories"] == 5 and m["filter/infra_short_groups"] == 1
-    assert m["filter/groups_trained"] == 1
+    assert m["filter/groups_trained"] == 1 and m["filter/rejected_frac"] == 0.5  # 0 and 1: equal rewards
     assert m["train/tokens"] == response_len(2, 2) + response_len(2, 3)  # the two valid rollouts of problem 2
-    assert m["rollout_all/error_finish_ratio"] == pytest.approx(5 / 8)
+    assert m["rollout_all/error_finish_ratio"] == pytest.approx(5 / 16)
 
 
 def test_dr_grpo_uses_its_constant_denominator(trainer):
@@ -127,11 +127,11 @@ def test_dr_grpo_uses_its_constant_denominator(trainer):
 
 def test_grpo_baseline_samples_and_trains_group_size_rollouts(trainer):
     calls = []
-    cfg = rl_cfg(roc=False, oversample=32, prompts_per_step=2)
-    m = trainer_lib.rl_step(trainer, scripted(lambda p: [1, 0] * 16, calls=calls), records(2, 3), cfg, LossConfig(),
-                            seed=5)
+    cfg = rl_cfg(roc=False, oversample=32)
+    m = trainer_lib.rl_step(trainer, scripted(lambda p: [1, 0] * 16, calls=calls), records(2, 3, 4, 5), cfg,
+                            LossConfig(), seed=5)
     assert calls == [G]  # G rollouts per prompt, not oversample
-    assert m["train/tokens"] == sum(response_len(p, j) for p in (2, 3) for j in range(G))
+    assert m["train/tokens"] == sum(response_len(p, j) for p in (2, 3, 4, 5) for j in range(G))
 
 
 def run_config(workdir, total_steps, **rl):
@@ -161,6 +161,7 @@ def run_config(workdir, total_steps, **rl):
     return c
 
 
+@pytest.mark.slow  # two run_rl calls, each compiling its step: ~25 s alone, a minute on shared cores
 def test_the_loop_skips_fully_rejected_batches_and_stops_when_nothing_is_left(tmp_path, monkeypatch):
     """A batch with no group left is not a step: the loop draws the next one (the official trainer
     does the same), and fails with a clear error past ``max_rejected_batches`` in a row."""

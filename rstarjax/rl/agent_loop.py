@@ -32,9 +32,10 @@ Token bookkeeping (token-in/token-out, never re-tokenized):
 The reward is ``executor.submit_verify(model_text, gold)`` on the *model's* text only, so a
 program printing ``\\boxed{...}`` in a tool response cannot earn it; truncated / errored
 episodes get 0 without verification. Each episode waits for its own verification at most
-``verify_wait_s`` from the moment it was submitted (queueing in the pool included); a verifier
-that ran out of its own wall-clock limit in the sandbox (``verify_timeout_s``) scores 0, as a
-wrong answer, while one that never answered is an infrastructure error.
+``verify_wait_s`` from the moment it was submitted, or from the end of the batch's rollouts when
+that is later (queueing in the pool included); a verifier that ran out of its own wall-clock
+limit in the sandbox (``verify_timeout_s``) scores 0, as a wrong answer, while one that never
+answered is an infrastructure error.
 """
 from __future__ import annotations
 
@@ -66,7 +67,9 @@ class AgentConfig:
     tool_timeout_s: float = 5.0  # wall-clock limit of one code execution (in the sandbox)
     tool_wait_s: float = 60.0  # bound on waiting for the executor itself (infrastructure)
     verify_timeout_s: float = 30.0  # the verifier's own wall-clock limit in the sandbox
-    verify_wait_s: float = 120.0  # per episode, from submitting its verification: queue + run
+    # per episode: from its verification's submission, and never less than this after the last
+    # rollout ended (the pool is then free of tool calls), an answer must come (queue + run)
+    verify_wait_s: float = 300.0
     infra_retries: int = 2  # infrastructure failures of one tool call retried before the episode ends
     infra_retry_delay_s: float = 0.5  # before retry k: k times this (the pool replaces dead workers)
     max_tool_response_chars: int = 2048
@@ -145,7 +148,7 @@ class AgentEpisode:
                                group_id=request.group_id, policy_version=request.policy_version)
         self.model_text = ""
         self.verify_future: concurrent.futures.Future | None = None
-        self.verify_deadline = 0.0  # monotonic time past which the verification is given up
+        self.verify_submitted = 0.0  # monotonic time the verification was submitted
         self.tool_wait_s = 0.0
         self.infra_retries = 0  # tool calls resubmitted after an infrastructure answer
         self.done = False
@@ -203,7 +206,7 @@ class AgentEpisode:
             try:
                 self.verify_future = self.executor.submit_verify(
                     self.model_text, self.request.gold_answer, timeout=self.config.verify_timeout_s)
-                self.verify_deadline = time.monotonic() + self.config.verify_wait_s
+                self.verify_submitted = time.monotonic()
             except Exception as e:  # the executor is gone: the environment's failure
                 self._infra_error(f"the verifier could not be reached: {e!r}")
         return Done()
@@ -264,18 +267,22 @@ class AgentEpisode:
         return encode_tool_response_turn(self.tokenizer, text, close_assistant_turn=True)
 
 
-def _collect_rewards(episodes: Sequence[AgentEpisode]) -> dict[str, int]:
+def _collect_rewards(episodes: Sequence[AgentEpisode], rollouts_end: float) -> dict[str, int]:
     """Fill ``traj.reward`` from each episode's verification, waiting for each at most until its
-    own deadline (``verify_wait_s`` after it was submitted). A verification that never answered,
-    or answered with an infrastructure error, ends the episode as ``ERROR`` (excluded from the
-    update); one the sandbox stopped at ``verify_timeout_s`` scores 0 like a wrong answer."""
+    own deadline: ``verify_wait_s`` after it was submitted, or after ``rollouts_end`` when that is
+    later (a verification queued behind the batch's tool calls gets its full window once they
+    are done; one batch-wide window would run out for the last ones in the queue). A
+    verification that never answered, or answered with an infrastructure error, ends the episode
+    as ``ERROR`` (excluded from the update); one the sandbox stopped at ``verify_timeout_s``
+    scores 0 like a wrong answer."""
     counts = {"verify_timeouts": 0, "verify_infra_errors": 0}
     for ep in episodes:
         ep.traj.reward = 0.0
         if ep.verify_future is None:
             continue
+        deadline = max(ep.verify_submitted, rollouts_end) + ep.config.verify_wait_s
         try:
-            verdict = ep.verify_future.result(timeout=max(0.0, ep.verify_deadline - time.monotonic()))
+            verdict = ep.verify_future.result(timeout=max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
             verdict, why = None, f"the verifier did not answer within {ep.config.verify_wait_s:g} s"
         except Exception as e:  # the executor failed
@@ -316,7 +323,7 @@ def run_rollouts(scheduler_or_engines: RolloutScheduler | Engine | Sequence[Engi
     t0 = time.perf_counter()
     stats = scheduler.run(episodes)
     t1 = time.perf_counter()
-    verify = _collect_rewards(episodes)
+    verify = _collect_rewards(episodes, rollouts_end=time.monotonic())
     timings = {f"timing/rollout_{k}": v for k, v in stats.as_dict().items()}
     timings.update({
         "timing/rollout_s": t1 - t0,

@@ -962,12 +962,7 @@ def _train_stage(config, workdir, trainer, ckpt, meta, rollout_fn, on_update, rl
 def make_colocated_rollout_fn(config, trainer: Trainer):
     """The agent loop on a serving engine sharing the trainer's devices (kimi k1.5 §4.2 hybrid
     deployment): after each update the engine takes the new params in memory, no copy to disk."""
-    try:
-        from rstarjax.rl import agent_loop  # noqa: F401  (written by the serving room)
-    except ImportError as e:
-        raise RuntimeError(
-            "rstarjax.rl.agent_loop is not available, so no real rollouts can run; pass rollout_fn= "
-            "to run_rl (tests) or install the serving room's code") from e
+    from rstarjax.rl import agent_loop
     from rstarjax.rl import sft as sft_lib
 
     rollout_fn = agent_loop.make_rollout_fn(config, trainer.model(),
