@@ -58,7 +58,7 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, step: int | None = None
                       ) -> dict:
     """Write ``out_dir`` from the checkpoint's params; returns what was exported."""
     from rstarjax.models import Qwen3, load_tokenizer, save_hf
-    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.io import checkpoint as ckpt_lib
 
     if not os.path.isdir(checkpoint_dir):
         raise FileNotFoundError(f"checkpoint directory {checkpoint_dir!r} does not exist")

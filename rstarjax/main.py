@@ -19,10 +19,10 @@ from collections.abc import Callable
 # Modes other than rl/filter check their own config section when they start.
 MODES: dict[str, str] = {
     "rl": "rstarjax.rl.trainer:run_rl",
-    "filter": "rstarjax.rl.stage3_filter:run_filter",
-    "sft": "rstarjax.rl.sft:run_sft",
-    "eval": "rstarjax.rl.evaluate:run_eval",
-    "demo": "rstarjax.rl.demo:run_demo",
+    "filter": "rstarjax.recipes.filter:run_filter",
+    "sft": "rstarjax.recipes.sft:run_sft",
+    "eval": "rstarjax.recipes.evaluate:run_eval",
+    "demo": "rstarjax.recipes.demo:run_demo",
 }
 
 KNOWN_DTYPES = ("float32", "bfloat16", "float16")

@@ -161,7 +161,7 @@ def test_checkpointer_round_trip_keep_n_and_meta(tmp_path):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from rstarjax.models import sharding as sharding_lib
-    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.io import checkpoint as ckpt_lib
     from rstarjax.rl.trainer import TrainState
 
     mesh = sharding_lib.make_mesh(1, 4, 2)
@@ -220,7 +220,7 @@ def test_stage_handoff_keeps_or_resets_the_optimizer(tmp_path):
     from test_trainer import tiny_model
 
     from rstarjax.models import sharding as sharding_lib
-    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.io import checkpoint as ckpt_lib
     from rstarjax.rl import optim as optim_lib
     from rstarjax.rl import trainer as trainer_lib
     from rstarjax.rl.loss import LossConfig

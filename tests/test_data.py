@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from rstarjax.rl.data import (
+from rstarjax.io.data import (
     integer_answer,
     load_problems,
     make_dataset,

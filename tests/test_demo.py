@@ -27,7 +27,7 @@ def test_config_variants():
 
 @pytest.mark.slow
 def test_demo_ci_end_to_end(tmp_path):
-    from rstarjax.rl.demo import run_demo
+    from rstarjax.recipes.demo import run_demo
 
     c = _config("ci")
     c.mesh.fsdp = 1
@@ -44,7 +44,7 @@ def test_demo_ci_end_to_end(tmp_path):
     assert on_disk["sft_accuracy"] == pytest.approx(sum(r["sft"]["reward"] > 0 for r in rows) / len(rows))
     assert on_disk["rl_accuracy"] == pytest.approx(sum(r["rl"]["reward"] > 0 for r in rows) / len(rows))
     # per-kind figures: each kind's accuracy is what its held-out samples say
-    from rstarjax.rl.demo_tasks import kind_of
+    from rstarjax.recipes.demo_tasks import kind_of
     for phase in ("sft", "rl"):
         for kind, acc in on_disk[phase]["accuracy_by_kind"].items():
             mine = [r[phase]["reward"] > 0 for r in rows if kind_of(r["problem"]) == kind]

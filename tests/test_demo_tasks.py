@@ -7,7 +7,7 @@ import pytest
 
 from rstarjax.models import chat_template as ct
 from rstarjax.models.tokenizer import load_tokenizer
-from rstarjax.rl import demo_tasks as dt
+from rstarjax.recipes import demo_tasks as dt
 
 
 def _independent_answer(problem: str) -> int:

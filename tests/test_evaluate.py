@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from rstarjax.rl import evaluate as ev
+from rstarjax.recipes import evaluate as ev
 from rstarjax.rl.trajectory import Finish, Segment, SegmentKind, Trajectory
 
 

@@ -12,8 +12,8 @@ from flax import nnx
 from rstarjax import export
 from rstarjax.models import ModelConfig, Qwen3, load_tokenizer
 from rstarjax.models.sharding import make_mesh
-from rstarjax.rl import checkpoint as ckpt_lib
-from rstarjax.rl.sft import model_meta
+from rstarjax.io import checkpoint as ckpt_lib
+from rstarjax.recipes.sft import model_meta
 from rstarjax.rl.trainer import Trainer, TrainerConfig
 from rstarjax.rl.loss import LossConfig
 from rstarjax.rl.optim import OptimConfig

@@ -9,7 +9,7 @@ from flax import nnx
 
 from rstarjax.models import ModelConfig, Qwen3, load_tokenizer, save_hf
 from rstarjax.models import chat_template as ct
-from rstarjax.rl import sft
+from rstarjax.recipes import sft
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -140,7 +140,7 @@ def test_bad_input(tok, tmp_path):
 @pytest.mark.slow
 def test_sft_learns_and_checkpoints(tok, tmp_path):
     """A few steps on 16 conversations cut the loss; the checkpoint restores the same params."""
-    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.io import checkpoint as ckpt_lib
 
     convs = [_conversation(i) for i in range(16)]
     cfg = sft.SFTConfig(epochs=10, batch_size=16, learning_rate=1e-2, warmup_ratio=0.0, seq_len=512)

@@ -49,7 +49,7 @@ def _save_trained(tr, directory, step, meta):
     import jax
     import jax.numpy as jnp
 
-    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.io import checkpoint as ckpt_lib
     from rstarjax.rl import trainer as trainer_lib
 
     state = trainer_lib.TrainState(
@@ -79,7 +79,7 @@ def _stage_config(init_from="", reset=False):
 def test_sft_checkpoint_hands_over_params_only(tmp_path):
     """SFT -> stage 1: the SFT policy's params; step 0 and a fresh optimizer (its LR warmup runs),
     whatever step and moments the SFT run ended with."""
-    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.io import checkpoint as ckpt_lib
     from rstarjax.rl import trainer as trainer_lib
 
     sft = _save_trained(_trainer(), str(tmp_path / "sft"), 50, {"stage": "sft", "total_steps": 50})
@@ -96,7 +96,7 @@ def test_sft_checkpoint_hands_over_params_only(tmp_path):
 
 
 def test_rl_checkpoint_hands_over_params_optimizer_and_step(tmp_path):
-    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.io import checkpoint as ckpt_lib
     from rstarjax.rl import trainer as trainer_lib
 
     s1 = _save_trained(_trainer(), str(tmp_path / "s1"), 300, {"step": 300, "stage": "rl", "init_from": ""})
@@ -118,7 +118,7 @@ def test_rl_checkpoint_hands_over_params_optimizer_and_step(tmp_path):
 def test_a_workdir_belongs_to_one_stage(tmp_path):
     """Re-running a stage in a workdir that holds another stage's checkpoints (e.g. stage 3 in
     stage 2's workdir) is refused instead of silently resuming the other stage's state."""
-    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.io import checkpoint as ckpt_lib
     from rstarjax.rl import trainer as trainer_lib
 
     s2 = str(tmp_path / "s2" / "checkpoints")
@@ -220,7 +220,7 @@ def test_scripted_chain_steps_warmup_data_order_and_served_weights(tmp_path, mon
         return tr, events, recs
 
     def final_params(ckpt_dir):
-        from rstarjax.rl import checkpoint as ckpt_lib
+        from rstarjax.io import checkpoint as ckpt_lib
 
         tr = _trainer(layers=2)
         params, _, _ = ckpt_lib.restore_params(ckpt_dir, ckpt_lib.abstract_like(tr.state.params, tr.param_sharding))
@@ -246,7 +246,7 @@ def test_scripted_chain_steps_warmup_data_order_and_served_weights(tmp_path, mon
         previous = final_params(str(tmp_path / name / "checkpoints"))
     assert orders[0][:4] != orders[1][:4]  # stage 2 does not replay stage 1's order
     # the RL checkpoints carry what export needs
-    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.io import checkpoint as ckpt_lib
 
     with ckpt_lib.Checkpointer(str(tmp_path / "s3" / "checkpoints")) as ck:
         meta = ck.read_meta()
@@ -398,7 +398,7 @@ def _logprobs_under(ckpt_dir, base_dir, rollouts):
     from flax import nnx
 
     from rstarjax.models import load_hf
-    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.io import checkpoint as ckpt_lib
 
     model = load_hf(base_dir, dtype=jnp.float32)
     if ckpt_dir is not None:
@@ -521,7 +521,7 @@ def _stage2_checkpoint(tmp_path, config):
     import jax
 
     from rstarjax.models import load_hf
-    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.io import checkpoint as ckpt_lib
     from rstarjax.rl import optim as optim_lib
     from rstarjax.rl import trainer as trainer_lib
     from rstarjax.rl.loss import LossConfig

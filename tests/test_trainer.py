@@ -238,7 +238,7 @@ def test_metrics_writer_jsonl_and_tensorboard(tmp_path):
 def test_stage3_filter_drops_only_problems_solved_k_of_k(tmp_path):
     import json
 
-    from rstarjax.rl import stage3_filter as F
+    from rstarjax.recipes import filter as F
 
     records = [{"problem": f"p{i}", "answer": str(i)} for i in range(7)]
     solved = {0: 8, 1: 7, 2: 0, 3: 8, 4: 1, 5: 8, 6: 4}  # correct rollouts out of 8 per problem
@@ -266,7 +266,7 @@ def test_run_filter_writes_the_stage3_dataset(tmp_path):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
     import stage3
 
-    from rstarjax.rl import stage3_filter as F
+    from rstarjax.recipes import filter as F
 
     data = tmp_path / "rl.jsonl"
     data.write_text("".join(json.dumps({"problem": f"q{i}", "answer": str(i)}) + "\n" for i in range(5)))

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from test_trainer import leaves, random_batch, reference_loss, tiny_model  # noqa: E402
 
 from rstarjax.models import sharding as sharding_lib  # noqa: E402
-from rstarjax.rl import checkpoint as ckpt_lib  # noqa: E402
+from rstarjax.io import checkpoint as ckpt_lib  # noqa: E402
 from rstarjax.rl import optim as optim_lib  # noqa: E402
 from rstarjax.rl import trainer as trainer_lib  # noqa: E402
 from rstarjax.rl.loss import LossConfig  # noqa: E402

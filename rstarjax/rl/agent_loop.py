@@ -367,7 +367,7 @@ def make_executor(config):
 
 def tokenizer_for(config):
     """The tokenizer of ``config.model`` (``rl.sft.build_tokenizer``)."""
-    from rstarjax.rl.sft import build_tokenizer
+    from rstarjax.recipes.sft import build_tokenizer
 
     return build_tokenizer(config)
 

@@ -709,7 +709,7 @@ def build_model(config, mesh: Mesh) -> nnx.Module:
 def build_dataset(config, seed: int | None = None):
     """grain iterator over this process's share of the prompts (repeats when num_epochs == 0),
     shuffled with ``seed`` (default ``config.seed``; ``run_rl`` passes the stage's data seed)."""
-    from rstarjax.rl import data as data_lib
+    from rstarjax.io import data as data_lib
 
     per_process = config.rl.prompts_per_step // jax.process_count()
     ds, report = data_lib.problem_dataset(
@@ -751,7 +751,7 @@ def initial_state(trainer: Trainer, ckpt, config) -> dict:
       included, restarts with it: rStar2-Agent §4.3 resets the optimizer for stage 3);
     * else the model as built (``model.hf_path`` or the seeded preset), step 0.
     """
-    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.io import checkpoint as ckpt_lib
 
     init_from = os.path.abspath(config.checkpoint.init_from) if config.checkpoint.init_from else ""
     if init_from and _same_dir(init_from, ckpt.directory):
@@ -813,7 +813,7 @@ def setup_reference(trainer: Trainer, config, meta: dict) -> dict | None:
     same initial weights, or ``restore_params(init_from, step)``), so a SIGKILL-resumed run trains
     against the very same reference without doubling the checkpoint size.
     """
-    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.io import checkpoint as ckpt_lib
 
     if config.loss.kl_coef <= 0:
         return None
@@ -842,10 +842,10 @@ def run_rl(config, workdir: str, rollout_fn: RolloutFn | None = None, model: nnx
     called once the starting state is in place (so the very first rollouts sample the restored
     policy) and after every update (the colocated engine takes the new params in memory there).
     """
-    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.io import checkpoint as ckpt_lib
     from rstarjax.rl import loss as loss_lib_
     from rstarjax.rl import optim as optim_lib
-    from rstarjax.rl import sft as sft_lib
+    from rstarjax.recipes import sft as sft_lib
 
     mesh = build_mesh(config)
     model = model if model is not None else build_model(config, mesh)
@@ -880,7 +880,7 @@ def _train_stage(config, workdir, trainer, ckpt, meta, rollout_fn, on_update, rl
 
     import tqdm
 
-    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.io import checkpoint as ckpt_lib
     from rstarjax.rl import metrics as metrics_lib
 
     log = logging.getLogger(__name__)
@@ -963,7 +963,7 @@ def make_colocated_rollout_fn(config, trainer: Trainer):
     """The agent loop on a serving engine sharing the trainer's devices (kimi k1.5 §4.2 hybrid
     deployment): after each update the engine takes the new params in memory, no copy to disk."""
     from rstarjax.rl import agent_loop
-    from rstarjax.rl import sft as sft_lib
+    from rstarjax.recipes import sft as sft_lib
 
     rollout_fn = agent_loop.make_rollout_fn(config, trainer.model(),
                                             fmt=sft_lib.chat_format(config.rl.get("chat_format", "rstar2")))

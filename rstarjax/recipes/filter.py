@@ -76,8 +76,8 @@ def run_filter(config, workdir: str, rollout_fn: Callable | None = None, model=N
     import jax
     import tqdm
 
-    from rstarjax.rl import checkpoint as ckpt_lib
-    from rstarjax.rl import data as data_lib
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.io import data as data_lib
     from rstarjax.rl import trainer as trainer_lib
 
     if jax.process_count() > 1:
@@ -97,7 +97,7 @@ def run_filter(config, workdir: str, rollout_fn: Callable | None = None, model=N
             model = nnx.merge(graphdef, params, rest)
             log.info("filtering with the policy of step %d from %s", step, config.checkpoint.init_from)
         from rstarjax.rl import agent_loop
-        from rstarjax.rl import sft as sft_lib
+        from rstarjax.recipes import sft as sft_lib
 
         tokenizer = sft_lib.build_tokenizer(config)
         sft_lib.check_vocab(model, tokenizer)

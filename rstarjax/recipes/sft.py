@@ -82,7 +82,7 @@ class SFTExample:
 def load_conversations(path: str) -> list[list[dict]]:
     """``{"messages": [...]}`` rows of a jsonl / json / parquet file. Rows without a message list
     raise (SFT data is curated: a silently skipped row is lost training signal)."""
-    from rstarjax.rl.data import read_rows
+    from rstarjax.io.data import read_rows
 
     if not path or not os.path.exists(path):
         raise FileNotFoundError(f"SFT data file {path!r} does not exist (set --config.sft.data_path)")
@@ -300,7 +300,7 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
     """Train ``model`` on ``conversations``; returns the trainer (``.model()`` is the SFT policy)
     and a summary. With ``workdir`` + ``checkpoint_cfg`` it checkpoints every ``every_steps``
     and at the end, and resumes from the latest checkpoint there."""
-    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.io import checkpoint as ckpt_lib
 
     examples, drop_stats = encode_examples(tokenizer, conversations, cfg.seq_len, fmt)
     plan = plan_batches([len(e.ids) for e in examples], cfg.batch_size, cfg.epochs, cfg.seq_len, cfg.seed)
@@ -408,7 +408,7 @@ def run_sft(config, workdir: str) -> dict[str, Any]:
     ``workdir``; with ``sft.export_hf`` also a HF directory ``workdir/hf``."""
     from rstarjax.models import save_hf
     from rstarjax.models.sharding import make_mesh
-    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.io import checkpoint as ckpt_lib
     from rstarjax.rl.metrics import MetricsWriter
 
     os.makedirs(workdir, exist_ok=True)

@@ -79,7 +79,7 @@ def greedy_accuracy(rollouts, records: Sequence[Mapping[str, str]], policy_versi
 def accuracy_breakdown(records: Sequence[Mapping[str, str]], trajectories) -> dict[str, Any]:
     """Held-out accuracy per task kind and the share of responses that called the tool (overall
     and per kind): what tells "RL learnt to use the tool" from "RL learnt to copy digits"."""
-    from rstarjax.rl.demo_tasks import kind_of
+    from rstarjax.recipes.demo_tasks import kind_of
 
     by_kind: dict[str, list] = {}
     for r, t in zip(records, trajectories, strict=True):
@@ -121,7 +121,7 @@ def tool_balanced_kind_cycle(kinds: Sequence[str], in_head_fraction: Mapping[str
 
 
 def demo_datasets(config) -> dict[str, list]:
-    from rstarjax.rl import demo_tasks
+    from rstarjax.recipes import demo_tasks
 
     d = config.demo
     kinds = tuple(d.task_kinds) if d.task_kinds else demo_tasks.TASK_KINDS
@@ -150,8 +150,8 @@ def run_demo(config, workdir: str) -> dict[str, Any]:
     from rstarjax.models import save_hf
     from rstarjax.models.sharding import make_mesh
     from rstarjax.rl import agent_loop
-    from rstarjax.rl import checkpoint as ckpt_lib
-    from rstarjax.rl import sft as sft_lib
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.recipes import sft as sft_lib
     from rstarjax.rl.metrics import MetricsWriter
     from rstarjax.rl.trainer import run_rl
 

@@ -184,7 +184,7 @@ def load_benchmarks(paths: Sequence[str], names: Sequence[str] | None = None,
                     limit: int = 0) -> dict[str, list[dict[str, str]]]:
     """Benchmark files -> {dataset name: records}. Answers are kept as written (MATH-500 has
     non-integer answers; math-verify compares them). Name defaults to the file's stem."""
-    from rstarjax.rl.data import load_problems
+    from rstarjax.io.data import load_problems
 
     if isinstance(paths, str):
         paths = [p for p in paths.split(",") if p]
@@ -241,7 +241,7 @@ def run_eval(config, workdir: str) -> dict[str, dict[str, float]]:
     through the agent loop; writes eval_table.md, eval_results.json, eval_samples.jsonl."""
     from rstarjax.models.sharding import make_mesh
     from rstarjax.rl import agent_loop
-    from rstarjax.rl import sft as sft_lib
+    from rstarjax.recipes import sft as sft_lib
 
     e = config.eval
     datasets = load_benchmarks(e.paths, list(e.names) if e.names else None, int(e.limit))

@@ -1,0 +1,1 @@
+"""rstarjax.io: data in (problem and chat datasets), checkpoints and metrics out."""

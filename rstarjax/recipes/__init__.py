@@ -1,0 +1,1 @@
+"""rstarjax.recipes: the runs (SFT, RL stages, the stage-3 filter, evaluation, the demo)."""
