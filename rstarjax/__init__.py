@@ -1,8 +1,10 @@
 """rstarjax: agentic reinforcement learning (rStar2-Agent's GRPO-RoC) in JAX/Flax.
 
-Rooms: ``models`` (policy, tokenizer, HF I/O), ``serving`` (slot engine, scheduler),
-``env`` (sandboxed Python tool, verifier), ``rl`` (rollouts, RoC, losses, trainers).
-Imports only point downward: env knows nothing of models; models nothing of rl.
+Packages, imports only pointing down the list (docs/design.md has the map):
+``recipes`` (the runs: SFT, RL stages, filter, eval, demo) -> ``rl`` (the algorithm) and ``io``
+(data, checkpoints, metrics log) -> ``serving`` (slot engine, scheduler) -> ``models`` (policy,
+tokenizer, chat template); ``env`` (sandboxed Python tool, verifier) stands alone. ``protocol``
+(the tool protocol) and ``validation`` (config rules) import nothing and serve every layer.
 """
 
 __version__ = "0.1.0"

@@ -3,7 +3,7 @@
     python -m rstarjax.export --checkpoint WORKDIR/checkpoints --out HF_DIR [--step N]
         [--model_config config.json | --preset qwen3-14b] [--dtype bfloat16]
 
-The checkpoint is an Orbax directory written by ``rl.checkpoint.Checkpointer`` (RL or SFT).
+The checkpoint is an Orbax directory written by ``io.checkpoint.Checkpointer`` (RL or SFT).
 The architecture comes from, in order: ``--model_config`` (a HF config.json), the checkpoint's
 meta ``model_config`` (SFT and the demo store it), a ``config.json`` next to the checkpoint
 directory (``WORKDIR/hf``, ``WORKDIR/config.json``), or ``--preset``. Only the params are read
@@ -20,23 +20,15 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import orbax.checkpoint as ocp
 from flax import nnx
 
-
-def _read_meta(checkpoint_dir: str, step: int) -> dict:
-    path = os.path.join(checkpoint_dir, str(step), "meta", "metadata")
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
-    return {}
+from rstarjax.io import checkpoint as ckpt_lib
+from rstarjax.models import ModelConfig, Qwen3, load_tokenizer, save_hf
 
 
 def resolve_model_config(checkpoint_dir: str, meta: dict, model_config: str | None = None,
                          preset: str | None = None):
     """The ModelConfig of the checkpoint (see the module doc for the search order)."""
-    from rstarjax.models import ModelConfig
-
     if model_config:
         with open(model_config) as f:
             return ModelConfig.from_hf_dict(json.load(f)), f"--model_config {model_config}"
@@ -57,9 +49,6 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, step: int | None = None
                       preset: str | None = None, dtype: str | None = None, tokenizer_num_regular_tokens: int | None = None
                       ) -> dict:
     """Write ``out_dir`` from the checkpoint's params; returns what was exported."""
-    from rstarjax.models import Qwen3, load_tokenizer, save_hf
-    from rstarjax.io import checkpoint as ckpt_lib
-
     if not os.path.isdir(checkpoint_dir):
         raise FileNotFoundError(f"checkpoint directory {checkpoint_dir!r} does not exist")
     ckpt = ckpt_lib.Checkpointer(checkpoint_dir, ckpt_lib.CheckpointConfig(async_save=False))
@@ -69,9 +58,9 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, step: int | None = None
             raise FileNotFoundError(f"no finished checkpoint in {checkpoint_dir}")
         if step not in ckpt.all_steps():
             raise FileNotFoundError(f"step {step} not in {checkpoint_dir} (have {ckpt.all_steps()})")
+        meta = ckpt.read_meta(step)
     finally:
         ckpt.close()
-    meta = _read_meta(checkpoint_dir, step)
     cfg, source = resolve_model_config(checkpoint_dir, meta, model_config, preset)
     cfg = cfg.replace(dtype=jnp.float32, param_dtype=jnp.float32)
     abstract_model = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))

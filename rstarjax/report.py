@@ -17,6 +17,8 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from rstarjax.io.metrics_log import read_metrics
+
 # Each panel: (file stem, title, [(metric key, label)]). Missing keys are skipped.
 PANELS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     ("reward", "Reward / accuracy", (
@@ -51,21 +53,6 @@ def find_metrics_files(workdir: str) -> list[str]:
     return sorted(out)
 
 
-def read_records(path: str) -> list[dict]:
-    """JSONL records; a torn last line (a run killed mid-write) is skipped, others raise."""
-    with open(path) as f:
-        lines = [l for l in f.read().splitlines() if l.strip()]
-    records = []
-    for i, line in enumerate(lines):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                continue
-            raise ValueError(f"{path}: line {i + 1} is not JSON")
-    return records
-
-
 def curve(records: Sequence[Mapping], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of one metric, finite numbers only, the last record per step winning (a
     resumed run rewrites the steps after its checkpoint)."""
@@ -79,6 +66,8 @@ def curve(records: Sequence[Mapping], key: str) -> tuple[list[int], list[float]]
 
 
 def _plot(path: str, title: str, series: Sequence[tuple[str, list[int], list[float]]]) -> None:
+    # lazily: matplotlib takes seconds to import and only drawing needs it (not runs that merely
+    # import the report, such as the demo before its last step)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -102,7 +91,7 @@ def render(workdir: str, out_dir: str | None = None) -> list[str]:
         raise FileNotFoundError(f"no metrics.jsonl under {workdir}")
     out_dir = out_dir or os.path.join(workdir, "plots")
     os.makedirs(out_dir, exist_ok=True)
-    runs = {os.path.relpath(os.path.dirname(f), workdir): read_records(f) for f in files}
+    runs = {os.path.relpath(os.path.dirname(f), workdir): read_metrics(f) for f in files}
     written = []
     for stem, title, keys in PANELS:
         series = []
@@ -126,7 +115,7 @@ def compare(workdirs: Sequence[str], out_dir: str, labels: Sequence[str] | None 
     runs = {}
     for label, w in zip(labels, workdirs):
         files = find_metrics_files(w)
-        records = [r for f in files for r in read_records(f) if "rollout/reward_mean" in r]
+        records = [r for f in files for r in read_metrics(f) if "rollout/reward_mean" in r]
         if not records:
             raise FileNotFoundError(f"no RL metrics under {w}")
         runs[label] = records

@@ -18,7 +18,7 @@ from rstarjax.models.config import ModelConfig
 from rstarjax.models.qwen3 import Qwen3
 from rstarjax.models.tokenizer import load_tokenizer
 from rstarjax.rl.agent_loop import AgentConfig, RolloutRequest, run_rollouts
-from rstarjax.rl.trajectory import Finish, SegmentKind
+from rstarjax.rl.trajectory import FinishReason, SegmentKind
 from rstarjax.serving import Engine, SamplingParams
 from rstarjax.serving.scheduler import RolloutScheduler
 
@@ -105,30 +105,30 @@ def test_episodes_with_real_tools(tok, model, engine, executor):
 
     t = by["success"]
     assert (t.finish, t.reward, t.turns, t.tool_calls, t.tool_errors.total) == (
-        Finish.ANSWERED, 1.0, 2, 1, 0)
+        FinishReason.ANSWERED, 1.0, 2, 1, 0)
     check_tokens(tok, t, cases["success"], [ExecResult("stdout", "42\n")])
     assert t.answer_tags == 1
 
     t = by["error_then_fix"]
     assert (t.finish, t.reward, t.tool_calls, t.tool_errors.execution, t.tool_errors.total) == (
-        Finish.ANSWERED, 1.0, 2, 1, 1)
+        FinishReason.ANSWERED, 1.0, 2, 1, 1)
     assert "ZeroDivisionError" in t.response_text
 
     t = by["timeout"]
     assert (t.finish, t.reward, t.tool_errors.timeout, t.tool_errors.total) == (
-        Finish.ANSWERED, 1.0, 1, 1)
+        FinishReason.ANSWERED, 1.0, 1, 1)
 
     t = by["malformed"]
     assert (t.finish, t.tool_calls, t.tool_errors.parse, t.tool_errors.total) == (
-        Finish.ANSWERED, 1, 1, 1)
+        FinishReason.ANSWERED, 1, 1, 1)
     assert "not valid JSON" in t.response_text
 
     t = by["no_tool_call"]
-    assert (t.finish, t.reward, t.turns, t.tool_calls) == (Finish.NO_TOOL_CALL, 0.0, 1, 0)
+    assert (t.finish, t.reward, t.turns, t.tool_calls) == (FinishReason.NO_TOOL_CALL, 0.0, 1, 0)
     check_tokens(tok, t, cases["no_tool_call"], [])
 
     t = by["hostile"]
-    assert t.finish == Finish.NO_TOOL_CALL and t.reward == 0.0 and t.answer_tags == 0
+    assert t.finish == FinishReason.NO_TOOL_CALL and t.reward == 0.0 and t.answer_tags == 0
     assert "\\boxed{42}" in t.response_text
 
     # Sampled (here: forced) log-probs are the policy's under the uncached forward.
@@ -149,7 +149,7 @@ def test_max_turns_and_max_length(tok, engine, executor):
     trajs, _ = run_rollouts(engine, tok, executor, [request(tok, many_calls)],
                             AgentConfig(max_turns=2, max_response_len=300))
     t = trajs[0]
-    assert (t.finish, t.turns, t.tool_calls, t.reward) == (Finish.MAX_TURNS, 2, 1, 0.0)
+    assert (t.finish, t.turns, t.tool_calls, t.reward) == (FinishReason.MAX_TURNS, 2, 1, 0.0)
     check_tokens(tok, t, many_calls[:2], [ExecResult("stdout", "1\n")])
 
     # A budget that the first turn + tool response leave almost exhausted.
@@ -158,7 +158,7 @@ def test_max_turns_and_max_length(tok, engine, executor):
     trajs, _ = run_rollouts(engine, tok, executor, [request(tok, many_calls)],
                             AgentConfig(max_turns=10, max_response_len=budget))
     t = trajs[0]
-    assert t.finish == Finish.MAX_LENGTH and t.truncated and t.reward == 0.0
+    assert t.finish == FinishReason.MAX_LENGTH and t.truncated and t.reward == 0.0
     assert len(t.response_ids) == budget
     assert t.segments[-1].kind == SegmentKind.MODEL and len(t.segments[-1].ids) == 5
 
@@ -166,7 +166,7 @@ def test_max_turns_and_max_length(tok, engine, executor):
     trajs, _ = run_rollouts(engine, tok, executor, [request(tok, many_calls)],
                             AgentConfig(max_turns=10, max_response_len=first + 3))
     t = trajs[0]
-    assert t.finish == Finish.MAX_LENGTH and len(t.segments) == 1
+    assert t.finish == FinishReason.MAX_LENGTH and len(t.segments) == 1
 
 
 def test_static_and_dynamic_schedulers_agree(tok, model, engine, executor):
@@ -190,11 +190,13 @@ def test_static_and_dynamic_schedulers_agree(tok, model, engine, executor):
 
 
 def test_trainer_rollout_hook_samples_real_episodes(tok, model, executor):
-    """make_rollout_fn / update_params as rl/trainer.py calls them (sampling, not scripted)."""
+    """ColocatedRollouts / update_params as the RL recipe builds and calls them (sampling, not
+    scripted), configured from the base config's rl section."""
     import importlib.util
     import pathlib
 
     from rstarjax.rl import agent_loop
+    from rstarjax.rl.step import RLConfig
 
     path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "base.py"
     spec = importlib.util.spec_from_file_location("base_config", path)
@@ -202,8 +204,10 @@ def test_trainer_rollout_hook_samples_real_episodes(tok, model, executor):
     spec.loader.exec_module(base)
     config = base.get_config()
     config.rl.max_prompt_len, config.rl.max_response_len, config.rl.max_turns = 256, 48, 3
-    fn = agent_loop.make_rollout_fn(config, model, tokenizer=tok, executor=executor,
-                                    num_slots=4, fmt=COMPACT)
+    rl = RLConfig(**dict(config.rl))
+    fn = agent_loop.ColocatedRollouts(model, tokenizer=tok, executor=executor, agent=rl.agent(),
+                                      sampling=rl.sampling(), max_prompt_len=rl.max_prompt_len, fmt=COMPACT,
+                                      num_slots=4)
     records = [{"problem": "What is 6*7?", "answer": "42"}, {"problem": "1+1?", "answer": "2"}]
     trajs, timings = fn(records, 3, 11, 5)
     assert [t.group_id for t in trajs] == [0, 0, 0, 1, 1, 1]
@@ -212,7 +216,7 @@ def test_trainer_rollout_hook_samples_real_episodes(tok, model, executor):
     assert len({tuple(t.response_ids.tolist()) for t in trajs}) > 1  # seeded, not identical
     assert "timing/rollout_s" in timings
     other = Qwen3(model.config, rngs=nnx.Rngs(3))
-    agent_loop.update_params(other)
+    fn.update_params(other)
     assert jax.tree.leaves(fn.engine.params)[0] is jax.tree.leaves(nnx.split(other)[1])[0]
 
 
@@ -263,7 +267,7 @@ def test_infrastructure_failures_are_retried_and_never_shown_to_the_model(tok, e
                                   AgentConfig(max_turns=3, max_response_len=300, infra_retries=2,
                                               infra_retry_delay_s=0.05))
     t = trajs[0]
-    assert (t.finish, t.reward, t.tool_errors.total) == (Finish.ANSWERED, 1.0, 0)
+    assert (t.finish, t.reward, t.tool_errors.total) == (FinishReason.ANSWERED, 1.0, 0)
     assert "SandboxError" not in t.response_text and flaky.submitted == 3
     check_tokens(tok, t, SUCCESS, [ExecResult("stdout", "42\n")])
     assert timings["rollout/infra_retries"] == 2 and timings["rollout/infra_errors"] == 0
@@ -275,7 +279,7 @@ def test_persistent_infrastructure_failure_ends_the_episode_as_an_infra_error(to
                                   AgentConfig(max_turns=3, max_response_len=300, infra_retries=2,
                                               infra_retry_delay_s=0.05))
     t = trajs[0]
-    assert t.finish == Finish.ERROR and t.infra_error and t.reward == 0.0
+    assert t.finish == FinishReason.ERROR and t.infra_error and t.reward == 0.0
     assert "code environment failed 3 time(s)" in t.error
     assert t.tool_errors.total == 0 and "SandboxError" not in t.response_text  # not the model's error
     assert timings["rollout/infra_errors"] == 1
@@ -293,7 +297,7 @@ def test_a_tool_call_the_scheduler_gave_up_on_ends_cleanly(tok, engine, executor
                                 AgentConfig(max_turns=3, max_response_len=300, tool_wait_s=0.3))
         time.sleep(2.0)  # the late answer arrives
     t = trajs[0]
-    assert t.finish == Finish.ERROR and "did not return within" in t.error
+    assert t.finish == FinishReason.ERROR and "did not return within" in t.error
     assert not [r for r in caplog.records if "exception calling callback" in r.getMessage()], caplog.text
 
 
@@ -305,6 +309,6 @@ def test_each_episode_has_its_own_verify_deadline(tok, engine, executor):
     trajs, timings = run_rollouts(engine, tok, flaky, reqs,
                                   AgentConfig(max_turns=2, max_response_len=300, verify_timeout_s=0.5,
                                               verify_wait_s=1.0))
-    assert (trajs[0].finish, trajs[0].reward) == (Finish.ANSWERED, 1.0)
-    assert trajs[1].finish == Finish.ERROR and "verifier did not answer" in trajs[1].error
+    assert (trajs[0].finish, trajs[0].reward) == (FinishReason.ANSWERED, 1.0)
+    assert trajs[1].finish == FinishReason.ERROR and "verifier did not answer" in trajs[1].error
     assert timings["rollout/verify_infra_errors"] == 1 and timings["rollout/infra_errors"] == 1

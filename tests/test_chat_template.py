@@ -9,6 +9,7 @@ import pytest
 
 from rstarjax.models import chat_template as ct
 from rstarjax.models.tokenizer import load_tokenizer
+from rstarjax.protocol import TOOL_NAME
 
 SMALL_N = 3000
 _ALPHABET = list("abcXYZ0129 \n\t.,;:'\"!?()[]{}<>/\\|#$%*-_=+`") + [
@@ -32,7 +33,7 @@ def _tool_call(rng):
     args = {"code": code + _rand_text(rng, 0, 5), "input": _rand_text(rng, 0, 5)}
     if rng.random() < 0.3:  # OpenAI style: arguments as a JSON string
         args = json.dumps(args)
-    return {"type": "function", "function": {"name": ct.TOOL_NAME, "arguments": args}}
+    return {"type": "function", "function": {"name": TOOL_NAME, "arguments": args}}
 
 
 def _random_conversation(rng):
@@ -99,9 +100,9 @@ def test_tool_call_format_parses_with_env_parser():
     from rstarjax.env.tools import parse_tool_call
 
     code = "import sys\ns = sys.stdin.read()\nprint(s[::-1], '中', \"q\")\n"
-    text = "<reason>r</reason>" + ct.format_tool_call(ct.TOOL_NAME, {"code": code, "input": "abc"})
+    text = "<reason>r</reason>" + ct.format_tool_call(TOOL_NAME, {"code": code, "input": "abc"})
     call = parse_tool_call(text)
-    assert (call.code, call.stdin, call.name) == (code, "abc", ct.TOOL_NAME)
+    assert (call.code, call.stdin, call.name) == (code, "abc", TOOL_NAME)
 
 
 @pytest.mark.parametrize("name", ["rstar2", "compact"])
@@ -167,7 +168,8 @@ def test_tokenize_whole_equals_turn_by_turn(which, tok, small):
         # assistant mask: exactly the assistant turns incl. their <|im_end|>
         assistant = [m for m in msgs if m["role"] == "assistant"]
         expected = "".join(_assistant_turn_text(m) + "<|im_end|>" for m in assistant)
-        _, char_mask = ct.render_conversation_with_mask(msgs)
+        # the string-level mask: True on the characters of pieces the model generates
+        char_mask = np.concatenate([np.full(len(p.text), p.assistant, bool) for p in ct.conversation_pieces(msgs)])
         masked_chars = "".join(c for c, keep in zip(text, char_mask) if keep)
         assert tokenizer.decode(enc.ids[enc.assistant_mask]) == masked_chars
         assert masked_chars == expected

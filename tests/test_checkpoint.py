@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(ROOT, "configs"))
 # ------------------------------------------------------------------------------ worker side
 def fake_rollout_fn(records, n, seed, policy_version):
     """Deterministic trajectories from (problem text, seed): what an engine would return."""
-    from rstarjax.rl.trajectory import Finish, Segment, SegmentKind, ToolErrorCounts, Trajectory
+    from rstarjax.rl.trajectory import FinishReason, Segment, SegmentKind, ToolErrorCounts, Trajectory
 
     out = []
     for g, rec in enumerate(records):
@@ -40,7 +40,7 @@ def fake_rollout_fn(records, n, seed, policy_version):
             out.append(Trajectory(
                 prompt_ids=prompt, segments=segs, turns=len(segs), tool_calls=calls,
                 tool_errors=ToolErrorCounts(execution=int(rng.integers(0, calls + 1))),
-                answer_tags=int(rng.integers(0, 3)), finish=Finish.ANSWERED,
+                answer_tags=int(rng.integers(0, 3)), finish=FinishReason.ANSWERED,
                 # half right, half wrong: every group keeps a learning signal through RoC
                 reward=float((j + h) % 2 == 0), group_id=g, policy_version=policy_version))
     if os.environ.get("WORKER_SLOW"):
@@ -74,10 +74,11 @@ def worker_config(workdir, total_steps):
 
 def worker(workdir, total_steps):
     import jax
-    from rstarjax.rl import trainer as trainer_lib
+    from rstarjax.recipes.config import parse
+    from rstarjax.recipes.rl import run_rl
 
     cfg = worker_config(workdir, total_steps)
-    tr = trainer_lib.run_rl(cfg, workdir, rollout_fn=fake_rollout_fn)
+    tr = run_rl(parse(cfg), workdir, rollout_fn=fake_rollout_fn)
     np.savez(os.path.join(workdir, "final.npz"), *[np.asarray(x) for x in jax.tree.leaves(tr.state.params)])
 
 
@@ -148,8 +149,8 @@ def test_sigkill_and_resume_reaches_the_same_parameters(tmp_path):
     logged = [json.loads(line)["step"] for line in open(os.path.join(killed, "logs", "metrics.jsonl"))]
     assert logged.count(1) == 1 and logged[-1] == steps
     # and the run did learn at every step
-    from rstarjax.rl import metrics as metrics_lib
-    recs = metrics_lib.read_jsonl(os.path.join(ref, "logs", "metrics.jsonl"))
+    from rstarjax.io.metrics_log import read_metrics
+    recs = read_metrics(os.path.join(ref, "logs", "metrics.jsonl"))
     assert [r["step"] for r in recs] == list(range(1, steps + 1))
     assert all(r["train/grad_norm"] > 0 for r in recs)
     assert committed_steps(os.path.join(ref, "checkpoints")) == [steps - 1, steps]  # keep=2
@@ -202,12 +203,10 @@ if __name__ == "__main__":
 
 
 def _stage_config(init_from, reset):
-    import base
+    from rstarjax.io.checkpoint import CheckpointConfig
+    from rstarjax.recipes.config import RunConfig
 
-    c = base.get_config()
-    c.checkpoint.init_from = init_from
-    c.checkpoint.reset_optimizer = reset
-    return c
+    return RunConfig(checkpoint=CheckpointConfig(init_from=init_from, reset_optimizer=reset))
 
 
 def test_stage_handoff_keeps_or_resets_the_optimizer(tmp_path):
@@ -219,8 +218,9 @@ def test_stage_handoff_keeps_or_resets_the_optimizer(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_trainer import tiny_model
 
-    from rstarjax.models import sharding as sharding_lib
     from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.models import sharding as sharding_lib
+    from rstarjax.recipes.rl import initial_state
     from rstarjax.rl import optim as optim_lib
     from rstarjax.rl import trainer as trainer_lib
     from rstarjax.rl.loss import LossConfig
@@ -247,7 +247,7 @@ def test_stage_handoff_keeps_or_resets_the_optimizer(tmp_path):
         nxt = make()
         fresh_opt = [np.asarray(x) for x in jax.tree.leaves(nxt.state.opt_state)]
         own = ckpt_lib.Checkpointer(str(tmp_path / f"stage3_{reset}"))
-        meta = trainer_lib.initial_state(nxt, own, _stage_config(src, reset))
+        meta = initial_state(nxt, own, _stage_config(src, reset))
         own.close()
         assert nxt.step == 7 and meta["step"] == 7 and "data_state" not in meta
         for a, b in zip(jax.tree.leaves(nxt.state.params), want_params):

@@ -13,7 +13,8 @@ import stage1  # noqa: E402
 import stage2  # noqa: E402
 import stage3  # noqa: E402
 
-from rstarjax.main import ConfigError, validate  # noqa: E402
+from rstarjax.recipes.config import parse  # noqa: E402
+from rstarjax.validation import ConfigError  # noqa: E402
 
 
 def good_config(tmp_path, mod=stage1, arg=None):
@@ -39,13 +40,13 @@ def test_presets_follow_the_paper():
     assert s3.checkpoint.reset_optimizer and not s1.checkpoint.reset_optimizer
     assert s3.filter.k == 8 and stage3.get_config("filter").mode == "filter"
     assert base.get_config().mode == "rl"
-    # every loss field is one LossConfig knows (the trainer builds LossConfig(**config.loss))
+    # every loss field is one LossConfig knows (the run's loss section is parsed into it)
     from rstarjax.rl.loss import LossConfig
     LossConfig(**dict(s1.loss))
 
 
 def test_valid_config_passes(tmp_path):
-    validate(good_config(tmp_path), num_devices=8)
+    parse(good_config(tmp_path), num_devices=8)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -64,7 +65,7 @@ def test_inconsistent_values_fail_with_a_fix(tmp_path, change, message):
     c = good_config(tmp_path)
     change(c)
     with pytest.raises(ConfigError, match=message):
-        validate(c, num_devices=8)
+        parse(c, num_devices=8)
 
 
 def test_all_errors_reported_together(tmp_path):
@@ -72,16 +73,16 @@ def test_all_errors_reported_together(tmp_path):
     c.rl.oversample = 3
     c.rl.max_turns = 0
     with pytest.raises(ConfigError) as e:
-        validate(c, num_devices=8)
+        parse(c, num_devices=8)
     assert "oversample=3" in str(e.value) and "max_turns=0" in str(e.value)
 
 
 def test_stage3_needs_a_stage2_checkpoint(tmp_path):
     c = good_config(tmp_path, stage3)
     with pytest.raises(ConfigError, match="need --config.checkpoint.init_from"):
-        validate(c, num_devices=8)
+        parse(c, num_devices=8)
     c.checkpoint.init_from = str(tmp_path)
-    validate(c, num_devices=8)
+    parse(c, num_devices=8)
 
 
 def _main(*args, timeout=120):
@@ -100,42 +101,51 @@ def test_command_line_rejects_unknown_keys_and_bad_values(tmp_path):
     assert "--config.model.hf_path is empty" in r.stderr and "--config.data.train_path is empty" in r.stderr
 
 
+def test_moved_keys_name_their_replacement(tmp_path):
+    """Boolean options that became named choices (or moved section) fail with the new flag."""
+    r = _main("--config=configs/stage1.py", f"--workdir={tmp_path}", "--config.loss.dr_grpo=True")
+    assert r.returncode == 2 and "--config.loss.advantage_estimator=dr_grpo" in r.stderr, r.stderr[-2000:]
+    c = good_config(tmp_path)
+    c.loss.gspo = True  # a config built in code, with the old key
+    with pytest.raises(ConfigError, match="--config.loss.gspo was replaced: use --config.loss.policy_loss=gspo"):
+        parse(c)
+
+
 def test_sft_and_eval_modes_name_their_missing_inputs():
     import eval as eval_config  # configs/eval.py
     import sft
 
     with pytest.raises(ConfigError, match="--config.sft.data_path is empty"):
-        validate(sft.get_config())
+        parse(sft.get_config())
     with pytest.raises(ConfigError, match="--config.eval.paths is empty"):
-        validate(eval_config.get_config())
+        parse(eval_config.get_config())
     c = eval_config.get_config()
     c.eval.paths = "/nonexistent/aime24.jsonl"
     with pytest.raises(ConfigError, match="aime24.jsonl' does not exist"):
-        validate(c)
+        parse(c)
 
 
 def test_loss_options_are_settable_and_kl_dynamic_sampling_validated(tmp_path):
     c = good_config(tmp_path)
-    c.loss.dr_grpo = True
+    c.loss.advantage_estimator = "dr_grpo"
     c.loss.dual_clip_c = 3.0
     c.rl.roc_variant = "topk"
-    validate(c)  # every LossConfig option has a config key
+    parse(c)  # every LossConfig option has a config key
     from rstarjax.rl.loss import LossConfig
-    from rstarjax.rl.trainer import RLConfig
 
-    assert LossConfig(**dict(c.loss)).dr_grpo
+    assert LossConfig(**dict(c.loss)).advantage_estimator == "dr_grpo"
     # the KL term and DAPO dynamic sampling are wired into the RL loop: accepted
     c.loss.kl_coef = 0.1
-    c.loss.dynamic_sampling = True
-    validate(c)
-    assert RLConfig.from_config(c.rl).dynamic_sampling_max_rounds == 3
+    c.rl.dynamic_sampling = True
+    parse(c)
+    assert parse(c).rl.dynamic_sampling_max_rounds == 3
     c.rl.dynamic_sampling_max_rounds = 0
     with pytest.raises(ConfigError, match="dynamic_sampling_max_rounds=0 must be an integer >= 1"):
-        validate(c)
+        parse(c)
     c.rl.dynamic_sampling_max_rounds = 1
     c.loss.kl_coef = -0.1
     with pytest.raises(ConfigError, match="kl_coef and entropy_coef must be >= 0"):
-        validate(c)
+        parse(c)
 
 
 def test_tool_pool_filter_and_baseline_options(tmp_path):
@@ -143,16 +153,16 @@ def test_tool_pool_filter_and_baseline_options(tmp_path):
     assert c.rl.num_tool_workers == 0 and c.rl.reject_equal_reward  # host-sized pool; §4.3 filter on
     c.rl.num_tool_workers = -1
     with pytest.raises(ConfigError, match="num_tool_workers=-1 must be an integer >= 0"):
-        validate(c)
+        parse(c)
     c = good_config(tmp_path)
     c.rl.roc = False  # the GRPO baseline samples group_size rollouts: oversample is not consulted
     c.rl.oversample = 3
-    validate(c)
+    parse(c)
     c = good_config(tmp_path)
     c.rl.roc_variant = "topk"
     c.rl.group_size, c.rl.oversample = 3, 6
     with pytest.raises(ConfigError, match="roc_min_negatives \\+ roc_min_positives = 4"):
-        validate(c)
+        parse(c)
     c.rl.chat_format = "fancy"
     with pytest.raises(ConfigError, match="chat_format='fancy'"):
-        validate(c)
+        parse(c)

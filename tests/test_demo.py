@@ -27,12 +27,13 @@ def test_config_variants():
 
 @pytest.mark.slow
 def test_demo_ci_end_to_end(tmp_path):
+    from rstarjax.recipes.config import parse
     from rstarjax.recipes.demo import run_demo
 
     c = _config("ci")
     c.mesh.fsdp = 1
     c.mesh.data = -1
-    summary = run_demo(c, str(tmp_path))
+    summary = run_demo(parse(c), str(tmp_path))
     on_disk = json.loads((tmp_path / "demo_summary.json").read_text())
     assert on_disk["num_eval_problems"] == c.demo.num_eval_problems
     for key in ("sft_accuracy", "rl_accuracy"):
@@ -57,5 +58,5 @@ def test_demo_ci_end_to_end(tmp_path):
     assert (tmp_path / "hf" / "config.json").exists()
     assert (tmp_path / "plots" / "reward.png").exists() and (tmp_path / "plots" / "sft_loss.png").exists()
     with pytest.raises(FileExistsError):
-        run_demo(c, str(tmp_path))
+        run_demo(parse(c), str(tmp_path))
     assert summary["sft_accuracy"] == on_disk["sft_accuracy"]

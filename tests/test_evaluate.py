@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rstarjax.recipes import evaluate as ev
-from rstarjax.rl.trajectory import Finish, Segment, SegmentKind, Trajectory
+from rstarjax.rl.trajectory import FinishReason, Segment, SegmentKind, Trajectory
 
 
 def _pass_at_k_enumerated(correct, k):
@@ -56,7 +56,7 @@ def _traj(text, reward, n_model=3, n_tool=2):
     segs = [Segment(SegmentKind.MODEL, np.arange(n_model), np.zeros(n_model))]
     if n_tool:
         segs.append(Segment(SegmentKind.TOOL, np.arange(n_tool)))
-    return Trajectory(prompt_ids=np.arange(4), segments=segs, reward=reward, finish=Finish.ANSWERED,
+    return Trajectory(prompt_ids=np.arange(4), segments=segs, reward=reward, finish=FinishReason.ANSWERED,
                       response_text=text)
 
 
@@ -147,7 +147,9 @@ def test_run_eval_end_to_end(tmp_path):
     c.eval.timeout_s = 600.0
     c.rl.num_tool_workers = 1
     c.mesh.fsdp = -1
-    out = ev.run_eval(c, str(tmp_path / "run"))
+    from rstarjax.recipes.config import parse
+
+    out = ev.run_eval(parse(c), str(tmp_path / "run"))
     rows = [json.loads(l) for l in (tmp_path / "run" / "eval_samples.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(len(r["samples"]) == 2 for r in rows)
     rewards = [s["reward"] for r in rows for s in r["samples"]]

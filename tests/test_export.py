@@ -11,12 +11,12 @@ from flax import nnx
 
 from rstarjax import export
 from rstarjax.models import ModelConfig, Qwen3, load_tokenizer
-from rstarjax.models.sharding import make_mesh
 from rstarjax.io import checkpoint as ckpt_lib
-from rstarjax.recipes.sft import model_meta
-from rstarjax.rl.trainer import Trainer, TrainerConfig
+from rstarjax.models.sharding import make_mesh
+from rstarjax.recipes.build import model_meta
 from rstarjax.rl.loss import LossConfig
 from rstarjax.rl.optim import OptimConfig
+from rstarjax.rl.trainer import Trainer, TrainerConfig
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

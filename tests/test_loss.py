@@ -9,15 +9,28 @@ import pytest
 import torch
 
 from rstarjax.rl.advantages import (
-    group_advantages,
+    dr_grpo_advantages,
     grouped_advantages,
+    grpo_advantages,
     is_informative_group,
     kimi_length_reward,
-    overlong_filter_weights,
 )
-from rstarjax.rl.batch import make_train_batch
-from rstarjax.rl.loss import LossConfig, loss_denominator, policy_loss, token_logprobs, token_logprobs_and_entropy
+from rstarjax.rl.batch import build_train_batch
+from rstarjax.rl.loss import LossConfig, dr_grpo_denominator, policy_loss, token_logprobs_and_entropy
 from rstarjax.rl.trajectory import Segment, SegmentKind, Trajectory
+
+
+def make_train_batch(*args, **kwargs):
+    return build_train_batch(*args, **kwargs)[0]
+
+
+def num_loss_tokens(batch):
+    """eq. 6's sum_i |o_i| of a whole batch."""
+    return float(np.asarray(batch.loss_mask, np.float64).sum())
+
+
+def token_logprobs(logits, targets):
+    return token_logprobs_and_entropy(logits, targets)[0]
 
 # ---- eq. 7 ------------------------------------------------------------------------------------
 
@@ -26,28 +39,29 @@ def test_group_advantages_eq7():
     r = [1.0, 0.0, 0.0, 1.0, 1.0]
     mean = sum(r) / len(r)
     sd = statistics.stdev(r)  # sample std, as verl's torch.std
-    np.testing.assert_allclose(group_advantages(r), [(x - mean) / (sd + 1e-6) for x in r], rtol=1e-6)
+    np.testing.assert_allclose(grpo_advantages(r), [(x - mean) / (sd + 1e-6) for x in r], rtol=1e-6)
     sd0 = statistics.pstdev(r)
-    np.testing.assert_allclose(group_advantages(r, ddof=0), [(x - mean) / (sd0 + 1e-6) for x in r], rtol=1e-6)
-    np.testing.assert_allclose(group_advantages(r, std_normalize=False), [x - mean for x in r], rtol=1e-6)  # Dr. GRPO
-    assert np.all(group_advantages([1.0] * 4) == 0) and np.all(group_advantages([0.0] * 4) == 0)
-    assert group_advantages([1.0]).tolist() == [0.0]
+    np.testing.assert_allclose(grpo_advantages(r, ddof=0), [(x - mean) / (sd0 + 1e-6) for x in r], rtol=1e-6)
+    np.testing.assert_allclose(dr_grpo_advantages(r), [x - mean for x in r], rtol=1e-6)  # Dr. GRPO
+    assert np.all(grpo_advantages([1.0] * 4) == 0) and np.all(grpo_advantages([0.0] * 4) == 0)
+    assert grpo_advantages([1.0]).tolist() == [0.0] and dr_grpo_advantages([1.0]).tolist() == [0.0]
     with pytest.raises(ValueError):
-        group_advantages([1.0, float("nan")])
+        grpo_advantages([1.0, float("nan")])
+    with pytest.raises(ValueError):
+        dr_grpo_advantages([1.0, float("nan")])
 
 
 def test_grouped_advantages_per_group():
     r = [1, 0, 1, 1, 0, 0]
     g = [7, 7, 3, 3, 3, 7]
     out = grouped_advantages(r, g)
-    np.testing.assert_allclose(out[[0, 1, 5]], group_advantages([1, 0, 0]))
-    np.testing.assert_allclose(out[[2, 3, 4]], group_advantages([1, 1, 0]))
+    np.testing.assert_allclose(out[[0, 1, 5]], grpo_advantages([1, 0, 0]))
+    np.testing.assert_allclose(out[[2, 3, 4]], grpo_advantages([1, 1, 0]))
 
 
-def test_dynamic_sampling_predicate_and_overlong():
+def test_dynamic_sampling_predicate():
     assert not is_informative_group([1, 1, 1]) and not is_informative_group([0, 0])
     assert is_informative_group([0, 1, 0])
-    assert overlong_filter_weights([True, False]).tolist() == [0.0, 1.0]
 
 
 def test_kimi_length_reward_by_hand():
@@ -71,7 +85,6 @@ def test_token_logprobs_against_torch():
     np.testing.assert_allclose(np.asarray(lp)[:, 1:], ref, atol=1e-5)
     np.testing.assert_allclose(np.asarray(ent)[:, 1:], ref_ent, atol=1e-5)
     assert np.all(np.asarray(lp)[:, 0] == 0)
-    np.testing.assert_allclose(token_logprobs(jnp.asarray(logits), jnp.asarray(tokens)), lp, atol=1e-6)
     # bf16 logits are upcast before the softmax
     lpb = token_logprobs(jnp.asarray(logits, jnp.bfloat16), jnp.asarray(tokens))
     assert lpb.dtype == jnp.float32
@@ -121,7 +134,7 @@ def numpy_eq6(trajs, new_lp_per_traj, eps_low=0.2, eps_high=0.28, dual_c=None, k
 
 
 def batch_and_newlp(trajs, rng, pack=False, spread=0.5):
-    adv = group_advantages([t.reward for t in trajs])
+    adv = grpo_advantages([t.reward for t in trajs])
     b = make_train_batch(trajs, adv, seq_len=32, pad_id=0, pack=pack)
     new = b.old_logprobs + rng.normal(size=b.old_logprobs.shape).astype(np.float32) * spread
     # per-trajectory new log-probs of the response tokens, read back through the layout
@@ -139,7 +152,7 @@ def test_policy_loss_matches_numpy_eq6(dual_c):
     trajs = make_group(rng)
     b, new, per_traj = batch_and_newlp(trajs, rng, spread=0.6)
     cfg = LossConfig(dual_clip_c=dual_c)
-    denom = loss_denominator(b.loss_mask, cfg)
+    denom = num_loss_tokens(b)
     loss, m = jax.jit(policy_loss, static_argnames="cfg")(
         jnp.asarray(new), b.old_logprobs, b.advantages, b.loss_mask, denom, cfg=cfg
     )
@@ -156,7 +169,7 @@ def test_kl_option_matches_numpy():
     ref_lp = b.old_logprobs + rng.normal(size=new.shape).astype(np.float32) * 0.3
     ref_per_traj = [ref_lp[i, len(t.prompt_ids) :].tolist() for i, t in enumerate(trajs)]
     cfg = LossConfig(kl_coef=0.1)
-    loss, m = policy_loss(jnp.asarray(new), b.old_logprobs, b.advantages, b.loss_mask, b.num_loss_tokens(), cfg,
+    loss, m = policy_loss(jnp.asarray(new), b.old_logprobs, b.advantages, b.loss_mask, num_loss_tokens(b), cfg,
                           ref_logprobs=jnp.asarray(ref_lp))
     assert float(loss) == pytest.approx(numpy_eq6(trajs, per_traj, kl_coef=0.1, ref_per_traj=ref_per_traj), rel=1e-5)
     with pytest.raises(ValueError):
@@ -168,7 +181,7 @@ def test_gradient_matches_numpy():
     rng = np.random.default_rng(3)
     trajs = make_group(rng)
     b, new, _ = batch_and_newlp(trajs, rng, spread=0.4)
-    denom = b.num_loss_tokens()
+    denom = num_loss_tokens(b)
     g = jax.grad(lambda lp: policy_loss(lp, b.old_logprobs, b.advantages, b.loss_mask, denom, LossConfig())[0])(
         jnp.asarray(new)
     )
@@ -183,7 +196,7 @@ def test_entropy_and_tis_options():
     rng = np.random.default_rng(4)
     trajs = make_group(rng)
     b, new, _ = batch_and_newlp(trajs, rng, spread=0.1)
-    mask, denom = b.loss_mask, b.num_loss_tokens()
+    mask, denom = b.loss_mask, num_loss_tokens(b)
     ent = rng.uniform(0, 2, new.shape).astype(np.float32)
     base, _ = policy_loss(jnp.asarray(new), b.old_logprobs, b.advantages, mask, denom, LossConfig())
     with_ent, m = policy_loss(jnp.asarray(new), b.old_logprobs, b.advantages, mask, denom, LossConfig(entropy_coef=0.01),
@@ -218,7 +231,7 @@ def numpy_gspo(b, new, seq_ids, el=3e-4, eh=4e-4):
 def test_gspo_packed_equals_unpacked_and_numpy():
     rng = np.random.default_rng(5)
     trajs = make_group(rng, n=6)
-    adv = group_advantages([t.reward for t in trajs])
+    adv = grpo_advantages([t.reward for t in trajs])
     flat = make_train_batch(trajs, adv, seq_len=32, pad_id=0)
     packed = make_train_batch(trajs, adv, seq_len=32, pad_id=0, pack=True)
     assert packed.shape[0] < flat.shape[0]
@@ -229,8 +242,8 @@ def test_gspo_packed_equals_unpacked_and_numpy():
         d = rng.normal(size=len(t.response_ids)).astype(np.float32) * 3e-4
         dev[i] = d
         new_flat[i, len(t.prompt_ids) : len(t.prompt_ids) + len(d)] += d
-    cfg = LossConfig(gspo=True)
-    lf, _ = policy_loss(jnp.asarray(new_flat), flat.old_logprobs, flat.advantages, flat.loss_mask, flat.num_loss_tokens(), cfg)
+    cfg = LossConfig(policy_loss="gspo")
+    lf, _ = policy_loss(jnp.asarray(new_flat), flat.old_logprobs, flat.advantages, flat.loss_mask, num_loss_tokens(flat), cfg)
     seq_ids = np.arange(flat.shape[0])[:, None] * 100 + flat.segment_ids
     assert float(lf) == pytest.approx(numpy_gspo(flat, new_flat, seq_ids), rel=1e-5)
     # packed: find each trajectory's segment by matching its token run
@@ -242,11 +255,11 @@ def test_gspo_packed_equals_unpacked_and_numpy():
         s = pl.start + len(t.prompt_ids)
         new_packed[pl.row, s : s + len(dev[i])] += dev[i]
     lp_, _ = policy_loss(jnp.asarray(new_packed), packed.old_logprobs, packed.advantages, packed.loss_mask,
-                         packed.num_loss_tokens(), cfg, segment_ids=jnp.asarray(packed.segment_ids))
+                         num_loss_tokens(packed), cfg, segment_ids=jnp.asarray(packed.segment_ids))
     assert float(lp_) == pytest.approx(float(lf), rel=1e-5)
     # without segment_ids, packed rows would be treated as one sequence: a different value
     lp_wrong, _ = policy_loss(jnp.asarray(new_packed), packed.old_logprobs, packed.advantages, packed.loss_mask,
-                              packed.num_loss_tokens(), cfg)
+                              num_loss_tokens(packed), cfg)
     assert abs(float(lp_wrong) - float(lf)) > 1e-7
 
 
@@ -256,13 +269,13 @@ def test_gspo_packed_equals_unpacked_and_numpy():
 def test_microbatch_sum_equals_full_batch_loss_and_grads():
     rng = np.random.default_rng(6)
     trajs = make_group(rng, n=8, vocab=13)
-    b = make_train_batch(trajs, group_advantages([t.reward for t in trajs]), seq_len=32, pad_id=0)
+    b = make_train_batch(trajs, grpo_advantages([t.reward for t in trajs]), seq_len=32, pad_id=0)
     params = {
         "emb": jnp.asarray(rng.normal(size=(13, 6)).astype(np.float32)),
         "out": jnp.asarray(rng.normal(size=(6, 13)).astype(np.float32)),
     }
     cfg = LossConfig()
-    denom = loss_denominator(b.loss_mask, cfg)  # global, from the WHOLE batch
+    denom = num_loss_tokens(b)  # global, from the WHOLE batch
 
     def loss_fn(p, mb):
         logits = jnp.tanh(p["emb"][mb.tokens]) @ p["out"]
@@ -273,7 +286,7 @@ def test_microbatch_sum_equals_full_batch_loss_and_grads():
     (full, fm), gfull = step(params, b)
     total, gsum, msum = 0.0, jax.tree.map(jnp.zeros_like, params), None
     for s in range(0, 8, 3):  # uneven micro-batches: 3, 3, 2 rows
-        (l, m), g = step(params, b.rows(s, s + 3))
+        (l, m), g = step(params, jax.tree.map(lambda a: a[s:s + 3], b))
         total += l
         gsum = jax.tree.map(jnp.add, gsum, g)
         msum = m if msum is None else jax.tree.map(jnp.add, msum, m)
@@ -292,7 +305,7 @@ def test_masked_garbage_does_not_poison():
     new = np.where(b.loss_mask > 0, new, -1e30).astype(np.float32)
     new[b.loss_mask == 0] = -np.inf
     loss, g = jax.value_and_grad(
-        lambda lp: policy_loss(lp, b.old_logprobs, b.advantages, b.loss_mask, b.num_loss_tokens(), LossConfig())[0]
+        lambda lp: policy_loss(lp, b.old_logprobs, b.advantages, b.loss_mask, num_loss_tokens(b), LossConfig())[0]
     )(jnp.asarray(new))
     assert np.isfinite(float(loss)) and np.all(np.isfinite(np.asarray(g)))
     assert float(policy_loss(jnp.asarray(new), b.old_logprobs, b.advantages, 0 * b.loss_mask, 0.0, LossConfig())[0]) == 0.0
@@ -302,10 +315,12 @@ def test_loss_config_validation():
     for bad in (dict(eps_low=0.0), dict(eps_low=1.0), dict(kl_coef=-1.0), dict(dual_clip_c=0.5), dict(tis_cap=0.0)):
         with pytest.raises(ValueError):
             LossConfig(**bad)
+    for bad in (dict(policy_loss="ppo"), dict(advantage_estimator="rloo")):  # named choices are checked
+        with pytest.raises(ValueError):
+            LossConfig(**bad)
     with pytest.raises(ValueError):
-        loss_denominator(np.ones((2, 3)), LossConfig(dr_grpo=True))
-    assert loss_denominator(np.ones((2, 3)), LossConfig(dr_grpo=True), num_sequences=4, max_response_len=10) == 40
-    assert not LossConfig(dr_grpo=True).std_normalize
+        dr_grpo_denominator(0, 10)
+    assert dr_grpo_denominator(num_sequences=4, max_response_len=10) == 40
 
 
 def test_trajectory_advantages_groups_and_length_penalty():
@@ -321,9 +336,9 @@ def test_trajectory_advantages_groups_and_length_penalty():
     shaped, adv = trajectory_advantages(trajs, length_penalty_coef=0.1)
     # group 0: model lengths 10, 30, 20 (tool tokens ignored) -> lambda 0.5, -0.5, 0.0
     np.testing.assert_allclose(shaped, [1.05, 0.95, 0.0, 1.0, 0.0], rtol=1e-6)
-    np.testing.assert_allclose(adv[:3], group_advantages([1.05, 0.95, 0.0]), rtol=1e-6)
-    np.testing.assert_allclose(adv[3:], group_advantages([1.0, 0.0]), rtol=1e-6)
-    _, plain = trajectory_advantages(trajs, std_normalize=False)
+    np.testing.assert_allclose(adv[:3], grpo_advantages([1.05, 0.95, 0.0]), rtol=1e-6)
+    np.testing.assert_allclose(adv[3:], grpo_advantages([1.0, 0.0]), rtol=1e-6)
+    _, plain = trajectory_advantages(trajs, estimator="dr_grpo")
     np.testing.assert_allclose(plain[:3], [1 / 3, 1 / 3, -2 / 3], rtol=1e-6)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rstarjax import report
-from rstarjax.rl.metrics import MetricsWriter
+from rstarjax.io.metrics_log import MetricsWriter
 
 
 def _write_run(path, rewards, tool_err, offset=0):

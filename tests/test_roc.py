@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rstarjax.rl.roc import RocStats, p_err, p_format, p_total, roc_select
-from rstarjax.rl.trajectory import Finish, Segment, SegmentKind, ToolErrorCounts, Trajectory
+from rstarjax.rl.trajectory import FinishReason, Segment, SegmentKind, ToolErrorCounts, Trajectory
 
 
 def traj(reward=1.0, calls=0, parse=0, execution=0, timeout=0, answers=1, turns=1, text=""):
@@ -17,7 +17,7 @@ def traj(reward=1.0, calls=0, parse=0, execution=0, timeout=0, answers=1, turns=
         tool_calls=calls,
         tool_errors=ToolErrorCounts(parse=parse, execution=execution, timeout=timeout),
         answer_tags=answers,
-        finish=Finish.ANSWERED,
+        finish=FinishReason.ANSWERED,
         reward=reward,
         response_text=text,
     )
@@ -329,18 +329,22 @@ def test_successive_sampling_order_probabilities():
         weighted_sample_without_replacement(np.array([1.0, 0.0]), 1, rng)
 
 
-def test_roc_select_batch_per_group():
-    from rstarjax.rl.roc import roc_select_batch
+def test_roc_applied_per_group_of_a_flat_batch():
+    """RoC over the rollouts of several prompts (selection.select_groups, the RL step's): G per
+    group by ``group_id``, whatever the list order, deterministic in the seed."""
+    from rstarjax.rl.selection import select_groups
+    from rstarjax.rl.step import RLConfig
 
     trajs = []
-    for gid in (5, 2):
+    for gid in (1, 0):
         for i in range(8):
             t = traj(reward=float(i < 3))
             t.group_id = gid
             trajs.append(t)
-    kept = roc_select_batch(trajs, 4, 0)
+    cfg = RLConfig(group_size=4, oversample=8)
+    kept = select_groups(trajs, 2, cfg, seed=0).kept
     assert len(kept) == 8
-    for lo in (0, 8):
-        sub = [i for i in kept if lo <= i < lo + 8]
-        assert len(sub) == 4 and sum(trajs[i].reward == 0 for i in sub) == 2  # floor(5/2)
-    assert roc_select_batch(trajs, 4, 0) == kept
+    for gid in (0, 1):
+        sub = [t for t in kept if t.group_id == gid]
+        assert len(sub) == 4 and sum(t.reward == 0 for t in sub) == 2  # floor(5/2)
+    assert [id(t) for t in select_groups(trajs, 2, cfg, seed=0).kept] == [id(t) for t in kept]

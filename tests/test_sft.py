@@ -9,7 +9,10 @@ from flax import nnx
 
 from rstarjax.models import ModelConfig, Qwen3, load_tokenizer, save_hf
 from rstarjax.models import chat_template as ct
+from rstarjax.protocol import TOOL_NAME
 from rstarjax.recipes import sft
+from rstarjax.recipes.config import SFTConfig
+from rstarjax.rl.optim import cosine_with_warmup
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -22,7 +25,7 @@ def _conversation(i):
     return [
         {"role": "user", "content": f"Compute {1234 + i} * {56 + i}."},
         {"role": "assistant", "content": "<reason>Use Python.</reason>",
-         "tool_calls": [{"type": "function", "function": {"name": ct.TOOL_NAME,
+         "tool_calls": [{"type": "function", "function": {"name": TOOL_NAME,
                                                           "arguments": {"code": code, "input": ""}}}]},
         {"role": "tool", "content": str((1234 + i) * (56 + i))},
         {"role": "assistant", "content": f"<answer>\\boxed{{{(1234 + i) * (56 + i)}}}</answer>"},
@@ -52,7 +55,7 @@ def test_schedule_matches_transformers():
     sched = transformers.get_cosine_schedule_with_warmup(opt, num_warmup_steps=int(0.04 * total),
                                                          num_training_steps=total)
     for step in range(total):
-        ours = float(sft.sft_learning_rate(step, total, peak, 0.04))
+        ours = float(cosine_with_warmup(step, total, peak, 0.04))
         assert ours == pytest.approx(opt.param_groups[0]["lr"], rel=1e-5, abs=1e-12), step
         opt.step()
         sched.step()
@@ -75,7 +78,7 @@ def test_masked_packed_loss_matches_hf(tok, tmp_path):
         count += n
     reference = nll / count
 
-    cfg = sft.SFTConfig(epochs=1, batch_size=5, learning_rate=1e-3, warmup_ratio=0.0, seq_len=512)
+    cfg = SFTConfig(epochs=1, batch_size=5, learning_rate=1e-3, warmup_ratio=0.0, seq_len=512)
     plan = sft.plan_batches([len(e.ids) for e in examples], 5, 1, 512, seed=0)
     assert len(plan) == 1 and sum(len(r) for r in plan[0]) == 5
     assert any(len(r) > 1 for r in plan[0]), "the test must exercise packing"
@@ -143,7 +146,7 @@ def test_sft_learns_and_checkpoints(tok, tmp_path):
     from rstarjax.io import checkpoint as ckpt_lib
 
     convs = [_conversation(i) for i in range(16)]
-    cfg = sft.SFTConfig(epochs=10, batch_size=16, learning_rate=1e-2, warmup_ratio=0.0, seq_len=512)
+    cfg = SFTConfig(epochs=10, batch_size=16, learning_rate=1e-2, warmup_ratio=0.0, seq_len=512)
     trainer, summary = sft.train_sft(_tiny_model(tok), tok, convs, cfg, fmt=ct.COMPACT, workdir=str(tmp_path),
                                      mesh=_one_device_mesh(),
                                      checkpoint_cfg=ckpt_lib.CheckpointConfig(every_steps=3, async_save=False),

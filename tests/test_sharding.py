@@ -8,8 +8,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rstarjax.models import ModelConfig, Qwen3, load_hf, save_hf
-from rstarjax.models.sharding import (batch_sharding, create_sharded_model, logical_to_spec,
-                                      make_mesh, model_shardings, shard_model)
+from rstarjax.models.sharding import batch_sharding, logical_to_spec, make_mesh, shard_model, state_shardings
 
 CFG = ModelConfig.preset("tiny", dtype=jnp.float32, tie_word_embeddings=False)
 
@@ -51,8 +50,8 @@ def test_make_mesh_shapes_and_errors():
         make_mesh(data=3, fsdp=1, tensor=1)
 
 
-def test_created_params_carry_intended_shardings(mesh):
-    model = create_sharded_model(lambda: Qwen3(CFG, rngs=nnx.Rngs(0)), mesh)
+def test_placed_params_carry_intended_shardings(mesh):
+    model = shard_model(Qwen3(CFG, rngs=nnx.Rngs(0)), mesh)
     specs = _specs(model)
     for path, want in EXPECTED_SPECS.items():
         assert _norm(specs[path])[:4] == _norm(want)[:4], path
@@ -89,7 +88,7 @@ def test_sharded_forward_and_grad_equal_single_device(mesh):
 
     model = shard_model(Qwen3(CFG, rngs=nnx.Rngs(1)), mesh)
     graphdef, state = nnx.split(model)
-    state_sh, data_sh = model_shardings(model, mesh), batch_sharding(mesh)
+    state_sh, data_sh = state_shardings(nnx.state(model), mesh), batch_sharding(mesh)
     step = jax.jit(jax.value_and_grad(lambda st, t, s: loss_fn(nnx.merge(graphdef, st), t, s)),
                    in_shardings=(state_sh, data_sh, data_sh), out_shardings=(None, state_sh))
     with jax.set_mesh(mesh):  # activates the activation sharding constraints

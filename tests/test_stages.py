@@ -68,25 +68,23 @@ def _leaves(tree):
 
 
 def _stage_config(init_from="", reset=False):
-    import base
+    from rstarjax.io.checkpoint import CheckpointConfig
+    from rstarjax.recipes.config import RunConfig
 
-    c = base.get_config()
-    c.checkpoint.init_from = init_from
-    c.checkpoint.reset_optimizer = reset
-    return c
+    return RunConfig(checkpoint=CheckpointConfig(init_from=init_from, reset_optimizer=reset))
 
 
 def test_sft_checkpoint_hands_over_params_only(tmp_path):
     """SFT -> stage 1: the SFT policy's params; step 0 and a fresh optimizer (its LR warmup runs),
     whatever step and moments the SFT run ended with."""
     from rstarjax.io import checkpoint as ckpt_lib
-    from rstarjax.rl import trainer as trainer_lib
+    from rstarjax.recipes import rl as rl_recipe
 
     sft = _save_trained(_trainer(), str(tmp_path / "sft"), 50, {"stage": "sft", "total_steps": 50})
     tr = _trainer()
     fresh_opt = _leaves(tr.state.opt_state)
     own = ckpt_lib.Checkpointer(str(tmp_path / "stage1"))
-    meta = trainer_lib.initial_state(tr, own, _stage_config(str(tmp_path / "sft")))
+    meta = rl_recipe.initial_state(tr, own, _stage_config(str(tmp_path / "sft")))
     own.close()
     assert tr.step == 0 and meta["stage_start_step"] == 0 and meta["init_from_stage"] == "sft"
     for a, b in zip(_leaves(tr.state.params), _leaves(sft.params)):
@@ -97,14 +95,14 @@ def test_sft_checkpoint_hands_over_params_only(tmp_path):
 
 def test_rl_checkpoint_hands_over_params_optimizer_and_step(tmp_path):
     from rstarjax.io import checkpoint as ckpt_lib
-    from rstarjax.rl import trainer as trainer_lib
+    from rstarjax.recipes import rl as rl_recipe
 
     s1 = _save_trained(_trainer(), str(tmp_path / "s1"), 300, {"step": 300, "stage": "rl", "init_from": ""})
     for reset in (False, True):
         tr = _trainer()
         fresh_opt = _leaves(tr.state.opt_state)
         own = ckpt_lib.Checkpointer(str(tmp_path / f"s2_{reset}"))
-        meta = trainer_lib.initial_state(tr, own, _stage_config(str(tmp_path / "s1"), reset))
+        meta = rl_recipe.initial_state(tr, own, _stage_config(str(tmp_path / "s1"), reset))
         own.close()
         assert tr.step == 300 and meta["stage_start_step"] == 300 and meta["init_from_stage"] == "rl"
         for a, b in zip(_leaves(tr.state.params), _leaves(s1.params)):
@@ -119,36 +117,36 @@ def test_a_workdir_belongs_to_one_stage(tmp_path):
     """Re-running a stage in a workdir that holds another stage's checkpoints (e.g. stage 3 in
     stage 2's workdir) is refused instead of silently resuming the other stage's state."""
     from rstarjax.io import checkpoint as ckpt_lib
-    from rstarjax.rl import trainer as trainer_lib
+    from rstarjax.recipes import rl as rl_recipe
 
     s2 = str(tmp_path / "s2" / "checkpoints")
     _save_trained(_trainer(), s2, 385, {"step": 385, "stage": "rl", "init_from": str(tmp_path / "s1")})
-    with pytest.raises(trainer_lib.StageError, match="this run's own checkpoint directory"):
+    with pytest.raises(rl_recipe.StageError, match="this run's own checkpoint directory"):
         own = ckpt_lib.Checkpointer(s2)
         try:
-            trainer_lib.initial_state(_trainer(), own, _stage_config(s2, True))
+            rl_recipe.initial_state(_trainer(), own, _stage_config(s2, True))
         finally:
             own.close()
     other = str(tmp_path / "elsewhere")
     _save_trained(_trainer(), other, 385, {"step": 385, "stage": "rl"})
     own = ckpt_lib.Checkpointer(s2)
-    with pytest.raises(trainer_lib.StageError, match="holds checkpoints of another run"):
-        trainer_lib.initial_state(_trainer(), own, _stage_config(other, True))
+    with pytest.raises(rl_recipe.StageError, match="holds checkpoints of another run"):
+        rl_recipe.initial_state(_trainer(), own, _stage_config(other, True))
     # the same stage again (same init_from): its own progress resumes
     tr = _trainer()
-    meta = trainer_lib.initial_state(tr, own, _stage_config(str(tmp_path / "s1")))
+    meta = rl_recipe.initial_state(tr, own, _stage_config(str(tmp_path / "s1")))
     own.close()
     assert meta["resumed"] and tr.step == 385
     sft_dir = str(tmp_path / "sft")
     _save_trained(_trainer(), sft_dir, 7, {"stage": "sft"})
     own = ckpt_lib.Checkpointer(sft_dir)
-    with pytest.raises(trainer_lib.StageError, match="SFT run's checkpoints"):
-        trainer_lib.initial_state(_trainer(), own, _stage_config())
+    with pytest.raises(rl_recipe.StageError, match="SFT run's checkpoints"):
+        rl_recipe.initial_state(_trainer(), own, _stage_config())
     own.close()
 
 
 def test_each_stage_gets_its_own_data_order():
-    from rstarjax.rl.trainer import stage_data_seed
+    from rstarjax.recipes.rl import stage_data_seed
 
     assert stage_data_seed(0, 0) == 0
     seeds = {stage_data_seed(0, s) for s in (0, 300, 385)}
@@ -191,12 +189,14 @@ def test_scripted_chain_steps_warmup_data_order_and_served_weights(tmp_path, mon
     first rollout, each stage reads its data in a new order, and warmup runs after each reset."""
     import jax
 
+    from rstarjax.io.metrics_log import read_metrics
     from rstarjax.models import sharding as sharding_lib
-    from rstarjax.rl import metrics as metrics_lib
-    from rstarjax.rl import trainer as trainer_lib
+    from rstarjax.recipes import build
+    from rstarjax.recipes.config import parse
+    from rstarjax.recipes.rl import run_rl
     from test_checkpoint import fake_rollout_fn
 
-    monkeypatch.setattr(trainer_lib, "build_mesh", lambda c: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    monkeypatch.setattr(build, "mesh", lambda c: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     with open(tmp_path / "train.jsonl", "w") as f:
         for i in range(8):
             f.write(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n")
@@ -214,9 +214,9 @@ def test_scripted_chain_steps_warmup_data_order_and_served_weights(tmp_path, mon
             events.append(("update", _leaves(tr.state.params), tr.step))
 
         workdir = str(tmp_path / name)
-        tr = trainer_lib.run_rl(_scripted_config(workdir, total, init_from, reset), workdir,
-                                rollout_fn=rollout_fn, on_update=on_update)
-        recs = metrics_lib.read_jsonl(os.path.join(workdir, "logs", "metrics.jsonl"))
+        tr = run_rl(parse(_scripted_config(workdir, total, init_from, reset)), workdir,
+                    rollout_fn=rollout_fn, on_update=on_update)
+        recs = read_metrics(os.path.join(workdir, "logs", "metrics.jsonl"))
         return tr, events, recs
 
     def final_params(ckpt_dir):
@@ -520,15 +520,17 @@ def _stage2_checkpoint(tmp_path, config):
     """A stage-2 checkpoint of the tiny model (what stage 3 and its filter start from)."""
     import jax
 
-    from rstarjax.models import load_hf
     from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.models import load_hf
+    from rstarjax.recipes import build
+    from rstarjax.recipes.config import MeshConfig
     from rstarjax.rl import optim as optim_lib
     from rstarjax.rl import trainer as trainer_lib
     from rstarjax.rl.loss import LossConfig
 
     model = load_hf(config.model.hf_path)
     tr = trainer_lib.Trainer(model, optim_lib.OptimConfig(), LossConfig(), trainer_lib.TrainerConfig(),
-                             mesh=trainer_lib.build_mesh(config))
+                             mesh=build.mesh(MeshConfig(**dict(config.mesh))))
     path = str(tmp_path / "stage2" / "checkpoints")
     with ckpt_lib.Checkpointer(path) as ck:
         ck.save(385, trainer_lib.TrainState(tr.state.params, tr.state.opt_state,
@@ -538,7 +540,7 @@ def _stage2_checkpoint(tmp_path, config):
 
 
 def test_tool_pool_follows_the_host():
-    from rstarjax.rl.agent_loop import tool_workers
+    from rstarjax.recipes.build import tool_workers
 
     assert tool_workers(0, cores=2) == 2 and tool_workers(0, cores=96) == 96 and tool_workers(5) == 5
     with pytest.raises(ValueError, match="num_tool_workers"):

@@ -17,8 +17,10 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from test_trainer import leaves, random_batch, reference_loss, tiny_model  # noqa: E402
 
-from rstarjax.models import sharding as sharding_lib  # noqa: E402
 from rstarjax.io import checkpoint as ckpt_lib  # noqa: E402
+from rstarjax.models import sharding as sharding_lib  # noqa: E402
+from rstarjax.recipes import rl as rl_recipe  # noqa: E402
+from rstarjax.recipes.config import RunConfig, parse  # noqa: E402
 from rstarjax.rl import optim as optim_lib  # noqa: E402
 from rstarjax.rl import trainer as trainer_lib  # noqa: E402
 from rstarjax.rl.loss import LossConfig  # noqa: E402
@@ -83,15 +85,10 @@ def test_kl_term_loss_and_gradient_equal_a_direct_reference_forward():
         plain.set_reference()
 
 
-def _stage_config(init_from, update_reference):
-    import base
-
-    c = base.get_config()
-    c.loss.kl_coef = KL
-    c.checkpoint.init_from = init_from
-    c.checkpoint.reset_optimizer = True
-    c.checkpoint.update_reference = update_reference
-    return c
+def _stage_config(init_from, update_reference, kl_coef=KL):
+    return RunConfig(loss=LossConfig(kl_coef=kl_coef),
+                     checkpoint=ckpt_lib.CheckpointConfig(init_from=init_from, reset_optimizer=True,
+                                                          update_reference=update_reference))
 
 
 def test_update_reference_switches_the_reference_and_is_rebuilt_on_resume(tmp_path):
@@ -114,9 +111,9 @@ def test_update_reference_switches_the_reference_and_is_rebuilt_on_resume(tmp_pa
     # stage 3 with update_reference: reference := the stage-2 policy it starts from
     nxt = make()
     own = ckpt_lib.Checkpointer(str(tmp_path / "stage3"))
-    meta = trainer_lib.initial_state(nxt, own, _stage_config(src, True))
+    meta = rl_recipe.initial_state(nxt, own, _stage_config(src, True))
     own.close()
-    record = trainer_lib.setup_reference(nxt, _stage_config(src, True), meta)
+    record = rl_recipe.setup_reference(nxt, _stage_config(src, True), meta)
     assert record == {"source": "init_from", "path": os.path.abspath(src), "step": 7}
     for a, b in zip(leaves(nxt.ref_params), stage2):
         np.testing.assert_array_equal(a, b)
@@ -124,9 +121,9 @@ def test_update_reference_switches_the_reference_and_is_rebuilt_on_resume(tmp_pa
     # without it the reference stays the initial (base) model, while the policy is stage 2's
     nxt = make()
     own = ckpt_lib.Checkpointer(str(tmp_path / "stage3b"))
-    meta = trainer_lib.initial_state(nxt, own, _stage_config(src, False))
+    meta = rl_recipe.initial_state(nxt, own, _stage_config(src, False))
     own.close()
-    assert trainer_lib.setup_reference(nxt, _stage_config(src, False), meta) == {"source": "initial"}
+    assert rl_recipe.setup_reference(nxt, _stage_config(src, False), meta) == {"source": "initial"}
     for a, b, c in zip(leaves(nxt.ref_params), initial, leaves(nxt.state.params)):
         np.testing.assert_array_equal(a, b)
         assert not np.array_equal(a, c)
@@ -137,14 +134,13 @@ def test_update_reference_switches_the_reference_and_is_rebuilt_on_resume(tmp_pa
         ck.save(9, trainer_lib.TrainState(jax.tree.map(lambda x: x + 5.0, prev.state.params),
                                           prev.state.opt_state, prev.state.step + 9), {"step": 9})
     resumed = make()
-    got = trainer_lib.setup_reference(resumed, _stage_config(src, True), {"step": 12, "reference": record})
+    got = rl_recipe.setup_reference(resumed, _stage_config(src, True), {"step": 12, "reference": record})
     assert got == record
     for a, b in zip(leaves(resumed.ref_params), stage2):
         np.testing.assert_array_equal(a, b)
     # no KL: nothing to choose, nothing held
-    c = _stage_config(src, True)
-    c.loss.kl_coef = 0.0
-    assert trainer_lib.setup_reference(make(), c, {}) is None
+    c = _stage_config(src, True, kl_coef=0.0)
+    assert rl_recipe.setup_reference(make(), c, {}) is None
 
 
 # ------------------------------------------------------------------ DAPO dynamic sampling
@@ -156,7 +152,7 @@ def response_len(i):
 
 
 def scripted_rollout_fn(calls):
-    from rstarjax.rl.trajectory import Finish, Segment, SegmentKind, Trajectory
+    from rstarjax.rl.trajectory import FinishReason, Segment, SegmentKind, Trajectory
 
     def fn(records, n, seed, version):
         ids = [int(r["problem"].split()[-1]) for r in records]
@@ -170,7 +166,7 @@ def scripted_rollout_fn(calls):
                 out.append(Trajectory(
                     prompt_ids=np.array([5, 6, 7], np.int32),
                     segments=[Segment(SegmentKind.MODEL, rng.integers(1, 400, k), -rng.random(k) - 0.1)],
-                    turns=1, answer_tags=1, finish=Finish.ANSWERED, reward=reward, group_id=g,
+                    turns=1, answer_tags=1, finish=FinishReason.ANSWERED, reward=reward, group_id=g,
                     policy_version=version))
         return out
 
@@ -194,7 +190,7 @@ def ds_config(workdir, total_steps):
     c.rl.max_prompt_len = 4
     c.rl.max_response_len = 8
     c.rl.dynamic_sampling_max_rounds = 3
-    c.loss.dynamic_sampling = True
+    c.rl.dynamic_sampling = True
     c.trainer.micro_batch_size = 8
     c.checkpoint.every_steps = 1
     c.checkpoint.async_save = False
@@ -205,16 +201,14 @@ def ds_config(workdir, total_steps):
 
 @pytest.mark.slow
 def test_dynamic_sampling_drops_refills_and_stops_at_the_bound(tmp_path):
-    from rstarjax.main import validate
-
     workdir = str(tmp_path)
     with open(os.path.join(workdir, "train.jsonl"), "w") as f:
         for i in range(24):
             f.write(json.dumps({"problem": f"problem {i}", "answer": str(i)}) + "\n")
     calls = []
     config = ds_config(workdir, 2)
-    validate(config, num_devices=jax.device_count())
-    trainer_lib.run_rl(config, workdir, rollout_fn=scripted_rollout_fn(calls))
+    run = parse(config, num_devices=jax.device_count())
+    rl_recipe.run_rl(run, workdir, rollout_fn=scripted_rollout_fn(calls))
 
     # step 1: {0..3} gives 2 informative groups (1, 2) -> refill {4..7} gives 3 more -> quota of 4 met.
     # step 2: {8..11} -> 1, {12..15} -> 0, {16..19} -> 1: the third round is the bound, stop short.
@@ -237,5 +231,5 @@ def test_dynamic_sampling_drops_refills_and_stops_at_the_bound(tmp_path):
 
     # resume for one more step: the data iterator continues after every prompt the refills consumed
     calls.clear()
-    trainer_lib.run_rl(ds_config(workdir, 3), workdir, rollout_fn=scripted_rollout_fn(calls))
+    rl_recipe.run_rl(parse(ds_config(workdir, 3)), workdir, rollout_fn=scripted_rollout_fn(calls))
     assert calls[0][0] == [20, 21, 22, 23] and calls[0][2] == 2

@@ -12,11 +12,11 @@ import dataclasses
 import json
 import re
 
+# The protocol (tool name, tags) is defined once, in a module that imports nothing.
+from rstarjax.protocol import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_NAME, TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN
+
 from .results import DISPLAY, ERROR, STDOUT, TIMEOUT, ExecResult
 
-TOOL_NAME = "execute_python_code_with_standard_io"
-TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
-TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 DEFAULT_MAX_CHARS = 4096
 
 _CALL_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)

@@ -21,24 +21,28 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from rstarjax.validation import require
+
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
+    """The ``checkpoint`` section: how often to save and keep, and where a stage starts from
+    (the hand-off rules are ``recipes/rl.py:initial_state``'s; docs/training.md)."""
+
     every_steps: int = 10
     keep: int = 3
     async_save: bool = True
+    # the previous stage's WORKDIR/checkpoints: an SFT run gives params only (step 0, a fresh
+    # optimizer); an RL stage params + optimizer + global step
+    init_from: str = ""
+    reset_optimizer: bool = False  # stage 3: fresh optimizer state, LR warmup again (rStar2-Agent §4.3)
+    update_reference: bool = False  # stage 3: KL reference := the init_from policy (§4.3; loss.kl_coef > 0)
 
     def __post_init__(self):
-        if self.every_steps < 1:
-            raise ValueError(f"checkpoint.every_steps must be >= 1, got {self.every_steps}")
-        if self.keep < 1:
-            raise ValueError(f"checkpoint.keep must be >= 1, got {self.keep}")
-
-    @classmethod
-    def from_config(cls, c) -> "CheckpointConfig":
-        return cls(every_steps=c.every_steps, keep=c.keep, async_save=c.async_save)
+        require((self.every_steps >= 1, f"every_steps={self.every_steps} must be >= 1"),
+                (self.keep >= 1, f"keep={self.keep} must be >= 1"))
 
 
 def abstract_like(tree, shardings=None):

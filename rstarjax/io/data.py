@@ -26,6 +26,7 @@ import re
 from typing import Any, Iterable
 
 import grain
+import jax
 import numpy as np
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ def read_rows(path: str) -> tuple[list[Any], collections.Counter]:
     bad: collections.Counter = collections.Counter()
     ext = os.path.splitext(path)[1].lower()
     if ext == ".parquet":
-        try:
+        try:  # lazily: pyarrow is large and only parquet files need it
             import pyarrow.parquet as pq
         except ImportError as e:  # pragma: no cover - depends on the install
             raise ImportError("reading parquet needs pyarrow (pip install pyarrow)") from e
@@ -247,8 +248,6 @@ def make_dataset(
     if batch_size <= 0:
         raise ValueError("batch_size must be > 0")
     if process_index is None or process_count is None:
-        import jax
-
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
     ds = grain.MapDataset.source(records)[host_shard(len(records), process_index, process_count, even_shards)]

@@ -53,48 +53,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-TOOL_NAME = "execute_python_code_with_standard_io"
-
-TOOL_SCHEMA: dict = {
-    "type": "function",
-    "function": {
-        "name": TOOL_NAME,
-        "description": (
-            "Execute Python code with standard input and capture standard output. This function "
-            "takes a Python code string and an input string, provides the input string through "
-            "standard input (stdin) to the code, and captures and returns any output produced "
-            "through standard output (stdout). If the executed code raises an exception, the error "
-            "message will be captured and returned instead."
-        ),
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "code": {
-                    "type": "string",
-                    "description": (
-                        "A string containing Python code to be executed. The code can read from "
-                        "standard input using the input() function."
-                    ),
-                },
-                "input": {
-                    "type": "string",
-                    "description": (
-                        "A string that will be provided as standard input to the code when it "
-                        "calls input()."
-                    ),
-                },
-            },
-            "required": ["code", "input"],
-        },
-        "return": {
-            "type": "string",
-            "description": (
-                "str: The output produced by the executed code through standard output. If an "
-                "error occurs during execution, the error message will be returned."
-            ),
-        },
-    },
-}
+from rstarjax.protocol import (IM_END, IM_START, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_NAME, TOOL_RESPONSE_CLOSE,
+                               TOOL_RESPONSE_OPEN, TOOL_SCHEMA)
 
 SYSTEM_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves "
@@ -135,10 +95,15 @@ class ChatFormat:
 
 RSTAR2 = ChatFormat()
 COMPACT = ChatFormat(COMPACT_SYSTEM_PROMPT, COMPACT_USER_PROMPT_PREFIX)
+CHAT_FORMATS = {"rstar2": RSTAR2, "compact": COMPACT}  # the names configs use (rl/sft/eval.chat_format)
 
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
-TOOL_RESPONSE, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
+
+def chat_format(name: str) -> ChatFormat:
+    """The ChatFormat a config names."""
+    if name not in CHAT_FORMATS:
+        raise ValueError(f"chat_format must be one of {sorted(CHAT_FORMATS)}, got {name!r}")
+    return CHAT_FORMATS[name]
+
 
 
 class TokenizerLike(Protocol):
@@ -198,7 +163,8 @@ def _generation_prompt_pieces() -> list[Piece]:
 def _tool_responses_pieces(texts: Sequence[str]) -> list[Piece]:
     pieces = [_text("\n"), _special(IM_START), _text("user")]
     for text in texts:
-        pieces += [_text("\n"), _special(TOOL_RESPONSE), _text("\n"), _data(text), _text("\n"), _special(TOOL_RESPONSE_END)]
+        pieces += [_text("\n"), _special(TOOL_RESPONSE_OPEN), _text("\n"), _data(text), _text("\n"),
+                   _special(TOOL_RESPONSE_CLOSE)]
     return pieces + [_special(IM_END)]
 
 
@@ -221,7 +187,7 @@ def tool_response_turn_pieces(texts: str | Sequence[str], close_assistant_turn: 
 def format_tool_call(name: str, arguments: Mapping[str, Any] | str) -> str:
     """'<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>' (JSON args verbatim if str)."""
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return f'{TOOL_CALL}\n{{"name": "{name}", "arguments": {args}}}\n{TOOL_CALL_END}'
+    return f'{TOOL_CALL_OPEN}\n{{"name": "{name}", "arguments": {args}}}\n{TOOL_CALL_CLOSE}'
 
 
 # The pre-tokenizer's `\s*[\r\n]+` would join "assistant\n" with such a start; anything else
@@ -317,15 +283,6 @@ def render_conversation(
 ) -> str:
     """SFT rendering of OpenAI-style messages (assistant tool_calls, role="tool" results)."""
     return render(conversation_pieces(messages, add_generation_prompt, fmt))
-
-
-def render_conversation_with_mask(
-    messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False, fmt: ChatFormat = RSTAR2
-) -> tuple[str, np.ndarray]:
-    """(text, bool[len(text)]): True on characters the model generates (incl. its <|im_end|>)."""
-    pieces = conversation_pieces(messages, add_generation_prompt, fmt)
-    mask = np.concatenate([np.full(len(p.text), p.assistant, bool) for p in pieces])
-    return render(pieces), mask
 
 
 # ---- id level ---------------------------------------------------------------------------------

@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from rstarjax.models.config import ModelConfig
 from rstarjax.models.qwen3 import Qwen3
 from rstarjax.models.sharding import DEFAULT_RULES, state_shardings
+from rstarjax.models.tokenizer import load_tokenizer
 
 SAFETENSORS_DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -249,8 +250,6 @@ def default_tokenizer_for(cfg: ModelConfig):
     A vocabulary with room for all of Qwen3's tokens is Qwen3's (151,936 rows; Qwen2.5's larger
     table too): the full tokenizer. A smaller table (a demo or test model) could belong to any
     small-vocabulary variant (their tables are padded), so it names no tokenizer."""
-    from rstarjax.models.tokenizer import load_tokenizer
-
     full = load_tokenizer()
     return full if cfg.vocab_size >= full.num_tokens else None
 

@@ -102,22 +102,6 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.St
     return jax.tree.map(one, state, is_leaf=_is_var)
 
 
-def model_shardings(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.State:
-    """Shardings of ``nnx.state(model)`` (use as jit in/out_shardings for the state)."""
-    return state_shardings(nnx.state(model), mesh, rules)
-
-
-def create_sharded_model(model_fn, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.Module:
-    """Build ``model_fn()`` (e.g. ``lambda: Qwen3(cfg, rngs=nnx.Rngs(0))``) with every
-    parameter initialised directly on its sharding (never a full replica on one device)."""
-    abstract = nnx.eval_shape(model_fn)
-    graphdef, abstract_state = nnx.split(abstract)
-    shardings = state_shardings(abstract_state, mesh, rules)
-
-    state = jax.jit(lambda: nnx.state(model_fn()), out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
-
-
 def shard_model(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.Module:
     """Move an existing model's parameters onto their shardings (in place; returns model)."""
     state = nnx.state(model)
@@ -130,8 +114,3 @@ def batch_sharding(mesh: Mesh, ndim: int = 2, rules=DEFAULT_RULES) -> NamedShard
     """Sharding for per-token inputs ``[B, T, ...]``: batch over (data, fsdp)."""
     batch = logical_to_spec(("batch",), None, mesh, rules)[0]
     return NamedSharding(mesh, P(batch, *([None] * (ndim - 1))))
-
-
-def jit_shardings(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES):
-    """(state shardings, per-token batch sharding) for ``jax.jit`` in/out_shardings."""
-    return model_shardings(model, mesh, rules), batch_sharding(mesh, rules=rules)

@@ -31,6 +31,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import tiktoken
 
+from rstarjax.models.chat_template import JINJA_CHAT_TEMPLATE
+
 # Qwen2/Qwen3 pre-tokenizer (tokenizer.json "pre_tokenizer" Split regex). Unlike GPT-4's cl100k it
 # splits digits one by one (\p{N}, not \p{N}{1,3}).
 QWEN2_PRETOKENIZE_REGEX = (
@@ -266,6 +268,7 @@ class Tokenizer:
 
     def to_hf_tokenizer(self):
         """A ``tokenizers.Tokenizer`` equal to this one (needs the ``tokenizers`` package)."""
+        # lazily: ``tokenizers`` is an optional dependency (test extras); nothing else needs it
         from tokenizers import Tokenizer as HFTokenizer
 
         return HFTokenizer.from_str(json.dumps(self.hf_tokenizer_json()))
@@ -300,8 +303,6 @@ class Tokenizer:
         """Write `tokenizer.json` + `tokenizer_config.json` that `AutoTokenizer.from_pretrained`
         loads offline. chat_template: "rstar2" (the rStar2-Agent Jinja template), None, or Jinja."""
         if chat_template == "rstar2":
-            from rstarjax.models.chat_template import JINJA_CHAT_TEMPLATE
-
             chat_template = JINJA_CHAT_TEMPLATE
         path = pathlib.Path(path)
         path.mkdir(parents=True, exist_ok=True)

@@ -1,22 +1,21 @@
 """The embedded demo: the whole recipe on a laptop in minutes (``configs/demo.py``).
 
-1. Procedural integer problems (``rl.demo_tasks``: big products, modular powers, counting,
+1. Procedural integer problems (``recipes.demo_tasks``: big products, modular powers, counting,
    digit sums) that a tiny model cannot do in its head but can with the Python tool; the
    held-out split is disjoint from the training split by construction.
 2. A tiny Qwen3 with the small-vocabulary Qwen BPE, trained by non-reasoning SFT
-   (``rl.sft``) on tool-use traces in the paper's format (compact system prompt, see
+   (``recipes.sft``) on tool-use traces in the paper's format (compact system prompt, see
    ``chat_template.COMPACT``), deliberately short so the policy still miscopies numbers.
 3. Greedy held-out accuracy of the SFT policy through the real agent loop (serving engine,
    sandboxed code execution, math-verify reward).
-4. GRPO-RoC (``rl.trainer.run_rl``) from the SFT weights with the same environment.
+4. GRPO-RoC (``recipes.rl.run_rl``) from the SFT weights with the same environment.
 5. Greedy held-out accuracy again; ``demo_summary.json``, curves (``rstarjax.report``) and a
    HF export (``rstarjax.export``) in the workdir.
 
-``run_demo(config, workdir)`` is the ``mode=demo`` entry point.
+``run_demo(run, workdir)`` is the ``mode=demo`` entry point.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
@@ -24,33 +23,40 @@ import math
 import os
 import time
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rstarjax import report
+from rstarjax.io.checkpoint import CheckpointConfig
+from rstarjax.io.metrics_log import MetricsWriter
+from rstarjax.models import save_hf
+from rstarjax.models.chat_template import chat_format
+from rstarjax.recipes import build, demo_tasks
+from rstarjax.recipes import sft as sft_lib
+from rstarjax.recipes.config import RunConfig
+from rstarjax.recipes.rl import run_rl
+from rstarjax.rl.agent_loop import ColocatedRollouts
+from rstarjax.serving.sampling import SamplingParams
+
 log = logging.getLogger(__name__)
+GREEDY = SamplingParams(temperature=0.0)
 
 
 def _say(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
 
 
-def build_demo_model(config, tokenizer, mesh) -> nnx.Module:
-    """A fresh Qwen3 of ``config.demo.model`` sizes with the tokenizer's (small) vocabulary."""
-    from rstarjax.models import ModelConfig, Qwen3
-    from rstarjax.models.sharding import shard_model
-
-    sizes = dict(config.demo.model)
+def demo_policy(run: RunConfig, tokenizer, mesh) -> nnx.Module:
+    """A fresh Qwen3 of ``demo.model`` sizes with the tokenizer's (small) vocabulary."""
     # vocab = the tokenizer's real ids, not the padded table: the engine samples over every row and
     # an untrained padding row decoded as text would crash the turn (reported to serving)
-    cfg = ModelConfig.preset("tiny", vocab_size=tokenizer.num_tokens, dtype=jnp.dtype(config.model.dtype),
-                             bos_token_id=tokenizer.endoftext_id, eos_token_id=tokenizer.eos_id,
-                             max_position_embeddings=int(config.rl.max_prompt_len + config.rl.max_response_len),
-                             **sizes)
-    return shard_model(Qwen3(cfg, rngs=nnx.Rngs(int(config.seed))), mesh)
+    return build.policy(run.model, mesh, run.seed, vocab_size=tokenizer.num_tokens,
+                        bos_token_id=tokenizer.endoftext_id, eos_token_id=tokenizer.eos_id,
+                        max_position_embeddings=int(run.rl.max_prompt_len + run.rl.max_response_len),
+                        **run.demo.model)
 
 
 def write_jsonl(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -61,29 +67,20 @@ def write_jsonl(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-def greedy_accuracy(rollouts, records: Sequence[Mapping[str, str]], policy_version: int = 0
+def greedy_accuracy(rollouts: ColocatedRollouts, records: Sequence[Mapping[str, str]], policy_version: int = 0
                     ) -> tuple[float, list]:
     """Held-out accuracy of greedy decoding through the agent loop (one sample per problem),
     on the rollout function's engine and executor (no second compile)."""
-    from rstarjax.models.chat_template import encode_prompt
-    from rstarjax.rl.agent_loop import RolloutRequest, run_rollouts
-    from rstarjax.serving.sampling import SamplingParams
-
-    greedy = SamplingParams(temperature=0.0)
-    requests = [RolloutRequest(encode_prompt(rollouts.tokenizer, r["problem"], rollouts.fmt), str(r["answer"]), g,
-                               greedy, policy_version) for g, r in enumerate(records)]
-    trajs, _ = run_rollouts(rollouts.engine, rollouts.tokenizer, rollouts.executor, requests, rollouts.agent_config)
+    trajs, _ = rollouts(list(records), 1, 0, policy_version, sampling=GREEDY)
     return float(np.mean([t.reward > 0 for t in trajs])), trajs
 
 
 def accuracy_breakdown(records: Sequence[Mapping[str, str]], trajectories) -> dict[str, Any]:
     """Held-out accuracy per task kind and the share of responses that called the tool (overall
     and per kind): what tells "RL learnt to use the tool" from "RL learnt to copy digits"."""
-    from rstarjax.recipes.demo_tasks import kind_of
-
     by_kind: dict[str, list] = {}
     for r, t in zip(records, trajectories, strict=True):
-        by_kind.setdefault(kind_of(r["problem"]), []).append(t)
+        by_kind.setdefault(demo_tasks.kind_of(r["problem"]), []).append(t)
     rate = lambda ts, pred: round(float(np.mean([pred(t) for t in ts])), 4)  # noqa: E731
     return {
         "accuracy_by_kind": {k: rate(ts, lambda t: t.reward > 0) for k, ts in sorted(by_kind.items())},
@@ -102,8 +99,6 @@ def tool_balanced_kind_cycle(kinds: Sequence[str], in_head_fraction: Mapping[str
     1 / (1 - its in-head share), so every kind gets about the same number of TOOL traces (what
     digit copying is learnt from) and the in-head traces come on top. E.g. a 0.6 share: 5 of
     that kind per 2 of each other kind."""
-    from fractions import Fraction
-
     def weight(kind: str) -> Fraction:
         share = Fraction(str(in_head_fraction.get(kind, 0.0)))
         return 1 / (1 - share) if share < 1 else Fraction(1)  # an all-in-head kind has no tool traces
@@ -120,51 +115,32 @@ def tool_balanced_kind_cycle(kinds: Sequence[str], in_head_fraction: Mapping[str
     return tuple(cycle)
 
 
-def demo_datasets(config) -> dict[str, list]:
-    from rstarjax.recipes import demo_tasks
-
-    d = config.demo
+def demo_datasets(run: RunConfig) -> dict[str, list]:
+    d = run.demo
     kinds = tuple(d.task_kinds) if d.task_kinds else demo_tasks.TASK_KINDS
-    in_head = dict(d.get("in_head_fraction", {}))
-    sft_tasks = demo_tasks.generate_tasks(d.num_sft_problems, "train", seed=config.seed,
+    in_head = dict(d.in_head_fraction)
+    sft_tasks = demo_tasks.generate_tasks(d.num_sft_problems, "train", seed=run.seed,
                                           kinds=tool_balanced_kind_cycle(kinds, in_head))
     # RL problems: the same training split, a different seed (fresh problems, never held out)
-    rl_rows = demo_tasks.make_dataset(d.num_rl_problems, "train", seed=config.seed + 1, kinds=kinds)
-    eval_rows = demo_tasks.make_dataset(d.num_eval_problems, "test", seed=config.seed, kinds=kinds)
-    traces = demo_tasks.make_sft_traces(sft_tasks, in_head_fraction=in_head, seed=config.seed)
+    rl_rows = demo_tasks.make_dataset(d.num_rl_problems, "train", seed=run.seed + 1, kinds=kinds)
+    eval_rows = demo_tasks.make_dataset(d.num_eval_problems, "test", seed=run.seed, kinds=kinds)
+    traces = demo_tasks.make_sft_traces(sft_tasks, in_head_fraction=in_head, seed=run.seed)
     if len(traces) < 0.9 * len(sft_tasks):
         raise RuntimeError(f"only {len(traces)} of {len(sft_tasks)} SFT traces ran correctly")
     return {"sft_traces": traces, "rl_rows": rl_rows, "eval_rows": eval_rows}
 
 
-def rl_config_for_demo(config, workdir: str, train_path: str):
-    """The config run_rl reads: the demo's RL section with data from the generated file."""
-    c = copy.deepcopy(config)
-    c.data.train_path = train_path
-    c.checkpoint.init_from = ""
-    return c
-
-
-def run_demo(config, workdir: str) -> dict[str, Any]:
+def run_demo(run: RunConfig, workdir: str) -> dict[str, Any]:
     """``mode=demo``: SFT -> greedy eval -> GRPO-RoC -> greedy eval; writes demo_summary.json."""
-    from rstarjax.models import save_hf
-    from rstarjax.models.sharding import make_mesh
-    from rstarjax.rl import agent_loop
-    from rstarjax.io import checkpoint as ckpt_lib
-    from rstarjax.recipes import sft as sft_lib
-    from rstarjax.rl.metrics import MetricsWriter
-    from rstarjax.rl.trainer import run_rl
-
     t_start = time.time()
     os.makedirs(workdir, exist_ok=True)
     summary_path = os.path.join(workdir, "demo_summary.json")
-    if os.path.exists(summary_path) and not config.demo.get("overwrite", False):
+    if os.path.exists(summary_path) and not run.demo.overwrite:
         raise FileExistsError(f"{summary_path} exists: pick a new --workdir (the demo is not resumable)")
-    fmt = sft_lib.chat_format(config.sft.chat_format)
-    tokenizer = sft_lib.build_tokenizer(config)
-    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    tokenizer = build.tokenizer(run.model)
+    mesh = build.mesh(run.mesh)
 
-    data = demo_datasets(config)
+    data = demo_datasets(run)
     write_jsonl(os.path.join(workdir, "sft_traces.jsonl"), [{"messages": m} for m in data["sft_traces"]])
     rl_path = os.path.join(workdir, "rl_train.jsonl")
     write_jsonl(rl_path, data["rl_rows"])
@@ -173,22 +149,22 @@ def run_demo(config, workdir: str) -> dict[str, Any]:
          f"{len(data['eval_rows'])} held-out problems ({time.time() - t_start:.0f}s)")
 
     # ---- 1. non-reasoning SFT -----------------------------------------------------------------
-    model = build_demo_model(config, tokenizer, mesh)
+    model = demo_policy(run, tokenizer, mesh)
     sft_dir = os.path.join(workdir, "sft")
     with MetricsWriter(os.path.join(sft_dir, "logs"), tensorboard=False) as mw:
         sft_trainer, sft_summary = sft_lib.train_sft(
-            model, tokenizer, data["sft_traces"], sft_lib.SFTConfig.from_config(config.sft), mesh=mesh, fmt=fmt,
-            workdir=sft_dir, checkpoint_cfg=ckpt_lib.CheckpointConfig(every_steps=10**9, keep=1, async_save=False),
-            meta=sft_lib.model_meta(model, tokenizer), metrics_writer=mw, log_every=0)
+            model, tokenizer, data["sft_traces"], run.sft, mesh=mesh, fmt=chat_format(run.sft.chat_format),
+            workdir=sft_dir, checkpoint_cfg=CheckpointConfig(every_steps=10**9, keep=1, async_save=False),
+            meta=build.model_meta(model, tokenizer), metrics_writer=mw, log_every=0)
     _say(f"SFT: {sft_summary['steps']} steps, loss {sft_summary['first_loss']:.3f} -> "
          f"{sft_summary['final_loss']:.3f} ({sft_summary['seconds']:.0f}s)")
     policy = sft_trainer.model()
 
     # ---- 2. held-out accuracy after SFT ------------------------------------------------------------
-    executor = agent_loop.make_executor(config)
+    executor = build.executor(run.rl.num_tool_workers)
     try:
-        rollouts = agent_loop.ColocatedRollouts(config, policy, tokenizer=tokenizer, executor=executor,
-                                                num_slots=int(config.demo.num_slots), fmt=fmt)
+        rollouts = build.rollouts(policy, tokenizer, executor, run.rl.agent(), run.rl.sampling(), run.rl.max_prompt_len,
+                                  run.sft.chat_format, num_slots=run.demo.num_slots)
         t0 = time.time()
         sft_acc, sft_trajs = greedy_accuracy(rollouts, data["eval_rows"])
         sft_breakdown = accuracy_breakdown(data["eval_rows"], sft_trajs)
@@ -198,10 +174,12 @@ def run_demo(config, workdir: str) -> dict[str, Any]:
         # ---- 3. GRPO-RoC ------------------------------------------------------------------------------
         rl_dir = os.path.join(workdir, "rl")
         t0 = time.time()
-        trainer = run_rl(rl_config_for_demo(config, rl_dir, rl_path), rl_dir, rollout_fn=rollouts, model=policy,
+        rl_run = dataclasses.replace(run, data=dataclasses.replace(run.data, train_path=rl_path),
+                                     checkpoint=dataclasses.replace(run.checkpoint, init_from=""))
+        trainer = run_rl(rl_run, rl_dir, rollout_fn=rollouts, model=policy,
                          on_update=lambda tr: rollouts.update_params(tr.model()))
         rl_seconds = time.time() - t0
-        _say(f"RL: {trainer.step} GRPO-{'RoC' if config.rl.roc else 'plain'} steps ({rl_seconds:.0f}s)")
+        _say(f"RL: {trainer.step} GRPO-{'RoC' if run.rl.roc else 'plain'} steps ({rl_seconds:.0f}s)")
 
         # ---- 4. held-out accuracy after RL ----------------------------------------------------------------
         rollouts.update_params(trainer.model())
@@ -212,7 +190,7 @@ def run_demo(config, workdir: str) -> dict[str, Any]:
         executor.close()
 
     _write_eval_samples(os.path.join(workdir, "heldout_samples.jsonl"), data["eval_rows"], sft_trajs, rl_trajs)
-    if config.demo.export_hf:
+    if run.demo.export_hf:
         save_hf(trainer.model(), os.path.join(workdir, "hf"), tokenizer=tokenizer)
     summary = {
         "sft_accuracy": sft_acc,
@@ -222,13 +200,12 @@ def run_demo(config, workdir: str) -> dict[str, Any]:
         "sft_steps": sft_summary["steps"],
         "rl_steps": trainer.step,
         "rl_seconds": rl_seconds,
-        "roc": bool(config.rl.roc),
-        "seed": int(config.seed),
+        "roc": bool(run.rl.roc),
+        "seed": int(run.seed),
         "sft": sft_breakdown,
         "rl": rl_breakdown,
     }
     try:
-        from rstarjax import report
         summary["plots"] = report.render(workdir)
     except Exception as e:  # plots are a convenience; never lose the run's figures over them
         log.warning("report failed: %s", e)

@@ -29,7 +29,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from rstarjax.models.chat_template import TOOL_NAME
+from rstarjax.protocol import TOOL_NAME
 
 TASK_KINDS = ("multiply", "modpow", "count_divisible", "digit_sum_power")
 SPLITS = ("train", "test")

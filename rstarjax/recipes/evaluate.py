@@ -1,10 +1,10 @@
 """Evaluation (rStar2-Agent §5.1, Table 4): k samples per problem, pass@1 averaged over k,
 maj@k, pass@k and mean response length, per dataset.
 
-The metric functions are pure (numbers in, numbers out). ``evaluate_samples`` turns sampled
+The metric functions are pure (numbers in, numbers out). ``evaluate_records`` turns sampled
 trajectories into per-problem records and a per-dataset table; ``run_eval`` drives the real
 rollout loop (rl/agent_loop.py) over benchmark files (the AIME 2024/2025 and MATH-500 jsonl /
-parquet layouts that ``rl.data.load_problems`` reads) and writes ``eval_table.md``,
+parquet layouts that ``io.data.load_problems`` reads) and writes ``eval_table.md``,
 ``eval_results.json`` and ``eval_samples.jsonl`` (one line per problem with its trajectories).
 """
 from __future__ import annotations
@@ -13,7 +13,6 @@ import collections
 import dataclasses
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,7 +20,10 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from rstarjax.env.verify import extract_final_answer, normalize_integer
-from rstarjax.rl.trajectory import Trajectory
+from rstarjax.io.data import load_problems
+from rstarjax.recipes import build
+from rstarjax.recipes.config import RunConfig
+from rstarjax.rl.trajectory import RolloutFn, Trajectory, group_indices, trajectories_of
 
 log = logging.getLogger(__name__)
 
@@ -150,18 +152,17 @@ def format_table(per_dataset: Mapping[str, Mapping[str, float]], k: int) -> str:
 
 
 # ---- driver ------------------------------------------------------------------------------------
-RolloutFn = Callable[[Sequence[Mapping[str, str]], int], Sequence[Sequence[Trajectory]]]
-"""(problem records, k) -> for each record, its k trajectories (rewards already computed)."""
-
-
-def evaluate_records(datasets: Mapping[str, Sequence[Mapping[str, str]]], rollout_fn: RolloutFn, k: int,
+def evaluate_records(datasets: Mapping[str, Sequence[Mapping[str, str]]],
+                     sample: Callable[[Sequence[Mapping[str, str]], int], Sequence[Sequence[Trajectory]]], k: int,
                      out_dir: str | None = None) -> dict[str, dict[str, float]]:
-    """Sample k trajectories per problem of every dataset, score them and (optionally) write
-    ``eval_samples.jsonl``, ``eval_results.json`` and ``eval_table.md`` into ``out_dir``."""
+    """Sample k trajectories per problem of every dataset (``sample(records, k)``: for each record
+    its k trajectories, rewards computed; ``per_problem`` makes one of a ``RolloutFn``), score them
+    and (optionally) write ``eval_samples.jsonl``, ``eval_results.json`` and ``eval_table.md`` into
+    ``out_dir``."""
     per_dataset: dict[str, dict[str, float]] = {}
     all_results: list[ProblemResult] = []
     for name, records in datasets.items():
-        groups = rollout_fn(records, k)
+        groups = sample(records, k)
         if len(groups) != len(records):
             raise RuntimeError(f"rollouts returned {len(groups)} groups for {len(records)} problems")
         results = [problem_result(rec, trajs, name) for rec, trajs in zip(records, groups)]
@@ -184,8 +185,6 @@ def load_benchmarks(paths: Sequence[str], names: Sequence[str] | None = None,
                     limit: int = 0) -> dict[str, list[dict[str, str]]]:
     """Benchmark files -> {dataset name: records}. Answers are kept as written (MATH-500 has
     non-integer answers; math-verify compares them). Name defaults to the file's stem."""
-    from rstarjax.io.data import load_problems
-
     if isinstance(paths, str):
         paths = [p for p in paths.split(",") if p]
     if not paths:
@@ -202,59 +201,35 @@ def load_benchmarks(paths: Sequence[str], names: Sequence[str] | None = None,
     return out
 
 
-def grouped_rollout_fn(rollouts, seed: int = 0) -> RolloutFn:
-    """Adapter: the agent loop's ``(records, n, seed, version) -> (trajectories, timings)``
-    (``agent_loop.ColocatedRollouts``) -> ``(records, k) -> k trajectories per record``."""
+def per_problem(rollout_fn: RolloutFn, seed: int = 0):
+    """``(records, k) -> k trajectories per record`` from a ``RolloutFn`` (whose trajectories
+    carry ``group_id`` = record index)."""
 
-    def fn(records, k):
-        out = rollouts(list(records), k, seed, 0)
-        trajs = out[0] if isinstance(out, tuple) else out
-        groups: list[list[Trajectory]] = [[] for _ in records]
-        for t in trajs:
-            groups[t.group_id].append(t)
+    def sample(records, k):
+        trajs = trajectories_of(rollout_fn(list(records), k, seed, 0))
+        groups = [[trajs[i] for i in idx] for idx in group_indices([t.group_id for t in trajs], len(records)).values()]
         short = [i for i, g in enumerate(groups) if len(g) != k]
         if short:
             raise RuntimeError(f"rollouts returned the wrong number of samples for problems {short[:5]}")
         return groups
 
-    return fn
+    return sample
 
 
-def eval_rollout_config(config):
-    """config.rl with the evaluation's sampling and budgets (§5.1: T=0.6, 30K tokens, 30 turns)."""
-    import copy
-
-    c = copy.deepcopy(config)
-    e = config.eval
-    c.rl.temperature = float(e.temperature)
-    c.rl.top_p = float(e.top_p)
-    c.rl.top_k = int(e.top_k)
-    c.rl.max_turns = int(e.max_turns)
-    c.rl.max_response_len = int(e.max_response_len)
-    c.rl.max_prompt_len = int(e.max_prompt_len)
-    c.rl.rollout_timeout_s = float(e.timeout_s)
-    return c
-
-
-def run_eval(config, workdir: str) -> dict[str, dict[str, float]]:
-    """``mode=eval``: k samples per problem of every benchmark file in ``config.eval.paths``
-    through the agent loop; writes eval_table.md, eval_results.json, eval_samples.jsonl."""
-    from rstarjax.models.sharding import make_mesh
-    from rstarjax.rl import agent_loop
-    from rstarjax.recipes import sft as sft_lib
-
-    e = config.eval
-    datasets = load_benchmarks(e.paths, list(e.names) if e.names else None, int(e.limit))
-    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-    tokenizer = sft_lib.build_tokenizer(config)
-    model = sft_lib.build_model(config, mesh, tokenizer)
-    sft_lib.check_vocab(model, tokenizer)
+def run_eval(run: RunConfig, workdir: str) -> dict[str, dict[str, float]]:
+    """``mode=eval``: ``eval.k`` samples per problem of every benchmark file in ``eval.paths``
+    through the agent loop, with the evaluation's sampling and budgets (§5.1: T=0.6, 30K tokens,
+    30 turns); writes eval_table.md, eval_results.json, eval_samples.jsonl."""
+    e = run.eval
+    datasets = load_benchmarks(e.path_list, list(e.names) if e.names else None, e.limit)
+    mesh = build.mesh(run.mesh)
+    tokenizer = build.tokenizer(run.model)
+    model = build.policy(run.model, mesh, run.seed, **build.vocabulary_of(tokenizer))
     t0 = time.time()
-    with agent_loop.make_executor(config) as executor:
-        rollouts = agent_loop.ColocatedRollouts(eval_rollout_config(config), model, tokenizer=tokenizer,
-                                                executor=executor, num_slots=int(e.num_slots),
-                                                fmt=sft_lib.chat_format(e.chat_format))
-        out = evaluate_records(datasets, grouped_rollout_fn(rollouts, int(config.seed)), int(e.k), workdir)
+    with build.executor(run.rl.num_tool_workers) as executor:
+        rollouts = build.rollouts(model, tokenizer, executor, e.agent(run.rl), e.sampling(), e.max_prompt_len,
+                                  e.chat_format, num_slots=e.num_slots)
+        out = evaluate_records(datasets, per_problem(rollouts, run.seed), e.k, workdir)
     log.info("eval finished in %.0f s", time.time() - t0)
-    print(format_table(out, int(e.k)), flush=True)
+    print(format_table(out, e.k), flush=True)
     return out

@@ -1,7 +1,8 @@
 """Group-relative advantages and reward shaping (rStar2-Agent eq. 2 / eq. 7; Dr. GRPO; DAPO; Kimi k1.5).
 
 All functions are pure NumPy over one prompt's group (or a flat batch with group ids): they run on
-the host between rollout and batching, never inside jit.
+the host between rollout and batching, never inside jit. ``loss.advantage_estimator`` names one of
+``ADVANTAGE_ESTIMATORS``; a new estimator is one more pure function registered there.
 """
 from __future__ import annotations
 
@@ -9,16 +10,10 @@ from typing import Sequence
 
 import numpy as np
 
+from rstarjax.rl.trajectory import group_indices
 
-def group_advantages(rewards, std_normalize: bool = True, eps: float = 1e-6, ddof: int = 1) -> np.ndarray:
-    """Outcome advantage per rollout of ONE group, rStar2-Agent eq. 7 (= GRPO eq. 2).
 
-    A_i = (r_i - mean(r)) / (std(r) + eps). ``std_normalize=False`` is Dr. GRPO (Liu et al. 2025):
-    A_i = r_i - mean(r). ``ddof=1`` (sample std) matches verl's GRPO estimator (torch.std), on
-    which the official rStar2-Agent code runs; ``ddof=0`` is the population std.
-    A group of one has no relative signal: its advantage is 0.
-    All-equal groups give exactly 0 (numerator 0), whatever eps.
-    """
+def _group_rewards(rewards) -> np.ndarray:
     r = np.asarray(rewards, np.float64)
     if r.ndim != 1:
         raise ValueError(f"rewards must be 1-D, got shape {r.shape}")
@@ -26,24 +21,48 @@ def group_advantages(rewards, std_normalize: bool = True, eps: float = 1e-6, ddo
         raise ValueError("empty group")
     if not np.all(np.isfinite(r)):
         raise ValueError(f"non-finite reward in {r}")
+    return r
+
+
+def grpo_advantages(rewards, eps: float = 1e-6, ddof: int = 1) -> np.ndarray:
+    """Outcome advantage per rollout of ONE group, rStar2-Agent eq. 7 (= GRPO eq. 2, "DeepSeekMath",
+    arXiv 2402.03300): A_i = (r_i - mean(r)) / (std(r) + eps).
+
+    ``ddof=1`` (sample std) matches verl's GRPO estimator (torch.std), on which the official
+    rStar2-Agent code runs; ``ddof=0`` is the population std. A group of one has no relative
+    signal: its advantage is 0. All-equal groups give exactly 0 (numerator 0), whatever eps.
+    """
+    r = _group_rewards(rewards)
     if r.size == 1:
         return np.zeros(1, np.float32)
-    centered = r - r.mean()
-    if not std_normalize:
-        return centered.astype(np.float32)
-    return (centered / (r.std(ddof=ddof) + eps)).astype(np.float32)
+    return ((r - r.mean()) / (r.std(ddof=ddof) + eps)).astype(np.float32)
 
 
-def grouped_advantages(rewards, group_ids, std_normalize: bool = True, eps: float = 1e-6, ddof: int = 1) -> np.ndarray:
-    """eq. 7 applied per group over a flat batch; ``group_ids[i]`` names rollout i's prompt."""
+def dr_grpo_advantages(rewards) -> np.ndarray:
+    """Dr. GRPO's advantage ("Understanding R1-Zero-Like Training: A Critical Perspective",
+    Liu et al. 2025, arXiv 2503.20783): A_i = r_i - mean(r), no division by the group's std
+    (which up-weights groups of nearly equal rewards). Dr. GRPO also replaces eq. 6's token-count
+    normaliser by a constant: ``loss.dr_grpo_denominator``. A group of one gets 0."""
+    r = _group_rewards(rewards)
+    if r.size == 1:
+        return np.zeros(1, np.float32)
+    return (r - r.mean()).astype(np.float32)
+
+
+# loss.advantage_estimator: name -> per-group advantages (one pure function per paper)
+ADVANTAGE_ESTIMATORS = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages}
+
+
+def grouped_advantages(rewards, group_ids, estimator: str = "grpo") -> np.ndarray:
+    """``estimator`` applied per group over a flat batch; ``group_ids[i]`` names rollout i's prompt."""
     r = np.asarray(rewards, np.float64)
     g = np.asarray(group_ids)
     if r.shape != g.shape or r.ndim != 1:
         raise ValueError(f"rewards {r.shape} and group_ids {g.shape} must be equal 1-D shapes")
+    advantages_of = ADVANTAGE_ESTIMATORS[estimator]
     out = np.zeros(r.shape, np.float32)
-    for gid in np.unique(g):
-        idx = np.flatnonzero(g == gid)
-        out[idx] = group_advantages(r[idx], std_normalize=std_normalize, eps=eps, ddof=ddof)
+    for idx in group_indices(g.tolist()).values():
+        out[idx] = advantages_of(r[idx])
     return out
 
 
@@ -100,32 +119,22 @@ def kimi_length_reward(lengths, correct, coef: float = 1.0) -> np.ndarray:
     return (coef * np.where(c, lam, np.minimum(0.0, lam))).astype(np.float32)
 
 
-def overlong_filter_weights(truncated: Sequence[bool]) -> np.ndarray:
-    """DAPO overlong filtering (Yu et al. 2025): per-rollout loss weight 0 for truncated rollouts.
-
-    Off by default: rStar2-Agent §4.3.1 found it harmful (it keeps repetitive overlong outputs
-    unpunished). When on, make_train_batch multiplies each rollout's loss mask by this weight, so
-    the global token denominator also excludes those tokens.
-    """
-    return np.where(np.asarray(truncated, bool), 0.0, 1.0).astype(np.float32)
-
-
 def trajectory_advantages(
-    trajectories: Sequence, std_normalize: bool = True, length_penalty_coef: float = 0.0, eps: float = 1e-6
+    trajectories: Sequence, estimator: str = "grpo", length_penalty_coef: float = 0.0
 ) -> tuple[np.ndarray, np.ndarray]:
     """(shaped rewards, advantages) for RoC-kept trajectories, grouped by ``Trajectory.group_id``.
 
     The reward is the 0/1 answer reward (eq. 3) plus, if ``length_penalty_coef`` > 0, the Kimi k1.5
     length reward over each group, with length = the number of model-sampled tokens (tool output
-    is not the policy's verbosity) and correct = reward > 0. Advantages follow eq. 7 per group.
+    is not the policy's verbosity) and correct = reward > 0. Advantages follow ``estimator``
+    (``ADVANTAGE_ESTIMATORS``; eq. 7 by default) per group.
     """
     rewards = np.array([float(t.reward) for t in trajectories], np.float64)
-    groups = np.array([int(t.group_id) for t in trajectories])
+    groups = [int(t.group_id) for t in trajectories]
     shaped = rewards.copy()
     if length_penalty_coef > 0:
         lengths = np.array([t.num_model_tokens for t in trajectories], np.float64)
-        for gid in np.unique(groups):
-            idx = np.flatnonzero(groups == gid)
+        for idx in group_indices(groups).values():
             shaped[idx] += kimi_length_reward(lengths[idx], rewards[idx] > 0, coef=length_penalty_coef)
-    adv = grouped_advantages(shaped, groups, std_normalize=std_normalize, eps=eps)
+    adv = grouped_advantages(shaped, groups, estimator)
     return shaped.astype(np.float32), adv

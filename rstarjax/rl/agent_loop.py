@@ -43,25 +43,26 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-import weakref
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
+from flax import nnx
 
-from rstarjax.env import classify_tool_error, format_tool_response, parse_tool_call
-from rstarjax.env.tools import ToolCallError
-from rstarjax.models.chat_template import encode_prompt, encode_tool_response_turn
-from rstarjax.rl.trajectory import Finish, Segment, SegmentKind, ToolErrorCounts, Trajectory
+from rstarjax.env import ToolCallError, classify_tool_error, format_tool_response, parse_tool_call
+from rstarjax.models.chat_template import RSTAR2, ChatFormat, encode_prompt, encode_tool_response_turn
+from rstarjax.protocol import ANSWER_OPEN, STOP_TOKENS
+from rstarjax.rl.trajectory import FinishReason, Segment, SegmentKind, Trajectory
 from rstarjax.serving.engine import DoneReason, Engine
 from rstarjax.serving.sampling import SamplingParams
-from rstarjax.serving.scheduler import CallTool, Extend, RolloutScheduler
-from rstarjax.serving.scheduler import Finish as Done
-
-ANSWER_OPEN = "<answer>"
+from rstarjax.serving.scheduler import CallTool, Extend, Finish, RolloutScheduler
+from rstarjax.validation import require
 
 
 @dataclasses.dataclass(frozen=True)
 class AgentConfig:
+    """One episode's budgets and the bounds on waiting for the environment (built from the
+    ``rl`` section by ``RLConfig.agent``, or from ``eval`` by ``EvalConfig.agent``)."""
+
     max_turns: int = 10  # T: model turns per episode
     max_response_len: int = 8192  # model + tool tokens after the prompt
     tool_timeout_s: float = 5.0  # wall-clock limit of one code execution (in the sandbox)
@@ -76,13 +77,12 @@ class AgentConfig:
     rollout_timeout_s: float = 3600.0
 
     def __post_init__(self):
-        if self.max_turns < 1 or self.max_response_len < 2:
-            raise ValueError(f"need max_turns >= 1 and max_response_len >= 2, got "
-                             f"{self.max_turns}, {self.max_response_len}")
-        if self.infra_retries < 0 or self.infra_retry_delay_s < 0:
-            raise ValueError("infra_retries and infra_retry_delay_s must be >= 0")
-        if self.verify_wait_s < self.verify_timeout_s:
-            raise ValueError(f"verify_wait_s={self.verify_wait_s} must cover verify_timeout_s={self.verify_timeout_s}")
+        require((self.max_turns >= 1, f"max_turns={self.max_turns} must be >= 1"),
+                (self.max_response_len >= 2, f"max_response_len={self.max_response_len} must be >= 2"),
+                (self.infra_retries >= 0 and self.infra_retry_delay_s >= 0,
+                 "infra_retries and infra_retry_delay_s must be >= 0"),
+                (self.verify_wait_s >= self.verify_timeout_s,
+                 f"verify_wait_s={self.verify_wait_s} must cover verify_timeout_s={self.verify_timeout_s}"))
 
 
 class InfrastructureError(RuntimeError):
@@ -123,8 +123,7 @@ class StopIds:
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> "StopIds":
-        return cls(tokenizer.token_id("</tool_call>"), tokenizer.token_id("<|im_end|>"),
-                   tokenizer.token_id("<|endoftext|>"))
+        return cls(*(tokenizer.token_id(t) for t in STOP_TOKENS))
 
     @property
     def all(self) -> tuple[int, ...]:
@@ -173,11 +172,11 @@ class AgentEpisode:
         t.response_text += text
         t.answer_tags = self.model_text.count(ANSWER_OPEN)
         if reason in (DoneReason.BUDGET, DoneReason.CONTEXT):
-            return self._finish(Finish.MAX_LENGTH)
+            return self._finish(FinishReason.MAX_LENGTH)
         if ids[-1] != self.stops.tool_call_end:  # <|im_end|> or EOS: the episode is over
-            return self._finish(Finish.ANSWERED if t.answer_tags else Finish.NO_TOOL_CALL)
+            return self._finish(FinishReason.ANSWERED if t.answer_tags else FinishReason.NO_TOOL_CALL)
         if t.turns >= self.config.max_turns:
-            return self._finish(Finish.MAX_TURNS)
+            return self._finish(FinishReason.MAX_TURNS)
         t.tool_calls += 1
         return CallTool(self._dispatch(parse_tool_call(text)))
 
@@ -185,7 +184,7 @@ class AgentEpisode:
         room = self.config.max_response_len - len(self.traj.response_ids)
         # The tool turn must fit with room for at least one more model token.
         if len(ids) + 1 > min(room, free_tokens_in_slot):
-            return self._finish(Finish.MAX_LENGTH)
+            return self._finish(FinishReason.MAX_LENGTH)
         self.traj.segments.append(Segment(SegmentKind.TOOL, list(ids)))
         self.traj.response_text += self.tokenizer.decode(ids)
         return Extend(ids, max_new_tokens=room - len(ids))
@@ -197,19 +196,19 @@ class AgentEpisode:
     def _infra_error(self, why: str) -> None:
         self.traj.error = why
         self.traj.reward = 0.0
-        self._finish(Finish.ERROR)
+        self._finish(FinishReason.ERROR)
 
-    def _finish(self, finish: Finish):
+    def _finish(self, finish: FinishReason):
         self.traj.finish = finish
         self.done = True
-        if finish not in (Finish.MAX_LENGTH, Finish.ERROR):
+        if finish not in (FinishReason.MAX_LENGTH, FinishReason.ERROR):
             try:
                 self.verify_future = self.executor.submit_verify(
                     self.model_text, self.request.gold_answer, timeout=self.config.verify_timeout_s)
                 self.verify_submitted = time.monotonic()
             except Exception as e:  # the executor is gone: the environment's failure
                 self._infra_error(f"the verifier could not be reached: {e!r}")
-        return Done()
+        return Finish()
 
     def _dispatch(self, call) -> concurrent.futures.Future:
         """Future of the tool turn's ids; execution starts now (asynchronous to decoding)."""
@@ -294,7 +293,7 @@ def _collect_rewards(episodes: Sequence[AgentEpisode], rollouts_end: float) -> d
         if verdict is None:
             counts["verify_infra_errors"] += 1
             ep.traj.error = why
-            ep.traj.finish = Finish.ERROR
+            ep.traj.finish = FinishReason.ERROR
             continue
         counts["verify_timeouts"] += int(bool(getattr(verdict, "timed_out", False)))
         ep.traj.reward = float(bool(verdict))
@@ -333,94 +332,40 @@ def run_rollouts(scheduler_or_engines: RolloutScheduler | Engine | Sequence[Engi
         "rollout/verify_infra_errors": float(verify["verify_infra_errors"]),
         "rollout/infra_retries": float(sum(ep.infra_retries for ep in episodes)),
         # episodes ended by the infrastructure (excluded from training by the trainer)
-        "rollout/infra_errors": float(sum(ep.traj.finish == Finish.ERROR for ep in episodes)),
+        "rollout/infra_errors": float(sum(ep.traj.finish == FinishReason.ERROR for ep in episodes)),
     })
     return [ep.traj for ep in episodes], timings
 
 
-# ---- the trainer's hook (rl/trainer.py: make_colocated_rollout_fn) ------------------------------
-
-def host_cores() -> int:
-    """CPU cores this process may run on (its affinity mask where the OS has one)."""
-    import os
-
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def tool_workers(requested: int, cores: int | None = None) -> int:
-    """Heavy workers of the code pool: ``requested`` when > 0, else one per host core (each
-    worker runs ``slots_per_worker`` sandboxes, and as many lean workers come with them)."""
-    if requested < 0:
-        raise ValueError(f"rl.num_tool_workers must be >= 0 (0 = one per host core), got {requested}")
-    return int(requested) if requested > 0 else max(1, host_cores() if cores is None else int(cores))
-
-
-def make_executor(config):
-    """The started code executor a run's rollouts use, sized by ``config.rl.num_tool_workers``."""
-    from rstarjax.env import CodeExecutor
-
-    return CodeExecutor(num_workers=tool_workers(int(config.rl.num_tool_workers))).start()
-
-
-def tokenizer_for(config):
-    """The tokenizer of ``config.model`` (``rl.sft.build_tokenizer``)."""
-    from rstarjax.recipes.sft import build_tokenizer
-
-    return build_tokenizer(config)
-
-
-_LIVE_ROLLOUT_FNS: "weakref.WeakSet[ColocatedRollouts]" = weakref.WeakSet()
-
-
 class ColocatedRollouts:
-    """``RolloutFn`` for the trainer: (records, n per prompt, seed, policy version) ->
-    (trajectories with ``group_id`` = record index, timings). Owns one engine on the
-    trainer's devices and a code executor."""
+    """The ``RolloutFn`` of the recipes (``trajectory.RolloutFn``): (records, n per prompt, seed,
+    policy version) -> (trajectories with ``group_id`` = record index, timings), on one engine
+    over the trainer's devices (kimi k1.5 §4.2 hybrid deployment: new params arrive in memory)
+    and a code executor the caller owns."""
 
-    def __init__(self, config, model, *, tokenizer=None, executor=None,
-                 num_slots: int | None = None, fmt=None):
-        from rstarjax.models.chat_template import RSTAR2
-
-        rl = config.rl
-        self.agent_config = AgentConfig(
-            max_turns=int(rl.max_turns), max_response_len=int(rl.max_response_len),
-            tool_timeout_s=float(rl.tool_timeout_s),
-            max_tool_response_chars=int(rl.max_tool_response_chars),
-            rollout_timeout_s=float(rl.rollout_timeout_s))
-        self.sampling = dict(temperature=float(rl.temperature), top_p=float(rl.top_p),
-                             top_k=max(0, int(rl.top_k)))
-        self.max_prompt_len = int(rl.max_prompt_len)
-        self.tokenizer = tokenizer or tokenizer_for(config)
-        self.fmt = fmt or RSTAR2
-        self._owns_executor = executor is None
-        self.executor = executor or make_executor(config)
-        num_slots = num_slots or int(getattr(rl, "num_slots", 0) or 64)
+    def __init__(self, model, *, tokenizer, executor, agent: AgentConfig, sampling: SamplingParams,
+                 max_prompt_len: int, fmt: ChatFormat = RSTAR2, num_slots: int | None = None):
+        self.agent_config = agent
+        self.sampling = sampling
+        self.max_prompt_len = int(max_prompt_len)
+        self.tokenizer = tokenizer
+        self.fmt = fmt
+        self.executor = executor
+        num_slots = num_slots or 64
         self.engine = Engine(model, num_slots=num_slots,
                              max_len=self.max_prompt_len + self.agent_config.max_response_len,
                              vocab_limit=len(self.tokenizer))
-        _LIVE_ROLLOUT_FNS.add(self)
-
-    def close(self) -> None:
-        """Close the code executor if this object created it (a given one is the caller's)."""
-        if self._owns_executor:
-            self.executor.close()
-
-    def __enter__(self) -> "ColocatedRollouts":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def update_params(self, model_or_state) -> None:
-        from flax import nnx
+        """Serve new weights (an NNX module or its state), in memory, no copy."""
         state = model_or_state if not isinstance(model_or_state, nnx.Module) else nnx.split(
             model_or_state)[1]
         self.engine.update_params(state)
 
-    def __call__(self, records, n_per_prompt: int, seed: int, policy_version: int):
+    def __call__(self, records, n_per_prompt: int, seed: int, policy_version: int,
+                 sampling: SamplingParams | None = None):
+        """``sampling`` overrides the configured one for this call (e.g. greedy evaluation)."""
+        sampling = sampling or self.sampling
         requests = []
         for g, rec in enumerate(records):
             prompt = encode_prompt(self.tokenizer, rec["problem"], self.fmt)
@@ -428,18 +373,7 @@ class ColocatedRollouts:
                 raise ValueError(f"prompt of record {g} has {len(prompt)} tokens > "
                                  f"max_prompt_len {self.max_prompt_len}")
             for j in range(n_per_prompt):
-                sp = SamplingParams(seed=(seed * 1_000_003 + g * n_per_prompt + j) % (2**31 - 1),
-                                    **self.sampling)
+                sp = dataclasses.replace(sampling, seed=(seed * 1_000_003 + g * n_per_prompt + j) % (2**31 - 1))
                 requests.append(RolloutRequest(prompt, str(rec["answer"]), g, sp, policy_version))
         return run_rollouts(self.engine, self.tokenizer, self.executor, requests,
                             self.agent_config)
-
-
-def make_rollout_fn(config, model, **kwargs) -> ColocatedRollouts:
-    return ColocatedRollouts(config, model, **kwargs)
-
-
-def update_params(model_or_state: Any) -> None:
-    """Hand new weights to every live colocated rollout engine (in memory, no copy)."""
-    for fn in list(_LIVE_ROLLOUT_FNS):
-        fn.update_params(model_or_state)

@@ -1,4 +1,6 @@
-"""TrainBatch: fixed-shape padded (optionally packed) arrays built from Trajectories.
+"""TrainBatch: fixed-shape padded (optionally packed) arrays built from Trajectories, and the one
+packer that lays sequences out in rows (RL trajectories here, SFT conversations in
+``recipes/sft.py``).
 
 Layout of one sequence (prompt + response) placed at columns [start, start + n) of a row:
 
@@ -11,7 +13,7 @@ Layout of one sequence (prompt + response) placed at columns [start, start + n) 
     segment_ids   k (1-based sequence index within the row; 0 = padding)
 
 Position t holds target token t and the log-prob of predicting it from t-1 (docs/design.md):
-the loss gathers logits[:, t-1] for tokens[:, t] (``loss.token_logprobs``). Every sequence starts
+the loss gathers logits[:, t-1] for tokens[:, t] (``loss.token_logprobs_and_entropy``). Every sequence starts
 with at least one prompt token (loss mask 0), so a packed segment boundary is never trained on.
 """
 from __future__ import annotations
@@ -26,6 +28,12 @@ import numpy as np
 from rstarjax.rl.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
+
+# The packed-sequence arrays every training batch has (SFT's whole batch) ...
+SEQUENCE_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
+# ... and a TrainBatch's (``TrainBatch`` fields, in order).
+BATCH_KEYS = SEQUENCE_KEYS + ("old_logprobs", "advantages", "rollout_logprobs")
+REF_KEY = "ref_logprobs"  # log pi_ref per target token, added by Trainer.train when loss.kl_coef > 0
 
 
 @jax.tree_util.register_dataclass
@@ -45,13 +53,6 @@ class TrainBatch:
     def shape(self) -> tuple[int, int]:
         return tuple(self.tokens.shape)
 
-    def num_loss_tokens(self) -> float:
-        return float(np.asarray(self.loss_mask, np.float64).sum())
-
-    def rows(self, start: int, stop: int) -> "TrainBatch":
-        """Rows [start, stop): a micro-batch (the loss denominator stays the full batch's)."""
-        return jax.tree.map(lambda a: a[start:stop], self)
-
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
@@ -68,10 +69,6 @@ class BatchLayout:
     placements: tuple[Placement, ...]
     num_rows: int
     seq_len: int
-
-    @property
-    def num_truncated(self) -> int:
-        return sum(p.truncated for p in self.placements)
 
     @property
     def fill(self) -> float:
@@ -105,6 +102,34 @@ def pack_first_fit(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
     return rows
 
 
+def place_rows(sequences: Sequence[dict[str, np.ndarray]], rows: Sequence[Sequence[int]], num_rows: int,
+               seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """[num_rows, seq_len] arrays with ``sequences[i]`` laid out in the row that ``rows`` gives it,
+    one after another from column 0: ``tokens`` (int32, ``pad_id`` elsewhere), each other column
+    of the sequences (float32, 0 elsewhere), ``positions`` restarting at 0 per sequence and
+    ``segment_ids`` 1.. per sequence in its row (0 = padding)."""
+    if len(rows) > num_rows:
+        raise ValueError(f"need {len(rows)} rows but num_rows={num_rows}")
+    columns = [k for k in (sequences[0] if sequences else {}) if k != "tokens"]
+    out = {"tokens": np.full((num_rows, seq_len), pad_id, np.int32),
+           "positions": np.zeros((num_rows, seq_len), np.int32),
+           "segment_ids": np.zeros((num_rows, seq_len), np.int32)}
+    out.update({k: np.zeros((num_rows, seq_len), np.float32) for k in columns})
+    for r, members in enumerate(rows):
+        col = 0
+        for seg, i in enumerate(members, start=1):
+            n = len(sequences[i]["tokens"])
+            if col + n > seq_len:
+                raise ValueError(f"row {r} overflows seq_len={seq_len}")
+            span = slice(col, col + n)
+            out["positions"][r, span] = np.arange(n, dtype=np.int32)
+            out["segment_ids"][r, span] = seg
+            for k in ("tokens", *columns):
+                out[k][r, span] = sequences[i][k]
+            col += n
+    return out
+
+
 def build_train_batch(
     trajectories: Sequence[Trajectory],
     advantages: Sequence,
@@ -130,7 +155,7 @@ def build_train_batch(
     if seq_len < 2:
         raise ValueError("seq_len must be >= 2")
 
-    seqs = []  # (tokens, mask, logprobs, adv, truncated)
+    seqs, cut = [], []  # per trajectory: its columns, and whether its response was cut
     for i, (t, adv) in enumerate(zip(trajectories, advantages)):
         prompt = np.asarray(t.prompt_ids, np.int32)
         if prompt.size == 0:
@@ -147,81 +172,31 @@ def build_train_batch(
             raise ValueError(f"trajectory {i}: sampled log-probs must be <= 0, got max {lp.max():.4g}")
         if overlong_filter and t.truncated:
             mask = np.zeros_like(mask)
-        cut = False
         room = seq_len - prompt.size
-        if resp.size > room:
+        cut.append(bool(resp.size > room))
+        if cut[-1]:
             if not truncate:
                 raise ValueError(
                     f"trajectory {i}: {prompt.size}+{resp.size} tokens exceed seq_len={seq_len} "
                     "(pass truncate=True to cut the response tail)"
                 )
             resp, mask, lp, a = resp[:room], mask[:room], lp[:room], a[:room]
-            cut = True
         zeros = np.zeros(prompt.size, np.float32)
-        seqs.append(
-            (
-                np.concatenate([prompt, resp]),
-                np.concatenate([zeros, mask]),
-                np.concatenate([zeros, lp]),
-                np.concatenate([zeros, a]),
-                cut,
-            )
-        )
-    n_cut = sum(s[4] for s in seqs)
+        seqs.append({"tokens": np.concatenate([prompt, resp]), "loss_mask": np.concatenate([zeros, mask]),
+                     "old_logprobs": np.concatenate([zeros, lp]), "advantages": np.concatenate([zeros, a])})
+    n_cut = sum(cut)
     if n_cut:
-        log.warning("make_train_batch: truncated %d of %d sequences to seq_len=%d", n_cut, len(seqs), seq_len)
+        log.warning("build_train_batch: truncated %d of %d sequences to seq_len=%d", n_cut, len(seqs), seq_len)
 
-    lengths = [len(s[0]) for s in seqs]
+    lengths = [len(s["tokens"]) for s in seqs]
     row_members = pack_first_fit(lengths, seq_len) if pack else [[i] for i in range(len(seqs))]
     b = len(row_members) if num_rows is None else num_rows
-    if len(row_members) > b:
-        raise ValueError(f"need {len(row_members)} rows but num_rows={num_rows}")
-
-    tokens = np.full((b, seq_len), pad_id, np.int32)
-    positions = np.zeros((b, seq_len), np.int32)
-    segment_ids = np.zeros((b, seq_len), np.int32)
-    loss_mask = np.zeros((b, seq_len), np.float32)
-    old_lp = np.zeros((b, seq_len), np.float32)
-    adv_arr = np.zeros((b, seq_len), np.float32)
+    arrays = place_rows(seqs, row_members, b, seq_len, pad_id)
     placements: list[Placement | None] = [None] * len(seqs)
     for r, members in enumerate(row_members):
         col = 0
-        for k, i in enumerate(members, start=1):
-            tok, m, lp, a, cut = seqs[i]
-            n = len(tok)
-            sl = slice(col, col + n)
-            tokens[r, sl] = tok
-            positions[r, sl] = np.arange(n, dtype=np.int32)
-            segment_ids[r, sl] = k
-            loss_mask[r, sl] = m
-            old_lp[r, sl] = lp
-            adv_arr[r, sl] = a
-            placements[i] = Placement(row=r, start=col, length=n, truncated=cut)
-            col += n
-    batch = TrainBatch(
-        tokens=tokens,
-        positions=positions,
-        segment_ids=segment_ids,
-        loss_mask=loss_mask,
-        old_logprobs=old_lp,
-        advantages=adv_arr,
-        rollout_logprobs=old_lp.copy(),
-    )
+        for i in members:
+            placements[i] = Placement(row=r, start=col, length=lengths[i], truncated=cut[i])
+            col += lengths[i]
+    batch = TrainBatch(rollout_logprobs=arrays["old_logprobs"].copy(), **arrays)
     return batch, BatchLayout(placements=tuple(placements), num_rows=b, seq_len=seq_len)
-
-
-def make_train_batch(
-    trajectories: Sequence[Trajectory],
-    advantages: Sequence,
-    seq_len: int,
-    pad_id: int,
-    pack: bool = False,
-    truncate: bool = False,
-    num_rows: int | None = None,
-    overlong_filter: bool = False,
-) -> TrainBatch:
-    """``build_train_batch`` without the layout (see there)."""
-    return build_train_batch(
-        trajectories, advantages, seq_len, pad_id, pack=pack, truncate=truncate, num_rows=num_rows,
-        overlong_filter=overlong_filter,
-    )[0]

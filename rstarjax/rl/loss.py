@@ -1,30 +1,39 @@
-"""GRPO-RoC policy loss (rStar2-Agent eq. 6) and its options, as jit-friendly jnp functions.
+"""The losses the trainer differentiates, as jit-friendly jnp functions: GRPO-RoC's policy loss
+(rStar2-Agent eq. 6) with its options, and SFT's masked NLL.
 
 Alignment (docs/design.md TrainBatch): arrays are [B, L]; position t holds target token t and the
-log-prob of predicting it from position t-1. ``token_logprobs`` does the shift, so every [B, L]
-array here lines up with ``TrainBatch.tokens`` / ``loss_mask`` / ``old_logprobs``.
+log-prob of predicting it from position t-1. ``token_logprobs_and_entropy`` does the shift, so
+every [B, L] array here lines up with ``TrainBatch.tokens`` / ``loss_mask`` / ``old_logprobs``.
 
-Exact micro-batching: ``policy_loss`` returns SUM over the micro-batch's tokens / ``denom`` where
-``denom`` is computed once for the WHOLE batch (``loss_denominator``). Summing the losses (and
-metrics, and gradients) of the micro-batches therefore equals the full-batch value. This is the
-token-level normalisation of eq. 6 (1 / sum_i |o_i|), not GRPO eq. 1's per-sequence mean.
+Exact micro-batching: every loss returns SUM over the micro-batch's tokens / ``denom`` where
+``denom`` is computed once for the WHOLE batch (the trainer's step: its token count, eq. 6's
+1 / sum_i |o_i|, not GRPO eq. 1's per-sequence mean; or Dr. GRPO's constant). Summing the losses
+(and metrics, and gradients) of the micro-batches therefore equals the full-batch value.
+
+``loss.policy_loss`` names one of ``POLICY_RATIOS`` (how pi / pi_old is measured and clipped);
+a new loss term is one more pure function here, one field in ``LossConfig``, one key in
+configs/base.py.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from rstarjax.rl.advantages import ADVANTAGE_ESTIMATORS
+from rstarjax.rl.batch import BATCH_KEYS, REF_KEY, SEQUENCE_KEYS
+from rstarjax.validation import one_of, require
 
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps masked/garbage positions from producing inf * 0 = nan
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """Policy-loss options. Defaults are the paper's GRPO-RoC (eq. 6): Clip-Higher, no KL, no entropy."""
+    """The ``loss`` section. Defaults are the paper's GRPO-RoC (eq. 6): Clip-Higher, no KL, no entropy."""
 
-    eps_low: float = 0.2  # rStar2-Agent eq. 6, Clip-Higher (Yu et al. 2025)
+    eps_low: float = 0.2  # rStar2-Agent eq. 6, Clip-Higher (DAPO, arXiv 2503.14476)
     eps_high: float = 0.28
     # KL(pi || pi_ref) with the k3 estimator (Schulman 2020), added to the loss; the paper drops it (§2.2.1).
     kl_coef: float = 0.0
@@ -32,53 +41,42 @@ class LossConfig:
     entropy_coef: float = 0.0
     # Dual clip (Ye et al. 2020): for A < 0 the per-token loss is capped at -c * A. Typical c = 3.
     dual_clip_c: float | None = None
-    # Dr. GRPO (Liu et al. 2025): advantages without std and a constant denominator
-    # (num sequences * max response length) instead of the token count; see loss_denominator.
-    dr_grpo: bool = False
-    # GSPO (Zheng et al. 2025), GSPO-token form: the ratio is the sequence-level geometric mean
-    # exp(mean_t log(pi/pi_old)), clipped with its own (much smaller) epsilons.
-    gspo: bool = False
+    # How the importance ratio is measured and clipped: POLICY_RATIOS ("ppo_clip": eq. 6 per
+    # token; "gspo": the sequence-level ratio with its own, much smaller, clip range).
+    policy_loss: str = "ppo_clip"
     gspo_eps_low: float = 3e-4
     gspo_eps_high: float = 4e-4
     # Truncated importance sampling (Yao et al. 2025): weight each token by
     # min(pi_old_trainer / pi_rollout, tis_cap) to correct sampler/trainer log-prob mismatch.
     tis_cap: float | None = None
-    # DAPO overlong filtering: zero the loss mask of truncated rollouts (paper §4.3.1: harmful).
-    overlong_filter: bool = False
-    # Kimi k1.5 length penalty coefficient (reward shaping, advantages.kimi_length_reward); 0 = off.
-    length_penalty_coef: float = 0.0
-    # DAPO dynamic sampling (rollout-level; advantages.is_informative_group): refill zero-variance groups.
-    dynamic_sampling: bool = False
+    # advantages.ADVANTAGE_ESTIMATORS: "grpo" (eq. 7) or "dr_grpo" (no std, and eq. 6's
+    # normaliser becomes the constant of ``dr_grpo_denominator``).
+    advantage_estimator: str = "grpo"
 
     def __post_init__(self):
-        for name in ("eps_low", "eps_high", "gspo_eps_low", "gspo_eps_high"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"LossConfig.{name} must be > 0")
-        if self.eps_low >= 1 or self.gspo_eps_low >= 1:
-            raise ValueError("eps_low must be < 1 (the lower clip bound 1 - eps_low must stay positive)")
-        if self.kl_coef < 0 or self.entropy_coef < 0 or self.length_penalty_coef < 0:
-            raise ValueError("coefficients must be >= 0")
-        if self.dual_clip_c is not None and not self.dual_clip_c > 1:
-            raise ValueError("dual_clip_c must be > 1")
-        if self.tis_cap is not None and not self.tis_cap > 0:
-            raise ValueError("tis_cap must be > 0")
-
-    @property
-    def std_normalize(self) -> bool:
-        """Whether advantages divide by the group std (eq. 7); Dr. GRPO does not."""
-        return not self.dr_grpo
+        require(
+            (0 < self.eps_low < 1 and self.eps_high > 0,
+             f"eps_low={self.eps_low} must lie in (0, 1) and eps_high={self.eps_high} be > 0 "
+             "(the lower clip bound 1 - eps_low must stay positive)"),
+            (0 < self.gspo_eps_low < 1 and self.gspo_eps_high > 0,
+             f"gspo_eps_low={self.gspo_eps_low} must lie in (0, 1) and gspo_eps_high={self.gspo_eps_high} be > 0"),
+            (self.kl_coef >= 0 and self.entropy_coef >= 0,
+             "kl_coef and entropy_coef must be >= 0 (0 = off; the paper uses 0, §2.2.1)"),
+            (self.dual_clip_c is None or self.dual_clip_c > 1, f"dual_clip_c={self.dual_clip_c} must be > 1"),
+            (self.tis_cap is None or self.tis_cap > 0, f"tis_cap={self.tis_cap} must be > 0"),
+            one_of("policy_loss", self.policy_loss, POLICY_RATIOS),
+            one_of("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS),
+        )
 
 
-def loss_denominator(loss_mask, cfg: LossConfig, num_sequences: int | None = None, max_response_len: int | None = None) -> float:
-    """The global denominator of eq. 6: total loss-mask tokens of the WHOLE batch (host-side).
-
-    Dr. GRPO instead uses the constant num_sequences * max_response_len (no length bias).
-    """
-    if cfg.dr_grpo:
-        if not num_sequences or not max_response_len:
-            raise ValueError("Dr. GRPO needs num_sequences and max_response_len for its constant denominator")
-        return float(num_sequences * max_response_len)
-    return float(np.asarray(loss_mask, np.float64).sum())
+def dr_grpo_denominator(num_sequences: int, max_response_len: int) -> float:
+    """Dr. GRPO's constant normaliser of eq. 6 (Liu et al. 2025, arXiv 2503.20783): the sequences
+    of one update times the maximum response length, instead of their token count (which
+    favours long wrong answers over short ones)."""
+    if num_sequences < 1 or max_response_len < 1:
+        raise ValueError(f"Dr. GRPO needs num_sequences and max_response_len >= 1, got "
+                         f"{num_sequences} and {max_response_len}")
+    return float(num_sequences * max_response_len)
 
 
 def token_logprobs_and_entropy(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -101,17 +99,6 @@ def token_logprobs_and_entropy(logits: jax.Array, targets: jax.Array) -> tuple[j
     return jnp.concatenate([pad, logp], axis=1), jnp.concatenate([pad, entropy], axis=1)
 
 
-def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """fp32 log pi(targets[:, t] | <t) aligned with ``targets`` [B, L] (column 0 is 0)."""
-    if logits.ndim != 3 or targets.ndim != 2 or logits.shape[:2] != targets.shape:
-        raise ValueError(f"logits {logits.shape} and targets {targets.shape} must be [B, L, V] and [B, L]")
-    lg = logits[:, :-1].astype(jnp.float32)
-    lse = jax.nn.logsumexp(lg, axis=-1)
-    picked = jnp.take_along_axis(lg, targets[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
-    pad = jnp.zeros((targets.shape[0], 1), jnp.float32)
-    return jnp.concatenate([pad, picked - lse], axis=1)
-
-
 def chunked_token_logprobs_and_entropy(
     hidden: jax.Array, unembed: jax.Array, targets: jax.Array, chunk_size: int = 1024, vocab_major: bool = False
 ) -> tuple[jax.Array, jax.Array]:
@@ -122,7 +109,7 @@ def chunked_token_logprobs_and_entropy(
     ``chunk_size`` at a time under ``jax.checkpoint`` so the backward pass recomputes each chunk's
     [B, chunk, V] logits instead of storing them all: peak memory O(B * chunk * V) instead of
     O(B * L * V) (for Qwen3 at L = 12k, V = 151k that is ~7 GB of f32 per row saved). Same
-    alignment as ``token_logprobs``: column 0 is 0.
+    alignment as ``token_logprobs_and_entropy``: column 0 is 0.
     """
     if hidden.ndim != 3 or targets.shape != hidden.shape[:2]:
         raise ValueError(f"hidden {hidden.shape} must be [B, L, D] matching targets {targets.shape}")
@@ -169,7 +156,30 @@ def sequence_mean(values: jax.Array, mask: jax.Array, segment_ids: jax.Array | N
     return means[key].reshape(b, l)
 
 
-def clipped_surrogate(ratio: jax.Array, advantages: jax.Array, eps_low: float, eps_high: float, dual_clip_c: float | None):
+def ppo_clip_ratio(log_ratio: jax.Array, logprobs: jax.Array, mask: jax.Array, segment_ids, cfg: LossConfig):
+    """rStar2-Agent eq. 6: the per-token ratio r_t = pi / pi_old (PPO's clipped surrogate,
+    Schulman et al. 2017, arXiv 1707.06347), clipped to [1 - eps_low, 1 + eps_high] (Clip-Higher).
+    Returns (log r_t, eps_low, eps_high)."""
+    return log_ratio, cfg.eps_low, cfg.eps_high
+
+
+def gspo_ratio(log_ratio: jax.Array, logprobs: jax.Array, mask: jax.Array, segment_ids, cfg: LossConfig):
+    """GSPO ("Group Sequence Policy Optimization", Zheng et al. 2025, arXiv 2507.18071), GSPO-token
+    form: the value is the sequence-level ratio exp(mean_t log(pi/pi_old)) (one per packed
+    sequence, ``sequence_mean``), the gradient that ratio times d log pi_t; clipped with
+    gspo_eps_low / gspo_eps_high."""
+    on = mask > 0
+    seq_log_ratio = sequence_mean(log_ratio, mask, segment_ids)
+    log_ratio = jax.lax.stop_gradient(seq_log_ratio) + logprobs - jax.lax.stop_gradient(logprobs)
+    return jnp.where(on, log_ratio, 0.0), cfg.gspo_eps_low, cfg.gspo_eps_high
+
+
+# loss.policy_loss: name -> (log_ratio, logprobs, mask, segment_ids, cfg) -> (log ratio, eps_low, eps_high)
+POLICY_RATIOS: dict[str, Callable] = {"ppo_clip": ppo_clip_ratio, "gspo": gspo_ratio}
+
+
+def clipped_surrogate(ratio: jax.Array, advantages: jax.Array, eps_low: float, eps_high: float,
+                      dual_clip_c: float | None):
     """Per-token loss of eq. 6: -min(r A, clip(r, 1-eps_low, 1+eps_high) A), optionally dual-clipped."""
     unclipped = -advantages * ratio
     clipped = -advantages * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
@@ -201,8 +211,8 @@ def policy_loss(
 
     loss = sum_t mask_t * (pg_t + kl_coef * KL_t - entropy_coef * H_t) / denom, with
     pg_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t), r_t = pi / pi_old.
-    ``denom`` is the global token count of the whole batch (see module docstring); a denom of 0
-    (no trainable token anywhere) is treated as 1, giving loss 0.
+    ``denom`` is the normaliser of the whole batch (see module docstring); a denom of 0 (no
+    trainable token anywhere) is treated as 1, giving loss 0. r_t is ``POLICY_RATIOS[cfg.policy_loss]``'s.
     ``rollout_logprobs`` is only used with ``cfg.tis_cap``; ``ref_logprobs`` with ``cfg.kl_coef``;
     ``entropy`` with ``cfg.entropy_coef`` (and reported when given); ``segment_ids`` with GSPO on
     packed rows. Metrics are sums / denom as well, so they add across micro-batches too.
@@ -216,14 +226,7 @@ def policy_loss(
     inv_denom = 1.0 / jnp.maximum(jnp.asarray(denom, f32), 1.0)
 
     log_ratio = jnp.where(on, jnp.clip(logp - old, -_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0)
-    if cfg.gspo:
-        # GSPO-token: value = sequence-level ratio, gradient = that ratio times d log pi_t.
-        seq_log_ratio = sequence_mean(log_ratio, mask, segment_ids)
-        log_ratio = jax.lax.stop_gradient(seq_log_ratio) + logp - jax.lax.stop_gradient(logp)
-        log_ratio = jnp.where(on, log_ratio, 0.0)
-        eps_low, eps_high = cfg.gspo_eps_low, cfg.gspo_eps_high
-    else:
-        eps_low, eps_high = cfg.eps_low, cfg.eps_high
+    log_ratio, eps_low, eps_high = POLICY_RATIOS[cfg.policy_loss](log_ratio, logp, mask, segment_ids, cfg)
     ratio = jnp.exp(log_ratio)
 
     pg = clipped_surrogate(ratio, adv, eps_low, eps_high, cfg.dual_clip_c)
@@ -267,3 +270,34 @@ def policy_loss(
     metrics["approx_kl"] = jnp.sum(mask * (jnp.exp(lr_sg) - lr_sg - 1.0)) * inv_denom
     metrics["token_frac"] = jnp.sum(mask) * inv_denom  # 1.0 once summed over all micro-batches
     return loss, metrics
+
+
+# ---- per-micro-batch losses for the trainer's gradient-accumulation step ----------------------
+@dataclasses.dataclass(frozen=True)
+class MicroLoss:
+    """What ``Trainer.update`` differentiates on each micro-batch: ``fn(logprobs, entropy, micro,
+    denom) -> (loss, metrics)``, both sums over the micro-batch's tokens divided by the whole
+    batch's ``denom`` (so they add up across micro-batches), reading the batch arrays ``keys``."""
+
+    fn: Callable[[jax.Array, jax.Array, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, dict]]
+    keys: tuple[str, ...]
+
+
+def policy_micro_loss(cfg: LossConfig) -> MicroLoss:
+    """eq. 6 (``policy_loss``) over a micro-batch of a TrainBatch; with ``cfg.kl_coef > 0`` the
+    batch also carries the frozen reference policy's log-probs (``REF_KEY``)."""
+
+    def fn(logprobs, entropy, micro, denom):
+        return policy_loss(logprobs, micro["old_logprobs"], micro["advantages"], micro["loss_mask"], denom, cfg,
+                           ref_logprobs=micro.get(REF_KEY), rollout_logprobs=micro["rollout_logprobs"],
+                           entropy=entropy, segment_ids=micro["segment_ids"])
+
+    return MicroLoss(fn, BATCH_KEYS + (REF_KEY,) if cfg.kl_coef > 0 else BATCH_KEYS)
+
+
+def masked_nll(logprobs, entropy, micro, denom):
+    """SFT: -sum of log pi(token | prefix) over the trained (assistant) tokens / denom."""
+    return -jnp.sum(logprobs * micro["loss_mask"]) / denom, {}
+
+
+NLL = MicroLoss(masked_nll, SEQUENCE_KEYS)

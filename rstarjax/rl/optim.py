@@ -1,9 +1,10 @@
-"""Optimizer for the policy: AdamW, linear warmup then constant LR, global-norm clipping.
+"""Optimizers and learning-rate schedules: AdamW with global-norm clipping, for RL (linear warmup
+then constant) and for SFT (linear warmup then cosine decay).
 
-rStar2-Agent §4.3 / §5.1: learning rate 1e-6; the verl defaults the paper builds on add a short
-linear warmup, weight decay 0.01 and gradient clipping at 1.0. Weight decay applies to every
-parameter, as torch.optim.AdamW over ``module.parameters()`` does in verl (no norm/bias mask),
-so a run here can be compared with a verl run step for step.
+rStar2-Agent §4.3 / §5.1: RL learning rate 1e-6; the verl defaults the paper builds on add a short
+linear warmup, weight decay 0.01 and gradient clipping at 1.0. SFT: lr 5e-6, 4 % warm-up, cosine
+decay. Weight decay applies to every parameter, as torch.optim.AdamW over ``module.parameters()``
+does in verl (no norm/bias mask), so a run here can be compared with a verl run step for step.
 """
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ import dataclasses
 import jax.numpy as jnp
 import optax
 
+from rstarjax.validation import require
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
+    """The ``optim`` section (the RL optimizer)."""
+
     learning_rate: float = 1e-6
     warmup_steps: int = 20
     weight_decay: float = 0.01
@@ -24,24 +29,15 @@ class OptimConfig:
     eps: float = 1e-8
 
     def __post_init__(self):
-        if self.learning_rate <= 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if not (0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0):
-            raise ValueError(f"Adam betas must lie in [0, 1), got b1={self.b1} b2={self.b2}")
-
-    @classmethod
-    def from_config(cls, optim_cfg) -> "OptimConfig":
-        """From the ``config.optim`` ConfigDict (only the fields this dataclass knows)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in dict(optim_cfg).items() if k in names})
+        require((self.learning_rate > 0, f"learning_rate={self.learning_rate} must be > 0"),
+                (self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps} must be >= 0"),
+                (self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0"),
+                (0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0,
+                 f"b1={self.b1} and b2={self.b2} (Adam's betas) must lie in [0, 1)"))
 
 
 def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
-    """Linear warmup from lr/warmup to lr over ``warmup_steps`` updates, then constant.
+    """RL: linear warmup from lr/warmup to lr over ``warmup_steps`` updates, then constant.
 
     Step s (0-based count of updates already applied) uses lr * min(1, (s + 1) / warmup): the
     first update is already non-zero (as torch's LambdaLR warmup in verl), the ``warmup``-th
@@ -58,11 +54,35 @@ def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
     return schedule
 
 
+def cosine_with_warmup(step, total_steps: int, peak_lr: float, warmup_ratio: float = 0.04,
+                       min_lr_ratio: float = 0.0):
+    """SFT (rStar2-Agent §5.1): linear warm-up over ``warmup_ratio`` of the steps
+    (``int(warmup_ratio * total_steps)``, as verl's SFT trainer), then cosine decay to
+    ``peak_lr * min_lr_ratio``.
+
+    Exactly verl's / transformers' ``get_cosine_schedule_with_warmup`` (LambdaLR semantics: the
+    update after ``step`` previous updates uses lr(step); warm-up starts at 0), so a run here can
+    be compared with a verl SFT run step for step. Works on Python numbers and jax scalars (it is
+    the optax schedule)."""
+    warmup = int(warmup_ratio * total_steps)
+    step = jnp.asarray(step, jnp.float32)
+    warm = step / max(warmup, 1)
+    progress = (step - warmup) / max(total_steps - warmup, 1)
+    cosine = 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+    frac = jnp.where(step < warmup, warm, jnp.maximum(0.0, cosine))
+    return peak_lr * (min_lr_ratio + (1.0 - min_lr_ratio) * frac)
+
+
+def adamw(schedule, weight_decay: float, grad_clip_norm: float, b1: float = 0.9, b2: float = 0.999,
+          eps: float = 1e-8) -> optax.GradientTransformation:
+    """clip_by_global_norm(grad_clip_norm) -> AdamW(schedule, weight_decay) (decoupled decay);
+    ``grad_clip_norm`` <= 0: no clipping."""
+    opt = optax.adamw(learning_rate=schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    if grad_clip_norm and grad_clip_norm > 0:
+        return optax.chain(optax.clip_by_global_norm(grad_clip_norm), opt)
+    return opt
+
+
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    """clip_by_global_norm(grad_clip) -> AdamW(schedule, weight_decay) (decoupled decay)."""
-    adamw = optax.adamw(
-        learning_rate=lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay
-    )
-    if cfg.grad_clip_norm and cfg.grad_clip_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), adamw)
-    return adamw
+    """The RL optimizer: ``adamw`` on ``lr_schedule``."""
+    return adamw(lr_schedule(cfg), cfg.weight_decay, cfg.grad_clip_norm, cfg.b1, cfg.b2, cfg.eps)

@@ -215,7 +215,7 @@ def roc_select(
     gids = {int(t.group_id) for t in trajs_or_stats if isinstance(t, Trajectory)}
     if len(gids) > 1:
         raise ValueError(f"roc_select got trajectories of several prompts (group_ids {sorted(gids)}); "
-                         "use roc_select_batch")
+                         "select per group (selection.select_groups)")
     stats = [_stats(t) for t in trajs_or_stats]
     if group_size <= 0:
         raise ValueError("group_size must be > 0")
@@ -245,51 +245,3 @@ def roc_select(
     kept = sorted(int(i) for i in np.concatenate([kept_neg, kept_pos]))
     assert len(kept) == group_size and len(set(kept)) == group_size
     return kept
-
-
-def roc_metrics(trajs_or_stats: Sequence[Trajectory | RocStats], kept: Sequence[int]) -> dict[str, float]:
-    """Tool-error ratio among positives before/after RoC (the paper's Fig. 4 quantity) and penalties."""
-    stats = [_stats(t) for t in trajs_or_stats]
-
-    def err_ratio(idx):
-        calls = sum(stats[i].tool_calls for i in idx if stats[i].reward > 0)
-        errs = sum(stats[i].tool_errors for i in idx if stats[i].reward > 0)
-        return errs / calls if calls else 0.0
-
-    all_idx = range(len(stats))
-    kept_pos = [i for i in kept if stats[i].reward > 0]
-    return {
-        "roc/pos_tool_error_ratio_before": err_ratio(all_idx),
-        "roc/pos_tool_error_ratio_after": err_ratio(kept),
-        "roc/kept_pos_mean_p_total": float(np.mean([p_total(stats[i]) for i in kept_pos])) if kept_pos else 0.0,
-        "roc/kept_pos_fraction": len(kept_pos) / max(1, len(kept)),
-    }
-
-
-def roc_select_batch(
-    trajectories: Sequence[Trajectory],
-    group_size: int,
-    rng: np.random.Generator | int,
-    variant: str = "paper",
-    zero_penalty_eps: float = DEFAULT_ZERO_PENALTY_EPS,
-    min_negatives: int = OFFICIAL_MIN_NEGATIVES,
-    min_positives: int = OFFICIAL_MIN_POSITIVES,
-) -> list[int]:
-    """``roc_select`` applied to every prompt group (by ``Trajectory.group_id``) of a flat batch.
-
-    Returns sorted indices into ``trajectories``; groups are processed in ascending group_id so a
-    seeded Generator gives the same result whatever the rollout completion order was within the
-    list (as long as each group's own order is the same).
-    """
-    gen = _as_rng(rng) if variant == "paper" else rng
-    by_group: dict[int, list[int]] = {}
-    for i, t in enumerate(trajectories):
-        by_group.setdefault(int(t.group_id), []).append(i)
-    kept: list[int] = []
-    for gid in sorted(by_group):
-        idx = by_group[gid]
-        sel = roc_select([trajectories[i] for i in idx], group_size, gen, variant=variant,
-                         zero_penalty_eps=zero_penalty_eps, min_negatives=min_negatives,
-                         min_positives=min_positives)
-        kept.extend(idx[j] for j in sel)
-    return sorted(kept)

@@ -1,13 +1,17 @@
-"""The Trajectory: one multi-turn rollout, token-in/token-out.
+"""The Trajectory: one multi-turn rollout, token-in/token-out, and the rollout contract.
 
-This is the hand-off between the rollout loop (producer) and RoC / batching / the trainer
-(consumers). Generated text is never re-tokenized: the ids here are exactly what the engine
-sampled (model segments) or appended (tool segments).
+This is the hand-off between the rollout loop (producer: ``RolloutFn``, e.g.
+``agent_loop.ColocatedRollouts``) and RoC / batching / the trainer (consumers). Generated text
+is never re-tokenized: the ids here are exactly what the engine sampled (model segments) or
+appended (tool segments). The rollouts of one prompt share a ``group_id``; ``group_indices``
+is the one place that groups them.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
 
 import numpy as np
 
@@ -17,7 +21,9 @@ class SegmentKind(str, enum.Enum):
     TOOL = "tool"  # appended by the environment / chat template: not trained on (loss mask 0)
 
 
-class Finish(str, enum.Enum):
+class FinishReason(str, enum.Enum):
+    """How an episode ended (``Trajectory.finish``)."""
+
     ANSWERED = "answered"  # the model ended a turn with an answer (no further tool call)
     NO_TOOL_CALL = "no_tool_call"  # a turn ended without a tool call and without an <answer>
     MAX_TURNS = "max_turns"
@@ -64,7 +70,7 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: ToolErrorCounts = dataclasses.field(default_factory=ToolErrorCounts)
     answer_tags: int = 0  # number of <answer> blocks in the model's text
-    finish: Finish = Finish.ERROR
+    finish: FinishReason = FinishReason.ERROR
     reward: float = 0.0
     group_id: int = 0
     policy_version: int = 0
@@ -101,9 +107,36 @@ class Trajectory:
 
     @property
     def truncated(self) -> bool:
-        return self.finish == Finish.MAX_LENGTH
+        return self.finish == FinishReason.MAX_LENGTH
 
     @property
     def infra_error(self) -> bool:
         """Ended by the infrastructure, not the model: excluded from training and counted."""
-        return self.finish == Finish.ERROR
+        return self.finish == FinishReason.ERROR
+
+
+# A rollout function: (problem records, rollouts per prompt, seed, policy version) ->
+# Trajectories with ``group_id`` = the index of their record in the list, optionally with a dict
+# of already-namespaced figures (timings, engine / tool statistics). ``agent_loop.ColocatedRollouts``
+# is the real one; tests pass deterministic stand-ins.
+RolloutFn = Callable[[list, int, int, int], Union[list, tuple[list, Mapping[str, Any]]]]
+
+
+def trajectories_of(rollout_output) -> list:
+    """The trajectories of a ``RolloutFn``'s answer (with or without its figures)."""
+    return list(rollout_output[0] if isinstance(rollout_output, tuple) else rollout_output)
+
+
+def group_indices(group_ids: Sequence[int], num_groups: int | None = None) -> dict[int, list[int]]:
+    """Positions of each group's members, by ascending group id, each group in the given order.
+
+    With ``num_groups`` every id in [0, num_groups) is a key (a group with no member maps to
+    []), and an id outside that range raises.
+    """
+    groups: dict[int, list[int]] = {g: [] for g in range(num_groups)} if num_groups is not None else {}
+    for i, g in enumerate(group_ids):
+        g = int(g)
+        if num_groups is not None and not 0 <= g < num_groups:
+            raise ValueError(f"trajectory group_id={g} outside [0, {num_groups})")
+        groups.setdefault(g, []).append(i)
+    return dict(sorted(groups.items()))

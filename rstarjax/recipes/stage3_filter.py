@@ -12,18 +12,23 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 
+import jax
+import tqdm
+from flax import nnx
+
+from rstarjax.io import checkpoint as ckpt_lib
+from rstarjax.io import data as data_lib
+from rstarjax.recipes import build
+from rstarjax.recipes.config import RunConfig
+from rstarjax.rl.trajectory import RolloutFn, group_indices, trajectories_of
+
 log = logging.getLogger(__name__)
 
 
 def solve_counts(trajectories, num_groups: int) -> list[tuple[int, int]]:
     """(correct, total) rollouts per group_id in [0, num_groups)."""
-    counts = [[0, 0] for _ in range(num_groups)]
-    for t in trajectories:
-        if not 0 <= t.group_id < num_groups:
-            raise ValueError(f"trajectory group_id={t.group_id} outside [0, {num_groups})")
-        counts[t.group_id][0] += int(t.reward > 0)
-        counts[t.group_id][1] += 1
-    return [tuple(c) for c in counts]
+    groups = group_indices([t.group_id for t in trajectories], num_groups)
+    return [(sum(int(trajectories[i].reward > 0) for i in idx), len(idx)) for idx in groups.values()]
 
 
 def keep_problem(correct: int, total: int, k: int) -> bool:
@@ -36,7 +41,7 @@ def keep_problem(correct: int, total: int, k: int) -> bool:
     return correct < k
 
 
-def filter_problems(records: Sequence[dict], rollout_fn: Callable, k: int, batch_prompts: int, seed: int,
+def filter_problems(records: Sequence[dict], rollout_fn: RolloutFn, k: int, batch_prompts: int, seed: int,
                     progress: Callable[[int], None] | None = None) -> tuple[list[dict], dict]:
     """Run k rollouts per problem in batches of ``batch_prompts`` and keep the unsolved ones.
 
@@ -47,8 +52,7 @@ def filter_problems(records: Sequence[dict], rollout_fn: Callable, k: int, batch
     infra = 0
     for start in range(0, len(records), batch_prompts):
         chunk = list(records[start:start + batch_prompts])
-        out = rollout_fn(chunk, k, seed + start, -1)
-        trajs = out[0] if isinstance(out, tuple) else out
+        trajs = trajectories_of(rollout_fn(chunk, k, seed + start, -1))
         infra += sum(bool(getattr(t, "infra_error", False)) for t in trajs)
         for rec, (correct, total) in zip(chunk, solve_counts(trajs, len(chunk))):
             hist[correct] += 1
@@ -71,51 +75,37 @@ def write_jsonl_atomic(path: str, rows: Sequence[dict]) -> None:
     os.replace(tmp, path)
 
 
-def run_filter(config, workdir: str, rollout_fn: Callable | None = None, model=None) -> dict:
-    """The ``filter`` mode of rstarjax.main (single process writes; see docs/training.md)."""
-    import jax
-    import tqdm
-
-    from rstarjax.io import checkpoint as ckpt_lib
-    from rstarjax.io import data as data_lib
-    from rstarjax.rl import trainer as trainer_lib
-
+def run_filter(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, model=None) -> dict:
+    """``mode=filter``: the stage-2 policy (``checkpoint.init_from``) rolls out ``filter.k`` times
+    per problem of ``data.train_path``; single process writes (see docs/training.md)."""
     if jax.process_count() > 1:
         raise NotImplementedError("the stage-3 filter runs on one process (rollouts are the cost; "
                                   "use one host with a larger serving mesh)")
-    records, report = data_lib.load_problems(config.data.train_path)
+    records, report = data_lib.load_problems(run.data.train_path)
+    executor = None
     if rollout_fn is None:
-        mesh = trainer_lib.build_mesh(config)
-        model = model if model is not None else trainer_lib.build_model(config, mesh)
-        if config.checkpoint.init_from:
-            from flax import nnx
-
+        mesh = build.mesh(run.mesh)
+        model = model if model is not None else build.policy(run.model, mesh, run.seed)
+        if run.checkpoint.init_from:
             graphdef, params, rest = nnx.split(model, nnx.Param, ...)
             shardings = jax.tree.map(lambda x: x.sharding, params)
-            params, _, step = ckpt_lib.restore_params(config.checkpoint.init_from,
+            params, _, step = ckpt_lib.restore_params(run.checkpoint.init_from,
                                                       ckpt_lib.abstract_like(params, shardings))
             model = nnx.merge(graphdef, params, rest)
-            log.info("filtering with the policy of step %d from %s", step, config.checkpoint.init_from)
-        from rstarjax.rl import agent_loop
-        from rstarjax.recipes import sft as sft_lib
-
-        tokenizer = sft_lib.build_tokenizer(config)
-        sft_lib.check_vocab(model, tokenizer)
-        rollout_fn = agent_loop.make_rollout_fn(config, model, tokenizer=tokenizer,
-                                                fmt=sft_lib.chat_format(config.rl.get("chat_format", "rstar2")))
-        owned = rollout_fn
-    else:
-        owned = None
-    bar = tqdm.tqdm(total=len(records), desc="filter", disable=not config.logging.progress_bar)
+            log.info("filtering with the policy of step %d from %s", step, run.checkpoint.init_from)
+        executor = build.executor(run.rl.num_tool_workers)
+        rollout_fn = build.rollouts(model, build.tokenizer(run.model), executor, run.rl.agent(), run.rl.sampling(),
+                                    run.rl.max_prompt_len, run.rl.chat_format)
+    bar = tqdm.tqdm(total=len(records), desc="filter", disable=not run.logging.progress_bar)
     try:
-        kept, summary = filter_problems(records, rollout_fn, config.filter.k, config.filter.batch_prompts,
-                                        config.seed, progress=bar.update)
+        kept, summary = filter_problems(records, rollout_fn, run.filter.k, run.filter.batch_prompts, run.seed,
+                                        progress=bar.update)
     finally:
         bar.close()
-        if owned is not None and hasattr(owned, "close"):
-            owned.close()
+        if executor is not None:
+            executor.close()
     summary["data_report"] = str(report)
-    out = config.filter.output_path or os.path.join(workdir, "filtered.jsonl")
+    out = run.filter.output_path or os.path.join(workdir, "filtered.jsonl")
     write_jsonl_atomic(out, kept)
     with open(out + ".summary.json", "w") as f:
         json.dump(summary, f, indent=1)

@@ -1,0 +1,67 @@
+"""The tool protocol: how the policy calls the Python tool and reads its answer (rStar2-Agent
+§2.1, Fig. 3), defined once.
+
+    ...<tool_call>\\n{"name": TOOL_NAME, "arguments": {"code": "...", "input": "..."}}\\n</tool_call>
+    <|im_start|>user\\n<tool_response>\\n{output}\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n
+    ...<answer>\\boxed{N}</answer><|im_end|>
+
+Every layer may import this module and it imports nothing: ``env.tools`` parses calls with these
+tags, ``models.chat_template`` renders them (and the schema in the system prompt), and
+``rl.agent_loop`` stops decoding on ``STOP_TOKENS`` (their ids come from the tokenizer, where
+every one of them is an added token).
+"""
+
+TOOL_NAME = "execute_python_code_with_standard_io"
+
+# The function schema shown to the model in the system prompt (paper Fig. 3, made valid JSON:
+# "required" sits in "parameters" and "return" in the function; see models/chat_template.py).
+TOOL_SCHEMA: dict = {
+    "type": "function",
+    "function": {
+        "name": TOOL_NAME,
+        "description": (
+            "Execute Python code with standard input and capture standard output. This function "
+            "takes a Python code string and an input string, provides the input string through "
+            "standard input (stdin) to the code, and captures and returns any output produced "
+            "through standard output (stdout). If the executed code raises an exception, the error "
+            "message will be captured and returned instead."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "code": {
+                    "type": "string",
+                    "description": (
+                        "A string containing Python code to be executed. The code can read from "
+                        "standard input using the input() function."
+                    ),
+                },
+                "input": {
+                    "type": "string",
+                    "description": (
+                        "A string that will be provided as standard input to the code when it "
+                        "calls input()."
+                    ),
+                },
+            },
+            "required": ["code", "input"],
+        },
+        "return": {
+            "type": "string",
+            "description": (
+                "str: The output produced by the executed code through standard output. If an "
+                "error occurs during execution, the error message will be returned."
+            ),
+        },
+    },
+}
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"  # the reward reads the \boxed{} inside
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # ChatML turn delimiters
+END_OF_TEXT = "<|endoftext|>"
+
+# A model turn ends right after any of these: the tool is dispatched the moment a call is
+# complete (</tool_call>), an answer turn ends with <|im_end|>, a base model may emit EOS.
+STOP_TOKENS = (TOOL_CALL_CLOSE, IM_END, END_OF_TEXT)

@@ -1,0 +1,90 @@
+"""What every recipe builds the same way: the device mesh, the policy, its tokenizer, the code
+executor and the colocated rollout function (one builder each)."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from rstarjax.env import CodeExecutor
+from rstarjax.models import ModelConfig, Qwen3, load_hf
+from rstarjax.models.chat_template import chat_format
+from rstarjax.models.sharding import make_mesh, shard_model
+from rstarjax.models.tokenizer import Tokenizer, load_tokenizer_for
+from rstarjax.recipes.config import MeshConfig, ModelSource
+from rstarjax.rl.agent_loop import AgentConfig, ColocatedRollouts
+from rstarjax.serving.sampling import SamplingParams
+
+
+def mesh(cfg: MeshConfig) -> Mesh:
+    return make_mesh(cfg.data, cfg.fsdp, cfg.tensor)
+
+
+def tokenizer(src: ModelSource) -> Tokenizer:
+    """The tokenizer of ``src``: ``tokenizer_num_regular_tokens`` > 0 picks a small-vocabulary
+    variant; else the ``tokenizer.json`` in ``tokenizer_path`` (default ``hf_path``) says which (so
+    an exported small model reloads with its own); else Qwen3's."""
+    path = src.tokenizer_path or ("" if src.random_init else src.hf_path)
+    return load_tokenizer_for(path, src.tokenizer_num_regular_tokens)
+
+
+def vocabulary_of(tok: Tokenizer) -> dict[str, Any]:
+    """ModelConfig fields that size a fresh model to ``tok`` (its padded table, its special ids)."""
+    return dict(vocab_size=tok.vocab_size, bos_token_id=tok.endoftext_id, eos_token_id=tok.eos_id)
+
+
+def policy(src: ModelSource, mesh: Mesh, seed: int, **preset_overrides) -> nnx.Module:
+    """The policy on ``mesh``: the HF checkpoint at ``src.hf_path``, or (``src.random_init``) a
+    seeded ``src.preset`` with ``preset_overrides`` (e.g. ``vocabulary_of(tokenizer)``; the preset's
+    own vocabulary otherwise) and random weights (tests, demos)."""
+    dtype = jnp.dtype(src.dtype)
+    if not src.random_init:
+        return load_hf(src.hf_path, dtype=dtype, mesh=mesh, remat_policy=src.remat_policy)
+    cfg = ModelConfig.preset(src.preset, dtype=dtype, remat_policy=src.remat_policy, **preset_overrides)
+    return shard_model(Qwen3(cfg, rngs=nnx.Rngs(int(seed))), mesh)
+
+
+def check_vocab(model, tok: Tokenizer) -> None:
+    """The model must have an embedding row for every token the tokenizer can produce."""
+    if len(tok) > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {len(tok)} tokens but the model only {model.config.vocab_size} "
+                         "embedding rows: set --config.model.tokenizer_num_regular_tokens (or "
+                         "--config.model.tokenizer_path) to the model's tokenizer")
+
+
+def model_meta(model, tok: Tokenizer) -> dict[str, Any]:
+    """What ``rstarjax.export`` needs to rebuild the model from a checkpoint alone."""
+    check_vocab(model, tok)
+    return {"model_config": model.config.to_hf_dict(), "tokenizer_num_regular_tokens": int(tok.num_regular_tokens)}
+
+
+def host_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def tool_workers(requested: int, cores: int | None = None) -> int:
+    """Heavy workers of the code pool: ``requested`` when > 0, else one per host core (each
+    worker runs ``slots_per_worker`` sandboxes, and as many lean workers come with them)."""
+    if requested < 0:
+        raise ValueError(f"rl.num_tool_workers must be >= 0 (0 = one per host core), got {requested}")
+    return int(requested) if requested > 0 else max(1, host_cores() if cores is None else int(cores))
+
+
+def executor(num_tool_workers: int) -> CodeExecutor:
+    """The started code executor a run's rollouts use (``rl.num_tool_workers``); close it after."""
+    return CodeExecutor(num_workers=tool_workers(num_tool_workers)).start()
+
+
+def rollouts(model, tok: Tokenizer, executor: CodeExecutor, agent: AgentConfig, sampling: SamplingParams,
+             max_prompt_len: int, chat: str, num_slots: int | None = None) -> ColocatedRollouts:
+    """The agent loop on a serving engine over ``model``'s devices (``rl.agent_loop``)."""
+    check_vocab(model, tok)
+    return ColocatedRollouts(model, tokenizer=tok, executor=executor, agent=agent, sampling=sampling,
+                             max_prompt_len=max_prompt_len, fmt=chat_format(chat), num_slots=num_slots)

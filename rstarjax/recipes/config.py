@@ -1,0 +1,371 @@
+"""The run's typed configuration: a ``configs/*.py`` ConfigDict parsed ONCE into dataclasses that
+are passed down, so nothing below the recipes sees the ConfigDict.
+
+One dataclass per config section, defined where the section is read: ``loss`` ->
+``rl.loss.LossConfig``, ``rl`` -> ``rl.step.RLConfig`` (which derives the rollout layer's
+``AgentConfig`` and ``SamplingParams``), ``optim`` -> ``rl.optim.OptimConfig``, ``trainer`` ->
+``rl.trainer.TrainerConfig``, ``checkpoint`` -> ``io.checkpoint.CheckpointConfig``; the sections
+only the recipes read are defined here. Each dataclass checks its own fields (``validation.require``);
+``parse`` adds the rules that span sections, files or devices, and reports every problem at once,
+one line each, naming the flag that fixes it. No rule is written twice.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+from rstarjax.io.checkpoint import CheckpointConfig
+from rstarjax.models.chat_template import CHAT_FORMATS
+from rstarjax.models.config import PRESETS, REMAT_POLICIES
+from rstarjax.rl.agent_loop import AgentConfig
+from rstarjax.rl.loss import LossConfig
+from rstarjax.rl.optim import OptimConfig
+from rstarjax.rl.step import RLConfig
+from rstarjax.rl.trainer import TrainerConfig
+from rstarjax.serving.sampling import SamplingParams
+from rstarjax.validation import ConfigError, one_of, require
+
+# config.mode -> rstarjax.main.RECIPES (the function that runs it)
+MODES = ("rl", "filter", "sft", "eval", "demo")
+DTYPES = ("float32", "bfloat16", "float16")
+
+# Keys that moved: the flag to use instead (an old key fails with this message).
+RENAMED = {
+    "loss.dr_grpo": "--config.loss.advantage_estimator=dr_grpo",
+    "loss.gspo": "--config.loss.policy_loss=gspo",
+    "loss.dynamic_sampling": "--config.rl.dynamic_sampling",
+    "loss.overlong_filter": "--config.rl.overlong_filter",
+    "loss.length_penalty_coef": "--config.rl.length_penalty_coef",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """The ``model`` section: where the policy and its tokenizer come from (``build.policy``)."""
+
+    preset: str = "qwen3-14b"  # ModelConfig.preset; the HF config.json wins when present
+    hf_path: str = ""  # directory with config.json + *.safetensors
+    random_init: bool = False  # True: the preset with random weights (tests / demos only)
+    tokenizer_path: str = ""  # a dir with the model's tokenizer.json; default: hf_path
+    # > 0: the small-vocabulary Qwen BPE of that many regular tokens; 0: the tokenizer.json in
+    # tokenizer_path / hf_path says (Qwen3's full vocabulary when there is none)
+    tokenizer_num_regular_tokens: int = 0
+    dtype: str = "bfloat16"  # compute dtype; master weights stay float32
+    remat_policy: str = "full"
+
+    def __post_init__(self):
+        require(one_of("dtype", self.dtype, DTYPES), one_of("remat_policy", self.remat_policy, REMAT_POLICIES),
+                (not self.random_init or self.preset in PRESETS,
+                 f"preset={self.preset!r} is unknown; known: {sorted(PRESETS)}"),
+                (self.tokenizer_num_regular_tokens >= 0,
+                 f"tokenizer_num_regular_tokens={self.tokenizer_num_regular_tokens} must be >= 0"))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The ``data`` section: the RL problems (``io.data``)."""
+
+    train_path: str = ""  # jsonl / json / parquet of {"problem", "answer"} rows
+    shuffle: bool = True
+    num_epochs: int = 0  # 0 = repeat forever
+
+    def __post_init__(self):
+        require((self.num_epochs >= 0, f"num_epochs={self.num_epochs} must be >= 0 (0 = repeat forever)"))
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The ``mesh`` section: device mesh (data, fsdp, tensor); -1 = the rest of the devices."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        return self.data, self.fsdp, self.tensor
+
+    def __post_init__(self):
+        sizes = list(self.sizes)
+        require((sizes.count(-1) <= 1 and all(s >= 1 or s == -1 for s in sizes),
+                 f"data, fsdp, tensor = {sizes}: each must be >= 1, with at most one -1 (= the rest)"))
+
+    def resolved(self, num_devices: int) -> dict[str, int] | None:
+        """The axis sizes on ``num_devices`` devices, or None when they do not fit."""
+        known = 1
+        for s in self.sizes:
+            known *= s if s != -1 else 1
+        if (-1 in self.sizes and num_devices % known) or (-1 not in self.sizes and known != num_devices):
+            return None
+        sizes = dict(zip(("data", "fsdp", "tensor"), self.sizes))
+        return {k: (num_devices // known if v == -1 else v) for k, v in sizes.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """The ``distributed`` section: multi-process runs (``jax.distributed``)."""
+
+    num_processes: int = 1  # > 1: initialize with the fields below
+    process_id: int = 0
+    coordinator_address: str = ""  # host:port of process 0
+    auto: bool = False  # True: jax.distributed.initialize() finds the cluster itself
+    timeout_s: int = 300
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """The ``logging`` section."""
+
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class FilterConfig:
+    """The ``filter`` section: the stage-3 difficulty filter (rStar2-Agent §4.3)."""
+
+    k: int = 8  # rollouts per problem with the latest policy
+    output_path: str = ""  # default: WORKDIR/filtered.jsonl
+    batch_prompts: int = 64
+
+    def __post_init__(self):
+        require((self.k >= 1, f"k={self.k} must be >= 1"),
+                (self.batch_prompts >= 1, f"batch_prompts={self.batch_prompts} must be >= 1"))
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """The ``sft`` section: non-reasoning SFT (rStar2-Agent §5.1: 3 epochs, lr 5e-6, 4 % warm-up,
+    cosine decay, batch 128)."""
+
+    data_path: str = ""  # jsonl / parquet of {"messages": [...]} (OpenAI style, with tool calls)
+    chat_format: str = "rstar2"  # models.chat_template.CHAT_FORMATS
+    epochs: int = 3
+    batch_size: int = 128  # conversations per optimizer step
+    learning_rate: float = 5e-6
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.0  # cosine decays to learning_rate * min_lr_ratio
+    weight_decay: float = 0.01
+    grad_clip_norm: float = 1.0
+    seq_len: int = 4096  # packed row length; longer conversations are dropped (and counted)
+    micro_batch_size: int = 0  # rows per gradient-accumulation micro-step; 0 = all rows at once
+    max_steps: int = 0  # > 0: stop early (CI / demo); the schedule still spans max_steps
+    seed: int = 0
+    compute_dtype: str | None = None
+    export_hf: bool = False  # also write WORKDIR/hf at the end
+
+    def __post_init__(self):
+        at_least_one = [(getattr(self, n) >= 1, f"{n}={getattr(self, n)} must be >= 1")
+                        for n in ("epochs", "batch_size", "seq_len")]
+        require(*at_least_one,
+                (self.learning_rate > 0, f"learning_rate={self.learning_rate} must be > 0"),
+                (0.0 <= self.warmup_ratio < 1.0, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)"),
+                (self.micro_batch_size >= 0, f"micro_batch_size={self.micro_batch_size} must be >= 0"),
+                one_of("chat_format", self.chat_format, CHAT_FORMATS))
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """The ``eval`` section (rStar2-Agent §5.1): k samples per problem at temperature 0.6, up to
+    30K tokens and 30 turns; pass@1 over k, maj@k, pass@k."""
+
+    paths: str = ""  # comma-separated jsonl / parquet benchmark files (AIME / MATH-500 layouts)
+    names: tuple = ()  # dataset names; default the file stems
+    limit: int = 0  # > 0: first N problems of each file
+    k: int = 16
+    temperature: float = 0.6
+    top_p: float = 1.0
+    top_k: int = -1
+    max_turns: int = 30
+    max_response_len: int = 30 * 1024
+    max_prompt_len: int = 2048
+    num_slots: int = 64
+    timeout_s: float = 24 * 3600.0
+    chat_format: str = "rstar2"
+
+    @property
+    def path_list(self) -> list[str]:
+        return [p for p in str(self.paths).split(",") if p]
+
+    def __post_init__(self):
+        rules = [(self.k >= 1, f"k={self.k} must be >= 1"), (self.limit >= 0, f"limit={self.limit} must be >= 0"),
+                 (self.max_prompt_len >= 1, f"max_prompt_len={self.max_prompt_len} must be >= 1"),
+                 one_of("chat_format", self.chat_format, CHAT_FORMATS)]
+        try:  # the rollout layer's own rules on the values it takes from this section
+            self.agent(RLConfig()), self.sampling()
+        except ValueError as e:
+            rules += [(False, line) for line in str(e).splitlines()]
+        require(*rules)
+
+    def agent(self, rl: RLConfig) -> AgentConfig:
+        """The evaluation's budgets; the tool's own limits are the RL runs' (``rl``)."""
+        return dataclasses.replace(rl.agent(), max_turns=self.max_turns, max_response_len=self.max_response_len,
+                                   rollout_timeout_s=self.timeout_s)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(0, self.top_k))
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """The ``demo`` section (configs/demo.py documents every field)."""
+
+    model: dict = dataclasses.field(default_factory=dict)  # ModelConfig fields of the demo's tiny Qwen3
+    task_kinds: tuple = ()  # () = all of demo_tasks.TASK_KINDS
+    in_head_fraction: dict = dataclasses.field(default_factory=dict)  # kind -> share of in-head SFT traces
+    num_sft_problems: int = 11000
+    num_rl_problems: int = 4096
+    num_eval_problems: int = 256
+    num_slots: int = 64
+    export_hf: bool = True
+    overwrite: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A whole run: ``mode`` picks the recipe (``rstarjax.main.RECIPES``)."""
+
+    mode: str = "rl"
+    seed: int = 0
+    total_steps: int = 300  # optimizer steps at the end of this stage (the global step count)
+    model: ModelSource = dataclasses.field(default_factory=ModelSource)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    rl: RLConfig = dataclasses.field(default_factory=RLConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    filter: FilterConfig = dataclasses.field(default_factory=FilterConfig)
+    sft: SFTConfig | None = None  # the sections of configs/sft.py, eval.py, demo.py
+    eval: EvalConfig | None = None
+    demo: DemoConfig | None = None
+
+
+# section name -> its dataclass (a section absent from the ConfigDict keeps the defaults; sft,
+# eval and demo stay None, and the modes that need them say so)
+SECTIONS = {"model": ModelSource, "data": DataConfig, "rl": RLConfig, "loss": LossConfig, "optim": OptimConfig,
+            "trainer": TrainerConfig, "mesh": MeshConfig, "distributed": DistributedConfig,
+            "checkpoint": CheckpointConfig, "logging": LoggingConfig, "filter": FilterConfig, "sft": SFTConfig,
+            "eval": EvalConfig, "demo": DemoConfig}
+_TOP_LEVEL = ("mode", "seed", "total_steps")
+
+
+def _plain(value):
+    """ConfigDict / FrozenConfigDict values (nested sections such as demo.model) as plain dicts."""
+    return value.to_dict() if hasattr(value, "to_dict") else value
+
+
+def _parse_section(name: str, section: Mapping, errors: list[str]):
+    cls = SECTIONS[name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    items = {k: _plain(v) for k, v in dict(section).items()}
+    for key in items:
+        if key not in fields:
+            hint = RENAMED.get(f"{name}.{key}")
+            errors.append(f"--config.{name}.{key} " + (f"was replaced: use {hint}" if hint else
+                                                      f"is not a key of this section (known: {sorted(fields)})"))
+    try:
+        return cls(**{k: v for k, v in items.items() if k in fields})
+    except (ConfigError, ValueError, TypeError) as e:
+        errors.extend(f"--config.{name}.{line}" for line in str(e).splitlines())
+        return None
+
+
+def parse(config, num_devices: int | None = None, num_processes: int = 1) -> RunConfig:
+    """The typed RunConfig of a ConfigDict; ConfigError listing every problem (one per line) with
+    the flag that fixes it. ``num_devices``: also check the mesh and the batch sizes against the
+    devices (None skips the device checks; ``rstarjax.main`` runs them once JAX is up)."""
+    mode = config.get("mode")
+    if mode not in MODES:
+        raise ConfigError(f"config.mode={mode!r} is unknown; choose one of {sorted(MODES)} "
+                          "(e.g. --config=configs/stage3.py:filter)")
+    errors: list[str] = []
+    for key in config:
+        if key not in SECTIONS and key not in _TOP_LEVEL:
+            errors.append(f"--config.{key} is not a config section (known: {sorted(SECTIONS)})")
+    sections = {name: _parse_section(name, config[name], errors) for name in SECTIONS if name in config}
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    run = RunConfig(mode=mode, seed=int(config.get("seed", 0)), total_steps=int(config.get("total_steps", 300)),
+                    **sections)
+    errors = _run_rules(run)
+    if not errors and num_devices is not None:
+        errors = device_rules(run, num_devices, num_processes)
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    return run
+
+
+def _require_file(path: str, flag: str, what: str) -> list[str]:
+    if not path:
+        return [f"{flag} is empty: set {flag}=/path/to/{what}"]
+    if not os.path.exists(path):
+        return [f"{flag}={path!r} does not exist: point it at {what}"]
+    return []
+
+
+def _run_rules(run: RunConfig) -> list[str]:
+    """The rules a mode puts on several sections or on files."""
+    errs: list[str] = []
+    mode, m, ck = run.mode, run.model, run.checkpoint
+    if mode in ("rl", "filter", "sft", "eval") and not m.random_init:
+        errs += _require_file(m.hf_path, "--config.model.hf_path", "a HF model dir (config.json + *.safetensors)")
+        if m.hf_path and os.path.isdir(m.hf_path) and not os.path.exists(os.path.join(m.hf_path, "config.json")):
+            errs.append(f"--config.model.hf_path={m.hf_path!r} has no config.json")
+    if mode in ("rl", "filter"):
+        errs += _require_file(run.data.train_path, "--config.data.train_path", "a jsonl/parquet of problems")
+        if ck.init_from and not os.path.isdir(ck.init_from):
+            errs.append(f"--config.checkpoint.init_from={ck.init_from!r} is not a directory "
+                        "(give the previous stage's WORKDIR/checkpoints)")
+    if mode in ("rl", "demo"):  # an RL stage trains
+        rl, tr = run.rl, run.trainer
+        if run.total_steps < 1:
+            errs.append(f"--config.total_steps={run.total_steps} must be >= 1")
+        if rl.temperature <= 0:
+            errs.append(f"--config.rl.temperature={rl.temperature} must be > 0 for RL sampling")
+        rows = rl.prompts_per_step * rl.group_size
+        if rows % tr.mini_batches:
+            errs.append(f"--config.trainer.mini_batches={tr.mini_batches} must divide the {rows} rows per step "
+                        f"(prompts_per_step * group_size)")
+        elif (rows // tr.mini_batches) % (tr.micro_batch_size or rows // tr.mini_batches):
+            errs.append(f"--config.trainer.micro_batch_size={tr.micro_batch_size} must divide the mini-batch of "
+                        f"{rows // tr.mini_batches} rows (prompts_per_step * group_size / mini_batches)")
+    if mode == "rl" and (ck.reset_optimizer or ck.update_reference) and not ck.init_from:
+        errs.append("stage-3 options (checkpoint.reset_optimizer / update_reference) need "
+                    "--config.checkpoint.init_from=STAGE2_WORKDIR/checkpoints")
+    for name, modes in (("sft", ("sft", "demo")), ("eval", ("eval",)), ("demo", ("demo",))):
+        if mode in modes and getattr(run, name) is None:
+            errs.append(f"mode={mode!r} needs a --config.{name} section (configs/{mode}.py has it)")
+    if mode == "sft" and run.sft is not None:
+        errs += _require_file(run.sft.data_path, "--config.sft.data_path",
+                              'a jsonl/parquet of {"messages": [...]} chat records')
+    if mode == "eval" and run.eval is not None:
+        if not run.eval.path_list:
+            errs.append("--config.eval.paths is empty: set --config.eval.paths=aime24.jsonl,math500.parquet")
+        for path in run.eval.path_list:
+            errs += _require_file(path, "--config.eval.paths", "a benchmark jsonl/parquet")
+    return errs
+
+
+def device_rules(run: RunConfig, num_devices: int, num_processes: int = 1) -> list[str]:
+    """The rules the devices and processes put on the mesh and the batch sizes."""
+    sizes = run.mesh.resolved(num_devices)
+    if sizes is None:
+        return [f"mesh (data, fsdp, tensor)={list(run.mesh.sizes)} does not fit the {num_devices} devices present: "
+                f"make data*fsdp*tensor == {num_devices}, e.g. --config.mesh.fsdp=-1"]
+    errs = []
+    if run.mode in ("rl", "demo"):
+        rl, tr = run.rl, run.trainer
+        if rl.prompts_per_step % max(num_processes, 1):
+            errs.append(f"--config.rl.prompts_per_step={rl.prompts_per_step} must be a positive multiple of the "
+                        f"{num_processes} processes")
+        mbs = tr.micro_batch_size or rl.prompts_per_step * rl.group_size // tr.mini_batches
+        dp = sizes["data"] * sizes["fsdp"]
+        if mbs % dp:
+            errs.append(f"--config.trainer.micro_batch_size={mbs} must be a multiple of data*fsdp={dp} "
+                        "(each device takes an equal share of every micro-batch)")
+    return errs

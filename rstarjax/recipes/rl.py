@@ -1,0 +1,257 @@
+"""An RL stage (rStar2-Agent §4.3): GRPO-RoC steps (``rl.step.rl_step``) from the stage's starting
+state to ``total_steps``, resumable from its workdir.
+
+The hand-offs between the stages of the recipe are ``initial_state``'s (docs/training.md "Stage
+hand-offs"); the KL term's reference policy is ``setup_reference``'s; each stage reads its data in
+its own order (``stage_data_seed``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+from flax import nnx
+
+from rstarjax.io import checkpoint as ckpt_lib
+from rstarjax.io import data as data_lib
+from rstarjax.io.metrics_log import MetricsWriter
+from rstarjax.recipes import build
+from rstarjax.recipes.config import RunConfig
+from rstarjax.rl.step import rl_step
+from rstarjax.rl.trainer import Trainer, TrainState
+from rstarjax.rl.trajectory import RolloutFn
+
+log = logging.getLogger(__name__)
+
+
+def stage_data_seed(seed: int, stage_start_step: int) -> int:
+    """The data-shuffle seed of a stage that starts at global step ``stage_start_step``: each
+    stage of a chain reads its data in a new order (stage 2 must not replay stage 1's), and a
+    resumed stage, which records its start, in the same order again. Stage 1 (start 0) uses
+    ``seed`` itself."""
+    if stage_start_step == 0:
+        return int(seed)
+    return int(np.random.default_rng([int(seed), int(stage_start_step)]).integers(0, 2**31 - 1))
+
+
+def problem_batches(run: RunConfig, seed: int):
+    """grain iterator over this process's share of the prompts, ``prompts_per_step`` per step
+    (repeats when ``data.num_epochs == 0``), shuffled with ``seed``."""
+    per_process = run.rl.prompts_per_step // jax.process_count()
+    ds, _ = data_lib.problem_dataset(run.data.train_path, per_process, seed=seed,
+                                     num_epochs=run.data.num_epochs or None, shuffle=run.data.shuffle)
+    return ds
+
+
+class StageError(ValueError):
+    """A workdir / init_from combination that cannot be resumed or started (the message says why)."""
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+def initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig) -> dict:
+    """Put the stage's starting state into ``trainer`` and return its record (the checkpoint meta
+    of a resume, else ``{"step", "stage_start_step", "init_from", ...}``). The hand-off rules:
+
+    * this workdir has a checkpoint of this stage: resume it (params, optimizer, step, RNG key,
+      data-iterator state). A workdir holding another stage's checkpoints is refused: each stage
+      of a chain gets its own ``--workdir``;
+    * else ``checkpoint.init_from`` is an SFT checkpoint (its meta says ``stage: sft``): params
+      only; step 0, a fresh optimizer (so the LR warmup runs);
+    * else ``init_from`` is an RL checkpoint: params + optimizer state + global step, or with
+      ``checkpoint.reset_optimizer`` params + step and a fresh optimizer (its schedule, warmup
+      included, restarts with it: rStar2-Agent §4.3 resets the optimizer for stage 3);
+    * else the model as built (``model.hf_path`` or the seeded preset), step 0.
+    """
+    init_from = os.path.abspath(run.checkpoint.init_from) if run.checkpoint.init_from else ""
+    if init_from and _same_dir(init_from, ckpt.directory):
+        raise StageError(f"--config.checkpoint.init_from={run.checkpoint.init_from!r} is this run's own "
+                         "checkpoint directory: give each stage its own --workdir (a workdir resumes by itself)")
+    if ckpt.latest_step() is not None:
+        meta = ckpt.read_meta()
+        if meta.get("stage") == "sft":
+            raise StageError(f"{ckpt.directory} holds an SFT run's checkpoints: give the RL stage its own "
+                             "--workdir and start it with --config.checkpoint.init_from=SFT_WORKDIR/checkpoints")
+        recorded = meta.get("init_from", "")
+        # checkpoints that predate the stage record ("stage" absent) cannot tell: they resume
+        if "stage" in meta and init_from and (not recorded or not _same_dir(recorded, init_from)):
+            raise StageError(
+                f"{ckpt.directory} holds checkpoints of another run (started from "
+                f"{recorded or 'the base model'!r}, now at step {ckpt.latest_step()}), not of a stage started "
+                f"from {init_from!r}: give this stage a new --workdir")
+        abstract = ckpt_lib.abstract_like(trainer.state, trainer.state_sharding)
+        trainer.state, meta = ckpt.restore(abstract)
+        return dict(meta, resumed=True)
+    if not init_from:
+        return {"step": 0, "stage_start_step": 0}
+    src = ckpt_lib.Checkpointer(init_from, ckpt_lib.CheckpointConfig(async_save=False))
+    try:
+        src_step = src.latest_step()
+        if src_step is None:
+            raise StageError(f"--config.checkpoint.init_from={run.checkpoint.init_from!r} holds no finished "
+                             "checkpoint (did the previous stage save one?)")
+        src_meta = src.read_meta(src_step)
+        from_sft = src_meta.get("stage") == "sft"
+        if from_sft or run.checkpoint.reset_optimizer:
+            abstract = ckpt_lib.abstract_like(trainer.state.params, trainer.param_sharding)
+            params, _, _ = ckpt_lib.restore_params(init_from, abstract, step=src_step)
+            step = 0 if from_sft else int(src_meta.get("step", src_step))
+            trainer.state = TrainState(params, trainer.state.opt_state,
+                                       jax.device_put(jnp.int32(step), trainer.replicated))
+            trainer.reset_optimizer()
+        else:
+            abstract = ckpt_lib.abstract_like(trainer.state, trainer.state_sharding)
+            trainer.state, _ = src.restore(abstract, step=src_step)
+    finally:
+        src.close()
+    # a new stage reads its data from the start, in a new order (stage_data_seed)
+    return {"step": trainer.step, "stage_start_step": trainer.step, "init_from": init_from,
+            "init_from_step": int(src_step), "init_from_stage": "sft" if from_sft else "rl"}
+
+
+def setup_reference(trainer: Trainer, run: RunConfig, meta: dict) -> dict | None:
+    """Choose the KL term's frozen reference policy (only with ``loss.kl_coef > 0``) and return
+    the record of that choice, saved in every checkpoint's meta as ``"reference"``.
+
+    * default: the initial policy, i.e. the params the trainer was built with (``build.policy``:
+      the HF weights, or the seeded random preset), before any checkpoint was restored. The
+      Trainer copied them at construction;
+    * ``checkpoint.update_reference`` (stage 3, rStar2-Agent §4.3): the policy loaded from
+      ``checkpoint.init_from`` (the previous stage's latest checkpoint, by its step number).
+
+    The reference is never saved: on resume it is REBUILT deterministically from this record (the
+    same initial weights, or ``restore_params(init_from, step)``), so a SIGKILL-resumed run trains
+    against the very same reference without doubling the checkpoint size.
+    """
+    if run.loss.kl_coef <= 0:
+        return None
+    if not (run.checkpoint.update_reference and run.checkpoint.init_from):
+        return {"source": "initial"}
+    record = meta.get("reference")
+    if record and record.get("source") == "init_from":  # resuming this stage: the same checkpoint again
+        abstract = ckpt_lib.abstract_like(trainer.state.params, trainer.param_sharding)
+        params, _, _ = ckpt_lib.restore_params(record["path"], abstract, step=int(record["step"]))
+        trainer.set_reference(params)
+        return dict(record)
+    if "init_from_step" not in meta:
+        raise ValueError("update_reference: the run resumed from a checkpoint without a reference "
+                         "record; cannot tell which init_from step was the reference")
+    trainer.set_reference()  # initial_state just loaded the previous stage's policy
+    return {"source": "init_from", "path": os.path.abspath(run.checkpoint.init_from),
+            "step": int(meta["init_from_step"])}
+
+
+
+def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, model: nnx.Module | None = None,
+           on_update: Callable[[Trainer], None] | None = None) -> Trainer:
+    """``mode=rl``: GRPO-RoC updates until the global step reaches ``run.total_steps``, resumable
+    from ``workdir``; the stage hand-off rules are ``initial_state``'s.
+
+    ``rollout_fn`` defaults to the agent loop on a colocated serving engine; ``on_update`` is
+    called once the starting state is in place (so the very first rollouts sample the restored
+    policy) and after every update (the colocated engine takes the new params in memory there).
+    """
+    mesh = build.mesh(run.mesh)
+    model = model if model is not None else build.policy(run.model, mesh, run.seed)
+    # what rstarjax.export needs to rebuild the model from a checkpoint of this run alone
+    tokenizer = build.tokenizer(run.model)
+    if rollout_fn is None or len(tokenizer) <= model.config.vocab_size:
+        export_meta = build.model_meta(model, tokenizer)  # raises when the vocabularies disagree
+    else:  # a scripted rollout function on a preset whose table fits no tokenizer: the architecture only
+        export_meta = {"model_config": model.config.to_hf_dict()}
+    trainer = Trainer(model, run.optim, run.loss, run.trainer, mesh=mesh)
+    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), run.checkpoint)
+    executor = None
+    try:
+        meta = initial_state(trainer, ckpt, run)
+        if rollout_fn is None:
+            executor = build.executor(run.rl.num_tool_workers)
+            rollouts = build.rollouts(trainer.model(), tokenizer, executor, run.rl.agent(), run.rl.sampling(),
+                                      run.rl.max_prompt_len, run.rl.chat_format)
+            rollout_fn, on_update = rollouts, lambda tr: rollouts.update_params(tr.model())
+        return _train_stage(run, workdir, trainer, ckpt, meta, rollout_fn, on_update, export_meta)
+    finally:
+        ckpt.close()  # waits for the last async save
+        if executor is not None:
+            executor.close()  # the code-execution pool this stage started
+
+
+def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_update, export_meta) -> Trainer:
+    """``run_rl``'s loop, from the stage's starting state to ``run.total_steps``."""
+    reference = setup_reference(trainer, run, meta)
+    stage_start = int(meta.get("stage_start_step", 0))
+    data_seed = int(meta.get("data_seed", stage_data_seed(run.seed, stage_start)))
+    data_iter = iter(problem_batches(run, seed=data_seed))
+    if meta.get("resumed") and meta.get("data_state") is not None:
+        data_iter.set_state(meta["data_state"])
+    base_key = ckpt_lib.key_from_json(meta["rng"]) if "rng" in meta else jax.random.key(run.seed)
+    if on_update is not None:
+        on_update(trainer)  # the engine serves the restored policy from the first rollout on
+    stage_record = {"stage": "rl", "init_from": meta.get("init_from", ""),
+                    "init_from_step": meta.get("init_from_step"), "stage_start_step": stage_start,
+                    "data_seed": data_seed, "stage_total_steps": run.total_steps, **export_meta}
+
+    is_main = jax.process_index() == 0
+    writer = MetricsWriter(os.path.join(workdir, "logs"), enabled=is_main, tensorboard=run.logging.tensorboard)
+    start = trainer.step
+    if start >= run.total_steps and is_main:
+        print(f"rstarjax: {workdir} is already at global step {start} >= total_steps={run.total_steps}: "
+              "nothing to train (raise --config.total_steps to train on)", flush=True)
+    bar = tqdm.tqdm(total=run.total_steps, initial=start, disable=not (is_main and run.logging.progress_bar),
+                    desc="rl", dynamic_ncols=True)
+    rejected_in_a_row = 0
+    try:
+        while trainer.step < run.total_steps:
+            step = trainer.step
+            try:
+                records = next(data_iter)
+            except StopIteration:
+                break
+            # one seed per (step, process), derived from the run key: same rollouts after a resume,
+            # independent samples on every process (and for each batch drawn again at this step)
+            step_key = jax.random.fold_in(base_key, step)
+            if rejected_in_a_row:
+                step_key = jax.random.fold_in(step_key, rejected_in_a_row)
+            step_key = jax.random.fold_in(step_key, jax.process_index())
+            seed = int(jax.random.randint(step_key, (), 0, 2**31 - 1))
+            # dynamic sampling refills from the same iterator, so its checkpointed state covers
+            # every prompt a step consumed
+            metrics = rl_step(trainer, rollout_fn, records, run.rl, run.loss, seed,
+                              more_records=lambda: next(data_iter))
+            if trainer.step == step:  # every group was rejected: no update, as the official trainer
+                rejected_in_a_row += 1
+                log.warning("step %d: no group of the batch is left to train on (rejected %.0f%%, %d infra-short); "
+                            "drawing the next batch", step + 1, 100 * metrics.get("filter/rejected_frac", 0.0),
+                            metrics.get("filter/infra_short_groups", 0))
+                if rejected_in_a_row >= run.rl.max_rejected_batches:
+                    raise RuntimeError(
+                        f"{rejected_in_a_row} rollout batches in a row left no group to train on at step {step + 1} "
+                        "(every group's rewards were equal, or its rollouts hit infrastructure errors): the "
+                        "policy solves all or none of these problems, or the environment is failing. Check the "
+                        "data and the rollout metrics, or set --config.rl.reject_equal_reward=False")
+                continue
+            metrics["filter/rejected_batches"] = float(rejected_in_a_row)
+            rejected_in_a_row = 0
+            if on_update is not None:
+                on_update(trainer)
+            new_step = trainer.step
+            if ckpt.should_save(new_step, run.total_steps):
+                ckpt.save(new_step, trainer.state, {
+                    "step": new_step, "rng": ckpt_lib.key_to_json(base_key),
+                    "data_state": data_iter.get_state(), **stage_record,
+                    **({"reference": reference} if reference else {}),
+                })
+            writer.write(new_step, metrics)
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}",
+                            len=f"{metrics.get('rollout/response_length_mean', 0):.0f}")
+    finally:
+        bar.close()
+        writer.close()
+    return trainer

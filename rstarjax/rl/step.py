@@ -1,0 +1,247 @@
+"""One GRPO-RoC step (``rl_step``) and the ``rl`` config section it reads (``RLConfig``).
+
+    records -> rollouts (2G each; agent_loop) -> batch filter + RoC keeps G (selection)
+            -> advantages (eq. 7; advantages) -> TrainBatch (batch) -> update (eq. 6; trainer)
+
+The stage around it (data, checkpoints, the rollout engine's weights) is ``recipes/rl.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from rstarjax.models.chat_template import CHAT_FORMATS
+from rstarjax.rl import advantages as adv_lib
+from rstarjax.rl import loss as loss_lib
+from rstarjax.rl import metrics as metrics_lib
+from rstarjax.rl.agent_loop import AgentConfig
+from rstarjax.rl.batch import TrainBatch, build_train_batch
+from rstarjax.rl.selection import informative_groups, select_groups, selection_metrics
+from rstarjax.rl.trainer import Trainer
+from rstarjax.rl.trajectory import RolloutFn, trajectories_of
+from rstarjax.serving.sampling import SamplingParams
+from rstarjax.validation import one_of, require
+
+PAD_ID = 0  # value of padding tokens; never attended to (segment 0) nor trained on (mask 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """The ``rl`` section: the rollouts of one step and what of them is trained on
+    (rStar2-Agent §2.2.3 / §4.3). ``agent()`` and ``sampling()`` are the typed configs the
+    rollout layer takes."""
+
+    prompts_per_step: int = 512  # global, over all processes
+    group_size: int = 16  # G: rollouts per prompt kept for the update
+    oversample: int = 32  # 2G rollouts sampled before RoC down-samples to G
+    max_turns: int = 10
+    max_prompt_len: int = 2048
+    max_response_len: int = 8192  # tokens of model + tool text per trajectory
+    max_tool_response_chars: int = 2048
+    chat_format: str = "rstar2"  # models.chat_template.CHAT_FORMATS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # <= 0: off
+    tool_timeout_s: float = 5.0
+    num_tool_workers: int = 0  # code-pool workers; 0 = one per host core
+    rollout_timeout_s: float = 3600.0  # a whole step's rollouts; past it the step fails loudly
+    roc: bool = True  # False: the paper's GRPO baseline, G rollouts per prompt, all trained
+    roc_variant: str = "paper"  # "topk": the official code's deterministic selection, exactly
+    # per-class floors of roc_variant="topk" (the official run script's values)
+    roc_min_negatives: int = 2
+    roc_min_positives: int = 2
+    # rStar2-Agent §4.3 / the official run script: groups whose rewards are all equal are dropped
+    # before RoC, without refilling (advantages.is_equal_reward_group)
+    reject_equal_reward: bool = True
+    # consecutive rollout batches with nothing left to train before the run stops with an error
+    max_rejected_batches: int = 20
+    # DAPO dynamic sampling (selection.informative_groups): drop groups whose kept rewards are all
+    # equal and refill from the data, at most dynamic_sampling_max_rounds rollout rounds per step,
+    # the first included (verl's max_num_gen_batches); 1 = drop without refilling.
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 3
+    # DAPO overlong filtering: truncated rollouts get loss mask 0 (the paper found it harmful, §4.3.1)
+    overlong_filter: bool = False
+    length_penalty_coef: float = 0.0  # Kimi k1.5 length reward (advantages.kimi_length_reward); 0 = off
+
+    def __post_init__(self):
+        floors = self.roc_min_negatives + self.roc_min_positives
+        rounds = self.dynamic_sampling_max_rounds
+        workers = self.num_tool_workers
+        rules = [
+            (self.group_size >= 2, f"group_size={self.group_size}: GRPO needs G >= 2 rollouts per prompt"),
+            (not self.roc or self.oversample == 2 * self.group_size,
+             f"oversample={self.oversample} must be 2 * group_size = {2 * self.group_size} with RoC "
+             "(rStar2-Agent §2.2.3 samples 2G and keeps G); or set --config.rl.roc=False (the GRPO "
+             "baseline samples group_size rollouts and trains on all of them)"),
+            one_of("roc_variant", self.roc_variant, ("paper", "topk")),
+            (not (self.roc and self.roc_variant == "topk")
+             or (min(self.roc_min_negatives, self.roc_min_positives) >= 0 and floors <= self.group_size),
+             f"roc_min_negatives + roc_min_positives = {floors} must lie in [0, group_size={self.group_size}] "
+             "(the official code asserts the same)"),
+            (self.prompts_per_step >= 1, f"prompts_per_step={self.prompts_per_step} must be >= 1"),
+            (self.max_prompt_len >= 1, f"max_prompt_len={self.max_prompt_len} must be >= 1"),
+            (self.max_rejected_batches >= 1, f"max_rejected_batches={self.max_rejected_batches} must be >= 1"),
+            (isinstance(rounds, int) and rounds >= 1,
+             f"dynamic_sampling_max_rounds={rounds!r} must be an integer >= 1 (rollout rounds per step, the "
+             "first included; 1 = drop zero-variance groups without refilling)"),
+            one_of("chat_format", self.chat_format, CHAT_FORMATS),
+            (isinstance(workers, int) and workers >= 0,
+             f"num_tool_workers={workers!r} must be an integer >= 0 (0 = one per host core)"),
+            (self.length_penalty_coef >= 0, f"length_penalty_coef={self.length_penalty_coef} must be >= 0"),
+        ]
+        try:  # the rollout layer's own rules on the values it takes from this section
+            self.agent(), self.sampling()
+        except ValueError as e:
+            rules += [(False, line) for line in str(e).splitlines()]
+        require(*rules)
+
+    @property
+    def seq_len(self) -> int:
+        return self.max_prompt_len + self.max_response_len
+
+    @property
+    def rollouts_per_prompt(self) -> int:
+        """2G with RoC (it keeps G of them); G for the GRPO baseline, which trains on all it samples."""
+        return self.oversample if self.roc else self.group_size
+
+    def agent(self) -> AgentConfig:
+        return AgentConfig(max_turns=self.max_turns, max_response_len=self.max_response_len,
+                           tool_timeout_s=self.tool_timeout_s, max_tool_response_chars=self.max_tool_response_chars,
+                           rollout_timeout_s=self.rollout_timeout_s)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(0, self.top_k))
+
+
+def _any_process(flag: bool) -> bool:
+    """True if ``flag`` is True on any process: every process must run the same number of rollout
+    rounds (the colocated engine is a collective), so the refill decision is global."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
+
+
+def _round_seed(seed: int, round_index: int) -> int:
+    """Round 0 keeps the step's seed (dynamic sampling off/on give the same first rollouts)."""
+    if round_index == 0:
+        return seed
+    return int(np.random.default_rng([seed, round_index]).integers(0, 2**31 - 1))
+
+
+def _relabel(trajs, offset: int) -> list:
+    """Copies with ``group_id += offset``: groups of different rounds stay distinct."""
+    return [dataclasses.replace(t, group_id=int(t.group_id) + offset) for t in trajs]
+
+
+def _empty_train_batch(num_rows: int, seq_len: int) -> TrainBatch:
+    """All-padding TrainBatch (mask 0 everywhere): a step where no group carried a signal."""
+    z = np.zeros((num_rows, seq_len), np.float32)
+    zi = np.zeros((num_rows, seq_len), np.int32)
+    return TrainBatch(tokens=zi + PAD_ID, positions=zi.copy(), segment_ids=zi.copy(), loss_mask=z,
+                      old_logprobs=z.copy(), advantages=z.copy(), rollout_logprobs=z.copy())
+
+
+def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfig, loss_cfg: loss_lib.LossConfig,
+            seed: int, more_records: Callable[[], list] | None = None) -> dict[str, float]:
+    """One GRPO-RoC step on this process's prompts: rollouts (2G each) -> batch filter (rollouts
+    ended by infrastructure errors excluded, equal-reward groups rejected) -> RoC keeps G ->
+    advantages (``loss_cfg.advantage_estimator``, eq. 7) -> TrainBatch -> update. Returns host
+    metrics (rollout + filter + train).
+
+    Rejected groups are not refilled (the official trainer's behaviour): their rows are padding
+    (loss mask 0), so eq. 6's denominator counts only the kept groups' tokens. When no process has
+    a group left, no update runs (``trainer.step`` does not advance; the caller draws new data).
+
+    With ``cfg.dynamic_sampling`` (DAPO): groups whose kept rewards are all equal are
+    dropped, and while fewer than ``len(records)`` informative groups are held (on any process)
+    and fewer than ``cfg.dynamic_sampling_max_rounds`` rounds ran, ``more_records()`` (the next
+    prompts of the data iterator; None or StopIteration ends the refill) gets rolled out too.
+    Extra informative groups beyond the quota are discarded (first come first kept). A shortfall
+    after the last round is padded with empty rows (loss mask 0): the batch keeps its configured
+    [len(records) * G, L] shape and the eq.-6 denominator counts only real tokens.
+    """
+    quota = len(records)
+    num_rows = quota * cfg.group_size
+    estimator = loss_cfg.advantage_estimator
+    t0 = time.perf_counter()
+    all_trajs, all_kept, groups, extras, selections = [], [], [], [], []
+    dropped, rounds, offset, batch_records = 0, 0, 0, records
+    while True:
+        out = rollout_fn(batch_records, cfg.rollouts_per_prompt, _round_seed(seed, rounds), trainer.step)
+        trajs, extra = trajectories_of(out), (out[1] if isinstance(out, tuple) else {})
+        selection = select_groups(trajs, len(batch_records), cfg, _round_seed(seed, rounds))
+        selections.append(selection)
+        kept = selection.kept
+        rounds += 1
+        if offset:
+            trajs, kept = _relabel(trajs, offset), _relabel(kept, offset)
+        offset += len(batch_records)
+        all_trajs += trajs
+        all_kept += kept
+        extras.append(extra)
+        if not cfg.dynamic_sampling:
+            groups.append(kept)
+            break
+        informative, _ = informative_groups(kept, estimator, cfg.length_penalty_coef)
+        dropped += len(batch_records) - len(informative)  # rejected, short or uninformative
+        groups += informative
+        short = len(groups) < quota
+        if rounds >= cfg.dynamic_sampling_max_rounds or more_records is None or not _any_process(short):
+            break
+        try:
+            batch_records = more_records()
+        except StopIteration:  # finite data ran out: train on what was collected
+            break
+    t1 = time.perf_counter()
+    train_trajs = [t for g in groups[:quota] for t in g] if cfg.dynamic_sampling else groups[0]
+    if train_trajs:
+        # eq. 7 per group (+ optional Kimi length reward)
+        _, adv = adv_lib.trajectory_advantages(train_trajs, estimator, cfg.length_penalty_coef)
+        batch, _ = build_train_batch(train_trajs, adv, seq_len=cfg.seq_len, pad_id=PAD_ID, num_rows=num_rows,
+                                     overlong_filter=cfg.overlong_filter)
+    else:
+        batch = _empty_train_batch(num_rows, cfg.seq_len)
+    metrics = {}
+    metrics.update(metrics_lib.rollout_metrics(all_trajs, prefix="rollout_all/"))
+    metrics.update(metrics_lib.group_metrics(all_trajs, prefix="rollout_all/"))
+    metrics.update(metrics_lib.rollout_metrics(train_trajs or all_kept, prefix="rollout/"))
+    metrics.update(metrics_lib.roc_metrics(all_trajs, all_kept))
+    metrics.update(selection_metrics(selections))
+    if cfg.dynamic_sampling:
+        n_groups = min(len(groups), quota)
+        metrics.update({"dynamic_sampling/rounds": float(rounds),
+                        "dynamic_sampling/groups_dropped": float(dropped),
+                        "dynamic_sampling/groups_trained": float(n_groups),
+                        "dynamic_sampling/groups_padded": float(quota - n_groups),
+                        "dynamic_sampling/groups_surplus": float(max(len(groups) - quota, 0))})
+    t2 = time.perf_counter()
+    update = _any_process(bool(train_trajs))
+    metrics["filter/updated"] = float(update)
+    if update:
+        denom = None
+        if estimator == "dr_grpo":  # Dr. GRPO's constant: the configured sequences of one update x max length
+            rows_per_update = num_rows * jax.process_count() // trainer.cfg.mini_batches
+            denom = loss_lib.dr_grpo_denominator(rows_per_update, cfg.max_response_len)
+        metrics.update(trainer.train(batch, denom=denom))
+    t3 = time.perf_counter()
+    timings = {"rollout": t1 - t0, "prepare": t2 - t1, "train": t3 - t2}
+    metrics.update(metrics_lib.throughput_metrics(int(sum(len(t.response_ids) for t in all_trajs)), timings))
+    # the rollout function's own figures (engine / scheduler / tool timings), already namespaced:
+    # the first round's, with timings ("timing/...") summed over the rounds of a dynamic-sampling step
+    for i, extra in enumerate(extras):
+        for k, v in extra.items():
+            if not isinstance(v, (int, float, np.number)):
+                continue
+            if i == 0:
+                metrics[k] = float(v)
+            elif k.startswith("timing/"):
+                metrics[k] = metrics.get(k, 0.0) + float(v)
+    if "timing/tool_exec_wait_s" in metrics:
+        metrics["time/tools"] = float(metrics["timing/tool_exec_wait_s"])
+    return metrics
