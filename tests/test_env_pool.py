@@ -331,7 +331,7 @@ def test_tool_call_round_trip(ex):
 _EXIT_FIRST_WORKER = r"""
 import socket, sys, time
 sys.path.insert(0, sys.argv[1])
-from rstarjax.env import zygote
+from rstarjax.env import worker
 
 class ExitEventsFirst:
     def __init__(self, inner):
@@ -345,14 +345,14 @@ class ExitEventsFirst:
         return getattr(self.inner, name)
 
 config = {"limits": {}, "slots": 2, "uid_base": 0, "workdir_root": sys.argv[3]}
-worker = zygote.Worker(socket.socket(fileno=int(sys.argv[2])), 0, config, {"pidns": False, "uid_drop": False})
-worker.sel = ExitEventsFirst(worker.sel)
-worker.serve()
+loop = worker.Worker(socket.socket(fileno=int(sys.argv[2])), 0, config, {"pidns": False, "uid_drop": False})
+loop.sel = ExitEventsFirst(loop.sel)
+loop.serve()
 """
 
 
 def test_a_sandbox_exit_reported_before_its_pipes_does_not_kill_the_worker(tmp_path):
-    from rstarjax.env.zygote import recv_frame, send_frame
+    from rstarjax.env.wire import recv_frame, send_frame
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
