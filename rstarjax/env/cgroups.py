@@ -1,4 +1,4 @@
-"""Budgets for a call's processes together: memory, process count and CPU, through cgroups.
+"""Budgets for a call's processes together: memory, process count and CPU time, through cgroups.
 
 Per-process rlimits bound each process of a call, not the call: 32 processes of 1 GiB each are
 allowed by them. Each sandbox slot therefore gets a cgroup, and every process of a call is
@@ -6,13 +6,22 @@ born in it: the slot's forker (see forker.py) joins it once, and children inheri
 parent's cgroup, so no process is ever moved per call and none can leave (moving needs write
 access to a root-owned `cgroup.procs`).
 
-* cgroup v2 where its memory and pids controllers can be delegated to a subtree: the trainer's
-  cgroup must be the root of the hierarchy or have them in `cgroup.subtree_control` already
-  (a v2 cgroup holding processes cannot hand controllers to children);
-* cgroup v1 where those controllers are mounted as v1 hierarchies (hybrid hosts, like the
-  development machine and CI of this project);
-* none otherwise (no root, a read-only cgroupfs): then only the per-process limits apply and
-  `isolation["call_budget"]` says "rlimits" (see docs/code_env.md, "Threat model").
+* Memory (`memory.max` / `memory.limit_in_bytes`; files in the call's tmpfs count too) and
+  processes (`pids.max`) are enforced by the kernel.
+* CPU time is accounted by the kernel (`cpu.stat` / `cpuacct.usage`) and enforced by the
+  worker, which kills a call whose processes together used more than `call_cpus` x its timeout
+  CPU-seconds. The CPU *controller* is not used: it schedules each cgroup as one entity, so all
+  sandboxes together would weigh as much as one thread of the trainer or of any neighbour
+  (measured: half the throughput on a shared 2-core machine), and real-time workers could not
+  live below it.
+
+Where: cgroup v2 where memory and pids can be delegated to a subtree (the trainer's cgroup must
+be the root of the hierarchy or have them in `cgroup.subtree_control` already: a v2 cgroup
+holding processes cannot hand controllers to children); else cgroup v1 where those controllers
+are mounted as v1 hierarchies (hybrid hosts, like the development machine and CI of this
+project; CPU time from a cpuacct hierarchy that is not co-mounted with cpu); else none (no
+root, a read-only cgroupfs): then only the per-process limits apply and
+`isolation["call_budget"]` says "rlimits" (see docs/code_env.md, "Threat model").
 
 Layout: <trainer's cgroup>/rstarjax-<pid>-<n>/w<worker>s<slot>, made by the trainer at start
 (`CgroupTree.create`) and removed at close, after killing whatever is still inside. Only the
@@ -26,7 +35,6 @@ import signal
 import time
 
 V1, V2, NONE = "cgroup-v1", "cgroup-v2", "rlimits"
-CPU_PERIOD_US = 100_000
 _PREFIX = "rstarjax-"
 
 
@@ -34,7 +42,6 @@ _PREFIX = "rstarjax-"
 class CallBudget:
     memory_bytes: int  # all processes of a call, page cache and tmpfs included
     pids: int  # processes and threads of a call, its forker included
-    cpus: float  # CPU bandwidth of all processes of a call together
 
 
 def slot_name(worker: int, slot: int) -> str:
@@ -95,7 +102,7 @@ def _v2_parent() -> str | None:
         if not {"memory", "pids"} <= available:
             return None
         enabled = set(_read(os.path.join(parent, "cgroup.subtree_control")).split())
-        wanted = {"memory", "pids", "cpu"} & available
+        wanted = {"memory", "pids"}
         if not wanted <= enabled:
             _write(os.path.join(parent, "cgroup.subtree_control"), " ".join(f"+{c}" for c in wanted - enabled))
     except OSError:
@@ -104,13 +111,16 @@ def _v2_parent() -> str | None:
 
 
 def _v1_parents() -> dict[str, str] | None:
-    """Controller -> the trainer's v1 cgroup directory, for memory, pids and (if mounted) cpu."""
+    """Controller -> the trainer's v1 cgroup directory, for memory, pids and (where it is not
+    co-mounted with the cpu controller) cpuacct."""
     own = _own_cgroups()
     parents = {}
     for mount, root, kind, options in _mounts():
         if kind != "cgroup":
             continue
-        for controller in ("memory", "pids", "cpu"):
+        for controller in ("memory", "pids", "cpuacct"):
+            if controller == "cpuacct" and "cpu" in options:
+                continue
             if controller in options and controller in own and controller not in parents:
                 parents[controller] = _join_path(mount, root, own[controller])
     if "memory" not in parents or "pids" not in parents:
@@ -175,27 +185,28 @@ class CgroupTree:
     kind: str
     roots: list[str]
     memory_root: str  # where memory.* files live (the v2 root or the v1 memory one)
+    cpu_root: str | None  # where the CPU time is (the v2 root, a v1 cpuacct one, or none)
 
     @classmethod
     def create(cls, name: str, slots: list[str], budget: CallBudget) -> "CgroupTree | None":
         """Make the executor's cgroups with one child per slot, or None when the host offers none."""
         parent = _v2_parent()
         if parent is not None:
-            tree = cls(V2, [os.path.join(parent, name)], os.path.join(parent, name))
+            root = os.path.join(parent, name)
+            tree = cls(V2, [root], root, root)
         else:
             parents = _v1_parents()
             if parents is None:
                 return None
             roots = list(dict.fromkeys(os.path.join(p, name) for p in parents.values()))  # co-mounted: once
-            tree = cls(V1, roots, os.path.join(parents["memory"], name))
+            cpu = os.path.join(parents["cpuacct"], name) if "cpuacct" in parents else None
+            tree = cls(V1, roots, os.path.join(parents["memory"], name), cpu)
         try:
             for root in tree.roots:
                 _remove_stale_siblings(os.path.dirname(root))
                 os.makedirs(root, exist_ok=True)
             if tree.kind == V2:
-                controllers = set(_read(os.path.join(tree.roots[0], "cgroup.controllers")).split())
-                _write(os.path.join(tree.roots[0], "cgroup.subtree_control"),
-                       " ".join(f"+{c}" for c in ("memory", "pids", "cpu") if c in controllers))
+                _write(os.path.join(tree.roots[0], "cgroup.subtree_control"), "+memory +pids")
             for slot in slots:
                 tree._make_slot(slot, budget)
         except OSError:
@@ -204,7 +215,6 @@ class CgroupTree:
         return tree
 
     def _make_slot(self, slot: str, budget: CallBudget) -> None:
-        quota = str(max(1000, int(budget.cpus * CPU_PERIOD_US)))
         for root in self.roots:
             directory = os.path.join(root, slot)
             os.makedirs(directory, exist_ok=True)
@@ -214,8 +224,6 @@ class CgroupTree:
                 ("memory.limit_in_bytes", str(budget.memory_bytes)),
                 ("memory.memsw.limit_in_bytes", str(budget.memory_bytes)),
                 ("pids.max", str(budget.pids)),
-                ("cpu.max", f"{quota} {CPU_PERIOD_US}"),
-                ("cpu.cfs_period_us", str(CPU_PERIOD_US)), ("cpu.cfs_quota_us", quota),
             ]
             for filename, value in settings:
                 if filename in files:
@@ -226,7 +234,7 @@ class CgroupTree:
 
     def wire(self) -> dict:
         """What a worker needs, as plain data for the zygote's config."""
-        return {"kind": self.kind, "roots": self.roots, "memory_root": self.memory_root}
+        return {"kind": self.kind, "roots": self.roots, "memory_root": self.memory_root, "cpu_root": self.cpu_root}
 
     def kill_all(self) -> None:
         for root in self.roots[:1]:  # every process of a call is in every hierarchy: one suffices
@@ -301,3 +309,17 @@ def oom_kills(kind: str, memory_dir: str) -> int:
     except (OSError, ValueError):
         pass
     return 0
+
+
+def cpu_seconds(kind: str, cpu_dir: str) -> float:
+    """CPU time used by every process that ever ran in this cgroup."""
+    try:
+        if kind == V1:
+            return int(_read(os.path.join(cpu_dir, "cpuacct.usage"))) / 1e9
+        for line in _read(os.path.join(cpu_dir, "cpu.stat")).splitlines():
+            key, _, value = line.partition(" ")
+            if key == "usage_usec":
+                return int(value) / 1e6
+    except (OSError, ValueError):
+        pass
+    return 0.0

@@ -123,9 +123,9 @@ class ExecutorConfig:
     uid_base: int | None = None  # sandbox uids: uid_base + worker * slots + slot; None: a range of
     #                              the pool's size leased for this executor alone (uids.py)
     python: str = sys.executable
-    worker_realtime: bool = True  # workers run SCHED_FIFO (lowest RT priority) where the kernel
-    #                               allows it: their loop is the dispatch path (see worker.py
-    #                               become_realtime); `isolation["worker_realtime"]` says if it did
+    worker_realtime: bool = True  # workers and forkers run SCHED_FIFO (lowest RT priority) where
+    #                               the kernel allows it: they are the dispatch path (see
+    #                               forker.become_realtime); `isolation["worker_realtime"]` says if it did
     huge_pages: bool = True  # the zygotes move their preloaded heap onto transparent huge pages
     #                          (MADV_COLLAPSE): forks and exits copy/unmap far fewer page-table
     #                          entries (see zygote.py collapse_heap); `isolation["huge_page_bytes"]`
@@ -452,7 +452,7 @@ class CodeExecutor:
         if not (self.config.isolate and os.geteuid() == 0):
             return None
         limits = self.config.limits
-        budget = cgroups.CallBudget(limits.call_memory_bytes, limits.max_processes + 1, limits.call_cpus)
+        budget = cgroups.CallBudget(limits.call_memory_bytes, limits.max_processes + 1)  # + the slot's forker
         slots = [cgroups.slot_name(i, s) for i in range(len(self._worker_tier))
                  for s in range(self.config.slots_per_worker)]
         return cgroups.CgroupTree.create(cgroups.tree_name(next(_executor_seq)), slots, budget)

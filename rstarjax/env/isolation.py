@@ -40,6 +40,24 @@ KEEP_WRITABLE = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devtmpfs", "de
 CALL_INODES = 65536  # files + directories per call tmpfs
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_prctl = _libc.prctl
+_prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_prctl.restype = ctypes.c_int
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+PR_SET_NAME = 15
+PR_SET_CHILD_SUBREAPER = 36
+_names = {name: ctypes.create_string_buffer(name.encode()) for name in ("rj-zygote", "rj-worker", "rj-forker", "rj-sandbox")}
+
+
+def prctl(option: int, arg2: int = 0, arg3: int = 0) -> int:
+    """prctl(option, arg2, arg3, 0, 0); returns 0 or -1 (errno in ctypes.get_errno())."""
+    return _prctl(option, arg2, arg3, 0, 0)
+
+
+def set_process_name(name: str) -> None:
+    """What `ps` and `top` show for this process: rj-zygote, rj-worker, rj-forker, rj-sandbox."""
+    prctl(PR_SET_NAME, ctypes.addressof(_names[name]))
 
 
 def libc_call(name: str, *args) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import ctypes
 import dataclasses
 import fcntl
 import io
@@ -35,13 +34,10 @@ from rstarjax.env.verify import is_correct
 
 CODE_FILENAME = "<code>"
 RESULT_FD = 3
+READY = b"R"  # first byte on fd 3, written once confined: what follows may come from the model
 CHANNEL_FD = 4  # the sandbox's socket to its worker, closed before the model's code runs
 
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
 OOM_SCORE_ADJ = b"1000"  # the kernel's first choice when memory runs out, before any trainer
-
-_prctl = isolation._libc.prctl  # resolved here, once: prepare_zygote sets its signature
 
 
 @dataclasses.dataclass
@@ -56,7 +52,7 @@ class SandboxLimits:
     cpu_slack_s: int = 1  # RLIMIT_CPU = ceil(timeout) + slack (wall clock is enforced separately)
     nice: int = 10  # sandboxes yield to their worker, so a fork bomb cannot starve the kill
     call_memory_bytes: int = 1 << 30  # all processes of a call together, its files included (cgroup)
-    call_cpus: float = 1.0  # CPU bandwidth of all processes of a call together (cgroup)
+    call_cpus: float = 1.0  # CPU time of all processes of a call together: <= call_cpus x timeout (cgroup)
     disk_bytes: int = 256 << 20  # size of each of the call's own tmpfs: working dir, /dev/shm
 
 
@@ -114,7 +110,7 @@ def drop_privileges(uid: int) -> None:
 
 def set_parent_death_signal() -> None:
     """SIGKILL when the parent dies. The kernel clears this at fork and at every uid change."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def worker_gone() -> bool:
@@ -133,8 +129,8 @@ def prepare_zygote() -> bool:
 
     Why: a forked child pays a copy-on-write page fault (about 4 us on a 2-core VM) for every
     page it writes, and touching an object writes its reference count. Redone in each child,
-    resetting five signals, scrubbing `os.environ`, resolving `prctl` through ctypes and building
-    three text streams touched about 200 pages: a quarter of a trivial call's sandbox CPU."""
+    resetting five signals, scrubbing `os.environ` and building three text streams touched about
+    200 pages: a quarter of a trivial call's sandbox CPU."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM):
         signal.signal(sig, signal.SIG_DFL)
     # A non-default SIGPIPE disposition is what CPython itself sets: keep EPIPE as an exception.
@@ -143,8 +139,6 @@ def prepare_zygote() -> bool:
     # which its forkers and sandboxes inherit.)
     for key in [k for k in os.environ if k not in SAFE_ENV and k != "HOME"]:
         del os.environ[key]  # e.g. PYTHONDONTWRITEBYTECODE: read at startup, unneeded since
-    _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    _prctl.restype = ctypes.c_int
     install_stdio()
     return seccomp.prepare()
 
@@ -154,6 +148,7 @@ def confine_before_call(confinement: Confinement, limits: SandboxLimits) -> None
     root: no process runs under a sandbox uid between calls, and the uid's limits start with the
     call."""
     os.setsid()  # own session and process group
+    isolation.set_process_name("rj-sandbox")
     set_parent_death_signal()  # worker dies -> we die
     try:
         with open("/proc/self/oom_score_adj", "wb", 0) as f:
@@ -178,7 +173,7 @@ def confine_for_call(confinement: Confinement, limits: SandboxLimits, timeout_s:
             os._exit(0)
     os.umask(0o077)
     if confinement.seccomp:
-        seccomp.install(_prctl)
+        seccomp.install()
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,6 +306,13 @@ def child_main(limits: SandboxLimits, confinement: Confinement, fds: dict) -> No
         os.close(stdin_fd)
         os.close(CHANNEL_FD)  # the model gets fds 0-3 and nothing else
         confine_for_call(confinement, limits, float(call["timeout"]))
+    except BaseException:  # noqa: BLE001 - our failure, not the model's: the worker reports it
+        traceback.print_exc(file=sys.stderr)
+        os._exit(status)
+    try:
+        # Before this byte the model has not run; without it the worker knows the sandbox failed
+        # to start (an infrastructure error), and the model cannot forge that once it runs.
+        os.write(RESULT_FD, READY)
         if call["op"] == "verify":
             payload = run_verify(call)
         else:

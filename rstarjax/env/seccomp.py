@@ -33,6 +33,8 @@ import platform
 import socket
 import struct
 
+from rstarjax.env.isolation import prctl
+
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_SECCOMP = 22
 SECCOMP_MODE_FILTER = 2
@@ -158,10 +160,10 @@ def available() -> bool:
     return _fprog is not None
 
 
-def install(prctl) -> None:
+def install() -> None:
     """No new privileges, then the filter: from here on it applies to this process and all it
-    starts. `prctl` is the caller's resolved libc prctl (see sandbox.prepare_zygote)."""
-    if prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+    starts."""
+    if prctl(PR_SET_NO_NEW_PRIVS, 1) != 0:
         raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
-    if _fprog is not None and prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(_fprog), 0, 0) != 0:
+    if _fprog is not None and prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(_fprog)) != 0:
         raise OSError(ctypes.get_errno(), "PR_SET_SECCOMP")

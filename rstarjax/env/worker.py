@@ -28,15 +28,18 @@ import sys
 import time
 import traceback
 
-from rstarjax.env import cgroups, forker, sandbox, wire
+from rstarjax.env import cgroups, forker, isolation, sandbox, wire
 from rstarjax.env.sandbox import Confinement, SandboxLimits
 
 # Re-warming a slot waits for this much quiet unless a call needs the sandbox now: at low
 # concurrency the next call (sent as soon as the previous answer arrives) then finds a warm
 # sandbox and is read at once, instead of waiting behind the clone that re-warms the slot.
 WARM_WHEN_QUIET_S = 0.005
+# A call's CPU time (all its processes) is read once it has run this long, then this often:
+# one process alone can never exceed its budget (call_cpus >= 1 x its timeout), many can.
+CPU_CHECK_AFTER_S = 0.25
+CPU_CHECK_EVERY_S = 0.1
 MAX_RESULT_BYTES = 4 << 20  # the child's JSON line on fd 3
-PR_SET_DUMPABLE = 4
 RESULT_STATUSES = ("ok", "display", "error")
 
 
@@ -75,25 +78,8 @@ class Running:
 
     __slots__ = (
         "call", "pid", "pidfd", "slot", "workdir", "channel", "stdout", "stderr", "result", "fds", "deadline",
-        "t_recv", "t_start", "timed_out", "replied", "done",
+        "t_recv", "t_start", "timed_out", "replied", "done", "cpu_start", "over_cpu_budget",
     )
-
-
-def become_realtime() -> bool:
-    """SCHED_FIFO at the lowest real-time priority, children reset to normal scheduling at fork.
-
-    Why: a worker's loop is the dispatch path. Under the fair scheduler, even at nice -20, it
-    lost the CPU several times per call to sandboxes and its neighbours and waited ~13 ms per
-    call runnable but not running (/proc/<pid>/schedstat, 2-core machine): the batches it had
-    not read yet waited with it. As SCHED_FIFO it waits ~0. It is safe because the loop never
-    spins (it blocks in epoll whenever it has nothing to start) and its CPU is a few ms per
-    call; forkers and sandboxes never inherit it (SCHED_RESET_ON_FORK) and cannot ask for it
-    (unprivileged, no RLIMIT_RTPRIO); the kernel's RT throttling bounds it in any case."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(1))
-    except (OSError, AttributeError):  # unprivileged, or a container without an RT budget
-        return False
-    return True
 
 
 def remove_tree(path: str) -> None:
@@ -158,20 +144,24 @@ def remove_tree(path: str) -> None:
 class Worker:
     """An event loop over <= `slots` sandboxes (see the module docstring)."""
 
-    def __init__(self, sock: socket.socket, index: int, config: dict, isolation: dict):
+    def __init__(self, sock: socket.socket, index: int, config: dict, host: dict):
         self.sock = sock
         self.index = index
         self.config = config
         self.limits = SandboxLimits(**config["limits"])
         self.slots = int(config["slots"])
-        self.use_pidns = bool(isolation["pidns"])
-        self.uid_drop = bool(isolation["uid_drop"])
-        self.call_mounts = bool(isolation.get("call_mounts"))
-        self.clone_flags = forker.clone_flags(isolation)
-        self.tid_offset = isolation.get("tid_offset")
-        self.seccomp = bool(isolation.get("seccomp"))
-        self.cgroup = config.get("cgroup")  # {"kind", "roots", "memory_root"}, or None: rlimits only
+        self.use_pidns = bool(host["pidns"])
+        self.uid_drop = bool(host["uid_drop"])
+        self.call_mounts = bool(host.get("call_mounts"))
+        self.clone_flags = forker.clone_flags(host)
+        self.tid_offset = host.get("tid_offset")
+        self.seccomp = bool(host.get("seccomp"))
+        self.realtime = bool(host.get("worker_realtime"))
+        self.cgroup = config.get("cgroup")  # {"kind", "roots", "memory_root", "cpu_root"}, or None
         self.oom_seen = [0] * self.slots
+        self.cpu_dirs = [None] * self.slots  # where each slot's CPU time is, if accounted
+        if self.cgroup is not None and self.cgroup.get("cpu_root"):
+            self.cpu_dirs = [os.path.join(self.cgroup["cpu_root"], cgroups.slot_name(index, s)) for s in range(self.slots)]
         self.cold_slots = list(range(self.slots))  # no process: to be warmed
         self.warm: collections.deque[Running] = collections.deque()
         self.pending: collections.deque = collections.deque()
@@ -209,7 +199,7 @@ class Worker:
                 dirs = [] if self.cgroup is None else [
                     os.path.join(root, cgroups.slot_name(self.index, slot)) for root in self.cgroup["roots"]]
                 forker.serve(theirs, me, self.confinement(slot, self.workdir_root), self.limits, self.clone_flags,
-                             self.tid_offset, dirs)
+                             self.tid_offset, dirs, self.realtime)
             theirs.close()
             self.forkers.append(ours)
             self.forker_pids.add(pid)
@@ -250,7 +240,9 @@ class Worker:
         if self.pending and (self.warm or self.cold_slots):  # a call can start: no sleeping
             return 0.0
         now = time.monotonic()
-        wake = [r.deadline for r in self._busy() if not r.timed_out]
+        busy = [r for r in self._busy() if not r.timed_out]
+        wake = [r.deadline for r in busy]
+        wake += [max(r.t_start + CPU_CHECK_AFTER_S, now + CPU_CHECK_EVERY_S) for r in busy if r.cpu_start is not None]
         if self.cold_slots:
             wake.append(self._warm_due())
         return min(max(0.0, min(wake) - now), 1.0) if wake else None  # bounded, whatever the inputs
@@ -354,7 +346,8 @@ class Worker:
         cap = self.limits.max_output_bytes
         run.stdout, run.stderr, run.result = CappedBuffer(cap), CappedBuffer(cap), bytearray()
         run.fds = {}
-        run.timed_out = run.replied = run.done = False
+        run.timed_out = run.replied = run.done = run.over_cpu_budget = False
+        run.cpu_start = None
         for name, fd in (("stdout", opened[0]), ("stderr", opened[2]), ("result", opened[4])):
             os.set_blocking(fd, False)
             run.fds[name] = fd
@@ -439,12 +432,20 @@ class Worker:
             self.warm_failures = 0
             self._started(run, call, time.monotonic())
 
-    @staticmethod
-    def _started(run: Running, call: dict, t_start: float) -> None:
+    def _started(self, run: Running, call: dict, t_start: float) -> None:
         run.call = call
         run.t_start = t_start
         run.t_recv = call.get("t_recv", t_start)
         run.deadline = t_start + float(call["timeout"])
+        cpu_dir = self.cpu_dirs[run.slot]
+        run.cpu_start = None if cpu_dir is None else cgroups.cpu_seconds(self.cgroup["kind"], cpu_dir)
+
+    def _over_cpu_budget(self, run: Running, now: float) -> bool:
+        """Have the call's processes together used more CPU time than its budget?"""
+        if run.cpu_start is None or now - run.t_start < CPU_CHECK_AFTER_S:
+            return False
+        used = cgroups.cpu_seconds(self.cgroup["kind"], self.cpu_dirs[run.slot]) - run.cpu_start
+        return used > self.limits.call_cpus * float(run.call["timeout"])
 
     @staticmethod
     def _close_channel(run: Running) -> None:
@@ -485,15 +486,17 @@ class Worker:
     def _enforce_deadlines(self) -> None:
         now = time.monotonic()
         for run in self._busy():
-            if not run.timed_out and now >= run.deadline:
+            if run.timed_out:
+                continue
+            run.over_cpu_budget = now < run.deadline and self._over_cpu_budget(run, now)
+            if now >= run.deadline or run.over_cpu_budget:
                 run.timed_out = True
                 self._kill(run)
                 # Answer now: the verdict is known, and tearing down a big process tree (a fork
                 # bomb of 64 copies of a 100 MB interpreter) can take a second on a busy machine.
                 # The slot stays taken until the process is really gone.
                 for what, fd in list(run.fds.items()):
-                    if what != "result":
-                        self._drain(fd, run, what)
+                    self._drain(fd, run, what)
                 self._send_result(run, 0, now)
 
     def _kill(self, run: Running) -> None:
@@ -609,10 +612,10 @@ class Worker:
     def _result_line(run: Running) -> dict | None:
         """The sandbox's own report from fd 3, or None when it is missing or malformed (model code
         can write anything there: a deeply nested line must not take the worker down)."""
-        if not run.result:
+        if len(run.result) <= len(sandbox.READY):
             return None
         try:
-            payload = json.loads(bytes(run.result).split(b"\n", 1)[0])
+            payload = json.loads(bytes(run.result[len(sandbox.READY) :]).split(b"\n", 1)[0])
         except (ValueError, RecursionError):
             return None
         if not isinstance(payload, dict) or not isinstance(payload.get("text", ""), str):
@@ -635,10 +638,20 @@ class Worker:
         stdout = run.stdout.text()
         limit = call["timeout"]
         duration = time.monotonic() - run.t_start
+        if not run.result.startswith(sandbox.READY):  # it never got to the model's code
+            why = sandbox.scrub_paths(run.stderr.text(), run.workdir).strip().splitlines()
+            why = why[-1] if why else ("timed out" if run.timed_out else f"status {os.waitstatus_to_exitcode(status)}")
+            if call["op"] == "verify":
+                return {"op": "verify", "correct": False, "timed_out": False, "error": f"the verifier did not start: {why}"}
+            return {"kind": "error", "text": f"SandboxError: the sandbox did not start: {why}", "infra_error": True,
+                    "duration_s": duration}
         if run.timed_out:
             if call["op"] == "verify":
                 return {"op": "verify", "correct": False, "timed_out": True, "error": f"verifier exceeded {limit:g} s"}
             msg = f"TimeoutError: execution exceeded the {limit:g} s time limit"
+            if run.over_cpu_budget:
+                budget = self.limits.call_cpus * limit
+                msg = f"TimeoutError: the call's processes together used more than {budget:g} s of CPU time"
             text = f"{stdout.rstrip()}\n{msg}" if stdout.strip() else msg
             return {"kind": "timeout", "text": text, "duration_s": duration}
         payload = self._result_line(run)
@@ -683,20 +696,21 @@ class Worker:
         return {"kind": "display", "text": display, "duration_s": duration}
 
 
-def worker_main(fd: int, index: int, config: dict, isolation: dict) -> None:
+def worker_main(fd: int, index: int, config: dict, host: dict) -> None:
     """A worker's life (in a child of the zygote). Never returns."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     forker.skip_threading_fork_repair()  # before the forkers exist: their clones inherit it
     # Not readable by processes of the same uid (matters without a uid drop): it holds every call.
-    sandbox._prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
-    if isolation.get("worker_realtime"):
-        become_realtime()
-    if not isolation["pidns"]:
+    isolation.prctl(isolation.PR_SET_DUMPABLE, 0)
+    isolation.set_process_name("rj-worker")
+    if host.get("worker_realtime"):
+        forker.become_realtime()
+    if not host["pidns"]:
         # Orphans of a sandbox (double fork) get re-parented to this worker rather than to init.
-        sandbox._prctl(sandbox.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        isolation.prctl(isolation.PR_SET_CHILD_SUBREAPER, 1)
     sock = socket.socket(fileno=fd)
     try:
-        Worker(sock, index, config, isolation).serve()
+        Worker(sock, index, config, host).serve()
     except BaseException:
         traceback.print_exc(file=sys.stderr)  # the trainer's stderr: a crash must leave its cause
         raise

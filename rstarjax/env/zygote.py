@@ -117,7 +117,7 @@ def probe_realtime() -> bool:
     """Can a worker become real-time here? (Tried in a throwaway child: the zygote stays as is.)"""
     pid = os.fork()
     if pid == 0:
-        os._exit(0 if worker.become_realtime() else 1)
+        os._exit(0 if forker.become_realtime() else 1)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status) == 0
 
@@ -142,6 +142,7 @@ def probe(config: dict, info: dict) -> dict:
 def zygote_main(argv: list[str]) -> None:
     config = json.loads(argv[1])
     control = socket.socket(fileno=int(config["control_fd"]))
+    isolation.set_process_name("rj-zygote")
     if not forker.supported():
         raise RuntimeError(f"the code environment supports x86_64 and aarch64 Linux, not {os.uname().machine}")
     info = isolation.setup_zygote(config)
