@@ -203,8 +203,8 @@ def test_sysv_shared_memory_and_message_queues_do_not_outlive_the_call():
     key = int(uuid.uuid4().hex[:7], 16)
     make = LIBC_IPC + (
         f"shm = libc.shmget({key}, 16 << 20, 0o1666)\n"  # IPC_CREAT | 0666
-        "addr = libc.shmat(shm, None, 0)\n"
-        "ctypes.memmove(addr, b'rstarjax-left-behind', 20)\n"
+        "if shm >= 0:\n"
+        "    ctypes.memmove(libc.shmat(shm, None, 0), b'rstarjax-left-behind', 20)\n"
         f"msq = libc.msgget({key}, 0o1666)\n"
         "print(shm >= 0, msq >= 0)"
     )

@@ -122,6 +122,8 @@ class ExecutorConfig:
     isolate: bool = True  # namespaces, uid drop, seccomp, cgroups where the host allows (docs/code_env.md)
     uid_base: int | None = None  # sandbox uids: uid_base + worker * slots + slot; None: a range of
     #                              the pool's size leased for this executor alone (uids.py)
+    tmp_bytes: int = 512 << 20  # the sandboxes' private /tmp; used only where calls cannot have
+    #                             their own tmpfs (see SandboxLimits.disk_bytes)
     python: str = sys.executable
     worker_realtime: bool = True  # workers and forkers run SCHED_FIFO (lowest RT priority) where
     #                               the kernel allows it: they are the dispatch path (see
@@ -230,6 +232,7 @@ class _Zygote:
             "isolate": config.isolate,
             "uid_base": uid_base,
             "workdir_root": workdir_root,
+            "tmp_bytes": config.tmp_bytes,
             "cgroup": cgroup,
             "preload": tier,
             "worker_realtime": config.worker_realtime,

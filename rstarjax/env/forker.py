@@ -13,8 +13,8 @@ a gold answer (a worker) never forks anything model code runs in.
 The forker clones with CLONE_PARENT: the sandbox is the worker's child, so the worker reaps it,
 reads its exit status and gets its pidfd exactly as if it had forked it, while the fork itself
 (page tables: the expensive part) happens in the forker, off the worker's event loop. It also
-clones straight into the sandbox's PID, mount and IPC namespaces, and inside the slot's cgroups
-(which the forker joined once): nothing is moved per call.
+clones straight into the sandbox's PID and mount namespaces, inside the slot's cgroups and under
+its seccomp filter (which the forker joined and installed once): nothing is moved per call.
 
 Raw `clone` from Python: CPython's own fork hooks run around it (PyOS_BeforeFork /
 PyOS_AfterFork_Child, as os.fork does: import lock, at-fork handlers, thread state), and
@@ -35,8 +35,8 @@ import struct
 import sys
 import threading
 
-from rstarjax.env import cgroups, isolation, sandbox
-from rstarjax.env.isolation import CLONE_NEWIPC, CLONE_NEWNS, CLONE_NEWPID
+from rstarjax.env import cgroups, isolation, sandbox, seccomp
+from rstarjax.env.isolation import CLONE_NEWNS, CLONE_NEWPID
 
 CLONE_PARENT = 0x00008000
 CLONE_CHILD_CLEARTID = 0x00200000
@@ -95,8 +95,6 @@ def clone_flags(host: dict) -> int:
         flags |= CLONE_NEWPID
     if host.get("call_mounts"):
         flags |= CLONE_NEWNS
-    if host.get("ipcns"):
-        flags |= CLONE_NEWIPC
     return flags
 
 
@@ -139,9 +137,10 @@ def probe_clone_flags(flags: int, tid_offset: int | None) -> bool:
 
 
 def serve(ctl: socket.socket, worker_pid: int, confinement: "sandbox.Confinement", limits: "sandbox.SandboxLimits",
-          flags: int, tid_offset: int | None, cgroup_dirs: list[str], realtime: bool) -> None:
-    """A forker's life: join the slot's cgroups, then clone one sandbox per request. Never
-    returns; exits when its worker closes the control socket or dies.
+          flags: int, tid_offset: int | None, cgroup_dirs: list[str], realtime: bool, filtered: bool) -> None:
+    """A forker's life: join the slot's cgroups, install the seccomp filter (with `filtered`;
+    every sandbox inherits it), then clone one sandbox per request. Never returns; exits when
+    its worker closes the control socket or dies.
 
     A request is the sandbox's working directory (the same mount point for every call when
     calls have their own mounts) and its four fds; the reply is the pid (or -errno)."""
@@ -154,6 +153,8 @@ def serve(ctl: socket.socket, worker_pid: int, confinement: "sandbox.Confinement
         cgroups.join(cgroup_dirs)
         if realtime:
             become_realtime()
+        if filtered:
+            seccomp.install()
         while True:
             msg, fds, _, _ = socket.recv_fds(ctl, 4096, 4)
             if not msg:

@@ -2,6 +2,8 @@
 
 Zygote-wide, set up once before anything is forked (`setup_zygote`):
 * a network namespace with only a down loopback: no TCP/UDP connection leaves it;
+* an IPC namespace: whatever System V or POSIX IPC object exists dies with the executor (model
+  code cannot create any: see seccomp.py);
 * a mount namespace in which every host mount is read-only (except /proc, /sys, the cgroup
   mounts and the device nodes), so no world-writable host directory (/var/tmp, /run/lock, ...)
   can keep a file; /tmp and /var/tmp are covered by empty root-owned tmpfs (a checkout or
@@ -11,8 +13,6 @@ Zygote-wide, set up once before anything is forked (`setup_zygote`):
 Per sandbox, by the flags it is cloned with (see forker.py) and `mount_call_filesystems`:
 * a PID namespace (the sandbox is its PID 1: everything it starts dies with it) with its own
   /proc, which shows the call's processes and nothing of the host;
-* an IPC namespace: SysV shared memory, semaphores and message queues, and POSIX message
-  queues, exist for the call only;
 * a mount namespace with two fresh size-limited tmpfs: its working directory (also HOME and
   TMPDIR) and /dev/shm. A call cannot fill another's space, and everything it wrote is gone
   with its last process: there is nothing to clean up.
@@ -76,26 +76,27 @@ def mount(source: bytes | None, target: str, fstype: bytes | None, flags: int, d
 
 def setup_zygote(config: dict) -> dict:
     """Cut the network, privatise and freeze the file system view; report what the kernel allowed."""
-    info = {"root": os.geteuid() == 0, "netns": False, "mountns": False, "private_tmp": False,
+    info = {"root": os.geteuid() == 0, "netns": False, "ipcns": False, "mountns": False, "private_tmp": False,
             "host_readonly": False}
     if not config.get("isolate", True):
         return info
     info["netns"] = libc_call("unshare", CLONE_NEWNET) == 0
+    info["ipcns"] = libc_call("unshare", CLONE_NEWIPC) == 0
     if not (info["root"] and libc_call("unshare", CLONE_NEWNS) == 0):
         return info
     info["mountns"] = True
     if mount(b"none", "/", None, MS_REC | MS_PRIVATE) != 0:  # nothing we mount reaches the host
         return info
     ok = True
-    for path in ("/tmp", "/var/tmp"):
+    for path, size in (("/tmp", config["tmp_bytes"]), ("/var/tmp", 1 << 20)):
         if os.path.isdir(path):
             keep = open_children_holding(path, code_roots())
-            mounted = mount(b"tmpfs", path, b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755") == 0
+            mounted = mount(b"tmpfs", path, b"tmpfs", MS_NOSUID | MS_NODEV, b"size=%d,mode=0755" % size) == 0
             ok &= mounted and bind_back(path, keep)
     info["private_tmp"] = ok
     info["exposed"] = expose_python_tree()
     os.makedirs(config["workdir_root"], mode=0o755, exist_ok=True)  # each call mounts its own tmpfs here
-    info["host_readonly"] = make_host_readonly()
+    info["host_readonly"] = make_host_readonly(keep_writable=("/tmp",) if ok else ())
     return info
 
 
@@ -111,12 +112,14 @@ def _mountinfo() -> list[tuple[str, str, set[str]]]:
     return out
 
 
-def make_host_readonly() -> bool:
+def make_host_readonly(keep_writable: tuple[str, ...] = ()) -> bool:
     """Bind-remount every mount of our namespace read-only (keeping its other flags), except
-    kernel interfaces and device nodes. True when every one of them is read-only now."""
+    kernel interfaces, device nodes and `keep_writable` (our own root-owned /tmp, where the
+    workers make per-call directories when calls cannot have their own mounts). True when
+    every one of them is read-only now."""
     ok = True
     for point, fstype, options in _mountinfo():
-        if fstype in KEEP_WRITABLE or "ro" in options:
+        if fstype in KEEP_WRITABLE or "ro" in options or point in keep_writable:
             continue
         flags = MS_BIND | MS_REMOUNT | MS_RDONLY
         for name in options:

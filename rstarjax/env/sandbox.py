@@ -1,14 +1,14 @@
 """Child-side execution: what happens inside one sandbox process.
 
-A sandbox is cloned by its slot's forker (see forker.py) into its own PID, mount and IPC
-namespaces and the slot's cgroups; what is the same for every sandbox (signals, the scrubbed
-environment, stdio streams, the seccomp program) the zygote prepared once (prepare_zygote).
-The child confines itself in two steps. Before its call exists (a warm sandbox does this ahead
-of need): its own session, parent-death signal, oom_score_adj 1000, its own /proc, working
-directory and /dev/shm. Once the call has arrived over its channel: rlimits, the drop to its
-slot's unprivileged uid, no new privileges and the seccomp filter. Then it runs the model's
-code with `exec` and writes ONE JSON line describing the outcome on fd 3. Everything the model
-printed goes to fd 1/2, which the worker reads with a cap.
+A sandbox is cloned by its slot's forker (see forker.py) into its own PID and mount namespaces,
+the slot's cgroups and the forker's seccomp filter (no new privileges); what is the same for
+every sandbox (signals, the scrubbed environment, stdio streams) the zygote prepared once
+(prepare_zygote). The child confines itself in two steps. Before its call exists (a warm
+sandbox does this ahead of need): its own session, parent-death signal, oom_score_adj 1000, its
+own /proc, working directory and /dev/shm. Once the call has arrived over its channel: rlimits
+and the drop to its slot's unprivileged uid. Then it runs the model's code with `exec` and
+writes ONE JSON line describing the outcome on fd 3. Everything the model printed goes to
+fd 1/2, which the worker reads with a cap.
 
 Only the standard library and rstarjax.env are imported: this module is loaded by the zygote.
 """
@@ -64,7 +64,6 @@ class Confinement:
     uid: int | None  # the slot's unprivileged uid; None: no uid drop here
     call_mounts: bool  # its own tmpfs for workdir and /dev/shm (it has its own mount namespace)
     own_proc: bool  # and a /proc of its own PID namespace
-    seccomp: bool
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,7 +124,7 @@ def worker_gone() -> bool:
 def prepare_zygote() -> bool:
     """Everything a sandbox needs that depends neither on the call nor on the sandbox: done once
     in the zygote, so every fork inherits it instead of redoing it. Returns whether the seccomp
-    filter is available.
+    filter is available (forkers install it).
 
     Why: a forked child pays a copy-on-write page fault (about 4 us on a 2-core VM) for every
     page it writes, and touching an object writes its reference count. Redone in each child,
@@ -172,8 +171,6 @@ def confine_for_call(confinement: Confinement, limits: SandboxLimits, timeout_s:
         if worker_gone():
             os._exit(0)
     os.umask(0o077)
-    if confinement.seccomp:
-        seccomp.install()
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,17 +1,21 @@
-"""A seccomp filter for model code: the system calls an unprivileged sandbox has no use for and
-that reach past its namespaces, refused with EPERM.
+"""A seccomp filter for model code: the system calls a sandbox has no use for and that reach
+past its namespaces or its uid, refused with EPERM.
 
 Why a filter on top of namespaces and an unprivileged uid: a few kernel facilities are shared
 with the host whatever namespace a process is in, or are large attack surfaces that ordinary
 Python never needs. Refused here:
 
-* new namespaces (`unshare`, `setns`, `clone` with a CLONE_NEW* flag; `clone3`, whose flags a
-  filter cannot read, gets ENOSYS so that libc falls back to `clone`): a user namespace would
-  give model code capabilities inside it, and with them the kernel's whole mount and network
-  configuration surface;
-* mounting (`mount`, the new mount API, `pivot_root`, `chroot`);
+* new namespaces other than the two a forker clones sandboxes into (PID and mount, which need
+  privileges model code does not have): above all user namespaces, which would give model code
+  capabilities inside them, and with them the kernel's mount and network configuration
+  surface (`unshare` and `setns` entirely; `clone` with such a flag; `clone3`, whose flags a
+  filter cannot read, gets ENOSYS so that libc falls back to `clone`);
+* the new mount API, `umount2`, `pivot_root`, `chroot` (`mount` itself stays: each sandbox
+  mounts its own /proc and tmpfs while still root; without privileges it fails anyway);
 * the kernel keyrings (`add_key`, `keyctl`, `request_key`): the user keyring belongs to the uid,
   not to the call, so it would carry data from one call of a slot to the next;
+* System V IPC and POSIX message queues: their objects belong to the IPC namespace, which all
+  sandboxes of a zygote share, so they would outlive the call;
 * sockets other than TCP/UDP (which the network namespace confines to a down loopback): unix
   sockets reach host services by path and concurrent sandboxes by abstract name; netlink,
   packet and vsock sockets reach the kernel or the hypervisor. `socketpair` stays allowed for
@@ -21,9 +25,11 @@ Python never needs. Refused here:
   `userfaultfd`, `io_uring_*`, `syslog`, `kcmp`, `pidfd_getfd`, modules, kexec, swap, quotas,
   clocks, `acct`, `reboot`, `fanotify_init`, handles, x86's `modify_ldt`/`iopl`/`ioperm`).
 
-The program is built once (in the zygote) and installed by each sandbox just before the model's
-code runs, after `PR_SET_NO_NEW_PRIVS` (no setuid binary can raise privileges afterwards).
-Known for x86_64 and aarch64; elsewhere `available()` is False and the sandbox runs without it.
+Installed once per forker, after `PR_SET_NO_NEW_PRIVS` (no setuid binary can raise privileges
+afterwards), and inherited by every sandbox it clones: the kernel compiles a filter when it is
+installed, which per sandbox was a measurable part of a trivial call. The forker's own work
+(receiving fds, cloning into PID and mount namespaces) and each sandbox's setup (mounts, the uid
+drop) are all allowed. Known for x86_64 and aarch64; elsewhere `prepare()` is False.
 """
 from __future__ import annotations
 
@@ -59,13 +65,16 @@ def arg(i: int) -> int:
     return 16 + 8 * i  # low 32 bits of args[i]
 
 
-CLONE_NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x80
+# every CLONE_NEW* flag except NEWNS and NEWPID, which forkers use (and model code cannot)
+CLONE_REFUSED = 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x40000000 | 0x80
 SOCK_TYPE_MASK = 0xF
 
 # (audit arch, numbers of the syscalls used below); aarch64 uses the generic table
 _DENIED = (
-    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "fsopen", "fsconfig", "fsmount", "fspick",
-    "move_mount", "open_tree", "mount_setattr", "add_key", "keyctl", "request_key", "ptrace", "process_vm_readv",
+    "unshare", "setns", "umount2", "pivot_root", "chroot", "fsopen", "fsconfig", "fsmount", "fspick",
+    "move_mount", "open_tree", "mount_setattr", "add_key", "keyctl", "request_key", "shmget", "shmat", "shmctl",
+    "shmdt", "semget", "semop", "semctl", "semtimedop", "msgget", "msgsnd", "msgrcv", "msgctl", "mq_open",
+    "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr", "ptrace", "process_vm_readv",
     "process_vm_writev", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter",
     "io_uring_register", "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "acct",
     "swapon", "swapoff", "reboot", "syslog", "quotactl", "quotactl_fd", "lookup_dcookie", "vhangup",
@@ -84,7 +93,10 @@ SYSCALLS = {
         "syslog": 103, "quotactl": 179, "quotactl_fd": 443, "lookup_dcookie": 212, "vhangup": 153,
         "name_to_handle_at": 303, "open_by_handle_at": 304, "kcmp": 312, "pidfd_getfd": 438,
         "settimeofday": 164, "clock_settime": 227, "clock_adjtime": 305, "adjtimex": 159, "fanotify_init": 300,
-        "modify_ldt": 154, "iopl": 172, "ioperm": 173,
+        "modify_ldt": 154, "iopl": 172, "ioperm": 173, "shmget": 29, "shmat": 30, "shmctl": 31, "shmdt": 67,
+        "semget": 64, "semop": 65, "semctl": 66, "semtimedop": 220, "msgget": 68, "msgsnd": 69, "msgrcv": 70,
+        "msgctl": 71, "mq_open": 240, "mq_unlink": 241, "mq_timedsend": 242, "mq_timedreceive": 243,
+        "mq_notify": 244, "mq_getsetattr": 245,
     }),
     "aarch64": (0xC00000B7, {
         "socket": 198, "socketpair": 199, "clone": 220, "clone3": 435, "unshare": 97, "setns": 268, "mount": 40,
@@ -97,6 +109,9 @@ SYSCALLS = {
         "syslog": 116, "quotactl": 60, "quotactl_fd": 443, "lookup_dcookie": 18, "vhangup": 58,
         "name_to_handle_at": 264, "open_by_handle_at": 265, "kcmp": 272, "pidfd_getfd": 438,
         "settimeofday": 170, "clock_settime": 112, "clock_adjtime": 266, "adjtimex": 171, "fanotify_init": 262,
+        "shmget": 194, "shmat": 196, "shmctl": 195, "shmdt": 197, "semget": 190, "semop": 193, "semctl": 191,
+        "semtimedop": 192, "msgget": 186, "msgsnd": 189, "msgrcv": 188, "msgctl": 187, "mq_open": 180,
+        "mq_unlink": 181, "mq_timedsend": 182, "mq_timedreceive": 183, "mq_notify": 184, "mq_getsetattr": 185,
     }),
 }
 
@@ -123,8 +138,8 @@ def build_program(machine: str | None = None) -> bytes | None:
         if name in nr:
             prog += [ins(JEQ, nr[name], 0, 1), eperm]
     prog += [ins(JEQ, nr["clone3"], 0, 1), refuse(errno.ENOSYS)]
-    # clone: any namespace flag -> EPERM (then the syscall number is reloaded for the next test)
-    prog += [ins(JEQ, nr["clone"], 0, 4), ins(LD_ABS, arg(0)), ins(JSET, CLONE_NAMESPACES, 0, 1), eperm,
+    # clone: a refused namespace flag -> EPERM
+    prog += [ins(JEQ, nr["clone"], 0, 4), ins(LD_ABS, arg(0)), ins(JSET, CLONE_REFUSED, 0, 1), eperm,
              ins(RET, RET_ALLOW)]
     # socket(domain): TCP/UDP only (confined by the network namespace)
     prog += [ins(JEQ, nr["socket"], 0, 5), ins(LD_ABS, arg(0)), ins(JEQ, socket.AF_INET, 2, 0),
@@ -146,7 +161,7 @@ _fprog: _SockFprog | None = None
 
 
 def prepare() -> bool:
-    """Build the filter once (in the zygote); forked sandboxes inherit it ready to install."""
+    """Build the filter once (in the zygote); forkers inherit it ready to install."""
     global _program, _fprog
     raw = build_program()
     if raw is None:
@@ -161,8 +176,8 @@ def available() -> bool:
 
 
 def install() -> None:
-    """No new privileges, then the filter: from here on it applies to this process and all it
-    starts."""
+    """No new privileges, then the filter: from here on it applies to this process (a forker)
+    and every process it starts."""
     if prctl(PR_SET_NO_NEW_PRIVS, 1) != 0:
         raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
     if _fprog is not None and prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(_fprog)) != 0:

@@ -184,7 +184,7 @@ class Worker:
 
     def confinement(self, slot: int, workdir: str) -> Confinement:
         return Confinement(workdir=workdir, uid=self.slot_uid(slot), call_mounts=self.call_mounts,
-                           own_proc=self.call_mounts and self.use_pidns, seccomp=self.seccomp)
+                           own_proc=self.call_mounts and self.use_pidns)
 
     def start_forkers(self) -> None:
         """One forker per slot, forked now, while this process has read nothing."""
@@ -199,7 +199,7 @@ class Worker:
                 dirs = [] if self.cgroup is None else [
                     os.path.join(root, cgroups.slot_name(self.index, slot)) for root in self.cgroup["roots"]]
                 forker.serve(theirs, me, self.confinement(slot, self.workdir_root), self.limits, self.clone_flags,
-                             self.tid_offset, dirs, self.realtime)
+                             self.tid_offset, dirs, self.realtime, self.seccomp)
             theirs.close()
             self.forkers.append(ours)
             self.forker_pids.add(pid)

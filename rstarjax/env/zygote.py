@@ -129,7 +129,6 @@ def probe(config: dict, info: dict) -> dict:
     tid = info["tid_offset"]
     info["pidns"] = isolate and forker.probe_clone_flags(isolation.CLONE_NEWPID, tid)
     info["call_mounts"] = bool(info["mountns"]) and forker.probe_clone_flags(isolation.CLONE_NEWNS, tid)
-    info["ipcns"] = isolate and forker.probe_clone_flags(isolation.CLONE_NEWIPC, tid)
     info["worker_realtime"] = bool(config.get("worker_realtime", True)) and probe_realtime()
     info["uid_drop"] = isolate and info["root"]
     if info["uid_drop"] and not isolation.probe_unprivileged_imports(int(config["uid_base"])):
