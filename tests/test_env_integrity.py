@@ -545,3 +545,59 @@ def test_large_pools_get_an_automatic_uid_range():
         assert ranges[0][1] <= ranges[1][0] and ranges[1][1] < 2**32 - 1
         r = big.run("import os\nprint(os.getuid())")
         assert r.kind == "stdout" and (not big.isolation.get("uid_drop") or big.uid_base <= int(r.text) < ranges[1][1])
+
+
+def test_a_sandbox_that_cannot_start_is_an_infra_error_not_the_models():
+    """Our failures are never blamed on the model: a sandbox that fails before the model's code
+    runs (here: limits the kernel refuses) answers with infra_error=True."""
+    cases = [SandboxLimits(disk_bytes=-5), SandboxLimits(max_processes=0)]
+    for limits in cases:
+        with CodeExecutor(num_workers=1, lean_workers=0, slots_per_worker=1, limits=limits) as ex:
+            iso = ex.isolation
+            if (limits.disk_bytes < 0 and not iso["call_mounts"]) or (limits.max_processes == 0 and iso["call_budget"] == "rlimits"):
+                continue  # the host never applies this limit, so it cannot fail
+            r = ex.run("print(1)")
+            assert r.kind == "error" and r.infra_error and r.text.startswith("SandboxError"), r
+
+
+def rss_bytes(pids) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+        except (OSError, StopIteration):
+            pass
+    return total
+
+
+def test_hostile_calls_leave_the_pool_at_its_baseline(ex):
+    """After a round of hostile calls: same workers and forkers, their memory about the same, no
+    sandbox process, and nothing left in the host's temporary directories."""
+    def pool_pids():
+        pids = set(worker_pids(ex))
+        for w in list(pids):
+            with open(f"/proc/{w}/task/{w}/children") as f:
+                pids |= {int(p) for p in f.read().split()}
+        return pids
+
+    time.sleep(0.5)
+    before_pids, tmp_before = pool_pids(), set(os.listdir(tempfile.gettempdir()))
+    before_rss = rss_bytes(before_pids)
+    hostile = [
+        "import sys\nsys.stdout.write('x' * 50_000_000)",
+        "import os\nos.write(3, b'{' * 100000)",
+        "import sys\nsys.stderr.write('/' * 60000 + 'site-packages/' * 3000)\nraise SystemExit(2)",
+        "print(input()[:10])",
+        "import os\nfor i in range(2000):\n    open(f'f{i}', 'w').write('x' * 1000)",
+        "x = [bytearray(1 << 20) for _ in range(200)]",
+    ]
+    for _ in range(3):
+        results = ex.run_batch([(code, "s" * (8 << 20)) for code in hostile], timeout=10)
+        assert not any(r.infra_error for r in results), results
+    assert wait_until(lambda: not sandbox_processes(ex))
+    time.sleep(0.5)  # the slots are re-warmed
+    after_pids = pool_pids()
+    assert worker_pids(ex) <= after_pids and len(after_pids) == len(before_pids)
+    assert rss_bytes(after_pids) - before_rss < 64 << 20, (before_rss, rss_bytes(after_pids))
+    assert set(os.listdir(tempfile.gettempdir())) <= tmp_before
