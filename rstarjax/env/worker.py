@@ -78,7 +78,7 @@ class Running:
 
     __slots__ = (
         "call", "pid", "pidfd", "slot", "workdir", "channel", "stdout", "stderr", "result", "fds", "deadline",
-        "t_recv", "t_start", "timed_out", "replied", "done", "cpu_start", "over_cpu_budget",
+        "t_recv", "t_start", "timed_out", "replied", "done", "cpu_start", "cpu_checked", "over_cpu_budget",
     )
 
 
@@ -166,7 +166,6 @@ class Worker:
         self.warm: collections.deque[Running] = collections.deque()
         self.pending: collections.deque = collections.deque()
         self.by_slot: list[Running | None] = [None] * self.slots  # each slot's sandbox, if any
-        self.running: dict[int, Running] = {}  # sandboxes whose pid is known, by pidfd
         self.warm_failures = 0  # warm sandboxes that died before their call, in a row
         self.warm_not_before = 0.0  # back-off after such a death
         self.last_busy = 0.0  # when select last returned something
@@ -242,7 +241,7 @@ class Worker:
         now = time.monotonic()
         busy = [r for r in self._busy() if not r.timed_out]
         wake = [r.deadline for r in busy]
-        wake += [max(r.t_start + CPU_CHECK_AFTER_S, now + CPU_CHECK_EVERY_S) for r in busy if r.cpu_start is not None]
+        wake += [r.cpu_checked + CPU_CHECK_EVERY_S for r in busy if r.cpu_start is not None]
         if self.cold_slots:
             wake.append(self._warm_due())
         return min(max(0.0, min(wake) - now), 1.0) if wake else None  # bounded, whatever the inputs
@@ -391,7 +390,6 @@ class Worker:
             self._spawn_failed(run, OSError("could not watch the sandbox process"))
             return True
         self.sel.register(run.pidfd, selectors.EVENT_READ, ("exit", run))
-        self.running[run.pidfd] = run
         if run.timed_out:
             self._kill(run)
         return True
@@ -439,11 +437,14 @@ class Worker:
         run.deadline = t_start + float(call["timeout"])
         cpu_dir = self.cpu_dirs[run.slot]
         run.cpu_start = None if cpu_dir is None else cgroups.cpu_seconds(self.cgroup["kind"], cpu_dir)
+        run.cpu_checked = t_start + CPU_CHECK_AFTER_S - CPU_CHECK_EVERY_S
 
     def _over_cpu_budget(self, run: Running, now: float) -> bool:
-        """Have the call's processes together used more CPU time than its budget?"""
-        if run.cpu_start is None or now - run.t_start < CPU_CHECK_AFTER_S:
+        """Have the call's processes together used more CPU time than its budget? (Read at most
+        every CPU_CHECK_EVERY_S, from CPU_CHECK_AFTER_S on.)"""
+        if run.cpu_start is None or now - run.cpu_checked < CPU_CHECK_EVERY_S:
             return False
+        run.cpu_checked = now
         used = cgroups.cpu_seconds(self.cgroup["kind"], self.cpu_dirs[run.slot]) - run.cpu_start
         return used > self.limits.call_cpus * float(run.call["timeout"])
 
@@ -579,7 +580,6 @@ class Worker:
                 os.close(fd)
         self.sel.unregister(run.pidfd)
         os.close(run.pidfd)
-        del self.running[run.pidfd]
         self._close_channel(run)
         self.by_slot[run.slot] = None
         if run.call is None:  # died warm (killed from outside, or its setup failed)
