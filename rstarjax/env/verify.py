@@ -235,6 +235,7 @@ class _VerifierHelper:
 
 
 def _math_verify(answer: str, gold_text: str) -> bool:
+    # Imported here: sympy-heavy, and this module is loaded where it must not be (the lean zygote).
     from math_verify import grader, parse, parser, verify
 
     # We disable math-verify's alarm-based timeouts on purpose (see module docstring); the

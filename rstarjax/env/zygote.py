@@ -86,7 +86,7 @@ def preload(tier: str) -> None:
     """Import what model code usually imports, so a forked sandbox pays nothing for it."""
     for name in sorted(routing.LEAN_MODULES):
         importlib.import_module(name)
-    if tier == routing.HEAVY:
+    if tier == routing.HEAVY:  # imported here: the lean zygote must not have them
         import numpy  # noqa: F401
         import scipy  # noqa: F401  (submodules are lazy; scipy.special alone would double fork cost)
         import sympy  # noqa: F401
