@@ -4,7 +4,7 @@ matches the ground truth under math-verify, else 0).
 `is_correct` is the pure check with no time limit of its own: the sandbox runs it inside a pool
 process under the pool's wall-clock kill (`CodeExecutor.submit_verify`, the training path).
 `verify_answer` is the standalone form: the integer fast path in-process, anything that needs
-sympy in a helper interpreter (started once, math-verify preloaded) that is killed after
+sympy in a separate verifier interpreter (started once, math-verify preloaded) that is killed after
 `timeout` seconds (reward 0). The caller is never forked: a fork of a process whose threads
 (JAX's, say) hold locks can deadlock the child. math-verify's own timeouts are disabled on
 purpose: they use `signal.alarm`, which raises (and is swallowed, giving reward 0) off the main
@@ -113,7 +113,7 @@ def is_correct(response_text: str, gold) -> bool:
 
 
 def verify_answer(response_text: str, gold, timeout: float = 5.0) -> bool:
-    """`is_correct` with a wall-clock bound: the sympy path runs in a helper interpreter that is
+    """`is_correct` with a wall-clock bound: the sympy path runs in a separate verifier interpreter that is
     killed after `timeout` seconds, which counts as wrong (reward 0). Safe to call from any
     thread, and from a process with threads (nothing is forked from it). For many rewards at once
     use `CodeExecutor.submit_verify`."""
@@ -122,22 +122,22 @@ def verify_answer(response_text: str, gold, timeout: float = 5.0) -> bool:
     verdict = _integer_verdict(answer, gold_text)
     if verdict is not None:
         return verdict
-    helper = _VerifierHelper.checkout()
+    verifier = _VerifierProcess.checkout()
     try:
-        verdict = helper.ask(answer, gold_text, timeout)
+        verdict = verifier.ask(answer, gold_text, timeout)
     except (OSError, TimeoutError, ValueError):  # hung, died, or out of memory: reward 0
-        helper.kill()
+        verifier.kill()
         return False
-    _VerifierHelper.checkin(helper)
+    _VerifierProcess.checkin(verifier)
     return verdict
 
 
 # A clean interpreter: this file loaded by path (rstarjax/__init__.py, which may import jax, never
 # runs), math-verify warmed up, then one JSON line in, one verdict line out, until EOF. Its
 # answers carry a prefix: anything else a library prints to stdout is skipped.
-_HELPER_MAIN = """
+_VERIFIER_MAIN = """
 import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("rstarjax_verify_helper", sys.argv[1])
+spec = importlib.util.spec_from_file_location("rstarjax_verifier", sys.argv[1])
 verify = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(verify)
 verify.warm_up()
@@ -155,17 +155,17 @@ for line in sys.stdin:
 _ANSWER_PREFIX = b"rstarjax-verifier:"
 
 
-class _VerifierHelper:
-    """One helper interpreter; idle ones are kept for the next call (at most `KEEP`)."""
+class _VerifierProcess:
+    """One verifier interpreter; idle ones are kept for the next call (at most `KEEP`)."""
 
     KEEP = 2
     START_TIMEOUT_S = 120.0
-    _idle: list["_VerifierHelper"] = []
+    _idle: list["_VerifierProcess"] = []
     _lock = threading.Lock()
 
     def __init__(self):
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _HELPER_MAIN, os.path.abspath(__file__)],
+            [sys.executable, "-c", _VERIFIER_MAIN, os.path.abspath(__file__)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd="/",
         )
         self.buffer = b""
@@ -175,24 +175,24 @@ class _VerifierHelper:
             ready = b""
         if ready != b"ready":
             self.kill()
-            raise OSError("the verifier helper did not start")
+            raise OSError("the verifier process did not start")
 
     @classmethod
-    def checkout(cls) -> "_VerifierHelper":
+    def checkout(cls) -> "_VerifierProcess":
         with cls._lock:
             while cls._idle:
-                helper = cls._idle.pop()
-                if helper.proc.poll() is None:
-                    return helper
+                verifier = cls._idle.pop()
+                if verifier.proc.poll() is None:
+                    return verifier
         return cls()
 
     @classmethod
-    def checkin(cls, helper: "_VerifierHelper") -> None:
+    def checkin(cls, verifier: "_VerifierProcess") -> None:
         with cls._lock:
             if len(cls._idle) < cls.KEEP:
-                cls._idle.append(helper)
+                cls._idle.append(verifier)
                 return
-        helper.close()
+        verifier.close()
 
     def ask(self, answer: str, gold_text: str, timeout: float) -> bool:
         self.proc.stdin.write((json.dumps({"answer": answer, "gold": gold_text}) + "\n").encode())
@@ -200,7 +200,7 @@ class _VerifierHelper:
         return self._read_line(time.monotonic() + timeout) == b"1"
 
     def _read_line(self, deadline: float) -> bytes:
-        """The helper's next answer (after its prefix)."""
+        """The verifier's next answer (after its prefix)."""
         fd = self.proc.stdout.fileno()
         while True:
             while b"\n" not in self.buffer:
@@ -209,7 +209,7 @@ class _VerifierHelper:
                     raise TimeoutError("the verifier did not answer in time")
                 chunk = os.read(fd, 4096)
                 if not chunk:
-                    raise OSError("the verifier helper exited")
+                    raise OSError("the verifier process exited")
                 self.buffer += chunk
             line, self.buffer = self.buffer.split(b"\n", 1)
             if line.startswith(_ANSWER_PREFIX):
