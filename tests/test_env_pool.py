@@ -352,7 +352,7 @@ loop.serve()
 
 
 def test_a_sandbox_exit_reported_before_its_pipes_does_not_kill_the_worker(tmp_path):
-    from rstarjax.env.wire import recv_frame, send_frame
+    from rstarjax.env.wire import FrameReader, send_frame
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -363,11 +363,12 @@ def test_a_sandbox_exit_reported_before_its_pipes_does_not_kill_the_worker(tmp_p
         ours.settimeout(60)
         calls = [{"id": i, "op": "exec", "timeout": 5.0, "code": f"print({i})", "stdin": ""} for i in range(8)]
         send_frame(ours, {"op": "batch", "calls": calls})
-        replies = {}
-        for _ in calls:
-            msg = recv_frame(ours)
-            assert msg is not None, f"the worker died (exit status {proc.wait(10)}) after {len(replies)} answers"
-            replies[msg["id"]] = (msg["kind"], msg["text"])
+        replies, reader = {}, FrameReader()
+        while len(replies) < len(calls):
+            data = ours.recv(1 << 16)
+            assert data, f"the worker died (exit status {proc.wait(10)}) after {len(replies)} answers"
+            for msg in reader.feed(data):
+                replies[msg["id"]] = (msg["kind"], msg["text"])
         assert replies == {i: ("stdout", f"{i}\n") for i in range(8)}
         assert proc.poll() is None
     finally:

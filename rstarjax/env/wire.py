@@ -29,32 +29,8 @@ def send_frame(sock: socket.socket, obj) -> None:
     sock.sendall(encode_frame(obj))
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
-def recv_frame(sock: socket.socket):
-    """One frame from a blocking socket; None at EOF."""
-    header = recv_exact(sock, HEADER.size)
-    if header is None:
-        return None
-    (n,) = HEADER.unpack(header)
-    if n > MAX_FRAME:
-        raise ValueError(f"frame of {n} bytes exceeds {MAX_FRAME}")
-    body = recv_exact(sock, n)
-    if body is None:
-        return None
-    return json.loads(body)
-
-
 class FrameReader:
-    """Incremental decoder for a non-blocking socket."""
+    """Incremental decoder: feed it what a socket returned, get the complete frames."""
 
     def __init__(self):
         self.buf = bytearray()
