@@ -14,6 +14,8 @@ import jax.numpy as jnp
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
+# Training/scoring attention over packed rows (models/attention.py).
+PACKED_ATTENTION = ("auto", "dense", "blockwise", "splash", "pallas_gpu", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +43,13 @@ class ModelConfig:
     remat_policy: str = "none"  # none | full | dots | dots_no_batch (per decoder layer)
     scan_layers: bool = True  # lax.scan over the stacked layers (fast compile) vs unrolled
     attention_impl: str | None = None  # jax.nn.dot_product_attention implementation
+    # Training/scoring forward (models/attention.py): auto = splash on TPU, the Pallas flash kernel
+    # on CUDA, dense for short rows else blockwise elsewhere; memory linear in T except "dense".
+    packed_attention: str = "auto"
+    attention_block_size: int = 512  # query/key tile of the blockwise and splash kernels
+    # Token log-probs (models/logprobs.py): positions projected onto the vocabulary at a time,
+    # every row of the micro-batch together; never [B, T, V] for T above it.
+    vocab_chunk_len: int = 1024
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -54,6 +63,12 @@ class ModelConfig:
         if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(
                 f"attention_impl={self.attention_impl!r} not in {ATTENTION_IMPLEMENTATIONS}")
+        if self.packed_attention not in PACKED_ATTENTION:
+            raise ValueError(
+                f"packed_attention={self.packed_attention!r} not in {PACKED_ATTENTION}")
+        if self.attention_block_size <= 0 or self.vocab_chunk_len <= 0:
+            raise ValueError(f"attention_block_size={self.attention_block_size} and "
+                             f"vocab_chunk_len={self.vocab_chunk_len} must be positive")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture={self.architecture!r} not in {SUPPORTED_ARCHITECTURES}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
