@@ -8,8 +8,8 @@ empty and no NaN appears (callers ignore padding outputs).
 ``packed_attention(q, k, v, segment_ids, implementation)`` picks:
 
 * ``dense``: ``jax.nn.dot_product_attention`` with the ``bool[B, 1, T, T]`` mask. XLA materialises
-  the ``[B, N, T, T]`` scores: memory grows as T^2. The reference, and the fastest on CPU for short
-  rows.
+  the ``[B, N, T, T]`` scores: memory grows as T^2. The reference (and what short rows use on
+  CPU).
 * ``blockwise``: pure JAX, flash-attention style (Dao et al. 2022, "FlashAttention", arXiv
   2205.14135; backward as FlashAttention-2, arXiv 2307.08691): queries and keys in blocks, an
   online softmax over the key blocks, a custom VJP that recomputes each block's scores from the
@@ -26,6 +26,7 @@ empty and no NaN appears (callers ignore padding outputs).
   function underneath it.
 * ``auto``: ``splash`` on TPU, ``pallas_gpu`` on CUDA GPUs, and elsewhere (CPU, ROCm) ``dense``
   up to ``DENSE_MAX_LEN`` tokens and ``blockwise`` above (docs/model.md has the measurements).
+  The cuDNN path is opt-in: it was not run on a GPU yet (docs/training.md).
 
 All take ``q[B, T, N, H]`` and ``k, v[B, T, K, H]`` with ``N % K == 0`` (grouped-query attention:
 query head n uses key/value head ``n // (N // K)``) and return ``[B, T, N, H]`` in q's dtype.
@@ -40,10 +41,22 @@ import jax
 import jax.numpy as jnp
 
 from rstarjax.models.config import PACKED_ATTENTION as IMPLEMENTATIONS
-# CPU/ROCm ``auto``: rows up to this length use the dense path (faster on CPU for short rows;
-# docs/model.md), longer ones the blockwise path (memory linear in T).
-DENSE_MAX_LEN = 1024
-DEFAULT_BLOCK = 512  # blockwise tile (queries and keys); docs/model.md has the CPU sweep
+
+# CPU/ROCm ``auto``: rows up to this length use the dense path (as fast there, and exactly the
+# numbers of the plain masked attention), longer ones the blockwise path (faster from ~384 tokens
+# on CPU, and memory linear in T; docs/model.md).
+DENSE_MAX_LEN = 256
+# Tiles when none is given: blockwise from the CPU sweep in docs/model.md (64 up to 1K tokens,
+# 256 above); splash 512 (the kernel's TPU sweet spot); the Triton kernel 128 (its default).
+SPLASH_BLOCK = 512
+PALLAS_GPU_BLOCK = 128
+
+
+def blockwise_block(seq_len: int) -> int:
+    """The blockwise tile for rows of ``seq_len`` tokens (fastest on CPU in docs/model.md)."""
+    return 64 if seq_len <= 1024 else 256
+
+
 _NEG_INF = float("-inf")
 
 
@@ -211,7 +224,7 @@ _blockwise_core.defvjp(_blockwise_core_fwd, _blockwise_core_bwd)
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                        block: int = DEFAULT_BLOCK) -> jax.Array:
+                        block: int | None = None) -> jax.Array:
     """Segment-causal attention in ``block x block`` tiles, values and gradients equal to
     ``dense_attention`` (up to float rounding) with memory linear in T.
 
@@ -219,6 +232,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
     real token: real queries never see it)."""
     b, t, nq, h = q.shape
     nk = k.shape[2]
+    block = blockwise_block(t) if block is None else block
     if block <= 0:
         raise ValueError(f"block must be > 0, got {block}")
     block = min(block, t)
@@ -250,7 +264,7 @@ def _pad_rows(q, k, v, segment_ids, multiple: int):
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                     block: int = DEFAULT_BLOCK, interpret: bool = False) -> jax.Array:
+                     block: int | None = None, interpret: bool = False) -> jax.Array:
     """TPU splash attention (jax's Pallas kernel): causal mask + segment ids, GQA as one MQA
     kernel per key/value head (the kernel's native grouped form)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
@@ -258,7 +272,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     b, t, nq, h = q.shape
     nk = k.shape[2]
     g = nq // nk
-    blk = min(block, _round_up(t, 128))
+    blk = min(block or SPLASH_BLOCK, _round_up(t, 128))
     q, k, v, seg = _pad_rows(q, k, v, segment_ids, blk)
     tp = q.shape[1]
     sizes = sa.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk,
@@ -279,7 +293,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
 
 
 def pallas_gpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                         block: int = 128, interpret: bool = False) -> jax.Array:
+                         block: int | None = None, interpret: bool = False) -> jax.Array:
     """NVIDIA (Triton) flash attention, jax's Pallas kernel: ``causal=True`` + segment ids. The
     kernel wants as many key/value heads as query heads, so k/v are repeated per group (their
     gradients sum back through the repeat)."""
@@ -287,7 +301,7 @@ def pallas_gpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: 
 
     t, nq, h = q.shape[1], q.shape[2], q.shape[3]
     g = nq // k.shape[2]
-    blk = min(block, max(16, 1 << (t - 1).bit_length()))  # Triton tiles are powers of two
+    blk = min(block or PALLAS_GPU_BLOCK, max(16, 1 << (t - 1).bit_length()))  # powers of two
     q, k, v, seg = _pad_rows(q, k, v, segment_ids, blk)
     if g > 1:
         k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
@@ -309,7 +323,7 @@ def segment_offsets(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Arra
     """cuDNN's packed layout from segment ids: (lengths int32[B, M], offsets int32[B, M + 1]),
     one entry per contiguous run of equal ids (padding included, so padding attends to padding
     as in the dense path), -1 past the row's last run. Rows with more than ``max_segments`` runs
-    are not representable: the caller must raise M (``check_segment_count``)."""
+    are not representable (``cudnn_attention`` then returns NaN rather than a wrong answer)."""
     b, t = segment_ids.shape
     starts = jnp.concatenate([jnp.ones((b, 1), bool),
                               segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
@@ -370,8 +384,8 @@ def choose_implementation(implementation: str, seq_len: int, platform: str | Non
 
 def _per_device(fn, q, k, v, segment_ids):
     """Run a kernel that only knows one device's arrays under ``shard_map`` when a mesh is set:
-    rows split like the ``batch`` logical axis, heads like ``act_heads`` (key/value heads only
-    when they divide too, else every head stays whole on each device)."""
+    rows split like the ``batch`` logical axis, heads like ``act_heads`` when the key/value
+    heads divide over it (then the query heads do too), else whole on every device."""
     from rstarjax.models.sharding import logical_to_spec
 
     mesh = jax.sharding.get_abstract_mesh()
@@ -386,12 +400,13 @@ def _per_device(fn, q, k, v, segment_ids):
 
 
 def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                     implementation: str = "auto", *, block: int = DEFAULT_BLOCK,
+                     implementation: str = "auto", *, block: int | None = None,
                      dense_implementation: str | None = None, interpret: bool | None = None,
                      max_segments: int = 64) -> jax.Array:
     """Segment-causal self-attention of packed rows: q[B,T,N,H], k/v[B,T,K,H], segment_ids
     int[B,T] -> [B,T,N,H]. ``implementation``: one of ``IMPLEMENTATIONS`` (module docstring);
-    ``dense_implementation`` goes to ``jax.nn.dot_product_attention`` on the dense path;
+    ``block``: the tile (default per implementation, above); ``dense_implementation`` goes to
+    ``jax.nn.dot_product_attention`` on the dense path;
     ``interpret`` runs the Pallas kernels in interpret mode (default: on CPU, where they cannot
     be compiled: slow, for tests)."""
     if q.ndim != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or q.shape[2] % k.shape[2]:
@@ -408,7 +423,7 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     if impl == "splash":
         fn = functools.partial(splash_attention, block=block, interpret=interpret)
     elif impl == "pallas_gpu":
-        fn = functools.partial(pallas_gpu_attention, interpret=interpret)
+        fn = functools.partial(pallas_gpu_attention, block=block, interpret=interpret)
     else:
         fn = functools.partial(cudnn_attention, max_segments=max_segments)
     return _per_device(fn, q, k, v, segment_ids)
