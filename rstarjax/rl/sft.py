@@ -212,8 +212,8 @@ def make_sft_step(graphdef, rest, optimizer, num_micro: int, compute_dtype=None,
         if compute_dtype is not None:
             params = cast_floating(params, compute_dtype)
         model = nnx.merge(graphdef, params, rest)
-        logits = model(micro["tokens"], positions=micro["positions"], segment_ids=micro["segment_ids"])
-        logp = loss_lib.token_logprobs(logits.astype(jnp.float32), micro["tokens"])
+        logp, _ = model.token_logprobs(micro["tokens"], positions=micro["positions"],
+                                       segment_ids=micro["segment_ids"], with_entropy=False)
         nll = masked_nll_sum(logp, micro["loss_mask"])
         return nll / denom, nll
 

@@ -100,9 +100,9 @@ def forward_logprobs(graphdef, rest, params, batch: Mapping[str, jax.Array], com
     if compute_dtype is not None:
         params = cast_floating(params, compute_dtype)
     model = nnx.merge(graphdef, params, rest)
-    logits = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"])
-    # log-softmax in f32 whatever the compute dtype
-    return loss_lib.token_logprobs_and_entropy(logits.astype(jnp.float32), batch["tokens"])
+    # f32 log-softmax from the hidden states, the vocabulary a chunk at a time (never [B, L, V])
+    return model.token_logprobs(batch["tokens"], positions=batch["positions"],
+                                segment_ids=batch["segment_ids"])
 
 
 def step_keys(loss_cfg) -> tuple[str, ...]:
