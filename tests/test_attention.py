@@ -113,7 +113,7 @@ def test_segment_offsets_for_cudnn_match_a_python_reference():
 
 def test_auto_choice_per_backend_and_errors():
     assert attn.choose_implementation("auto", 100_000, "tpu") == "splash"
-    assert attn.choose_implementation("auto", 100_000, "cuda") == "pallas_gpu"
+    assert attn.choose_implementation("auto", 100_000, "cuda") == "cudnn"
     assert attn.choose_implementation("auto", attn.DENSE_MAX_LEN, "cpu") == "dense"
     assert attn.choose_implementation("auto", attn.DENSE_MAX_LEN + 1, "cpu") == "blockwise"
     assert attn.choose_implementation("auto", 100_000, "rocm") == "blockwise"
