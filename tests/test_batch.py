@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from rstarjax.rl.batch import TrainBatch, build_train_batch, pack_first_fit
-from rstarjax.rl.loss import token_logprobs_and_entropy
+from rstarjax.models.logprobs import token_logprobs_and_entropy
 from rstarjax.rl.trajectory import FinishReason, Segment, SegmentKind, Trajectory
 
 

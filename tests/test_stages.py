@@ -547,13 +547,12 @@ def test_tool_pool_follows_the_host():
         tool_workers(-1)
 
 
-@pytest.mark.xfail(reason="the executor's automatic uid range holds 128 sandboxes until it follows the pool "
-                          "size (rstarjax/env); set num_tool_workers or an explicit uid range meanwhile",
-                   strict=False)
 def test_a_large_explicit_tool_pool_builds():
     from rstarjax.env import CodeExecutor
 
-    CodeExecutor(num_workers=32)  # 32 heavy + 32 lean workers x 4 slots = 256 sandboxes
+    # 32 heavy + 32 lean workers x 4 slots = 256 sandboxes: the automatic uid range follows the pool
+    with CodeExecutor(num_workers=32) as ex:
+        assert ex.run("print(6 * 7)").text.strip() == "42"
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["chain"]:

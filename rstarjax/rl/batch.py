@@ -13,7 +13,7 @@ Layout of one sequence (prompt + response) placed at columns [start, start + n) 
     segment_ids   k (1-based sequence index within the row; 0 = padding)
 
 Position t holds target token t and the log-prob of predicting it from t-1 (docs/design.md):
-the loss gathers logits[:, t-1] for tokens[:, t] (``loss.token_logprobs_and_entropy``). Every sequence starts
+the loss gathers logits[:, t-1] for tokens[:, t] (``models/logprobs.py``). Every sequence starts
 with at least one prompt token (loss mask 0), so a packed segment boundary is never trained on.
 """
 from __future__ import annotations

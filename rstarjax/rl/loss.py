@@ -2,8 +2,9 @@
 (rStar2-Agent eq. 6) with its options, and SFT's masked NLL.
 
 Alignment (docs/design.md TrainBatch): arrays are [B, L]; position t holds target token t and the
-log-prob of predicting it from position t-1. ``token_logprobs_and_entropy`` does the shift, so
-every [B, L] array here lines up with ``TrainBatch.tokens`` / ``loss_mask`` / ``old_logprobs``.
+log-prob of predicting it from position t-1. The model's ``token_logprobs`` (``models/logprobs.py``)
+does the shift, so every [B, L] array here lines up with ``TrainBatch.tokens`` / ``loss_mask`` /
+``old_logprobs``.
 
 Exact micro-batching: every loss returns SUM over the micro-batch's tokens / ``denom`` where
 ``denom`` is computed once for the WHOLE batch (the trainer's step: its token count, eq. 6's
@@ -77,68 +78,6 @@ def dr_grpo_denominator(num_sequences: int, max_response_len: int) -> float:
         raise ValueError(f"Dr. GRPO needs num_sequences and max_response_len >= 1, got "
                          f"{num_sequences} and {max_response_len}")
     return float(num_sequences * max_response_len)
-
-
-def token_logprobs_and_entropy(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """fp32 log pi(targets[:, t] | <t) and the entropy of that distribution, both [B, L].
-
-    ``logits`` f[B, L, V] is the model output over ``targets`` = TrainBatch.tokens int[B, L];
-    logits[:, t-1] predicts targets[:, t]. Column 0 has no prediction and is 0 (its loss mask is 0:
-    it is always a prompt token). In packed rows the first token of each segment is also a prompt
-    token with mask 0, so the cross-segment prediction is never trained on.
-    """
-    if logits.ndim != 3 or targets.ndim != 2 or logits.shape[:2] != targets.shape:
-        raise ValueError(f"logits {logits.shape} and targets {targets.shape} must be [B, L, V] and [B, L]")
-    lg = logits[:, :-1].astype(jnp.float32)
-    lse = jax.nn.logsumexp(lg, axis=-1)
-    picked = jnp.take_along_axis(lg, targets[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
-    logp = picked - lse
-    probs = jnp.exp(lg - lse[..., None])
-    entropy = lse - jnp.sum(probs * lg, axis=-1)
-    pad = jnp.zeros((targets.shape[0], 1), jnp.float32)
-    return jnp.concatenate([pad, logp], axis=1), jnp.concatenate([pad, entropy], axis=1)
-
-
-def chunked_token_logprobs_and_entropy(
-    hidden: jax.Array, unembed: jax.Array, targets: jax.Array, chunk_size: int = 1024, vocab_major: bool = False
-) -> tuple[jax.Array, jax.Array]:
-    """``token_logprobs_and_entropy`` from final hidden states, never materialising [B, L, V].
-
-    ``hidden`` [B, L, D]: the model's final-normed hidden states; ``unembed``: the LM head,
-    [D, V] (or [V, D] with ``vocab_major=True``, i.e. a tied embedding). Positions are processed
-    ``chunk_size`` at a time under ``jax.checkpoint`` so the backward pass recomputes each chunk's
-    [B, chunk, V] logits instead of storing them all: peak memory O(B * chunk * V) instead of
-    O(B * L * V) (for Qwen3 at L = 12k, V = 151k that is ~7 GB of f32 per row saved). Same
-    alignment as ``token_logprobs_and_entropy``: column 0 is 0.
-    """
-    if hidden.ndim != 3 or targets.shape != hidden.shape[:2]:
-        raise ValueError(f"hidden {hidden.shape} must be [B, L, D] matching targets {targets.shape}")
-    if chunk_size <= 0:
-        raise ValueError("chunk_size must be > 0")
-    b, l, d = hidden.shape
-    n = l - 1
-    chunk = min(chunk_size, max(n, 1))
-    num_chunks = -(-n // chunk)
-    pad = num_chunks * chunk - n
-    h = jnp.pad(hidden[:, :-1], ((0, 0), (0, pad), (0, 0)))
-    tg = jnp.pad(targets[:, 1:].astype(jnp.int32), ((0, 0), (0, pad)))
-    h = h.reshape(b, num_chunks, chunk, d).swapaxes(0, 1)
-    tg = tg.reshape(b, num_chunks, chunk).swapaxes(0, 1)
-    eq = "bcd,vd->bcv" if vocab_major else "bcd,dv->bcv"
-
-    @jax.checkpoint
-    def one_chunk(hc, tc):
-        logits = jnp.einsum(eq, hc, unembed, preferred_element_type=jnp.float32)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
-        probs = jnp.exp(logits - lse[..., None])
-        return picked - lse, lse - jnp.sum(probs * logits, axis=-1)
-
-    lp, ent = jax.lax.map(lambda xs: one_chunk(*xs), (h, tg))
-    lp = lp.swapaxes(0, 1).reshape(b, num_chunks * chunk)[:, :n]
-    ent = ent.swapaxes(0, 1).reshape(b, num_chunks * chunk)[:, :n]
-    zero = jnp.zeros((b, 1), jnp.float32)
-    return jnp.concatenate([zero, lp], axis=1), jnp.concatenate([zero, ent], axis=1)
 
 
 def sequence_mean(values: jax.Array, mask: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
@@ -277,10 +216,13 @@ def policy_loss(
 class MicroLoss:
     """What ``Trainer.update`` differentiates on each micro-batch: ``fn(logprobs, entropy, micro,
     denom) -> (loss, metrics)``, both sums over the micro-batch's tokens divided by the whole
-    batch's ``denom`` (so they add up across micro-batches), reading the batch arrays ``keys``."""
+    batch's ``denom`` (so they add up across micro-batches), reading the batch arrays ``keys``.
+    ``with_entropy=False``: ``fn`` gets ``entropy=None`` and the forward skips its extra pass
+    over the vocabulary."""
 
-    fn: Callable[[jax.Array, jax.Array, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, dict]]
+    fn: Callable[[jax.Array, jax.Array | None, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, dict]]
     keys: tuple[str, ...]
+    with_entropy: bool = True
 
 
 def policy_micro_loss(cfg: LossConfig) -> MicroLoss:
@@ -300,4 +242,4 @@ def masked_nll(logprobs, entropy, micro, denom):
     return -jnp.sum(logprobs * micro["loss_mask"]) / denom, {}
 
 
-NLL = MicroLoss(masked_nll, SEQUENCE_KEYS)
+NLL = MicroLoss(masked_nll, SEQUENCE_KEYS, with_entropy=False)

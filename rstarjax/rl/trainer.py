@@ -100,14 +100,16 @@ def split_micro_batches(x: jax.Array, num_micro: int) -> jax.Array:
     return jnp.swapaxes(x.reshape((b // num_micro, num_micro) + x.shape[1:]), 0, 1)
 
 
-def forward_logprobs(graphdef, rest, params, batch: Mapping[str, jax.Array], compute_dtype):
-    """Log-prob of each target token under ``params`` and the entropy at its position, [B, L]."""
+def forward_logprobs(graphdef, rest, params, batch: Mapping[str, jax.Array], compute_dtype,
+                     with_entropy: bool = True):
+    """Log-prob of each target token under ``params`` and the entropy at its position, [B, L]
+    (entropy None with ``with_entropy=False``)."""
     if compute_dtype is not None:
         params = cast_floating(params, compute_dtype)
     model = nnx.merge(graphdef, params, rest)
-    logits = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"])
-    # log-softmax in f32 whatever the compute dtype
-    return loss_lib.token_logprobs_and_entropy(logits.astype(jnp.float32), batch["tokens"])
+    # f32 log-softmax from the hidden states, the vocabulary a chunk at a time (never [B, L, V])
+    return model.token_logprobs(batch["tokens"], positions=batch["positions"],
+                                segment_ids=batch["segment_ids"], with_entropy=with_entropy)
 
 
 def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, micro_loss: loss_lib.MicroLoss,
@@ -121,7 +123,7 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, mic
     """
 
     def loss_of(params, micro, denom):
-        logprobs, entropy = forward_logprobs(graphdef, rest, params, micro, compute_dtype)
+        logprobs, entropy = forward_logprobs(graphdef, rest, params, micro, compute_dtype, micro_loss.with_entropy)
         return micro_loss.fn(logprobs, entropy, micro, denom)
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
@@ -267,7 +269,7 @@ class Trainer:
             def fn(params, batch):
                 micros = {k: split_micro_batches(batch[k], num_micro) for k in BATCH_KEYS}
                 micros = jax.lax.with_sharding_constraint(micros, micro_sharding)
-                lp = jax.lax.map(lambda m: forward_logprobs(graphdef, rest, params, m, dtype)[0], micros)
+                lp = jax.lax.map(lambda m: forward_logprobs(graphdef, rest, params, m, dtype, False)[0], micros)
                 return jnp.swapaxes(lp, 0, 1).reshape(batch["tokens"].shape)  # undo the strided split
 
             self._logprob_fns[num_micro] = jax.jit(
