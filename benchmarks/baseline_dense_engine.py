@@ -5,8 +5,9 @@ they were at commit 01727d7 (before the paged engine), vendored verbatim in one 
 Changes from the original files, nothing else: the three modules are concatenated; imports
 point at this module; the scheduler reuses the current ``Finish``/``CallTool``/``Extend``
 classes (the agent loop returns those); the engine counts occupied slots per decode step
-(``occupied_slot_steps``) so the benchmark can report its concurrency. Not part of the
-package; do not import it from rstarjax.
+(``occupied_slot_steps``, and ``occupied_while_queued`` over the steps the scheduler takes
+while rollouts wait to be admitted) so the benchmark can report its concurrency. Not part
+of the package; do not import it from rstarjax.
 """
 
 from __future__ import annotations
@@ -208,6 +209,8 @@ class Engine:
         self.prefill_tokens = 0  # tokens run through prefill/extend forwards (unpadded)
         self.occupied_slot_steps = 0  # benchmark instrumentation: live slots summed over steps
         self.generate_calls = 0
+        self.occupied_while_queued = 0  # ... over the steps taken while rollouts were queued
+        self.steps_while_queued = 0
 
     # ---- JetStream contract ----------------------------------------------------------------
     @property
@@ -561,6 +564,9 @@ class RolloutScheduler:
                     break
                 continue
             decoding = [s for s, r in slots.items() if r.decoding]
+            if decoding and len(source):  # benchmark instrumentation
+                engine.occupied_while_queued += int(engine._slot_live.sum())
+                engine.steps_while_queued += 1
             if decoding:
                 forced = np.full(engine.num_slots, -1, np.int32)
                 for s in decoding:

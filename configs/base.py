@@ -62,10 +62,11 @@ def get_config(arg=None):
     c.serving.kv_memory_fraction = 0.9  # of the device memory free after the serving weights
     c.serving.num_slots = 0  # decode batch width; 0: min(256, pages) on GPU/TPU, 64 on CPU
     c.serving.dtype = ""  # serving weights, KV and compute dtype; "" = model.dtype (bfloat16)
-    # Growth headroom (tokens) kept free per live rollout when admitting new ones (§3.2); with
-    # max_prompt_len + max_response_len nothing is ever preempted, smaller admits more
-    # rollouts and preempts the youngest when the pool runs out.
-    c.serving.admit_reserve_tokens = 1024
+    # Growth headroom kept free per live rollout when admitting new ones, as a fraction of the
+    # maximum rollout length L = max_prompt_len + max_response_len (§3.2): 1.0 is the paper's
+    # estimate and never preempts; smaller admits more rollouts (lengths are heavy-tailed) and
+    # preempts the youngest when the pool runs out (it resumes by re-prefill, tokens kept).
+    c.serving.admit_reserve_fraction = 0.125
     c.serving.decode_steps = 16  # decode steps per device call (one host sync each)
     c.serving.prefill_chunk = 2048  # longest feed per forward row; longer ones go in chunks
 

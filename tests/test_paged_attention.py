@@ -196,8 +196,29 @@ def test_decode_through_the_gpu_kernel_equals_reference_decode(tiny):
 
 
 def test_default_kernel_per_platform():
-    assert default_decode_implementation("cpu") == "reference"
+    assert default_decode_implementation("cpu") == "ragged"
     assert default_decode_implementation("cuda") == "pallas_gpu"
     assert default_decode_implementation("tpu") == "pallas_tpu"
-    assert default_decode_implementation("tpu", head_dim=64) == "reference"
-    assert default_decode_implementation("rocm") == "reference"
+    assert default_decode_implementation("tpu", head_dim=64) == "ragged"
+    assert default_decode_implementation("rocm") == "ragged"
+
+
+def test_ragged_decode_over_live_pages_equals_reference():
+    """The portable decode path reads only the listed live pages (segment softmax per row)."""
+    from rstarjax.models.paged_attention import ragged_decode_attention
+
+    q, k, v, table, lengths, ref = _decode_case(2, h=16)
+    ids, rows, starts = [], [], []
+    for b, n in enumerate(lengths):
+        pages = [p for p in table[b] if p != NO_PAGE][: -(-n // 16)]
+        ids += pages
+        rows += [b] * len(pages)
+        starts += [16 * i for i in range(len(pages))]
+    listed = len(ids)
+    for chunk in (4, 3):  # several iterations of the online softmax, a partial last one
+        pad = chunk * (-(-listed // chunk) + 1) - listed  # entries past the count: junk
+        got = ragged_decode_attention(
+            jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(ids + [1] * pad),
+            jnp.asarray(rows + [0] * pad), jnp.asarray(starts + [0] * pad), jnp.int32(listed),
+            jnp.asarray(lengths), chunk=chunk)
+        np.testing.assert_allclose(np.asarray(got), ref, atol=2e-5)

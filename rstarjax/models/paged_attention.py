@@ -7,6 +7,8 @@
   logits and softmax, like ``jax.nn.dot_product_attention``). Query i of row b at position
   ``positions[b, i]`` sees the row's tokens at positions ``<= positions[b, i]``. It is the
   reference every kernel below is tested against, and the path for prefill/extend everywhere.
+- ``ragged_decode_attention``: one query token per row over a list of exactly the decoding
+  rows' live pages, pure JAX (segment max/sum per row): the portable decode path.
 - ``paged_decode_attention``: one query token per row, dispatched to jax's shipped Pallas
   kernels where they apply: ``pallas.ops.gpu.paged_attention`` (Triton, NVIDIA) and
   ``pallas.ops.tpu.paged_attention`` (Mosaic, TPU). Both read only a row's live pages (they
@@ -24,8 +26,9 @@ import jax.numpy as jnp
 
 from rstarjax.models.kv_cache import NO_PAGE
 
-DECODE_IMPLEMENTATIONS = ("reference", "pallas_gpu", "pallas_tpu")
+DECODE_IMPLEMENTATIONS = ("reference", "ragged", "pallas_gpu", "pallas_tpu")
 QUERY_BLOCK = 256  # queries per block in the reference: bounds the [T, context] logits buffer
+RAGGED_CHUNK = 64  # pages per iteration of the ragged decode attention
 
 
 def write_kv_pages(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: jax.Array,
@@ -93,6 +96,58 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     return jnp.moveaxis(out, 0, 1).reshape(b, t, n, h)
 
 
+def ragged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                            page_ids: jax.Array, page_rows: jax.Array, page_starts: jax.Array,
+                            num_listed: jax.Array, lengths: jax.Array, *,
+                            chunk: int = RAGGED_CHUNK) -> jax.Array:
+    """One query per row over exactly the listed pages, pure JAX: q [B, N, H] -> [B, N, H].
+
+    ``page_ids``/``page_rows``/``page_starts`` [M] (M a multiple of ``chunk``): the pages to
+    read, the row each belongs to and the position of its first token; only the first
+    ``num_listed`` entries count. Row b sees its first ``lengths[b]`` tokens. Pages are read
+    ``chunk`` at a time in a loop of ``ceil(num_listed / chunk)`` iterations with an online
+    softmax per row (running max, sum and output), so the work follows the live pages of the
+    decoding rows, not every row times the longest one, and M is fixed per engine (no compile
+    per count). The portable decode path (CPU)."""
+    b, n, h = q.shape
+    kh, _, s, _ = k_pages.shape
+    g = n // kh
+    if page_ids.shape[0] % chunk:
+        raise ValueError(f"{page_ids.shape[0]} listed-page entries: not a multiple of {chunk}")
+    # Materialise q: fused into the per-page gather, its producers (norm, rope) would be
+    # recomputed once per page instead of once per row.
+    q4 = jax.lax.optimization_barrier(q).reshape(b, kh, g, h)
+    low = jnp.finfo(jnp.float32).min
+
+    def body(c, carry):
+        m, l, o = carry  # running max [B, K, G], sum [B, K, G], output [B, K, G, H] (f32)
+        ids, rows, starts = (jax.lax.dynamic_slice_in_dim(a, c * chunk, chunk)
+                             for a in (page_ids, page_rows, page_starts))
+        listed = c * chunk + jnp.arange(chunk) < num_listed
+        rows = jnp.where(listed, rows, b)  # unlisted entries: out of range, dropped below
+        r = jnp.clip(rows, 0, b - 1)
+        keys, values = k_pages[:, jnp.maximum(ids, 0)], v_pages[:, jnp.maximum(ids, 0)]
+        logits = jnp.einsum("ckgh,kcsh->ckgs", q4[r], keys.astype(q.dtype),
+                            preferred_element_type=jnp.float32) * h ** -0.5
+        pos = starts[:, None] + jnp.arange(s)[None, :]
+        seen = (rows < b)[:, None] & (pos < lengths[r][:, None])  # [C, S]
+        logits = jnp.where(seen[:, None, None], logits, low)
+        m_new = jnp.maximum(m, jax.ops.segment_max(logits.max(-1), rows, num_segments=b))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(logits - m_new[r][..., None]) * seen[:, None, None]
+        l = l * alpha + jax.ops.segment_sum(p.sum(-1), rows, num_segments=b)
+        pv = jnp.einsum("ckgs,kcsh->ckgh", p.astype(values.dtype), values,
+                        preferred_element_type=jnp.float32)
+        o = o * alpha[..., None] + jax.ops.segment_sum(pv, rows, num_segments=b)
+        return m_new, l, o
+
+    init = (jnp.full((b, kh, g), low, jnp.float32), jnp.zeros((b, kh, g), jnp.float32),
+            jnp.zeros((b, kh, g, h), jnp.float32))
+    _, l, o = jax.lax.fori_loop(0, (num_listed + chunk - 1) // chunk, body, init)
+    out = o / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]
+    return out.reshape(b, n, h).astype(q.dtype)
+
+
 def default_decode_implementation(platform: str | None = None, *, head_dim: int = 128,
                                   page_size: int = 16) -> str:
     """The decode attention for a platform ("cuda", "rocm", "tpu", "cpu"; default: the first
@@ -102,7 +157,7 @@ def default_decode_implementation(platform: str | None = None, *, head_dim: int 
         return "pallas_gpu"
     if platform == "tpu" and head_dim % 128 == 0 and page_size % 16 == 0:
         return "pallas_tpu"
-    return "reference"  # CPU; ROCm (the Triton kernel is untested there); odd shapes
+    return "ragged"  # CPU; ROCm (the Triton kernel is untested there); odd shapes
 
 
 def _largest_divisor(n: int, at_most: int) -> int:

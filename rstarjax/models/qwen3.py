@@ -22,7 +22,7 @@ from flax import nnx
 from rstarjax.models.config import ModelConfig
 from rstarjax.models.kv_cache import KVCache, PagedKVCache
 from rstarjax.models.paged_attention import (paged_attention_reference, paged_decode_attention,
-                                             write_kv_pages)
+                                             ragged_decode_attention, write_kv_pages)
 from rstarjax.models.sharding import constrain
 
 # Names of the stacked per-layer parameters, in the order HF lists them.
@@ -296,21 +296,29 @@ def serving_config(cfg: ModelConfig, dtype=None) -> ModelConfig:
                        remat_policy="none", bos_token_id=None, eos_token_id=None)
 
 
-def serving_weights(model: "Qwen3", dtype) -> ServingWeights:
-    """Copy of ``model``'s weights for serving (call under jit: one program per update)."""
+def serving_weights(model: "Qwen3", dtype, untie_head: bool = False) -> ServingWeights:
+    """Copy of ``model``'s weights for serving (call under jit: one program per update).
+
+    ``untie_head``: give a tied model its own ``[hidden, vocab]`` output matrix (a transposed
+    copy of the embedding). XLA:CPU multiplies by a transposed matrix several times slower
+    (it repacks it every call: most of a small model's decode step); GPUs and TPUs do not
+    need the extra copy."""
     dtype = jnp.dtype(dtype)
     stacked = model.layers.stacked()
     layers = tuple({name: (a[i] if name in _UNCAST else a[i].astype(dtype))
                     for name, a in stacked.items()}
                    for i in range(model.config.num_hidden_layers))
-    return ServingWeights(
-        embed=model.embed[...].astype(dtype), final_norm=model.final_norm[...],
-        lm_head=None if model.lm_head is None else model.lm_head[...].astype(dtype),
-        layers=layers)
+    embed = model.embed[...].astype(dtype)
+    head = None if model.lm_head is None else model.lm_head[...].astype(dtype)
+    if head is None and untie_head:
+        head = embed.T
+    return ServingWeights(embed=embed, final_norm=model.final_norm[...], lm_head=head,
+                          layers=layers)
 
 
 def paged_forward(cfg: ModelConfig, w: ServingWeights, tokens: jax.Array, cache: PagedKVCache,
                   num_new: jax.Array, *, decode_attention: str = "reference",
+                  live_pages: tuple[jax.Array, ...] | None = None,
                   interpret: bool = False) -> tuple[jax.Array, PagedKVCache]:
     """Cached forward over a paged pool (docs/design.md): token i of row b sits at position
     ``lengths[b] + i`` (i < ``num_new[b]``; the rest is padding whose writes are dropped), is
@@ -319,8 +327,9 @@ def paged_forward(cfg: ModelConfig, w: ServingWeights, tokens: jax.Array, cache:
     and the cache with the new pool and ``lengths + num_new``.
 
     ``cfg`` is ``serving_config(...)`` (its dtype is the compute dtype). One query per row
-    (T = 1, a decode step) uses ``paged_decode_attention(implementation=decode_attention)``;
-    more (prefill, extend) use the pure-JAX reference."""
+    (T = 1, a decode step) uses ``paged_decode_attention(implementation=decode_attention)``,
+    or for ``"ragged"`` ``ragged_decode_attention`` over ``live_pages`` (page ids, rows,
+    first positions, count); more (prefill, extend) use the pure-JAX reference."""
     b, t = tokens.shape
     if cache.page_table.shape[0] != b or num_new.shape != (b,):
         raise ValueError(f"tokens {tokens.shape}, page_table {cache.page_table.shape} and "
@@ -334,7 +343,10 @@ def paged_forward(cfg: ModelConfig, w: ServingWeights, tokens: jax.Array, cache:
         def attention(q, k, v, i=i):
             keys[i], values[i] = write_kv_pages(keys[i], values[i], k, v, cache.page_table,
                                                 positions, valid)
-            if t == 1:
+            if t == 1 and decode_attention == "ragged":
+                out = ragged_decode_attention(q[:, 0], keys[i], values[i], *live_pages,
+                                              positions[:, 0] + 1)[:, None]
+            elif t == 1:
                 out = paged_decode_attention(q[:, 0], keys[i], values[i], cache.page_table,
                                              positions[:, 0] + 1, interpret=interpret,
                                              implementation=decode_attention)[:, None]

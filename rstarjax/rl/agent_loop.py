@@ -226,7 +226,7 @@ def run_rollouts(scheduler_or_engines: RolloutScheduler | Engine | Sequence[Engi
     Engines given directly get a dynamic scheduler with ``max_rollout_len`` = the longest
     prompt + ``max_response_len`` (capped to the slot size)."""
     stops = StopIds.from_tokenizer(tokenizer)
-    if isinstance(scheduler_or_engines, RolloutScheduler):
+    if hasattr(scheduler_or_engines, "run"):  # a RolloutScheduler (or one with its interface)
         scheduler = scheduler_or_engines
     else:
         engines = ([scheduler_or_engines] if isinstance(scheduler_or_engines, Engine)
@@ -294,7 +294,8 @@ class ColocatedRollouts:
                              **engine_options(config, num_slots))
         self.scheduler = RolloutScheduler(
             [self.engine], max_rollout_len=self.engine.max_len,
-            admit_reserve_tokens=int(config.serving.admit_reserve_tokens),
+            admit_reserve_tokens=int(float(config.serving.admit_reserve_fraction)
+                                     * self.engine.max_len),
             tool_timeout_s=self.agent_config.tool_wait_s,
             timeout_s=self.agent_config.rollout_timeout_s)
         self._owns_executor = executor is None

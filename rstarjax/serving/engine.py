@@ -17,18 +17,22 @@ conversation, no re-prefill) and samples the next pending token.
 
 Device programs (module-level ``jax.jit``, shared by every engine with the same shapes):
 
-- ``decode``: up to ``decode_steps`` tokens per slot in one call, a ``lax.while_loop`` that
-  stops early when no slot is active (done, waiting on a tool, or free); the host syncs once
-  per call. Attention reads only live pages: the Pallas kernels stop at each row's length;
-  the pure-JAX reference reads a power-of-two bucket of page-table columns covering the
-  longest active row. Compiles: one per context bucket (reference) or one (Pallas).
+- ``decode``: up to ``decode_steps`` tokens per slot in one call, a ``lax.while_loop`` over
+  the active slots only (compacted into a batch of 4, 16, 64 or 256 rows) that stops early
+  when none is active or a given number stopped; the host syncs once per call. Attention reads
+  only live pages: the Pallas kernels (GPU, TPU) stop at each row's length, the portable
+  ``ragged`` path walks a list of the active rows' live pages, the ``reference`` path (tests)
+  reads a power-of-two bucket of page-table columns. Compiles: one per batch bucket (per
+  context bucket too for ``reference``).
 - ``feed``: several rows per call (prefill of distinct prompts, ``extend`` of several slots,
   re-prefill after preemption), each row up to ``prefill_chunk`` new tokens (longer feeds go
-  in chunks). Compiles: rows buckets (1, 4, 16) x token buckets (``buckets``) x {fresh rows
-  reading only their own pages, continuing rows reading the full table}.
+  in chunks), logits of each row's last token only. Compiles: row buckets (1, 4, 16) x token
+  buckets (``buckets``) x {fresh rows reading their own pages, continuing rows reading the
+  full table}.
 - ``sample`` and ``insert``: first tokens of the fed rows (one row can serve many samples:
   the 2G samples of a prompt share its prefill, their page tables pointing at its full pages,
-  its last partial page copied), and the slot rows of the decode state.
+  its last partial page copied), and the slot rows of the decode state. One shape per engine
+  (``num_slots`` rows; ``sample`` once per row bucket).
 
 Stops: up to ``MAX_STOP_IDS`` stop ids per request, a token budget, and a full slot
 (``max_len``), checked on device every step (``DoneReason``).
@@ -47,7 +51,8 @@ import numpy as np
 from flax import nnx
 
 from rstarjax.models.kv_cache import NO_PAGE, PagedKVCache, pages_for
-from rstarjax.models.paged_attention import DECODE_IMPLEMENTATIONS, default_decode_implementation
+from rstarjax.models.paged_attention import (DECODE_IMPLEMENTATIONS, RAGGED_CHUNK,
+                                             default_decode_implementation)
 from rstarjax.models.qwen3 import paged_forward, serving_config, serving_weights
 from rstarjax.serving.pages import OutOfPages, PagePool
 from rstarjax.serving.sampling import SamplingParams, sample_tokens
@@ -209,9 +214,9 @@ def _pow2_at_least(n: int) -> int:
 
 # ---- jitted programs (module level so every engine with the same shapes shares them) ------
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _to_serving(graphdef, state, dtype):
-    return serving_weights(nnx.merge(graphdef, state), dtype)
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
+def _to_serving(graphdef, state, dtype, untie_head):
+    return serving_weights(nnx.merge(graphdef, state), dtype, untie_head)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("k", "v"))
@@ -260,31 +265,41 @@ def _advance(state: DecodeState, tok, lp, num_new, lengths, max_len):
 @functools.partial(jax.jit, static_argnames=("cfg", "steps", "attention", "vocab_limit",
                                              "max_len"),
                    donate_argnames=("k", "v", "state"))
-def _decode_program(cfg, weights, k, v, state: DecodeState, page_table, live, forced, n_steps,
-                    *, steps, attention, vocab_limit, max_len):
-    """Up to ``n_steps`` (<= ``steps``) decode steps; stops early when no slot is active."""
+def _decode_program(cfg, weights, k, v, state: DecodeState, rows, page_table, live_pages,
+                    forced, n_steps, stop_after, *, steps, attention, vocab_limit, max_len):
+    """Up to ``n_steps`` (<= ``steps``) decode steps of the slots ``rows`` (the active ones,
+    padded with out-of-range ids: the batch is compacted, idle slots cost nothing); stops
+    early when none is active or ``stop_after`` of them stopped (their tool calls and the
+    slots they free are the host's to handle)."""
     b = state.pending.shape[0]
-    state = state.replace(active=state.active & live)  # freed / preempted slots stop here
-    outs = (jnp.zeros((steps, b), jnp.int32), jnp.zeros((steps, b), jnp.float32),
-            jnp.zeros((steps, b), bool), jnp.zeros((steps, b), jnp.int32))
+    in_range = rows < b
+    sub = jax.tree.map(lambda x: x[jnp.minimum(rows, b - 1)], state)
+    sub = sub.replace(active=sub.active & in_range)
+    started = jnp.sum(sub.active)
+    table = page_table[jnp.minimum(rows, b - 1)]
+    n = rows.shape[0]
+    outs = (jnp.zeros((steps, n), jnp.int32), jnp.zeros((steps, n), jnp.float32),
+            jnp.zeros((steps, n), bool), jnp.zeros((steps, n), jnp.int32))
 
     def cond(carry):
         i, _, _, st, _ = carry
-        return (i < n_steps) & jnp.any(st.active)
+        active = jnp.sum(st.active)
+        return (i < n_steps) & (active > 0) & (started - active < stop_after)
 
     def body(carry):
         i, k, v, st, outs = carry
         num_new = st.active.astype(jnp.int32)
         logits, cache = paged_forward(cfg, weights, st.pending[:, None],
-                                      PagedKVCache(k, v, page_table, st.lengths), num_new,
-                                      decode_attention=attention)
+                                      PagedKVCache(k, v, table, st.lengths), num_new,
+                                      decode_attention=attention, live_pages=live_pages)
         tok, lp = sample_tokens(logits, st.seeds, st.counters, st.temperature, st.top_k,
                                 st.top_p, forced[i], vocab_limit)
         st, step = _advance(st, tok, lp, num_new, cache.lengths, max_len)
         outs = tuple(o.at[i].set(x) for o, x in zip(outs, step))
         return i + 1, cache.k, cache.v, st, outs
 
-    _, k, v, state, outs = jax.lax.while_loop(cond, body, (jnp.int32(0), k, v, state, outs))
+    _, k, v, sub, outs = jax.lax.while_loop(cond, body, (jnp.int32(0), k, v, sub, outs))
+    state = jax.tree.map(lambda full, part: full.at[rows].set(part, mode="drop"), state, sub)
     return k, v, state, outs
 
 
@@ -554,10 +569,13 @@ class Engine:
         return total
 
     def decode(self, params, state: DecodeState, steps: int | None = None,
-               forced: np.ndarray | None = None) -> tuple[DecodeState, DecodeBlock]:
+               forced: np.ndarray | None = None, stop_after: int | None = None
+               ) -> tuple[DecodeState, DecodeBlock]:
         """Up to ``steps`` (default ``decode_steps``) decode steps in one device call, one host
-        sync. ``forced[i, b] >= 0`` teacher-forces slot b's token at step i. Takes the pages
-        the active slots grow into first (``OutOfPages`` if short: see ``pages_to_grow``)."""
+        sync; only the active slots are computed. ``forced[i, b] >= 0`` teacher-forces slot
+        b's token at step i. ``stop_after``: return once that many slots stopped (default:
+        run all steps unless every slot stops). Takes the pages the active slots grow into
+        first (``OutOfPages`` if short: see ``pages_to_grow``)."""
         steps = self.decode_steps if steps is None else int(steps)
         if not 1 <= steps <= self.decode_steps:
             raise ValueError(f"steps must be in [1, {self.decode_steps}], got {steps}")
@@ -566,29 +584,36 @@ class Engine:
         if need > self.pages.num_free:
             raise OutOfPages(f"{len(active)} active slots need {need} pages for {steps} steps, "
                              f"{self.pages.num_free} free")
-        longest = 0
         for s in active:
             self._grow(s, steps)
-            longest = max(longest, self._slots[s].length + steps)
-        width = self._context_pages(longest, kernel=self.decode_attention != "reference")
-        live = np.array([info is not None and info.active for info in self._slots])
-        f = np.full((self.decode_steps, self.num_slots), -1, np.int32)
+        rows = np.full(_batch_bucket(len(active), self.num_slots), self.num_slots, np.int32)
+        rows[: len(active)] = active
+        width, live_pages = self._decode_reads(active, steps, len(rows))
+        f = np.full((self.decode_steps, len(rows)), -1, np.int32)
         if forced is not None:
-            f[: len(forced)] = forced
+            f[: len(forced), : len(active)] = np.asarray(forced)[:, active]
+        stop_after = len(active) + 1 if stop_after is None else max(1, int(stop_after))
         t0 = time.perf_counter()
         self._k, self._v, state, outs = _decode_program(
-            self.cfg, params, self._k, self._v, state, jnp.asarray(self._table[:, :width]),
-            jnp.asarray(live), jnp.asarray(f), jnp.int32(steps), steps=self.decode_steps,
-            attention=self.decode_attention, vocab_limit=self.vocab_limit, max_len=self.max_len)
-        tokens, logprobs, valid, done, lengths = jax.device_get((*outs, state.lengths))
+            self.cfg, params, self._k, self._v, state, jnp.asarray(rows),
+            jnp.asarray(self._table[:, :width]), live_pages, jnp.asarray(f), jnp.int32(steps),
+            jnp.int32(stop_after), steps=self.decode_steps, attention=self.decode_attention,
+            vocab_limit=self.vocab_limit, max_len=self.max_len)
+        compact = jax.device_get(outs)
         self.busy_seconds += time.perf_counter() - t0
         self.host_syncs += 1
         self.decode_calls += 1
-        ran = int(valid.any(axis=1).sum())
-        self.decode_steps_run += ran
+        # Back to slot order: [steps, num_slots].
+        full = []
+        for a, fill in zip(compact, (0, 0.0, False, 0)):
+            x = np.full((steps, self.num_slots), fill, a.dtype)
+            x[:, active] = a[:steps, : len(active)]
+            full.append(x)
+        tokens, logprobs, valid, done = full
+        self.decode_steps_run += int(valid.any(axis=1).sum())
         self.generated_tokens += int(valid.sum())
-        block = DecodeBlock(tokens[:steps], logprobs[:steps], valid[:steps], done[:steps],
-                            lengths)
+        lengths = np.array([0 if info is None else info.length for info in self._slots])
+        block = DecodeBlock(tokens, logprobs, valid, done, lengths)
         for s in active:
             info = self._slots[s]
             fed = int(block.valid[:, s].sum())
@@ -599,6 +624,7 @@ class Engine:
             info.length += fed
             info.counter += fed
             info.budget -= fed
+        block.lengths[active] = [self._slots[s].length for s in active]
         return state, block
 
     def update_params(self, new_params) -> None:
@@ -660,7 +686,8 @@ class Engine:
     def _serving_copy(self, state):
         if self.device is not None:
             state = jax.device_put(state, self.device)
-        return _to_serving(self.graphdef, state, self.dtype)
+        cpu = (self.device or jax.local_devices()[0]).platform == "cpu"
+        return _to_serving(self.graphdef, state, self.dtype, cpu)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
@@ -680,12 +707,35 @@ class Engine:
         self._table[slot, len(info.pages): len(info.pages) + len(extra)] = extra
         info.pages.extend(extra)
 
-    def _context_pages(self, tokens: int, kernel: bool = False) -> int:
-        """Page-table columns a program reads to cover ``tokens`` positions: the whole table
-        for a Pallas decode kernel (it stops at each row's length itself), else a power of
-        two of pages (bounded compiles) from ``min_context``."""
-        if kernel:
-            return self.table_width
+    def _decode_reads(self, active: list[int], steps: int, batch: int):
+        """What a decode call reads: page-table columns, and for the ragged attention the
+        list of the active slots' live pages (ids, rows in the compacted batch, first
+        positions, count), in arrays of a fixed size per batch bucket."""
+        size = self.page_size
+        if self.decode_attention == "reference":
+            longest = max((self._slots[s].length + steps for s in active), default=0)
+            width = self._context_pages(longest)
+        else:  # the kernels and the ragged list stop at each row's length themselves
+            width = self.table_width
+        ids, rows, starts = [], [], []
+        if self.decode_attention == "ragged":
+            for j, s in enumerate(active):  # rows are positions in the compacted batch
+                info = self._slots[s]
+                n = pages_for(min(info.length + steps, self.max_len), size)
+                ids += info.pages[:n]
+                rows += [j] * n
+                starts += range(0, n * size, size)
+            m = -(-batch * self.table_width // RAGGED_CHUNK) * RAGGED_CHUNK
+        else:
+            m = RAGGED_CHUNK  # unused
+        arrays = [np.zeros(m, np.int32), np.full(m, batch, np.int32), np.zeros(m, np.int32)]
+        for a, vals in zip(arrays, (ids, rows, starts)):
+            a[: len(vals)] = vals
+        return width, (*(jnp.asarray(a) for a in arrays), jnp.int32(len(ids)))
+
+    def _context_pages(self, tokens: int) -> int:
+        """Page-table columns the reference attention reads to cover ``tokens`` positions: a
+        power of two of pages (bounded compiles) from ``min_context``."""
         need = max(self.min_context_pages, pages_for(tokens, self.page_size))
         return min(self.table_width, _pow2_at_least(need))
 
@@ -850,6 +900,15 @@ class Engine:
             {name: jnp.asarray(v) for name, v in vals.items()})
         self.busy_seconds += time.perf_counter() - t0
         return state
+
+
+def _batch_bucket(n: int, num_slots: int) -> int:
+    """Decode batch for ``n`` active slots: a power of 4 from 4 (few compiles), at most the
+    slot count."""
+    b = 4
+    while b < n:
+        b *= 4
+    return min(b, num_slots) if n <= num_slots else n
 
 
 def _row_bucket(n: int) -> int:

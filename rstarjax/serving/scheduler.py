@@ -23,8 +23,8 @@ Two assignment policies:
 
 - ``"dynamic"`` (the paper's): one shared queue; a slice pulls new rollouts whenever its pages
   allow. Tool calls are dispatched the moment they are parsed.
-- ``"static"`` (verl v0.2, the paper's baseline): requests split equally across slices up
-  front; with ``sync_turns=True`` each slice also runs waves of its share in lock-step turns
+- ``"static"`` (verl v0.2, the paper's baseline): requests split into equal contiguous
+  chunks across slices up front; with ``sync_turns=True`` each slice also runs waves of its share in lock-step turns
   (a turn's tool calls return together before the next turn starts).
 
 Per decode call a ``StepRecord`` notes pages in use, live / decoding / tool-waiting / parked
@@ -38,6 +38,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
+import math
 import threading
 import time
 from typing import Callable, Protocol, Sequence
@@ -118,6 +119,7 @@ class StepRecord:
     decoding: int
     waiting: int  # admitted, waiting on a tool
     parked: int  # preempted, waiting to resume
+    queued: int  # rollouts not yet admitted (this slice's source)
     preemptions: int  # so far in this run
 
 
@@ -144,6 +146,14 @@ class SliceStats:
         steps = sum(r.steps for r in self.timeline)
         return sum(r.live * r.steps for r in self.timeline) / steps if steps else 0.0
 
+    @property
+    def mean_live_while_queued(self) -> float:
+        """Rollouts holding pages, averaged over the decode steps taken while more rollouts
+        waited to be admitted: how many the slice holds at once when work is available."""
+        busy = [r for r in self.timeline if r.queued]
+        steps = sum(r.steps for r in busy)
+        return sum(r.live * r.steps for r in busy) / steps if steps else 0.0
+
 
 @dataclasses.dataclass
 class ScheduleStats:
@@ -169,6 +179,10 @@ class ScheduleStats:
             "preemptions": total("preemptions"),
             "max_pages_in_use": float(max(s.max_pages_in_use for s in self.slices)),
             "mean_live": float(sum(s.mean_live for s in self.slices)),
+            "mean_live_while_queued": float(sum(s.mean_live_while_queued
+                                                for s in self.slices)),
+            "max_live": float(sum(max((r.live for r in s.timeline), default=0)
+                                  for s in self.slices)),
         }
 
 
@@ -219,10 +233,13 @@ class RolloutScheduler:
     def __init__(self, engines: Sequence[Engine], *, max_rollout_len: int,
                  policy: str = "dynamic", sync_turns: bool | None = None,
                  admit_reserve_tokens: int | None = None, decode_steps: int | None = None,
-                 tool_timeout_s: float = 60.0, timeout_s: float = 3600.0):
+                 stop_fraction: float = 0.25, tool_timeout_s: float = 60.0,
+                 timeout_s: float = 3600.0):
         """``admit_reserve_tokens``: growth reserve per rollout for admission (default
         ``max_rollout_len``: the paper's safe estimate, never preempts); ``decode_steps``:
-        tokens per decode call (default: each engine's)."""
+        tokens per decode call (default: each engine's); ``stop_fraction``: a decode call
+        returns early once this fraction of its slots stopped (their tool calls go out and
+        their slots refill without waiting for the remaining steps)."""
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} not in {POLICIES}")
         if not engines:
@@ -238,6 +255,9 @@ class RolloutScheduler:
         if self.reserve < 0:
             raise ValueError(f"admit_reserve_tokens must be >= 0, got {self.reserve}")
         self.decode_steps = decode_steps
+        if not 0.0 < stop_fraction <= 1.0:
+            raise ValueError(f"stop_fraction must be in (0, 1], got {stop_fraction}")
+        self.stop_fraction = float(stop_fraction)
         self.tool_timeout_s = float(tool_timeout_s)
         self.timeout_s = float(timeout_s)
 
@@ -252,7 +272,10 @@ class RolloutScheduler:
             shared = _Source(episodes)
             sources = [shared] * n
         else:
-            sources = [_Source(episodes[i::n]) for i in range(n)]
+            # Contiguous equal chunks, as verl splits a batch across its workers (the 2G
+            # samples of a prompt stay together, as do their lengths).
+            bounds = np.linspace(0, len(episodes), n + 1).round().astype(int)
+            sources = [_Source(episodes[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
         stats = [SliceStats() for _ in range(n)]
         errors: list[BaseException] = []
         stop = threading.Event()
@@ -509,33 +532,41 @@ class _SliceDriver:
         return need + reserve <= e.free_pages
 
     def _admit(self) -> bool:
+        """Admit queued episodes (whole groups of one prompt where they fit) while pages and
+        slots allow, then start them all in one batched ``Engine.start``."""
         if self.parked or (self.s.sync_turns and self.live):
             return False  # preempted rollouts resume first; static waves wait for the batch
-        e = self.engine
-        admitted = False
-        while True:
-            free = e.free_slots()
-            reqs: list[StartRequest] = []
+        free = self.engine.free_slots()
+        reqs: list[StartRequest] = []
+        episodes: list = []
+        while len(reqs) < len(free):
+            trial: list[StartRequest] = []
 
             def how_many(group):
                 for k in range(len(group), 0, -1):
-                    trial = [self._start_request(ep, free[i]) for i, ep in enumerate(group[:k])]
-                    if self._fits(trial, [len(ep.prompt_ids) for ep in group[:k]]):
-                        reqs[:] = trial
+                    cand = [self._start_request(ep, free[len(reqs) + i])
+                            for i, ep in enumerate(group[:k])]
+                    lengths = [len(q.history) for q in reqs + cand]
+                    if self._fits(reqs + cand, lengths):
+                        trial[:] = cand
                         return k
                 return 0
 
-            group = self.source.pop_group(len(free), how_many)
+            group = self.source.pop_group(len(free) - len(reqs), how_many)
             if not group:
-                return admitted
-            self.state, outs = e.start(self.params, self.state, reqs)
-            for ep, req, out in zip(group, reqs, outs):
-                r = _Rollout(ep, next(self.seq), len(ep.prompt_ids), list(ep.prompt_ids),
-                             slot=req.slot)
-                self.live[req.slot] = r
-                self.stats.episodes += 1
-                self._add_token(r, out.token, out.logprob, out.done)
-            admitted = True
+                break
+            reqs += trial
+            episodes += group
+        if not reqs:
+            return False
+        self.state, outs = self.engine.start(self.params, self.state, reqs)
+        for ep, req, out in zip(episodes, reqs, outs):
+            r = _Rollout(ep, next(self.seq), len(ep.prompt_ids), list(ep.prompt_ids),
+                         slot=req.slot)
+            self.live[req.slot] = r
+            self.stats.episodes += 1
+            self._add_token(r, out.token, out.logprob, out.done)
+        return True
 
     def _start_request(self, ep: Episode, slot: int) -> StartRequest:
         budget = ep.sampling.max_new_tokens
@@ -567,7 +598,9 @@ class _SliceDriver:
             r = self.live[s]
             for i in range(steps):
                 forced[i, s] = r.episode.forced_token(len(r.turn_ids) + i)
-        self.state, block = e.decode(self.params, self.state, steps=steps, forced=forced)
+        stop_after = max(1, math.ceil(self.s.stop_fraction * len(decoding)))
+        self.state, block = e.decode(self.params, self.state, steps=steps, forced=forced,
+                                     stop_after=stop_after)
         ran = int(block.valid.any(axis=1).sum())
         self.stats.decode_calls += 1
         self.stats.decode_steps += ran
@@ -582,7 +615,8 @@ class _SliceDriver:
         self.stats.timeline.append(StepRecord(
             t=time.perf_counter() - self.t0, steps=ran, pages_in_use=e.pages.num_used,
             live=len(self.live), decoding=sum(e.is_decoding(s) for s in self.live),
-            waiting=waiting, parked=len(self.parked), preemptions=self.stats.preemptions))
+            waiting=waiting, parked=len(self.parked), queued=len(self.source),
+            preemptions=self.stats.preemptions))
 
     # ---- waiting ------------------------------------------------------------------------------
     def _wait_for_tools(self) -> bool:
