@@ -143,7 +143,10 @@ def ragged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
 
     init = (jnp.full((b, kh, g), low, jnp.float32), jnp.zeros((b, kh, g), jnp.float32),
             jnp.zeros((b, kh, g, h), jnp.float32))
-    _, l, o = jax.lax.fori_loop(0, (num_listed + chunk - 1) // chunk, body, init)
+    if page_ids.shape[0] == chunk:  # one chunk: no loop (its overhead is a small model's step)
+        _, l, o = body(0, init)
+    else:
+        _, l, o = jax.lax.fori_loop(0, (num_listed + chunk - 1) // chunk, body, init)
     out = o / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]
     return out.reshape(b, n, h).astype(q.dtype)
 

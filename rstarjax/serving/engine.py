@@ -26,7 +26,7 @@ Device programs (module-level ``jax.jit``, shared by every engine with the same 
   context bucket too for ``reference``).
 - ``feed``: several rows per call (prefill of distinct prompts, ``extend`` of several slots,
   re-prefill after preemption), each row up to ``prefill_chunk`` new tokens (longer feeds go
-  in chunks), logits of each row's last token only. Compiles: row buckets (1, 4, 16) x token
+  in chunks), logits of each row's last token only. Compiles: row buckets (1, 2, ..., 16) x token
   buckets (``buckets``) x {fresh rows reading their own pages, continuing rows reading the
   full table}.
 - ``sample`` and ``insert``: first tokens of the fed rows (one row can serve many samples:
@@ -59,7 +59,7 @@ from rstarjax.serving.sampling import SamplingParams, sample_tokens
 from rstarjax.serving.sizing import free_device_bytes, plan_kv
 
 MAX_STOP_IDS = 8  # per-request stop ids kept on device (padded with -1)
-ROW_BUCKETS = (1, 4, 16)  # rows per feed call, padded up to one of these
+ROW_BUCKETS = (1, 2, 4, 8, 16)  # rows per feed call, padded up to one of these
 
 
 class DoneReason(enum.IntEnum):
