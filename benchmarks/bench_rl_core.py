@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rstarjax.models.logprobs import token_logprobs_from_hidden
 from rstarjax.rl.batch import build_train_batch
-from rstarjax.rl.loss import chunked_token_logprobs_and_entropy, token_logprobs, token_logprobs_and_entropy
+from rstarjax.rl.loss import token_logprobs, token_logprobs_and_entropy
 from rstarjax.rl.roc import RocStats, roc_select
 from rstarjax.rl.trajectory import Segment, SegmentKind, ToolErrorCounts, Trajectory
 
@@ -123,7 +124,7 @@ def main():
         return lp.sum() + ent.sum()
 
     def chunk_path(h, w):
-        lp, ent = chunked_token_logprobs_and_entropy(h, w, tok, chunk_size=args.chunk)
+        lp, ent = token_logprobs_from_hidden(h, w, tok, vocab_major=False, chunk_len=args.chunk)
         return lp.sum() + ent.sum()
 
     for name, fn in (("chunked", chunk_path), ("full_logits_baseline", full_path)):

@@ -108,7 +108,7 @@ def main() -> None:
     out = {"bench": "code_env", "cpus": cpus, "workers": args.workers, "slots_per_worker": args.slots,
            "load_avg_1m": round(os.getloadavg()[0], 2)}
     with CodeExecutor(num_workers=args.workers, slots_per_worker=args.slots) as ex:
-        out["isolation"] = {k: v for k, v in ex.isolation.items() if isinstance(v, bool)}
+        out["isolation"] = {k: v for k, v in ex.isolation.items() if isinstance(v, bool) or k == "call_budget"}
         out["huge_page_mb"] = round(ex.isolation.get("huge_page_bytes", 0) / 2**20)  # heavy zygote
         ex.run_batch(["print(0)"] * 16 + [CODES["sympy"]] * 16)  # warm up
         for name, code in CODES.items():

@@ -162,7 +162,7 @@ def _hf_decoder(model, prompts, new):
     torch.set_num_threads(os.cpu_count() or 1)
     dev = "cuda" if args.device == "gpu" else "cpu"
     with tempfile.TemporaryDirectory() as d:
-        save_hf(model, d)
+        save_hf(model, d, tokenizer=False)  # random ids: the benchmark needs no tokenizer
         hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(dev).eval()
     ids = torch.tensor(prompts, device=dev)
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)

@@ -22,7 +22,10 @@ def get_config(arg=None):
     c.model.preset = "qwen3-14b"  # ModelConfig.preset; the HF config.json wins when present
     c.model.hf_path = ""  # directory with config.json + *.safetensors (required for rl/filter)
     c.model.random_init = False  # True: the preset with random weights (tests / demos only)
-    c.model.tokenizer_path = ""  # default: hf_path
+    c.model.tokenizer_path = ""  # a dir with the model's tokenizer.json; default: hf_path
+    # > 0: the small-vocabulary Qwen BPE of that many regular tokens; 0: the tokenizer.json in
+    # tokenizer_path / hf_path says (Qwen3's full vocabulary when there is none)
+    c.model.tokenizer_num_regular_tokens = 0
     c.model.dtype = "bfloat16"  # compute dtype; master weights stay float32
     c.model.remat_policy = "full"
 
@@ -43,14 +46,21 @@ def get_config(arg=None):
     c.rl.max_prompt_len = 2048
     c.rl.max_response_len = 8192  # tokens of model + tool text per trajectory
     c.rl.max_tool_response_chars = 2048
+    c.rl.chat_format = "rstar2"  # rstar2 (paper Fig. 3) | compact (a short system prompt, as the demo)
     c.rl.temperature = 1.0
     c.rl.top_p = 1.0
     c.rl.top_k = -1
     c.rl.tool_timeout_s = 5.0
-    c.rl.num_tool_workers = 32
+    c.rl.num_tool_workers = 0  # code-pool workers; 0 = one per host core (each runs 4 sandboxes)
     c.rl.rollout_timeout_s = 3600.0  # a whole step's rollouts; past it the step fails loudly
-    c.rl.roc = True  # False: plain GRPO on G rollouts (the paper's baseline)
-    c.rl.roc_variant = "paper"  # "topk": the official code's deterministic top-k of positives
+    c.rl.roc = True  # False: the paper's GRPO baseline: G rollouts per prompt, all trained (oversample unused)
+    c.rl.roc_variant = "paper"  # "topk": the official code's deterministic selection, exactly
+    c.rl.roc_min_negatives = 2  # topk's per-class floors (the official run script's values)
+    c.rl.roc_min_positives = 2
+    # §4.3 / the official run script: drop groups whose rollouts all earned the same reward (no
+    # gradient) before RoC, without refilling; False keeps them with zero advantage
+    c.rl.reject_equal_reward = True
+    c.rl.max_rejected_batches = 20  # consecutive batches left with no group to train: stop with an error
     # DAPO dynamic sampling (loss.dynamic_sampling): at most this many rollout rounds per step,
     # the first included; refills stop once prompts_per_step informative groups are held.
     c.rl.dynamic_sampling_max_rounds = 3
@@ -124,8 +134,10 @@ def get_config(arg=None):
     c.checkpoint.every_steps = 10
     c.checkpoint.keep = 3
     c.checkpoint.async_save = True
-    c.checkpoint.init_from = ""  # a previous stage's checkpoint dir (params [+ optimizer])
-    c.checkpoint.reset_optimizer = False  # stage 3: fresh optimizer state (§4.3)
+    # the previous stage's WORKDIR/checkpoints: an SFT run gives params only (step 0, fresh
+    # optimizer); an RL stage params + optimizer + global step (docs/training.md "Stage hand-offs")
+    c.checkpoint.init_from = ""
+    c.checkpoint.reset_optimizer = False  # stage 3: fresh optimizer state, LR warmup again (§4.3)
     c.checkpoint.update_reference = False  # stage 3: KL reference := the init_from policy (§4.3; kl_coef > 0)
 
     # ---- logging -----------------------------------------------------------------------------------

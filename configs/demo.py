@@ -6,7 +6,7 @@ before and after RL goes to WORKDIR/demo_summary.json.
     python -m rstarjax.main --config=configs/demo.py --workdir=/tmp/demo
     python -m rstarjax.main --config=configs/demo.py:ci --workdir=/tmp/demo_ci     # CI-sized
     python -m rstarjax.main --config=configs/demo.py --workdir=/tmp/demo_grpo \
-        --config.rl.roc=False --config.rl.oversample=4                            # plain GRPO
+        --config.rl.roc=False                                                     # plain GRPO (G rollouts)
 
 The SFT data also answers 60 % of the counting problems "in my head" (no tool), so the SFT
 policy guesses there and RL has to learn that calling the tool pays (docs/demo.md).
@@ -83,7 +83,7 @@ def get_config(arg=None):
     # T=1 from this tiny SFT policy broke its digit copying (sampled reward 0.00-0.07 against 87 %
     # greedy, docs/demo.md); at 0.7 the sampled reward tracks the one decision RL must learn
     c.rl.temperature = 0.7
-    c.rl.num_tool_workers = 2
+    c.rl.chat_format = "compact"  # as the SFT traces
     c.rl.tool_timeout_s = 5.0
     c.rl.rollout_timeout_s = 600.0
     # Adam moves every weight by ~lr per step whatever its gradient's noise; on a tiny model with
@@ -99,6 +99,9 @@ def get_config(arg=None):
     c.mesh.fsdp = -1
 
     if arg == "ci":  # the shortened run CI executes
+        # 4 SFT steps leave a policy that solves nothing: every group is all-wrong, and the RL
+        # steps would all be rejected (rl.reject_equal_reward). Keep them, so the two RL steps run.
+        c.rl.reject_equal_reward = False
         c.demo.num_sft_problems = 64
         c.demo.num_rl_problems = 64
         c.demo.num_eval_problems = 16

@@ -17,7 +17,6 @@ import base  # noqa: E402
 def get_config(arg=None):
     c = base.get_config("rl")
     c.mode = "eval"
-    c.model.tokenizer_num_regular_tokens = 0  # 0 = Qwen3's full vocabulary
     c.eval = ml_collections.ConfigDict()
     c.eval.paths = ""  # comma-separated jsonl / parquet benchmark files (AIME / MATH-500 layouts)
     c.eval.names = ()  # dataset names; default the file stems

@@ -16,7 +16,6 @@ import base  # noqa: E402
 def get_config(arg=None):
     c = base.get_config("rl")
     c.mode = "sft"
-    c.model.tokenizer_num_regular_tokens = 0  # 0 = Qwen3's full vocabulary
 
     c.sft = ml_collections.ConfigDict()
     c.sft.data_path = ""  # jsonl / parquet of {"messages": [...]} (OpenAI style, with tool calls)

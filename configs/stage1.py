@@ -1,5 +1,9 @@
 """RL stage 1 (rStar2-Agent §4.3): all 42K problems, 8K response length, T=10 turns, 300 steps,
-512 prompts x 2G=32 rollouts -> G=16 after RoC, lr 1e-6."""
+512 prompts x 2G=32 rollouts -> G=16 after RoC, lr 1e-6.
+
+From the SFT policy: --config.checkpoint.init_from=SFT_WORKDIR/checkpoints gives its params only
+(global step 0, a fresh optimizer, the LR warmup); see docs/training.md "Stage hand-offs".
+"""
 import os
 import sys
 

@@ -1,8 +1,9 @@
 """RL stage 2 (rStar2-Agent §4.3): same data, response length extended to 12K, T=10.
 
-Continues stage 1 (params, optimizer, step): set --config.checkpoint.init_from=STAGE1_WORKDIR/ckpt
-(or reuse the same workdir). It ends at global step 385 (the paper filters stage-3 data with the
-policy "from the final 385 steps of Stage 2", and 300 + 85 + 125 = 510 steps in all).
+Continues stage 1 (params, optimizer, global step) in its own --workdir:
+--config.checkpoint.init_from=STAGE1_WORKDIR/checkpoints. It ends at global step 385 (the paper
+filters stage-3 data with the policy "from the final 385 steps of Stage 2", and 300 + 85 + 125 =
+510 steps in all), and reads the data in a new order (docs/training.md "Stage hand-offs").
 """
 import os
 import sys

@@ -1,8 +1,10 @@
 """RL stage 3 (rStar2-Agent §4.3): hard problems only, 12K response length, T=15 turns.
 
 Data: the stage-2 policy's filtered set (``--config=configs/stage3.py:filter`` writes it: k=8
-rollouts per problem, problems solved 8/8 dropped). Optimizer state is reset and the reference
-model is set to the latest policy. 125 steps (global steps 385 -> 510).
+rollouts per problem, problems solved 8/8 dropped). Optimizer state is reset (params and global
+step come from --config.checkpoint.init_from=STAGE2_WORKDIR/checkpoints; the fresh optimizer's LR
+warmup runs again) and the reference model is set to the latest policy (used only with
+loss.kl_coef > 0). 125 steps (global steps 385 -> 510).
 """
 import os
 import sys

@@ -79,9 +79,15 @@ def _validate_rl(config, num_devices: int | None, num_processes: int) -> list[st
         errs.append(f"--config.rl.group_size={rl.group_size}: GRPO needs G >= 2 rollouts per prompt")
     if rl.roc and rl.oversample != 2 * rl.group_size:
         errs.append(f"--config.rl.oversample={rl.oversample} must be 2 * group_size = {2 * rl.group_size} "
-                    "with RoC (rStar2-Agent §2.2.3 samples 2G and keeps G); or set --config.rl.roc=False")
-    if not rl.roc and rl.oversample < rl.group_size:
-        errs.append(f"--config.rl.oversample={rl.oversample} < group_size={rl.group_size}")
+                    "with RoC (rStar2-Agent §2.2.3 samples 2G and keeps G); or set --config.rl.roc=False "
+                    "(the GRPO baseline samples group_size rollouts and trains on all of them)")
+    if rl.roc and rl.get("roc_variant", "paper") == "topk":
+        floors = rl.get("roc_min_negatives", 2) + rl.get("roc_min_positives", 2)
+        if min(rl.get("roc_min_negatives", 2), rl.get("roc_min_positives", 2)) < 0 or floors > rl.group_size:
+            errs.append(f"--config.rl.roc_min_negatives + roc_min_positives = {floors} must lie in [0, group_size="
+                        f"{rl.group_size}] (the official code asserts the same)")
+    if rl.get("max_rejected_batches", 1) < 1:
+        errs.append(f"--config.rl.max_rejected_batches={rl.max_rejected_batches} must be >= 1")
     if rl.max_turns < 1:
         errs.append(f"--config.rl.max_turns={rl.max_turns} must be >= 1")
     if rl.max_prompt_len < 1 or rl.max_response_len < 1:
@@ -131,6 +137,8 @@ def _validate_rl(config, num_devices: int | None, num_processes: int) -> list[st
         errs.append(f"--config.rl.dynamic_sampling_max_rounds={rounds!r} must be an integer >= 1 "
                     "(rollout rounds per step, the first included; 1 = drop zero-variance groups "
                     "without refilling)")
+    if config.rl.get("chat_format", "rstar2") not in ("rstar2", "compact"):
+        errs.append(f"--config.rl.chat_format={config.rl.chat_format!r}: choose 'rstar2' or 'compact'")
     if config.rl.get("roc_variant", "paper") not in ("paper", "topk"):
         errs.append(f"--config.rl.roc_variant={config.rl.roc_variant!r}: choose 'paper' or 'topk'")
     if config.checkpoint.every_steps < 1 or config.checkpoint.keep < 1:
@@ -142,6 +150,13 @@ def _validate_rl(config, num_devices: int | None, num_processes: int) -> list[st
         errs.append("stage-3 options (checkpoint.reset_optimizer / update_reference) need "
                     "--config.checkpoint.init_from=STAGE2_WORKDIR/checkpoints")
     return errs
+
+
+def _validate_tools(config) -> list[str]:
+    n = config.rl.get("num_tool_workers", 0) if "rl" in config else 0
+    if not isinstance(n, int) or n < 0:
+        return [f"--config.rl.num_tool_workers={n!r} must be an integer >= 0 (0 = one per host core)"]
+    return []
 
 
 def _validate_filter(config) -> list[str]:
@@ -167,6 +182,8 @@ def validate(config, num_devices: int | None = None, num_processes: int = 1) -> 
                           "(e.g. --config=configs/stage3.py:filter)")
     if "mesh" in config:
         errs += _validate_mesh(config, num_devices)
+    if mode in ("rl", "filter", "eval", "demo"):
+        errs += _validate_tools(config)
     if mode in ("rl", "filter"):
         errs += _validate_model(config)
         errs += _require_file(config.data.train_path, "--config.data.train_path", "a jsonl/parquet of problems")

@@ -140,7 +140,7 @@ def test_episodes_with_real_tools(tok, model, engine, executor):
     ref = logp[np.arange(p - 1, len(ids) - 1), ids[p:]]
     m = t.loss_mask.astype(bool)
     np.testing.assert_allclose(t.sampled_logprobs[m], ref[m], atol=1e-4)
-    assert timings["timing/rollout_s"] > 0 and timings["rollout/errors"] == 0
+    assert timings["timing/rollout_s"] > 0 and timings["rollout/infra_errors"] == 0
 
 
 def test_max_turns_and_max_length(tok, engine, executor):
@@ -218,3 +218,97 @@ def test_trainer_rollout_hook_samples_real_episodes(tok, model, executor):
     config.serving.kv_pages = 3
     with pytest.raises(ValueError, match="--config.serving.kv_pages"):
         agent_loop.make_rollout_fn(config, model, tokenizer=tok, executor=executor, fmt=COMPACT)
+
+
+# ---- infrastructure errors are the environment's, not the model's --------------------------------
+class FlakyExecutor:
+    """The real executor behind switches: the first ``infra_failures`` tool calls come back as the
+    pool's infrastructure answer (as for a dead worker); results arrive ``delay_s`` late; the
+    verifications of the gold answers in ``hang_verify`` never answer."""
+
+    def __init__(self, real, infra_failures=0, delay_s=0.0, hang_verify=()):
+        import threading
+
+        self.real, self.left, self.delay_s, self.hang_verify = real, infra_failures, delay_s, hang_verify
+        self.lock = threading.Lock()
+        self.submitted = 0
+
+    def submit(self, code, stdin="", timeout=None):
+        import concurrent.futures
+        import threading
+
+        with self.lock:
+            self.submitted += 1
+            fail, self.left = self.left > 0, self.left - (self.left > 0)
+        out = concurrent.futures.Future()
+        if fail:
+            out.set_result(ExecResult("error", "SandboxError: worker died", infra_error=True))
+            return out
+        real = self.real.submit(code, stdin, timeout)
+        if not self.delay_s:
+            return real
+        threading.Timer(self.delay_s, lambda: out.set_result(real.result())).start()
+        return out
+
+    def submit_verify(self, response_text, gold, timeout=None):
+        import concurrent.futures
+
+        if gold in self.hang_verify:
+            return concurrent.futures.Future()  # never answers
+        return self.real.submit_verify(response_text, gold, timeout)
+
+
+SUCCESS = [call("print(6*7)"), ANSWER]
+
+
+def test_infrastructure_failures_are_retried_and_never_shown_to_the_model(tok, engine, executor):
+    flaky = FlakyExecutor(executor, infra_failures=2)
+    trajs, timings = run_rollouts(engine, tok, flaky, [request(tok, SUCCESS)],
+                                  AgentConfig(max_turns=3, max_response_len=300, infra_retries=2,
+                                              infra_retry_delay_s=0.05))
+    t = trajs[0]
+    assert (t.finish, t.reward, t.tool_errors.total) == (Finish.ANSWERED, 1.0, 0)
+    assert "SandboxError" not in t.response_text and flaky.submitted == 3
+    check_tokens(tok, t, SUCCESS, [ExecResult("stdout", "42\n")])
+    assert timings["rollout/infra_retries"] == 2 and timings["rollout/infra_errors"] == 0
+
+
+def test_persistent_infrastructure_failure_ends_the_episode_as_an_infra_error(tok, engine, executor):
+    flaky = FlakyExecutor(executor, infra_failures=3)
+    trajs, timings = run_rollouts(engine, tok, flaky, [request(tok, SUCCESS)],
+                                  AgentConfig(max_turns=3, max_response_len=300, infra_retries=2,
+                                              infra_retry_delay_s=0.05))
+    t = trajs[0]
+    assert t.finish == Finish.ERROR and t.infra_error and t.reward == 0.0
+    assert "code environment failed 3 time(s)" in t.error
+    assert t.tool_errors.total == 0 and "SandboxError" not in t.response_text  # not the model's error
+    assert timings["rollout/infra_errors"] == 1
+
+
+def test_a_tool_call_the_scheduler_gave_up_on_ends_cleanly(tok, engine, executor, caplog):
+    """The scheduler cancels a tool future it stopped waiting for; the late answer is dropped
+    (no InvalidStateError in the executor's callback) and the episode is an infra error."""
+    import logging
+    import time
+
+    flaky = FlakyExecutor(executor, delay_s=1.5)
+    with caplog.at_level(logging.ERROR, logger="concurrent.futures"):
+        trajs, _ = run_rollouts(engine, tok, flaky, [request(tok, SUCCESS)],
+                                AgentConfig(max_turns=3, max_response_len=300, tool_wait_s=0.3))
+        time.sleep(2.0)  # the late answer arrives
+    t = trajs[0]
+    assert t.finish == Finish.ERROR and "did not return within" in t.error
+    assert not [r for r in caplog.records if "exception calling callback" in r.getMessage()], caplog.text
+
+
+def test_each_episode_has_its_own_verify_deadline(tok, engine, executor):
+    """A verification that never answers ends its episode as an infrastructure error (not reward
+    0 for the model); the other episodes are verified as usual."""
+    flaky = FlakyExecutor(executor, hang_verify=("43",))
+    reqs = [request(tok, [ANSWER], gold="42", group=0), request(tok, [ANSWER], gold="43", group=1)]
+    trajs, timings = run_rollouts(engine, tok, flaky, reqs,
+                                  AgentConfig(max_turns=2, max_response_len=300, verify_timeout_s=0.5,
+                                              verify_wait_s=1.0))
+    assert (trajs[0].finish, trajs[0].reward) == (Finish.ANSWERED, 1.0)
+    assert trajs[1].finish == Finish.ERROR and "verifier did not answer" in trajs[1].error
+    assert timings["rollout/verify_infra_errors"] == 1 and timings["rollout/infra_errors"] == 1

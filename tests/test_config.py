@@ -136,3 +136,23 @@ def test_loss_options_are_settable_and_kl_dynamic_sampling_validated(tmp_path):
     c.loss.kl_coef = -0.1
     with pytest.raises(ConfigError, match="kl_coef and entropy_coef must be >= 0"):
         validate(c)
+
+
+def test_tool_pool_filter_and_baseline_options(tmp_path):
+    c = good_config(tmp_path)
+    assert c.rl.num_tool_workers == 0 and c.rl.reject_equal_reward  # host-sized pool; §4.3 filter on
+    c.rl.num_tool_workers = -1
+    with pytest.raises(ConfigError, match="num_tool_workers=-1 must be an integer >= 0"):
+        validate(c)
+    c = good_config(tmp_path)
+    c.rl.roc = False  # the GRPO baseline samples group_size rollouts: oversample is not consulted
+    c.rl.oversample = 3
+    validate(c)
+    c = good_config(tmp_path)
+    c.rl.roc_variant = "topk"
+    c.rl.group_size, c.rl.oversample = 3, 6
+    with pytest.raises(ConfigError, match="roc_min_negatives \\+ roc_min_positives = 4"):
+        validate(c)
+    c.rl.chat_format = "fancy"
+    with pytest.raises(ConfigError, match="chat_format='fancy'"):
+        validate(c)

@@ -331,7 +331,7 @@ def test_tool_call_round_trip(ex):
 _EXIT_FIRST_WORKER = r"""
 import socket, sys, time
 sys.path.insert(0, sys.argv[1])
-from rstarjax.env import zygote
+from rstarjax.env import worker
 
 class ExitEventsFirst:
     def __init__(self, inner):
@@ -345,14 +345,14 @@ class ExitEventsFirst:
         return getattr(self.inner, name)
 
 config = {"limits": {}, "slots": 2, "uid_base": 0, "workdir_root": sys.argv[3]}
-worker = zygote.Worker(socket.socket(fileno=int(sys.argv[2])), 0, config, {"pidns": False, "uid_drop": False})
-worker.sel = ExitEventsFirst(worker.sel)
-worker.serve()
+loop = worker.Worker(socket.socket(fileno=int(sys.argv[2])), 0, config, {"pidns": False, "uid_drop": False})
+loop.sel = ExitEventsFirst(loop.sel)
+loop.serve()
 """
 
 
 def test_a_sandbox_exit_reported_before_its_pipes_does_not_kill_the_worker(tmp_path):
-    from rstarjax.env.zygote import recv_frame, send_frame
+    from rstarjax.env.wire import FrameReader, send_frame
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -363,13 +363,62 @@ def test_a_sandbox_exit_reported_before_its_pipes_does_not_kill_the_worker(tmp_p
         ours.settimeout(60)
         calls = [{"id": i, "op": "exec", "timeout": 5.0, "code": f"print({i})", "stdin": ""} for i in range(8)]
         send_frame(ours, {"op": "batch", "calls": calls})
-        replies = {}
-        for _ in calls:
-            msg = recv_frame(ours)
-            assert msg is not None, f"the worker died (exit status {proc.wait(10)}) after {len(replies)} answers"
-            replies[msg["id"]] = (msg["kind"], msg["text"])
+        replies, reader = {}, FrameReader()
+        while len(replies) < len(calls):
+            data = ours.recv(1 << 16)
+            assert data, f"the worker died (exit status {proc.wait(10)}) after {len(replies)} answers"
+            for msg in reader.feed(data):
+                replies[msg["id"]] = (msg["kind"], msg["text"])
         assert replies == {i: ("stdout", f"{i}\n") for i in range(8)}
         assert proc.poll() is None
     finally:
         ours.close()  # EOF: the worker exits
         proc.wait(10)
+
+
+def test_uid_leases_are_disjoint_across_executors_and_processes():
+    from rstarjax.env import uids
+
+    a, b = uids.lease(300), uids.lease(10)
+    try:
+        assert a.base + a.size <= b.base or b.base + b.size <= a.base
+        assert uids.UID_FLOOR <= min(a.base, b.base) and max(a.base + a.size, b.base + b.size) < 2**31
+        code = (
+            "from rstarjax.env import uids\n"
+            "lease = uids.lease(64)\n"
+            "print(lease.base, lease.size)\n"
+        )
+        out = run_fresh_python(code)
+        assert out.returncode == 0, out.stderr
+        base, size = map(int, out.stdout.split())
+        if a.fds:  # real leases: another process never gets an overlapping range while we hold ours
+            for held in (a, b):
+                assert base + size <= held.base or held.base + held.size <= base
+    finally:
+        a.release()
+        b.release()
+
+
+def test_close_gives_back_the_hosts_resources():
+    """close() removes the executor's cgroups and scratch directory and kills any process left
+    under its uids."""
+    ex = CodeExecutor(num_workers=1, lean_workers=1, slots_per_worker=2).start()
+    cgroup_dirs = list(ex._cgroups.roots) if ex._cgroups is not None else []
+    scratch = ex._workdir_root
+    uid_base, count = ex.uid_base, ex.num_sandbox_uids
+    ex.submit("import time\ntime.sleep(60)", timeout=60)
+    time.sleep(0.5)
+    ex.close(drain_timeout=0.1)
+    assert not any(os.path.exists(d) for d in cgroup_dirs)
+    assert not os.path.exists(scratch)
+    from rstarjax.env.executor import kill_uid_range
+
+    kill_uid_range(uid_base, count, timeout=0.0)  # nothing left to kill: returns at once
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/status") as f:
+                    uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+            except (OSError, StopIteration):
+                continue
+            assert not uid_base <= uid < uid_base + count, entry

@@ -75,3 +75,21 @@ def _write_cfg(tmp_path, **changes):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg.to_hf_dict()))
     return str(path)
+
+
+def test_save_hf_writes_the_tokenizer_or_refuses(tmp_path):
+    """Without a tokenizer, save_hf writes the one the vocabulary implies (Qwen3's for a full-size
+    table) or refuses: a directory without one makes AutoTokenizer quietly return an empty one."""
+    from rstarjax.models import save_hf
+    from rstarjax.models.hf import default_tokenizer_for
+
+    small = Qwen3(ModelConfig.preset("tiny", vocab_size=1026, dtype=jnp.float32), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="does not say which tokenizer"):
+        save_hf(small, str(tmp_path / "refused"))
+    assert not (tmp_path / "refused" / "config.json").exists()
+    save_hf(small, str(tmp_path / "weights"), tokenizer=False)  # on purpose: weights only
+    assert not (tmp_path / "weights" / "tokenizer.json").exists()
+    with pytest.raises(ValueError, match="1026 embedding rows"):
+        save_hf(small, str(tmp_path / "x"), tokenizer=load_tokenizer(3000))
+    assert default_tokenizer_for(ModelConfig.preset("qwen3-0.6b")) is load_tokenizer()
+    assert default_tokenizer_for(ModelConfig.preset("tiny")) is None

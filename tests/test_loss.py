@@ -325,31 +325,3 @@ def test_trajectory_advantages_groups_and_length_penalty():
     np.testing.assert_allclose(adv[3:], group_advantages([1.0, 0.0]), rtol=1e-6)
     _, plain = trajectory_advantages(trajs, std_normalize=False)
     np.testing.assert_allclose(plain[:3], [1 / 3, 1 / 3, -2 / 3], rtol=1e-6)
-
-
-@pytest.mark.parametrize("vocab_major", [False, True])
-def test_chunked_logprobs_match_full_values_and_grads(vocab_major):
-    from rstarjax.rl.loss import chunked_token_logprobs_and_entropy
-
-    rng = np.random.default_rng(8)
-    b, l, d, v = 2, 11, 5, 17
-    hidden = jnp.asarray(rng.normal(size=(b, l, d)).astype(np.float32))
-    w = jnp.asarray(rng.normal(size=(v, d) if vocab_major else (d, v)).astype(np.float32))
-    tokens = jnp.asarray(rng.integers(0, v, (b, l)))
-    weights = jnp.asarray(rng.normal(size=(b, l)).astype(np.float32))
-
-    def full(hidden, w):
-        logits = hidden @ (w.T if vocab_major else w)
-        lp, ent = token_logprobs_and_entropy(logits, tokens)
-        return jnp.sum(lp * weights) + 0.3 * jnp.sum(ent * weights), (lp, ent)
-
-    def chunked(hidden, w):
-        lp, ent = chunked_token_logprobs_and_entropy(hidden, w, tokens, chunk_size=4, vocab_major=vocab_major)
-        return jnp.sum(lp * weights) + 0.3 * jnp.sum(ent * weights), (lp, ent)
-
-    (vf, (lpf, entf)), gf = jax.value_and_grad(full, argnums=(0, 1), has_aux=True)(hidden, w)
-    (vc, (lpc, entc)), gc = jax.value_and_grad(chunked, argnums=(0, 1), has_aux=True)(hidden, w)
-    np.testing.assert_allclose(lpc, lpf, atol=1e-5)
-    np.testing.assert_allclose(entc, entf, atol=1e-5)
-    for a, c in zip(gf, gc):
-        np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-4, atol=1e-5)

@@ -212,8 +212,36 @@ def test_all_negative_and_all_positive_groups():
 # ---- the official deterministic variant -------------------------------------------------------
 
 
+def official_selection(rewards, penalties, down_sample_to_n, min_zero=2, min_non_zero=2):
+    """A line-by-line transcription of the selection in the official rStar2-Agent code
+    (``down_sample/roc.py``, ``resample_of_correct``, one uid), on plain lists: the reference
+    ``variant="topk"`` must reproduce."""
+    indices = list(range(len(rewards)))
+    if len(indices) < down_sample_to_n:
+        return None
+    if len(indices) == down_sample_to_n:
+        return indices
+    zero = [(i, p) for i, r, p in zip(indices, rewards, penalties) if r <= 0]
+    non_zero = [(i, p) for i, r, p in zip(indices, rewards, penalties) if r > 0]
+    non_zero.sort(key=lambda x: x[1])
+    zero_num = round(len(zero) * down_sample_to_n / len(indices))
+    non_zero_num = round(len(non_zero) * down_sample_to_n / len(indices))
+    if zero_num < min_zero and non_zero_num < min_non_zero:
+        return indices
+    if zero_num <= min(min_zero, len(zero)):
+        zero_num = min(min_zero, len(zero))
+        non_zero_num = down_sample_to_n - zero_num
+    if non_zero_num <= min(min_non_zero, len(non_zero)):
+        non_zero_num = min(min_non_zero, len(non_zero))
+        zero_num = down_sample_to_n - non_zero_num
+    choices = [i for i, _ in non_zero[:non_zero_num]] + [i for i, _ in zero[:zero_num]]
+    assert len(choices) == down_sample_to_n
+    return sorted(choices)
+
+
 def test_topk_variant_by_hand():
-    # 8 rollouts, G=4: negatives at 0,1,2 (3 -> round(1.5)=2), positives at 3..7 -> 2 positives.
+    # 8 rollouts, G=4: negatives at 0,1,2 -> round(1.5) = 2, taken in rollout order (the official
+    # code sorts only the positives); positives 3..7 -> round(2.5) = 2, lowest p_total first.
     group = [
         traj(reward=0.0, calls=0),  # p 0.5
         traj(reward=0.0, calls=1, execution=1),  # p 1.0
@@ -224,9 +252,62 @@ def test_topk_variant_by_hand():
         traj(reward=1.0, calls=4, execution=1),  # 0.25
         traj(reward=1.0, calls=1, answers=2, turns=1),  # 1.0
     ]
-    assert roc_select(group, 4, rng=None, variant="topk") == [0, 2, 5, 6]
+    assert roc_select(group, 4, rng=None, variant="topk") == [0, 1, 5, 6]
     # Ties broken by original index (stable), like Python's sort in the official code.
-    assert roc_select([traj(reward=1.0)] * 6, 3, rng=None, variant="topk") == [0, 1, 2]
+    assert roc_select([traj(reward=1.0)] * 8, 4, rng=None, variant="topk") == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("num_neg, want_neg, want_pos", [
+    (31, 15, 1),  # round(15.5) = 16 negatives would drop the only success: the positive floor keeps it
+    (1, 1, 15),  # round(0.5) = 0 negatives: the negative floor keeps the only failure
+    (2, 2, 14), (3, 2, 14), (5, 2, 14), (6, 3, 13), (16, 8, 8), (30, 14, 2), (29, 14, 2),
+    (32, 16, 0), (0, 0, 16),
+])
+def test_topk_worked_examples_2g_32(num_neg, want_neg, want_pos):
+    """G = 16 of 2G = 32 with the run script's floors (2, 2), by hand and against the
+    transcription of the official code."""
+    from rstarjax.rl.roc import official_topk_counts
+
+    assert official_topk_counts(num_neg, 32 - num_neg, 16) == (want_neg, want_pos)
+    group = [traj(reward=0.0, calls=1, execution=i % 2) for i in range(num_neg)]
+    group += [traj(reward=1.0, calls=1 + i % 3, execution=int(i % 3 == 0), answers=1 + i % 2, turns=4)
+              for i in range(32 - num_neg)]
+    order = np.random.default_rng(num_neg).permutation(32)  # interleave classes and penalties
+    group = [group[i] for i in order]
+    kept = roc_select(group, 16, rng=None, variant="topk")
+    assert sum(group[i].reward <= 0 for i in kept) == want_neg
+    assert kept == official_selection([t.reward for t in group], [p_total(t) for t in group], 16)
+
+
+def test_topk_matches_official_transcription_on_random_groups():
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        g = int(rng.choice([4, 6, 8, 16]))
+        n = int(rng.integers(g + 1, 2 * g + 1))  # 2G, or fewer when rollouts were excluded
+        group = [traj(reward=float(rng.random() < rng.random()), calls=int(c), execution=int(rng.integers(0, c + 1)),
+                      answers=int(rng.integers(0, 3)), turns=int(rng.integers(1, 5)))
+                 for c in rng.integers(0, 4, size=n)]
+        want = official_selection([t.reward for t in group], [p_total(t) for t in group], g)
+        try:
+            got = roc_select(group, g, rng=None, variant="topk")
+        except ValueError:  # only where the official code fails its own assertion
+            with pytest.raises(AssertionError):
+                official_selection([t.reward for t in group], [p_total(t) for t in group], g)
+            continue
+        assert got == want, (trial, g, n)
+
+
+def test_paper_variant_edge_cases_2g_32():
+    """The paper's floor(|neg| / 2): 31 negatives / 1 positive keeps 15 + the positive; 1 negative
+    / 31 positives keeps no negative (the G kept rewards are all equal)."""
+    from rstarjax.rl.roc import roc_counts
+
+    assert roc_counts(31, 1, 16) == (15, 1)
+    assert roc_counts(1, 31, 16) == (0, 16)
+    group = [traj(reward=0.0)] + [traj(reward=1.0) for _ in range(31)]
+    assert all(group[i].reward > 0 for i in roc_select(group, 16, 0))
+    group = [traj(reward=0.0) for _ in range(31)] + [traj(reward=1.0)]
+    assert 31 in roc_select(group, 16, 0)
 
 
 def test_successive_sampling_order_probabilities():

@@ -61,7 +61,7 @@ def test_schedule_matches_transformers():
 def test_masked_packed_loss_matches_hf(tok, tmp_path):
     convs = [_conversation(i) for i in range(5)]
     model = _tiny_model(tok)
-    save_hf(model, str(tmp_path))
+    save_hf(model, str(tmp_path), tokenizer=tok)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     examples, _ = sft.encode_examples(tok, convs, seq_len=512, fmt=ct.COMPACT)
     nll, count = 0.0, 0

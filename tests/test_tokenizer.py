@@ -180,3 +180,59 @@ def test_small_vocab(small, hf_small):
         # Regular ids are the same tokens as in the full vocabulary.
         assert full.decode_bytes([i for i in ids if i < n]) == small.decode_bytes([i for i in ids if i < n])
     assert len(small.encode(CORPUS[1])) > len(full.encode(CORPUS[1]))
+
+
+def _reference_hf_tokenizer(tokenizer):
+    """The same tokenizer built through the ``tokenizers`` API (byte-level BPE, Qwen2 regex):
+    what our hand-written tokenizer.json must deserialise to."""
+    from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import BPE
+
+    from rstarjax.models.tokenizer import QWEN2_PRETOKENIZE_REGEX, bpe_vocab_and_merges
+
+    ranks = {t: r for t, r in load_qwen_bpe_ranks().items() if r < tokenizer.num_regular_tokens}
+    vocab, merges = bpe_vocab_and_merges(ranks)
+    hf = HFTokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=True))
+    hf.normalizer = normalizers.NFC()
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    hf.post_processor = processors.ByteLevel(trim_offsets=False)
+    hf.decoder = decoders.ByteLevel()
+    for content, special in tokenizer.added_tokens:
+        hf.add_tokens([AddedToken(content, special=special, normalized=False)])
+    return hf
+
+
+def test_tokenizer_json_equals_the_tokenizers_library_build(small):
+    """Our tokenizer.json (written without the library) deserialises to exactly the tokenizer the
+    ``tokenizers`` API builds, and encodes the corpus identically."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    ours = HFTokenizer.from_str(json.dumps(small.hf_tokenizer_json()))
+    ref = _reference_hf_tokenizer(small)
+    assert json.loads(ours.to_str()) == json.loads(ref.to_str())
+    for text in CORPUS + _random_corpus(200, seed=4):
+        assert ours.encode(text, add_special_tokens=False).ids == small.encode(text), repr(text)
+
+
+def test_save_pretrained_needs_no_tokenizers_package(small, tmp_path):
+    """A base install (no ``tokenizers``) exports models: save_pretrained writes tokenizer.json
+    itself; transformers (test extra) then loads it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['tokenizers'] = None\n"  # makes `import tokenizers` fail
+            "from rstarjax.models.tokenizer import load_tokenizer\n"
+            f"load_tokenizer({SMALL_N}).save_pretrained(sys.argv[1])\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    for text in CORPUS[:8]:
+        assert hf.encode(text, add_special_tokens=False) == small.encode(text)

@@ -2,7 +2,7 @@
 
 Imports nothing else from rstarjax (see docs/design.md and docs/code_env.md).
 """
-from .pool import CodeExecutor, ExecutorClosedError, ExecutorConfig
+from .executor import CodeExecutor, ExecutorClosedError, ExecutorConfig
 from .results import DISPLAY, ERROR, RESULT_KINDS, STDOUT, TIMEOUT, ExecResult, VerifyResult
 from .sandbox import SandboxLimits
 from .tools import (

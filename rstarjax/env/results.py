@@ -1,4 +1,4 @@
-"""Result types shared by the pool (parent side), the workers and the tool layer.
+"""Result types shared by the executor (trainer side), the workers and the tool layer.
 
 Kept free of any import beyond the standard library: the zygote loads this module too.
 """
@@ -12,6 +12,19 @@ DISPLAY = "display"  # successful execution without standard output: IPython-sty
 ERROR = "error"  # execution error: compact message and traceback
 TIMEOUT = "timeout"  # the code did not finish within its wall-clock limit
 RESULT_KINDS = (STDOUT, DISPLAY, ERROR, TIMEOUT)
+
+
+def valid_unicode(text: str) -> str:
+    """`text` with every lone surrogate replaced by U+FFFD (surrogate pairs joined). Model code
+    can put lone surrogates into an exception message; JSON carries them, but encoding such a
+    string to UTF-8 raises, far from where it came from."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 @dataclasses.dataclass
@@ -32,6 +45,7 @@ class ExecResult:
     def __post_init__(self):
         if self.kind not in RESULT_KINDS:
             raise ValueError(f"ExecResult.kind must be one of {RESULT_KINDS}, got {self.kind!r}")
+        self.text = valid_unicode(self.text)
 
     @property
     def ok(self) -> bool:

@@ -1,20 +1,21 @@
-"""Child-side execution: what happens inside one freshly forked sandbox process.
+"""Child-side execution: what happens inside one sandbox process.
 
-The worker (see zygote.py) forks one child per call, with the call or ahead of need (a warm
-sandbox, which waits on a socket for its call). What is the same for every sandbox (signals,
-the scrubbed environment, stdio streams) the zygote prepared once (prepare_zygote). The child
-confines itself (its own session, parent-death signal, nice, HOME/TMPDIR and a fresh working
-directory); once it has its call it sets its rlimits, drops to its unprivileged uid, runs the
-model's code with `exec`, and writes ONE JSON line describing the outcome on fd 3.
-Everything the model printed goes to fd 1/2, which the worker reads with a cap.
+A sandbox is cloned by its slot's forker (see forker.py) into its own PID and mount namespaces,
+the slot's cgroups and the forker's seccomp filter (no new privileges); what is the same for
+every sandbox (signals, the scrubbed environment, stdio streams) the zygote prepared once
+(prepare_zygote). The child confines itself in two steps. Before its call exists (a warm
+sandbox does this ahead of need): its own session, parent-death signal, oom_score_adj 1000, its
+own /proc, working directory and /dev/shm. Once the call has arrived over its channel: rlimits
+and the drop to its slot's unprivileged uid. Then it runs the model's code with `exec` and
+writes ONE JSON line describing the outcome on fd 3. Everything the model printed goes to
+fd 1/2, which the worker reads with a cap.
 
-Only the standard library is imported at module level: this module is loaded by the zygote.
+Only the standard library and rstarjax.env are imported: this module is loaded by the zygote.
 """
 from __future__ import annotations
 
 import ast
 import builtins
-import ctypes
 import dataclasses
 import fcntl
 import io
@@ -23,43 +24,46 @@ import linecache
 import os
 import re
 import resource
+import select
 import signal
-import socket
 import sys
 import traceback
 
+from rstarjax.env import isolation, seccomp, wire
+from rstarjax.env.verify import is_correct
+
 CODE_FILENAME = "<code>"
 RESULT_FD = 3
-CHANNEL_FD = 4  # a warm sandbox's socket to its worker, closed before the model's code runs
+READY = b"R"  # first byte on fd 3, written once confined: what follows may come from the model
+CHANNEL_FD = 4  # the sandbox's socket to its worker, closed before the model's code runs
 
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
-CLONE_NEWNS = 0x00020000
-CLONE_NEWPID = 0x20000000
-CLONE_NEWNET = 0x40000000
-MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_prctl = _libc.prctl  # resolved here, once: prepare_zygote sets its signature
+OOM_SCORE_ADJ = b"1000"  # the kernel's first choice when memory runs out, before any trainer
 
 
 @dataclasses.dataclass
 class SandboxLimits:
-    """Per-call resource limits (all enforced by the kernel inside the child)."""
+    """Resource limits of one call (all enforced by the kernel)."""
 
-    memory_bytes: int = 1 << 30  # RLIMIT_AS
-    max_processes: int = 32  # RLIMIT_NPROC (processes + threads), per sandbox uid (one uid per slot)
+    memory_bytes: int = 1 << 30  # RLIMIT_AS, per process
+    max_processes: int = 32  # processes + threads of a call (RLIMIT_NPROC of its uid, and its cgroup)
     max_file_bytes: int = 64 << 20  # RLIMIT_FSIZE
     max_open_files: int = 256  # RLIMIT_NOFILE
     max_output_bytes: int = 64 << 10  # per stream kept by the worker (head + tail)
     cpu_slack_s: int = 1  # RLIMIT_CPU = ceil(timeout) + slack (wall clock is enforced separately)
     nice: int = 10  # sandboxes yield to their worker, so a fork bomb cannot starve the kill
+    call_memory_bytes: int = 1 << 30  # all processes of a call together, its files included (cgroup)
+    call_cpus: float = 1.0  # CPU time of all processes of a call together: <= call_cpus x timeout (cgroup)
+    disk_bytes: int = 256 << 20  # size of each of the call's own tmpfs: working dir, /dev/shm
 
 
-def libc_call(name: str, *args) -> int:
-    """Call a libc function; returns 0 or the errno (never raises)."""
-    rc = getattr(_libc, name)(*args)
-    return 0 if rc == 0 else (ctypes.get_errno() or -1)
+@dataclasses.dataclass(frozen=True)
+class Confinement:
+    """What every sandbox of one slot does to itself: fixed per slot, known before any call."""
+
+    workdir: str
+    uid: int | None  # the slot's unprivileged uid; None: no uid drop here
+    call_mounts: bool  # its own tmpfs for workdir and /dev/shm (it has its own mount namespace)
+    own_proc: bool  # and a /proc of its own PID namespace
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,59 +107,95 @@ def drop_privileges(uid: int) -> None:
         os._exit(99)
 
 
-def prepare_zygote() -> None:
+def set_parent_death_signal() -> None:
+    """SIGKILL when the parent dies. The kernel clears this at fork and at every uid change."""
+    isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def worker_gone() -> bool:
+    """Has the worker died (it holds the only read end of our result pipe)? Checked after the
+    parent-death signal is set again, so a worker that died before is caught here and one that
+    dies after sends the signal."""
+    poller = select.poll()
+    poller.register(RESULT_FD, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def prepare_zygote() -> bool:
     """Everything a sandbox needs that depends neither on the call nor on the sandbox: done once
-    in the zygote, so every fork inherits it instead of redoing it.
+    in the zygote, so every fork inherits it instead of redoing it. Returns whether the seccomp
+    filter is available (forkers install it).
 
     Why: a forked child pays a copy-on-write page fault (about 4 us on a 2-core VM) for every
     page it writes, and touching an object writes its reference count. Redone in each child,
-    resetting five signals, scrubbing `os.environ`, resolving `prctl` through ctypes and building
-    three text streams touched about 200 pages: a quarter of a trivial call's sandbox CPU."""
+    resetting five signals, scrubbing `os.environ` and building three text streams touched about
+    200 pages: a quarter of a trivial call's sandbox CPU."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM):
         signal.signal(sig, signal.SIG_DFL)
     # A non-default SIGPIPE disposition is what CPython itself sets: keep EPIPE as an exception.
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     # (SIGCHLD: the zygote ignores it to reap its workers; each worker resets it to SIG_DFL,
-    # which its sandboxes inherit.)
+    # which its forkers and sandboxes inherit.)
     for key in [k for k in os.environ if k not in SAFE_ENV and k != "HOME"]:
         del os.environ[key]  # e.g. PYTHONDONTWRITEBYTECODE: read at startup, unneeded since
-    _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    _prctl.restype = ctypes.c_int
     install_stdio()
+    return seccomp.prepare()
 
 
-def confine_before_call(workdir: str) -> None:
-    """What does not depend on the call (a warm sandbox does it before its call exists, see
-    child_main). Still root: no process runs under a sandbox uid between calls, and the uid's
-    limits start with the call. What does not depend on the sandbox either was done once in the
-    zygote (prepare_zygote)."""
+def confine_before_call(confinement: Confinement, limits: SandboxLimits) -> None:
+    """What does not depend on the call (a warm sandbox does it before its call exists). Still
+    root: no process runs under a sandbox uid between calls, and the uid's limits start with the
+    call."""
     os.setsid()  # own session and process group
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # worker dies -> we die
-    os.chdir(workdir)
-    os.environ["HOME"] = workdir
-    os.environ["TMPDIR"] = workdir
+    isolation.set_process_name("rj-sandbox")
+    set_parent_death_signal()  # worker dies -> we die
+    try:
+        with open("/proc/self/oom_score_adj", "wb", 0) as f:
+            f.write(OOM_SCORE_ADJ)  # as root: also the floor the sandbox cannot go below
+    except OSError:
+        pass
+    if confinement.call_mounts:
+        isolation.mount_call_filesystems(confinement.workdir, confinement.uid, limits.disk_bytes, confinement.own_proc)
+    os.chdir(confinement.workdir)
+    os.environ["HOME"] = confinement.workdir
+    os.environ["TMPDIR"] = confinement.workdir
 
 
-def confine_for_call(limits: SandboxLimits, timeout_s: float, sandbox_uid: int | None) -> None:
+def confine_for_call(confinement: Confinement, limits: SandboxLimits, timeout_s: float) -> None:
     """The rest of the confinement, once the call (and so its timeout) is known; then the
     model's code runs. Any failure aborts the child."""
     set_limits(limits, timeout_s)
-    if sandbox_uid is not None:
-        drop_privileges(sandbox_uid)
+    if confinement.uid is not None:
+        drop_privileges(confinement.uid)
+        set_parent_death_signal()  # the uid change cleared it
+        if worker_gone():
+            os._exit(0)
     os.umask(0o077)
 
 
 # --------------------------------------------------------------------------------------------
 # Running the code (IPython-like: the value of a trailing expression is displayed).
 
-_LIB_PATH = re.compile(r"(/[^\s\"':]*)?/(site|dist)-packages/")
-_STDLIB_PATH = re.compile(re.escape(os.path.dirname(os.__file__)) + r"/")
+_TOKEN_BOUNDARY = re.compile(r"""([\s"':]+)""")
+_LIB_DIRS = ("/site-packages/", "/dist-packages/")
+_STDLIB_DIR = os.path.dirname(os.__file__) + "/"
+
+
+def _scrub_token(token: str) -> str:
+    """`/any/path/site-packages/x` -> `<lib>/x` (from the token's first "/" to its last library
+    directory)."""
+    end = max((token.rfind(d) + len(d) for d in _LIB_DIRS if d in token), default=-1)
+    if end < 0:
+        return token
+    return token[: token.index("/")] + "<lib>/" + token[end:]
 
 
 def scrub_paths(text: str, workdir: str | None = None) -> str:
-    """Remove host paths from messages shown to the model."""
-    text = _LIB_PATH.sub("<lib>/", text)
-    text = _STDLIB_PATH.sub("<stdlib>/", text)
+    """Remove host paths from messages shown to the model. Linear in the text (hostile stderr
+    reaches this in the worker)."""
+    if "-packages/" in text:
+        text = "".join(_scrub_token(t) if "-packages/" in t else t for t in _TOKEN_BOUNDARY.split(text))
+    text = text.replace(_STDLIB_DIR, "<stdlib>/")
     if workdir:
         text = text.replace(workdir + "/", "").replace(workdir, ".")
     return text
@@ -243,59 +283,37 @@ def move_fds(targets: dict[int, int]) -> None:
     os.closerange(max(targets) + 1, 1 << 16)  # nothing of the worker's reaches the model
 
 
-def receive_call(channel_fd: int) -> tuple[dict, int] | None:
-    """Block until the worker hands over a call: (call, stdin fd), or None when it closed the
-    channel instead (the worker is going away)."""
-    sock = socket.socket(fileno=channel_fd)
-    try:
-        _, fds, _, _ = socket.recv_fds(sock, 16, 2)
-    finally:
-        sock.detach()  # the fd stays open: the caller closes it
-    if len(fds) != 2:
-        for fd in fds:
-            os.close(fd)
-        return None
-    call_fd, stdin_fd = fds
-    try:
-        with os.fdopen(call_fd, "rb") as f:  # the worker rewound it
-            call = json.loads(f.read())
-    except BaseException:
-        os.close(stdin_fd)
-        raise
-    return call, stdin_fd
+def child_main(limits: SandboxLimits, confinement: Confinement, fds: dict) -> None:
+    """Entry point of a sandbox, in the child of the forker's clone. Never returns.
 
-
-def child_main(limits: SandboxLimits, workdir: str, sandbox_uid: int | None, fds: dict, call: dict | None) -> None:
-    """Entry point of a forked sandbox. Never returns.
-
-    With `call` (a cold start) it runs that call, reading stdin from `fds["stdin"]`. Without
-    (a warm sandbox, forked ahead of need) it does every step that does not depend on the call,
-    then waits on `fds["channel"]` for the call and its stdin (two memfds)."""
+    It does every step that does not depend on the call, then takes its call and stdin from
+    `fds["channel"]` (two memfds; already waiting there for a cold start, sent later to a warm
+    sandbox), finishes its confinement and runs the call."""
     status = 70
     try:
-        # First: until then we run at the worker's priority and would delay the worker itself.
-        os.setpriority(os.PRIO_PROCESS, 0, limits.nice)
-        targets = {1: fds["stdout"], 2: fds["stderr"], RESULT_FD: fds["result"]}
-        if call is None:
-            targets[CHANNEL_FD] = fds["channel"]
-        else:
-            targets[0] = fds["stdin"]
-        move_fds(targets)
-        confine_before_call(workdir)
-        if call is None:
-            received = receive_call(CHANNEL_FD)
-            if received is None:
-                status = 0
-                return
-            call, stdin_fd = received
-            os.dup2(stdin_fd, 0)
-            os.close(stdin_fd)
-            os.close(CHANNEL_FD)  # the model gets fds 0-3 and nothing else
-        confine_for_call(limits, float(call["timeout"]), sandbox_uid)
+        os.setpriority(os.PRIO_PROCESS, 0, limits.nice)  # first: yield to the worker at once
+        move_fds({1: fds["stdout"], 2: fds["stderr"], RESULT_FD: fds["result"], CHANNEL_FD: fds["channel"]})
+        confine_before_call(confinement, limits)
+        received = wire.receive_call(CHANNEL_FD)
+        if received is None:  # the worker is going away
+            status = 0
+            return
+        call, stdin_fd = received
+        os.dup2(stdin_fd, 0)
+        os.close(stdin_fd)
+        os.close(CHANNEL_FD)  # the model gets fds 0-3 and nothing else
+        confine_for_call(confinement, limits, float(call["timeout"]))
+    except BaseException:  # noqa: BLE001 - our failure, not the model's: the worker reports it
+        traceback.print_exc(file=sys.stderr)
+        os._exit(status)
+    try:
+        # Before this byte the model has not run; without it the worker knows the sandbox failed
+        # to start (an infrastructure error), and the model cannot forge that once it runs.
+        os.write(RESULT_FD, READY)
         if call["op"] == "verify":
-            payload = _run_verify(call)
+            payload = run_verify(call)
         else:
-            payload = run_code(call["code"], workdir, limits.max_output_bytes)
+            payload = run_code(call["code"], confinement.workdir, limits.max_output_bytes)
         try:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -307,9 +325,8 @@ def child_main(limits: SandboxLimits, workdir: str, sandbox_uid: int | None, fds
         os._exit(status)
 
 
-def _run_verify(call: dict) -> dict:
-    from rstarjax.env.verify import is_correct  # preloaded by the zygote; under the pool's kill
-
+def run_verify(call: dict) -> dict:
+    """The reward check (math-verify, preloaded by the heavy zygote), under the pool's kill."""
     try:
         return {"status": "verify", "correct": bool(is_correct(call["response"], call["gold"]))}
     except BaseException as exc:  # noqa: BLE001

@@ -74,6 +74,20 @@ def parse_tool_calls(text: str, tool_names: tuple[str, ...] = (TOOL_NAME,)) -> l
 
 
 def parse_tool_call_body(body: str, tool_names: tuple[str, ...] = (TOOL_NAME,)) -> ToolCall | ToolCallError:
+    """One call's body (the text between the tags). Never raises: whatever the model wrote
+    (nesting deeper than the parser's recursion limit included) becomes a ToolCallError."""
+    try:
+        return _parse_body(body, tool_names)
+    except Exception as exc:  # noqa: BLE001 - the contract: model text never raises
+        return ToolCallError(f"Tool call could not be parsed ({type(exc).__name__}).")
+
+
+def _describe(value) -> str:
+    """A short description of a JSON value for an error message (never recursive)."""
+    return repr(value[:100]) if isinstance(value, str) else type(value).__name__
+
+
+def _parse_body(body: str, tool_names: tuple[str, ...]) -> ToolCall | ToolCallError:
     body = body.strip()
     if not body:
         return ToolCallError("Tool call is empty: expected a JSON object with \"name\" and \"arguments\".")
@@ -87,12 +101,12 @@ def parse_tool_call_body(body: str, tool_names: tuple[str, ...] = (TOOL_NAME,)) 
     name = obj.get("name")
     if name not in tool_names:
         known = ", ".join(tool_names)
-        return ToolCallError(f"Unknown tool {str(name)[:100]!r}; available tools: {known}.")
+        return ToolCallError(f"Unknown tool {_describe(name)}; available tools: {known}.")
     args = obj.get("arguments")
     if isinstance(args, str):  # some models double-encode the arguments
         try:
             args = json.loads(args, strict=False)
-        except ValueError:
+        except (ValueError, RecursionError):
             return ToolCallError("Tool call \"arguments\" is a string that is not a JSON object.")
     if not isinstance(args, dict):
         return ToolCallError("Tool call needs an \"arguments\" object with a \"code\" string.")

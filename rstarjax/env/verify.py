@@ -4,14 +4,24 @@ matches the ground truth under math-verify, else 0).
 `is_correct` is the pure check with no time limit of its own: the sandbox runs it inside a pool
 process under the pool's wall-clock kill (`CodeExecutor.submit_verify`, the training path).
 `verify_answer` is the standalone form: the integer fast path in-process, anything that needs
-sympy in a forked child that is killed after `timeout` seconds (reward 0). math-verify's own
-timeouts are disabled on purpose: they use `signal.alarm`, which raises (and is swallowed, giving
-reward 0) off the main thread.
+sympy in a separate verifier interpreter (started once, math-verify preloaded) that is killed after
+`timeout` seconds (reward 0). The caller is never forked: a fork of a process whose threads
+(JAX's, say) hold locks can deadlock the child. math-verify's own timeouts are disabled on
+purpose: they use `signal.alarm`, which raises (and is swallowed, giving reward 0) off the main
+thread.
+
+Only the standard library is imported at module level: the zygote loads this module.
 """
 from __future__ import annotations
 
-import multiprocessing
+import json
+import os
 import re
+import select
+import subprocess
+import sys
+import threading
+import time
 
 _ANSWER_BLOCK = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
 _BOX_OPENERS = ("\\boxed", "\\fbox")
@@ -103,42 +113,129 @@ def is_correct(response_text: str, gold) -> bool:
 
 
 def verify_answer(response_text: str, gold, timeout: float = 5.0) -> bool:
-    """`is_correct` with a wall-clock bound: the sympy path runs in a forked child that is
+    """`is_correct` with a wall-clock bound: the sympy path runs in a separate verifier interpreter that is
     killed after `timeout` seconds, which counts as wrong (reward 0). Safe to call from any
-    thread (no signal.alarm). For many rewards at once use `CodeExecutor.submit_verify`."""
+    thread, and from a process with threads (nothing is forked from it). For many rewards at once
+    use `CodeExecutor.submit_verify`."""
     gold_text = str(gold).strip()
     answer = extract_final_answer(response_text)
     verdict = _integer_verdict(answer, gold_text)
     if verdict is not None:
         return verdict
-    ctx = multiprocessing.get_context("fork")
-    parent_end, child_end = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_verify_in_child, args=(answer, gold_text, child_end), daemon=True)
-    child.start()
-    child_end.close()
+    verifier = _VerifierProcess.checkout()
     try:
-        if parent_end.poll(timeout):
-            return bool(parent_end.recv())
+        verdict = verifier.ask(answer, gold_text, timeout)
+    except (OSError, TimeoutError, ValueError):  # hung, died, or out of memory: reward 0
+        verifier.kill()
         return False
-    except EOFError:  # the child died (e.g. out of memory): no verdict, reward 0
-        return False
-    finally:
-        parent_end.close()
-        if child.is_alive():
-            child.kill()
-        child.join(timeout=5.0)
+    _VerifierProcess.checkin(verifier)
+    return verdict
 
 
-def _verify_in_child(answer: str, gold_text: str, conn) -> None:
+# A clean interpreter: this file loaded by path (rstarjax/__init__.py, which may import jax, never
+# runs), math-verify warmed up, then one JSON line in, one verdict line out, until EOF. Its
+# answers carry a prefix: anything else a library prints to stdout is skipped.
+_VERIFIER_MAIN = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("rstarjax_verifier", sys.argv[1])
+verify = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(verify)
+verify.warm_up()
+print("rstarjax-verifier: ready", flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
     try:
-        conn.send(_math_verify(answer, gold_text))
+        verdict = verify._math_verify(request["answer"], request["gold"])
     except Exception:
-        conn.send(False)
-    finally:
-        conn.close()
+        verdict = False
+    print("rstarjax-verifier:", int(bool(verdict)), flush=True)
+"""
+
+
+_ANSWER_PREFIX = b"rstarjax-verifier:"
+
+
+class _VerifierProcess:
+    """One verifier interpreter; idle ones are kept for the next call (at most `KEEP`)."""
+
+    KEEP = 2
+    START_TIMEOUT_S = 120.0
+    _idle: list["_VerifierProcess"] = []
+    _lock = threading.Lock()
+
+    def __init__(self):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _VERIFIER_MAIN, os.path.abspath(__file__)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd="/",
+        )
+        self.buffer = b""
+        try:
+            ready = self._read_line(time.monotonic() + self.START_TIMEOUT_S)
+        except (OSError, TimeoutError):
+            ready = b""
+        if ready != b"ready":
+            self.kill()
+            raise OSError("the verifier process did not start")
+
+    @classmethod
+    def checkout(cls) -> "_VerifierProcess":
+        with cls._lock:
+            while cls._idle:
+                verifier = cls._idle.pop()
+                if verifier.proc.poll() is None:
+                    return verifier
+        return cls()
+
+    @classmethod
+    def checkin(cls, verifier: "_VerifierProcess") -> None:
+        with cls._lock:
+            if len(cls._idle) < cls.KEEP:
+                cls._idle.append(verifier)
+                return
+        verifier.close()
+
+    def ask(self, answer: str, gold_text: str, timeout: float) -> bool:
+        self.proc.stdin.write((json.dumps({"answer": answer, "gold": gold_text}) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._read_line(time.monotonic() + timeout) == b"1"
+
+    def _read_line(self, deadline: float) -> bytes:
+        """The verifier's next answer (after its prefix)."""
+        fd = self.proc.stdout.fileno()
+        while True:
+            while b"\n" not in self.buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                    raise TimeoutError("the verifier did not answer in time")
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    raise OSError("the verifier process exited")
+                self.buffer += chunk
+            line, self.buffer = self.buffer.split(b"\n", 1)
+            if line.startswith(_ANSWER_PREFIX):
+                return line[len(_ANSWER_PREFIX) :].strip()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()  # EOF: it exits
+            self.proc.wait(5)
+        except (OSError, subprocess.TimeoutExpired):
+            self.kill()
+        finally:
+            self.proc.stdout.close()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
 
 
 def _math_verify(answer: str, gold_text: str) -> bool:
+    # Imported here: sympy-heavy, and this module is loaded where it must not be (the lean zygote).
     from math_verify import grader, parse, parser, verify
 
     # We disable math-verify's alarm-based timeouts on purpose (see module docstring); the

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
+# Training/scoring attention over packed rows (models/attention.py).
+PACKED_ATTENTION = ("auto", "dense", "blockwise", "splash", "pallas_gpu", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +43,13 @@ class ModelConfig:
     remat_policy: str = "none"  # none | full | dots | dots_no_batch (per decoder layer)
     scan_layers: bool = True  # lax.scan over the stacked layers (fast compile) vs unrolled
     attention_impl: str | None = None  # jax.nn.dot_product_attention implementation
+    # Training/scoring forward (models/attention.py): auto = splash on TPU, the Pallas flash kernel
+    # on CUDA, dense for short rows else blockwise elsewhere; memory linear in T except "dense".
+    packed_attention: str = "auto"
+    attention_block_size: int | None = None  # tile of the fused kernels; None = theirs
+    # Token log-probs (models/logprobs.py): positions projected onto the vocabulary at a time,
+    # every row of the micro-batch together; never [B, T, V] for T above it.
+    vocab_chunk_len: int = 1024
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -54,6 +63,13 @@ class ModelConfig:
         if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(
                 f"attention_impl={self.attention_impl!r} not in {ATTENTION_IMPLEMENTATIONS}")
+        if self.packed_attention not in PACKED_ATTENTION:
+            raise ValueError(
+                f"packed_attention={self.packed_attention!r} not in {PACKED_ATTENTION}")
+        if (self.attention_block_size is not None and self.attention_block_size <= 0) \
+                or self.vocab_chunk_len <= 0:
+            raise ValueError(f"attention_block_size={self.attention_block_size} and "
+                             f"vocab_chunk_len={self.vocab_chunk_len} must be positive")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture={self.architecture!r} not in {SUPPORTED_ARCHITECTURES}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -76,6 +92,20 @@ class ModelConfig:
         per_layer = attn + 3 * d * f + norms
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * per_layer + embed + d
+
+    def train_flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of training on one token of a ``seq_len``-token row (for MFU).
+
+        6 x the matmul parameters (LM head included, the embedding lookup is not a matmul) plus
+        causal attention: per layer QK^T and PV each take 2 x heads x head_dim FLOPs per
+        (query, key) pair, a query sees (seq_len + 1) / 2 keys on average, and the backward pass
+        costs twice the forward: 6 x layers x heads x head_dim x (seq_len + 1). Recomputation
+        (remat) is not counted (PaLM's MFU convention, Chowdhery et al. 2022, appendix B)."""
+        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+        nq, nkv, layers = self.num_attention_heads, self.num_key_value_heads, self.num_hidden_layers
+        matmul_params = layers * (d * nq * h + 2 * d * nkv * h + nq * h * d + 3 * d * f)
+        matmul_params += d * self.vocab_size
+        return 6.0 * matmul_params + 6.0 * layers * nq * h * (seq_len + 1)
 
     # ---- presets ------------------------------------------------------------------------
     @classmethod

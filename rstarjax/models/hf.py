@@ -243,17 +243,43 @@ def _shard_file_name(k: int, n: int) -> str:
     return f"model-{k + 1:05d}-of-{n:05d}.safetensors"
 
 
+def default_tokenizer_for(cfg: ModelConfig):
+    """The tokenizer a model's vocabulary implies, or None when it implies none.
+
+    A vocabulary with room for all of Qwen3's tokens is Qwen3's (151,936 rows; Qwen2.5's larger
+    table too): the full tokenizer. A smaller table (a demo or test model) could belong to any
+    small-vocabulary variant (their tables are padded), so it names no tokenizer."""
+    from rstarjax.models.tokenizer import load_tokenizer
+
+    full = load_tokenizer()
+    return full if cfg.vocab_size >= full.num_tokens else None
+
+
 def save_hf(model: Qwen3, path: str, tokenizer=None, max_shard_bytes: int = 5 * 2**30,
             dtype=None) -> None:
     """Write a transformers-loadable directory: config.json, generation_config.json,
     ``model-0000k-of-0000n.safetensors`` shards of at most ``max_shard_bytes`` (a single larger
-    tensor gets its own shard), model.safetensors.index.json, and the tokenizer if given.
-    ``dtype`` (default: the parameters' dtype) is the saved tensor dtype."""
+    tensor gets its own shard), model.safetensors.index.json, and the tokenizer files.
+    ``dtype`` (default: the parameters' dtype) is the saved tensor dtype.
+
+    ``tokenizer``: the model's tokenizer (``models.load_tokenizer(...)``). ``None`` writes the
+    tokenizer the vocabulary implies (Qwen3's for a full-size table) and raises when it implies
+    none, since a directory without a tokenizer makes ``AutoTokenizer.from_pretrained`` quietly
+    return an empty one; ``False`` writes the weights only, on purpose."""
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
-        raise TypeError(f"tokenizer {type(tokenizer).__name__} has no save_pretrained(path)")
     cfg = model.config
+    if tokenizer is None:
+        tokenizer = default_tokenizer_for(cfg)
+        if tokenizer is None:
+            raise ValueError(
+                f"save_hf: a {cfg.vocab_size}-row vocabulary does not say which tokenizer the model uses; "
+                "pass tokenizer=load_tokenizer(num_regular_tokens) (or tokenizer=False for weights only)")
+    if tokenizer is not False and not hasattr(tokenizer, "save_pretrained"):
+        raise TypeError(f"tokenizer {type(tokenizer).__name__} has no save_pretrained(path)")
+    if tokenizer is not False and len(tokenizer) > cfg.vocab_size:
+        raise ValueError(f"save_hf: the tokenizer has {len(tokenizer)} tokens but the model only "
+                         f"{cfg.vocab_size} embedding rows")
     out_dtype = np.dtype(dtype if dtype is not None else cfg.param_dtype)
     if out_dtype not in _DTYPE_NAMES:
         raise ValueError(f"cannot save dtype {out_dtype}")
@@ -302,5 +328,5 @@ def save_hf(model: Qwen3, path: str, tokenizer=None, max_shard_bytes: int = 5 * 
            "do_sample": False}
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2)
-    if tokenizer is not None:
+    if tokenizer is not False:
         tokenizer.save_pretrained(path)

@@ -6,9 +6,15 @@ checkpoints, sharding rules and HF conversion never depend on ``scan_layers``.
 
 Entry points (docs/design.md):
   ``model(tokens, positions=None, segment_ids=None) -> f32[B, T, V]`` packed training forward;
+  ``model.hidden(tokens, positions, segment_ids) -> [B, T, D]`` the same forward up to the final
+  norm, and ``model.token_logprobs(...)`` the per-token log-probs and entropies from it with the
+  vocabulary projected chunk by chunk (models/logprobs.py: no [B, T, V] for long rows);
   ``model.decode(tokens, cache, num_new) -> (f32[B, T, V], KVCache)`` cached forward, dense cache;
   ``paged_forward(cfg, serving_weights(...), tokens, paged_cache, num_new)`` the serving engine's
   forward over a paged KV pool (last-token logits only; layers unrolled over per-layer arrays).
+The packed forward's attention is ``models.attention.packed_attention`` (fused / blockwise,
+memory linear in T; ``ModelConfig.packed_attention``); decoding attends with ``attend``, the
+paged forward with ``models.paged_attention``.
 """
 from __future__ import annotations
 
@@ -19,8 +25,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rstarjax.models.attention import choose_implementation, packed_attention, segment_causal_mask
 from rstarjax.models.config import ModelConfig
 from rstarjax.models.kv_cache import KVCache, PagedKVCache
+from rstarjax.models.logprobs import token_logprobs_from_hidden
 from rstarjax.models.paged_attention import (paged_attention_reference, paged_decode_attention,
                                              ragged_decode_attention, write_kv_pages)
 from rstarjax.models.sharding import constrain
@@ -62,15 +70,6 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     """GQA attention: q[B,T,N,H], k/v[B,S,K,H], mask bool[B,1,T,S] (True = attend)."""
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=q.shape[-1] ** -0.5,
                                         implementation=implementation)
-
-
-def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
-    """bool[B,1,T,T]: token t sees s <= t of the same segment (padding id 0 sees padding, so no
-    row is empty and no NaN appears; its outputs are ignored by callers)."""
-    t = segment_ids.shape[1]
-    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (causal[None] & same)[:, None]
 
 
 def _remat(fn: Callable, policy: str) -> Callable:
@@ -206,9 +205,10 @@ class Qwen3(nnx.Module):
         return x, carry_extra
 
     # ---- training / scoring forward -------------------------------------------------------
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
-        """int32[B,T] -> f32[B,T,V]. Packed sequences: causal attention within a segment."""
+    def _packed_forward(self, tokens: jax.Array, positions: jax.Array | None,
+                        segment_ids: jax.Array | None) -> jax.Array:
+        """The decoder stack over packed rows: int32[B,T] -> residual stream [B,T,D] (before
+        the final norm). Causal attention within a segment (``packed_attention``)."""
         cfg = self.config
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be int32[B, T], got shape {tokens.shape}")
@@ -220,16 +220,51 @@ class Qwen3(nnx.Module):
         if positions.shape != (b, t) or segment_ids.shape != (b, t):
             raise ValueError(f"positions {positions.shape} and segment_ids {segment_ids.shape} "
                              f"must match tokens {tokens.shape}")
-        mask = segment_causal_mask(segment_ids)
         sin, cos = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
+        impl = choose_implementation(cfg.packed_attention, t)
+        if impl == "dense":  # short rows: one [B,1,T,T] mask shared by every layer
+            mask = segment_causal_mask(segment_ids)
+            attention = lambda q, k, v: (attend(q, k, v, mask, cfg.attention_impl), None)
+        else:
+            attention = lambda q, k, v: (packed_attention(
+                q, k, v, segment_ids, impl, block=cfg.attention_block_size), None)
 
         def layer_fn(p, x, extra, i):
-            attention = lambda q, k, v: (attend(q, k, v, mask, cfg.attention_impl), None)
             x, _ = decoder_layer(cfg, p, x, sin, cos, attention)
             return x, extra
 
         x, _ = self._run_layers(self._embed(tokens), sin, cos, layer_fn, ())
-        return self._logits(x)
+        return x
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """int32[B,T] -> f32[B,T,V]. Packed sequences: causal attention within a segment."""
+        return self._logits(self._packed_forward(tokens, positions, segment_ids))
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+        """int32[B,T] -> final-normed hidden states [B,T,D] in the compute dtype: the logits are
+        ``hidden @ output_projection`` (``output_projection``)."""
+        cfg = self.config
+        x = self._packed_forward(tokens, positions, segment_ids)
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps).astype(cfg.dtype)
+
+    def output_projection(self) -> tuple[jax.Array, bool]:
+        """(weight, vocab_major): the LM head [D, V], or the tied embedding [V, D] (True)."""
+        if self.lm_head is None:
+            return self.embed[...], True
+        return self.lm_head[...], False
+
+    def token_logprobs(self, tokens: jax.Array, positions: jax.Array | None = None,
+                       segment_ids: jax.Array | None = None, *, with_entropy: bool = True
+                       ) -> tuple[jax.Array, jax.Array | None]:
+        """f32[B,T] log pi(tokens[:, t] | tokens[:, <t]) and the entropy of that distribution
+        (column 0 is 0; ``models.logprobs``), the vocabulary projected ``vocab_chunk_len``
+        positions at a time. Equal to the log-softmax of ``model(...)`` gathered at the tokens."""
+        weight, vocab_major = self.output_projection()
+        return token_logprobs_from_hidden(
+            self.hidden(tokens, positions, segment_ids), weight, tokens, vocab_major=vocab_major,
+            chunk_len=self.config.vocab_chunk_len, with_entropy=with_entropy)
 
     # ---- cached decoding ------------------------------------------------------------------
     def decode(self, tokens: jax.Array, cache: KVCache, num_new: jax.Array

@@ -30,6 +30,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("seq", None),
     ("act_embed", None),
     ("act_mlp", "tensor"),
+    ("act_heads", "tensor"),  # attention heads inside the fused attention kernels
     ("act_vocab", "tensor"),
 )
 

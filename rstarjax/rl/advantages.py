@@ -62,6 +62,21 @@ def is_informative_group(rewards, atol: float = 0.0) -> bool:
     return bool(np.ptp(r) > atol)
 
 
+def is_equal_reward_group(rewards) -> bool:
+    """Batch filtering of rStar2-Agent §4.3 ("problems in a batch are rejected due to achieving a
+    perfect pass rate"): True when every rollout of a prompt earned the same reward, so the group
+    has zero advantage (eq. 7) and no gradient; its tokens would only enlarge eq. 6's token
+    denominator. The official code (``down_sample/reject_sampling.py``, ``reject_equal_reward``,
+    on in its run script) drops such groups before RoC, all-correct and all-wrong alike, without
+    refilling; its test ``torch.allclose(r[0], r)`` is reproduced by ``np.allclose(r[0], r)``
+    (same tolerances, rtol 1e-5 and atol 1e-8).
+    """
+    r = np.asarray(rewards, np.float64)
+    if r.ndim != 1 or r.size == 0:
+        raise ValueError(f"rewards must be a non-empty 1-D array, got shape {r.shape}")
+    return bool(np.allclose(r[0], r))
+
+
 def kimi_length_reward(lengths, correct, coef: float = 1.0) -> np.ndarray:
     """Kimi k1.5 length penalty (Kimi Team 2025, §2.3.3 of the published report; §3.2.9 of the
     draft describes it without the formula): per group,

@@ -9,8 +9,13 @@ response turn -> decode on, until one of:
 - the ``max_turns``-th turn asks for a tool: ``MAX_TURNS`` (that call is not executed);
 - the response budget (model + tool tokens) or the slot's context is exhausted:
   ``MAX_LENGTH`` (truncated, reward 0);
-- the tool layer fails or a wait times out: ``ERROR`` (reward 0). Terminal conditions end
-  the episode cleanly (SkyRL-Agent §3.4); recoverable ones (a malformed call, code that
+- the infrastructure fails (SkyRL-Agent §3.4 "terminal" conditions): ``ERROR``, with
+  ``Trajectory.error`` saying what failed. An infrastructure answer of the code environment
+  (``ExecResult.infra_error``: a worker died, the queue timed out, overload) is retried up to
+  ``AgentConfig.infra_retries`` times and never shown to the model; past that, or when the
+  executor is gone, a tool wait or the verification exceeds its bound, the episode ends. The
+  trainer excludes ``ERROR`` trajectories from the update and counts them: they are the
+  environment's errors, not the model's. Recoverable conditions (a malformed call, code that
   raises or times out) go back to the model inside ``<tool_response>``.
 
 Token bookkeeping (token-in/token-out, never re-tokenized):
@@ -26,7 +31,11 @@ Token bookkeeping (token-in/token-out, never re-tokenized):
 
 The reward is ``executor.submit_verify(model_text, gold)`` on the *model's* text only, so a
 program printing ``\\boxed{...}`` in a tool response cannot earn it; truncated / errored
-episodes get 0 without verification.
+episodes get 0 without verification. Each episode waits for its own verification at most
+``verify_wait_s`` from the moment it was submitted, or from the end of the batch's rollouts when
+that is later (queueing in the pool included); a verifier that ran out of its own wall-clock
+limit in the sandbox (``verify_timeout_s``) scores 0, as a wrong answer, while one that never
+answered is an infrastructure error.
 """
 from __future__ import annotations
 
@@ -57,7 +66,12 @@ class AgentConfig:
     max_response_len: int = 8192  # model + tool tokens after the prompt
     tool_timeout_s: float = 5.0  # wall-clock limit of one code execution (in the sandbox)
     tool_wait_s: float = 60.0  # bound on waiting for the executor itself (infrastructure)
-    verify_timeout_s: float = 30.0
+    verify_timeout_s: float = 30.0  # the verifier's own wall-clock limit in the sandbox
+    # per episode: from its verification's submission, and never less than this after the last
+    # rollout ended (the pool is then free of tool calls), an answer must come (queue + run)
+    verify_wait_s: float = 300.0
+    infra_retries: int = 2  # infrastructure failures of one tool call retried before the episode ends
+    infra_retry_delay_s: float = 0.5  # before retry k: k times this (the pool replaces dead workers)
     max_tool_response_chars: int = 2048
     rollout_timeout_s: float = 3600.0
 
@@ -65,6 +79,28 @@ class AgentConfig:
         if self.max_turns < 1 or self.max_response_len < 2:
             raise ValueError(f"need max_turns >= 1 and max_response_len >= 2, got "
                              f"{self.max_turns}, {self.max_response_len}")
+        if self.infra_retries < 0 or self.infra_retry_delay_s < 0:
+            raise ValueError("infra_retries and infra_retry_delay_s must be >= 0")
+        if self.verify_wait_s < self.verify_timeout_s:
+            raise ValueError(f"verify_wait_s={self.verify_wait_s} must cover verify_timeout_s={self.verify_timeout_s}")
+
+
+class InfrastructureError(RuntimeError):
+    """A tool call the environment could not serve (after retries): ends the episode as ``ERROR``."""
+
+
+def _settle(fut: concurrent.futures.Future, result=None, exc: BaseException | None = None) -> None:
+    """Complete ``fut`` unless it is already done: the scheduler cancels a tool future it stopped
+    waiting for, and a late answer must then be dropped, not raise ``InvalidStateError``."""
+    if fut.done():
+        return
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except concurrent.futures.InvalidStateError:  # cancelled between the check and the set
+        pass
 
 
 @dataclasses.dataclass
@@ -111,9 +147,10 @@ class AgentEpisode:
         self.traj = Trajectory(prompt_ids=np.asarray(self.prompt_ids, np.int32), segments=[],
                                group_id=request.group_id, policy_version=request.policy_version)
         self.model_text = ""
-        self.error = ""
         self.verify_future: concurrent.futures.Future | None = None
+        self.verify_submitted = 0.0  # monotonic time the verification was submitted
         self.tool_wait_s = 0.0
+        self.infra_retries = 0  # tool calls resubmitted after an infrastructure answer
         self.done = False
         self._scripted = 0  # script tokens consumed by finished turns
         self._lock = threading.Lock()  # tool callbacks run on executor threads
@@ -154,16 +191,24 @@ class AgentEpisode:
         return Extend(ids, max_new_tokens=room - len(ids))
 
     def on_abort(self, why: str) -> None:
-        self.error = why
-        self._finish(Finish.ERROR)
+        self._infra_error(why)
 
     # ---- internals ----------------------------------------------------------------------------
+    def _infra_error(self, why: str) -> None:
+        self.traj.error = why
+        self.traj.reward = 0.0
+        self._finish(Finish.ERROR)
+
     def _finish(self, finish: Finish):
         self.traj.finish = finish
         self.done = True
         if finish not in (Finish.MAX_LENGTH, Finish.ERROR):
-            self.verify_future = self.executor.submit_verify(
-                self.model_text, self.request.gold_answer, timeout=self.config.verify_timeout_s)
+            try:
+                self.verify_future = self.executor.submit_verify(
+                    self.model_text, self.request.gold_answer, timeout=self.config.verify_timeout_s)
+                self.verify_submitted = time.monotonic()
+            except Exception as e:  # the executor is gone: the environment's failure
+                self._infra_error(f"the verifier could not be reached: {e!r}")
         return Done()
 
     def _dispatch(self, call) -> concurrent.futures.Future:
@@ -175,20 +220,40 @@ class AgentEpisode:
             self._count_error(call)
             out.set_result(self._tool_turn_ids(call))
             return out
-        t0 = time.monotonic()
-        fut = self.executor.submit(call.code, call.stdin, timeout=self.config.tool_timeout_s)
-
-        def done(f):
-            try:
-                result = f.result()
-                self.tool_wait_s += time.monotonic() - t0
-                self._count_error(result)
-                out.set_result(self._tool_turn_ids(result))
-            except BaseException as e:  # executor closed / infrastructure failure
-                out.set_exception(e)
-
-        fut.add_done_callback(done)
+        self._submit_tool(call, out, attempt=0, t0=time.monotonic())
         return out
+
+    def _submit_tool(self, call, out: concurrent.futures.Future, attempt: int, t0: float) -> None:
+        if out.done():  # the scheduler stopped waiting (cancelled): nothing to retry for
+            return
+        try:
+            fut = self.executor.submit(call.code, call.stdin, timeout=self.config.tool_timeout_s)
+        except Exception as e:  # executor closed: infrastructure
+            _settle(out, exc=InfrastructureError(f"code environment unavailable: {e!r}"))
+            return
+        fut.add_done_callback(lambda f: self._on_tool_result(f, call, out, attempt, t0))
+
+    def _on_tool_result(self, f: concurrent.futures.Future, call, out: concurrent.futures.Future,
+                        attempt: int, t0: float) -> None:
+        """Runs on an executor thread: never blocks (a retry is resubmitted from a timer thread)."""
+        try:
+            result = f.result()
+            if getattr(result, "infra_error", False):
+                if attempt < self.config.infra_retries and not out.done():
+                    with self._lock:
+                        self.infra_retries += 1
+                    timer = threading.Timer(self.config.infra_retry_delay_s * (attempt + 1), self._submit_tool,
+                                            args=(call, out, attempt + 1, t0))
+                    timer.daemon = True
+                    timer.start()
+                    return
+                raise InfrastructureError(f"code environment failed {attempt + 1} time(s): {result.text[:300]}")
+            with self._lock:
+                self.tool_wait_s += time.monotonic() - t0
+            self._count_error(result)
+            _settle(out, result=self._tool_turn_ids(result))
+        except BaseException as e:  # executor failure, or our own: the episode ends as ERROR
+            _settle(out, exc=e)
 
     def _count_error(self, outcome) -> None:
         kind = classify_tool_error(outcome)
@@ -202,20 +267,38 @@ class AgentEpisode:
         return encode_tool_response_turn(self.tokenizer, text, close_assistant_turn=True)
 
 
-def _collect_rewards(episodes: Sequence[AgentEpisode], timeout_s: float) -> int:
-    """Fill ``traj.reward``; returns how many verifications failed or timed out (reward 0)."""
-    deadline = time.monotonic() + timeout_s
-    failed = 0
+def _collect_rewards(episodes: Sequence[AgentEpisode], rollouts_end: float) -> dict[str, int]:
+    """Fill ``traj.reward`` from each episode's verification, waiting for each at most until its
+    own deadline: ``verify_wait_s`` after it was submitted, or after ``rollouts_end`` when that is
+    later (a verification queued behind the batch's tool calls gets its full window once they
+    are done; one batch-wide window would run out for the last ones in the queue). A
+    verification that never answered, or answered with an infrastructure error, ends the episode
+    as ``ERROR`` (excluded from the update); one the sandbox stopped at ``verify_timeout_s``
+    scores 0 like a wrong answer."""
+    counts = {"verify_timeouts": 0, "verify_infra_errors": 0}
     for ep in episodes:
         ep.traj.reward = 0.0
         if ep.verify_future is None:
             continue
+        deadline = max(ep.verify_submitted, rollouts_end) + ep.config.verify_wait_s
         try:
-            ep.traj.reward = float(bool(ep.verify_future.result(
-                timeout=max(0.0, deadline - time.monotonic()))))
-        except Exception:  # timeout / infrastructure: reward 0, counted
-            failed += 1
-    return failed
+            verdict = ep.verify_future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            verdict, why = None, f"the verifier did not answer within {ep.config.verify_wait_s:g} s"
+        except Exception as e:  # the executor failed
+            verdict, why = None, f"the verifier failed: {e!r}"
+        else:
+            why = getattr(verdict, "error", "")
+            if why:
+                verdict, why = None, f"the verifier failed: {why}"
+        if verdict is None:
+            counts["verify_infra_errors"] += 1
+            ep.traj.error = why
+            ep.traj.finish = Finish.ERROR
+            continue
+        counts["verify_timeouts"] += int(bool(getattr(verdict, "timed_out", False)))
+        ep.traj.reward = float(bool(verdict))
+    return counts
 
 
 def run_rollouts(scheduler_or_engines: RolloutScheduler | Engine | Sequence[Engine], tokenizer,
@@ -240,19 +323,54 @@ def run_rollouts(scheduler_or_engines: RolloutScheduler | Engine | Sequence[Engi
     t0 = time.perf_counter()
     stats = scheduler.run(episodes)
     t1 = time.perf_counter()
-    failed = _collect_rewards(episodes, config.verify_timeout_s)
+    verify = _collect_rewards(episodes, rollouts_end=time.monotonic())
     timings = {f"timing/rollout_{k}": v for k, v in stats.as_dict().items()}
     timings.update({
         "timing/rollout_s": t1 - t0,
         "timing/verify_wait_s": time.perf_counter() - t1,
         "timing/tool_exec_wait_s": float(sum(ep.tool_wait_s for ep in episodes)),
-        "rollout/verify_failures": float(failed),
-        "rollout/errors": float(sum(ep.traj.finish == Finish.ERROR for ep in episodes)),
+        "rollout/verify_timeouts": float(verify["verify_timeouts"]),
+        "rollout/verify_infra_errors": float(verify["verify_infra_errors"]),
+        "rollout/infra_retries": float(sum(ep.infra_retries for ep in episodes)),
+        # episodes ended by the infrastructure (excluded from training by the trainer)
+        "rollout/infra_errors": float(sum(ep.traj.finish == Finish.ERROR for ep in episodes)),
     })
     return [ep.traj for ep in episodes], timings
 
 
 # ---- the trainer's hook (rl/trainer.py: make_colocated_rollout_fn) ------------------------------
+
+def host_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def tool_workers(requested: int, cores: int | None = None) -> int:
+    """Heavy workers of the code pool: ``requested`` when > 0, else one per host core (each
+    worker runs ``slots_per_worker`` sandboxes, and as many lean workers come with them)."""
+    if requested < 0:
+        raise ValueError(f"rl.num_tool_workers must be >= 0 (0 = one per host core), got {requested}")
+    return int(requested) if requested > 0 else max(1, host_cores() if cores is None else int(cores))
+
+
+def make_executor(config):
+    """The started code executor a run's rollouts use, sized by ``config.rl.num_tool_workers``."""
+    from rstarjax.env import CodeExecutor
+
+    return CodeExecutor(num_workers=tool_workers(int(config.rl.num_tool_workers))).start()
+
+
+def tokenizer_for(config):
+    """The tokenizer of ``config.model`` (``rl.sft.build_tokenizer``)."""
+    from rstarjax.rl.sft import build_tokenizer
+
+    return build_tokenizer(config)
+
 
 _LIVE_ROLLOUT_FNS: "weakref.WeakSet[ColocatedRollouts]" = weakref.WeakSet()
 
@@ -275,9 +393,7 @@ class ColocatedRollouts:
 
     def __init__(self, config, model, *, tokenizer=None, executor=None,
                  num_slots: int | None = None, fmt=None):
-        from rstarjax.env import CodeExecutor
         from rstarjax.models.chat_template import RSTAR2
-        from rstarjax.models.tokenizer import load_tokenizer
 
         rl = config.rl
         self.agent_config = AgentConfig(
@@ -288,7 +404,7 @@ class ColocatedRollouts:
         self.sampling = dict(temperature=float(rl.temperature), top_p=float(rl.top_p),
                              top_k=max(0, int(rl.top_k)))
         self.max_prompt_len = int(rl.max_prompt_len)
-        self.tokenizer = tokenizer or load_tokenizer()
+        self.tokenizer = tokenizer or tokenizer_for(config)
         self.fmt = fmt or RSTAR2
         self.engine = Engine(model, vocab_limit=len(self.tokenizer),
                              **engine_options(config, num_slots))
@@ -299,7 +415,7 @@ class ColocatedRollouts:
             tool_timeout_s=self.agent_config.tool_wait_s,
             timeout_s=self.agent_config.rollout_timeout_s)
         self._owns_executor = executor is None
-        self.executor = executor or CodeExecutor(num_workers=int(rl.num_tool_workers))
+        self.executor = executor or make_executor(config)
         _LIVE_ROLLOUT_FNS.add(self)
 
     def close(self) -> None:

@@ -105,6 +105,14 @@ class Checkpointer:
         )
         return out["state"], dict(out["meta"] or {})
 
+    def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        """The ``meta`` item of ``step`` (default the latest finished one) alone: no array is read."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
+        out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(out["meta"] or {})
+
     def wait(self) -> None:
         """Block until the pending async save is on disk."""
         self._manager.wait_until_finished()

@@ -147,7 +147,6 @@ def rl_config_for_demo(config, workdir: str, train_path: str):
 
 def run_demo(config, workdir: str) -> dict[str, Any]:
     """``mode=demo``: SFT -> greedy eval -> GRPO-RoC -> greedy eval; writes demo_summary.json."""
-    from rstarjax.env import CodeExecutor
     from rstarjax.models import save_hf
     from rstarjax.models.sharding import make_mesh
     from rstarjax.rl import agent_loop
@@ -186,7 +185,7 @@ def run_demo(config, workdir: str) -> dict[str, Any]:
     policy = sft_trainer.model()
 
     # ---- 2. held-out accuracy after SFT ------------------------------------------------------------
-    executor = CodeExecutor(num_workers=int(config.rl.num_tool_workers)).start()
+    executor = agent_loop.make_executor(config)
     try:
         rollouts = agent_loop.ColocatedRollouts(config, policy, tokenizer=tokenizer, executor=executor,
                                                 num_slots=int(config.demo.num_slots), fmt=fmt)

@@ -239,7 +239,6 @@ def eval_rollout_config(config):
 def run_eval(config, workdir: str) -> dict[str, dict[str, float]]:
     """``mode=eval``: k samples per problem of every benchmark file in ``config.eval.paths``
     through the agent loop; writes eval_table.md, eval_results.json, eval_samples.jsonl."""
-    from rstarjax.env import CodeExecutor
     from rstarjax.models.sharding import make_mesh
     from rstarjax.rl import agent_loop
     from rstarjax.rl import sft as sft_lib
@@ -249,8 +248,9 @@ def run_eval(config, workdir: str) -> dict[str, dict[str, float]]:
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     tokenizer = sft_lib.build_tokenizer(config)
     model = sft_lib.build_model(config, mesh, tokenizer)
+    sft_lib.check_vocab(model, tokenizer)
     t0 = time.time()
-    with CodeExecutor(num_workers=int(config.rl.num_tool_workers)) as executor:
+    with agent_loop.make_executor(config) as executor:
         rollouts = agent_loop.ColocatedRollouts(eval_rollout_config(config), model, tokenizer=tokenizer,
                                                 executor=executor, num_slots=int(e.num_slots),
                                                 fmt=sft_lib.chat_format(e.chat_format))

@@ -112,48 +112,6 @@ def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.concatenate([pad, picked - lse], axis=1)
 
 
-def chunked_token_logprobs_and_entropy(
-    hidden: jax.Array, unembed: jax.Array, targets: jax.Array, chunk_size: int = 1024, vocab_major: bool = False
-) -> tuple[jax.Array, jax.Array]:
-    """``token_logprobs_and_entropy`` from final hidden states, never materialising [B, L, V].
-
-    ``hidden`` [B, L, D]: the model's final-normed hidden states; ``unembed``: the LM head,
-    [D, V] (or [V, D] with ``vocab_major=True``, i.e. a tied embedding). Positions are processed
-    ``chunk_size`` at a time under ``jax.checkpoint`` so the backward pass recomputes each chunk's
-    [B, chunk, V] logits instead of storing them all: peak memory O(B * chunk * V) instead of
-    O(B * L * V) (for Qwen3 at L = 12k, V = 151k that is ~7 GB of f32 per row saved). Same
-    alignment as ``token_logprobs``: column 0 is 0.
-    """
-    if hidden.ndim != 3 or targets.shape != hidden.shape[:2]:
-        raise ValueError(f"hidden {hidden.shape} must be [B, L, D] matching targets {targets.shape}")
-    if chunk_size <= 0:
-        raise ValueError("chunk_size must be > 0")
-    b, l, d = hidden.shape
-    n = l - 1
-    chunk = min(chunk_size, max(n, 1))
-    num_chunks = -(-n // chunk)
-    pad = num_chunks * chunk - n
-    h = jnp.pad(hidden[:, :-1], ((0, 0), (0, pad), (0, 0)))
-    tg = jnp.pad(targets[:, 1:].astype(jnp.int32), ((0, 0), (0, pad)))
-    h = h.reshape(b, num_chunks, chunk, d).swapaxes(0, 1)
-    tg = tg.reshape(b, num_chunks, chunk).swapaxes(0, 1)
-    eq = "bcd,vd->bcv" if vocab_major else "bcd,dv->bcv"
-
-    @jax.checkpoint
-    def one_chunk(hc, tc):
-        logits = jnp.einsum(eq, hc, unembed, preferred_element_type=jnp.float32)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
-        probs = jnp.exp(logits - lse[..., None])
-        return picked - lse, lse - jnp.sum(probs * logits, axis=-1)
-
-    lp, ent = jax.lax.map(lambda xs: one_chunk(*xs), (h, tg))
-    lp = lp.swapaxes(0, 1).reshape(b, num_chunks * chunk)[:, :n]
-    ent = ent.swapaxes(0, 1).reshape(b, num_chunks * chunk)[:, :n]
-    zero = jnp.zeros((b, 1), jnp.float32)
-    return jnp.concatenate([zero, lp], axis=1), jnp.concatenate([zero, ent], axis=1)
-
-
 def sequence_mean(values: jax.Array, mask: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
     """Masked mean of ``values`` over each sequence, broadcast back to [B, L].
 

@@ -18,11 +18,19 @@ Decisions the paper leaves open (see docs/algorithm.md):
   remaining positives with probability w_i / sum(remaining w); chosen ones are removed
   (vectorised with Efraimidis-Spirakis keys, which have exactly that distribution).
 * **Positive** means reward > 0 on the *answer-only* reward (eq. 3), before any shaping.
-* ``variant="topk"`` reproduces the official code (verl recipe/rstar2_agent down_sample/roc.py):
-  counts ``round(|neg| G/N)`` / ``round(|pos| G/N)`` (Python round, half to even), the rest
-  filled from the other side, both sides sorted by p_total ascending (stable: ties by index)
-  and cut deterministically. Unlike the official code, tool errors come from the structured
-  counts (``Trajectory.tool_errors``), never from searching tool output for "error".
+* ``variant="topk"`` is the official code's selection (rStar2-Agent repository,
+  ``down_sample/roc.py``, ``resample_of_correct``) exactly, given the penalties; see
+  ``official_topk_counts``: counts ``round(|neg| G/N)`` / ``round(|pos| G/N)`` (Python round,
+  half to even), per-class floors (the run script's ``min_zero_reward_trace_num=2`` and
+  ``min_non_zero_reward_trace_num=2``), the positives sorted by p_total ascending (stable: ties
+  by index) and cut, the negatives taken in rollout order. Unlike the official code, tool errors
+  come from the structured counts (``Trajectory.tool_errors``), never from searching tool output
+  for "error".
+
+Edge cases at N = 2G = 32, G = 16 (docs/algorithm.md): 31 negatives / 1 positive keeps 15 + the
+positive in both variants; 1 negative / 31 positives keeps no negative in the paper variant
+(floor(1/2) = 0: the G kept rewards are all equal, zero advantage) and the negative + 15
+positives in the official one.
 """
 from __future__ import annotations
 
@@ -36,6 +44,10 @@ from rstarjax.rl.trajectory import Trajectory
 P_ERR_NO_TOOL_CALL = 0.5  # eq. 4: default error ratio for trajectories that never call a tool
 P_FORMAT_NO_ANSWER = 1.0  # eq. 5: maximum format penalty without an <answer> tag
 DEFAULT_ZERO_PENALTY_EPS = 0.01
+# The official run script's per-class floors of the top-k selection (min_zero_reward_trace_num,
+# min_non_zero_reward_trace_num).
+OFFICIAL_MIN_NEGATIVES = 2
+OFFICIAL_MIN_POSITIVES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +145,10 @@ def _as_rng(rng) -> np.random.Generator:
 
 
 def roc_counts(num_neg: int, num_pos: int, group_size: int) -> tuple[int, int]:
-    """(negatives kept, positives kept) for the paper variant; see the module docstring."""
+    """(negatives kept, positives kept) by the paper's rule, rStar2-Agent §2.2.3: of 2G rollouts,
+    floor(|O_neg| / 2) negatives and the other G - floor(|O_neg| / 2) = ceil(|O_pos| / 2)
+    positives. Generalised to N rollouts as floor(|neg| G / N); see the module docstring for N < 2G.
+    E.g. G = 16 of 32: 31 negatives / 1 positive -> (15, 1); 1 negative / 31 positives -> (0, 16)."""
     n = num_neg + num_pos
     if n < group_size:
         raise ValueError(f"RoC needs at least group_size={group_size} rollouts, got {n}")
@@ -145,18 +160,57 @@ def roc_counts(num_neg: int, num_pos: int, group_size: int) -> tuple[int, int]:
     return n_neg, n_pos
 
 
+def official_topk_counts(num_neg: int, num_pos: int, group_size: int,
+                         min_negatives: int = OFFICIAL_MIN_NEGATIVES,
+                         min_positives: int = OFFICIAL_MIN_POSITIVES) -> tuple[int, int]:
+    """(negatives kept, positives kept) by the official rStar2-Agent code's rule
+    (``down_sample/roc.py``), for a group of N = num_neg + num_pos > G rollouts:
+
+        n_neg = round(|neg| G / N), n_pos = round(|pos| G / N)      (Python round: half to even)
+        if n_neg <= min(min_negatives, |neg|): n_neg = min(min_negatives, |neg|); n_pos = G - n_neg
+        if n_pos <= min(min_positives, |pos|): n_pos = min(min_positives, |pos|); n_neg = G - n_pos
+
+    E.g. G = 16 of 32: 31 negatives / 1 positive -> (15, 1); 1 negative / 31 positives -> (1, 15).
+    The official code also keeps a whole group when both rounded counts fall under their floors;
+    that needs G < min_negatives + min_positives, which it forbids (as ``validate`` does), so
+    here it is an error, as are the counts its own assertion would reject.
+    """
+    n = num_neg + num_pos
+    if min_negatives + min_positives > group_size:
+        raise ValueError(f"topk RoC floors {min_negatives} + {min_positives} exceed group_size={group_size}")
+    if n <= group_size:
+        raise ValueError(f"official_topk_counts needs more than group_size={group_size} rollouts, got {n}")
+    n_neg = round(num_neg * group_size / n)
+    n_pos = round(num_pos * group_size / n)
+    if n_neg < min_negatives and n_pos < min_positives:
+        raise ValueError(f"topk RoC: both counts ({n_neg}, {n_pos}) under their floors")
+    if n_neg <= min(min_negatives, num_neg):
+        n_neg = min(min_negatives, num_neg)
+        n_pos = group_size - n_neg
+    if n_pos <= min(min_positives, num_pos):
+        n_pos = min(min_positives, num_pos)
+        n_neg = group_size - n_pos
+    if n_neg + n_pos != group_size or n_neg > num_neg or n_pos > num_pos:
+        raise ValueError(f"topk RoC: the official rule gives {n_neg} of {num_neg} negatives and {n_pos} of "
+                         f"{num_pos} positives for G={group_size}, which its own assertion rejects")
+    return n_neg, n_pos
+
+
 def roc_select(
     trajs_or_stats: Sequence[Trajectory | RocStats],
     group_size: int,
     rng: np.random.Generator | int,
     variant: str = "paper",
     zero_penalty_eps: float = DEFAULT_ZERO_PENALTY_EPS,
+    min_negatives: int = OFFICIAL_MIN_NEGATIVES,
+    min_positives: int = OFFICIAL_MIN_POSITIVES,
 ) -> list[int]:
     """Indices (sorted ascending) of the ``group_size`` rollouts RoC keeps from one prompt's group.
 
     rStar2-Agent §2.2.3: negatives uniformly, positives without replacement with probability
     inversely proportional to p_total (eq. 4 + eq. 5). ``variant="topk"``: the official code's
-    deterministic lowest-penalty cut (``rng`` then unused).
+    deterministic selection (``official_topk_counts``; ``rng`` then unused, ``min_negatives`` /
+    ``min_positives`` are its per-class floors).
     """
     gids = {int(t.group_id) for t in trajs_or_stats if isinstance(t, Trajectory)}
     if len(gids) > 1:
@@ -181,15 +235,11 @@ def roc_select(
         picks = weighted_sample_without_replacement(selection_weights(penalties[pos], zero_penalty_eps), n_pos, gen)
         kept_pos = pos[picks]
     elif variant == "topk":
-        n = len(stats)
-        n_neg = round(len(neg) * group_size / n)  # Python round: half to even, as the official code
-        # Positives take the rest (the official code's two rounded counts always sum to G at N = 2G);
-        # with N < 2G a shortfall of positives goes back to the negatives.
-        n_pos = min(len(pos), group_size - n_neg)
-        n_neg = group_size - n_pos  # <= len(neg) because N >= G
-        order_neg = neg[np.argsort(penalties[neg], kind="stable")]
-        order_pos = pos[np.argsort(penalties[pos], kind="stable")]
-        kept_neg, kept_pos = order_neg[:n_neg], order_pos[:n_pos]
+        if len(stats) == group_size:  # the official code keeps a group of exactly G whole
+            return list(range(group_size))
+        n_neg, n_pos = official_topk_counts(len(neg), len(pos), group_size, min_negatives, min_positives)
+        order_pos = pos[np.argsort(penalties[pos], kind="stable")]  # Python's stable sort by penalty
+        kept_neg, kept_pos = neg[:n_neg], order_pos[:n_pos]  # negatives: first in rollout order
     else:
         raise ValueError(f"unknown RoC variant {variant!r} (expected 'paper' or 'topk')")
     kept = sorted(int(i) for i in np.concatenate([kept_neg, kept_pos]))
@@ -222,6 +272,8 @@ def roc_select_batch(
     rng: np.random.Generator | int,
     variant: str = "paper",
     zero_penalty_eps: float = DEFAULT_ZERO_PENALTY_EPS,
+    min_negatives: int = OFFICIAL_MIN_NEGATIVES,
+    min_positives: int = OFFICIAL_MIN_POSITIVES,
 ) -> list[int]:
     """``roc_select`` applied to every prompt group (by ``Trajectory.group_id``) of a flat batch.
 
@@ -236,6 +288,8 @@ def roc_select_batch(
     kept: list[int] = []
     for gid in sorted(by_group):
         idx = by_group[gid]
-        sel = roc_select([trajectories[i] for i in idx], group_size, gen, variant=variant, zero_penalty_eps=zero_penalty_eps)
+        sel = roc_select([trajectories[i] for i in idx], group_size, gen, variant=variant,
+                         zero_penalty_eps=zero_penalty_eps, min_negatives=min_negatives,
+                         min_positives=min_positives)
         kept.extend(idx[j] for j in sel)
     return sorted(kept)

@@ -212,8 +212,8 @@ def make_sft_step(graphdef, rest, optimizer, num_micro: int, compute_dtype=None,
         if compute_dtype is not None:
             params = cast_floating(params, compute_dtype)
         model = nnx.merge(graphdef, params, rest)
-        logits = model(micro["tokens"], positions=micro["positions"], segment_ids=micro["segment_ids"])
-        logp = loss_lib.token_logprobs(logits.astype(jnp.float32), micro["tokens"])
+        logp, _ = model.token_logprobs(micro["tokens"], positions=micro["positions"],
+                                       segment_ids=micro["segment_ids"], with_entropy=False)
         nll = masked_nll_sum(logp, micro["loss_mask"])
         return nll / denom, nll
 
@@ -356,10 +356,22 @@ def chat_format(name: str) -> ct.ChatFormat:
 
 
 def build_tokenizer(config):
-    from rstarjax.models import load_tokenizer
+    """The tokenizer of ``config.model``: ``tokenizer_num_regular_tokens`` > 0 picks a
+    small-vocabulary variant; else the ``tokenizer.json`` in ``tokenizer_path`` (default
+    ``hf_path``) says which (so an exported small model reloads with its own); else Qwen3's."""
+    from rstarjax.models.tokenizer import load_tokenizer_for
 
-    n = int(config.model.get("tokenizer_num_regular_tokens", 0) or 0)
-    return load_tokenizer(n or None)
+    m = config.model
+    path = m.get("tokenizer_path", "") or ("" if m.get("random_init", False) else m.get("hf_path", ""))
+    return load_tokenizer_for(path, int(m.get("tokenizer_num_regular_tokens", 0) or 0))
+
+
+def check_vocab(model, tokenizer) -> None:
+    """The model must have an embedding row for every token the tokenizer can produce."""
+    if len(tokenizer) > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size} "
+                         "embedding rows: set --config.model.tokenizer_num_regular_tokens (or "
+                         "--config.model.tokenizer_path) to the model's tokenizer")
 
 
 def build_model(config, mesh, tokenizer=None):
@@ -386,6 +398,7 @@ def build_model(config, mesh, tokenizer=None):
 
 def model_meta(model, tokenizer) -> dict[str, Any]:
     """What ``rstarjax.export`` needs to rebuild the model from a checkpoint alone."""
+    check_vocab(model, tokenizer)
     return {"model_config": model.config.to_hf_dict(),
             "tokenizer_num_regular_tokens": int(tokenizer.num_regular_tokens)}
 

@@ -28,7 +28,9 @@ def solve_counts(trajectories, num_groups: int) -> list[tuple[int, int]]:
 
 def keep_problem(correct: int, total: int, k: int) -> bool:
     """Drop a problem only when all k rollouts were correct (§4.3: "remove problems with all 8
-    correct"); a problem whose rollouts did not all come back is an error, never silently kept."""
+    correct"); a problem whose rollouts did not all come back is an error, never silently kept.
+    A rollout ended by an infrastructure error counts as not correct: the problem is kept (a hard
+    problem wrongly dropped is lost; an easy one wrongly kept costs a little stage-3 compute)."""
     if total != k:
         raise ValueError(f"expected {k} rollouts for a problem, got {total}")
     return correct < k
@@ -42,10 +44,12 @@ def filter_problems(records: Sequence[dict], rollout_fn: Callable, k: int, batch
     """
     kept: list[dict] = []
     hist = [0] * (k + 1)  # problems by number of correct rollouts
+    infra = 0
     for start in range(0, len(records), batch_prompts):
         chunk = list(records[start:start + batch_prompts])
         out = rollout_fn(chunk, k, seed + start, -1)
         trajs = out[0] if isinstance(out, tuple) else out
+        infra += sum(bool(getattr(t, "infra_error", False)) for t in trajs)
         for rec, (correct, total) in zip(chunk, solve_counts(trajs, len(chunk))):
             hist[correct] += 1
             if keep_problem(correct, total, k):
@@ -53,7 +57,7 @@ def filter_problems(records: Sequence[dict], rollout_fn: Callable, k: int, batch
         if progress is not None:
             progress(len(chunk))
     summary = {"total": len(records), "kept": len(kept), "dropped_all_correct": hist[k],
-               "correct_histogram": hist, "k": k}
+               "correct_histogram": hist, "k": k, "infra_error_rollouts": infra}
     return kept, summary
 
 
@@ -92,9 +96,13 @@ def run_filter(config, workdir: str, rollout_fn: Callable | None = None, model=N
                                                       ckpt_lib.abstract_like(params, shardings))
             model = nnx.merge(graphdef, params, rest)
             log.info("filtering with the policy of step %d from %s", step, config.checkpoint.init_from)
-        from rstarjax.rl import agent_loop  # the serving room's rollout loop
+        from rstarjax.rl import agent_loop
+        from rstarjax.rl import sft as sft_lib
 
-        rollout_fn = agent_loop.make_rollout_fn(config, model)
+        tokenizer = sft_lib.build_tokenizer(config)
+        sft_lib.check_vocab(model, tokenizer)
+        rollout_fn = agent_loop.make_rollout_fn(config, model, tokenizer=tokenizer,
+                                                fmt=sft_lib.chat_format(config.rl.get("chat_format", "rstar2")))
         owned = rollout_fn
     else:
         owned = None

@@ -100,9 +100,9 @@ def forward_logprobs(graphdef, rest, params, batch: Mapping[str, jax.Array], com
     if compute_dtype is not None:
         params = cast_floating(params, compute_dtype)
     model = nnx.merge(graphdef, params, rest)
-    logits = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"])
-    # log-softmax in f32 whatever the compute dtype
-    return loss_lib.token_logprobs_and_entropy(logits.astype(jnp.float32), batch["tokens"])
+    # f32 log-softmax from the hidden states, the vocabulary a chunk at a time (never [B, L, V])
+    return model.token_logprobs(batch["tokens"], positions=batch["positions"],
+                                segment_ids=batch["segment_ids"])
 
 
 def step_keys(loss_cfg) -> tuple[str, ...]:
@@ -408,8 +408,16 @@ class RLConfig:
     oversample: int = 32  # 2G
     max_prompt_len: int = 2048
     max_response_len: int = 8192
-    roc: bool = True
+    roc: bool = True  # False: the paper's GRPO baseline, G rollouts per prompt, all trained
     roc_variant: str = "paper"
+    # per-class floors of roc_variant="topk" (the official run script's values)
+    roc_min_negatives: int = 2
+    roc_min_positives: int = 2
+    # rStar2-Agent §4.3 / the official run script: groups whose rewards are all equal are dropped
+    # before RoC, without refilling (advantages.is_equal_reward_group)
+    reject_equal_reward: bool = True
+    # consecutive rollout batches with nothing left to train before the run stops with an error
+    max_rejected_batches: int = 20
     # DAPO dynamic sampling (loss.dynamic_sampling): rollout rounds per step at most, the first
     # included (verl's max_num_gen_batches); 1 = drop zero-variance groups without refilling.
     dynamic_sampling_max_rounds: int = 3
@@ -417,10 +425,17 @@ class RLConfig:
     def __post_init__(self):
         if self.dynamic_sampling_max_rounds < 1:
             raise ValueError(f"rl.dynamic_sampling_max_rounds must be >= 1, got {self.dynamic_sampling_max_rounds}")
+        if self.max_rejected_batches < 1:
+            raise ValueError(f"rl.max_rejected_batches must be >= 1, got {self.max_rejected_batches}")
 
     @property
     def seq_len(self) -> int:
         return self.max_prompt_len + self.max_response_len
+
+    @property
+    def rollouts_per_prompt(self) -> int:
+        """2G with RoC (it keeps G of them); G for the GRPO baseline, which trains on all it samples."""
+        return self.oversample if self.roc else self.group_size
 
     @classmethod
     def from_config(cls, rl) -> "RLConfig":
@@ -428,8 +443,36 @@ class RLConfig:
         return cls(**{k: v for k, v in dict(rl).items() if k in names})
 
 
-def select_groups(trajectories, num_groups: int, cfg: RLConfig, seed: int):
-    """RoC per group (or the first G when ``cfg.roc`` is off): kept trajectories, in group order."""
+@dataclasses.dataclass
+class Selection:
+    """What ``select_groups`` kept of one rollout round, and why the other groups went."""
+
+    kept: list  # trajectories to train on, G per kept group, in group order
+    groups: int = 0  # groups rolled out
+    all_correct: int = 0  # rejected before RoC: every rollout correct (§4.3 "perfect pass rate")
+    all_wrong: int = 0  # rejected before RoC: every rollout wrong
+    equal_after_roc: int = 0  # rejected after RoC: the G it kept have equal rewards (paper variant)
+    short: int = 0  # fewer than G rollouts left once infrastructure errors are excluded
+    infra_trajectories: int = 0  # rollouts ended by an infrastructure error (never trained on)
+
+    @property
+    def rejected(self) -> int:
+        return self.all_correct + self.all_wrong + self.equal_after_roc
+
+    @property
+    def trained(self) -> int:
+        return self.groups - self.rejected - self.short
+
+
+def select_groups(trajectories, num_groups: int, cfg: RLConfig, seed: int) -> Selection:
+    """Per prompt group: exclude rollouts ended by an infrastructure error, reject equal-reward
+    groups (``cfg.reject_equal_reward``), then RoC keeps G (or, without RoC, the G rollouts).
+
+    A group left with fewer than G rollouts after the exclusion is dropped (counted ``short``).
+    With the paper's RoC a mixed group of 2G with a single failure keeps no negative (floor(1/2)
+    = 0): its G rewards are equal and, with ``reject_equal_reward``, it is rejected after RoC.
+    """
+    from rstarjax.rl import advantages as adv_lib
     from rstarjax.rl import roc as roc_lib
 
     groups: dict[int, list] = {g: [] for g in range(num_groups)}
@@ -437,16 +480,50 @@ def select_groups(trajectories, num_groups: int, cfg: RLConfig, seed: int):
         if t.group_id not in groups:
             raise ValueError(f"trajectory group_id={t.group_id} outside [0, {num_groups})")
         groups[t.group_id].append(t)
-    kept = []
+    out = Selection(kept=[], groups=num_groups)
     for g, trajs in groups.items():
-        if len(trajs) != cfg.oversample:
-            raise ValueError(f"group {g} has {len(trajs)} rollouts, expected oversample={cfg.oversample}")
+        if len(trajs) != cfg.rollouts_per_prompt:
+            raise ValueError(f"group {g} has {len(trajs)} rollouts, expected {cfg.rollouts_per_prompt} "
+                             f"({'oversample' if cfg.roc else 'group_size'})")
+        valid = [t for t in trajs if not t.infra_error]
+        out.infra_trajectories += len(trajs) - len(valid)
+        if len(valid) < cfg.group_size:
+            out.short += 1
+            continue
+        rewards = [float(t.reward) for t in valid]
+        if cfg.reject_equal_reward and adv_lib.is_equal_reward_group(rewards):
+            if rewards[0] > 0:
+                out.all_correct += 1
+            else:
+                out.all_wrong += 1
+            continue
         if cfg.roc:
-            idx = roc_lib.roc_select(trajs, cfg.group_size, np.random.default_rng([seed, g]), variant=cfg.roc_variant)
+            idx = roc_lib.roc_select(valid, cfg.group_size, np.random.default_rng([seed, g]), variant=cfg.roc_variant,
+                                     min_negatives=cfg.roc_min_negatives, min_positives=cfg.roc_min_positives)
         else:
             idx = range(cfg.group_size)
-        kept.extend(trajs[i] for i in idx)
-    return kept
+        kept = [valid[i] for i in idx]
+        if cfg.reject_equal_reward and adv_lib.is_equal_reward_group([t.reward for t in kept]):
+            out.equal_after_roc += 1
+            continue
+        out.kept.extend(kept)
+    return out
+
+
+def selection_metrics(selections: list[Selection]) -> dict[str, float]:
+    """``filter/``: what the batch filter did over a step's rollout rounds (fractions of groups)."""
+    groups = max(sum(s.groups for s in selections), 1)
+    total = lambda name: float(sum(getattr(s, name) for s in selections))  # noqa: E731
+    return {
+        "filter/groups": total("groups"),
+        "filter/groups_trained": total("trained"),
+        "filter/rejected_frac": total("rejected") / groups,
+        "filter/rejected_all_correct_frac": total("all_correct") / groups,
+        "filter/rejected_all_wrong_frac": total("all_wrong") / groups,
+        "filter/rejected_after_roc": total("equal_after_roc"),
+        "filter/infra_short_groups": total("short"),
+        "filter/infra_trajectories": total("infra_trajectories"),
+    }
 
 
 def informative_groups(kept, loss_cfg) -> tuple[list[list], int]:
@@ -507,8 +584,13 @@ def _empty_train_batch(num_rows: int, seq_len: int):
 
 def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfig, loss_cfg, seed: int,
             timer=None, more_records: Callable[[], list] | None = None) -> dict[str, float]:
-    """One GRPO-RoC step on this process's prompts: rollouts (2G each) -> RoC keeps G ->
-    advantages (eq. 7) -> TrainBatch -> update. Returns host metrics (rollout + train).
+    """One GRPO-RoC step on this process's prompts: rollouts (2G each) -> batch filter (rollouts
+    ended by infrastructure errors excluded, equal-reward groups rejected) -> RoC keeps G ->
+    advantages (eq. 7) -> TrainBatch -> update. Returns host metrics (rollout + filter + train).
+
+    Rejected groups are not refilled (the official trainer's behaviour): their rows are padding
+    (loss mask 0), so eq. 6's denominator counts only the kept groups' tokens. When no process has
+    a group left, no update runs (``trainer.step`` does not advance; the caller draws new data).
 
     With ``loss_cfg.dynamic_sampling`` (DAPO): groups whose kept rewards are all equal are
     dropped, and while fewer than ``len(records)`` informative groups are held (on any process)
@@ -522,18 +604,21 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
 
     from rstarjax.rl import advantages as adv_lib
     from rstarjax.rl import batch as batch_lib
+    from rstarjax.rl import loss as loss_lib_
     from rstarjax.rl import metrics as metrics_lib
 
     quota = len(records)
     num_rows = quota * cfg.group_size
     dynamic = bool(getattr(loss_cfg, "dynamic_sampling", False))
     t0 = _time.perf_counter()
-    all_trajs, all_kept, groups, extras = [], [], [], []
+    all_trajs, all_kept, groups, extras, selections = [], [], [], [], []
     dropped, rounds, offset, batch_records = 0, 0, 0, records
     while True:
-        out = rollout_fn(batch_records, cfg.oversample, _round_seed(seed, rounds), trainer.step)
+        out = rollout_fn(batch_records, cfg.rollouts_per_prompt, _round_seed(seed, rounds), trainer.step)
         trajs, extra = (out if isinstance(out, tuple) else (out, {}))
-        kept = select_groups(trajs, len(batch_records), cfg, _round_seed(seed, rounds))
+        selection = select_groups(trajs, len(batch_records), cfg, _round_seed(seed, rounds))
+        selections.append(selection)
+        kept = selection.kept
         rounds += 1
         if offset:
             trajs, kept = _relabel(trajs, offset), _relabel(kept, offset)
@@ -544,8 +629,8 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
         if not dynamic:
             groups.append(kept)
             break
-        informative, n_dropped = informative_groups(kept, loss_cfg)
-        dropped += n_dropped
+        informative, _ = informative_groups(kept, loss_cfg)
+        dropped += len(batch_records) - len(informative)  # rejected, short or uninformative
         groups += informative
         short = len(groups) < quota
         if rounds >= cfg.dynamic_sampling_max_rounds or more_records is None or not _any_process(short):
@@ -568,6 +653,7 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
     metrics.update(metrics_lib.group_metrics(all_trajs, prefix="rollout_all/"))
     metrics.update(metrics_lib.rollout_metrics(train_trajs or all_kept, prefix="rollout/"))
     metrics.update(metrics_lib.roc_metrics(all_trajs, all_kept))
+    metrics.update(selection_metrics(selections))
     if dynamic:
         n_groups = min(len(groups), quota)
         metrics.update({"dynamic_sampling/rounds": float(rounds),
@@ -576,7 +662,15 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
                         "dynamic_sampling/groups_padded": float(quota - n_groups),
                         "dynamic_sampling/groups_surplus": float(max(len(groups) - quota, 0))})
     t2 = _time.perf_counter()
-    metrics.update(trainer.train(batch))
+    update = _any_process(bool(train_trajs))
+    metrics["filter/updated"] = float(update)
+    if update:
+        denom = None
+        if loss_cfg.dr_grpo:  # Dr. GRPO's constant: the configured sequences of one update x max length
+            rows_per_update = num_rows * jax.process_count() // trainer.cfg.mini_batches
+            denom = loss_lib_.loss_denominator(batch.loss_mask, loss_cfg, num_sequences=rows_per_update,
+                                               max_response_len=cfg.max_response_len)
+        metrics.update(trainer.train(batch, denom=denom))
     t3 = _time.perf_counter()
     timings = {"rollout": t1 - t0, "prepare": t2 - t1, "train": t3 - t2}
     metrics.update(metrics_lib.throughput_metrics(int(sum(len(t.response_ids) for t in all_trajs)), timings))
@@ -612,46 +706,97 @@ def build_model(config, mesh: Mesh) -> nnx.Module:
     return sharding_lib.create_sharded_model(lambda: Qwen3(cfg, rngs=nnx.Rngs(config.seed)), mesh)
 
 
-def build_dataset(config):
-    """grain iterator over this process's share of the prompts (repeats when num_epochs == 0)."""
+def build_dataset(config, seed: int | None = None):
+    """grain iterator over this process's share of the prompts (repeats when num_epochs == 0),
+    shuffled with ``seed`` (default ``config.seed``; ``run_rl`` passes the stage's data seed)."""
     from rstarjax.rl import data as data_lib
 
     per_process = config.rl.prompts_per_step // jax.process_count()
     ds, report = data_lib.problem_dataset(
-        config.data.train_path, per_process, seed=config.seed,
+        config.data.train_path, per_process, seed=config.seed if seed is None else seed,
         num_epochs=config.data.num_epochs or None, shuffle=config.data.shuffle,
     )
     return ds, report
 
 
+def stage_data_seed(seed: int, stage_start_step: int) -> int:
+    """The data-shuffle seed of a stage that starts at global step ``stage_start_step``: each
+    stage of a chain reads its data in a new order (stage 2 must not replay stage 1's), and a
+    resumed stage, which records its start, in the same order again. Stage 1 (start 0) uses
+    ``seed`` itself."""
+    if stage_start_step == 0:
+        return int(seed)
+    return int(np.random.default_rng([int(seed), int(stage_start_step)]).integers(0, 2**31 - 1))
+
+
+class StageError(ValueError):
+    """A workdir / init_from combination that cannot be resumed or started (the message says why)."""
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
 def initial_state(trainer: Trainer, ckpt, config) -> dict:
-    """Resume from this run's latest checkpoint, else start from ``checkpoint.init_from`` (a
-    previous stage), else from scratch. Returns the checkpoint meta (empty when fresh)."""
+    """Put the stage's starting state into ``trainer`` and return its record (the checkpoint meta
+    of a resume, else ``{"step", "stage_start_step", "init_from", ...}``). The hand-off rules:
+
+    * this workdir has a checkpoint of this stage: resume it (params, optimizer, step, RNG key,
+      data-iterator state). A workdir holding another stage's checkpoints is refused: each stage
+      of a chain gets its own ``--workdir``;
+    * else ``checkpoint.init_from`` is an SFT checkpoint (its meta says ``stage: sft``): params
+      only; step 0, a fresh optimizer (so the LR warmup runs);
+    * else ``init_from`` is an RL checkpoint: params + optimizer state + global step, or with
+      ``checkpoint.reset_optimizer`` params + step and a fresh optimizer (its schedule, warmup
+      included, restarts with it: rStar2-Agent §4.3 resets the optimizer for stage 3);
+    * else the model as built (``model.hf_path`` or the seeded preset), step 0.
+    """
     from rstarjax.rl import checkpoint as ckpt_lib
 
+    init_from = os.path.abspath(config.checkpoint.init_from) if config.checkpoint.init_from else ""
+    if init_from and _same_dir(init_from, ckpt.directory):
+        raise StageError(f"--config.checkpoint.init_from={config.checkpoint.init_from!r} is this run's own "
+                         "checkpoint directory: give each stage its own --workdir (a workdir resumes by itself)")
     if ckpt.latest_step() is not None:
+        meta = ckpt.read_meta()
+        if meta.get("stage") == "sft":
+            raise StageError(f"{ckpt.directory} holds an SFT run's checkpoints: give the RL stage its own "
+                             "--workdir and start it with --config.checkpoint.init_from=SFT_WORKDIR/checkpoints")
+        recorded = meta.get("init_from", "")
+        # checkpoints that predate the stage record ("stage" absent) cannot tell: they resume
+        if "stage" in meta and init_from and (not recorded or not _same_dir(recorded, init_from)):
+            raise StageError(
+                f"{ckpt.directory} holds checkpoints of another run (started from "
+                f"{recorded or 'the base model'!r}, now at step {ckpt.latest_step()}), not of a stage started "
+                f"from {init_from!r}: give this stage a new --workdir")
         abstract = ckpt_lib.abstract_like(trainer.state, trainer.state_sharding)
         trainer.state, meta = ckpt.restore(abstract)
-        return meta
-    if config.checkpoint.init_from:
-        abstract = ckpt_lib.abstract_like(trainer.state, trainer.state_sharding)
-        if config.checkpoint.reset_optimizer:
-            params, meta, src_step = ckpt_lib.restore_params(config.checkpoint.init_from,
-                                                     ckpt_lib.abstract_like(trainer.state.params,
-                                                                            trainer.param_sharding))
-            trainer.state = TrainState(params, trainer.state.opt_state, trainer.state.step)
+        return dict(meta, resumed=True)
+    if not init_from:
+        return {"step": 0, "stage_start_step": 0}
+    src = ckpt_lib.Checkpointer(init_from, ckpt_lib.CheckpointConfig(async_save=False))
+    try:
+        src_step = src.latest_step()
+        if src_step is None:
+            raise StageError(f"--config.checkpoint.init_from={config.checkpoint.init_from!r} holds no finished "
+                             "checkpoint (did the previous stage save one?)")
+        src_meta = src.read_meta(src_step)
+        from_sft = src_meta.get("stage") == "sft"
+        if from_sft or config.checkpoint.reset_optimizer:
+            abstract = ckpt_lib.abstract_like(trainer.state.params, trainer.param_sharding)
+            params, _, _ = ckpt_lib.restore_params(init_from, abstract, step=src_step)
+            step = 0 if from_sft else int(src_meta.get("step", src_step))
+            trainer.state = TrainState(params, trainer.state.opt_state,
+                                       jax.device_put(jnp.int32(step), trainer.replicated))
             trainer.reset_optimizer()
-            trainer.state = TrainState(trainer.state.params, trainer.state.opt_state,
-                                       jax.device_put(jnp.int32(int(meta.get("step", 0))), trainer.replicated))
         else:
-            src = ckpt_lib.Checkpointer(config.checkpoint.init_from, ckpt_lib.CheckpointConfig(async_save=False))
-            src_step = src.latest_step()
-            trainer.state, meta = src.restore(abstract, step=src_step)
-            src.close()
-        # a new stage reads new data (or the same data with a new length budget) from its start
-        return {"step": int(meta.get("step", 0)), "init_from": config.checkpoint.init_from,
-                "init_from_step": int(src_step)}
-    return {}
+            abstract = ckpt_lib.abstract_like(trainer.state, trainer.state_sharding)
+            trainer.state, _ = src.restore(abstract, step=src_step)
+    finally:
+        src.close()
+    # a new stage reads its data from the start, in a new order (stage_data_seed)
+    return {"step": trainer.step, "stage_start_step": trainer.step, "init_from": init_from,
+            "init_from_step": int(src_step), "init_from_stage": "sft" if from_sft else "rl"}
 
 
 def setup_reference(trainer: Trainer, config, meta: dict) -> dict | None:
@@ -690,47 +835,79 @@ def setup_reference(trainer: Trainer, config, meta: dict) -> dict | None:
 
 def run_rl(config, workdir: str, rollout_fn: RolloutFn | None = None, model: nnx.Module | None = None,
            on_update: Callable[[Trainer], None] | None = None) -> Trainer:
-    """The RL entry point: ``config.total_steps`` GRPO-RoC steps, resumable from ``workdir``.
+    """The RL entry point: GRPO-RoC updates until the global step reaches ``config.total_steps``,
+    resumable from ``workdir``; the stage hand-off rules are ``initial_state``'s.
 
     ``rollout_fn`` defaults to the agent loop on a colocated serving engine; ``on_update`` is
-    called after every update (the colocated engine takes the new params in memory there).
+    called once the starting state is in place (so the very first rollouts sample the restored
+    policy) and after every update (the colocated engine takes the new params in memory there).
     """
-    import os
-
-    import tqdm
-
     from rstarjax.rl import checkpoint as ckpt_lib
     from rstarjax.rl import loss as loss_lib_
-    from rstarjax.rl import metrics as metrics_lib
     from rstarjax.rl import optim as optim_lib
+    from rstarjax.rl import sft as sft_lib
 
     mesh = build_mesh(config)
     model = model if model is not None else build_model(config, mesh)
+    # what rstarjax.export needs to rebuild the model from a checkpoint of this run alone
+    tokenizer = sft_lib.build_tokenizer(config)
+    if rollout_fn is None or len(tokenizer) <= model.config.vocab_size:
+        export_meta = sft_lib.model_meta(model, tokenizer)  # raises when the vocabularies disagree
+    else:  # a given rollout function (tests) on a preset whose table fits no tokenizer
+        export_meta = {"model_config": model.config.to_hf_dict()}
     loss_cfg = loss_lib_.LossConfig(**dict(config.loss))
     trainer = Trainer(model, optim_lib.OptimConfig.from_config(config.optim), loss_cfg,
                       TrainerConfig.from_config(config.trainer), mesh=mesh)
     rl_cfg = RLConfig.from_config(config.rl)
-    owned_rollouts = rollout_fn is None
-    if owned_rollouts:
-        rollout_fn, on_update = make_colocated_rollout_fn(config, trainer)
-
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), ckpt_lib.CheckpointConfig.from_config(config.checkpoint))
-    meta = initial_state(trainer, ckpt, config)
+    owned_rollouts = rollout_fn is None
+    try:
+        meta = initial_state(trainer, ckpt, config)
+        if owned_rollouts:
+            rollout_fn, on_update = make_colocated_rollout_fn(config, trainer)
+        return _train_stage(config, workdir, trainer, ckpt, meta, rollout_fn, on_update, rl_cfg, loss_cfg,
+                            export_meta)
+    finally:
+        ckpt.close()  # waits for the last async save
+        if owned_rollouts and hasattr(rollout_fn, "close"):
+            rollout_fn.close()  # the code-execution pool it started
+
+
+def _train_stage(config, workdir, trainer, ckpt, meta, rollout_fn, on_update, rl_cfg, loss_cfg,
+                 export_meta) -> Trainer:
+    """``run_rl``'s loop, from the stage's starting state to ``config.total_steps``."""
+    import logging
+
+    import tqdm
+
+    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.rl import metrics as metrics_lib
+
+    log = logging.getLogger(__name__)
     reference = setup_reference(trainer, config, meta)
-    dataset, _ = build_dataset(config)
+    stage_start = int(meta.get("stage_start_step", 0))
+    data_seed = int(meta.get("data_seed", stage_data_seed(config.seed, stage_start)))
+    dataset, _ = build_dataset(config, seed=data_seed)
     data_iter = iter(dataset)
-    if meta.get("data_state") is not None and not meta.get("init_from"):
+    if meta.get("resumed") and meta.get("data_state") is not None:
         data_iter.set_state(meta["data_state"])
     base_key = ckpt_lib.key_from_json(meta["rng"]) if "rng" in meta else jax.random.key(config.seed)
-    if on_update is not None and trainer.step > 0:
-        on_update(trainer)  # the engine serves the restored policy
+    if on_update is not None:
+        on_update(trainer)  # the engine serves the restored policy from the first rollout on
+    stage_record = {"stage": "rl", "init_from": meta.get("init_from", ""),
+                    "init_from_step": meta.get("init_from_step"), "stage_start_step": stage_start,
+                    "data_seed": data_seed, "stage_total_steps": config.total_steps, **export_meta}
 
     is_main = jax.process_index() == 0
     writer = metrics_lib.MetricsWriter(os.path.join(workdir, "logs"), enabled=is_main,
                                        tensorboard=config.logging.tensorboard)
     start = trainer.step
+    if start >= config.total_steps and is_main:
+        print(f"rstarjax: {workdir} is already at global step {start} >= total_steps={config.total_steps}: "
+              "nothing to train (raise --config.total_steps to train on)", flush=True)
     bar = tqdm.tqdm(total=config.total_steps, initial=start, disable=not (is_main and config.logging.progress_bar),
                     desc="rl", dynamic_ncols=True)
+    rejected_in_a_row = 0
     try:
         while trainer.step < config.total_steps:
             step = trainer.step
@@ -739,20 +916,37 @@ def run_rl(config, workdir: str, rollout_fn: RolloutFn | None = None, model: nnx
             except StopIteration:
                 break
             # one seed per (step, process), derived from the run key: same rollouts after a resume,
-            # independent samples on every process
-            step_key = jax.random.fold_in(jax.random.fold_in(base_key, step), jax.process_index())
+            # independent samples on every process (and for each batch drawn again at this step)
+            step_key = jax.random.fold_in(base_key, step)
+            if rejected_in_a_row:
+                step_key = jax.random.fold_in(step_key, rejected_in_a_row)
+            step_key = jax.random.fold_in(step_key, jax.process_index())
             seed = int(jax.random.randint(step_key, (), 0, 2**31 - 1))
             # dynamic sampling refills from the same iterator, so its checkpointed state covers
             # every prompt a step consumed
             metrics = rl_step(trainer, rollout_fn, records, rl_cfg, loss_cfg, seed,
                               more_records=lambda: next(data_iter))
+            if trainer.step == step:  # every group was rejected: no update, as the official trainer
+                rejected_in_a_row += 1
+                log.warning("step %d: no group of the batch is left to train on (rejected %.0f%%, %d infra-short); "
+                            "drawing the next batch", step + 1, 100 * metrics.get("filter/rejected_frac", 0.0),
+                            metrics.get("filter/infra_short_groups", 0))
+                if rejected_in_a_row >= rl_cfg.max_rejected_batches:
+                    raise RuntimeError(
+                        f"{rejected_in_a_row} rollout batches in a row left no group to train on at step {step + 1} "
+                        "(every group's rewards were equal, or its rollouts hit infrastructure errors): the "
+                        "policy solves all or none of these problems, or the environment is failing. Check the "
+                        "data and the rollout metrics, or set --config.rl.reject_equal_reward=False")
+                continue
+            metrics["filter/rejected_batches"] = float(rejected_in_a_row)
+            rejected_in_a_row = 0
             if on_update is not None:
                 on_update(trainer)
             new_step = trainer.step
             if ckpt.should_save(new_step, config.total_steps):
                 ckpt.save(new_step, trainer.state, {
                     "step": new_step, "rng": ckpt_lib.key_to_json(base_key),
-                    "data_state": data_iter.get_state(), "stage_total_steps": config.total_steps,
+                    "data_state": data_iter.get_state(), **stage_record,
                     **({"reference": reference} if reference else {}),
                 })
             writer.write(new_step, metrics)
@@ -761,21 +955,16 @@ def run_rl(config, workdir: str, rollout_fn: RolloutFn | None = None, model: nnx
                             len=f"{metrics.get('rollout/response_length_mean', 0):.0f}")
     finally:
         bar.close()
-        ckpt.close()  # waits for the last async save
         writer.close()
-        if owned_rollouts and hasattr(rollout_fn, "close"):
-            rollout_fn.close()  # the code-execution pool it started
     return trainer
 
 
 def make_colocated_rollout_fn(config, trainer: Trainer):
     """The agent loop on a serving engine sharing the trainer's devices (kimi k1.5 §4.2 hybrid
     deployment): after each update the engine takes the new params in memory, no copy to disk."""
-    try:
-        from rstarjax.rl import agent_loop  # noqa: F401  (written by the serving room)
-    except ImportError as e:
-        raise RuntimeError(
-            "rstarjax.rl.agent_loop is not available, so no real rollouts can run; pass rollout_fn= "
-            "to run_rl (tests) or install the serving room's code") from e
-    rollout_fn = agent_loop.make_rollout_fn(config, trainer.model())
+    from rstarjax.rl import agent_loop
+    from rstarjax.rl import sft as sft_lib
+
+    rollout_fn = agent_loop.make_rollout_fn(config, trainer.model(),
+                                            fmt=sft_lib.chat_format(config.rl.get("chat_format", "rstar2")))
     return rollout_fn, lambda tr: rollout_fn.update_params(tr.model())

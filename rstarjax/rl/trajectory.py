@@ -22,7 +22,9 @@ class Finish(str, enum.Enum):
     NO_TOOL_CALL = "no_tool_call"  # a turn ended without a tool call and without an <answer>
     MAX_TURNS = "max_turns"
     MAX_LENGTH = "max_length"  # response budget exhausted: truncated, reward 0
-    ERROR = "error"  # infrastructure failure; the episode ended cleanly with reward 0
+    # an infrastructure failure (code environment, verifier, a wait that timed out): the episode
+    # ended cleanly, and the trainer excludes it from the update (not the model's error)
+    ERROR = "error"
 
 
 @dataclasses.dataclass
@@ -67,6 +69,7 @@ class Trajectory:
     group_id: int = 0
     policy_version: int = 0
     response_text: str = ""  # decoded model + tool text, for logs and verification
+    error: str = ""  # with Finish.ERROR: which part of the infrastructure failed, and how
 
     @property
     def response_ids(self) -> np.ndarray:
@@ -99,3 +102,8 @@ class Trajectory:
     @property
     def truncated(self) -> bool:
         return self.finish == Finish.MAX_LENGTH
+
+    @property
+    def infra_error(self) -> bool:
+        """Ended by the infrastructure, not the model: excluded from training and counted."""
+        return self.finish == Finish.ERROR

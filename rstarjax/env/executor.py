@@ -16,6 +16,11 @@
   worker that has made no progress for longer than its longest in-flight timeout + `grace_s`.
 Every call is resolved exactly once (see `_resolve`); every wait has a bound.
 
+Resources of the host the executor holds while it runs, all given back by `close()`: a leased
+range of sandbox uids (uids.py), a cgroup per sandbox slot (cgroups.py), a scratch directory.
+`close()` also kills any process still running under the executor's uids or in its cgroups,
+whatever the model's code did.
+
 Multi-host: each host builds its own CodeExecutor for the rollouts it owns; there is no
 cross-host service.
 """
@@ -29,6 +34,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,27 +43,62 @@ import tempfile
 import threading
 import time
 
+from . import cgroups, uids
 from .results import ERROR, ExecResult, VerifyResult
 from .routing import HEAVY, LEAN, choose_tier
 from .sandbox import SAFE_ENV, SandboxLimits
-from .zygote import FrameReader, send_frame
+from .wire import FrameReader, send_frame
 
 _ZYGOTE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
 _executor_seq = itertools.count()
-_AUTO_UIDS = 128  # uids per executor in the automatic scheme
-
-
-def _auto_uid_base() -> int:
-    """A uid range no other live executor on this host uses: 128 uids per (pid, sequence).
-
-    Sharing uids between executors would couple them: RLIMIT_NPROC is counted per uid, and the
-    no-PID-namespace fallback kills everything of a slot's uid after each call."""
-    slot = (os.getpid() % 4_000_000) * 8 + next(_executor_seq) % 8
-    return 100_000 + slot * _AUTO_UIDS  # < 2**32 - 1
 
 
 class ExecutorClosedError(RuntimeError):
     pass
+
+
+def batch_items(calls) -> list[tuple[str, str]]:
+    """(code, stdin) for every item of a batch: a code string, or a (code, stdin) pair whose
+    stdin may be None. Anything else is a TypeError that names the item."""
+    items = []
+    for i, call in enumerate(calls):
+        if isinstance(call, str):
+            items.append((call, ""))
+            continue
+        if isinstance(call, (tuple, list)) and len(call) == 2 and isinstance(call[0], str) \
+                and (call[1] is None or isinstance(call[1], str)):
+            items.append((call[0], call[1] or ""))
+            continue
+        shown = repr(call)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise TypeError(f"calls[{i}] must be a code string or a (code, stdin) pair of strings, got "
+                        f"{type(call).__name__} {shown}")
+    return items
+
+
+def kill_uid_range(base: int, count: int, timeout: float = 5.0) -> None:
+    """SIGKILL every process whose real uid is in [base, base + count) until none is left (one
+    may still be forking when the first signal lands). Needs root."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = False
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/status") as f:
+                    uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+            except (OSError, StopIteration, ValueError):
+                continue
+            if base <= uid < base + count:
+                found = True
+                try:
+                    os.kill(int(entry), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if not found:
+            return
+        time.sleep(0.01)
 
 
 @dataclasses.dataclass
@@ -78,14 +119,15 @@ class ExecutorConfig:
     grace_s: float = 5.0  # a worker silent for (longest in-flight timeout + grace) is killed
     startup_timeout: float = 120.0
     limits: SandboxLimits = dataclasses.field(default_factory=SandboxLimits)
-    isolate: bool = True  # namespaces + uid drop where the kernel allows (see docs/code_env.md)
-    uid_base: int | None = None  # sandbox uids: uid_base + worker * slots + slot; None: a range
-    #                              unique to this executor (see _auto_uid_base)
-    tmpfs_bytes: int = 512 << 20  # private /tmp, /var/tmp, /dev/shm of the sandboxes
+    isolate: bool = True  # namespaces, uid drop, seccomp, cgroups where the host allows (docs/code_env.md)
+    uid_base: int | None = None  # sandbox uids: uid_base + worker * slots + slot; None: a range of
+    #                              the pool's size leased for this executor alone (uids.py)
+    tmp_bytes: int = 512 << 20  # the sandboxes' private /tmp; used only where calls cannot have
+    #                             their own tmpfs (see SandboxLimits.disk_bytes)
     python: str = sys.executable
-    worker_realtime: bool = True  # workers run SCHED_FIFO (lowest RT priority) where the kernel
-    #                               allows it: their loop is the dispatch path (see zygote.py
-    #                               become_realtime); `isolation["worker_realtime"]` says if it did
+    worker_realtime: bool = True  # workers and forkers run SCHED_FIFO (lowest RT priority) where
+    #                               the kernel allows it: they are the dispatch path (see
+    #                               forker.become_realtime); `isolation["worker_realtime"]` says if it did
     huge_pages: bool = True  # the zygotes move their preloaded heap onto transparent huge pages
     #                          (MADV_COLLAPSE): forks and exits copy/unmap far fewer page-table
     #                          entries (see zygote.py collapse_heap); `isolation["huge_page_bytes"]`
@@ -180,7 +222,7 @@ class _JobQueue:
 class _Zygote:
     """The preloaded interpreter that forks workers (see zygote.py)."""
 
-    def __init__(self, config: ExecutorConfig, workdir_root: str, tier: str = HEAVY, uid_base: int = 0):
+    def __init__(self, config: ExecutorConfig, workdir_root: str, tier: str, uid_base: int, cgroup: dict | None):
         self.lock = threading.Lock()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         wire_config = {
@@ -189,8 +231,9 @@ class _Zygote:
             "slots": config.slots_per_worker,
             "isolate": config.isolate,
             "uid_base": uid_base,
-            "tmpfs_bytes": config.tmpfs_bytes,
             "workdir_root": workdir_root,
+            "tmp_bytes": config.tmp_bytes,
+            "cgroup": cgroup,
             "preload": tier,
             "worker_realtime": config.worker_realtime,
             "huge_pages": config.huge_pages,
@@ -302,14 +345,13 @@ class CodeExecutor:
         self.config = config
         self.capacity = config.inflight_per_worker or 2 * config.slots_per_worker
         lean = config.num_workers if config.lean_workers < 0 else config.lean_workers
-        sandboxes = (config.num_workers + lean) * config.slots_per_worker
-        if config.uid_base is None:
-            if sandboxes > _AUTO_UIDS:
-                raise ValueError(f"{sandboxes} sandbox slots need an explicit uid_base (auto ranges hold {_AUTO_UIDS})")
-            self.uid_base = _auto_uid_base()
-        else:
-            self.uid_base = int(config.uid_base)
-        self.num_sandbox_uids = sandboxes
+        self.num_sandbox_uids = (config.num_workers + lean) * config.slots_per_worker
+        if config.uid_base is not None and not 0 < config.uid_base < 2**32 - 1 - self.num_sandbox_uids:
+            raise ValueError(f"uid_base {config.uid_base} leaves no room for {self.num_sandbox_uids} sandbox uids")
+        # Leased at start() when left automatic: unique on this host while this executor runs.
+        self.uid_base: int | None = config.uid_base
+        self._uid_lease: uids.UidLease | None = None
+        self._cgroups: cgroups.CgroupTree | None = None
         # Flat worker numbering: heavy workers first, then lean ones (the index picks sandbox uids).
         self._worker_tier = [HEAVY] * config.num_workers + [LEAN] * lean
         self._queues = {HEAVY: _JobQueue(config.max_queue), LEAN: _JobQueue(config.max_queue)}
@@ -341,9 +383,14 @@ class CodeExecutor:
 
     @property
     def isolation(self) -> dict:
-        """What the kernel allowed: {root, netns, mountns, private_tmp, pidns, uid_drop,
-        worker_realtime, huge_page_bytes} (the heavy zygote's)."""
-        return dict(self._zygotes[HEAVY].isolation) if HEAVY in self._zygotes else {}
+        """What the host allowed (the heavy zygote's probes, see docs/code_env.md): root, netns,
+        mountns, private_tmp, host_readonly, pidns, call_mounts, ipcns, uid_drop, seccomp,
+        worker_realtime, huge_page_bytes, and call_budget ("cgroup-v2", "cgroup-v1" or "rlimits")."""
+        if HEAVY not in self._zygotes:
+            return {}
+        info = dict(self._zygotes[HEAVY].isolation)
+        info["call_budget"] = self._cgroups.kind if self._cgroups is not None else cgroups.NONE
+        return info
 
     def start(self) -> "CodeExecutor":
         if self._started:
@@ -351,8 +398,13 @@ class CodeExecutor:
         # Sandboxes see this path only inside the zygote's private /tmp when that mount works.
         self._workdir_root = tempfile.mkdtemp(prefix="rstarjax-sandbox-")
         try:
+            if self.uid_base is None:
+                self._uid_lease = uids.lease(self.num_sandbox_uids)
+                self.uid_base = self._uid_lease.base
+            self._cgroups = self._make_cgroups()
+            cgroup = self._cgroups.wire() if self._cgroups is not None else None
             for tier in sorted(set(self._worker_tier)):
-                self._zygotes[tier] = _Zygote(self.config, self._workdir_root, tier, self.uid_base)
+                self._zygotes[tier] = _Zygote(self.config, self._workdir_root, tier, self.uid_base, cgroup)
             for i in range(len(self._workers)):
                 self._workers[i] = self._spawn_worker(i)
         except BaseException:
@@ -363,9 +415,7 @@ class CodeExecutor:
                     h.release()
             for zygote in self._zygotes.values():
                 zygote.kill()
-            import shutil
-
-            shutil.rmtree(self._workdir_root, ignore_errors=True)
+            self._release_host_resources()
             raise
         for i in range(len(self._workers)):
             for target, name in ((self._send_loop, "send"), (self._receive_loop, "recv")):
@@ -398,8 +448,29 @@ class CodeExecutor:
             t.join(timeout=5.0)
         for zygote in self._zygotes.values():
             zygote.close()
-        import shutil
+        self._release_host_resources()
 
+    def _make_cgroups(self) -> cgroups.CgroupTree | None:
+        """A cgroup per sandbox slot with the call's budget, where the host offers cgroups."""
+        if not (self.config.isolate and os.geteuid() == 0):
+            return None
+        limits = self.config.limits
+        budget = cgroups.CallBudget(limits.call_memory_bytes, limits.max_processes + 1)  # + the slot's forker
+        slots = [cgroups.slot_name(i, s) for i in range(len(self._worker_tier))
+                 for s in range(self.config.slots_per_worker)]
+        return cgroups.CgroupTree.create(cgroups.tree_name(next(_executor_seq)), slots, budget)
+
+    def _release_host_resources(self) -> None:
+        """Kill whatever still runs under our sandbox uids or in our cgroups (the model's code may
+        have tried anything), then give back the cgroups, the uid range and the scratch dir."""
+        if self._cgroups is not None:
+            self._cgroups.remove()
+            self._cgroups = None
+        if self.uid_base is not None and os.geteuid() == 0:
+            kill_uid_range(self.uid_base, self.num_sandbox_uids)
+        if self._uid_lease is not None:
+            self._uid_lease.release()
+            self._uid_lease = None
         shutil.rmtree(self._workdir_root, ignore_errors=True)
 
     # -- public API ------------------------------------------------------------------------
@@ -427,12 +498,10 @@ class CodeExecutor:
         return self._wait(fut, self._check_timeout(timeout))
 
     def run_batch(self, calls, timeout: float | None = None) -> list[ExecResult]:
-        """`calls`: iterable of code strings or (code, stdin) pairs. Results in the same order."""
-        futures = []
-        for call in calls:
-            code, stdin = (call, "") if isinstance(call, str) else call
-            futures.append(self.submit(code, stdin, timeout))
+        """`calls`: iterable of code strings or (code, stdin) pairs. Results in the same order.
+        A malformed item raises TypeError naming it, before anything is submitted."""
         limit = self._check_timeout(timeout)
+        futures = [self.submit(code, stdin, timeout) for code, stdin in batch_items(calls)]
         return [self._wait(f, limit) for f in futures]
 
     def verify(self, response_text: str, gold, timeout: float | None = None) -> VerifyResult:
@@ -456,7 +525,8 @@ class CodeExecutor:
         return await asyncio.wait_for(asyncio.wrap_future(job.future), self._result_bound(timeout))
 
     async def arun_batch(self, calls, timeout: float | None = None) -> list[ExecResult]:
-        tasks = [self.arun(*((c, "") if isinstance(c, str) else c), timeout=timeout) for c in calls]
+        """Async form of run_batch(): the same accepted items, results in the same order."""
+        tasks = [self.arun(code, stdin, timeout=timeout) for code, stdin in batch_items(calls)]
         return list(await asyncio.gather(*tasks))
 
     # -- internals: submission -------------------------------------------------------------
@@ -548,7 +618,8 @@ class CodeExecutor:
                 # The zygote itself is gone or wedged: start a new one (imports again, ~1-2 s).
                 self._count("zygote_restarts")
                 self._zygotes[tier].kill()
-                self._zygotes[tier] = _Zygote(self.config, self._workdir_root, tier, self.uid_base)
+                cgroup = self._cgroups.wire() if self._cgroups is not None else None
+                self._zygotes[tier] = _Zygote(self.config, self._workdir_root, tier, self.uid_base, cgroup)
                 sock, pid, pidfd = self._zygotes[tier].spawn(index)
         return _WorkerHandle(index, sock, pid, pidfd)
 

@@ -1,0 +1,82 @@
+"""Token log-probabilities and entropies from final hidden states, vocabulary chunk by chunk.
+
+Alignment (docs/design.md TrainBatch): position t-1 predicts ``targets[:, t]``, so the results are
+[B, L] arrays whose column t belongs to target t; column 0 has no prediction and is 0 (its loss
+mask is always 0: it is a prompt token).
+
+The full logits ``[B, L, V]`` never exist: ``chunk_len`` positions (every row of the batch at once)
+are projected onto the vocabulary at a time, inside ``jax.checkpoint`` so the backward pass
+recomputes each chunk's logits instead of keeping them. Peak memory O(B * chunk_len * V) instead
+of O(B * L * V): for Qwen3 (V = 151,936) at L = 14K one row's float32 logits are 8.5 GB, a
+1,024-position chunk 0.6 GB. The price is one more vocabulary matmul in the backward pass, paid
+only when there is more than one chunk (rows no longer than ``chunk_len`` keep their logits, as a
+plain full-logits loss would).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rstarjax.models.sharding import constrain
+
+
+def logprobs_and_entropy_of_logits(logits: jax.Array, targets: jax.Array
+                                   ) -> tuple[jax.Array, jax.Array]:
+    """f32 log pi(targets | ...) and the entropy of each distribution, from logits [..., V] and
+    int targets [...] of the same leading shape (no shift)."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    probs = jnp.exp(logits - lse[..., None])
+    return picked - lse, lse - jnp.sum(probs * logits, axis=-1)
+
+
+def _project(hidden: jax.Array, unembed: jax.Array, vocab_major: bool) -> jax.Array:
+    """[B, C, D] -> f32[B, C, V] in the hidden states' dtype with float32 accumulation."""
+    eq = "bcd,vd->bcv" if vocab_major else "bcd,dv->bcv"
+    logits = jnp.einsum(eq, hidden, unembed.astype(hidden.dtype),
+                        preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "seq", "act_vocab"))
+
+
+def token_logprobs_from_hidden(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, *,
+                               vocab_major: bool, chunk_len: int = 1024,
+                               with_entropy: bool = True
+                               ) -> tuple[jax.Array, jax.Array | None]:
+    """(log pi(targets[:, t] | <t), entropy at t), both f32[B, L] (column 0 is 0).
+
+    ``hidden`` [B, L, D]: the final-normed hidden states in the compute dtype; ``unembed``: the
+    output projection, [D, V], or [V, D] with ``vocab_major=True`` (tied input embedding; cast to
+    the hidden states' dtype, as the model's logits are). ``with_entropy=False`` returns
+    (log-probs, None) and skips the entropy's extra pass over the chunk.
+    """
+    if hidden.ndim != 3 or targets.shape != hidden.shape[:2]:
+        raise ValueError(f"hidden {hidden.shape} must be [B, L, D] matching targets {targets.shape}")
+    if chunk_len <= 0:
+        raise ValueError(f"chunk_len must be > 0, got {chunk_len}")
+    b, l, d = hidden.shape
+    n = l - 1
+    zero = jnp.zeros((b, 1), jnp.float32)
+    if n == 0:
+        return zero, (zero if with_entropy else None)
+
+    def one_chunk(h, tg):
+        lp, ent = logprobs_and_entropy_of_logits(_project(h, unembed, vocab_major), tg)
+        return (lp, ent) if with_entropy else (lp, None)
+
+    h, tg = hidden[:, :-1], targets[:, 1:].astype(jnp.int32)
+    if n <= chunk_len:  # one chunk: nothing to save by recomputing it
+        lp, ent = one_chunk(h, tg)
+    else:
+        num = -(-n // chunk_len)
+        pad = num * chunk_len - n
+        h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+        tg = jnp.pad(tg, ((0, 0), (0, pad)))
+        h = jnp.swapaxes(h.reshape(b, num, chunk_len, d), 0, 1)
+        tg = jnp.swapaxes(tg.reshape(b, num, chunk_len), 0, 1)
+        lp, ent = jax.lax.map(lambda xs: jax.checkpoint(one_chunk)(*xs), (h, tg))
+        unchunk = lambda x: jnp.swapaxes(x, 0, 1).reshape(b, num * chunk_len)[:, :n]
+        lp = unchunk(lp)
+        ent = unchunk(ent) if with_entropy else None
+    lp = jnp.concatenate([zero, lp], axis=1)
+    return lp, (jnp.concatenate([zero, ent], axis=1) if with_entropy else None)

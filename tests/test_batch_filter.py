@@ -1,0 +1,185 @@
+"""What reaches the update: the batch filter of rStar2-Agent §4.3 (equal-reward groups rejected),
+rollouts ended by infrastructure errors excluded, the GRPO baseline's sampling and Dr. GRPO's
+constant denominator, through the real ``rl_step`` (tiny model, real RoC / batch / loss)."""
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "configs"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from test_trainer import tiny_model  # noqa: E402
+
+from rstarjax.models import sharding as sharding_lib  # noqa: E402
+from rstarjax.rl import optim as optim_lib  # noqa: E402
+from rstarjax.rl import trainer as trainer_lib  # noqa: E402
+from rstarjax.rl.loss import LossConfig  # noqa: E402
+from rstarjax.rl.trajectory import Finish, Segment, SegmentKind, Trajectory  # noqa: E402
+
+G = 2
+
+
+def response_len(problem: int, j: int) -> int:
+    return 2 + (problem + 3 * j) % 5  # model tokens of rollout j of a problem
+
+
+def scripted(rewards_of, finish_of=lambda p, j: Finish.ANSWERED, calls=None):
+    """A rollout function: problem p's rollout j gets ``rewards_of(p)[j]`` and ``finish_of(p, j)``."""
+
+    def fn(records, n, seed, version):
+        if calls is not None:
+            calls.append(n)
+        out = []
+        for g, rec in enumerate(records):
+            p = int(rec["problem"].split()[-1])
+            rng = np.random.default_rng([p, seed])
+            for j in range(n):
+                k = response_len(p, j)
+                finish = finish_of(p, j)
+                out.append(Trajectory(
+                    prompt_ids=np.array([5, 6, 7], np.int32),
+                    segments=[Segment(SegmentKind.MODEL, rng.integers(1, 400, k), -rng.random(k) - 0.1)],
+                    turns=1, answer_tags=1, finish=finish,
+                    reward=0.0 if finish == Finish.ERROR else float(rewards_of(p)[j]), group_id=g,
+                    policy_version=version))
+        return out
+
+    return fn
+
+
+def records(*problems):
+    return [{"problem": f"problem {p}", "answer": str(p)} for p in problems]
+
+
+def make_trainer():
+    return trainer_lib.Trainer(tiny_model(), optim_lib.OptimConfig(learning_rate=1e-3), LossConfig(),
+                               trainer_lib.TrainerConfig(micro_batch_size=0),
+                               mesh=sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    return make_trainer()
+
+
+def rl_cfg(**kw):
+    base = dict(prompts_per_step=4, group_size=G, oversample=2 * G, max_prompt_len=4, max_response_len=8)
+    base.update(kw)
+    return trainer_lib.RLConfig(**base)
+
+
+# problem 0: all correct, 1: all wrong, 2 and 3: mixed (two right, two wrong)
+REWARDS = {0: [1, 1, 1, 1], 1: [0, 0, 0, 0], 2: [1, 0, 1, 0], 3: [0, 1, 0, 1]}
+
+
+def test_equal_reward_groups_are_rejected_before_roc(trainer):
+    fn = scripted(REWARDS.get)
+    m = trainer_lib.rl_step(trainer, fn, records(0, 1, 2, 3), rl_cfg(), LossConfig(), seed=1)
+    assert m["filter/rejected_frac"] == 0.5 and m["filter/groups_trained"] == 2
+    assert m["filter/rejected_all_correct_frac"] == 0.25 and m["filter/rejected_all_wrong_frac"] == 0.25
+    # eq. 6's denominator holds only the mixed groups' tokens: G of each, one right and one wrong
+    # (RoC keeps floor(2/2) = 1 negative and 1 positive of 2 + 2)
+    assert m["train/tokens"] == pytest.approx(m["rollout/model_tokens_mean"] * 2 * G)
+    assert m["rollout/accuracy"] == 0.5 and m["filter/updated"] == 1.0
+
+    # the option to keep them: every group's G rollouts enter the batch (zero advantage for 0 and 1)
+    keep = trainer_lib.rl_step(trainer, fn, records(0, 1, 2, 3), rl_cfg(reject_equal_reward=False),
+                               LossConfig(), seed=1)
+    assert keep["filter/rejected_frac"] == 0.0 and keep["filter/groups_trained"] == 4
+    assert keep["train/tokens"] > m["train/tokens"]
+
+
+def test_no_group_left_means_no_update():
+    tr = make_trainer()
+    before = [np.asarray(x) for x in jax.tree.leaves(tr.state.params)]
+    m = trainer_lib.rl_step(tr, scripted(REWARDS.get), records(0, 1, 0, 1), rl_cfg(), LossConfig(), seed=2)
+    assert tr.step == 0 and m["filter/updated"] == 0.0 and m["filter/rejected_frac"] == 1.0
+    assert "train/loss" not in m
+    for a, b in zip(jax.tree.leaves(tr.state.params), before):  # AdamW's momentum / decay did not move them
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_infrastructure_errors_are_excluded_from_the_update(trainer):
+    """Problem 2 loses two rollouts to the infrastructure: RoC runs on the two left (= G, kept
+    whole); problem 3 loses three: fewer than G left, the group is dropped and counted."""
+    infra = {(2, 0), (2, 1), (3, 0), (3, 1), (3, 2)}
+    fn = scripted(REWARDS.get, lambda p, j: Finish.ERROR if (p, j) in infra else Finish.ANSWERED)
+    m = trainer_lib.rl_step(trainer, fn, records(2, 3, 0, 1), rl_cfg(), LossConfig(), seed=3)
+    assert m["filter/infra_trajectories"] == 5 and m["filter/infra_short_groups"] == 1
+    assert m["filter/groups_trained"] == 1 and m["filter/rejected_frac"] == 0.5  # 0 and 1: equal rewards
+    assert m["train/tokens"] == response_len(2, 2) + response_len(2, 3)  # the two valid rollouts of problem 2
+    assert m["rollout_all/error_finish_ratio"] == pytest.approx(5 / 16)
+
+
+def test_dr_grpo_uses_its_constant_denominator(trainer):
+    """Dr. GRPO divides by the configured sequences x max response length, whatever the lengths."""
+    cfg = rl_cfg()
+    m = trainer_lib.rl_step(trainer, scripted(REWARDS.get), records(0, 1, 2, 3), cfg, LossConfig(dr_grpo=True),
+                            seed=4)
+    assert m["train/tokens"] == 4 * G * cfg.max_response_len
+    assert m["train/token_frac"] < 1.0  # the real tokens are a fraction of it
+
+
+def test_grpo_baseline_samples_and_trains_group_size_rollouts(trainer):
+    calls = []
+    cfg = rl_cfg(roc=False, oversample=32)
+    m = trainer_lib.rl_step(trainer, scripted(lambda p: [1, 0] * 16, calls=calls), records(2, 3, 4, 5), cfg,
+                            LossConfig(), seed=5)
+    assert calls == [G]  # G rollouts per prompt, not oversample
+    assert m["train/tokens"] == sum(response_len(p, j) for p in (2, 3, 4, 5) for j in range(G))
+
+
+def run_config(workdir, total_steps, **rl):
+    import base
+
+    c = base.get_config()
+    c.total_steps = total_steps
+    c.model.preset = "tiny"
+    c.model.random_init = True
+    c.model.dtype = "float32"
+    c.model.remat_policy = "none"
+    c.data.train_path = os.path.join(workdir, "train.jsonl")
+    c.data.shuffle = False
+    c.rl.prompts_per_step = 2
+    c.rl.group_size = G
+    c.rl.oversample = 2 * G
+    c.rl.max_prompt_len = 4
+    c.rl.max_response_len = 8
+    for k, v in rl.items():
+        setattr(c.rl, k, v)
+    c.trainer.micro_batch_size = 0
+    c.checkpoint.async_save = False
+    c.logging.progress_bar = False
+    c.logging.tensorboard = False
+    c.mesh.fsdp = 1
+    c.mesh.data = 1
+    return c
+
+
+@pytest.mark.slow  # two run_rl calls, each compiling its step: ~25 s alone, a minute on shared cores
+def test_the_loop_skips_fully_rejected_batches_and_stops_when_nothing_is_left(tmp_path, monkeypatch):
+    """A batch with no group left is not a step: the loop draws the next one (the official trainer
+    does the same), and fails with a clear error past ``max_rejected_batches`` in a row."""
+    monkeypatch.setattr(trainer_lib, "build_mesh", lambda c: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    workdir = str(tmp_path)
+    with open(os.path.join(workdir, "train.jsonl"), "w") as f:
+        for p in (0, 1, 0, 2, 1, 0, 3, 2):  # batches: {0, 1} rejected, {0, 2} trained, {1, 0}, {3, 2}
+            f.write(json.dumps({"problem": f"problem {p}", "answer": str(p)}) + "\n")
+    tr = trainer_lib.run_rl(run_config(workdir, 2), workdir, rollout_fn=scripted(REWARDS.get))
+    assert tr.step == 2
+    recs = [json.loads(x) for x in open(os.path.join(workdir, "logs", "metrics.jsonl"))]
+    assert [r["step"] for r in recs] == [1, 2]
+    assert [r["filter/rejected_batches"] for r in recs] == [1, 1]
+
+    other = tmp_path / "stuck"
+    other.mkdir()
+    with open(other / "train.jsonl", "w") as f:
+        f.write("".join(json.dumps({"problem": f"problem {p}", "answer": "0"}) + "\n" for p in (0, 1)))
+    with pytest.raises(RuntimeError, match="3 rollout batches in a row left no group to train on"):
+        trainer_lib.run_rl(run_config(str(other), 2, max_rejected_batches=3), str(other),
+                           rollout_fn=scripted(REWARDS.get))

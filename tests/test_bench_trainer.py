@@ -1,0 +1,53 @@
+"""benchmarks/bench_trainer.py: the model-FLOP count by hand, and the --plan / --memory-scan modes
+end to end at tiny sizes (one JSON line; a plan that cannot fit exits 1 naming the fix)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rstarjax.models import ModelConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench(*args):
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("XLA_FLAGS", None)  # the plan sets its own simulated device count
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_trainer.py"),
+                           *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_train_flops_per_token_by_hand():
+    cfg = ModelConfig.preset("qwen3-14b")
+    d, f, hd, nq, nkv, layers, v = 5120, 17408, 128, 40, 8, 40, 151936
+    per_layer = d * nq * hd + d * nkv * hd + d * nkv * hd + nq * hd * d + d * f + d * f + f * d
+    seq = 8192
+    causal_pairs_per_token = (seq + 1) / 2  # query t sees t + 1 keys, averaged over t
+    attention_fwd = layers * 2 * (2 * nq * hd) * causal_pairs_per_token  # QK^T and PV
+    want = 3 * (2 * (layers * per_layer + d * v) + attention_fwd)  # forward + 2x backward
+    assert cfg.train_flops_per_token(seq) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.slow
+def test_plan_refuses_what_cannot_fit_and_names_the_fix():
+    tiny = ["--plan", "--models", "tiny", "--meshes", "h100x1", "--plan-seq", "256"]
+    ok = _bench(*tiny, "--kv-slots", "4")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    plan = json.loads(ok.stdout.strip().splitlines()[-1])["plans"][0]
+    assert plan["fits"] and 0 <= plan["train_peak_gb"] < plan["usable_gb"]
+    too_many = _bench(*tiny, "--kv-slots", str(10 ** 9))
+    assert too_many.returncode == 1
+    plan = json.loads(too_many.stdout.strip().splitlines()[-1])["plans"][0]
+    assert not plan["fits"] and "concurrent rollouts" in plan["problems"][0]
+    assert "DOES NOT FIT" in too_many.stderr
+
+
+@pytest.mark.slow
+def test_memory_scan_prints_peak_bytes_per_length():
+    out = _bench("--memory-scan", "--lengths", "256,512", "--vocab", "512", "--no-baseline")
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(res["peak_bytes"]) == {"256", "512"} and res["ran_lengths"] == [256, 512]
+    assert 0.5 < res["growth_per_doubling_max"] < 2.2
