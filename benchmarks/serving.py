@@ -52,6 +52,19 @@ ap.add_argument("--reserve-fraction", type=float, default=0.125,
                 help="admission growth reserve, fraction of L (configs/base.py default)")
 ap.add_argument("--peak-gbps", type=float, default=0.0,
                 help="GPU HBM peak GB/s (default: from the device kind)")
+ap.add_argument("--presets", default="qwen3-1.7b,qwen3-8b",
+                help="--device gpu / --sizing-check: model shapes (random weights)")
+ap.add_argument("--batches", default="64,256", help="--device gpu: concurrent rollouts")
+ap.add_argument("--decode-attention", default="auto",
+                help="--device gpu / --sizing-check: Engine(decode_attention=...)")
+ap.add_argument("--sizing-check", action="store_true",
+                help="build the engine of each stage config from the free device memory "
+                     "(serving section as shipped), start a maximum-length rollout and two "
+                     "shared 2048-token prompts x 16 samples, run a few decode calls")
+ap.add_argument("--stages", default="stage1,stage2", help="--sizing-check: configs/<stage>.py")
+ap.add_argument("--param-dtype", default="bfloat16",
+                help="--sizing-check: the model's stored weights next to the serving copy "
+                     "(float32: a colocated trainer's master weights)")
 args = ap.parse_args()
 if args.device == "cpu":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -343,22 +356,34 @@ PEAK_GBPS = {"H100 80GB HBM3": 3350, "H100 PCIe": 2000, "H100": 3350, "H200": 48
              "L4": 300}
 
 
+def _peak_gbps(dev) -> float:
+    return args.peak_gbps or next((v for k, v in PEAK_GBPS.items() if k in dev.device_kind), 0)
+
+
+def _random_model(preset: str, param_dtype=jnp.bfloat16):
+    cfg = ModelConfig.preset(preset, dtype=jnp.bfloat16, param_dtype=param_dtype)
+    return Qwen3(cfg, rngs=nnx.Rngs(0))
+
+
 def bench_gpu(quick: bool) -> dict:
+    """Decode tokens/s and fraction of the HBM roofline at each preset x batch: every slot
+    holds a 512-token prompt and decodes ``calls`` device calls of 16 steps; bytes per step =
+    the serving weights + the live KV of every slot (mean length over the calls)."""
     dev = jax.devices()[0]
-    peak = args.peak_gbps or next((v for k, v in PEAK_GBPS.items() if k in dev.device_kind), 0)
+    peak = _peak_gbps(dev)
     out = {"device_kind": dev.device_kind, "peak_hbm_gbps": peak}
     prompt_len, calls = 512, (4 if quick else 16)
-    for preset in ("qwen3-1.7b", "qwen3-8b"):
-        cfg = ModelConfig.preset(preset, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-        for batch in ((64,) if quick else (64, 256)):
-            model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    for preset in args.presets.split(","):
+        for batch in map(int, args.batches.split(",")):
+            model = _random_model(preset)
+            cfg = model.config
             engine = Engine(model, num_slots=batch, max_len=prompt_len + 16 * (calls + 2) + 8,
-                            kv_memory_fraction=0.8)
+                            kv_memory_fraction=0.8, decode_attention=args.decode_attention)
             del model
             gc.collect()
             rng = np.random.default_rng(0)
             state = engine.init_decode_state()
-            reqs = [StartRequest(s, rng.integers(0, 151000, prompt_len).tolist(),
+            reqs = [StartRequest(s, rng.integers(0, cfg.vocab_size, prompt_len).tolist(),
                                  SamplingParams(temperature=1.0, seed=s, max_new_tokens=10**6))
                     for s in range(batch)]
             state, _ = engine.start(engine.params, state, reqs)
@@ -385,13 +410,88 @@ def bench_gpu(quick: bool) -> dict:
     return out
 
 
+# ---- sizing from memory: the stage configs start on this device -------------------------------
+
+def sizing_check() -> dict:
+    """For each preset x stage config: the engine the trainer builds
+    (``agent_loop.engine_options``: the shipped ``serving`` section, pool sized from the free
+    device memory), then one rollout of the maximum length (``max_prompt_len +
+    max_response_len`` minus the decode steps run) and 2 prompts of ``max_prompt_len`` tokens
+    x 16 samples sharing their prefill, and 4 decode calls. Prints the plan and the device's
+    memory (peak bytes in use) per pair."""
+    import importlib
+
+    from rstarjax.rl.agent_loop import engine_options
+
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "configs"))
+    dev = jax.devices()[0]
+    out = {"device_kind": dev.device_kind, "param_dtype": args.param_dtype}
+    calls = 4
+    for preset in args.presets.split(","):
+        for stage in args.stages.split(","):
+            key = f"{preset}_{stage}"
+            config = importlib.import_module(stage).get_config()
+            t0 = time.perf_counter()
+            model = _random_model(preset, jnp.dtype(args.param_dtype))
+            cfg = model.config
+            opts = engine_options(config)
+            try:
+                engine = Engine(model, decode_attention=args.decode_attention, **opts)
+            except ValueError as e:  # refused: the numbers and the flag that fixes it
+                out[f"{key}_started"] = False
+                out[f"{key}_refusal"] = str(e)
+                del model
+                gc.collect()
+                continue
+            plan = engine.plan
+            rng = np.random.default_rng(0)
+            long_len = engine.max_len - 16 * calls - 1
+            prompt_len = int(config.rl.max_prompt_len)
+            sp = lambda s: SamplingParams(temperature=1.0, seed=s, max_new_tokens=10**6)  # noqa: E731
+            reqs = [StartRequest(0, rng.integers(0, cfg.vocab_size, long_len).tolist(), sp(0),
+                                 prompt_len=long_len)]
+            for g in range(2):
+                prompt = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
+                reqs += [StartRequest(1 + 16 * g + i, prompt, sp(1 + 16 * g + i),
+                                      prompt_len=prompt_len) for i in range(16)]
+            state = engine.init_decode_state()
+            state, _ = engine.start(engine.params, state, reqs[:1])
+            state, _ = engine.start(engine.params, state, reqs[1:])
+            steps = 0
+            for _ in range(calls):
+                state, block = engine.decode(engine.params, state)
+                steps += block.steps
+            jax.block_until_ready(state)
+            stats = dev.memory_stats() or {}
+            out.update({
+                f"{key}_started": True, f"{key}_max_len": engine.max_len,
+                f"{key}_kv_source": plan.source, f"{key}_kv_pages": plan.num_pages,
+                f"{key}_kv_gb": plan.kv_bytes / 1e9, f"{key}_num_slots": plan.num_slots,
+                f"{key}_max_length_rollouts": plan.max_length_rollouts,
+                f"{key}_free_gb_at_sizing": (plan.free_bytes or 0) / 1e9,
+                f"{key}_serving_weights_gb": serving_weight_bytes(cfg, engine.dtype) / 1e9,
+                f"{key}_longest_slot": engine.slot_length(0),
+                f"{key}_prompt_prefill_tokens": engine.prefill_tokens,
+                f"{key}_decode_steps": steps, f"{key}_decode_attention": engine.decode_attention,
+                f"{key}_peak_gb_in_use": stats.get("peak_bytes_in_use", 0) / 1e9,
+                f"{key}_bytes_limit_gb": stats.get("bytes_limit", 0) / 1e9,
+                f"{key}_wall_s": time.perf_counter() - t0,
+            })
+            del engine, state, model
+            gc.collect()
+    return out
+
+
 def main():
     t0 = time.time()
-    figures = {"device": args.device, "backend": jax.default_backend(), "repeat": REPEAT}
+    figures = {"device": args.device, "backend": jax.default_backend()}
     spread = {}
-    if args.device == "gpu":
+    if args.sizing_check:
+        figures.update(sizing_check())
+    elif args.device == "gpu":
         figures.update(bench_gpu(args.quick))
     else:
+        figures["repeat"] = REPEAT
         for runs in (bench_decode(args.quick),):
             med, sp = median_figures(runs)
             figures.update(med)
