@@ -6,7 +6,6 @@ each token's log-prob, which is checked against the uncached training forward.
 """
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -212,8 +211,13 @@ def test_trainer_rollout_hook_samples_real_episodes(tok, model, executor):
     assert len({tuple(t.response_ids.tolist()) for t in trajs}) > 1  # seeded, not identical
     assert "timing/rollout_s" in timings
     other = Qwen3(model.config, rngs=nnx.Rngs(3))
-    agent_loop.update_params(other)
-    assert jax.tree.leaves(fn.engine.params)[0] is jax.tree.leaves(nnx.split(other)[1])[0]
+    agent_loop.update_params(other)  # the engine's serving copy now holds the new weights
+    np.testing.assert_array_equal(np.asarray(fn.engine.params.embed), np.asarray(other.embed[...]))
+    # A pool that cannot hold one rollout of max_prompt_len + max_response_len is refused at
+    # start, naming the flag that fixes it.
+    config.serving.kv_pages = 3
+    with pytest.raises(ValueError, match="--config.serving.kv_pages"):
+        agent_loop.make_rollout_fn(config, model, tokenizer=tok, executor=executor, fmt=COMPACT)
 
 
 # ---- infrastructure errors are the environment's, not the model's --------------------------------

@@ -309,7 +309,7 @@ def run_rollouts(scheduler_or_engines: RolloutScheduler | Engine | Sequence[Engi
     Engines given directly get a dynamic scheduler with ``max_rollout_len`` = the longest
     prompt + ``max_response_len`` (capped to the slot size)."""
     stops = StopIds.from_tokenizer(tokenizer)
-    if isinstance(scheduler_or_engines, RolloutScheduler):
+    if hasattr(scheduler_or_engines, "run"):  # a RolloutScheduler (or one with its interface)
         scheduler = scheduler_or_engines
     else:
         engines = ([scheduler_or_engines] if isinstance(scheduler_or_engines, Engine)
@@ -375,10 +375,21 @@ def tokenizer_for(config):
 _LIVE_ROLLOUT_FNS: "weakref.WeakSet[ColocatedRollouts]" = weakref.WeakSet()
 
 
+def engine_options(config, num_slots: int | None = None) -> dict:
+    """``Engine`` keyword arguments from a run config (``config.serving``, ``config.rl``)."""
+    sv, rl = config.serving, config.rl
+    return dict(max_len=int(rl.max_prompt_len) + int(rl.max_response_len),
+                page_size=int(sv.page_size), kv_pages=int(sv.kv_pages),
+                kv_memory_fraction=float(sv.kv_memory_fraction),
+                num_slots=int(num_slots or sv.num_slots), dtype=sv.dtype or None,
+                decode_steps=int(sv.decode_steps), prefill_chunk=int(sv.prefill_chunk))
+
+
 class ColocatedRollouts:
     """``RolloutFn`` for the trainer: (records, n per prompt, seed, policy version) ->
-    (trajectories with ``group_id`` = record index, timings). Owns one engine on the
-    trainer's devices and a code executor."""
+    (trajectories with ``group_id`` = record index, timings). Owns one paged engine on the
+    trainer's devices, sized from ``config.serving`` (refused at start when one rollout of
+    ``rl.max_prompt_len + rl.max_response_len`` tokens cannot fit), and a code executor."""
 
     def __init__(self, config, model, *, tokenizer=None, executor=None,
                  num_slots: int | None = None, fmt=None):
@@ -395,12 +406,16 @@ class ColocatedRollouts:
         self.max_prompt_len = int(rl.max_prompt_len)
         self.tokenizer = tokenizer or tokenizer_for(config)
         self.fmt = fmt or RSTAR2
+        self.engine = Engine(model, vocab_limit=len(self.tokenizer),
+                             **engine_options(config, num_slots))
+        self.scheduler = RolloutScheduler(
+            [self.engine], max_rollout_len=self.engine.max_len,
+            admit_reserve_tokens=int(float(config.serving.admit_reserve_fraction)
+                                     * self.engine.max_len),
+            tool_timeout_s=self.agent_config.tool_wait_s,
+            timeout_s=self.agent_config.rollout_timeout_s)
         self._owns_executor = executor is None
         self.executor = executor or make_executor(config)
-        num_slots = num_slots or int(getattr(rl, "num_slots", 0) or 64)
-        self.engine = Engine(model, num_slots=num_slots,
-                             max_len=self.max_prompt_len + self.agent_config.max_response_len,
-                             vocab_limit=len(self.tokenizer))
         _LIVE_ROLLOUT_FNS.add(self)
 
     def close(self) -> None:
@@ -415,6 +430,7 @@ class ColocatedRollouts:
         self.close()
 
     def update_params(self, model_or_state) -> None:
+        """Serve new weights (the engine makes its serving copy once, here)."""
         from flax import nnx
         state = model_or_state if not isinstance(model_or_state, nnx.Module) else nnx.split(
             model_or_state)[1]
@@ -431,7 +447,7 @@ class ColocatedRollouts:
                 sp = SamplingParams(seed=(seed * 1_000_003 + g * n_per_prompt + j) % (2**31 - 1),
                                     **self.sampling)
                 requests.append(RolloutRequest(prompt, str(rec["answer"]), g, sp, policy_version))
-        return run_rollouts(self.engine, self.tokenizer, self.executor, requests,
+        return run_rollouts(self.scheduler, self.tokenizer, self.executor, requests,
                             self.agent_config)
 
 
@@ -440,6 +456,7 @@ def make_rollout_fn(config, model, **kwargs) -> ColocatedRollouts:
 
 
 def update_params(model_or_state: Any) -> None:
-    """Hand new weights to every live colocated rollout engine (in memory, no copy)."""
+    """Hand new weights to every live colocated rollout engine (in memory; each engine makes
+    its serving copy once)."""
     for fn in list(_LIVE_ROLLOUT_FNS):
         fn.update_params(model_or_state)
