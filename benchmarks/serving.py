@@ -1,21 +1,43 @@
 """Serving benchmark: prints ONE JSON line of figures, each next to its baseline from this run.
 
-(1) decode tokens/s of the slot engine vs HF transformers ``generate`` (PyTorch), same
-    config, same weights (checked: identical greedy tokens), same batch; compile excluded
-    (warm-up call first), ``transformers`` with its default (dynamic) KV cache.
-(2) prefill tokens spent by ``Engine.extend`` on a multi-turn workload vs re-prefilling the
-    whole conversation every turn (what JetStream/tunix-style loops do), and the seconds spent.
-(3) rollout makespan of the dynamic KV-capacity scheduler + asynchronous tool calls vs the
-    static equal allocation with lock-step turns (verl v0.2, rStar2-Agent Fig. 7 top), on a
-    heavy-tailed multi-turn workload with real tool calls in the sandbox; engine busy fraction.
+The baseline engine is the dense-cache engine this project shipped before the paged one,
+vendored verbatim in ``benchmarks/baseline_dense_engine.py`` (from commit 01727d7), run in the
+same process on the same weights and workloads.
 
-    python benchmarks/serving.py [--device cpu|gpu] [--quick]
+CPU (``--device cpu``):
+(1) decode tokens/s: ``generate`` on the paged engine vs HF transformers ``generate``
+    (PyTorch, default dynamic KV cache) and vs the dense engine; same config, same weights
+    (greedy tokens checked identical), same batch; compiles excluded (a warm-up call first).
+(2) host syncs: per generated token and per decode step, in the paged run of (1).
+(3) prompt-prefill tokens for P prompts x 2G = 32 samples: shared group prompts vs the dense
+    engine (one prefill per sample).
+(4) heavy-tailed multi-turn rollouts with real sandboxed tool calls (P prompts x 16 samples,
+    a prompt's difficulty scaling all its samples) on 2 slices, at an equal KV memory budget
+    per slice (dense: 4 slots x 2048 tokens; paged: the same 8,192 tokens as 512 pages of 16,
+    32 slots, growth reserve 1/8 of L as configs/base.py): concurrency (live rollouts per
+    decode step while rollouts wait to be admitted; peak) and makespan, paged + dynamic
+    scheduler vs the dense engine + its dynamic scheduler; and, on the paged engine, vs static
+    allocation (equal contiguous chunks, as verl splits a batch) without turn sync and with
+    lock-step turns (verl v0.2). Wall-clock and, since the 2 slices share 2 CPU cores, the
+    busiest slice's decode steps.
+(5) prefill tokens spent by ``extend`` vs re-prefilling the conversation at every turn.
+
+GPU (``--device gpu``): decode tokens/s and the fraction of the HBM roofline ((weight bytes +
+live KV bytes) per step / step time / peak bandwidth) for Qwen3-1.7B and 8B shapes with random
+bf16 weights at 64 and 256 concurrent rollouts.
+
+``--repeat N`` runs every (ours, baseline) pair N times, alternating; each figure is the median
+and ``spread`` holds [min, max] per figure.
+
+    python benchmarks/serving.py [--device cpu|gpu] [--quick] [--repeat 3]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -24,47 +46,133 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
 ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
 ap.add_argument("--slices", type=int, default=2)
+ap.add_argument("--repeat", type=int, default=0, help="alternating runs (default 1 quick, 3)")
+ap.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
+ap.add_argument("--reserve-fraction", type=float, default=0.125,
+                help="admission growth reserve, fraction of L (configs/base.py default)")
+ap.add_argument("--peak-gbps", type=float, default=0.0,
+                help="GPU HBM peak GB/s (default: from the device kind)")
+ap.add_argument("--presets", default="qwen3-1.7b,qwen3-8b",
+                help="--device gpu / --sizing-check: model shapes (random weights)")
+ap.add_argument("--batches", default="64,256", help="--device gpu: concurrent rollouts")
+ap.add_argument("--decode-attention", default="auto",
+                help="--device gpu / --sizing-check: Engine(decode_attention=...)")
+ap.add_argument("--sizing-check", action="store_true",
+                help="build the engine of each stage config from the free device memory "
+                     "(serving section as shipped), start a maximum-length rollout and two "
+                     "shared 2048-token prompts x 16 samples, run a few decode calls")
+ap.add_argument("--stages", default="stage1,stage2", help="--sizing-check: configs/<stage>.py")
+ap.add_argument("--param-dtype", default="bfloat16",
+                help="--sizing-check: the model's stored weights next to the serving copy "
+                     "(float32: a colocated trainer's master weights)")
 args = ap.parse_args()
 if args.device == "cpu":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.slices}")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import baseline_dense_engine as dense  # noqa: E402
 from rstarjax.env import CodeExecutor  # noqa: E402
 from rstarjax.models.chat_template import COMPACT, encode_prompt  # noqa: E402
 from rstarjax.models.config import ModelConfig  # noqa: E402
-from rstarjax.models.hf import save_hf  # noqa: E402
+from rstarjax.models.kv_cache import kv_bytes_per_token  # noqa: E402
 from rstarjax.models.qwen3 import Qwen3  # noqa: E402
 from rstarjax.models.tokenizer import load_tokenizer  # noqa: E402
 from rstarjax.rl.agent_loop import AgentConfig, RolloutRequest, run_rollouts  # noqa: E402
-from rstarjax.serving import Engine, SamplingParams, generate  # noqa: E402
+from rstarjax.serving import Engine, SamplingParams, StartRequest, generate  # noqa: E402
 from rstarjax.serving.scheduler import RolloutScheduler  # noqa: E402
+from rstarjax.serving.sizing import serving_weight_bytes  # noqa: E402
 
 TOOL = "execute_python_code_with_standard_io"
+REPEAT = args.repeat or (1 if args.quick else 3)
 
 
-def bench_decode(quick: bool) -> dict:
+def alternate(ours, baseline):
+    """Run ``ours`` and ``baseline`` REPEAT times, alternating; lists of their dicts."""
+    a, b = [], []
+    for _ in range(REPEAT):
+        a.append(ours())
+        b.append(baseline())
+    return a, b
+
+
+def median_figures(runs: list[dict]) -> tuple[dict, dict]:
+    out, spread = {}, {}
+    for k in runs[0]:
+        vals = [r[k] for r in runs]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            out[k] = statistics.median(vals)
+            if len(vals) > 1 and min(vals) != max(vals):
+                spread[k] = [min(vals), max(vals)]
+        else:
+            out[k] = vals[0]
+    return out, spread
+
+
+# ---- (1), (2) decode ---------------------------------------------------------------------
+
+def bench_decode(quick: bool) -> list[dict]:
+    batch, prompt_len, new = (4, 16, 32) if quick else (8, 32, 64)
+    cfg = ModelConfig.preset("demo", dtype=jnp.float32, vocab_size=4096)  # hidden 256, 4 layers
+    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
+    engine = Engine(model, num_slots=batch, max_len=prompt_len + new, cache_dtype=jnp.float32,
+                    buckets=(prompt_len, prompt_len + new))
+    old = dense.Engine(model, num_slots=batch, max_len=prompt_len + new,
+                       buckets=(prompt_len, prompt_len + new), cache_dtype=jnp.float32)
+    generate(None, prompts, new, engine=engine)  # compile
+    dense.generate(None, prompts, new, engine=old)
+    hf_run = None if args.skip_hf else _hf_decoder(model, prompts, new)
+    n = batch * new
+
+    def ours():
+        syncs, steps, toks = engine.host_syncs, engine.decode_steps_run, engine.generated_tokens
+        t0 = time.perf_counter()
+        out = generate(None, prompts, new, engine=engine)
+        dt = time.perf_counter() - t0
+        return {"t": dt, "tokens": [o.token_ids for o in out],
+                "syncs": engine.host_syncs - syncs, "steps": engine.decode_steps_run - steps,
+                "decoded": engine.generated_tokens - toks}
+
+    def baseline():
+        t0 = time.perf_counter()
+        out = dense.generate(None, prompts, new, engine=old)
+        r = {"t_dense": time.perf_counter() - t0, "dense_tokens": [o.token_ids for o in out]}
+        if hf_run is not None:
+            r.update(hf_run())
+        return r
+
+    a, b = alternate(ours, baseline)
+    runs = []
+    for x, y in zip(a, b):
+        r = {"decode_tok_s": n / x["t"], "decode_tok_s_dense_engine": n / y["t_dense"],
+             "decode_speedup_vs_dense_engine": y["t_dense"] / x["t"],
+             "decode_greedy_match_dense_engine": float(x["tokens"] == y["dense_tokens"]),
+             "host_syncs_per_token": x["syncs"] / n,
+             "host_syncs_per_decode_step": x["syncs"] / max(1, x["steps"]),
+             "decode_batch": batch, "decode_new_tokens": new}
+        if "t_hf" in y:
+            r.update({"decode_tok_s_hf": n / y["t_hf"], "decode_speedup_vs_hf": y["t_hf"] / x["t"],
+                      "decode_greedy_match_hf": float(np.mean(
+                          [t == h for t, h in zip(x["tokens"], y["hf_tokens"])]))})
+        runs.append(r)
+    return runs
+
+
+def _hf_decoder(model, prompts, new):
     import torch
     import transformers
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    batch, prompt_len, new = (4, 16, 16) if quick else (8, 32, 64)
-    cfg = ModelConfig.preset("demo", dtype=jnp.float32, vocab_size=4096)  # hidden 256, 4 layers
-    model = Qwen3(cfg, rngs=nnx.Rngs(0))
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(0, cfg.vocab_size, size=(batch, prompt_len)).tolist()
-    engine = Engine(model, num_slots=batch, max_len=prompt_len + new,
-                    buckets=(prompt_len, prompt_len + new), cache_dtype=jnp.float32)
-    generate(None, prompts, new, engine=engine)  # compile
-    t0 = time.perf_counter()
-    ours = generate(None, prompts, new, engine=engine)
-    t_ours = time.perf_counter() - t0
+    from rstarjax.models.hf import save_hf
 
+    torch.set_num_threads(os.cpu_count() or 1)
     dev = "cuda" if args.device == "gpu" else "cpu"
     with tempfile.TemporaryDirectory() as d:
         save_hf(model, d, tokenizer=False)  # random ids: the benchmark needs no tokenizer
@@ -73,29 +181,59 @@ def bench_decode(quick: bool) -> dict:
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         hf.generate(ids, **kw)  # warm-up
-        t0 = time.perf_counter()
-        out = hf.generate(ids, **kw)
-        t_hf = time.perf_counter() - t0
-    hf_tokens = out[:, prompt_len:].cpu().numpy().tolist()
-    same = float(np.mean([a.token_ids == b for a, b in zip(ours, hf_tokens)]))
-    n = batch * new
-    return {"decode_tok_s": n / t_ours, "decode_tok_s_hf": n / t_hf,
-            "decode_speedup_vs_hf": t_hf / t_ours, "decode_greedy_match_hf": same,
-            "decode_batch": batch, "decode_new_tokens": new}
+
+    def run():
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = hf.generate(ids, **kw)
+            dt = time.perf_counter() - t0
+        return {"t_hf": dt, "hf_tokens": out[:, len(prompts[0]):].cpu().numpy().tolist()}
+
+    return run
 
 
-def heavy_tailed_workload(tok, n: int, seed: int, quick: bool):
-    """Scripted multi-turn rollouts: turns ~ 1 + Geometric, turn lengths log-normal, each tool
-    call runs real code (sleeping a log-normal time, printing a result)."""
+# ---- (3) shared group prompts ---------------------------------------------------------------
+
+def bench_group_prefill(quick: bool) -> dict:
+    tok = load_tokenizer(486)
+    cfg = ModelConfig.preset("tiny", dtype=jnp.float32, vocab_size=512, hidden_size=128,
+                             intermediate_size=256)
+    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    p, group = (2, 32) if quick else (4, 32)
+    prompts = [encode_prompt(tok, f"What is {i} * 7? Show your work.", COMPACT) for i in range(p)]
+    batch = [q for q in prompts for _ in range(group)]
+    max_len = max(map(len, prompts)) + 8
+    ours = Engine(model, num_slots=group, max_len=max_len, cache_dtype=jnp.float32)
+    old = dense.Engine(model, num_slots=group, max_len=max_len, cache_dtype=jnp.float32)
+    a = generate(None, batch, 8, temperature=1.0, engine=ours)
+    b = dense.generate(None, batch, 8, temperature=1.0, engine=old)
+    return {"prompt_prefill_tokens_shared": ours.prefill_tokens,
+            "prompt_prefill_tokens_dense_engine": old.prefill_tokens,
+            "prompt_prefill_reduction": old.prefill_tokens / max(1, ours.prefill_tokens),
+            "prompt_prefill_prompts": p, "prompt_prefill_samples_per_prompt": group,
+            "prompt_prefill_same_tokens": float([x.token_ids for x in a] == [y.token_ids for y in b])}
+
+
+# ---- (4), (5) multi-turn rollouts ----------------------------------------------------------------
+
+def heavy_tailed_workload(tok, n: int, seed: int, quick: bool, samples_per_prompt: int = 16):
+    """Scripted multi-turn rollouts, ``samples_per_prompt`` per prompt (the 2G samples of a
+    group). A prompt's difficulty (log-normal) scales the turn lengths and the number of
+    tool calls of all its samples, as in RL, where every sample of a hard problem runs long;
+    within it, turns ~ 1 + Geometric, turn lengths log-normal, each tool call runs real code
+    (sleeping a log-normal time, printing a result)."""
     rng = np.random.default_rng(seed)
-    prompt = encode_prompt(tok, "What is 6*7?", COMPACT)
     reqs = []
     filler = tok.encode(" think")[0]
+    difficulty = rng.lognormal(0.0, 0.6, size=n // samples_per_prompt + 1)
     for i in range(n):
+        g = i // samples_per_prompt
+        prompt = encode_prompt(tok, f"What is {g}*7?", COMPACT)
         turns = []
-        num_calls = min(int(rng.geometric(0.45)) - 1, 4)
+        num_calls = min(int(rng.geometric(min(0.9, 0.45 / difficulty[g]))) - 1, 4)
         for k in range(num_calls + 1):
-            length = int(np.clip(rng.lognormal(3.2 if quick else 3.6, 0.9), 4, 160 if quick else 300))
+            mu = (3.2 if quick else 3.6) + np.log(difficulty[g])
+            length = int(np.clip(rng.lognormal(mu, 0.9), 4, 160 if quick else 300))
             if k < num_calls:
                 sleep = float(np.clip(rng.lognormal(-2.5, 1.0), 0.01, 1.0))
                 code = f"import time\ntime.sleep({sleep:.3f})\nprint({i}*{k})"
@@ -104,89 +242,273 @@ def heavy_tailed_workload(tok, n: int, seed: int, quick: bool):
                 turns += [filler] * length + call
             else:
                 turns += [filler] * length + tok.encode("<answer>\\boxed{42}</answer><|im_end|>")
-        reqs.append(RolloutRequest(prompt, "42", i, SamplingParams(seed=i), script=turns))
+        reqs.append(RolloutRequest(prompt, "42", g, SamplingParams(seed=i), script=turns))
     return reqs
 
 
-def bench_rollouts(quick: bool) -> dict:
+def bench_rollouts(quick: bool) -> tuple[list[dict], list[dict]]:
     tok = load_tokenizer(486)
     cfg = ModelConfig.preset("tiny", dtype=jnp.float32, vocab_size=512, hidden_size=128,
                              intermediate_size=256)
     model = Qwen3(cfg, rngs=nnx.Rngs(0))
-    max_len = 2048
-    devices = jax.devices()[: args.slices]
-    engines = [Engine(model, num_slots=4, max_len=max_len, buckets=(64, 256, 1024, max_len),
-                      cache_dtype=jnp.float32, device=d) for d in devices]
-    while len(engines) < args.slices:  # fewer devices than slices: share one
-        engines.append(Engine(model, num_slots=4, max_len=max_len, buckets=engines[0].buckets,
-                              cache_dtype=jnp.float32))
+    max_len, dense_slots, page = 2048, 4, 16
+    devices = (jax.devices() * args.slices)[: args.slices]
+    kv_pages = dense_slots * max_len // page  # the dense slots' KV memory, in pages
+    paged = [Engine(model, num_slots=32, max_len=max_len, page_size=page, kv_pages=kv_pages,
+                    cache_dtype=jnp.float32, buckets=(64, 256, 1024, max_len), device=d)
+             for d in devices]
+    old = [dense.Engine(model, num_slots=dense_slots, max_len=max_len,
+                        buckets=(64, 256, 1024, max_len), cache_dtype=jnp.float32, device=d)
+           for d in devices]
     cfg_a = AgentConfig(max_turns=8, max_response_len=max_len - 200, tool_timeout_s=5.0)
-    n = 16 if quick else 48
-    out = {}
+    n = 48 if quick else 128
+    reserve = int(args.reserve_fraction * max_len)  # serving.admit_reserve_fraction
+
+    def sched(policy="dynamic", sync=None):
+        return RolloutScheduler(paged, max_rollout_len=max_len, policy=policy, sync_turns=sync,
+                                admit_reserve_tokens=reserve, tool_timeout_s=60)
+
     with CodeExecutor(num_workers=2) as ex:
-        # Warm-up: compile every program on every slice.
-        warm = heavy_tailed_workload(tok, n, seed=0, quick=quick)
-        run_rollouts(RolloutScheduler(engines, max_rollout_len=max_len), tok, ex, warm, cfg_a)
-        results = {}
-        for name, policy, sync in (("dynamic", "dynamic", False), ("static_sync", "static", True),
-                                   ("static_async", "static", False)):
-            reqs = heavy_tailed_workload(tok, n, seed=0, quick=quick)
+        warm = heavy_tailed_workload(tok, n, seed=1, quick=quick)  # compile every program
+        run_rollouts(sched(), tok, ex, warm, cfg_a)
+        run_rollouts(dense.RolloutScheduler(old, max_rollout_len=max_len), tok, ex, warm, cfg_a)
+
+        def run(s, engines):
             for e in engines:
                 e.prefill_tokens = 0
-            sched = RolloutScheduler(engines, max_rollout_len=max_len, policy=policy,
-                                     sync_turns=sync, tool_timeout_s=60)
-            trajs, timings = run_rollouts(sched, tok, ex, reqs, cfg_a)
-            results[name] = (trajs, timings, sum(e.prefill_tokens for e in engines))
-        dyn, st = results["dynamic"][1], results["static_sync"][1]
-        out.update({
-            "rollouts": n, "slices": len(engines),
-            "makespan_dynamic_s": dyn["timing/rollout_makespan_s"],
-            "makespan_static_sync_s": st["timing/rollout_makespan_s"],
-            "makespan_static_async_s": results["static_async"][1]["timing/rollout_makespan_s"],
-            "makespan_speedup": st["timing/rollout_makespan_s"] / dyn["timing/rollout_makespan_s"],
-            # Decode steps of the busiest slice: the makespan in engine steps. A step costs the
-            # same whatever number of its slots are active (fixed shapes), so this is the
-            # device-time makespan free of CPU contention between slices on a 2-core host.
-            "makespan_steps_dynamic": dyn["timing/rollout_max_slice_steps"],
-            "makespan_steps_static_sync": st["timing/rollout_max_slice_steps"],
-            "makespan_steps_static_async":
-                results["static_async"][1]["timing/rollout_max_slice_steps"],
-            "makespan_steps_speedup": st["timing/rollout_max_slice_steps"]
-                / dyn["timing/rollout_max_slice_steps"],
-            "busy_fraction_dynamic": dyn["timing/rollout_busy_fraction_mean"],
-            "busy_fraction_static_sync": st["timing/rollout_busy_fraction_mean"],
-            "tool_calls": int(sum(t.tool_calls for t in results["dynamic"][0])),
-            "reward_mean": float(np.mean([t.reward for t in results["dynamic"][0]])),
+                if hasattr(e, "occupied_slot_steps"):
+                    e.occupied_slot_steps = e.generate_calls = 0
+            trajs, timings = run_rollouts(s, tok, ex, heavy_tailed_workload(tok, n, 0, quick),
+                                          cfg_a)
+            return trajs, timings, sum(e.prefill_tokens for e in engines)
+
+        def ours():
+            trajs, t, prefill = run(sched(), paged)
+            return {"trajs": trajs, "t": t, "prefill": prefill}
+
+        def baseline():
+            for e in old:
+                e.occupied_while_queued = e.steps_while_queued = 0
+            trajs, t, _ = run(dense.RolloutScheduler(old, max_rollout_len=max_len), old)
+            live = sum(e.occupied_slot_steps / max(1, e.generate_calls) for e in old)
+            queued = sum(e.occupied_while_queued / max(1, e.steps_while_queued) for e in old)
+            r = {"trajs": trajs, "t": t, "live": live, "live_queued": queued}
+            for name, policy, sync in (("static_async", "static", False),
+                                       ("static_sync", "static", True)):
+                r[name] = run(sched(policy, sync), paged)[1]
+            return r
+
+        a, b = alternate(ours, baseline)
+    runs, extend_runs = [], []
+    for x, y in zip(a, b):
+        t, d = x["t"], y["t"]
+        ms = lambda r: r["timing/rollout_makespan_s"]  # noqa: E731
+        same = all(p.response_ids.tolist() == q.response_ids.tolist()
+                   for p, q in zip(x["trajs"], y["trajs"]))
+        runs.append({
+            "rollouts": n, "slices": len(paged), "kv_tokens_per_slice": kv_pages * page,
+            # Live rollouts per decode step while more waited to be admitted (both engines
+            # full): what an equal KV budget holds at once. Whole-run means include the tail.
+            "paged_live_while_queued": t["timing/rollout_mean_live_while_queued"],
+            "dense_live_while_queued": y["live_queued"],
+            "paged_concurrency_ratio": t["timing/rollout_mean_live_while_queued"]
+            / max(1e-9, y["live_queued"]),
+            "paged_mean_live": t["timing/rollout_mean_live"], "dense_mean_live": y["live"],
+            "paged_max_live": t["timing/rollout_max_live"],
+            "paged_max_pages_in_use": t["timing/rollout_max_pages_in_use"],
+            "paged_preemptions": t["timing/rollout_preemptions"],
+            "makespan_paged_s": ms(t), "makespan_dense_engine_s": ms(d),
+            "makespan_speedup_vs_dense_engine": ms(d) / ms(t),
+            "makespan_static_async_s": ms(y["static_async"]),
+            "makespan_static_sync_s": ms(y["static_sync"]),
+            "makespan_speedup_vs_static_async": ms(y["static_async"]) / ms(t),
+            "makespan_speedup_vs_static_sync": ms(y["static_sync"]) / ms(t),
+            "makespan_steps_paged": t["timing/rollout_max_slice_steps"],
+            "makespan_steps_dense_engine": d["timing/rollout_max_slice_steps"],
+            "makespan_steps_static_async": y["static_async"]["timing/rollout_max_slice_steps"],
+            "busy_fraction_paged": t["timing/rollout_busy_fraction_mean"],
+            "busy_fraction_dense_engine": d["timing/rollout_busy_fraction_mean"],
+            "rollout_host_syncs_per_token": t["timing/rollout_host_syncs"]
+            / max(1, t["timing/rollout_generated_tokens"]),
+            "rollouts_same_tokens_as_dense_engine": float(same),
+            "tool_calls": int(sum(tr.tool_calls for tr in x["trajs"])),
+            "reward_mean": float(np.mean([tr.reward for tr in x["trajs"]])),
         })
-        # (2) extend vs re-prefill: replay the dynamic run's conversations, re-prefilling the
-        # whole history at every turn boundary as a loop without `extend` must.
-        trajs, _, extend_tokens = results["dynamic"]
-        eng = engines[0]
-        reprefill_tokens, t_reprefill = 0, 0.0
-        for t in trajs:
-            hist = list(t.prompt_ids)
-            reprefill_tokens += len(hist)
-            for seg in t.segments:
-                hist += seg.ids.tolist()
+        # (5) extend vs re-prefilling the whole conversation at every tool turn.
+        reprefill = 0
+        for tr in x["trajs"]:
+            hist = len(tr.prompt_ids)
+            reprefill += hist
+            for seg in tr.segments:
+                hist += len(seg.ids)
                 if seg.kind == "tool":
-                    t0 = time.perf_counter()
-                    eng.prefill(eng.params, hist)
-                    t_reprefill += time.perf_counter() - t0
-                    reprefill_tokens += len(hist)
-        out.update({"prefill_tokens_extend": extend_tokens,
-                    "prefill_tokens_reprefill": reprefill_tokens,
-                    "prefill_token_ratio": reprefill_tokens / max(1, extend_tokens),
-                    "reprefill_s": t_reprefill})
+                    reprefill += hist
+        extend_runs.append({"prefill_tokens_extend": x["prefill"],
+                            "prefill_tokens_reprefill": reprefill,
+                            "prefill_token_ratio": reprefill / max(1, x["prefill"])})
+    return runs, extend_runs
+
+
+# ---- GPU: decode throughput and HBM roofline ------------------------------------------------------
+
+PEAK_GBPS = {"H100 80GB HBM3": 3350, "H100 PCIe": 2000, "H100": 3350, "H200": 4800,
+             "A100-SXM4-80GB": 2039, "A100-SXM4-40GB": 1555, "A100": 1555, "MI300X": 5300,
+             "L4": 300}
+
+
+def _peak_gbps(dev) -> float:
+    return args.peak_gbps or next((v for k, v in PEAK_GBPS.items() if k in dev.device_kind), 0)
+
+
+def _random_model(preset: str, param_dtype=jnp.bfloat16):
+    cfg = ModelConfig.preset(preset, dtype=jnp.bfloat16, param_dtype=param_dtype)
+    return Qwen3(cfg, rngs=nnx.Rngs(0))
+
+
+def bench_gpu(quick: bool) -> dict:
+    """Decode tokens/s and fraction of the HBM roofline at each preset x batch: every slot
+    holds a 512-token prompt and decodes ``calls`` device calls of 16 steps; bytes per step =
+    the serving weights + the live KV of every slot (mean length over the calls)."""
+    dev = jax.devices()[0]
+    peak = _peak_gbps(dev)
+    out = {"device_kind": dev.device_kind, "peak_hbm_gbps": peak}
+    prompt_len, calls = 512, (4 if quick else 16)
+    for preset in args.presets.split(","):
+        for batch in map(int, args.batches.split(",")):
+            model = _random_model(preset)
+            cfg = model.config
+            engine = Engine(model, num_slots=batch, max_len=prompt_len + 16 * (calls + 2) + 8,
+                            kv_memory_fraction=0.8, decode_attention=args.decode_attention)
+            del model
+            gc.collect()
+            rng = np.random.default_rng(0)
+            state = engine.init_decode_state()
+            reqs = [StartRequest(s, rng.integers(0, cfg.vocab_size, prompt_len).tolist(),
+                                 SamplingParams(temperature=1.0, seed=s, max_new_tokens=10**6))
+                    for s in range(batch)]
+            state, _ = engine.start(engine.params, state, reqs)
+            state, _ = engine.decode(engine.params, state)  # compile
+            jax.block_until_ready(state)
+            lengths, steps, t0 = [], 0, time.perf_counter()
+            for _ in range(calls):
+                lengths.append(np.mean([engine.slot_length(s) for s in range(batch)]))
+                state, block = engine.decode(engine.params, state)
+                steps += block.steps
+            dt = time.perf_counter() - t0
+            weights = serving_weight_bytes(cfg, jnp.bfloat16)
+            kv = float(np.mean(lengths)) * batch * kv_bytes_per_token(cfg, jnp.bfloat16)
+            step_s = dt / steps
+            key = f"{preset}_b{batch}"
+            out[f"{key}_decode_tok_s"] = batch * steps / dt
+            out[f"{key}_step_ms"] = 1e3 * step_s
+            out[f"{key}_bytes_per_step_gb"] = (weights + kv) / 1e9
+            if peak:
+                out[f"{key}_roofline_fraction"] = (weights + kv) / (peak * 1e9) / step_s
+            out[f"{key}_decode_attention"] = engine.decode_attention
+            del engine, state
+            gc.collect()
+    return out
+
+
+# ---- sizing from memory: the stage configs start on this device -------------------------------
+
+def sizing_check() -> dict:
+    """For each preset x stage config: the engine the trainer builds
+    (``ServingConfig.engine_options``: the shipped ``serving`` section, pool sized from the free
+    device memory), then one rollout of the maximum length (``max_prompt_len +
+    max_response_len`` minus the decode steps run) and 2 prompts of ``max_prompt_len`` tokens
+    x 16 samples sharing their prefill, and 4 decode calls. Prints the plan and the device's
+    memory (peak bytes in use) per pair."""
+    import importlib
+
+    from rstarjax.rl.agent_loop import ServingConfig
+
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "configs"))
+    dev = jax.devices()[0]
+    out = {"device_kind": dev.device_kind, "param_dtype": args.param_dtype}
+    calls = 4
+    for preset in args.presets.split(","):
+        for stage in args.stages.split(","):
+            key = f"{preset}_{stage}"
+            config = importlib.import_module(stage).get_config()
+            t0 = time.perf_counter()
+            model = _random_model(preset, jnp.dtype(args.param_dtype))
+            cfg = model.config
+            opts = ServingConfig(**dict(config.serving)).engine_options(
+                int(config.rl.max_prompt_len) + int(config.rl.max_response_len))
+            try:
+                engine = Engine(model, decode_attention=args.decode_attention, **opts)
+            except ValueError as e:  # refused: the numbers and the flag that fixes it
+                out[f"{key}_started"] = False
+                out[f"{key}_refusal"] = str(e)
+                del model
+                gc.collect()
+                continue
+            plan = engine.plan
+            rng = np.random.default_rng(0)
+            long_len = engine.max_len - 16 * calls - 1
+            prompt_len = int(config.rl.max_prompt_len)
+            sp = lambda s: SamplingParams(temperature=1.0, seed=s, max_new_tokens=10**6)  # noqa: E731
+            reqs = [StartRequest(0, rng.integers(0, cfg.vocab_size, long_len).tolist(), sp(0),
+                                 prompt_len=long_len)]
+            for g in range(2):
+                prompt = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
+                reqs += [StartRequest(1 + 16 * g + i, prompt, sp(1 + 16 * g + i),
+                                      prompt_len=prompt_len) for i in range(16)]
+            state = engine.init_decode_state()
+            state, _ = engine.start(engine.params, state, reqs[:1])
+            state, _ = engine.start(engine.params, state, reqs[1:])
+            steps = 0
+            for _ in range(calls):
+                state, block = engine.decode(engine.params, state)
+                steps += block.steps
+            jax.block_until_ready(state)
+            stats = dev.memory_stats() or {}
+            out.update({
+                f"{key}_started": True, f"{key}_max_len": engine.max_len,
+                f"{key}_kv_source": plan.source, f"{key}_kv_pages": plan.num_pages,
+                f"{key}_kv_gb": plan.kv_bytes / 1e9, f"{key}_num_slots": plan.num_slots,
+                f"{key}_max_length_rollouts": plan.max_length_rollouts,
+                f"{key}_free_gb_at_sizing": (plan.free_bytes or 0) / 1e9,
+                f"{key}_serving_weights_gb": serving_weight_bytes(cfg, engine.dtype) / 1e9,
+                f"{key}_longest_slot": engine.slot_length(0),
+                f"{key}_prompt_prefill_tokens": engine.prefill_tokens,
+                f"{key}_decode_steps": steps, f"{key}_decode_attention": engine.decode_attention,
+                f"{key}_peak_gb_in_use": stats.get("peak_bytes_in_use", 0) / 1e9,
+                f"{key}_bytes_limit_gb": stats.get("bytes_limit", 0) / 1e9,
+                f"{key}_wall_s": time.perf_counter() - t0,
+            })
+            del engine, state, model
+            gc.collect()
     return out
 
 
 def main():
     t0 = time.time()
     figures = {"device": args.device, "backend": jax.default_backend()}
-    figures.update(bench_decode(args.quick))
-    figures.update(bench_rollouts(args.quick))
+    spread = {}
+    if args.sizing_check:
+        figures.update(sizing_check())
+    elif args.device == "gpu":
+        figures.update(bench_gpu(args.quick))
+    else:
+        figures["repeat"] = REPEAT
+        for runs in (bench_decode(args.quick),):
+            med, sp = median_figures(runs)
+            figures.update(med)
+            spread.update(sp)
+        figures.update(bench_group_prefill(args.quick))
+        rollouts, extend = bench_rollouts(args.quick)
+        for runs in (rollouts, extend):
+            med, sp = median_figures(runs)
+            figures.update(med)
+            spread.update(sp)
+    figures["spread"] = spread
     figures["bench_wall_s"] = time.time() - t0
-    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()}))
+    rnd = lambda v: round(v, 4) if isinstance(v, float) else v  # noqa: E731
+    figures = {k: ({kk: [rnd(x) for x in vv] for kk, vv in v.items()} if isinstance(v, dict)
+                   else rnd(v)) for k, v in figures.items()}
+    print(json.dumps(figures))
 
 
 if __name__ == "__main__":

@@ -64,6 +64,21 @@ def get_config(arg=None):
     c.rl.overlong_filter = False  # DAPO: truncated rollouts get no loss; the paper found it harmful (§4.3.1)
     c.rl.length_penalty_coef = 0.0  # Kimi k1.5 length reward added to the answer reward
 
+    # ---- rollout serving engine (docs/serving.md; rstarjax/rl/agent_loop.py ServingConfig) ----
+    c.serving = ml_collections.ConfigDict()
+    c.serving.page_size = 16  # tokens per KV page
+    c.serving.kv_pages = 0  # > 0: exactly this many pages; 0: sized from kv_memory_fraction
+    c.serving.kv_memory_fraction = 0.9  # of the device memory free after the serving weights
+    c.serving.num_slots = 0  # decode batch width; 0: min(256, pages) on GPU/TPU, 64 on CPU
+    c.serving.dtype = ""  # serving weights, KV and compute dtype; "" = model.dtype (bfloat16)
+    # Growth headroom kept free per live rollout when admitting new ones, as a fraction of the
+    # maximum rollout length L = max_prompt_len + max_response_len (§3.2): 1.0 is the paper's
+    # estimate and never preempts; smaller admits more rollouts (lengths are heavy-tailed) and
+    # preempts the youngest when the pool runs out (it resumes by re-prefill, tokens kept).
+    c.serving.admit_reserve_fraction = 0.125
+    c.serving.decode_steps = 16  # decode steps per device call (one host sync each)
+    c.serving.prefill_chunk = 2048  # longest feed per forward row; longer ones go in chunks
+
     # ---- policy loss (eq. 6; rstarjax/rl/loss.py) ---------------------------------------------
     c.loss = ml_collections.ConfigDict()
     c.loss.eps_low = 0.2  # epsilon_low

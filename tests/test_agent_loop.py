@@ -6,7 +6,6 @@ each token's log-prob, which is checked against the uncached training forward.
 """
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -191,7 +190,7 @@ def test_static_and_dynamic_schedulers_agree(tok, model, engine, executor):
 
 def test_trainer_rollout_hook_samples_real_episodes(tok, model, executor):
     """ColocatedRollouts / update_params as the RL recipe builds and calls them (sampling, not
-    scripted), configured from the base config's rl section."""
+    scripted), configured from the base config's rl and serving sections."""
     import importlib.util
     import pathlib
 
@@ -205,9 +204,14 @@ def test_trainer_rollout_hook_samples_real_episodes(tok, model, executor):
     config = base.get_config()
     config.rl.max_prompt_len, config.rl.max_response_len, config.rl.max_turns = 256, 48, 3
     rl = RLConfig(**dict(config.rl))
-    fn = agent_loop.ColocatedRollouts(model, tokenizer=tok, executor=executor, agent=rl.agent(),
-                                      sampling=rl.sampling(), max_prompt_len=rl.max_prompt_len, fmt=COMPACT,
-                                      num_slots=4)
+
+    def rollouts(**kwargs):
+        return agent_loop.ColocatedRollouts(model, tokenizer=tok, executor=executor, agent=rl.agent(),
+                                            sampling=rl.sampling(), max_prompt_len=rl.max_prompt_len,
+                                            fmt=COMPACT, serving=agent_loop.ServingConfig(**dict(config.serving)),
+                                            **kwargs)
+
+    fn = rollouts(num_slots=4)
     records = [{"problem": "What is 6*7?", "answer": "42"}, {"problem": "1+1?", "answer": "2"}]
     trajs, timings = fn(records, 3, 11, 5)
     assert [t.group_id for t in trajs] == [0, 0, 0, 1, 1, 1]
@@ -216,8 +220,13 @@ def test_trainer_rollout_hook_samples_real_episodes(tok, model, executor):
     assert len({tuple(t.response_ids.tolist()) for t in trajs}) > 1  # seeded, not identical
     assert "timing/rollout_s" in timings
     other = Qwen3(model.config, rngs=nnx.Rngs(3))
-    fn.update_params(other)
-    assert jax.tree.leaves(fn.engine.params)[0] is jax.tree.leaves(nnx.split(other)[1])[0]
+    fn.update_params(other)  # the engine's serving copy now holds the new weights
+    np.testing.assert_array_equal(np.asarray(fn.engine.params.embed), np.asarray(other.embed[...]))
+    # A pool that cannot hold one rollout of max_prompt_len + max_response_len is refused at
+    # start, naming the flag that fixes it.
+    config.serving.kv_pages = 3
+    with pytest.raises(ValueError, match="--config.serving.kv_pages"):
+        rollouts()
 
 
 # ---- infrastructure errors are the environment's, not the model's --------------------------------

@@ -1,4 +1,9 @@
-"""Engine against an outside reference: repeated full (uncached) forward passes of the model."""
+"""Paged engine against an outside reference: repeated full (uncached) forward passes of the
+model, through slot refills, preemption (re-prefill), ``extend``, shared prompt prefills and
+tight page budgets."""
+import concurrent.futures
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,11 +12,14 @@ from flax import nnx
 
 from rstarjax.models.config import ModelConfig
 from rstarjax.models.qwen3 import Qwen3
-from rstarjax.serving import DoneReason, Engine, SamplingParams, generate
+from rstarjax.serving import (DoneReason, Engine, OutOfPages, SamplingParams, StartRequest,
+                              generate)
+from rstarjax.serving.scheduler import CallTool, Extend, Finish, RolloutScheduler
 
 MAX_LEN = 64
 BUCKETS = (16, 64)
-SLOTS = 2
+SLOTS = 4
+PAGE = 8
 
 
 def _chaotic(model: Qwen3, seed: int, scale: float = 0.35) -> Qwen3:
@@ -31,9 +39,9 @@ def model():
     return _chaotic(Qwen3(cfg, rngs=nnx.Rngs(0)), seed=1)
 
 
-def _engine(model, slots=SLOTS):
-    return Engine(model, num_slots=slots, max_len=MAX_LEN, buckets=BUCKETS,
-                  cache_dtype=jnp.float32)
+def _engine(model, slots=SLOTS, **kw):
+    return Engine(model, num_slots=slots, max_len=MAX_LEN, buckets=BUCKETS, page_size=PAGE,
+                  cache_dtype=jnp.float32, **kw)
 
 
 _padded_forward = jax.jit(lambda state, tokens, graphdef: nnx.merge(graphdef, state)(tokens),
@@ -43,13 +51,13 @@ _padded_forward = jax.jit(lambda state, tokens, graphdef: nnx.merge(graphdef, st
 def _full_logprobs(model, ids):
     """log_softmax of the uncached training forward over the whole sequence (float64 numpy).
 
-    The sequence is right-padded to MAX_LEN so one compile serves every length: attention is
-    causal, so padding after the sequence cannot change its logits."""
+    The sequence is right-padded to 2 * MAX_LEN so one compile serves every length:
+    attention is causal, so padding after the sequence cannot change its logits."""
     graphdef, state = nnx.split(model)
-    padded = np.zeros((1, MAX_LEN), np.int32)
+    padded = np.zeros((1, 2 * MAX_LEN), np.int32)
     padded[0, : len(ids)] = ids
-    logits = np.asarray(_padded_forward(state, jnp.asarray(padded), graphdef)[0, : len(ids)],
-                        np.float64)
+    logits = np.asarray(_padded_forward(state, jnp.asarray(padded), graphdef),
+                        np.float64)[0, : len(ids)]
     m = logits.max(-1, keepdims=True)
     return logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
 
@@ -75,13 +83,14 @@ def test_greedy_with_refill_and_mixed_lengths_equals_full_forward(model):
     stop = refs[0][2]
     refs = [r[: r.index(stop) + 1] if stop in r else r for r in refs]
     assert len({len(r) for r in refs}) > 1, "want requests of different lengths"
-    outs = generate(model, prompts, max_new, temperature=0.0, stop_ids=[stop],
-                    engine=_engine(model))
+    eng = _engine(model)
+    outs = generate(model, prompts, max_new, temperature=0.0, stop_ids=[stop], engine=eng)
     for p, o, r in zip(prompts, outs, refs):
         assert o.token_ids == r
         assert o.finish == ("stop" if r[-1] == stop else "length")
         lp = _full_logprobs(model, p + r[:-1])[len(p) - 1:]
         np.testing.assert_allclose(o.logprobs, lp[np.arange(len(r)), r], atol=1e-4)
+    assert eng.pages.num_free == eng.num_pages  # every page returned
 
 
 def test_sampled_logprobs_equal_training_forward(model):
@@ -98,6 +107,143 @@ def test_sampled_logprobs_equal_training_forward(model):
     one_slot = generate(model, prompts, 12, temperature=0.9, top_p=0.95, top_k=50, seed=5,
                         engine=_engine(model, slots=1))
     assert [o.token_ids for o in one_slot] == [o.token_ids for o in outs]
+
+
+def test_generate_results_unchanged_when_a_tight_page_budget_forces_preemption(model):
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 512, size=n).tolist() for n in (5, 11, 3, 9)]
+    kw = dict(temperature=0.8, seed=3)
+    roomy = generate(model, prompts, 30, **kw, engine=_engine(model))
+    tight = _engine(model, kv_pages=10)  # 4 rollouts of <= 41 tokens need up to 24
+    got = generate(model, prompts, 30, **kw, engine=tight)
+    assert [o.token_ids for o in got] == [o.token_ids for o in roomy]
+    np.testing.assert_allclose(np.concatenate([o.logprobs for o in got]),
+                               np.concatenate([o.logprobs for o in roomy]), atol=1e-5)
+    # Preempted requests were re-prefilled: more feed tokens than the prompts alone.
+    assert tight.prefill_tokens > sum(map(len, prompts))
+    assert tight.pages.num_free == tight.num_pages
+    # The generate() signature: a kv_pages / page_size budget.
+    small = generate(model, prompts, 30, **kw, num_slots=4, max_len=MAX_LEN, kv_pages=24,
+                     page_size=4)
+    assert [o.token_ids for o in small] == [o.token_ids for o in roomy]
+
+
+class _ToolTurns:
+    """Sampled (greedy) turns of ``turn_len`` tokens, each ended by its budget; between
+    turns a 'tool' returns ``tool_ids`` after ``delay`` s; ``turns`` turns in all."""
+
+    def __init__(self, prompt, turns, turn_len, tool_ids, delay, seed):
+        self.prompt_ids = list(prompt)
+        self.sampling = SamplingParams(temperature=0.0, max_new_tokens=turn_len, seed=seed)
+        self.turns, self.turn_len, self.tool_ids, self.delay = turns, turn_len, tool_ids, delay
+        self.convo = list(prompt)
+        self.sampled = []  # (position in convo, token, logprob)
+        self.done = 0
+
+    def forced_token(self, offset):
+        return -1
+
+    def on_turn_end(self, ids, logprobs, reason):
+        assert reason == DoneReason.BUDGET and len(ids) == self.turn_len
+        for t, lp in zip(ids, logprobs):
+            self.sampled.append((len(self.convo), t, lp))
+            self.convo.append(t)
+        self.done += 1
+        if self.done == self.turns:
+            return Finish()
+        fut = concurrent.futures.Future()
+        threading.Timer(self.delay, fut.set_result, (self.tool_ids[self.done - 1],)).start()
+        return CallTool(fut)
+
+    def on_tool_ready(self, ids, free):
+        self.convo += list(ids)
+        return Extend(ids, max_new_tokens=self.turn_len)
+
+    def on_abort(self, why):
+        raise AssertionError(why)
+
+
+def _episodes(seed):
+    rng = np.random.default_rng(seed)
+    return [_ToolTurns(rng.integers(0, 512, size=int(rng.integers(3, 14))).tolist(), turns=3,
+                       turn_len=int(rng.integers(4, 9)),
+                       tool_ids=[rng.integers(0, 512, size=int(rng.integers(2, 7))).tolist()
+                                 for _ in range(2)],
+                       delay=float(rng.uniform(0.0, 0.05)), seed=i)
+            for i in range(6)]
+
+
+@pytest.mark.slow  # ~20 s: two scheduler runs plus the full-forward reference
+def test_preemption_refills_and_extend_equal_full_forward_argmax(model):
+    """Multi-turn greedy rollouts through a pool too small for them all: slots refill,
+    rollouts are preempted (while decoding and while waiting on a tool) and re-prefilled,
+    tool turns are appended with extend. Every sampled token is the full forward's argmax
+    and its log-prob the full forward's, and the run equals one with ample pages."""
+    eng = _engine(model, kv_pages=10)
+    tight = _episodes(0)
+    stats = RolloutScheduler([eng], max_rollout_len=MAX_LEN, admit_reserve_tokens=0,
+                             decode_steps=4).run(tight)
+    assert stats.slices[0].preemptions > 0, "the page budget should have forced preemption"
+    assert eng.pages.num_free == eng.num_pages
+    roomy = _episodes(0)
+    RolloutScheduler([_engine(model)], max_rollout_len=MAX_LEN).run(roomy)
+    for a, b in zip(tight, roomy):
+        assert a.convo == b.convo
+        np.testing.assert_allclose([s[2] for s in a.sampled], [s[2] for s in b.sampled],
+                                   atol=1e-5)
+        ref = _full_logprobs(model, a.convo)
+        for pos, tok, lp in a.sampled:
+            assert tok == int(np.argmax(ref[pos - 1])), f"position {pos}"
+            assert abs(lp - ref[pos - 1, tok]) < 1e-4
+
+
+def test_shared_prompt_samples_equal_unshared_ones(model):
+    """P prompts x n samples: one prefill per prompt, full prompt pages shared, the partial
+    last page copied; every sample decodes exactly as if started alone."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 512, size=n).tolist() for n in (11, 16)]  # partial / full pages
+    n = 2
+
+    def reqs(share):
+        out = []
+        for i, p in enumerate(prompts):
+            for j in range(n):
+                out.append(StartRequest(len(out), p, SamplingParams(
+                    temperature=1.0, seed=10 * i + j, max_new_tokens=20),
+                    prompt_len=len(p) if share else 0))
+        return out
+
+    shared_eng = _engine(model)
+    state = shared_eng.init_decode_state()
+    rs = reqs(True)
+    # pages: 11 tokens -> 2 (+1 partial copy per extra sample), 16 tokens -> 2 (all full)
+    assert shared_eng.start_cost(rs) == (2 + 1) + 2
+    state, firsts = shared_eng.start(shared_eng.params, state, rs)
+    assert shared_eng.prefill_tokens == sum(map(len, prompts))  # P prefills, not P * n
+    full = shared_eng.slot_pages(0)[0]
+    assert shared_eng.pages.refcount(full) == n and shared_eng.slot_pages(1)[0] == full
+    assert shared_eng.slot_pages(0)[1] != shared_eng.slot_pages(1)[1]  # partial page copied
+    state, block = shared_eng.decode(shared_eng.params, state, steps=8)
+    state, block2 = shared_eng.decode(shared_eng.params, state, steps=8)
+    shared = np.concatenate([block.tokens, block2.tokens])
+    shared_lp = np.concatenate([block.logprobs, block2.logprobs])
+
+    alone = _engine(model)
+    state = alone.init_decode_state()
+    firsts_alone = []
+    for r in reqs(False):
+        state, [f] = alone.start(alone.params, state, [r])
+        firsts_alone.append(f)
+    assert alone.prefill_tokens == n * sum(map(len, prompts))
+    state, block = alone.decode(alone.params, state, steps=8)
+    state, block2 = alone.decode(alone.params, state, steps=8)
+    assert [f.token for f in firsts] == [f.token for f in firsts_alone]
+    np.testing.assert_allclose([f.logprob for f in firsts], [f.logprob for f in firsts_alone],
+                               atol=1e-5)
+    np.testing.assert_array_equal(shared, np.concatenate([block.tokens, block2.tokens]))
+    np.testing.assert_allclose(shared_lp, np.concatenate([block.logprobs, block2.logprobs]),
+                               atol=1e-5)
+    assert len({tuple(shared[:, s]) for s in range(n)}) > 1  # the samples differ (seeds)
 
 
 def _decode_slot(engine, state, slot, steps, log=None):
@@ -152,39 +298,75 @@ def test_extend_equals_prefilling_the_whole_conversation(model):
     assert other_tokens == _greedy_reference(model, [7, 8, 9], len(other_tokens))
 
 
-def test_stops_context_and_bad_input(model):
+def test_k_steps_per_device_call_one_host_sync(model):
+    eng = _engine(model, decode_steps=8)
+    state = eng.init_decode_state()
+    state, _ = eng.start(eng.params, state, [StartRequest(
+        s, [3 + s, 4, 5], SamplingParams(temperature=0, max_new_tokens=30)) for s in range(2)])
+    syncs = eng.host_syncs
+    state, block = eng.decode(eng.params, state)
+    assert eng.host_syncs == syncs + 1 and block.valid.sum() == 2 * 8
+    ref = _greedy_reference(model, [3, 4, 5], 9)
+    assert block.tokens[:, 0].tolist() == ref[1:]
+    # A call stops early once no slot is active: budgets end both slots mid-call.
+    for _ in range(3):
+        state, block = eng.decode(eng.params, state)
+    assert not block.valid[-1].any() and eng.slot_info(0).active is False
+
+
+def test_stops_context_pages_and_bad_input(model):
     eng = _engine(model)
     state = eng.init_decode_state()
     with pytest.raises(ValueError):
         eng.prefill(eng.params, list(range(MAX_LEN + 1)))
     with pytest.raises(ValueError):
         eng.extend(eng.params, state, 0, [1, 2])  # no request in the slot
+    pre = eng.prefill(eng.params, [1])
     with pytest.raises(ValueError):
-        eng.insert(eng.prefill(eng.params, [1]), state, SLOTS)
+        eng.insert(pre, state, SLOTS)
+    eng.release(pre)
+    pre = eng.prefill(eng.params, [1], sampling=SamplingParams(stop_ids=range(20)))
     with pytest.raises(ValueError):
-        eng.insert(eng.prefill(eng.params, [1], sampling=SamplingParams(stop_ids=range(20))),
-                   state, 0)
+        eng.insert(pre, state, 0)
+    eng.release(pre)
+    assert eng.pages.num_free == eng.num_pages
     # Context: a prompt of MAX_LEN - 3 tokens can feed 3 more tokens, so it samples 4.
     pre = eng.prefill(eng.params, [1] * (MAX_LEN - 3),
                       sampling=SamplingParams(temperature=0, max_new_tokens=50))
     state = eng.insert(pre, state, 0)
+    with pytest.raises(ValueError):
+        eng.insert(pre, state, 1)  # a prefix is inserted once
     state, toks, _ = _decode_slot(eng, state, 0, 10)
     assert len(toks) + 1 == 4 and eng.slot_length(0) == MAX_LEN
     assert eng.free_kv_tokens() == eng.kv_capacity_tokens - MAX_LEN
     with pytest.raises(ValueError):
         eng.extend(eng.params, state, 0, [1])
     eng.free_resource(0)
-    assert eng.free_kv_tokens() == eng.kv_capacity_tokens and eng.free_slots() == [0, 1]
+    assert eng.free_kv_tokens() == eng.kv_capacity_tokens
+    assert eng.free_slots() == list(range(SLOTS))
+    # A pool too small for what the caller asks: a clear error, no silent corruption.
+    small = _engine(model, kv_pages=MAX_LEN // PAGE)
+    st = small.init_decode_state()
+    st = small.insert(small.prefill(small.params, [1] * 40), st, 0)
+    with pytest.raises(OutOfPages):
+        small.prefill(small.params, [2] * 30)
+    with pytest.raises(ValueError, match="kv_pages"):
+        _engine(model, kv_pages=MAX_LEN // PAGE - 1)  # cannot hold one max_len rollout
 
 
-def test_update_params_serves_new_weights_without_copy(model):
+def test_update_params_serves_new_weights(model):
     other = _chaotic(model, seed=7)
     eng = _engine(model)
     _, new_state = nnx.split(other)
     eng.update_params(new_state)
-    leaf_served = jax.tree.leaves(eng.params)[0]
-    assert leaf_served is jax.tree.leaves(new_state)[0]
     out = generate(None, [[3, 4, 5]], 6, engine=eng)[0]
     assert out.token_ids == _greedy_reference(other, [3, 4, 5], 6)
     with pytest.raises(ValueError):
         eng.update_params({"not": jnp.zeros(3)})
+    # bf16 serving (the default for bf16 models): one cast copy per update.
+    bf = Engine(model, num_slots=SLOTS, max_len=MAX_LEN, page_size=PAGE, dtype=jnp.bfloat16)
+    assert bf.params.layers[0]["up_proj"].dtype == jnp.bfloat16 and bf.cache_dtype == jnp.bfloat16
+    bf.update_params(new_state)
+    np.testing.assert_array_equal(
+        np.asarray(bf.params.layers[1]["up_proj"], np.float32),
+        np.asarray(other.layers.up_proj[1].astype(jnp.bfloat16), np.float32))

@@ -1,7 +1,9 @@
-"""Rollout scheduler: capacity policy, dynamic hand-out, asynchronous tool waits, bounded waits.
+"""Rollout scheduler: page-capacity admission and preemption, shared prompt prefills, dynamic
+hand-out, asynchronous tool waits (blocking, never spinning), bounded waits.
 
 Episodes here are scripted protocol implementations (the agent loop's are tested in
-test_agent_loop.py); engines run the real tiny model.
+test_agent_loop.py); engines run the real tiny model. Token-exactness under preemption is
+tested against the full forward in test_engine.py.
 """
 import concurrent.futures
 import threading
@@ -26,9 +28,9 @@ def model():
     return Qwen3(ModelConfig.preset("tiny", dtype=jnp.float32), rngs=nnx.Rngs(0))
 
 
-def make_engine(model, slots=2):
-    return Engine(model, num_slots=slots, max_len=MAX_LEN, buckets=(16, MAX_LEN),
-                  cache_dtype=jnp.float32)
+def make_engine(model, slots=2, **kw):
+    return Engine(model, num_slots=slots, max_len=MAX_LEN, buckets=(16, MAX_LEN), page_size=8,
+                  cache_dtype=jnp.float32, **kw)
 
 
 class ScriptEpisode:
@@ -70,15 +72,52 @@ class ScriptEpisode:
 
 
 def test_capacity_reserves_growth_of_live_rollouts(model):
-    eng = make_engine(model, slots=4)
+    eng = make_engine(model, slots=4)  # 4 * 64 tokens = 32 pages of 8
     state = eng.init_decode_state()
     assert capacity_for(eng, MAX_LEN) == 4
     state = eng.insert(eng.prefill(eng.params, [1] * 10), state, 0)
-    # 4*64 - 10 free tokens, minus 54 the live rollout may still grow, over L = 64 -> 3.
+    # 32 pages - 2 held - 6 the live rollout may still grow into, over 8 pages per L = 64 -> 3.
     assert capacity_for(eng, MAX_LEN) == 3
     assert capacity_for(eng, 16) == 3  # never more than the free slots
     with pytest.raises(ValueError):
         capacity_for(eng, MAX_LEN + 1)
+
+
+def test_admission_by_pages_with_reserve_and_preemption_of_the_youngest(model):
+    """Same episodes, a 12-page pool (1.5 rollouts of L): the paper's reserve (L) never
+    preempts and runs them mostly one at a time; no reserve admits more and preempts the
+    youngest when pages run out; both finish every episode with the same tokens, and the
+    per-step records never show more pages in use than the pool has."""
+    runs = {}
+    for reserve in (None, 0):
+        eng = make_engine(model, slots=4, kv_pages=12)
+        eps = [ScriptEpisode([10, 20], tool_delay=0.05) for _ in range(5)]
+        stats = RolloutScheduler([eng], max_rollout_len=MAX_LEN, admit_reserve_tokens=reserve,
+                                 decode_steps=4).run(eps)
+        st = stats.slices[0]
+        assert all(e.received == e.script for e in eps)
+        assert all(r.pages_in_use <= 12 for r in st.timeline) and st.timeline
+        assert eng.pages.num_free == 12
+        runs[reserve] = st
+    safe, packed = runs[None], runs[0]
+    assert safe.preemptions == 0 and packed.preemptions > 0
+    assert max(r.live for r in packed.timeline) > max(r.live for r in safe.timeline)
+    assert any(r.waiting for r in packed.timeline)  # admitted, waiting on a tool, reported
+
+
+def test_group_samples_share_one_prompt_prefill(model):
+    eng = make_engine(model, slots=4)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    eps = []
+    for p in prompts:
+        for _ in range(4):
+            e = ScriptEpisode([3])
+            e.prompt_ids = list(p)
+            eps.append(e)
+    stats = RolloutScheduler([eng], max_rollout_len=MAX_LEN).run(eps)
+    # 2 prompt prefills (the second prompt's group waits for free slots, then prefills once).
+    assert stats.slices[0].prefill_tokens == sum(map(len, prompts))
+    assert all(e.received == e.script for e in eps)
 
 
 def test_tool_wait_does_not_stall_other_slots(model):
@@ -142,3 +181,17 @@ def test_bad_input_and_episode_errors_surface(model):
 
     with pytest.raises(RuntimeError, match="episode bug"):
         RolloutScheduler([make_engine(model)], max_rollout_len=MAX_LEN).run([Broken([4])])
+
+
+def test_waiting_on_a_tool_blocks_instead_of_spinning(model):
+    """Lock-step turns, one call back at once and one after 1 s: the slice sleeps on the
+    pending future (the old loop polled the finished one at 100 % CPU)."""
+    eng = make_engine(model)
+    RolloutScheduler([eng], max_rollout_len=MAX_LEN, policy="static").run(
+        [ScriptEpisode([2, 2], tool_delay=0.0), ScriptEpisode([2, 2], tool_delay=0.0)])  # compile
+    eps = [ScriptEpisode([2, 2], tool_delay=0.0), ScriptEpisode([2, 2], tool_delay=1.0)]
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    RolloutScheduler([eng], max_rollout_len=MAX_LEN, policy="static").run(eps)
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    assert wall >= 1.0 and cpu < 0.5 * wall, (cpu, wall)
+    assert all(e.received == e.script for e in eps)

@@ -9,12 +9,16 @@ Entry points (docs/design.md):
   ``model.hidden(tokens, positions, segment_ids) -> [B, T, D]`` the same forward up to the final
   norm, and ``model.token_logprobs(...)`` the per-token log-probs and entropies from it with the
   vocabulary projected chunk by chunk (models/logprobs.py: no [B, T, V] for long rows);
-  ``model.decode(tokens, cache, num_new) -> (f32[B, T, V], KVCache)`` cached serving forward.
+  ``model.decode(tokens, cache, num_new) -> (f32[B, T, V], KVCache)`` cached forward, dense cache;
+  ``paged_forward(cfg, serving_weights(...), tokens, paged_cache, num_new)`` the serving engine's
+  forward over a paged KV pool (last-token logits only; layers unrolled over per-layer arrays).
 The packed forward's attention is ``models.attention.packed_attention`` (fused / blockwise,
-memory linear in T; ``ModelConfig.packed_attention``); decoding attends with ``attend``.
+memory linear in T; ``ModelConfig.packed_attention``); decoding attends with ``attend``, the
+paged forward with ``models.paged_attention``.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -23,8 +27,10 @@ from flax import nnx
 
 from rstarjax.models.attention import choose_implementation, packed_attention, segment_causal_mask
 from rstarjax.models.config import ModelConfig
-from rstarjax.models.kv_cache import KVCache
+from rstarjax.models.kv_cache import KVCache, PagedKVCache
 from rstarjax.models.logprobs import token_logprobs_from_hidden
+from rstarjax.models.paged_attention import (paged_attention_reference, paged_decode_attention,
+                                             ragged_decode_attention, write_kv_pages)
 from rstarjax.models.sharding import constrain
 
 # Names of the stacked per-layer parameters, in the order HF lists them.
@@ -295,3 +301,102 @@ class Qwen3(nnx.Module):
         new_cache = KVCache(k=new_k, v=new_v,
                             lengths=cache.lengths + num_new.astype(cache.lengths.dtype))
         return self._logits(x), new_cache
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving: a cast, per-layer copy of the weights and the paged-cache forward
+# ---------------------------------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ServingWeights:
+    """The weights a serving engine reads: matmul weights cast once to the serving dtype (no
+    cast inside every step), norms kept as stored (``rms_norm`` computes in f32 anyway), and
+    one dict per layer instead of stacked arrays (a decode step then reads each layer's
+    weights as their own buffers, never a slice copy of the stack)."""
+
+    embed: jax.Array
+    final_norm: jax.Array
+    lm_head: jax.Array | None
+    layers: tuple[dict[str, jax.Array], ...]
+
+
+_UNCAST = ("input_norm", "post_attention_norm", "q_norm", "k_norm")
+
+
+def serving_config(cfg: ModelConfig, dtype=None) -> ModelConfig:
+    """``cfg`` as the serving forward uses it: compute in ``dtype`` (default: ``cfg.dtype``),
+    layers unrolled, no remat; the fields that can be lists (token ids) dropped so the config
+    hashes (it is a static argument of the engine's jitted programs)."""
+    return cfg.replace(dtype=jnp.dtype(dtype or cfg.dtype), scan_layers=False,
+                       remat_policy="none", bos_token_id=None, eos_token_id=None)
+
+
+def serving_weights(model: "Qwen3", dtype, untie_head: bool = False) -> ServingWeights:
+    """Copy of ``model``'s weights for serving (call under jit: one program per update).
+
+    ``untie_head``: give a tied model its own ``[hidden, vocab]`` output matrix (a transposed
+    copy of the embedding). XLA:CPU multiplies by a transposed matrix several times slower
+    (it repacks it every call: most of a small model's decode step); GPUs and TPUs do not
+    need the extra copy."""
+    dtype = jnp.dtype(dtype)
+    stacked = model.layers.stacked()
+    layers = tuple({name: (a[i] if name in _UNCAST else a[i].astype(dtype))
+                    for name, a in stacked.items()}
+                   for i in range(model.config.num_hidden_layers))
+    embed = model.embed[...].astype(dtype)
+    head = None if model.lm_head is None else model.lm_head[...].astype(dtype)
+    if head is None and untie_head:
+        head = embed.T
+    return ServingWeights(embed=embed, final_norm=model.final_norm[...], lm_head=head,
+                          layers=layers)
+
+
+def paged_forward(cfg: ModelConfig, w: ServingWeights, tokens: jax.Array, cache: PagedKVCache,
+                  num_new: jax.Array, *, decode_attention: str = "reference",
+                  live_pages: tuple[jax.Array, ...] | None = None,
+                  interpret: bool = False) -> tuple[jax.Array, PagedKVCache]:
+    """Cached forward over a paged pool (docs/design.md): token i of row b sits at position
+    ``lengths[b] + i`` (i < ``num_new[b]``; the rest is padding whose writes are dropped), is
+    written into the row's page and attends to the row's positions ``<=`` its own. Returns the
+    f32 logits of each row's last new token ``[B, V]`` (garbage for rows with ``num_new`` 0)
+    and the cache with the new pool and ``lengths + num_new``.
+
+    ``cfg`` is ``serving_config(...)`` (its dtype is the compute dtype). One query per row
+    (T = 1, a decode step) uses ``paged_decode_attention(implementation=decode_attention)``,
+    or for ``"ragged"`` ``ragged_decode_attention`` over ``live_pages`` (page ids, rows,
+    first positions, count); more (prefill, extend) use the pure-JAX reference."""
+    b, t = tokens.shape
+    if cache.page_table.shape[0] != b or num_new.shape != (b,):
+        raise ValueError(f"tokens {tokens.shape}, page_table {cache.page_table.shape} and "
+                         f"num_new {num_new.shape} must agree on the batch")
+    positions = cache.lengths[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)
+    valid = jnp.arange(t)[None, :] < num_new[:, None]
+    sin, cos = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
+    keys, values = list(cache.k), list(cache.v)
+    x = jnp.take(w.embed, tokens, axis=0).astype(cfg.dtype)
+    for i, p in enumerate(w.layers):
+        def attention(q, k, v, i=i):
+            keys[i], values[i] = write_kv_pages(keys[i], values[i], k, v, cache.page_table,
+                                                positions, valid)
+            if t == 1 and decode_attention == "ragged":
+                out = ragged_decode_attention(q[:, 0], keys[i], values[i], *live_pages,
+                                              positions[:, 0] + 1)[:, None]
+            elif t == 1:
+                out = paged_decode_attention(q[:, 0], keys[i], values[i], cache.page_table,
+                                             positions[:, 0] + 1, interpret=interpret,
+                                             implementation=decode_attention)[:, None]
+            else:
+                out = paged_attention_reference(q, keys[i], values[i], cache.page_table,
+                                                positions)
+            return out, None
+
+        x, _ = decoder_layer(cfg, p, x, sin, cos, attention)
+    last = jnp.take_along_axis(x, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)
+    h = rms_norm(last, w.final_norm, cfg.rms_norm_eps).astype(cfg.dtype)
+    if w.lm_head is None:
+        logits = jnp.einsum("btd,vd->btv", h, w.embed, preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("btd,dv->btv", h, w.lm_head, preferred_element_type=jnp.float32)
+    new = cache.replace(k=tuple(keys), v=tuple(values),
+                        lengths=cache.lengths + num_new.astype(cache.lengths.dtype))
+    return logits[:, 0].astype(jnp.float32), new

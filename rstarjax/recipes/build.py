@@ -15,7 +15,7 @@ from rstarjax.models.chat_template import chat_format
 from rstarjax.models.sharding import make_mesh, shard_model
 from rstarjax.models.tokenizer import Tokenizer, load_tokenizer_for
 from rstarjax.recipes.config import MeshConfig, ModelSource
-from rstarjax.rl.agent_loop import AgentConfig, ColocatedRollouts
+from rstarjax.rl.agent_loop import AgentConfig, ColocatedRollouts, ServingConfig
 from rstarjax.serving.sampling import SamplingParams
 
 
@@ -83,8 +83,11 @@ def executor(num_tool_workers: int) -> CodeExecutor:
 
 
 def rollouts(model, tok: Tokenizer, executor: CodeExecutor, agent: AgentConfig, sampling: SamplingParams,
-             max_prompt_len: int, chat: str, num_slots: int | None = None) -> ColocatedRollouts:
-    """The agent loop on a serving engine over ``model``'s devices (``rl.agent_loop``)."""
+             max_prompt_len: int, chat: str, serving: ServingConfig, num_slots: int | None = None
+             ) -> ColocatedRollouts:
+    """The agent loop on a paged serving engine over ``model``'s devices (``rl.agent_loop``),
+    sized by ``serving``; ``num_slots`` (> 0) overrides ``serving.num_slots``."""
     check_vocab(model, tok)
     return ColocatedRollouts(model, tokenizer=tok, executor=executor, agent=agent, sampling=sampling,
-                             max_prompt_len=max_prompt_len, fmt=chat_format(chat), num_slots=num_slots)
+                             max_prompt_len=max_prompt_len, fmt=chat_format(chat), serving=serving,
+                             num_slots=num_slots)

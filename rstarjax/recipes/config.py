@@ -4,8 +4,9 @@ are passed down, so nothing below the recipes sees the ConfigDict.
 One dataclass per config section, defined where the section is read: ``loss`` ->
 ``rl.loss.LossConfig``, ``rl`` -> ``rl.step.RLConfig`` (which derives the rollout layer's
 ``AgentConfig`` and ``SamplingParams``), ``optim`` -> ``rl.optim.OptimConfig``, ``trainer`` ->
-``rl.trainer.TrainerConfig``, ``checkpoint`` -> ``io.checkpoint.CheckpointConfig``; the sections
-only the recipes read are defined here. Each dataclass checks its own fields (``validation.require``);
+``rl.trainer.TrainerConfig``, ``serving`` -> ``rl.agent_loop.ServingConfig``, ``checkpoint`` ->
+``io.checkpoint.CheckpointConfig``; the sections only the recipes read are defined here. Each
+dataclass checks its own fields (``validation.require``);
 ``parse`` adds the rules that span sections, files or devices, and reports every problem at once,
 one line each, naming the flag that fixes it. No rule is written twice.
 """
@@ -18,7 +19,7 @@ from collections.abc import Mapping
 from rstarjax.io.checkpoint import CheckpointConfig
 from rstarjax.models.chat_template import CHAT_FORMATS
 from rstarjax.models.config import PRESETS, REMAT_POLICIES
-from rstarjax.rl.agent_loop import AgentConfig
+from rstarjax.rl.agent_loop import AgentConfig, ServingConfig
 from rstarjax.rl.loss import LossConfig
 from rstarjax.rl.optim import OptimConfig
 from rstarjax.rl.step import RLConfig
@@ -235,6 +236,7 @@ class RunConfig:
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    serving: ServingConfig = dataclasses.field(default_factory=ServingConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
@@ -248,7 +250,7 @@ class RunConfig:
 # section name -> its dataclass (a section absent from the ConfigDict keeps the defaults; sft,
 # eval and demo stay None, and the modes that need them say so)
 SECTIONS = {"model": ModelSource, "data": DataConfig, "rl": RLConfig, "loss": LossConfig, "optim": OptimConfig,
-            "trainer": TrainerConfig, "mesh": MeshConfig, "distributed": DistributedConfig,
+            "trainer": TrainerConfig, "serving": ServingConfig, "mesh": MeshConfig, "distributed": DistributedConfig,
             "checkpoint": CheckpointConfig, "logging": LoggingConfig, "filter": FilterConfig, "sft": SFTConfig,
             "eval": EvalConfig, "demo": DemoConfig}
 _TOP_LEVEL = ("mode", "seed", "total_steps")

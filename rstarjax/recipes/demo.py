@@ -164,7 +164,7 @@ def run_demo(run: RunConfig, workdir: str) -> dict[str, Any]:
     executor = build.executor(run.rl.num_tool_workers)
     try:
         rollouts = build.rollouts(policy, tokenizer, executor, run.rl.agent(), run.rl.sampling(), run.rl.max_prompt_len,
-                                  run.sft.chat_format, num_slots=run.demo.num_slots)
+                                  run.sft.chat_format, run.serving, num_slots=run.demo.num_slots)
         t0 = time.time()
         sft_acc, sft_trajs = greedy_accuracy(rollouts, data["eval_rows"])
         sft_breakdown = accuracy_breakdown(data["eval_rows"], sft_trajs)

@@ -173,7 +173,7 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
         if rollout_fn is None:
             executor = build.executor(run.rl.num_tool_workers)
             rollouts = build.rollouts(trainer.model(), tokenizer, executor, run.rl.agent(), run.rl.sampling(),
-                                      run.rl.max_prompt_len, run.rl.chat_format)
+                                      run.rl.max_prompt_len, run.rl.chat_format, run.serving)
             rollout_fn, on_update = rollouts, lambda tr: rollouts.update_params(tr.model())
         return _train_stage(run, workdir, trainer, ckpt, meta, rollout_fn, on_update, export_meta)
     finally:

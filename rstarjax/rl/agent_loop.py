@@ -85,6 +85,36 @@ class AgentConfig:
                  f"verify_wait_s={self.verify_wait_s} must cover verify_timeout_s={self.verify_timeout_s}"))
 
 
+@dataclasses.dataclass(frozen=True)
+class ServingConfig:
+    """The ``serving`` section: the rollout engine's KV page pool, decode batch and admission
+    (docs/serving.md). The engine checks the sizes against the model and the device
+    (``serving.sizing.plan_kv``)."""
+
+    page_size: int = 16  # tokens per KV page
+    kv_pages: int = 0  # > 0: exactly this many pages; 0: sized from kv_memory_fraction
+    kv_memory_fraction: float = 0.9  # of the device memory free after the serving weights
+    num_slots: int = 0  # decode batch width; 0: min(256, pages) on GPU/TPU, 64 on CPU
+    dtype: str = ""  # serving weights, KV and compute dtype; "" = model.dtype
+    # growth headroom kept free per live rollout at admission, as a fraction of the maximum
+    # rollout length (rStar2-Agent §3.2); 1.0 never preempts
+    admit_reserve_fraction: float = 0.125
+    decode_steps: int = 16  # decode steps per device call (one host sync each)
+    prefill_chunk: int = 2048  # longest feed per forward row; longer ones go in chunks
+
+    def engine_options(self, max_len: int, num_slots: int | None = None) -> dict:
+        """``Engine`` keyword arguments for rollouts of up to ``max_len`` tokens; ``num_slots``
+        (> 0) overrides ``self.num_slots``."""
+        return dict(max_len=int(max_len), page_size=int(self.page_size), kv_pages=int(self.kv_pages),
+                    kv_memory_fraction=float(self.kv_memory_fraction),
+                    num_slots=int(num_slots or self.num_slots), dtype=self.dtype or None,
+                    decode_steps=int(self.decode_steps), prefill_chunk=int(self.prefill_chunk))
+
+    def admit_reserve_tokens(self, max_len: int) -> int:
+        """The scheduler's growth reserve per live rollout, in tokens."""
+        return int(float(self.admit_reserve_fraction) * max_len)
+
+
 class InfrastructureError(RuntimeError):
     """A tool call the environment could not serve (after retries): ends the episode as ``ERROR``."""
 
@@ -308,7 +338,7 @@ def run_rollouts(scheduler_or_engines: RolloutScheduler | Engine | Sequence[Engi
     Engines given directly get a dynamic scheduler with ``max_rollout_len`` = the longest
     prompt + ``max_response_len`` (capped to the slot size)."""
     stops = StopIds.from_tokenizer(tokenizer)
-    if isinstance(scheduler_or_engines, RolloutScheduler):
+    if hasattr(scheduler_or_engines, "run"):  # a RolloutScheduler (or one with its interface)
         scheduler = scheduler_or_engines
     else:
         engines = ([scheduler_or_engines] if isinstance(scheduler_or_engines, Engine)
@@ -339,25 +369,31 @@ def run_rollouts(scheduler_or_engines: RolloutScheduler | Engine | Sequence[Engi
 
 class ColocatedRollouts:
     """The ``RolloutFn`` of the recipes (``trajectory.RolloutFn``): (records, n per prompt, seed,
-    policy version) -> (trajectories with ``group_id`` = record index, timings), on one engine
-    over the trainer's devices (kimi k1.5 §4.2 hybrid deployment: new params arrive in memory)
-    and a code executor the caller owns."""
+    policy version) -> (trajectories with ``group_id`` = record index, timings), on one paged
+    engine over the trainer's devices (kimi k1.5 §4.2 hybrid deployment: new params arrive in
+    memory), sized from ``serving`` (refused here, naming the flag, when one rollout of
+    ``max_prompt_len + agent.max_response_len`` tokens cannot fit), and a code executor the
+    caller owns."""
 
     def __init__(self, model, *, tokenizer, executor, agent: AgentConfig, sampling: SamplingParams,
-                 max_prompt_len: int, fmt: ChatFormat = RSTAR2, num_slots: int | None = None):
+                 max_prompt_len: int, fmt: ChatFormat = RSTAR2, serving: ServingConfig = ServingConfig(),
+                 num_slots: int | None = None):
+        """``num_slots`` (> 0) overrides ``serving.num_slots`` (evaluation and the demo)."""
         self.agent_config = agent
         self.sampling = sampling
         self.max_prompt_len = int(max_prompt_len)
         self.tokenizer = tokenizer
         self.fmt = fmt
         self.executor = executor
-        num_slots = num_slots or 64
-        self.engine = Engine(model, num_slots=num_slots,
-                             max_len=self.max_prompt_len + self.agent_config.max_response_len,
-                             vocab_limit=len(self.tokenizer))
+        self.engine = Engine(model, vocab_limit=len(self.tokenizer),
+                             **serving.engine_options(self.max_prompt_len + agent.max_response_len, num_slots))
+        self.scheduler = RolloutScheduler(
+            [self.engine], max_rollout_len=self.engine.max_len,
+            admit_reserve_tokens=serving.admit_reserve_tokens(self.engine.max_len),
+            tool_timeout_s=agent.tool_wait_s, timeout_s=agent.rollout_timeout_s)
 
     def update_params(self, model_or_state) -> None:
-        """Serve new weights (an NNX module or its state), in memory, no copy."""
+        """Serve new weights (an NNX module or its state); the engine makes its serving copy once, here."""
         state = model_or_state if not isinstance(model_or_state, nnx.Module) else nnx.split(
             model_or_state)[1]
         self.engine.update_params(state)
@@ -375,5 +411,5 @@ class ColocatedRollouts:
             for j in range(n_per_prompt):
                 sp = dataclasses.replace(sampling, seed=(seed * 1_000_003 + g * n_per_prompt + j) % (2**31 - 1))
                 requests.append(RolloutRequest(prompt, str(rec["answer"]), g, sp, policy_version))
-        return run_rollouts(self.engine, self.tokenizer, self.executor, requests,
+        return run_rollouts(self.scheduler, self.tokenizer, self.executor, requests,
                             self.agent_config)

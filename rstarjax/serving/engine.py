@@ -1,31 +1,41 @@
-"""Slot-based serving engine: JetStream's Engine contract for our Qwen3, plus ``extend``.
+"""Paged slot engine: JetStream's Engine contract for our Qwen3, plus ``extend``.
 
-One engine owns ``num_slots`` decode slots over a dense per-slot KV cache of ``max_len``
-tokens (``KVCache`` ``[layers, num_slots, max_len, kv_heads, head_dim]`` with per-slot
-lengths). The model weights are an ``nnx.split`` state pytree: ``update_params`` swaps the
-reference (no copy), so a trainer colocated on the same devices hands its new state over for
-free.
+One engine owns ``num_slots`` decode slots over one paged KV pool (docs/serving.md, "Page
+layout"): ``num_pages`` pages of ``page_size`` tokens, per layer ``[kv_heads, num_pages,
+page_size, head_dim]``, and a page table per slot. A slot holds only the pages its tokens fill;
+pages are taken as it grows (prefill, decode, ``extend``) and returned when it is freed. The
+host keeps the page accounting (``serving.pages.PagePool``) and each slot's page list; the
+device keeps the pool and ``DecodeState`` (one row per slot). Weights are a serving copy
+(``models.qwen3.ServingWeights``: matmul weights cast once to the serving dtype, bf16 by
+default through ``model.dtype``), made at construction and by every ``update_params``.
 
-Token flow of one slot (the "pending token" invariant):
+Token flow of one slot (the "pending token" invariant): the cache holds the conversation minus
+its last sampled token, which is *pending*. ``prefill`` runs the prompt and samples the first
+token; each decode step feeds every active slot's pending token and samples the next;
+``extend(slot, ids)`` feeds ``[pending] + ids`` (a tool response appended to a live
+conversation, no re-prefill) and samples the next pending token.
 
-- ``prefill`` runs the prompt and *samples* the first token; that token is returned to the
-  caller but its K/V is not yet in the cache: it is the slot's *pending* token.
-- each ``generate`` step feeds every active slot's pending token (one cache position) and
-  samples the next one, which becomes pending.
-- ``extend(slot, tokens)`` feeds ``[pending] + tokens`` in one bucketed forward (a tool
-  response appended to a live conversation, no re-prefill) and samples the next pending token.
+Device programs (module-level ``jax.jit``, shared by every engine with the same shapes):
 
-So the cache always holds exactly the conversation minus its last sampled token.
+- ``decode``: up to ``decode_steps`` tokens per slot in one call, a ``lax.while_loop`` over
+  the active slots only (compacted into a batch of 4, 16, 64 or 256 rows) that stops early
+  when none is active or a given number stopped; the host syncs once per call. Attention reads
+  only live pages: the Pallas kernels (GPU, TPU) stop at each row's length, the portable
+  ``ragged`` path walks a list of the active rows' live pages, the ``reference`` path (tests)
+  reads a power-of-two bucket of page-table columns. Compiles: one per batch bucket (per
+  context bucket too for ``reference``).
+- ``feed``: several rows per call (prefill of distinct prompts, ``extend`` of several slots,
+  re-prefill after preemption), each row up to ``prefill_chunk`` new tokens (longer feeds go
+  in chunks), logits of each row's last token only. Compiles: row buckets (1, 2, ..., 16) x token
+  buckets (``buckets``) x {fresh rows reading their own pages, continuing rows reading the
+  full table}.
+- ``sample`` and ``insert``: first tokens of the fed rows (one row can serve many samples:
+  the 2G samples of a prompt share its prefill, their page tables pointing at its full pages,
+  its last partial page copied), and the slot rows of the decode state. One shape per engine
+  (``num_slots`` rows; ``sample`` once per row bucket).
 
-Compiles are bounded: one ``generate`` step (fixed slot count), one forward per prefill
-bucket (shared by ``prefill`` and ``extend``: both run the same row forward with the same
-shapes), one row-slice and one row-insert. With the default buckets (powers of two from
-``min_bucket`` to ``max_len``) that is ``log2(max_len / min_bucket) + 1 + 3`` programs.
-
-Stops: each slot carries up to ``MAX_STOP_IDS`` stop ids and a token budget; ``generate``
-deactivates a slot on device the step it emits a stop id, exhausts its budget, or fills its
-cache (``DoneReason``). Host-side, ``ResultTokens`` report token, log-prob, validity and done
-reason per slot.
+Stops: up to ``MAX_STOP_IDS`` stop ids per request, a token budget, and a full slot
+(``max_len``), checked on device every step (``DoneReason``).
 """
 from __future__ import annotations
 
@@ -40,25 +50,32 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rstarjax.models.kv_cache import KVCache
+from rstarjax.models.kv_cache import NO_PAGE, PagedKVCache, pages_for
+from rstarjax.models.paged_attention import (DECODE_IMPLEMENTATIONS, RAGGED_CHUNK,
+                                             default_decode_implementation)
+from rstarjax.models.qwen3 import paged_forward, serving_config, serving_weights
+from rstarjax.serving.pages import OutOfPages, PagePool
 from rstarjax.serving.sampling import SamplingParams, sample_tokens
+from rstarjax.serving.sizing import free_device_bytes, plan_kv
 
 MAX_STOP_IDS = 8  # per-request stop ids kept on device (padded with -1)
+ROW_BUCKETS = (1, 2, 4, 8, 16)  # rows per feed call, padded up to one of these
 
 
 class DoneReason(enum.IntEnum):
     NOT_DONE = 0
     STOP = 1  # emitted one of the request's stop ids (the id is part of the output)
     BUDGET = 2  # sampled its max_new_tokens
-    CONTEXT = 3  # the slot's KV cache is full: the sampled token could not be fed
+    CONTEXT = 3  # the slot is full (max_len): the sampled token could not be fed
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
-    """Everything the decode step needs, one row per slot (a pytree; donated each step)."""
+    """Per-slot decoding state on device, one row per slot (a pytree; donated each call).
+    The page pool and the page tables are the engine's (host-managed, see module doc)."""
 
-    cache: KVCache
+    lengths: jax.Array  # int32[B]: tokens in the slot's cache
     pending: jax.Array  # int32[B]: sampled token not yet fed to the cache
     active: jax.Array  # bool[B]: decoding (not free, not done, not waiting on a tool)
     seeds: jax.Array  # int32[B]
@@ -75,14 +92,18 @@ class DecodeState:
 
 @dataclasses.dataclass
 class Prefix:
-    """Result of ``prefill``: a one-row cache holding the prompt and the first sampled token."""
+    """Result of ``prefill``: pages of the pool holding the prompt, and its first token. The
+    pages belong to the prefix until ``insert`` hands them to a slot (``release`` returns the
+    pages of a prefix that is never inserted)."""
 
-    cache: KVCache  # batch 1, max_len of the engine
+    pages: list[int]
+    length: int  # tokens in the pages (prompt length)
     token: int
     logprob: float
-    length: int  # tokens in the cache (prompt length)
     sampling: SamplingParams
     done: DoneReason  # the first token may already end the request
+    counter: int = 1  # tokens sampled by the request so far
+    inserted: bool = False
 
 
 @dataclasses.dataclass
@@ -97,12 +118,76 @@ class ResultTokens:
 
 
 @dataclasses.dataclass
+class DecodeBlock:
+    """Host copy of one ``decode`` call: ``steps`` rows of per-slot results."""
+
+    tokens: np.ndarray  # int32[steps, B]
+    logprobs: np.ndarray  # f32[steps, B]
+    valid: np.ndarray  # bool[steps, B]
+    done: np.ndarray  # int32[steps, B]
+    lengths: np.ndarray  # int32[B] after the call
+
+    @property
+    def steps(self) -> int:
+        return self.tokens.shape[0]
+
+
+@dataclasses.dataclass
 class SlotToken:
-    """The token sampled after ``extend``."""
+    """A token sampled after a prefill or ``extend``."""
 
     token: int
     logprob: float
     done: DoneReason
+
+
+@dataclasses.dataclass
+class StartRequest:
+    """Start a request in ``slot``: its cache must hold ``history``, then a token is sampled
+    (or ``forced``). Requests with the same ``history`` that is all prompt
+    (``prompt_len == len(history)``) share one prefill; ``prompt_len`` tokens of a longer
+    history (a rollout resumed after preemption) reuse the prompt's pages if another slot
+    still holds them."""
+
+    slot: int
+    history: Sequence[int]
+    sampling: SamplingParams
+    prompt_len: int = 0
+    counter: int = 0  # tokens the request sampled before this one (RNG stream index)
+    budget: int | None = None  # tokens it may sample from here, this one included
+    forced: int = -1
+
+
+@dataclasses.dataclass
+class _Sample:
+    slot: int  # -1: not bound to a slot (JetStream prefill)
+    sampling: SamplingParams
+    counter: int
+    budget: int
+    forced: int
+    length: int = 0  # tokens in the cache after the feed
+    copy: tuple[int, int] | None = None  # (source, destination) page copied before insert
+
+
+@dataclasses.dataclass
+class _Row:
+    pages: list[int]  # pages the row writes into (a slot's list or a detached prefix's)
+    start: int  # tokens already in them
+    tokens: np.ndarray  # to feed
+    samples: list[_Sample]
+
+
+@dataclasses.dataclass
+class _Slot:
+    """Host mirror of a live slot."""
+
+    pages: list[int]
+    length: int
+    pending: int
+    counter: int
+    budget: int
+    sampling: SamplingParams
+    active: bool
 
 
 def default_buckets(max_len: int, min_bucket: int = 16) -> tuple[int, ...]:
@@ -123,104 +208,171 @@ def _stop_row(params: SamplingParams) -> np.ndarray:
     return row
 
 
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 # ---- jitted programs (module level so every engine with the same shapes shares them) ------
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("vocab_limit",))
-def _row_forward(graphdef, params, row: KVCache, tokens, num_new, seed, counter, temperature,
-                 top_k, top_p, forced, vocab_limit=None):
-    """Feed ``tokens[0, :num_new]`` into a one-row cache; sample after the last one."""
-    model = nnx.merge(graphdef, params)
-    logits, row = model.decode(tokens, row, num_new)
-    last = jnp.take_along_axis(logits, (num_new - 1)[:, None, None], axis=1)[:, 0]
-    tok, lp = sample_tokens(last, seed, counter, temperature, top_k, top_p, forced, vocab_limit)
-    return row, tok[0], lp[0]
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
+def _to_serving(graphdef, state, dtype, untie_head):
+    return serving_weights(nnx.merge(graphdef, state), dtype, untie_head)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _set_row(state: DecodeState, slot, row: KVCache, pending, active, seed, counter,
-             temperature, top_k, top_p, stop_ids, budget) -> DecodeState:
-    def put(big, small):
-        return jax.lax.dynamic_update_index_in_dim(big, small, slot, 0)
-
-    cache = state.cache
-    cache = cache.replace(
-        k=jax.lax.dynamic_update_slice_in_dim(cache.k, row.k.astype(cache.k.dtype), slot, 1),
-        v=jax.lax.dynamic_update_slice_in_dim(cache.v, row.v.astype(cache.v.dtype), slot, 1),
-        lengths=put(cache.lengths, row.lengths[0]),
-    )
-    return state.replace(
-        cache=cache, pending=put(state.pending, pending), active=put(state.active, active),
-        seeds=put(state.seeds, seed), counters=put(state.counters, counter),
-        temperature=put(state.temperature, temperature), top_k=put(state.top_k, top_k),
-        top_p=put(state.top_p, top_p), stop_ids=put(state.stop_ids, stop_ids),
-        budget=put(state.budget, budget))
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("k", "v"))
+def _feed_program(cfg, weights, k, v, page_table, lengths, tokens, num_new):
+    logits, cache = paged_forward(cfg, weights, tokens, PagedKVCache(k, v, page_table, lengths),
+                                  num_new)
+    return cache.k, cache.v, logits
 
 
-@jax.jit
-def _get_row(state: DecodeState, slot) -> KVCache:
-    c = state.cache
-    return KVCache(k=jax.lax.dynamic_slice_in_dim(c.k, slot, 1, 1),
-                   v=jax.lax.dynamic_slice_in_dim(c.v, slot, 1, 1),
-                   lengths=jax.lax.dynamic_slice_in_dim(c.lengths, slot, 1, 0))
+@functools.partial(jax.jit, static_argnames=("vocab_limit",))
+def _sample_program(logits, rows, seeds, counters, temperature, top_k, top_p, forced,
+                    vocab_limit=None):
+    return sample_tokens(logits[rows], seeds, counters, temperature, top_k, top_p, forced,
+                         vocab_limit)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,),
-                   static_argnames=("vocab_limit",))
-def _generate_step(graphdef, params, state: DecodeState, forced, vocab_limit=None):
-    model = nnx.merge(graphdef, params)
+@functools.partial(jax.jit, donate_argnames=("k", "v", "state"))
+def _insert_program(k, v, state: DecodeState, copy_src, copy_dst, slot, values: dict):
+    """Copy pages (``copy_dst`` out of range: skipped), then write the slot rows (``slot``
+    out of range: skipped)."""
+    def copy(pages):
+        return pages.at[:, copy_dst].set(pages[:, copy_src], mode="drop")
+
+    k, v = tuple(copy(x) for x in k), tuple(copy(x) for x in v)
+    state = state.replace(**{name: getattr(state, name).at[slot].set(val, mode="drop")
+                             for name, val in values.items()})
+    return k, v, state
+
+
+def _advance(state: DecodeState, tok, lp, num_new, lengths, max_len):
+    """After a step that fed every active slot's pending token and sampled ``tok``."""
     active = state.active
-    num_new = active.astype(jnp.int32)
-    logits, cache = model.decode(state.pending[:, None], state.cache, num_new)
-    tok, lp = sample_tokens(logits[:, 0], state.seeds, state.counters, state.temperature,
-                            state.top_k, state.top_p, forced, vocab_limit)
     budget = state.budget - num_new
     hit_stop = jnp.any(tok[:, None] == state.stop_ids, axis=-1)
-    # The new token needs one more cache position to be fed later.
-    full = cache.lengths >= cache.max_len
+    full = lengths >= max_len  # the new token needs one more position to be fed later
     done = jnp.where(hit_stop, DoneReason.STOP,
                      jnp.where(budget <= 0, DoneReason.BUDGET,
                                jnp.where(full, DoneReason.CONTEXT, DoneReason.NOT_DONE)))
     done = jnp.where(active, done, DoneReason.NOT_DONE).astype(jnp.int32)
-    new_state = state.replace(
-        cache=cache,
-        pending=jnp.where(active, tok, state.pending),
-        active=active & (done == DoneReason.NOT_DONE),
-        counters=state.counters + num_new,
-        budget=budget)
-    return new_state, (tok, lp, active, done, cache.lengths)
+    new = state.replace(lengths=lengths, pending=jnp.where(active, tok, state.pending),
+                        active=active & (done == DoneReason.NOT_DONE),
+                        counters=state.counters + num_new, budget=budget)
+    return new, (tok, lp, active, done)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "steps", "attention", "vocab_limit",
+                                             "max_len"),
+                   donate_argnames=("k", "v", "state"))
+def _decode_program(cfg, weights, k, v, state: DecodeState, rows, page_table, live_pages,
+                    forced, n_steps, stop_after, *, steps, attention, vocab_limit, max_len):
+    """Up to ``n_steps`` (<= ``steps``) decode steps of the slots ``rows`` (the active ones,
+    padded with out-of-range ids: the batch is compacted, idle slots cost nothing); stops
+    early when none is active or ``stop_after`` of them stopped (their tool calls and the
+    slots they free are the host's to handle)."""
+    b = state.pending.shape[0]
+    in_range = rows < b
+    sub = jax.tree.map(lambda x: x[jnp.minimum(rows, b - 1)], state)
+    sub = sub.replace(active=sub.active & in_range)
+    started = jnp.sum(sub.active)
+    table = page_table[jnp.minimum(rows, b - 1)]
+    n = rows.shape[0]
+    outs = (jnp.zeros((steps, n), jnp.int32), jnp.zeros((steps, n), jnp.float32),
+            jnp.zeros((steps, n), bool), jnp.zeros((steps, n), jnp.int32))
+
+    def cond(carry):
+        i, _, _, st, _ = carry
+        active = jnp.sum(st.active)
+        return (i < n_steps) & (active > 0) & (started - active < stop_after)
+
+    def body(carry):
+        i, k, v, st, outs = carry
+        num_new = st.active.astype(jnp.int32)
+        logits, cache = paged_forward(cfg, weights, st.pending[:, None],
+                                      PagedKVCache(k, v, table, st.lengths), num_new,
+                                      decode_attention=attention, live_pages=live_pages)
+        tok, lp = sample_tokens(logits, st.seeds, st.counters, st.temperature, st.top_k,
+                                st.top_p, forced[i], vocab_limit)
+        st, step = _advance(st, tok, lp, num_new, cache.lengths, max_len)
+        outs = tuple(o.at[i].set(x) for o, x in zip(outs, step))
+        return i + 1, cache.k, cache.v, st, outs
+
+    _, k, v, sub, outs = jax.lax.while_loop(cond, body, (jnp.int32(0), k, v, sub, outs))
+    state = jax.tree.map(lambda full, part: full.at[rows].set(part, mode="drop"), state, sub)
+    return k, v, state, outs
 
 
 class Engine:
-    """JetStream-style engine over one model replica (see module docstring).
+    """JetStream-style engine over one model replica with a paged KV pool (module docstring).
 
-    The engine object keeps a host mirror of each slot's cache length and liveness (one
-    decode state per engine), which is what the scheduler reads as free KV capacity.
+    Sizing (``serving.sizing.plan_kv``): ``kv_pages`` pages if given, else
+    ``kv_memory_fraction`` of the device memory free after the serving weights, else (CPU,
+    no memory statistics) a dense-equivalent pool of ``num_slots`` maximum-length rows. A
+    pool that cannot hold one ``max_len`` rollout is refused at construction.
     """
 
-    def __init__(self, model: nnx.Module, *, num_slots: int, max_len: int,
-                 buckets: Sequence[int] | None = None, cache_dtype=None, min_bucket: int = 16,
+    def __init__(self, model: nnx.Module, *, max_len: int, num_slots: int = 0,
+                 page_size: int = 16, kv_pages: int = 0, kv_memory_fraction: float = 0.9,
+                 dtype=None, cache_dtype=None, buckets: Sequence[int] | None = None,
+                 min_bucket: int = 16, prefill_chunk: int = 2048, max_prefill_tokens: int = 8192,
+                 decode_steps: int = 16, min_context: int = 256, decode_attention: str = "auto",
                  device: jax.Device | None = None, vocab_limit: int | None = None):
-        if num_slots < 1 or max_len < 2:
-            raise ValueError(f"need num_slots >= 1 and max_len >= 2, got {num_slots}, {max_len}")
-        self.config = model.config
+        if max_len < 2:
+            raise ValueError(f"need max_len >= 2, got {max_len}")
+        if decode_steps < 1:
+            raise ValueError(f"need decode_steps >= 1, got {decode_steps}")
+        self.model_config = model.config
+        self.dtype = jnp.dtype(dtype or model.config.dtype)
+        self.cfg = serving_config(model.config, self.dtype)
+        self.cache_dtype = jnp.dtype(cache_dtype or self.dtype)
         # Ids >= vocab_limit (embedding padding past the tokenizer) are never sampled.
         self.vocab_limit = vocab_limit
-        self.graphdef, self.params = nnx.split(model)
-        # A serving slice on its own device (group): weights and cache live there. Without
-        # `device` the model's arrays are served where they are (colocated, no copy).
         self.device = device
-        if device is not None:
-            self.params = jax.device_put(self.params, device)
-        self.num_slots = int(num_slots)
         self.max_len = int(max_len)
-        self.buckets = tuple(sorted(buckets)) if buckets else default_buckets(max_len, min_bucket)
-        if self.buckets[-1] > max_len:
-            raise ValueError(f"bucket {self.buckets[-1]} exceeds max_len {max_len}")
-        self.cache_dtype = cache_dtype or self.config.dtype
-        self._slot_len = np.zeros(num_slots, np.int64)  # host mirror of cache lengths
-        self._slot_live = np.zeros(num_slots, bool)  # holds a request (decoding or waiting)
-        self.busy_seconds = 0.0  # time spent inside engine programs (incl. the host sync)
-        self.prefill_tokens = 0  # tokens run through prefill/extend forwards (unpadded)
+        self.graphdef, state = nnx.split(model)
+        self._state_structure = jax.tree.structure(state)
+        self.params = self._serving_copy(state)
+        self.plan = plan_kv(model.config, max_len=self.max_len, page_size=page_size,
+                            kv_pages=kv_pages, kv_memory_fraction=kv_memory_fraction,
+                            num_slots=num_slots, dtype=self.cache_dtype,
+                            free_bytes=None if kv_pages else free_device_bytes(device))
+        self.num_slots = self.plan.num_slots
+        self.page_size = self.plan.page_size
+        self.num_pages = self.plan.num_pages
+        if decode_attention == "auto":
+            decode_attention = default_decode_implementation(
+                (device or jax.local_devices()[0]).platform, head_dim=self.cfg.head_dim,
+                page_size=self.page_size)
+        if decode_attention not in DECODE_IMPLEMENTATIONS:
+            raise ValueError(f"decode_attention {decode_attention!r} not in "
+                             f"{DECODE_IMPLEMENTATIONS + ('auto',)}")
+        self.decode_attention = decode_attention
+        self.decode_steps = int(decode_steps)
+        self.table_width = pages_for(self.max_len, self.page_size)
+        if decode_attention != "reference":  # the kernels split the table in blocks of pages
+            self.table_width = -(-self.table_width // 8) * 8
+        self.min_context_pages = max(1, pages_for(min_context, self.page_size))
+        self.prefill_chunk = int(min(prefill_chunk, self.max_len))
+        self.buckets = tuple(sorted(buckets)) if buckets else default_buckets(
+            self.prefill_chunk, min_bucket)
+        if self.buckets[-1] > self.max_len:
+            raise ValueError(f"bucket {self.buckets[-1]} exceeds max_len {self.max_len}")
+        self.prefill_chunk = min(self.prefill_chunk, self.buckets[-1])
+        self.max_prefill_tokens = max(int(max_prefill_tokens), self.buckets[-1])
+        self.pages = PagePool(self.num_pages, self.page_size)
+        with jax.default_device(device) if device is not None else _nullcontext():
+            self._k, self._v = PagedKVCache.init_pool(self.model_config, self.num_pages,
+                                                      self.page_size, self.cache_dtype)
+        self._table = np.full((self.num_slots, self.table_width), NO_PAGE, np.int32)
+        self._slots: list[_Slot | None] = [None] * self.num_slots
+        # Counters (read by the scheduler and benchmarks).
+        self.busy_seconds = 0.0  # inside engine programs, host syncs included
+        self.prefill_tokens = 0  # tokens fed by prefill/extend/re-prefill (unpadded)
+        self.decode_calls = 0
+        self.decode_steps_run = 0
+        self.host_syncs = 0
+        self.generated_tokens = 0  # tokens sampled by decode steps
 
     # ---- JetStream contract ----------------------------------------------------------------
     @property
@@ -229,19 +381,20 @@ class Engine:
 
     @property
     def max_prefill_length(self) -> int:
-        return self.buckets[-1]
+        return self.max_len
 
     def init_decode_state(self) -> DecodeState:
+        """Fresh decode state; every slot free and every page returned to the pool."""
         b = self.num_slots
-        self._slot_len[:] = 0
-        self._slot_live[:] = False
+        self.pages.reset()
+        self._table[:] = NO_PAGE
+        self._slots = [None] * b
         state = DecodeState(
-            cache=KVCache.init(self.config, b, self.max_len, self.cache_dtype),
-            pending=jnp.zeros(b, jnp.int32), active=jnp.zeros(b, bool),
-            seeds=jnp.zeros(b, jnp.int32), counters=jnp.zeros(b, jnp.int32),
-            temperature=jnp.zeros(b, jnp.float32), top_k=jnp.zeros(b, jnp.int32),
-            top_p=jnp.ones(b, jnp.float32), stop_ids=jnp.full((b, MAX_STOP_IDS), -1, jnp.int32),
-            budget=jnp.zeros(b, jnp.int32))
+            lengths=jnp.zeros(b, jnp.int32), pending=jnp.zeros(b, jnp.int32),
+            active=jnp.zeros(b, bool), seeds=jnp.zeros(b, jnp.int32),
+            counters=jnp.zeros(b, jnp.int32), temperature=jnp.zeros(b, jnp.float32),
+            top_k=jnp.zeros(b, jnp.int32), top_p=jnp.ones(b, jnp.float32),
+            stop_ids=jnp.full((b, MAX_STOP_IDS), -1, jnp.int32), budget=jnp.zeros(b, jnp.int32))
         return state if self.device is None else jax.device_put(state, self.device)
 
     def bucket_for(self, n: int) -> int:
@@ -253,7 +406,8 @@ class Engine:
     def prefill(self, params, tokens: Sequence[int], true_length: int | None = None,
                 existing_prefix: Prefix | None = None, *, sampling: SamplingParams | None = None,
                 forced_token: int = -1) -> Prefix:
-        """Run a prompt (or append it to ``existing_prefix``) and sample its first token."""
+        """Run a prompt (or append it to ``existing_prefix``) into free pages of the pool and
+        sample its first token. Raises ``OutOfPages`` when the pool cannot hold it."""
         sampling = sampling or (existing_prefix.sampling if existing_prefix else SamplingParams())
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         n = int(true_length if true_length is not None else tokens.shape[0])
@@ -261,169 +415,512 @@ class Engine:
             raise ValueError(f"true_length {n} must be in [1, {tokens.shape[0]}]")
         tokens = tokens[:n]
         if existing_prefix is not None:
-            # Feed the prefix's pending token first, exactly like extend.
+            if existing_prefix.inserted:
+                raise ValueError("the prefix was inserted into a slot already")
             tokens = np.concatenate([[existing_prefix.token], tokens]).astype(np.int32)
-            row, start, counter = existing_prefix.cache, existing_prefix.length, 1
+            pages, start, counter = existing_prefix.pages, existing_prefix.length, \
+                existing_prefix.counter
+            existing_prefix.pages = []  # handed to the new prefix
         else:
-            row, start, counter = self._empty_row(), 0, 0
-        if start + len(tokens) > self.max_len:
-            raise ValueError(f"prompt of {start + len(tokens)} tokens does not fit max_len "
-                             f"{self.max_len}")
-        row, tok, lp = self._forward(params, row, tokens, sampling, counter, forced_token)
+            pages, start, counter = [], 0, 0
         length = start + len(tokens)
-        done = self._first_token_done(tok, sampling, sampling.max_new_tokens, length)
-        return Prefix(cache=row, token=tok, logprob=lp, length=length, sampling=sampling,
-                      done=done)
+        if length > self.max_len:
+            raise ValueError(f"prompt of {length} tokens does not fit max_len {self.max_len}")
+        pages = pages + self.pages.alloc(pages_for(length, self.page_size) - len(pages))
+        sample = _Sample(-1, sampling, counter, sampling.max_new_tokens - counter, forced_token,
+                         length)
+        [(tok, lp, done)], _ = self._run_rows(params, None, [_Row(pages, start, tokens,
+                                                                  [sample])])
+        return Prefix(pages=pages, length=length, token=tok, logprob=lp, sampling=sampling,
+                      done=done, counter=counter + 1)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-        """Place a prefix in ``slot``; the slot decodes from its first token on."""
+        """Place a prefix in ``slot`` (its pages become the slot's); the slot decodes from its
+        first token on."""
         self._check_slot(slot)
+        if self._slots[slot] is not None:
+            raise ValueError(f"slot {slot} holds a request: free_resource it first")
+        if prefix.inserted:
+            raise ValueError("a Prefix can be inserted once (prefill again for another slot)")
         s = prefix.sampling
-        t0 = time.perf_counter()
-        state = _set_row(
-            decode_state, jnp.int32(slot), prefix.cache, jnp.int32(prefix.token),
-            jnp.bool_(prefix.done == DoneReason.NOT_DONE), jnp.int32(s.seed), jnp.int32(1),
-            jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p),
-            jnp.asarray(_stop_row(s)), jnp.int32(s.max_new_tokens - 1))
-        self.busy_seconds += time.perf_counter() - t0
-        self._slot_len[slot] = prefix.length
-        self._slot_live[slot] = True
-        return state
+        _stop_row(s)
+        prefix.inserted = True
+        budget = s.max_new_tokens - prefix.counter
+        self._bind(slot, prefix.pages, prefix.length, prefix.token, prefix.counter, budget, s,
+                   prefix.done == DoneReason.NOT_DONE)
+        return self._insert(decode_state, [slot], [], [])
 
     def generate(self, params, decode_state: DecodeState,
                  forced: np.ndarray | None = None) -> tuple[DecodeState, ResultTokens]:
-        """One decode step for every active slot. ``forced[b] >= 0`` teacher-forces slot b."""
-        if forced is None:
-            if getattr(self, "_no_force", None) is None:
-                self._no_force = jnp.full(self.num_slots, -1, jnp.int32)
-            f = self._no_force
-        else:
-            f = jnp.asarray(forced, jnp.int32)
-        t0 = time.perf_counter()
-        state, (tok, lp, valid, done, lengths) = _generate_step(self.graphdef, params,
-                                                                decode_state, f,
-                                                                vocab_limit=self.vocab_limit)
-        res = ResultTokens(*jax.device_get((tok, lp, valid, done, lengths)))
-        self.busy_seconds += time.perf_counter() - t0
-        self._slot_len[res.valid] = res.lengths[res.valid]
-        return state, res
+        """One decode step for every active slot. ``forced[b] >= 0`` teacher-forces slot b.
+        Raises ``OutOfPages`` when an active slot needs a page the pool does not have (the
+        scheduler preempts instead)."""
+        f = None if forced is None else np.asarray(forced, np.int32)[None]
+        state, block = self.decode(params, decode_state, steps=1, forced=f)
+        return state, ResultTokens(block.tokens[0], block.logprobs[0], block.valid[0],
+                                   block.done[0], block.lengths)
 
     def free_resource(self, slot: int) -> None:
-        """Release ``slot`` (its cache rows are simply overwritten by the next insert).
-
-        The decode state is not touched (JetStream's signature has no state): free a slot
-        only once it stopped decoding (a ``done`` result, or while it waits on a tool);
-        ``insert`` into it re-initialises everything on device."""
+        """Release ``slot`` and its pages. The slot stops decoding at the next call (a
+        preempted, still active slot too)."""
         self._check_slot(slot)
-        self._slot_live[slot] = False
-        self._slot_len[slot] = 0
+        info = self._slots[slot]
+        if info is not None:
+            self.pages.release(info.pages)
+        self._slots[slot] = None
+        self._table[slot] = NO_PAGE
 
-    # ---- multi-turn additions -------------------------------------------------------------
+    def release(self, prefix: Prefix) -> None:
+        """Return the pages of a prefix that will not be inserted."""
+        if not prefix.inserted:
+            self.pages.release(prefix.pages)
+            prefix.pages, prefix.inserted = [], True
+
+    # ---- multi-turn and batched additions --------------------------------------------------
     def extend(self, params, decode_state: DecodeState, slot: int, tokens: Sequence[int], *,
                max_new_tokens: int | None = None, forced_token: int = -1
                ) -> tuple[DecodeState, SlotToken]:
-        """Append ``tokens`` (e.g. a tool response turn) to a live slot without re-prefilling.
-
-        Feeds the slot's pending token followed by ``tokens``, samples the next token and
+        """Append ``tokens`` (e.g. a tool response turn) to a live, idle slot without
+        re-prefilling: feeds the pending token and ``tokens``, samples the next token and
         re-activates the slot. ``max_new_tokens`` (if given) is the slot's new budget of
         sampled tokens, counting the one sampled here. Raises ``ValueError`` when the
-        conversation would not fit the slot (``free_tokens_in_slot``)."""
-        self._check_slot(slot)
-        if not self._slot_live[slot]:
-            raise ValueError(f"slot {slot} holds no request")
-        tokens = np.asarray(tokens, np.int32).reshape(-1)
-        need = len(tokens) + 1
-        if self._slot_len[slot] + need > self.max_len:
-            raise ValueError(f"slot {slot}: {self._slot_len[slot]} + {need} tokens exceed "
-                             f"max_len {self.max_len}")
+        conversation would not fit the slot, ``OutOfPages`` when the pool is short."""
+        state, [out] = self.extend_many(params, decode_state,
+                                        [(slot, tokens, max_new_tokens, forced_token)])
+        return state, out
+
+    def extend_many(self, params, state: DecodeState, items) -> tuple[DecodeState,
+                                                                       list[SlotToken]]:
+        """``extend`` of several slots in batched feeds; ``items``: (slot, tokens,
+        max_new_tokens or None, forced token) each."""
+        rows = []
+        for slot, tokens, max_new, forced in items:
+            self._check_slot(slot)
+            info = self._slots[slot]
+            if info is None:
+                raise ValueError(f"slot {slot} holds no request")
+            if info.active:
+                raise ValueError(f"slot {slot} is still decoding")
+            feed = np.concatenate([[info.pending], np.asarray(tokens, np.int32).reshape(-1)])
+            if info.length + len(feed) > self.max_len:
+                raise ValueError(f"slot {slot}: {info.length} + {len(feed)} tokens exceed "
+                                 f"max_len {self.max_len}")
+            budget = info.budget if max_new is None else int(max_new)
+            rows.append((slot, info, feed.astype(np.int32), budget, forced))
+        need = sum(self.pages_to_grow(slot, len(feed)) for slot, _, feed, _, _ in rows)
+        if need > self.pages.num_free:
+            raise OutOfPages(f"extend needs {need} pages, {self.pages.num_free} free")
+        feed_rows = []
+        for slot, info, feed, budget, forced in rows:
+            self._grow(slot, len(feed))
+            feed_rows.append(_Row(info.pages, info.length, feed, [
+                _Sample(slot, info.sampling, info.counter, budget, int(forced),
+                        info.length + len(feed))]))
+        results, state = self._run_rows(params, state, feed_rows)
+        return state, [SlotToken(*r) for r in results]
+
+    def start(self, params, state: DecodeState, requests: Sequence[StartRequest]
+              ) -> tuple[DecodeState, list[SlotToken]]:
+        """Start requests in free slots in batched feeds (see ``StartRequest``); one
+        ``SlotToken`` per request, in order. Raises ``OutOfPages`` when ``start_cost`` exceeds
+        the free pages."""
+        if self.start_cost(requests) > self.pages.num_free:
+            raise OutOfPages(f"starting {len(requests)} requests needs "
+                             f"{self.start_cost(requests)} pages, {self.pages.num_free} free")
+        rows, order = [], []
+        for leader, members in self._group(requests):
+            history = np.asarray(leader.history, np.int32)
+            n = len(history)
+            shared = self._shareable_pages(leader)
+            pages = list(shared) + self.pages.alloc(pages_for(n, self.page_size) - len(shared))
+            self.pages.share(shared)
+            full = pages[: n // self.page_size]
+            samples = []
+            for r in members:
+                budget = r.sampling.max_new_tokens - r.counter if r.budget is None else r.budget
+                if r is leader:
+                    slot_pages, copy = pages, None
+                else:  # share the leader's full pages, copy its last partial page
+                    self.pages.share(full)
+                    slot_pages = list(full)
+                    copy = None
+                    if n % self.page_size:
+                        own = self.pages.alloc(1)[0]
+                        slot_pages.append(own)
+                        copy = (pages[len(full)], own)
+                self._bind(r.slot, slot_pages, 0, 0, r.counter, budget, r.sampling, False)
+                samples.append(_Sample(r.slot, r.sampling, r.counter, budget, r.forced, n, copy))
+                order.append(id(r))
+            if leader.prompt_len >= self.page_size:
+                self.pages.register_prefix(history[: leader.prompt_len], pages)
+            start = len(shared) * self.page_size
+            rows.append(_Row(pages, start, history[start:], samples))
+        results, state = self._run_rows(params, state, rows)
+        by_request = dict(zip(order, results))
+        return state, [SlotToken(*by_request[id(r)]) for r in requests]
+
+    def start_cost(self, requests: Sequence[StartRequest]) -> int:
+        """Pages ``start(requests)`` takes from the pool."""
+        total = 0
+        for leader, members in self._group(requests):
+            n = len(leader.history)
+            total += pages_for(n, self.page_size) - len(self._shareable_pages(leader))
+            total += (len(members) - 1) * (1 if n % self.page_size else 0)
+        return total
+
+    def decode(self, params, state: DecodeState, steps: int | None = None,
+               forced: np.ndarray | None = None, stop_after: int | None = None
+               ) -> tuple[DecodeState, DecodeBlock]:
+        """Up to ``steps`` (default ``decode_steps``) decode steps in one device call, one host
+        sync; only the active slots are computed. ``forced[i, b] >= 0`` teacher-forces slot
+        b's token at step i. ``stop_after``: return once that many slots stopped (default:
+        run all steps unless every slot stops). Takes the pages the active slots grow into
+        first (``OutOfPages`` if short: see ``pages_to_grow``)."""
+        steps = self.decode_steps if steps is None else int(steps)
+        if not 1 <= steps <= self.decode_steps:
+            raise ValueError(f"steps must be in [1, {self.decode_steps}], got {steps}")
+        active = [s for s, info in enumerate(self._slots) if info is not None and info.active]
+        need = sum(self.pages_to_grow(s, steps) for s in active)
+        if need > self.pages.num_free:
+            raise OutOfPages(f"{len(active)} active slots need {need} pages for {steps} steps, "
+                             f"{self.pages.num_free} free")
+        for s in active:
+            self._grow(s, steps)
+        rows = np.full(_batch_bucket(len(active), self.num_slots), self.num_slots, np.int32)
+        rows[: len(active)] = active
+        width, live_pages = self._decode_reads(active, steps, len(rows))
+        f = np.full((self.decode_steps, len(rows)), -1, np.int32)
+        if forced is not None:
+            f[: len(forced), : len(active)] = np.asarray(forced)[:, active]
+        stop_after = len(active) + 1 if stop_after is None else max(1, int(stop_after))
         t0 = time.perf_counter()
-        row = _get_row(decode_state, jnp.int32(slot))
-        host = jax.device_get((
-            decode_state.pending[slot], decode_state.seeds[slot], decode_state.counters[slot],
-            decode_state.temperature[slot], decode_state.top_k[slot], decode_state.top_p[slot],
-            decode_state.budget[slot], decode_state.stop_ids[slot]))
-        pending, seed, counter, top_k, budget = (int(host[i]) for i in (0, 1, 2, 4, 6))
-        temp, top_p, stop_row = float(host[3]), float(host[5]), np.asarray(host[7])
+        self._k, self._v, state, outs = _decode_program(
+            self.cfg, params, self._k, self._v, state, jnp.asarray(rows),
+            jnp.asarray(self._table[:, :width]), live_pages, jnp.asarray(f), jnp.int32(steps),
+            jnp.int32(stop_after), steps=self.decode_steps, attention=self.decode_attention,
+            vocab_limit=self.vocab_limit, max_len=self.max_len)
+        compact = jax.device_get(outs)
         self.busy_seconds += time.perf_counter() - t0
-        sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
-        feed = np.concatenate([[pending], tokens]).astype(np.int32)
-        row, tok, lp = self._forward(params, row, feed, sampling, counter, forced_token)
-        budget = budget if max_new_tokens is None else int(max_new_tokens)
-        length = int(self._slot_len[slot]) + need
-        done = self._first_token_done(tok, dataclasses.replace(
-            sampling, stop_ids=tuple(int(x) for x in stop_row if x >= 0)), budget, length)
-        t0 = time.perf_counter()
-        state = _set_row(decode_state, jnp.int32(slot), row, jnp.int32(tok),
-                         jnp.bool_(done == DoneReason.NOT_DONE), jnp.int32(seed),
-                         jnp.int32(counter + 1), jnp.float32(temp), jnp.int32(top_k),
-                         jnp.float32(top_p), jnp.asarray(stop_row), jnp.int32(budget - 1))
-        self.busy_seconds += time.perf_counter() - t0
-        self._slot_len[slot] = length
-        return state, SlotToken(token=tok, logprob=lp, done=done)
+        self.host_syncs += 1
+        self.decode_calls += 1
+        # Back to slot order: [steps, num_slots].
+        full = []
+        for a, fill in zip(compact, (0, 0.0, False, 0)):
+            x = np.full((steps, self.num_slots), fill, a.dtype)
+            x[:, active] = a[:steps, : len(active)]
+            full.append(x)
+        tokens, logprobs, valid, done = full
+        self.decode_steps_run += int(valid.any(axis=1).sum())
+        self.generated_tokens += int(valid.sum())
+        lengths = np.array([0 if info is None else info.length for info in self._slots])
+        block = DecodeBlock(tokens, logprobs, valid, done, lengths)
+        for s in active:
+            info = self._slots[s]
+            fed = int(block.valid[:, s].sum())
+            if fed:
+                last = int(np.flatnonzero(block.valid[:, s])[-1])
+                info.pending = int(block.tokens[last, s])
+                info.active = bool(block.done[last, s] == DoneReason.NOT_DONE)
+            info.length += fed
+            info.counter += fed
+            info.budget -= fed
+        block.lengths[active] = [self._slots[s].length for s in active]
+        return state, block
 
     def update_params(self, new_params) -> None:
-        """Swap the weights (an ``nnx.split`` state with the same structure). No copy: the
-        engine keeps a reference, so a colocated trainer's arrays are served directly."""
-        if jax.tree.structure(new_params) != jax.tree.structure(self.params):
+        """Serve new weights: an ``nnx.split`` state of the served model's structure, copied
+        once into the serving dtype and layout (``ServingWeights``)."""
+        if jax.tree.structure(new_params) != self._state_structure:
             raise ValueError("update_params: the new state's tree structure differs from the "
                              "served model's")
-        self.params = new_params if self.device is None else jax.device_put(new_params,
-                                                                             self.device)
+        self.params = self._serving_copy(new_params)
 
-    # ---- capacity for the scheduler --------------------------------------------------------
+    # ---- page accounting for the scheduler --------------------------------------------------
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.num_slots * self.max_len
+        return self.num_pages * self.page_size
 
     def free_kv_tokens(self) -> int:
-        """KV positions not holding any live request's tokens."""
-        return int(self.kv_capacity_tokens - self._slot_len[self._slot_live].sum())
+        return self.pages.num_free * self.page_size
+
+    @property
+    def free_pages(self) -> int:
+        return self.pages.num_free
 
     def free_slots(self) -> list[int]:
-        return [int(i) for i in np.flatnonzero(~self._slot_live)]
+        return [i for i, info in enumerate(self._slots) if info is None]
 
-    def free_tokens_in_slot(self, slot: int) -> int:
-        return int(self.max_len - self._slot_len[slot])
+    def live_slots(self) -> list[int]:
+        return [i for i, info in enumerate(self._slots) if info is not None]
 
     def slot_length(self, slot: int) -> int:
-        return int(self._slot_len[slot])
+        info = self._slots[slot]
+        return 0 if info is None else info.length
+
+    def free_tokens_in_slot(self, slot: int) -> int:
+        return self.max_len - self.slot_length(slot)
+
+    def slot_pages(self, slot: int) -> list[int]:
+        info = self._slots[slot]
+        return [] if info is None else list(info.pages)
+
+    def slot_info(self, slot: int) -> _Slot:
+        """A copy of the host mirror of a live slot (length, pending token, RNG counter,
+        remaining budget, sampling, pages)."""
+        info = self._slots[slot]
+        if info is None:
+            raise ValueError(f"slot {slot} holds no request")
+        return dataclasses.replace(info, pages=list(info.pages))
+
+    def is_decoding(self, slot: int) -> bool:
+        info = self._slots[slot]
+        return info is not None and info.active
+
+    def pages_to_grow(self, slot: int, num_tokens: int) -> int:
+        """Pages ``slot`` must take to hold ``num_tokens`` more tokens (capped at max_len)."""
+        info = self._slots[slot]
+        target = min(info.length + int(num_tokens), self.max_len)
+        return max(0, pages_for(target, self.page_size) - len(info.pages))
 
     # ---- internals -------------------------------------------------------------------------
+    def _serving_copy(self, state):
+        if self.device is not None:
+            state = jax.device_put(state, self.device)
+        cpu = (self.device or jax.local_devices()[0]).platform == "cpu"
+        return _to_serving(self.graphdef, state, self.dtype, cpu)
+
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} out of range [0, {self.num_slots})")
 
-    def _empty_row(self) -> KVCache:
-        # Contents beyond `lengths` are never read, so any row with length 0 works; keep one.
-        if getattr(self, "_empty", None) is None:
-            row = KVCache.init(self.config, 1, self.max_len, self.cache_dtype)
-            self._empty = row if self.device is None else jax.device_put(row, self.device)
-        return self._empty
+    def _bind(self, slot, pages, length, pending, counter, budget, sampling, active):
+        self._check_slot(slot)
+        if self._slots[slot] is not None:
+            raise ValueError(f"slot {slot} holds a request")
+        self._slots[slot] = _Slot(list(pages), length, pending, counter, budget, sampling, active)
+        self._table[slot] = NO_PAGE
+        self._table[slot, : len(pages)] = pages
 
-    def _forward(self, params, row, feed: np.ndarray, sampling: SamplingParams, counter: int,
-                 forced_token: int):
-        n = len(feed)
-        bucket = self.bucket_for(n)
-        padded = np.zeros((1, bucket), np.int32)
-        padded[0, :n] = feed
+    def _grow(self, slot: int, num_tokens: int) -> None:
+        info = self._slots[slot]
+        extra = self.pages.alloc(self.pages_to_grow(slot, num_tokens))
+        self._table[slot, len(info.pages): len(info.pages) + len(extra)] = extra
+        info.pages.extend(extra)
+
+    def _decode_reads(self, active: list[int], steps: int, batch: int):
+        """What a decode call reads: page-table columns, and for the ragged attention the
+        list of the active slots' live pages (ids, rows in the compacted batch, first
+        positions, count), in arrays of a fixed size per batch bucket."""
+        size = self.page_size
+        if self.decode_attention == "reference":
+            longest = max((self._slots[s].length + steps for s in active), default=0)
+            width = self._context_pages(longest)
+        else:  # the kernels and the ragged list stop at each row's length themselves
+            width = self.table_width
+        ids, rows, starts = [], [], []
+        if self.decode_attention == "ragged":
+            for j, s in enumerate(active):  # rows are positions in the compacted batch
+                info = self._slots[s]
+                n = pages_for(min(info.length + steps, self.max_len), size)
+                ids += info.pages[:n]
+                rows += [j] * n
+                starts += range(0, n * size, size)
+            m = -(-batch * self.table_width // RAGGED_CHUNK) * RAGGED_CHUNK
+        else:
+            m = RAGGED_CHUNK  # unused
+        arrays = [np.zeros(m, np.int32), np.full(m, batch, np.int32), np.zeros(m, np.int32)]
+        for a, vals in zip(arrays, (ids, rows, starts)):
+            a[: len(vals)] = vals
+        return width, (*(jnp.asarray(a) for a in arrays), jnp.int32(len(ids)))
+
+    def _context_pages(self, tokens: int) -> int:
+        """Page-table columns the reference attention reads to cover ``tokens`` positions: a
+        power of two of pages (bounded compiles) from ``min_context``."""
+        need = max(self.min_context_pages, pages_for(tokens, self.page_size))
+        return min(self.table_width, _pow2_at_least(need))
+
+    def _group(self, requests: Sequence[StartRequest]):
+        """(leader, members) per distinct fresh prompt; other requests stand alone."""
+        groups: dict[tuple, list[StartRequest]] = {}
+        out = []
+        for r in requests:
+            if len(r.history) < 1:
+                raise ValueError("a request needs at least one token of history")
+            if len(r.history) > self.max_len:
+                raise ValueError(f"history of {len(r.history)} tokens exceeds max_len "
+                                 f"{self.max_len}")
+            if r.prompt_len == len(r.history):
+                key = tuple(int(t) for t in r.history)
+                if key in groups:
+                    groups[key].append(r)
+                    continue
+                groups[key] = [r]
+                out.append(groups[key])
+            else:
+                out.append([r])
+        return [(members[0], members) for members in out]
+
+    def _shareable_pages(self, request: StartRequest) -> tuple[int, ...]:
+        if request.prompt_len < self.page_size:
+            return ()
+        pages = self.pages.lookup_prefix(request.history[: request.prompt_len])
+        # At least the last token is fed again: its logits are what the first token samples.
+        return pages[: (len(request.history) - 1) // self.page_size]
+
+    def _run_rows(self, params, state, rows: list[_Row]):
+        """Feed every row (chunked, batched), sample each row's samples from its last logits,
+        then insert them into their slots (``state`` None: sampling only). Returns
+        ``[(token, logprob, DoneReason)]`` in the rows' sample order and the new state."""
+        results: dict[int, tuple] = {}
+        pending = [(i, row, row.start, 0) for i, row in enumerate(rows)]  # (row, start, offset)
+        while pending:
+            # One wave: the next chunk of every row, batched by size.
+            wave = sorted(pending, key=lambda p: len(p[1].tokens) - p[3])
+            pending = []
+            while wave:
+                n_first = min(len(wave[0][1].tokens) - wave[0][3], self.prefill_chunk)
+                bucket = self.bucket_for(max(1, n_first))
+                call = []
+                for item in list(wave):
+                    n = min(len(item[1].tokens) - item[3], self.prefill_chunk)
+                    if n > bucket or len(call) == ROW_BUCKETS[-1] or \
+                            _row_bucket(len(call) + 1) * self.bucket_for(n) > \
+                            self.max_prefill_tokens:
+                        break
+                    call.append(item)
+                    wave.remove(item)
+                if not call:  # the smallest remaining chunk alone
+                    call = [wave.pop(0)]
+                logits = self._feed(params, call)
+                finished = []
+                for j, (i, row, start, off) in enumerate(call):
+                    n = min(len(row.tokens) - off, self.prefill_chunk)
+                    if off + n < len(row.tokens):
+                        pending.append((i, row, start + n, off + n))
+                    else:
+                        finished.append((j, i, row))
+                if finished:
+                    state = self._sample_and_insert(params, state, logits, finished, results)
+        ordered = [results[(i, k)] for i, row in enumerate(rows) for k in range(len(row.samples))]
+        return ordered, state
+
+    def _feed(self, params, call):
+        """One batched forward over the rows of ``call``; returns last-token logits [R, V]."""
+        sizes = [min(len(row.tokens) - off, self.prefill_chunk) for _, row, _, off in call]
+        r, t = _row_bucket(len(call)), self.bucket_for(max(sizes))
+        fresh = all(start == 0 for _, _, start, _ in call)  # rows read only their own tokens
+        width = self._context_pages(t) if fresh else self.table_width
+        table = np.full((r, width), NO_PAGE, np.int32)
+        lengths = np.zeros(r, np.int32)
+        tokens = np.zeros((r, t), np.int32)
+        num_new = np.zeros(r, np.int32)
+        for j, ((_, row, start, off), n) in enumerate(zip(call, sizes)):
+            table[j, : min(width, len(row.pages))] = row.pages[:width]
+            lengths[j] = start
+            tokens[j, :n] = row.tokens[off: off + n]
+            num_new[j] = n
         t0 = time.perf_counter()
-        row, tok, lp = _row_forward(
-            self.graphdef, params, row, jnp.asarray(padded), jnp.array([n], jnp.int32),
-            jnp.array([sampling.seed], jnp.int32), jnp.array([counter], jnp.int32),
-            jnp.array([sampling.temperature], jnp.float32),
-            jnp.array([sampling.top_k], jnp.int32), jnp.array([sampling.top_p], jnp.float32),
-            jnp.array([forced_token], jnp.int32), vocab_limit=self.vocab_limit)
-        tok, lp = int(tok), float(lp)
+        self._k, self._v, logits = _feed_program(
+            self.cfg, params, self._k, self._v, jnp.asarray(table), jnp.asarray(lengths),
+            jnp.asarray(tokens), jnp.asarray(num_new))
         self.busy_seconds += time.perf_counter() - t0
-        self.prefill_tokens += n
-        return row, tok, lp
+        self.prefill_tokens += int(sum(sizes))
+        return logits
 
-    def _first_token_done(self, tok: int, sampling: SamplingParams, budget: int,
-                          length: int) -> DoneReason:
-        if tok in sampling.stop_ids:
-            return DoneReason.STOP
-        if budget - 1 <= 0:  # `budget` counts the token just sampled
-            return DoneReason.BUDGET
-        if length >= self.max_len:
-            return DoneReason.CONTEXT
-        return DoneReason.NOT_DONE
+    def _sample_and_insert(self, params, state, logits, finished, results):
+        samples = [(j, i, k, s) for j, i, row in finished for k, s in enumerate(row.samples)]
+        m = max(self.num_slots, len(samples))  # one shape per engine: bounded compiles
+        cols = {name: np.zeros(m, dt) for name, dt in (
+            ("rows", np.int32), ("seeds", np.int32), ("counters", np.int32),
+            ("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32))}
+        cols["forced"] = np.full(m, -1, np.int32)
+        cols["top_p"][:] = 1.0
+        for q, (j, _, _, s) in enumerate(samples):
+            sp = s.sampling
+            cols["rows"][q], cols["seeds"][q], cols["counters"][q] = j, sp.seed, s.counter
+            cols["temperature"][q], cols["top_k"][q], cols["top_p"][q] = (
+                sp.temperature, sp.top_k, sp.top_p)
+            cols["forced"][q] = s.forced
+        t0 = time.perf_counter()
+        tok, lp = _sample_program(logits, *(jnp.asarray(cols[c]) for c in (
+            "rows", "seeds", "counters", "temperature", "top_k", "top_p", "forced")),
+            vocab_limit=self.vocab_limit)
+        tok, lp = jax.device_get((tok, lp))
+        self.busy_seconds += time.perf_counter() - t0
+        self.host_syncs += 1
+        slots, copies = [], []
+        for q, (j, i, k, s) in enumerate(samples):
+            token, done = int(tok[q]), DoneReason.NOT_DONE
+            if token in s.sampling.stop_ids:
+                done = DoneReason.STOP
+            elif s.budget - 1 <= 0:  # `budget` counts the token just sampled
+                done = DoneReason.BUDGET
+            elif s.length >= self.max_len:
+                done = DoneReason.CONTEXT
+            results[(i, k)] = (token, float(lp[q]), done)
+            if s.slot >= 0:
+                info = self._slots[s.slot]
+                info.length, info.pending, info.counter = s.length, token, s.counter + 1
+                info.budget, info.active = s.budget - 1, done == DoneReason.NOT_DONE
+                slots.append(s.slot)
+                if s.copy is not None:
+                    copies.append(s.copy)
+        if slots and state is not None:
+            state = self._insert(state, slots, [c[0] for c in copies], [c[1] for c in copies])
+        return state
+
+    def _insert(self, state, slots, copy_src, copy_dst) -> DecodeState:
+        """Write the host mirror of ``slots`` into the decode state; copy pages first."""
+        m = self.num_slots  # fixed shapes (one compile per engine); padding rows are skipped
+        slot_idx = np.full(m, self.num_slots, np.int32)  # out of range: skipped
+        slot_idx[: len(slots)] = slots
+        vals = {"lengths": np.zeros(m, np.int32), "pending": np.zeros(m, np.int32),
+                "active": np.zeros(m, bool), "seeds": np.zeros(m, np.int32),
+                "counters": np.zeros(m, np.int32), "temperature": np.zeros(m, np.float32),
+                "top_k": np.zeros(m, np.int32), "top_p": np.ones(m, np.float32),
+                "stop_ids": np.full((m, MAX_STOP_IDS), -1, np.int32),
+                "budget": np.zeros(m, np.int32)}
+        for q, slot in enumerate(slots):
+            info = self._slots[slot]
+            sp = info.sampling
+            vals["lengths"][q], vals["pending"][q], vals["active"][q] = (
+                info.length, info.pending, info.active)
+            vals["seeds"][q], vals["counters"][q], vals["budget"][q] = (
+                sp.seed, info.counter, info.budget)
+            vals["temperature"][q], vals["top_k"][q], vals["top_p"][q] = (
+                sp.temperature, sp.top_k, sp.top_p)
+            vals["stop_ids"][q] = _stop_row(sp)
+        c = self.num_slots
+        src = np.zeros(c, np.int32)
+        dst = np.full(c, self.num_pages, np.int32)  # out of range: skipped
+        src[: len(copy_src)], dst[: len(copy_dst)] = copy_src, copy_dst
+        t0 = time.perf_counter()
+        self._k, self._v, state = _insert_program(
+            self._k, self._v, state, jnp.asarray(src), jnp.asarray(dst), jnp.asarray(slot_idx),
+            {name: jnp.asarray(v) for name, v in vals.items()})
+        self.busy_seconds += time.perf_counter() - t0
+        return state
+
+
+def _batch_bucket(n: int, num_slots: int) -> int:
+    """Decode batch for ``n`` active slots: a power of 4 from 4 (few compiles), at most the
+    slot count."""
+    b = 4
+    while b < n:
+        b *= 4
+    return min(b, num_slots) if n <= num_slots else n
+
+
+def _row_bucket(n: int) -> int:
+    for b in ROW_BUCKETS:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} rows exceed the largest row bucket {ROW_BUCKETS[-1]}")
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

@@ -1,15 +1,14 @@
-"""``generate``: batch completion through the slot engine, refilling slots as requests finish."""
+"""``generate``: batch completion of prompts, driven by the rollout scheduler's loop (each
+prompt is a one-turn episode), so slot refills, shared prompts, page admission and
+preemption are the same code as for agent rollouts."""
 from __future__ import annotations
 
-import collections
 import dataclasses
-import time
 from typing import Sequence
-
-import numpy as np
 
 from rstarjax.serving.engine import DoneReason, Engine
 from rstarjax.serving.sampling import SamplingParams
+from rstarjax.serving.scheduler import Finish, RolloutScheduler
 
 
 @dataclasses.dataclass
@@ -21,6 +20,28 @@ class Completion:
 
 
 _FINISH = {DoneReason.STOP: "stop", DoneReason.BUDGET: "length", DoneReason.CONTEXT: "context"}
+
+
+@dataclasses.dataclass
+class _OneTurn:
+    """A prompt as a one-turn episode (``scheduler.Episode``)."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    out: Completion | None = None
+
+    def forced_token(self, turn_offset: int) -> int:
+        return -1
+
+    def on_turn_end(self, ids, logprobs, reason: DoneReason):
+        self.out = Completion(list(ids), list(logprobs), _FINISH[reason], len(self.prompt_ids))
+        return Finish()
+
+    def on_tool_ready(self, ids, free_tokens_in_slot):  # never called: no tool calls
+        return Finish()
+
+    def on_abort(self, why: str) -> None:
+        raise RuntimeError(why)
 
 
 def generate(
@@ -38,14 +59,19 @@ def generate(
     engine: Engine | None = None,
     timeout_s: float = 3600.0,
     vocab_limit: int | None = None,
+    kv_pages: int | None = None,
+    page_size: int = 16,
 ) -> list[Completion]:
     """Complete every prompt (lists of token ids); returns one ``Completion`` per prompt, in order.
 
     ``model`` is a ``Qwen3`` (an engine with ``num_slots`` slots is built) or ignored when
     ``engine`` is given. Request i samples with seed ``seed + i``, so results do not depend on
-    ``num_slots`` or on which slot a prompt lands in. Slots are refilled the step a request
-    finishes. ``timeout_s`` bounds the whole call (``TimeoutError``). ``vocab_limit``: ids at or
-    past it (embedding padding beyond the tokenizer) are never sampled."""
+    ``num_slots``, on which slot a prompt lands in, or on preemption. ``kv_pages`` (default:
+    sized from memory, see ``serving.sizing``) caps the KV pool; when it is too small for
+    every admitted request to grow, the youngest requests are preempted and resumed later,
+    with the same results. Identical prompts share their prefill. ``timeout_s`` bounds the
+    whole call (``TimeoutError``). ``vocab_limit``: ids at or past it (embedding padding
+    beyond the tokenizer) are never sampled."""
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts:
         return []
@@ -54,45 +80,14 @@ def generate(
     if engine is None:
         longest = max(len(p) for p in prompts) + max_new_tokens
         engine = Engine(model, num_slots=min(num_slots, len(prompts)),
-                        max_len=max_len or longest, vocab_limit=vocab_limit)
+                        max_len=max_len or longest, vocab_limit=vocab_limit,
+                        kv_pages=kv_pages or 0, page_size=page_size)
     stops = tuple(stop_ids or ())
-    params = engine.params
-    state = engine.init_decode_state()
-    queue = collections.deque(range(len(prompts)))
-    out: list[Completion | None] = [None] * len(prompts)
-    slot_req: dict[int, int] = {}
-    deadline = time.monotonic() + timeout_s
-
-    def admit(state):
-        while queue and engine.free_slots():
-            i = queue.popleft()
-            sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed + i,
-                                max_new_tokens=max_new_tokens, stop_ids=stops)
-            prefix = engine.prefill(params, prompts[i], sampling=sp)
-            comp = Completion([prefix.token], [prefix.logprob], "", len(prompts[i]))
-            out[i] = comp
-            if prefix.done != DoneReason.NOT_DONE:
-                comp.finish = _FINISH[prefix.done]
-                continue
-            slot = engine.free_slots()[0]
-            state = engine.insert(prefix, state, slot)
-            slot_req[slot] = i
-        return state
-
-    state = admit(state)
-    while slot_req:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"generate did not finish within {timeout_s} s")
-        state, res = engine.generate(params, state)
-        for slot in list(slot_req):
-            if not res.valid[slot]:
-                continue
-            comp = out[slot_req[slot]]
-            comp.token_ids.append(int(res.tokens[slot]))
-            comp.logprobs.append(float(res.logprobs[slot]))
-            if res.done[slot]:
-                comp.finish = _FINISH[DoneReason(int(res.done[slot]))]
-                engine.free_resource(slot)
-                del slot_req[slot]
-        state = admit(state)
-    return out  # type: ignore[return-value]
+    episodes = [_OneTurn(p, SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+                                           seed=seed + i, max_new_tokens=max_new_tokens,
+                                           stop_ids=stops))
+                for i, p in enumerate(prompts)]
+    # No growth reserve: admit whatever the pool holds now, preempt when it runs out.
+    RolloutScheduler([engine], max_rollout_len=engine.max_len, admit_reserve_tokens=0,
+                     timeout_s=timeout_s).run(episodes)
+    return [ep.out for ep in episodes]

@@ -1,37 +1,52 @@
-"""Rollout scheduler over several serving slices (rStar2-Agent §3.2, Fig. 7).
+"""Rollout scheduler over serving slices (rStar2-Agent §3.2, Fig. 7): the one drive loop of the
+paged engines (``serving.generate`` runs through it too).
 
-A *slice* is one ``Engine`` (its own slots, KV cache and, optionally, device group) driven by
-its own thread. Rollouts are multi-turn *episodes* (see ``Episode``): decode until a stop,
-hand the turn to the episode, which may start a tool call (a ``Future`` of the token ids to
-append) and the slot waits while the other slots keep decoding; when the future resolves the
-ids are appended with ``Engine.extend`` (no re-prefill) and decoding resumes.
+A *slice* is one ``Engine`` (its own slots, page pool and, optionally, device) driven by its
+own thread. Rollouts are multi-turn *episodes* (``Episode``): decode until a stop, hand the
+turn to the episode, which may start a tool call (a ``Future`` of the token ids to append);
+the rollout then waits, holding its pages, while the other slots keep decoding; when the
+future resolves the ids are appended with ``Engine.extend`` (no re-prefill) and decoding
+resumes. A rollout stays on the slice that holds its pages.
+
+Admission by free pages (docs/serving.md has a worked example): a rollout (or the samples of
+one prompt, which share its prefill and its full prompt pages) is admitted when the pool has
+the pages to start it, plus a growth reserve of ``admit_reserve_tokens`` for it and for every
+live rollout. With the reserve equal to the maximum rollout length ``L`` this is the paper's
+estimate ("given a maximum rollout length L, we estimate the maximum number of rollouts K
+that each GPU can safely handle") and nothing is ever preempted; a smaller reserve admits
+more rollouts (their lengths are heavy-tailed) and, when pages run out mid-rollout, the
+scheduler *preempts* the youngest rollout instead of failing: its pages return to the pool
+and it is parked with its tokens and log-probs, then resumed (its conversation re-prefilled,
+its RNG stream continued) before any new rollout is admitted.
 
 Two assignment policies:
 
-- ``"dynamic"`` (the paper's load-balanced scheduler): one shared queue. Given the maximum
-  rollout length ``L``, a slice admits ``capacity_for(engine, L)`` new rollouts, the number
-  its free KV capacity safely holds if every live rollout grew to ``L``; a slice pulls new
-  rollouts the moment capacity frees. Tool calls are dispatched the moment they are parsed.
-- ``"static"`` (the verl v0.2 baseline the paper compares against): requests are split
-  equally across slices up front; with ``sync_turns=True`` each slice also runs its batch in
-  lock-step turns (tool calls of a turn are executed together, the next turn starts when
-  every call of the batch returned) and admits its next wave only when its batch is done.
+- ``"dynamic"`` (the paper's): one shared queue; a slice pulls new rollouts whenever its pages
+  allow. Tool calls are dispatched the moment they are parsed.
+- ``"static"`` (verl v0.2, the paper's baseline): requests split into equal contiguous
+  chunks across slices up front; with ``sync_turns=True`` each slice also runs waves of its share in lock-step turns
+  (a turn's tool calls return together before the next turn starts).
 
-Every wait is bounded: tool futures by ``tool_timeout_s`` (the episode is aborted), the whole
-run by ``timeout_s`` (``TimeoutError``).
+Per decode call a ``StepRecord`` notes pages in use, live / decoding / tool-waiting / parked
+rollouts and preemptions so far (``SliceStats.timeline``). Every wait is bounded: tool futures
+by ``tool_timeout_s`` (the episode is aborted), the run by ``timeout_s`` (``TimeoutError``);
+a slice with nothing to decode blocks on its pending tool futures (no polling).
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures
 import dataclasses
+import itertools
+import math
 import threading
 import time
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from rstarjax.serving.engine import DoneReason, Engine
+from rstarjax.models.kv_cache import pages_for
+from rstarjax.serving.engine import DoneReason, Engine, StartRequest
 from rstarjax.serving.sampling import SamplingParams
 
 POLICIES = ("dynamic", "static")
@@ -81,26 +96,63 @@ class Episode(Protocol):
 
 
 def capacity_for(engine: Engine, max_rollout_len: int) -> int:
-    """Rollouts a slice can still admit without any risk of overflowing its KV cache
-    (rStar2-Agent §3.2: "given a maximum rollout length L, we estimate the maximum number of
-    rollouts K that each GPU can safely handle"): free tokens minus the growth every live
-    rollout may still need, divided by L, and never more than the free slots."""
+    """Rollouts a slice can still admit with no risk of running out of pages (rStar2-Agent
+    §3.2: "given a maximum rollout length L, we estimate the maximum number of rollouts K that
+    each GPU can safely handle"): free pages minus the pages every live rollout may still
+    grow into up to L, divided by the pages of one L-token rollout, at most the free slots."""
     if max_rollout_len > engine.max_len:
         raise ValueError(f"max rollout length {max_rollout_len} exceeds the slot size "
                          f"{engine.max_len}")
-    live = [s for s in range(engine.num_slots) if s not in set(engine.free_slots())]
-    reserved = sum(max(0, max_rollout_len - engine.slot_length(s)) for s in live)
-    by_tokens = (engine.free_kv_tokens() - reserved) // max_rollout_len
-    return max(0, min(len(engine.free_slots()), by_tokens))
+    growth = sum(engine.pages_to_grow(s, max_rollout_len) for s in engine.live_slots())
+    per_rollout = pages_for(max_rollout_len, engine.page_size)
+    return max(0, min(len(engine.free_slots()), (engine.free_pages - growth) // per_rollout))
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One decode call of a slice."""
+
+    t: float  # seconds since the run started
+    steps: int  # decode steps the call ran
+    pages_in_use: int
+    live: int  # rollouts holding pages (decoding or waiting on a tool)
+    decoding: int
+    waiting: int  # admitted, waiting on a tool
+    parked: int  # preempted, waiting to resume
+    queued: int  # rollouts not yet admitted (this slice's source)
+    preemptions: int  # so far in this run
 
 
 @dataclasses.dataclass
 class SliceStats:
     busy_s: float = 0.0  # inside engine programs
     episodes: int = 0
-    decode_steps: int = 0
+    decode_steps: int = 0  # steps run by decode calls (the slice's makespan in steps)
+    decode_calls: int = 0
+    host_syncs: int = 0
+    generated_tokens: int = 0  # tokens sampled by decode steps (prefill first tokens excluded)
     tool_wait_s: float = 0.0  # summed over tool calls: dispatch -> ids ready
     prefill_tokens: int = 0
+    preemptions: int = 0
+    timeline: list[StepRecord] = dataclasses.field(default_factory=list)
+
+    @property
+    def max_pages_in_use(self) -> int:
+        return max((r.pages_in_use for r in self.timeline), default=0)
+
+    @property
+    def mean_live(self) -> float:
+        """Rollouts holding pages, averaged over decode steps."""
+        steps = sum(r.steps for r in self.timeline)
+        return sum(r.live * r.steps for r in self.timeline) / steps if steps else 0.0
+
+    @property
+    def mean_live_while_queued(self) -> float:
+        """Rollouts holding pages, averaged over the decode steps taken while more rollouts
+        waited to be admitted: how many the slice holds at once when work is available."""
+        busy = [r for r in self.timeline if r.queued]
+        steps = sum(r.steps for r in busy)
+        return sum(r.live * r.steps for r in busy) / steps if steps else 0.0
 
 
 @dataclasses.dataclass
@@ -113,47 +165,81 @@ class ScheduleStats:
         return [s.busy_s / self.makespan_s if self.makespan_s > 0 else 0.0 for s in self.slices]
 
     def as_dict(self) -> dict[str, float]:
+        total = lambda name: float(sum(getattr(s, name) for s in self.slices))  # noqa: E731
         return {
             "makespan_s": self.makespan_s,
             "busy_fraction_mean": float(np.mean(self.busy_fraction)),
-            "tool_wait_s": float(sum(s.tool_wait_s for s in self.slices)),
-            "decode_steps": float(sum(s.decode_steps for s in self.slices)),
+            "tool_wait_s": total("tool_wait_s"),
+            "decode_steps": total("decode_steps"),
             "max_slice_steps": float(max(s.decode_steps for s in self.slices)),
-            "prefill_tokens": float(sum(s.prefill_tokens for s in self.slices)),
+            "prefill_tokens": total("prefill_tokens"),
+            "decode_calls": total("decode_calls"),
+            "host_syncs": total("host_syncs"),
+            "generated_tokens": total("generated_tokens"),
+            "preemptions": total("preemptions"),
+            "max_pages_in_use": float(max(s.max_pages_in_use for s in self.slices)),
+            "mean_live": float(sum(s.mean_live for s in self.slices)),
+            "mean_live_while_queued": float(sum(s.mean_live_while_queued
+                                                for s in self.slices)),
+            "max_live": float(sum(max((r.live for r in s.timeline), default=0)
+                                  for s in self.slices)),
         }
 
 
-@dataclasses.dataclass
-class _Slot:
+@dataclasses.dataclass(eq=False)  # identity: rollouts go in sets and lists by object
+class _Rollout:
     episode: Episode
-    ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    waiting: concurrent.futures.Future | None = None
+    seq: int  # admission order: the largest is the youngest (preempted first)
+    prompt_len: int
+    history: list[int]  # the whole conversation, the pending (last sampled) token included
+    n_sampled: int = 0  # tokens the request sampled (its RNG stream position)
+    slot: int | None = None  # None: parked (no pages)
+    turn_ids: list[int] = dataclasses.field(default_factory=list)
+    turn_logprobs: list[float] = dataclasses.field(default_factory=list)
+    waiting: concurrent.futures.Future | None = None  # tool call in flight
     wait_since: float = 0.0
-    decoding: bool = True
+    append: tuple[list[int], int] | None = None  # ready tool ids + budget, not yet appended
+    budget: int = 0  # tokens it may sample after the pending one (kept while parked)
 
 
 class _Source:
-    """Where a slice gets its next episode: the shared queue or its own static share."""
+    """Where a slice gets its next episodes: the shared queue or its own static share."""
 
     def __init__(self, items):
         self._q = collections.deque(items)
         self._lock = threading.Lock()
 
-    def pop(self) -> Episode | None:
-        with self._lock:
-            return self._q.popleft() if self._q else None
-
     def __len__(self):
         with self._lock:
             return len(self._q)
+
+    def pop_group(self, max_n: int, admit: Callable[[list], int]) -> list:
+        """Pop up to ``max_n`` episodes from the head that share its prompt, as many as
+        ``admit(group)`` says fit (atomically: other slices pop from the same queue)."""
+        with self._lock:
+            if not self._q or max_n < 1:
+                return []
+            key = tuple(self._q[0].prompt_ids)
+            group = [self._q[0]]
+            for ep in itertools.islice(self._q, 1, max_n):
+                if tuple(ep.prompt_ids) != key:
+                    break
+                group.append(ep)
+            k = admit(group)
+            return [self._q.popleft() for _ in range(k)]
 
 
 class RolloutScheduler:
     def __init__(self, engines: Sequence[Engine], *, max_rollout_len: int,
                  policy: str = "dynamic", sync_turns: bool | None = None,
-                 tool_timeout_s: float = 60.0, timeout_s: float = 3600.0,
-                 poll_s: float = 0.005):
+                 admit_reserve_tokens: int | None = None, decode_steps: int | None = None,
+                 stop_fraction: float = 0.25, tool_timeout_s: float = 60.0,
+                 timeout_s: float = 3600.0):
+        """``admit_reserve_tokens``: growth reserve per rollout for admission (default
+        ``max_rollout_len``: the paper's safe estimate, never preempts); ``decode_steps``:
+        tokens per decode call (default: each engine's); ``stop_fraction``: a decode call
+        returns early once this fraction of its slots stopped (their tool calls go out and
+        their slots refill without waiting for the remaining steps)."""
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} not in {POLICIES}")
         if not engines:
@@ -164,25 +250,39 @@ class RolloutScheduler:
             capacity_for(e, self.max_rollout_len)  # validates L against the slot size
         self.policy = policy
         self.sync_turns = (policy == "static") if sync_turns is None else bool(sync_turns)
+        self.reserve = self.max_rollout_len if admit_reserve_tokens is None \
+            else int(admit_reserve_tokens)
+        if self.reserve < 0:
+            raise ValueError(f"admit_reserve_tokens must be >= 0, got {self.reserve}")
+        self.decode_steps = decode_steps
+        if not 0.0 < stop_fraction <= 1.0:
+            raise ValueError(f"stop_fraction must be in (0, 1], got {stop_fraction}")
+        self.stop_fraction = float(stop_fraction)
         self.tool_timeout_s = float(tool_timeout_s)
         self.timeout_s = float(timeout_s)
-        self.poll_s = float(poll_s)
 
     def run(self, episodes: Sequence[Episode]) -> ScheduleStats:
         """Run every episode to completion (their own objects collect the results)."""
+        for ep in episodes:
+            if len(ep.prompt_ids) >= self.max_rollout_len:
+                raise ValueError(f"prompt of {len(ep.prompt_ids)} tokens leaves no room in the "
+                                 f"maximum rollout length {self.max_rollout_len}")
         n = len(self.engines)
         if self.policy == "dynamic":
             shared = _Source(episodes)
             sources = [shared] * n
         else:
-            sources = [_Source(episodes[i::n]) for i in range(n)]
+            # Contiguous equal chunks, as verl splits a batch across its workers (the 2G
+            # samples of a prompt stay together, as do their lengths).
+            bounds = np.linspace(0, len(episodes), n + 1).round().astype(int)
+            sources = [_Source(episodes[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
         stats = [SliceStats() for _ in range(n)]
         errors: list[BaseException] = []
         stop = threading.Event()
         deadline = time.monotonic() + self.timeout_s
         t0 = time.perf_counter()
         threads = [threading.Thread(target=self._guarded, daemon=True, name=f"slice-{i}",
-                                    args=(e, src, st, stop, deadline, errors))
+                                    args=(e, src, st, stop, deadline, t0, errors))
                    for i, (e, src, st) in enumerate(zip(self.engines, sources, stats))]
         for t in threads:
             t.start()
@@ -196,124 +296,339 @@ class RolloutScheduler:
             raise TimeoutError(f"rollouts did not finish within {self.timeout_s} s")
         return ScheduleStats(makespan, stats)
 
-    # ---- one slice --------------------------------------------------------------------------
-    def _guarded(self, *args):
-        errors, stop = args[-1], args[3]
+    def _guarded(self, engine, source, stats, stop, deadline, t0, errors):
         try:
-            self._drive(*args[:-1])
+            _SliceDriver(self, engine, source, stats, stop, deadline, t0).run()
         except BaseException as e:  # surfaced by run(); stop the other slices too
             errors.append(e)
             stop.set()
 
-    def _drive(self, engine: Engine, source: _Source, stats: SliceStats,
-               stop: threading.Event, deadline: float):
-        params = engine.params
-        state = engine.init_decode_state()
-        slots: dict[int, _Slot] = {}
-        busy0, prefill0 = engine.busy_seconds, engine.prefill_tokens
-        while not stop.is_set():
-            if time.monotonic() > deadline:
-                raise TimeoutError("rollout slice passed its deadline")
-            params = engine.params  # update_params between runs takes effect here
-            state = self._admit(engine, params, state, slots, source, stats)
-            if not slots:
-                if len(source) == 0:
+
+class _SliceDriver:
+    """The drive loop of one slice: settle tool results, resume preempted rollouts, admit
+    new ones, decode; block on tool futures when nothing can decode."""
+
+    def __init__(self, sched: RolloutScheduler, engine: Engine, source: _Source,
+                 stats: SliceStats, stop: threading.Event, deadline: float, t0: float):
+        self.s, self.engine, self.source, self.stats = sched, engine, source, stats
+        self.stop, self.deadline, self.t0 = stop, deadline, t0
+        self.live: dict[int, _Rollout] = {}  # slot -> rollout holding pages
+        self.parked: list[_Rollout] = []  # preempted, oldest first
+        self.seq = itertools.count()
+        self.state = None
+        self.params = None
+        self.steps = sched.decode_steps or engine.decode_steps
+        if not 1 <= self.steps <= engine.decode_steps:
+            raise ValueError(f"decode_steps {self.steps} must be in [1, "
+                             f"{engine.decode_steps}] (the engine's)")
+        # Budgets are capped to the rollout length only when it is below the slot size (else
+        # the slot's own CONTEXT stop is the cap).
+        self.cap = sched.max_rollout_len if sched.max_rollout_len < engine.max_len else None
+
+    def run(self) -> None:
+        e = self.engine
+        self.state = e.init_decode_state()
+        before = (e.busy_seconds, e.prefill_tokens, e.host_syncs)
+        try:
+            while not self.stop.is_set():
+                if time.monotonic() > self.deadline:
+                    raise TimeoutError("rollout slice passed its deadline")
+                self.params = e.params  # update_params between runs takes effect here
+                progressed = self._settle_tools()
+                progressed |= self._resume_parked()
+                progressed |= self._admit()
+                if any(e.is_decoding(s) for s in self.live):
+                    self._decode()
+                    continue
+                if not self.live and not self.parked and len(self.source) == 0:
                     break
-                continue
-            decoding = [s for s, r in slots.items() if r.decoding]
-            if decoding:
-                forced = np.full(engine.num_slots, -1, np.int32)
-                for s in decoding:
-                    forced[s] = slots[s].episode.forced_token(len(slots[s].ids))
-                state, res = engine.generate(params, state, forced)
-                stats.decode_steps += 1
-                for s in decoding:
-                    if res.valid[s]:
-                        self._add_token(engine, slots, s, int(res.tokens[s]),
-                                        float(res.logprobs[s]), DoneReason(int(res.done[s])))
-            state = self._resume_tools(engine, params, state, slots, stats)
-            if not any(r.decoding for r in slots.values()) and slots:
-                waiting = [r.waiting for r in slots.values() if r.waiting is not None]
-                if waiting:  # nothing to decode: block (bounded) until a tool call returns
-                    concurrent.futures.wait(waiting, timeout=self.poll_s * 10,
-                                            return_when=concurrent.futures.FIRST_COMPLETED)
-        stats.busy_s += engine.busy_seconds - busy0
-        stats.prefill_tokens += engine.prefill_tokens - prefill0
+                if not self._wait_for_tools() and not progressed:
+                    raise RuntimeError(
+                        f"rollout slice stalled: {len(self.live)} live, {len(self.parked)} "
+                        f"parked, {len(self.source)} queued, {e.free_pages} free pages")
+        finally:
+            self.stats.busy_s += e.busy_seconds - before[0]
+            self.stats.prefill_tokens += e.prefill_tokens - before[1]
+            self.stats.host_syncs += e.host_syncs - before[2]
 
-    def _admit(self, engine, params, state, slots, source, stats):
-        if self.sync_turns and slots:
-            return state  # static batch inference: the next wave waits for the whole batch
-        k = capacity_for(engine, self.max_rollout_len)
-        for _ in range(k):
-            ep = source.pop()
-            if ep is None:
-                break
-            if len(ep.prompt_ids) >= self.max_rollout_len:
-                raise ValueError(f"prompt of {len(ep.prompt_ids)} tokens leaves no room in the "
-                                 f"maximum rollout length {self.max_rollout_len}")
-            slot = engine.free_slots()[0]
-            sp = dataclasses.replace(ep.sampling,
-                                     max_new_tokens=min(ep.sampling.max_new_tokens,
-                                                        self.max_rollout_len - len(ep.prompt_ids)))
-            prefix = engine.prefill(params, ep.prompt_ids, sampling=sp,
-                                    forced_token=ep.forced_token(0))
-            state = engine.insert(prefix, state, slot)
-            slots[slot] = _Slot(ep)
-            stats.episodes += 1
-            self._add_token(engine, slots, slot, prefix.token, prefix.logprob, prefix.done)
-        return state
-
-    def _add_token(self, engine, slots, s, tok, lp, done: DoneReason):
-        run = slots[s]
-        run.ids.append(tok)
-        run.logprobs.append(lp)
+    # ---- tokens and turns -------------------------------------------------------------------
+    def _add_token(self, r: _Rollout, tok: int, lp: float, done: DoneReason) -> None:
+        r.history.append(tok)
+        r.turn_ids.append(tok)
+        r.turn_logprobs.append(lp)
+        r.n_sampled += 1
         if done == DoneReason.NOT_DONE:
             return
-        action = run.episode.on_turn_end(run.ids, run.logprobs, done)
-        run.ids, run.logprobs, run.decoding = [], [], False
+        action = r.episode.on_turn_end(r.turn_ids, r.turn_logprobs, done)
+        r.turn_ids, r.turn_logprobs = [], []
         if isinstance(action, CallTool):
-            run.waiting, run.wait_since = action.ids, time.monotonic()
+            r.waiting, r.wait_since = action.ids, time.monotonic()
         else:
-            engine.free_resource(s)
-            del slots[s]
+            self._release(r)
 
-    def _resume_tools(self, engine, params, state, slots, stats):
-        if self.sync_turns:
+    def _release(self, r: _Rollout) -> None:
+        if r.slot is not None:
+            self.engine.free_resource(r.slot)
+            del self.live[r.slot]
+            r.slot = None
+        elif r in self.parked:
+            self.parked.remove(r)
+
+    def _preempt(self, r: _Rollout) -> None:
+        """Free ``r``'s pages; it resumes later from its history (tokens and log-probs kept)."""
+        info = self.engine.slot_info(r.slot)
+        r.budget = info.budget
+        self.engine.free_resource(r.slot)
+        del self.live[r.slot]
+        r.slot = None
+        self.parked.append(r)
+        self.parked.sort(key=lambda x: x.seq)
+        self.stats.preemptions += 1
+
+    def _youngest(self, exclude=()) -> _Rollout | None:
+        cands = [r for r in self.live.values() if r not in exclude]
+        return max(cands, key=lambda r: r.seq) if cands else None
+
+    # ---- tool results -----------------------------------------------------------------------
+    def _tool_outcome(self, r: _Rollout) -> bool:
+        """Resolve a finished tool future into ``r.append`` (or end the episode). Returns
+        whether ``r`` now needs its tool ids appended."""
+        fut, r.waiting = r.waiting, None
+        self.stats.tool_wait_s += time.monotonic() - r.wait_since
+        try:
+            ids = list(fut.result(timeout=0))
+        except BaseException as exc:  # the tool layer failed: infrastructure, end cleanly
+            r.episode.on_abort(f"tool call failed: {exc!r}")
+            self._release(r)
+            return False
+        action = r.episode.on_tool_ready(ids, self.engine.max_len - len(r.history))
+        if isinstance(action, Finish):
+            self._release(r)
+            return False
+        r.append = (list(action.ids), int(action.max_new_tokens))
+        return True
+
+    def _timed_out(self, r: _Rollout) -> bool:
+        if time.monotonic() - r.wait_since <= self.s.tool_timeout_s:
+            return False
+        r.waiting.cancel()
+        r.episode.on_abort(f"tool call did not return within {self.s.tool_timeout_s} s")
+        self._release(r)
+        return True
+
+    def _settle_tools(self) -> bool:
+        """Append the tool results that are ready (batched ``extend``); abort timed-out calls."""
+        waiting = [r for r in self.live.values() if r.waiting is not None]
+        if self.s.sync_turns and waiting:
             # Lock-step turns: nothing resumes while a slot still decodes or a call is out.
-            if any(r.decoding for r in slots.values()):
-                return state
-            if any(r.waiting is not None and not r.waiting.done() for r in slots.values()):
-                if all(time.monotonic() - r.wait_since < self.tool_timeout_s
-                       for r in slots.values() if r.waiting is not None):
-                    return state
-        for s in list(slots):
-            run = slots[s]
-            if run.waiting is None:
+            if any(self.engine.is_decoding(s) for s in self.live):
+                return False
+            if any(not r.waiting.done() for r in waiting) and \
+                    all(time.monotonic() - r.wait_since <= self.s.tool_timeout_s
+                        for r in waiting):
+                return False
+        progressed = False
+        ready = []
+        for r in sorted(waiting, key=lambda x: x.seq):
+            if not r.waiting.done():
+                progressed |= self._timed_out(r)
                 continue
-            if not run.waiting.done():
-                if time.monotonic() - run.wait_since > self.tool_timeout_s:
-                    run.waiting.cancel()
-                    run.episode.on_abort(f"tool call did not return within {self.tool_timeout_s} s")
-                    engine.free_resource(s)
-                    del slots[s]
+            progressed = True
+            if self._tool_outcome(r):
+                ready.append(r)
+        items = []
+        for r in ready:
+            if r.slot is None:  # preempted by an older ready rollout below
                 continue
-            fut, run.waiting = run.waiting, None
-            stats.tool_wait_s += time.monotonic() - run.wait_since
-            try:
-                ids = list(fut.result(timeout=0))
-            except BaseException as e:  # the tool layer failed: infrastructure, end cleanly
-                run.episode.on_abort(f"tool call failed: {e!r}")
-                engine.free_resource(s)
-                del slots[s]
+            ids, _ = r.append
+            if not self._make_room(lambda: self.engine.pages_to_grow(r.slot, len(ids) + 1)
+                                   + sum(self.engine.pages_to_grow(x.slot, len(x.append[0]) + 1)
+                                         for x in items), keep=set(items) | {r}):
+                self._preempt(r)  # it is the youngest: it waits for pages, parked
                 continue
-            action = run.episode.on_tool_ready(ids, engine.free_tokens_in_slot(s) - 1)
-            if isinstance(action, Finish):
-                engine.free_resource(s)
-                del slots[s]
-                continue
-            state, first = engine.extend(params, state, s, action.ids,
-                                         max_new_tokens=action.max_new_tokens,
-                                         forced_token=run.episode.forced_token(0))
-            run.decoding = True
-            self._add_token(engine, slots, s, first.token, first.logprob, first.done)
-        return state
+            items.append(r)
+        if items:
+            reqs = [(r.slot, r.append[0], r.append[1], r.episode.forced_token(0)) for r in items]
+            self.state, outs = self.engine.extend_many(self.params, self.state, reqs)
+            for r, out in zip(items, outs):
+                r.history.extend(r.append[0])
+                r.append = None
+                self._add_token(r, out.token, out.logprob, out.done)
+        return progressed
+
+    def _make_room(self, need: Callable[[], int], keep) -> bool:
+        """Preempt the youngest live rollouts outside ``keep`` until ``need()`` pages are free;
+        False when only ``keep`` is left and it still does not fit."""
+        while need() > self.engine.free_pages:
+            victim = self._youngest(exclude=keep)
+            if victim is None or victim.seq < max(r.seq for r in keep):
+                return False  # never preempt an older rollout for a younger one
+            self._preempt(victim)
+        return True
+
+    # ---- resuming preempted rollouts ------------------------------------------------------------
+    def _resume_request(self, r: _Rollout, slot: int) -> StartRequest:
+        sampling = r.episode.sampling
+        if r.append is not None:  # waiting on a tool when preempted: history + tool turn
+            ids, budget = r.append
+            return StartRequest(slot, r.history + ids, sampling, prompt_len=r.prompt_len,
+                                counter=r.n_sampled, budget=budget,
+                                forced=r.episode.forced_token(0))
+        # Decoding when preempted: re-prefill all but the pending token, which is restored.
+        return StartRequest(slot, r.history[:-1], sampling, prompt_len=r.prompt_len,
+                            counter=r.n_sampled - 1, budget=r.budget + 1, forced=r.history[-1])
+
+    def _resume_parked(self) -> bool:
+        if not self.parked or (self.s.sync_turns and any(
+                self.engine.is_decoding(s) for s in self.live)):
+            return False
+        progressed = False
+        for r in list(self.parked):
+            if r.waiting is not None:
+                if not r.waiting.done():
+                    progressed |= self._timed_out(r)
+                    continue
+                progressed = True
+                if not self._tool_outcome(r):
+                    continue
+        ready = [r for r in self.parked if r.waiting is None]
+        reqs, resumed = [], []
+        free = self.engine.free_slots()
+        for r in ready:  # oldest first; stop at the first that does not fit (no overtaking)
+            if len(reqs) == len(free):
+                break
+            req = self._resume_request(r, free[len(reqs)])
+            trial = reqs + [req]
+            if not self._fits(trial, [len(q.history) + 1 for q in trial]):
+                break
+            reqs.append(req)
+            resumed.append(r)
+        if not reqs:
+            return progressed
+        self.state, outs = self.engine.start(self.params, self.state, reqs)
+        for r, req, out in zip(resumed, reqs, outs):
+            self.parked.remove(r)
+            r.slot = req.slot
+            self.live[req.slot] = r
+            if r.append is not None:
+                r.history.extend(r.append[0])
+                r.append = None
+                self._add_token(r, out.token, out.logprob, out.done)
+            # else: the restored pending token was forced; it is in the history already
+        return True
+
+    # ---- admission ------------------------------------------------------------------------------
+    def _fits(self, reqs: list[StartRequest], lengths: list[int]) -> bool:
+        """Pages to start ``reqs`` plus the growth reserve of every live and new rollout are
+        free; one request with nothing live only has to fit (progress is certain)."""
+        e = self.engine
+        need = e.start_cost(reqs)
+        if not self.live and len(reqs) == 1:
+            return need <= e.free_pages
+        reserve = sum(e.pages_to_grow(s, self.s.reserve) for s in self.live)
+        for n in lengths:
+            target = min(n + self.s.reserve, e.max_len)
+            reserve += pages_for(target, e.page_size) - pages_for(n, e.page_size)
+        return need + reserve <= e.free_pages
+
+    def _admit(self) -> bool:
+        """Admit queued episodes (whole groups of one prompt where they fit) while pages and
+        slots allow, then start them all in one batched ``Engine.start``."""
+        if self.parked or (self.s.sync_turns and self.live):
+            return False  # preempted rollouts resume first; static waves wait for the batch
+        free = self.engine.free_slots()
+        reqs: list[StartRequest] = []
+        episodes: list = []
+        while len(reqs) < len(free):
+            trial: list[StartRequest] = []
+
+            def how_many(group):
+                for k in range(len(group), 0, -1):
+                    cand = [self._start_request(ep, free[len(reqs) + i])
+                            for i, ep in enumerate(group[:k])]
+                    lengths = [len(q.history) for q in reqs + cand]
+                    if self._fits(reqs + cand, lengths):
+                        trial[:] = cand
+                        return k
+                return 0
+
+            group = self.source.pop_group(len(free) - len(reqs), how_many)
+            if not group:
+                break
+            reqs += trial
+            episodes += group
+        if not reqs:
+            return False
+        self.state, outs = self.engine.start(self.params, self.state, reqs)
+        for ep, req, out in zip(episodes, reqs, outs):
+            r = _Rollout(ep, next(self.seq), len(ep.prompt_ids), list(ep.prompt_ids),
+                         slot=req.slot)
+            self.live[req.slot] = r
+            self.stats.episodes += 1
+            self._add_token(r, out.token, out.logprob, out.done)
+        return True
+
+    def _start_request(self, ep: Episode, slot: int) -> StartRequest:
+        budget = ep.sampling.max_new_tokens
+        if self.cap is not None:
+            budget = min(budget, self.cap - len(ep.prompt_ids))
+        return StartRequest(slot, list(ep.prompt_ids), ep.sampling,
+                            prompt_len=len(ep.prompt_ids), budget=budget,
+                            forced=ep.forced_token(0))
+
+    # ---- decoding -----------------------------------------------------------------------------
+    def _decode(self) -> None:
+        e = self.engine
+
+        def need(n):
+            return sum(e.pages_to_grow(s, n) for s in self.live if e.is_decoding(s))
+
+        while True:  # fewer steps before preempting: some slots may stop in the meantime
+            steps = self.steps
+            while steps > 1 and need(steps) > e.free_pages:
+                steps //= 2
+            if need(steps) <= e.free_pages:
+                break
+            self._preempt(self._youngest())
+        decoding = [s for s in self.live if e.is_decoding(s)]
+        if not decoding:
+            return
+        forced = np.full((steps, e.num_slots), -1, np.int32)
+        for s in decoding:
+            r = self.live[s]
+            for i in range(steps):
+                forced[i, s] = r.episode.forced_token(len(r.turn_ids) + i)
+        stop_after = max(1, math.ceil(self.s.stop_fraction * len(decoding)))
+        self.state, block = e.decode(self.params, self.state, steps=steps, forced=forced,
+                                     stop_after=stop_after)
+        ran = int(block.valid.any(axis=1).sum())
+        self.stats.decode_calls += 1
+        self.stats.decode_steps += ran
+        self.stats.generated_tokens += int(block.valid.sum())
+        for i in range(block.steps):
+            for s in decoding:
+                r = self.live.get(s)
+                if r is not None and block.valid[i, s]:
+                    self._add_token(r, int(block.tokens[i, s]), float(block.logprobs[i, s]),
+                                    DoneReason(int(block.done[i, s])))
+        waiting = sum(r.waiting is not None for r in self.live.values())
+        self.stats.timeline.append(StepRecord(
+            t=time.perf_counter() - self.t0, steps=ran, pages_in_use=e.pages.num_used,
+            live=len(self.live), decoding=sum(e.is_decoding(s) for s in self.live),
+            waiting=waiting, parked=len(self.parked), queued=len(self.source),
+            preemptions=self.stats.preemptions))
+
+    # ---- waiting ------------------------------------------------------------------------------
+    def _wait_for_tools(self) -> bool:
+        """Block until a pending tool future resolves (bounded by the nearest tool timeout and
+        the run's deadline). False when no future is pending."""
+        outstanding = [r for r in itertools.chain(self.live.values(), self.parked)
+                       if r.waiting is not None and not r.waiting.done()]
+        if not outstanding:
+            return False
+        now = time.monotonic()
+        nearest = min(r.wait_since + self.s.tool_timeout_s for r in outstanding)
+        timeout = max(0.0, min(nearest, self.deadline) - now) + 1e-3
+        concurrent.futures.wait([r.waiting for r in outstanding], timeout=timeout,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+        return True

@@ -1,0 +1,202 @@
+"""Attention over a paged KV pool (layout in ``kv_cache.PagedKVCache``).
+
+- ``write_kv_pages``: scatter new keys/values into their rows' pages; writes of padding tokens
+  (and any position without a page) are dropped, never redirected onto another row's page.
+- ``paged_attention_reference``: pure JAX, any backend, any number of query tokens per row:
+  gathers the rows' pages named by the page table and runs masked softmax attention (float32
+  logits and softmax, like ``jax.nn.dot_product_attention``). Query i of row b at position
+  ``positions[b, i]`` sees the row's tokens at positions ``<= positions[b, i]``. It is the
+  reference every kernel below is tested against, and the path for prefill/extend everywhere.
+- ``ragged_decode_attention``: one query token per row over a list of exactly the decoding
+  rows' live pages, pure JAX (segment max/sum per row): the portable decode path.
+- ``paged_decode_attention``: one query token per row, dispatched to jax's shipped Pallas
+  kernels where they apply: ``pallas.ops.gpu.paged_attention`` (Triton, NVIDIA) and
+  ``pallas.ops.tpu.paged_attention`` (Mosaic, TPU). Both read only a row's live pages (they
+  stop at its length) straight from the pool layout, so a decode step costs the live tokens,
+  not the rows' maximum. ``DECODE_IMPLEMENTATIONS`` lists the choices;
+  ``default_decode_implementation`` picks one per platform (docs/serving.md explains what is
+  not used and why: the GPU ``decode_attention`` reads contiguous per-row K/V, not pages; the
+  TPU ``ragged_paged_attention`` needs K and V interleaved in one array and its interpret mode
+  cannot run on CPU in this jax, so it could not be tested against the reference here).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rstarjax.models.kv_cache import NO_PAGE
+
+DECODE_IMPLEMENTATIONS = ("reference", "ragged", "pallas_gpu", "pallas_tpu")
+QUERY_BLOCK = 256  # queries per block in the reference: bounds the [T, context] logits buffer
+RAGGED_CHUNK = 64  # pages per iteration of the ragged decode attention
+
+
+def write_kv_pages(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                   page_table: jax.Array, positions: jax.Array, valid: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
+    """Write ``k_new``/``v_new`` [B, T, K, H] at ``positions`` [B, T] of their rows.
+
+    ``valid`` [B, T] marks real tokens; the others (padding, idle rows) and positions whose
+    page-table entry is ``NO_PAGE`` or past the table are dropped (scatter ``mode="drop"`` to
+    an out-of-range page id)."""
+    num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
+    width = page_table.shape[1]
+    col = positions // page_size
+    page = jnp.take_along_axis(page_table, jnp.clip(col, 0, width - 1), axis=1)
+    keep = valid & (col < width) & (page != NO_PAGE)
+    page = jnp.where(keep, page, num_pages)
+    offset = positions % page_size
+    # Index [:, page, offset] puts the broadcast [B, T] dims after the kv-head dim.
+    k_pages = k_pages.at[:, page, offset].set(
+        jnp.moveaxis(k_new, 2, 0).astype(k_pages.dtype), mode="drop")
+    v_pages = v_pages.at[:, page, offset].set(
+        jnp.moveaxis(v_new, 2, 0).astype(v_pages.dtype), mode="drop")
+    return k_pages, v_pages
+
+
+def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
+    """[K, N, S, H] pool, [B, P] table -> [K, B, P * S, H]: each row's positions in order
+    (kv heads stay leading: attention then contracts without transposing the gathered K/V)."""
+    kh, _, s, h = pages.shape
+    b, p = page_table.shape
+    return pages[:, jnp.maximum(page_table, 0)].reshape(kh, b, p * s, h)
+
+
+def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                              page_table: jax.Array, positions: jax.Array) -> jax.Array:
+    """q [B, T, N, H] at ``positions`` [B, T] -> [B, T, N, H] (GQA, scale ``H ** -0.5``)."""
+    b, t, n, h = q.shape
+    kh = k_pages.shape[0]
+    g = n // kh
+    keys = gather_pages(k_pages, page_table)  # [K, B, C, H]
+    values = gather_pages(v_pages, page_table)
+    context = keys.shape[2]
+    scale = h ** -0.5
+
+    def block(qb, pos):  # qb [B, t', N, H], pos [B, t']
+        tb = qb.shape[1]
+        # [K, B, t' * G, H]: the query rows of one kv head, next to its keys.
+        qk = jnp.moveaxis(qb.reshape(b, tb, kh, g, h), 2, 0).reshape(kh, b, tb * g, h)
+        logits = jnp.einsum("kbqh,kbch->kbqc", qk, keys.astype(qb.dtype),
+                            preferred_element_type=jnp.float32) * scale
+        seen = jnp.arange(context)[None, None, :] <= pos[:, :, None]  # [B, t', C]
+        seen = jnp.repeat(seen, g, axis=1)[None]  # [1, B, t' * G, C]
+        logits = jnp.where(seen, logits, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(logits, axis=-1).astype(values.dtype)
+        out = jnp.einsum("kbqc,kbch->kbqh", probs, values, preferred_element_type=jnp.float32)
+        out = jnp.moveaxis(out.reshape(kh, b, tb, g, h), 0, 2)  # [B, t', K, G, H]
+        return out.reshape(b, tb, n, h).astype(q.dtype)
+
+    if t <= QUERY_BLOCK or t % QUERY_BLOCK:
+        return block(q, positions)
+    nb = t // QUERY_BLOCK
+    qs = jnp.moveaxis(q.reshape(b, nb, QUERY_BLOCK, n, h), 1, 0)
+    ps = jnp.moveaxis(positions.reshape(b, nb, QUERY_BLOCK), 1, 0)
+    out = jax.lax.map(lambda a: block(*a), (qs, ps))  # one block's logits live at a time
+    return jnp.moveaxis(out, 0, 1).reshape(b, t, n, h)
+
+
+def ragged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                            page_ids: jax.Array, page_rows: jax.Array, page_starts: jax.Array,
+                            num_listed: jax.Array, lengths: jax.Array, *,
+                            chunk: int = RAGGED_CHUNK) -> jax.Array:
+    """One query per row over exactly the listed pages, pure JAX: q [B, N, H] -> [B, N, H].
+
+    ``page_ids``/``page_rows``/``page_starts`` [M] (M a multiple of ``chunk``): the pages to
+    read, the row each belongs to and the position of its first token; only the first
+    ``num_listed`` entries count. Row b sees its first ``lengths[b]`` tokens. Pages are read
+    ``chunk`` at a time in a loop of ``ceil(num_listed / chunk)`` iterations with an online
+    softmax per row (running max, sum and output), so the work follows the live pages of the
+    decoding rows, not every row times the longest one, and M is fixed per engine (no compile
+    per count). The portable decode path (CPU)."""
+    b, n, h = q.shape
+    kh, _, s, _ = k_pages.shape
+    g = n // kh
+    if page_ids.shape[0] % chunk:
+        raise ValueError(f"{page_ids.shape[0]} listed-page entries: not a multiple of {chunk}")
+    # Materialise q: fused into the per-page gather, its producers (norm, rope) would be
+    # recomputed once per page instead of once per row.
+    q4 = jax.lax.optimization_barrier(q).reshape(b, kh, g, h)
+    low = jnp.finfo(jnp.float32).min
+
+    def body(c, carry):
+        m, l, o = carry  # running max [B, K, G], sum [B, K, G], output [B, K, G, H] (f32)
+        ids, rows, starts = (jax.lax.dynamic_slice_in_dim(a, c * chunk, chunk)
+                             for a in (page_ids, page_rows, page_starts))
+        listed = c * chunk + jnp.arange(chunk) < num_listed
+        rows = jnp.where(listed, rows, b)  # unlisted entries: out of range, dropped below
+        r = jnp.clip(rows, 0, b - 1)
+        keys, values = k_pages[:, jnp.maximum(ids, 0)], v_pages[:, jnp.maximum(ids, 0)]
+        logits = jnp.einsum("ckgh,kcsh->ckgs", q4[r], keys.astype(q.dtype),
+                            preferred_element_type=jnp.float32) * h ** -0.5
+        pos = starts[:, None] + jnp.arange(s)[None, :]
+        seen = (rows < b)[:, None] & (pos < lengths[r][:, None])  # [C, S]
+        logits = jnp.where(seen[:, None, None], logits, low)
+        m_new = jnp.maximum(m, jax.ops.segment_max(logits.max(-1), rows, num_segments=b))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(logits - m_new[r][..., None]) * seen[:, None, None]
+        l = l * alpha + jax.ops.segment_sum(p.sum(-1), rows, num_segments=b)
+        pv = jnp.einsum("ckgs,kcsh->ckgh", p.astype(values.dtype), values,
+                        preferred_element_type=jnp.float32)
+        o = o * alpha[..., None] + jax.ops.segment_sum(pv, rows, num_segments=b)
+        return m_new, l, o
+
+    init = (jnp.full((b, kh, g), low, jnp.float32), jnp.zeros((b, kh, g), jnp.float32),
+            jnp.zeros((b, kh, g, h), jnp.float32))
+    if page_ids.shape[0] == chunk:  # one chunk: no loop (its overhead is a small model's step)
+        _, l, o = body(0, init)
+    else:
+        _, l, o = jax.lax.fori_loop(0, (num_listed + chunk - 1) // chunk, body, init)
+    out = o / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]
+    return out.reshape(b, n, h).astype(q.dtype)
+
+
+def default_decode_implementation(platform: str | None = None, *, head_dim: int = 128,
+                                  page_size: int = 16) -> str:
+    """The decode attention for a platform ("cuda", "rocm", "tpu", "cpu"; default: the first
+    device's): the shipped Pallas kernel where its constraints hold, else the reference."""
+    platform = platform or jax.devices()[0].platform
+    if platform in ("cuda", "gpu") and head_dim % 16 == 0 and page_size % 16 == 0:
+        return "pallas_gpu"
+    if platform == "tpu" and head_dim % 128 == 0 and page_size % 16 == 0:
+        return "pallas_tpu"
+    return "ragged"  # CPU; ROCm (the Triton kernel is untested there); odd shapes
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, at_most + 1) if n % d == 0)
+
+
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           page_table: jax.Array, lengths: jax.Array, *,
+                           implementation: str = "reference", interpret: bool = False
+                           ) -> jax.Array:
+    """One query per row: q [B, N, H] attends to the row's first ``lengths[b]`` tokens
+    (including the one just written). -> [B, N, H].
+
+    ``interpret=True`` runs the GPU kernel in Pallas' interpreter (CPU tests); the TPU
+    kernel's interpreter is switched on by ``pltpu.force_tpu_interpret_mode()`` around the
+    call."""
+    if implementation == "reference":
+        pos = (lengths - 1)[:, None]
+        return paged_attention_reference(q[:, None], k_pages, v_pages, page_table, pos)[:, 0]
+    # The kernels take unscaled logits; rows with no token (idle slots) get length 1 so no
+    # row divides by an empty softmax (their outputs are ignored by the caller).
+    scaled = (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q.dtype)
+    lengths = jnp.maximum(lengths, 1).astype(jnp.int32)
+    table = jnp.maximum(page_table, 0).astype(jnp.int32)
+    width = table.shape[1]
+    per_block = _largest_divisor(width, 8)
+    if implementation == "pallas_gpu":
+        from jax.experimental.pallas.ops.gpu import paged_attention as gpu_kernel
+
+        return gpu_kernel.paged_attention(
+            scaled, k_pages, v_pages, table, lengths, block_h=16,
+            pages_per_compute_block=per_block,
+            k_splits=_largest_divisor(width // per_block, 16), interpret=interpret)
+    if implementation == "pallas_tpu":
+        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_kernel
+
+        return tpu_kernel(scaled, k_pages, v_pages, lengths, table,
+                          pages_per_compute_block=per_block)
+    raise ValueError(f"decode attention {implementation!r} not in {DECODE_IMPLEMENTATIONS}")

@@ -1,0 +1,224 @@
+"""Paged KV attention against outside references: jax.nn.dot_product_attention over the same
+keys laid out densely, the model's uncached training forward, and (for jax's shipped Pallas
+kernels, run in interpret mode on CPU) the pure-JAX paged reference."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rstarjax.models.config import ModelConfig
+from rstarjax.models.kv_cache import NO_PAGE, PagedKVCache
+from rstarjax.models.paged_attention import (default_decode_implementation, paged_attention_reference,
+                                             paged_decode_attention, write_kv_pages)
+from rstarjax.models.qwen3 import Qwen3, paged_forward, serving_config, serving_weights
+
+TINY32 = ModelConfig.preset("tiny", dtype=jnp.float32)
+
+
+def _bf16_exact(x):
+    """Values a bf16 matmul reproduces exactly (the TPU interpreter multiplies in bf16)."""
+    return np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def _random_paged(rng, b, kh, h, num_pages, page_size, lengths, width):
+    """A pool of random pages and page tables whose rows own disjoint, shuffled pages."""
+    k = _bf16_exact(rng.normal(size=(kh, num_pages, page_size, h)))
+    v = _bf16_exact(rng.normal(size=(kh, num_pages, page_size, h)))
+    perm = rng.permutation(num_pages)
+    table = np.full((b, width), NO_PAGE, np.int32)
+    used = 0
+    for i, n in enumerate(lengths):
+        p = -(-n // page_size)
+        table[i, :p] = perm[used:used + p]
+        used += p
+    return k, v, table
+
+
+def _dense_rows(pages, table, length):
+    """[K, N, S, H] + one table row -> [length, K, H], the row's tokens in order."""
+    kh, _, s, h = pages.shape
+    rows = [pages[:, p] for p in table if p != NO_PAGE]
+    return np.concatenate(rows, axis=1).transpose(1, 0, 2)[:length]
+
+
+def test_reference_equals_dense_attention_over_the_same_tokens():
+    rng = np.random.default_rng(0)
+    b, t, n, kh, h, s = 3, 5, 4, 2, 16, 4
+    lengths = [7, 13, 5]  # tokens of each row, the t queried ones included
+    k, v, table = _random_paged(rng, b, kh, h, 16, s, lengths, 5)
+    q = rng.normal(size=(b, t, n, h)).astype(np.float32)
+    # Queries at the last t positions of each row (causal over the row's tokens).
+    positions = np.stack([np.arange(L - t, L) for L in lengths]).astype(np.int32)
+    got = paged_attention_reference(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                    jnp.asarray(table), jnp.asarray(positions))
+    for i, L in enumerate(lengths):
+        keys = _dense_rows(k, table[i], L)[None]
+        vals = _dense_rows(v, table[i], L)[None]
+        mask = (np.arange(L)[None, :] <= positions[i][:, None])[None, None]
+        ref = jax.nn.dot_product_attention(jnp.asarray(q[i:i + 1]), jnp.asarray(keys),
+                                           jnp.asarray(vals), mask=jnp.asarray(mask))
+        np.testing.assert_allclose(np.asarray(got[i]), np.asarray(ref[0]), atol=2e-5)
+
+
+def test_reference_query_blocks_equal_one_block(monkeypatch):
+    """Long feeds are attended in query blocks (bounded logits memory): same numbers."""
+    from rstarjax.models import paged_attention as pa
+
+    rng = np.random.default_rng(1)
+    k, v, table = _random_paged(rng, 2, 2, 8, 40, 4, [64, 40], 16)
+    q = jnp.asarray(rng.normal(size=(2, 32, 4, 8)), jnp.float32)
+    pos = jnp.asarray(np.stack([np.arange(32, 64), np.arange(8, 40)]), jnp.int32)
+    one = pa.paged_attention_reference(q, k, v, table, pos)
+    monkeypatch.setattr(pa, "QUERY_BLOCK", 8)
+    blocked = pa.paged_attention_reference(q, k, v, table, pos)
+    np.testing.assert_allclose(np.asarray(blocked), np.asarray(one), atol=1e-6)
+
+
+def test_writes_of_padding_and_unpaged_positions_are_dropped():
+    rng = np.random.default_rng(2)
+    k = jnp.zeros((2, 6, 4, 8))
+    table = jnp.asarray([[3, NO_PAGE], [1, 2]], jnp.int32)
+    new = jnp.asarray(rng.normal(size=(2, 3, 2, 8)), jnp.float32)
+    pos = jnp.asarray([[2, 3, 4], [5, 6, 7]], jnp.int32)  # row 0's position 4 has no page
+    valid = jnp.asarray([[True, True, True], [True, True, False]])  # row 1's last: padding
+    k2, _ = write_kv_pages(k, k, new, new, table, pos, valid)
+    k2 = np.asarray(k2)
+    np.testing.assert_array_equal(k2[:, 3, 2], np.asarray(new[0, 0]))
+    np.testing.assert_array_equal(k2[:, 3, 3], np.asarray(new[0, 1]))
+    np.testing.assert_array_equal(k2[:, 2, 1], np.asarray(new[1, 0]))  # pos 5 = page 2[1]
+    np.testing.assert_array_equal(k2[:, 2, 2], np.asarray(new[1, 1]))
+    written = np.zeros((6, 4), bool)
+    written[3, 2] = written[3, 3] = written[2, 1] = written[2, 2] = True
+    assert not np.abs(k2[:, ~written]).any()  # nothing else: no clamping, no page 0 writes
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Qwen3(TINY32, rngs=nnx.Rngs(0))
+
+
+def test_paged_forward_chunked_prefill_then_steps_matches_training_forward(tiny):
+    """Rows of different lengths in scattered pages: prefill in padded chunks, then token by
+    token; each step's last-token logits equal the uncached forward of the row alone."""
+    rng = np.random.default_rng(4)
+    prompt_lens, steps, chunk, page = [5, 9, 2], 4, 4, 4
+    seqs = [rng.integers(0, 512, n + steps) for n in prompt_lens]
+    k, v = PagedKVCache.init_pool(TINY32, 24, page, jnp.float32)
+    _, _, table = _random_paged(rng, 3, 2, 16, 24, page, [n + steps for n in prompt_lens], 4)
+    cfg = serving_config(TINY32)
+    w = serving_weights(tiny, jnp.float32)
+    fwd = jax.jit(lambda w, c, t, n: paged_forward(cfg, w, t, c, n))
+    cache = PagedKVCache(k, v, jnp.asarray(table), jnp.zeros(3, jnp.int32))
+    done = [0, 0, 0]
+    while any(done[r] < prompt_lens[r] for r in range(3)):
+        tokens = rng.integers(0, 512, (3, chunk))  # padding is random junk on purpose
+        num_new = np.zeros(3, np.int32)
+        for r in range(3):
+            n = min(chunk, prompt_lens[r] - done[r])
+            tokens[r, :n] = seqs[r][done[r]:done[r] + n]
+            num_new[r] = n
+        _, cache = fwd(w, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(num_new))
+        done = [d + int(n) for d, n in zip(done, num_new)]
+    got = [[] for _ in seqs]
+    for s in range(steps):
+        tokens = np.array([[seqs[r][prompt_lens[r] + s]] for r in range(3)], np.int32)
+        logits, cache = fwd(w, cache, jnp.asarray(tokens), jnp.ones(3, jnp.int32))
+        for r in range(3):
+            got[r].append(np.asarray(logits[r]))
+    np.testing.assert_array_equal(cache.lengths, np.array(prompt_lens) + steps)
+    for r in range(3):
+        ref = tiny(jnp.asarray(seqs[r][None], jnp.int32))[0, prompt_lens[r]:]
+        np.testing.assert_allclose(np.stack(got[r]), np.asarray(ref), atol=2e-5)
+
+
+def test_serving_weights_are_cast_once_and_unstacked(tiny):
+    w = serving_weights(tiny, jnp.bfloat16)
+    assert len(w.layers) == TINY32.num_hidden_layers and w.embed.dtype == jnp.bfloat16
+    assert w.layers[1]["q_proj"].dtype == jnp.bfloat16
+    assert w.layers[1]["input_norm"].dtype == jnp.float32  # norms stay as stored
+    np.testing.assert_array_equal(np.asarray(w.layers[1]["q_proj"], np.float32),
+                                  np.asarray(tiny.layers.q_proj[1].astype(jnp.bfloat16),
+                                             np.float32))
+
+
+# ---- the shipped Pallas kernels, in interpret mode, against the reference ------------------
+
+def _decode_case(seed, b=3, n=32, kh=2, h=128, num_pages=40, page=16, width=8):
+    rng = np.random.default_rng(seed)
+    lengths = [5, 60, 128][:b]  # one partial page, several pages, a full table
+    k, v, table = _random_paged(rng, b, kh, h, num_pages, page, lengths, width)
+    q = _bf16_exact(rng.normal(size=(b, n, h)) * 0.3)
+    ref = paged_decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                 jnp.asarray(table), jnp.asarray(lengths, jnp.int32))
+    return q, k, v, table, np.asarray(lengths, np.int32), np.asarray(ref)
+
+
+@pytest.mark.slow  # the Pallas interpreter: a few seconds
+def test_pallas_gpu_paged_attention_interpreted_equals_reference():
+    q, k, v, table, lengths, ref = _decode_case(0)
+    got = paged_decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                 jnp.asarray(table), jnp.asarray(lengths),
+                                 implementation="pallas_gpu", interpret=True)
+    np.testing.assert_allclose(np.asarray(got), ref, atol=2e-5)
+
+
+@pytest.mark.slow  # the Mosaic interpreter: a few seconds
+def test_pallas_tpu_paged_attention_interpreted_equals_reference():
+    from jax.experimental.pallas import tpu as pltpu
+
+    q, k, v, table, lengths, ref = _decode_case(1)
+    q = _bf16_exact(q * 128 ** -0.5) * 128 ** 0.5  # the kernel sees q pre-scaled: keep it exact
+    ref = np.asarray(paged_decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                            jnp.asarray(table), jnp.asarray(lengths)))
+    with pltpu.force_tpu_interpret_mode():
+        got = paged_decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                     jnp.asarray(table), jnp.asarray(lengths),
+                                     implementation="pallas_tpu")
+    np.testing.assert_allclose(np.asarray(got), ref, atol=2e-5)
+
+
+@pytest.mark.slow
+def test_decode_through_the_gpu_kernel_equals_reference_decode(tiny):
+    """The whole paged forward with the GPU kernel (interpreted) for its decode attention."""
+    cfg = serving_config(TINY32)
+    w = serving_weights(tiny, jnp.float32)
+    rng = np.random.default_rng(5)
+    k, v, table = _random_paged(rng, 2, 2, 16, 16, 16, [20, 33], 4)
+    k = tuple(jnp.asarray(k) for _ in range(2))
+    v = tuple(jnp.asarray(v) for _ in range(2))
+    cache = PagedKVCache(k, v, jnp.asarray(table), jnp.asarray([19, 32], jnp.int32))
+    tok = jnp.asarray([[3], [4]], jnp.int32)
+    ref, _ = paged_forward(cfg, w, tok, cache, jnp.ones(2, jnp.int32))
+    got, _ = paged_forward(cfg, w, tok, cache, jnp.ones(2, jnp.int32),
+                           decode_attention="pallas_gpu", interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4)
+
+
+def test_default_kernel_per_platform():
+    assert default_decode_implementation("cpu") == "ragged"
+    assert default_decode_implementation("cuda") == "pallas_gpu"
+    assert default_decode_implementation("tpu") == "pallas_tpu"
+    assert default_decode_implementation("tpu", head_dim=64) == "ragged"
+    assert default_decode_implementation("rocm") == "ragged"
+
+
+def test_ragged_decode_over_live_pages_equals_reference():
+    """The portable decode path reads only the listed live pages (segment softmax per row)."""
+    from rstarjax.models.paged_attention import ragged_decode_attention
+
+    q, k, v, table, lengths, ref = _decode_case(2, h=16)
+    ids, rows, starts = [], [], []
+    for b, n in enumerate(lengths):
+        pages = [p for p in table[b] if p != NO_PAGE][: -(-n // 16)]
+        ids += pages
+        rows += [b] * len(pages)
+        starts += [16 * i for i in range(len(pages))]
+    listed = len(ids)
+    for chunk in (4, 3):  # several iterations of the online softmax, a partial last one
+        pad = chunk * (-(-listed // chunk) + 1) - listed  # entries past the count: junk
+        got = ragged_decode_attention(
+            jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(ids + [1] * pad),
+            jnp.asarray(rows + [0] * pad), jnp.asarray(starts + [0] * pad), jnp.int32(listed),
+            jnp.asarray(lengths), chunk=chunk)
+        np.testing.assert_allclose(np.asarray(got), ref, atol=2e-5)
