@@ -205,6 +205,7 @@ class DemoSetup:
     data: dict[str, list]
     rl_path: str
     t_start: float
+    provenance: dict[str, Any]  # taken at the start: the code and config that produced the run
 
 
 def prepare(config, workdir: str, summary_name: str) -> DemoSetup:
@@ -219,6 +220,7 @@ def prepare(config, workdir: str, summary_name: str) -> DemoSetup:
                               "(the demo is not resumable)")
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config_json(config))
+    prov = provenance(config)
     fmt = sft_lib.chat_format(config.sft.chat_format)
     tokenizer = sft_lib.build_tokenizer(config)
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
@@ -229,7 +231,7 @@ def prepare(config, workdir: str, summary_name: str) -> DemoSetup:
     write_jsonl(os.path.join(workdir, "heldout.jsonl"), data["eval_rows"])
     _say(f"{len(data['sft_traces'])} SFT traces, {len(data['rl_rows'])} RL problems, "
          f"{len(data['eval_rows'])} held-out problems ({time.time() - t_start:.0f}s)")
-    return DemoSetup(tokenizer, fmt, mesh, data, rl_path, t_start)
+    return DemoSetup(tokenizer, fmt, mesh, data, rl_path, t_start, prov)
 
 
 def train_sft_policy(config, setup: DemoSetup, workdir: str) -> tuple[nnx.Module, dict[str, Any]]:
@@ -305,7 +307,7 @@ def run_demo(config, workdir: str) -> dict[str, Any]:
         "seed": int(config.seed),
         "sft": sft_breakdown,
         "rl": rl_breakdown,
-        "provenance": provenance(config),
+        "provenance": setup.provenance,
     }
     try:
         from rstarjax import report

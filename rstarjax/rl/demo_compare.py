@@ -195,7 +195,7 @@ def run_compare(config, workdir: str) -> dict[str, Any]:
         "recover_fraction": dict(config.demo.get("recover_fraction", {})),
         "curves": {name: what for name, (_, what) in CURVES.items()},
         "wall_seconds": time.time() - setup.t_start,
-        "provenance": demo.provenance(config),
+        "provenance": setup.provenance,
     }
     try:
         comparison["plots"] = plot_comparison(arms, os.path.join(workdir, "plots"))
