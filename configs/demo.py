@@ -109,17 +109,14 @@ def get_config(arg=None):
     if arg in ("compare", "compare_ci"):
         # GRPO-RoC vs plain GRPO from one SFT (rl.demo_compare, docs/demo.md "GRPO-RoC vs plain GRPO")
         c.mode = "demo_compare"
-        # Half of the counting tool traces open with inclusion-exclusion missing its import
-        # (NameError: name 'lcm' is not defined), then `from math import lcm`; 30 % of the digit-sum
-        # ones with sum() over a string (TypeError), then the int() fix. Counting is the kind whose
-        # groups mix right and wrong answers (the in-head guesses), so its positives are the ones
-        # the updates mostly train on. (Measured with counting at 0.3 and a buggy program whose
-        # first token was a digit of N: 1-2 % of the tool calls sampled at T=0.7 failed, too few
-        # to measure Fig. 4; docs/demo.md.)
-        c.demo.recover_fraction = ml_collections.ConfigDict({"count_divisible": 0.5, "digit_sum_power": 0.3})
+        # 30 % of the counting tool traces open with inclusion-exclusion missing its import
+        # (NameError: name 'lcm' is not defined), then `from math import lcm`. Counting is the kind
+        # whose groups mix right and wrong answers (the in-head guesses), so its positives are
+        # the ones the updates train on.
+        c.demo.recover_fraction = ml_collections.ConfigDict({"count_divisible": 0.3})
         c.demo.export_hf = False
-        c.rl.max_response_len = 448  # a recovered counting response is 392 tokens (2 calls + traceback)
-        # the longest recovery trace is 545 tokens; at 640 two tool traces share a row, so a step
+        c.rl.max_response_len = 448  # a recovered counting response is 411 tokens (2 calls + traceback)
+        # the longest recovery trace is 564 tokens; at 640 two tool traces share a row, so a step
         # packs its 22 traces into ~12 rows instead of ~20 and costs about what 22 rows of 336 do
         c.sft.seq_len = 640
     if arg in ("ci", "compare_ci"):  # the shortened run CI executes

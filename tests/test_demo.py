@@ -43,8 +43,8 @@ def test_config_variants():
     # :compare is the default demo plus the recovery mix and the lengths it needs
     compare, compare_ci = _config("compare"), _config("compare_ci")
     diff = {k for k, v in _flat(compare).items() if _flat(full).get(k, object()) != v}
-    assert diff == {"mode", "demo.recover_fraction.count_divisible", "demo.recover_fraction.digit_sum_power",
-                    "demo.export_hf", "rl.max_response_len", "sft.seq_len"}
+    assert diff == {"mode", "demo.recover_fraction.count_divisible", "demo.export_hf", "rl.max_response_len",
+                    "sft.seq_len"}
     assert compare.mode == "demo_compare" and compare.rl.roc
     # the CI-sized variants differ from their full ones only in sizes
     for small, big in ((ci, full), (compare_ci, compare)):
@@ -151,7 +151,7 @@ def test_compare_ci_end_to_end(tmp_path):
     prov = on_disk["provenance"]
     config_text = (tmp_path / "config.json").read_text()
     assert prov["config_sha256"] == hashlib.sha256(config_text.encode()).hexdigest()
-    assert json.loads(config_text)["demo"]["recover_fraction"] == dict(c.demo.recover_fraction)
+    assert json.loads(config_text)["demo"]["recover_fraction"] == {"count_divisible": 0.3}
     assert prov["seeds"]["seed"] == c.seed
     import flax, jax, optax  # noqa: E401
     assert prov["versions"]["jax"] == jax.__version__ and prov["versions"]["flax"] == flax.__version__

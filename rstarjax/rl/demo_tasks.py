@@ -103,10 +103,9 @@ def _count_divisible_once(rng: random.Random) -> DemoTask:
         str(answer),
         f"print(sum(1 for k in range(1, {n} + 1) if k % {a} == 0 or k % {b} == 0))",
         "Count them in Python.",
-        # inclusion-exclusion without its import: NameError: name 'lcm' is not defined. Its first
-        # token ("k") differs from the clean program's ("print"): one sampled decision picks either
-        buggy_code=f"k = lcm({a}, {b})\nprint({n} // {a} + {n} // {b} - {n} // k)",
-        fixed_code=f"from math import lcm\nk = lcm({a}, {b})\nprint({n} // {a} + {n} // {b} - {n} // k)",
+        # inclusion-exclusion without its import: NameError: name 'lcm' is not defined
+        buggy_code=f"print({n} // {a} + {n} // {b} - {n} // lcm({a}, {b}))",
+        fixed_code=f"from math import lcm\nprint({n} // {a} + {n} // {b} - {n} // lcm({a}, {b}))",
     )
 
 
