@@ -23,6 +23,7 @@ MODES: dict[str, str] = {
     "sft": "rstarjax.rl.sft:run_sft",
     "eval": "rstarjax.rl.evaluate:run_eval",
     "demo": "rstarjax.rl.demo:run_demo",
+    "demo_compare": "rstarjax.rl.demo_compare:run_compare",
 }
 
 KNOWN_DTYPES = ("float32", "bfloat16", "float16")
@@ -182,7 +183,7 @@ def validate(config, num_devices: int | None = None, num_processes: int = 1) -> 
                           "(e.g. --config=configs/stage3.py:filter)")
     if "mesh" in config:
         errs += _validate_mesh(config, num_devices)
-    if mode in ("rl", "filter", "eval", "demo"):
+    if mode in ("rl", "filter", "eval", "demo", "demo_compare"):
         errs += _validate_tools(config)
     if mode in ("rl", "filter"):
         errs += _validate_model(config)

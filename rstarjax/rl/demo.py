@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -121,17 +122,29 @@ def tool_balanced_kind_cycle(kinds: Sequence[str], in_head_fraction: Mapping[str
 
 
 def demo_datasets(config) -> dict[str, list]:
+    """SFT traces, RL rows and held-out rows of ``config.demo``. With ``demo.recover_fraction``
+    the buggy first programs of the recovery traces run in the RL sandbox (``rstarjax.env``), so
+    their tracebacks are the ones rollouts show the policy."""
     from rstarjax.rl import demo_tasks
 
     d = config.demo
     kinds = tuple(d.task_kinds) if d.task_kinds else demo_tasks.TASK_KINDS
     in_head = dict(d.get("in_head_fraction", {}))
+    recover = {k: float(v) for k, v in dict(d.get("recover_fraction", {})).items() if float(v) > 0}
     sft_tasks = demo_tasks.generate_tasks(d.num_sft_problems, "train", seed=config.seed,
                                           kinds=tool_balanced_kind_cycle(kinds, in_head))
     # RL problems: the same training split, a different seed (fresh problems, never held out)
     rl_rows = demo_tasks.make_dataset(d.num_rl_problems, "train", seed=config.seed + 1, kinds=kinds)
     eval_rows = demo_tasks.make_dataset(d.num_eval_problems, "test", seed=config.seed, kinds=kinds)
-    traces = demo_tasks.make_sft_traces(sft_tasks, in_head_fraction=in_head, seed=config.seed)
+    if recover:
+        from rstarjax.rl import agent_loop
+
+        with agent_loop.make_executor(config) as executor:
+            traces = demo_tasks.make_sft_traces(sft_tasks, in_head_fraction=in_head, seed=config.seed,
+                                                recover_fraction=recover,
+                                                error_runner=demo_tasks.sandbox_error_runner(executor))
+    else:
+        traces = demo_tasks.make_sft_traces(sft_tasks, in_head_fraction=in_head, seed=config.seed)
     if len(traces) < 0.9 * len(sft_tasks):
         raise RuntimeError(f"only {len(traces)} of {len(sft_tasks)} SFT traces ran correctly")
     return {"sft_traces": traces, "rl_rows": rl_rows, "eval_rows": eval_rows}
@@ -145,25 +158,72 @@ def rl_config_for_demo(config, workdir: str, train_path: str):
     return c
 
 
-def run_demo(config, workdir: str) -> dict[str, Any]:
-    """``mode=demo``: SFT -> greedy eval -> GRPO-RoC -> greedy eval; writes demo_summary.json."""
-    from rstarjax.models import save_hf
+def provenance(config) -> dict[str, Any]:
+    """What a figure in the README needs to be traced to its run: the SHA-256 of the config (as
+    ``config.json`` in the workdir holds it), the seeds, the library versions and the code's commit."""
+    import platform
+    import subprocess
+
+    import flax
+    import jaxlib
+    import optax
+
+    import rstarjax
+
+    commit = None
+    try:  # best effort: an installed wheel has no git checkout
+        root = os.path.dirname(os.path.dirname(os.path.abspath(rstarjax.__file__)))
+        out = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+        if out.returncode == 0:
+            commit = out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {
+        "config_sha256": hashlib.sha256(config_json(config).encode()).hexdigest(),
+        "seeds": {"seed": int(config.seed), "sft_seed": int(config.sft.seed)},
+        "versions": {"rstarjax": rstarjax.__version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+                     "flax": flax.__version__, "optax": optax.__version__, "python": platform.python_version()},
+        "git_commit": commit,
+        "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def config_json(config) -> str:
+    """The config as sorted JSON: what ``provenance``'s hash is taken of."""
+    return config.to_json_best_effort(sort_keys=True, indent=1)
+
+
+@dataclasses.dataclass
+class DemoSetup:
+    """What every stage of a demo run shares: tokenizer, chat format, mesh, the generated data."""
+    tokenizer: Any
+    fmt: Any
+    mesh: Any
+    data: dict[str, list]
+    rl_path: str
+    t_start: float
+    provenance: dict[str, Any]  # taken at the start: the code and config that produced the run
+
+
+def prepare(config, workdir: str, summary_name: str) -> DemoSetup:
+    """Refuses a used workdir, generates the data and writes it (and ``config.json``) there."""
     from rstarjax.models.sharding import make_mesh
-    from rstarjax.rl import agent_loop
-    from rstarjax.rl import checkpoint as ckpt_lib
     from rstarjax.rl import sft as sft_lib
-    from rstarjax.rl.metrics import MetricsWriter
-    from rstarjax.rl.trainer import run_rl
 
     t_start = time.time()
     os.makedirs(workdir, exist_ok=True)
-    summary_path = os.path.join(workdir, "demo_summary.json")
-    if os.path.exists(summary_path) and not config.demo.get("overwrite", False):
-        raise FileExistsError(f"{summary_path} exists: pick a new --workdir (the demo is not resumable)")
+    if os.path.exists(os.path.join(workdir, summary_name)) and not config.demo.get("overwrite", False):
+        raise FileExistsError(f"{os.path.join(workdir, summary_name)} exists: pick a new --workdir "
+                              "(the demo is not resumable)")
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config_json(config))
+    prov = provenance(config)
     fmt = sft_lib.chat_format(config.sft.chat_format)
     tokenizer = sft_lib.build_tokenizer(config)
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-
     data = demo_datasets(config)
     write_jsonl(os.path.join(workdir, "sft_traces.jsonl"), [{"messages": m} for m in data["sft_traces"]])
     rl_path = os.path.join(workdir, "rl_train.jsonl")
@@ -171,61 +231,83 @@ def run_demo(config, workdir: str) -> dict[str, Any]:
     write_jsonl(os.path.join(workdir, "heldout.jsonl"), data["eval_rows"])
     _say(f"{len(data['sft_traces'])} SFT traces, {len(data['rl_rows'])} RL problems, "
          f"{len(data['eval_rows'])} held-out problems ({time.time() - t_start:.0f}s)")
+    return DemoSetup(tokenizer, fmt, mesh, data, rl_path, t_start, prov)
 
-    # ---- 1. non-reasoning SFT -----------------------------------------------------------------
-    model = build_demo_model(config, tokenizer, mesh)
+
+def train_sft_policy(config, setup: DemoSetup, workdir: str) -> tuple[nnx.Module, dict[str, Any]]:
+    """Non-reasoning SFT of a fresh demo model on the generated traces (logs in ``workdir/sft``)."""
+    from rstarjax.rl import checkpoint as ckpt_lib
+    from rstarjax.rl import sft as sft_lib
+    from rstarjax.rl.metrics import MetricsWriter
+
+    model = build_demo_model(config, setup.tokenizer, setup.mesh)
     sft_dir = os.path.join(workdir, "sft")
     with MetricsWriter(os.path.join(sft_dir, "logs"), tensorboard=False) as mw:
         sft_trainer, sft_summary = sft_lib.train_sft(
-            model, tokenizer, data["sft_traces"], sft_lib.SFTConfig.from_config(config.sft), mesh=mesh, fmt=fmt,
-            workdir=sft_dir, checkpoint_cfg=ckpt_lib.CheckpointConfig(every_steps=10**9, keep=1, async_save=False),
-            meta=sft_lib.model_meta(model, tokenizer), metrics_writer=mw, log_every=0)
+            model, setup.tokenizer, setup.data["sft_traces"], sft_lib.SFTConfig.from_config(config.sft),
+            mesh=setup.mesh, fmt=setup.fmt, workdir=sft_dir,
+            checkpoint_cfg=ckpt_lib.CheckpointConfig(every_steps=10**9, keep=1, async_save=False),
+            meta=sft_lib.model_meta(model, setup.tokenizer), metrics_writer=mw, log_every=0)
     _say(f"SFT: {sft_summary['steps']} steps, loss {sft_summary['first_loss']:.3f} -> "
          f"{sft_summary['final_loss']:.3f} ({sft_summary['seconds']:.0f}s)")
-    policy = sft_trainer.model()
+    return sft_trainer.model(), sft_summary
 
-    # ---- 2. held-out accuracy after SFT ------------------------------------------------------------
+
+def evaluate(rollouts, records, label: str, policy_version: int = 0) -> tuple[float, list, dict[str, Any]]:
+    """Greedy held-out accuracy, its trajectories and the per-kind breakdown (printed)."""
+    t0 = time.time()
+    acc, trajs = greedy_accuracy(rollouts, records, policy_version=policy_version)
+    breakdown = accuracy_breakdown(records, trajs)
+    _say(f"held-out greedy accuracy {label}: {100 * acc:.1f}% ({time.time() - t0:.0f}s); {_describe(breakdown)}")
+    return acc, trajs, breakdown
+
+
+def run_demo(config, workdir: str) -> dict[str, Any]:
+    """``mode=demo``: SFT -> greedy eval -> GRPO-RoC -> greedy eval; writes demo_summary.json."""
+    from rstarjax.models import save_hf
+    from rstarjax.rl import agent_loop
+    from rstarjax.rl.trainer import run_rl
+
+    summary_path = os.path.join(workdir, "demo_summary.json")
+    setup = prepare(config, workdir, "demo_summary.json")
+    data = setup.data
+    policy, sft_summary = train_sft_policy(config, setup, workdir)
+
     executor = agent_loop.make_executor(config)
     try:
-        rollouts = agent_loop.ColocatedRollouts(config, policy, tokenizer=tokenizer, executor=executor,
-                                                num_slots=int(config.demo.num_slots), fmt=fmt)
-        t0 = time.time()
-        sft_acc, sft_trajs = greedy_accuracy(rollouts, data["eval_rows"])
-        sft_breakdown = accuracy_breakdown(data["eval_rows"], sft_trajs)
-        _say(f"held-out greedy accuracy after SFT: {100 * sft_acc:.1f}% ({time.time() - t0:.0f}s); "
-             f"{_describe(sft_breakdown)}")
+        rollouts = agent_loop.ColocatedRollouts(config, policy, tokenizer=setup.tokenizer, executor=executor,
+                                                num_slots=int(config.demo.num_slots), fmt=setup.fmt)
+        sft_acc, sft_trajs, sft_breakdown = evaluate(rollouts, data["eval_rows"], "after SFT")
 
-        # ---- 3. GRPO-RoC ------------------------------------------------------------------------------
         rl_dir = os.path.join(workdir, "rl")
         t0 = time.time()
-        trainer = run_rl(rl_config_for_demo(config, rl_dir, rl_path), rl_dir, rollout_fn=rollouts, model=policy,
-                         on_update=lambda tr: rollouts.update_params(tr.model()))
+        trainer = run_rl(rl_config_for_demo(config, rl_dir, setup.rl_path), rl_dir, rollout_fn=rollouts,
+                         model=policy, on_update=lambda tr: rollouts.update_params(tr.model()))
         rl_seconds = time.time() - t0
         _say(f"RL: {trainer.step} GRPO-{'RoC' if config.rl.roc else 'plain'} steps ({rl_seconds:.0f}s)")
 
-        # ---- 4. held-out accuracy after RL ----------------------------------------------------------------
         rollouts.update_params(trainer.model())
-        rl_acc, rl_trajs = greedy_accuracy(rollouts, data["eval_rows"], policy_version=trainer.step)
-        rl_breakdown = accuracy_breakdown(data["eval_rows"], rl_trajs)
-        _say(f"held-out greedy accuracy after RL: {100 * rl_acc:.1f}%; {_describe(rl_breakdown)}")
+        rl_acc, rl_trajs, rl_breakdown = evaluate(rollouts, data["eval_rows"], "after RL", trainer.step)
     finally:
         executor.close()
 
     _write_eval_samples(os.path.join(workdir, "heldout_samples.jsonl"), data["eval_rows"], sft_trajs, rl_trajs)
     if config.demo.export_hf:
-        save_hf(trainer.model(), os.path.join(workdir, "hf"), tokenizer=tokenizer)
+        save_hf(trainer.model(), os.path.join(workdir, "hf"), tokenizer=setup.tokenizer)
     summary = {
         "sft_accuracy": sft_acc,
         "rl_accuracy": rl_acc,
         "num_eval_problems": len(data["eval_rows"]),
-        "wall_seconds": time.time() - t_start,
+        "wall_seconds": time.time() - setup.t_start,
         "sft_steps": sft_summary["steps"],
+        "sft_seconds": sft_summary["seconds"],
         "rl_steps": trainer.step,
         "rl_seconds": rl_seconds,
         "roc": bool(config.rl.roc),
         "seed": int(config.seed),
         "sft": sft_breakdown,
         "rl": rl_breakdown,
+        "provenance": setup.provenance,
     }
     try:
         from rstarjax import report
