@@ -20,7 +20,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from rstarjax.recipes import demo, evaluate, rl, sft, stage3_filter
+from rstarjax.recipes import demo, demo_compare, evaluate, rl, sft, stage3_filter
 from rstarjax.recipes.config import MODES, RENAMED, DistributedConfig, RunConfig, device_rules, parse
 from rstarjax.validation import ConfigError
 
@@ -31,6 +31,7 @@ RECIPES: dict[str, Callable[[RunConfig, str], object]] = {
     "sft": sft.run_sft,
     "eval": evaluate.run_eval,
     "demo": demo.run_demo,
+    "demo_compare": demo_compare.run_compare,
 }
 assert set(RECIPES) == set(MODES), "every mode recipes/config.py validates has a recipe here"
 

@@ -65,7 +65,9 @@ def curve(records: Sequence[Mapping], key: str) -> tuple[list[int], list[float]]
     return steps, [by_step[s] for s in steps]
 
 
-def _plot(path: str, title: str, series: Sequence[tuple[str, list[int], list[float]]]) -> None:
+def plot_lines(path: str, title: str, series: Sequence[tuple[str, Sequence[float], Sequence[float]]],
+               xlabel: str = "step", title_size: float | None = None) -> None:
+    """One PNG at ``path``: a line per (label, xs, ys) of ``series``."""
     # lazily: matplotlib takes seconds to import and only drawing needs it (not runs that merely
     # import the report, such as the demo before its last step)
     import matplotlib
@@ -75,8 +77,8 @@ def _plot(path: str, title: str, series: Sequence[tuple[str, list[int], list[flo
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
     for label, xs, ys in series:
         ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
-    ax.set_title(title)
-    ax.set_xlabel("step")
+    ax.set_title(title, fontsize=title_size)
+    ax.set_xlabel(xlabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -102,7 +104,7 @@ def render(workdir: str, out_dir: str | None = None) -> list[str]:
                     series.append((label if len(runs) == 1 else f"{label} [{run}]", xs, ys))
         if series:
             path = os.path.join(out_dir, f"{stem}.png")
-            _plot(path, title, series)
+            plot_lines(path, title, series)
             written.append(path)
     return written
 
@@ -133,7 +135,7 @@ def compare(workdirs: Sequence[str], out_dir: str, labels: Sequence[str] | None 
     for stem, key, title in (("compare_tool_error_positive", "rollout/tool_error_ratio_positive",
                               "Tool-error ratio in trained positive trajectories"),
                              ("compare_reward", "rollout_all/reward_mean", "Reward (all rollouts)")):
-        _plot(os.path.join(out_dir, f"{stem}.png"), title,
+        plot_lines(os.path.join(out_dir, f"{stem}.png"), title,
               [(label, *curve(records, key)) for label, records in runs.items()])
     return summary
 

@@ -16,6 +16,22 @@ def _config(arg):
     return mod.get_config(arg)
 
 
+def _flat(c, prefix=""):
+    out = {}
+    for k, v in c.items():
+        if hasattr(v, "items"):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# what the CI-sized variants may change: sizes, and the batch filter (a 4-step SFT policy solves
+# nothing, so every group would be all-wrong and rejected)
+CI_KEYS = {"demo.num_sft_problems", "demo.num_rl_problems", "demo.num_eval_problems", "sft.batch_size",
+           "total_steps", "rl.prompts_per_step", "demo.num_slots", "rl.reject_equal_reward"}
+
+
 def test_config_variants():
     full, ci = _config(None), _config("ci")
     assert full.demo.num_eval_problems >= 200  # the README's claim is measured on >= 200 problems
@@ -23,6 +39,44 @@ def test_config_variants():
     assert ci.total_steps < full.total_steps
     with pytest.raises(ValueError):
         _config("bogus")
+    assert not dict(full.demo.recover_fraction)  # the default demo has no recovery traces
+    # :compare is the default demo plus the recovery mix and the lengths it needs
+    compare, compare_ci = _config("compare"), _config("compare_ci")
+    diff = {k for k, v in _flat(compare).items() if _flat(full).get(k, object()) != v}
+    assert diff == {"mode", "demo.recover_fraction.count_divisible", "demo.export_hf", "rl.max_response_len",
+                    "sft.seq_len"}
+    assert compare.mode == "demo_compare" and compare.rl.roc
+    # the CI-sized variants differ from their full ones only in sizes
+    for small, big in ((ci, full), (compare_ci, compare)):
+        assert {k for k, v in _flat(small).items() if _flat(big)[k] != v} <= CI_KEYS
+
+
+def test_sft_rows_hold_the_longest_trace():
+    """sft.seq_len is tight (attention is quadratic in it): every generated trace must fit, or SFT
+    would silently drop a whole kind's longest traces."""
+    from rstarjax.models.chat_template import chat_format
+    from rstarjax.recipes import build, demo_tasks
+    from rstarjax.recipes import sft as sft_lib
+    from rstarjax.recipes.config import parse
+
+    for arg in (None, "compare"):
+        c = _config(arg)
+        tok = build.tokenizer(parse(c).model)
+        fmt = chat_format(c.sft.chat_format)
+        # the longest trace of every kind: fixed digit counts make every trace of a layout equally long
+        tasks = [t for k in demo_tasks.TASK_KINDS for t in demo_tasks.generate_tasks(2, "train", seed=0, kinds=(k,))]
+        traces = demo_tasks.make_sft_traces(tasks)
+        if dict(c.demo.recover_fraction):
+            kinds = {k for k, p in dict(c.demo.recover_fraction).items() if p > 0}
+            from rstarjax.env import CodeExecutor
+            with CodeExecutor(num_workers=1).start() as ex:
+                traces += demo_tasks.make_sft_traces([t for t in tasks if t.kind in kinds],
+                                                     recover_fraction={k: 1.0 for k in kinds},
+                                                     error_runner=demo_tasks.sandbox_error_runner(ex))
+        examples, stats = sft_lib.encode_examples(tok, traces, c.sft.seq_len, fmt)
+        assert stats["too_long"] == 0, (arg, stats)
+        prompt_budget = c.rl.max_prompt_len + c.rl.max_response_len
+        assert max(len(e.ids) for e in examples) <= prompt_budget
 
 
 @pytest.mark.slow
@@ -60,3 +114,55 @@ def test_demo_ci_end_to_end(tmp_path):
     with pytest.raises(FileExistsError):
         run_demo(parse(c), str(tmp_path))
     assert summary["sft_accuracy"] == on_disk["sft_accuracy"]
+    import hashlib
+    prov = on_disk["provenance"]
+    assert prov["config_sha256"] == hashlib.sha256((tmp_path / "config.json").read_bytes()).hexdigest()
+    assert prov["seeds"] == {"seed": c.seed, "sft_seed": c.sft.seed}
+    assert set(prov["versions"]) >= {"jax", "flax", "optax"}
+
+
+@pytest.mark.slow
+def test_compare_ci_end_to_end(tmp_path):
+    """configs/demo.py:compare at CI size: one SFT, both arms, comparison.json with every key the
+    README's figures come from, and its provenance."""
+    import hashlib
+
+    from rstarjax.main import RECIPES
+    from rstarjax.recipes.config import parse
+
+    c = _config("compare_ci")
+    c.mesh.fsdp = 1
+    c.mesh.data = -1
+    out = RECIPES[c.mode](parse(c), str(tmp_path))
+    on_disk = json.loads((tmp_path / "comparison.json").read_text())
+    assert on_disk["targets"] == out["targets"]
+    for arm in ("roc", "grpo"):
+        a = on_disk[arm]
+        for key in ("tool_error_ratio_positive_last", "heldout_accuracy", "response_length_last", "turns_last",
+                    "wall_seconds"):
+            assert key in a, (arm, key)
+        assert 0.0 <= a["heldout_accuracy"] <= 1.0 and a["wall_seconds"] > 0
+        assert a["steps"] == c.total_steps
+        assert len(a["curves"]["step"]) == len(a["curves"]["tool_error_ratio_positive"]) == c.total_steps
+        metrics = [json.loads(l) for l in (tmp_path / f"rl_{arm}" / "logs" / "metrics.jsonl").read_text().splitlines()]
+        assert a["curves"]["reward_mean"] == [m["rollout_all/reward_mean"] for m in metrics]
+        assert a["response_length_last"] == pytest.approx(
+            sum(m["rollout_all/response_length_mean"] for m in metrics[-3:]) / len(metrics[-3:]))
+    # plain GRPO samples G rollouts per prompt, GRPO-RoC 2G, from the same prompts
+    roc_m, grpo_m = ([json.loads(l) for l in (tmp_path / f"rl_{a}" / "logs" / "metrics.jsonl").read_text().splitlines()]
+                     for a in ("roc", "grpo"))
+    assert roc_m[0]["roc/kept_fraction"] == pytest.approx(0.5) and grpo_m[0]["roc/kept_fraction"] == 1.0
+    prov = on_disk["provenance"]
+    config_text = (tmp_path / "config.json").read_text()
+    assert prov["config_sha256"] == hashlib.sha256(config_text.encode()).hexdigest()
+    assert json.loads(config_text)["demo"]["recover_fraction"] == {"count_divisible": 0.3}
+    assert prov["seeds"]["seed"] == c.seed
+    import flax, jax, optax  # noqa: E401
+    assert prov["versions"]["jax"] == jax.__version__ and prov["versions"]["flax"] == flax.__version__
+    assert prov["versions"]["optax"] == optax.__version__
+    assert any(p.endswith("compare_tool_error_ratio_positive.png") for p in on_disk["plots"])
+    # the SFT data holds recovery traces whose first tool call failed in the sandbox
+    sft = [json.loads(l)["messages"] for l in (tmp_path / "sft_traces.jsonl").read_text().splitlines()]
+    assert any(len(m) == 6 and "Error" in m[2]["content"] for m in sft)
+    with pytest.raises(FileExistsError):
+        RECIPES[c.mode](parse(c), str(tmp_path))

@@ -171,3 +171,63 @@ def test_kind_of_recovers_every_generated_kind():
             assert dt.kind_of(task.problem) == task.kind
     with pytest.raises(ValueError):
         dt.kind_of("What is 2 + 2?")
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    from rstarjax.env import CodeExecutor
+
+    with CodeExecutor(num_workers=2).start() as ex:
+        yield ex
+
+
+def test_recovery_traces_show_real_sandbox_errors_then_the_fix(sandbox):
+    from rstarjax.env import classify_tool_error, format_tool_response, parse_tool_call, verify_answer
+
+    small = load_tokenizer(3000)
+    tasks = [t for k in dt.TASK_KINDS for t in dt.generate_tasks(3, "train", seed=7, kinds=(k,))]
+    traces = dt.make_sft_traces(tasks, recover_fraction={k: 1.0 for k in dt.TASK_KINDS},
+                                error_runner=dt.sandbox_error_runner(sandbox))
+    assert len(traces) == len(tasks)
+    for task, msgs in zip(tasks, traces):
+        assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+        # the first program really fails in the RL sandbox, and the trace shows exactly the text a
+        # rollout would show the model for it
+        result = sandbox.run(task.buggy_code)
+        assert classify_tool_error(result) == "execution"
+        assert msgs[2]["content"] == format_tool_response(result)
+        assert re.search(r"(NameError|OverflowError|TypeError): ", msgs[2]["content"])
+        rendered = ct.render_conversation(msgs, fmt=ct.COMPACT)
+        turns = rendered.split("<|im_start|>assistant")[1:]
+        assert parse_tool_call(turns[0]).code == task.buggy_code
+        assert parse_tool_call(turns[1]).code == task.fixed_code
+        # the fix prints the answer (an independent computation), which the last turn boxes
+        assert int(msgs[4]["content"]) == _independent_answer(task.problem)
+        assert verify_answer(msgs[5]["content"], task.answer)
+        enc = ct.encode_conversation(small, msgs, fmt=ct.COMPACT)
+        assert enc.ids.tolist() == small.encode(rendered)
+
+
+def test_recovery_share_kinds_and_guards(sandbox):
+    tasks = dt.generate_tasks(400, "train", seed=1)
+    run_errors = dt.sandbox_error_runner(sandbox)
+    traces = dt.make_sft_traces(tasks, in_head_fraction={"count_divisible": 0.6}, seed=1,
+                                recover_fraction={"count_divisible": 0.3}, error_runner=run_errors)
+    assert len(traces) == len(tasks)
+    recovered = [t for t, m in zip(tasks, traces) if len(m) == 6]
+    tool = [t for t, m in zip(tasks, traces) if len(m) >= 4 and t.kind == "count_divisible"]
+    assert {t.kind for t in recovered} == {"count_divisible"}
+    assert 0.15 <= len(recovered) / len(tool) <= 0.45  # ~40 counting tool traces, 30 % asked
+    # in-head answers are untouched by the recovery coin
+    plain = dt.make_sft_traces(tasks, in_head_fraction={"count_divisible": 0.6}, seed=1)
+    assert [len(m) == 2 for m in plain] == [len(m) == 2 for m in traces]
+    # a "buggy" program that does not fail never becomes a recovery trace
+    no_error = lambda codes: [(False, "42")] * len(codes)  # noqa: E731
+    quiet = dt.make_sft_traces(tasks[:40], recover_fraction={"count_divisible": 1.0}, error_runner=no_error)
+    assert all(len(m) == 4 for m in quiet) and len(quiet) == 30
+    with pytest.raises(ValueError, match="error_runner"):
+        dt.make_sft_traces(tasks[:8], recover_fraction={"count_divisible": 1.0})
+    with pytest.raises(ValueError, match="unknown task kinds"):
+        dt.make_sft_traces(tasks[:8], recover_fraction={"counting": 0.5}, error_runner=run_errors)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        dt.make_sft_traces(tasks[:8], recover_fraction={"modpow": -0.1}, error_runner=run_errors)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 # Architectures whose weights and semantics this module reproduces exactly.
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+DTYPES = ("float32", "bfloat16", "float16")  # the compute dtypes a config may name
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 # Training/scoring attention over packed rows (models/attention.py).
 PACKED_ATTENTION = ("auto", "dense", "blockwise", "splash", "pallas_gpu", "cudnn")

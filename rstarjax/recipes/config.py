@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 from rstarjax.io.checkpoint import CheckpointConfig
 from rstarjax.models.chat_template import CHAT_FORMATS
-from rstarjax.models.config import PRESETS, REMAT_POLICIES
+from rstarjax.models.config import DTYPES, PRESETS, REMAT_POLICIES
 from rstarjax.rl.agent_loop import AgentConfig, ServingConfig
 from rstarjax.rl.loss import LossConfig
 from rstarjax.rl.optim import OptimConfig
@@ -28,8 +28,9 @@ from rstarjax.serving.sampling import SamplingParams
 from rstarjax.validation import ConfigError, one_of, require
 
 # config.mode -> rstarjax.main.RECIPES (the function that runs it)
-MODES = ("rl", "filter", "sft", "eval", "demo")
-DTYPES = ("float32", "bfloat16", "float16")
+MODES = ("rl", "filter", "sft", "eval", "demo", "demo_compare")
+RL_MODES = ("rl", "demo", "demo_compare")  # the modes that run an RL stage
+DEMO_MODES = ("demo", "demo_compare")  # the modes of configs/demo.py
 
 # Keys that moved: the flag to use instead (an old key fails with this message).
 RENAMED = {
@@ -215,6 +216,7 @@ class DemoConfig:
     model: dict = dataclasses.field(default_factory=dict)  # ModelConfig fields of the demo's tiny Qwen3
     task_kinds: tuple = ()  # () = all of demo_tasks.TASK_KINDS
     in_head_fraction: dict = dataclasses.field(default_factory=dict)  # kind -> share of in-head SFT traces
+    recover_fraction: dict = dataclasses.field(default_factory=dict)  # kind -> share of recovery SFT traces
     num_sft_problems: int = 11000
     num_rl_problems: int = 4096
     num_eval_problems: int = 256
@@ -323,7 +325,7 @@ def _run_rules(run: RunConfig) -> list[str]:
         if ck.init_from and not os.path.isdir(ck.init_from):
             errs.append(f"--config.checkpoint.init_from={ck.init_from!r} is not a directory "
                         "(give the previous stage's WORKDIR/checkpoints)")
-    if mode in ("rl", "demo"):  # an RL stage trains
+    if mode in RL_MODES:
         rl, tr = run.rl, run.trainer
         if run.total_steps < 1:
             errs.append(f"--config.total_steps={run.total_steps} must be >= 1")
@@ -339,9 +341,10 @@ def _run_rules(run: RunConfig) -> list[str]:
     if mode == "rl" and (ck.reset_optimizer or ck.update_reference) and not ck.init_from:
         errs.append("stage-3 options (checkpoint.reset_optimizer / update_reference) need "
                     "--config.checkpoint.init_from=STAGE2_WORKDIR/checkpoints")
-    for name, modes in (("sft", ("sft", "demo")), ("eval", ("eval",)), ("demo", ("demo",))):
+    for name, modes in (("sft", ("sft", *DEMO_MODES)), ("eval", ("eval",)), ("demo", DEMO_MODES)):
         if mode in modes and getattr(run, name) is None:
-            errs.append(f"mode={mode!r} needs a --config.{name} section (configs/{mode}.py has it)")
+            source = "demo" if mode in DEMO_MODES else mode
+            errs.append(f"mode={mode!r} needs a --config.{name} section (configs/{source}.py has it)")
     if mode == "sft" and run.sft is not None:
         errs += _require_file(run.sft.data_path, "--config.sft.data_path",
                               'a jsonl/parquet of {"messages": [...]} chat records')
@@ -360,7 +363,7 @@ def device_rules(run: RunConfig, num_devices: int, num_processes: int = 1) -> li
         return [f"mesh (data, fsdp, tensor)={list(run.mesh.sizes)} does not fit the {num_devices} devices present: "
                 f"make data*fsdp*tensor == {num_devices}, e.g. --config.mesh.fsdp=-1"]
     errs = []
-    if run.mode in ("rl", "demo"):
+    if run.mode in RL_MODES:
         rl, tr = run.rl, run.trainer
         if rl.prompts_per_step % max(num_processes, 1):
             errs.append(f"--config.rl.prompts_per_step={rl.prompts_per_step} must be a positive multiple of the "

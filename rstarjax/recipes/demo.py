@@ -12,23 +12,32 @@
 5. Greedy held-out accuracy again; ``demo_summary.json``, curves (``rstarjax.report``) and a
    HF export (``rstarjax.export``) in the workdir.
 
-``run_demo(run, workdir)`` is the ``mode=demo`` entry point.
+``run_demo(run, workdir)`` is the ``mode=demo`` entry point; ``recipes.demo_compare`` (``mode=demo_compare``)
+shares its data, SFT and evaluation steps (``prepare``, ``train_sft_policy``, ``evaluate``).
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
 import os
+import platform
+import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
+import flax
+import jax
+import jaxlib
 import numpy as np
+import optax
 from flax import nnx
 
+import rstarjax
 from rstarjax import report
 from rstarjax.io.checkpoint import CheckpointConfig
 from rstarjax.io.metrics_log import MetricsWriter
@@ -116,30 +125,94 @@ def tool_balanced_kind_cycle(kinds: Sequence[str], in_head_fraction: Mapping[str
 
 
 def demo_datasets(run: RunConfig) -> dict[str, list]:
+    """SFT traces, RL rows and held-out rows of ``run.demo``. With ``demo.recover_fraction`` the
+    buggy first programs of the recovery traces run in the RL sandbox (``rstarjax.env``), so
+    their tracebacks are the ones rollouts show the policy."""
     d = run.demo
     kinds = tuple(d.task_kinds) if d.task_kinds else demo_tasks.TASK_KINDS
     in_head = dict(d.in_head_fraction)
+    recover = {k: float(v) for k, v in d.recover_fraction.items() if float(v) > 0}
     sft_tasks = demo_tasks.generate_tasks(d.num_sft_problems, "train", seed=run.seed,
                                           kinds=tool_balanced_kind_cycle(kinds, in_head))
     # RL problems: the same training split, a different seed (fresh problems, never held out)
     rl_rows = demo_tasks.make_dataset(d.num_rl_problems, "train", seed=run.seed + 1, kinds=kinds)
     eval_rows = demo_tasks.make_dataset(d.num_eval_problems, "test", seed=run.seed, kinds=kinds)
-    traces = demo_tasks.make_sft_traces(sft_tasks, in_head_fraction=in_head, seed=run.seed)
+    if recover:
+        with build.executor(run.rl.num_tool_workers) as executor:
+            traces = demo_tasks.make_sft_traces(sft_tasks, in_head_fraction=in_head, seed=run.seed,
+                                                recover_fraction=recover,
+                                                error_runner=demo_tasks.sandbox_error_runner(executor))
+    else:
+        traces = demo_tasks.make_sft_traces(sft_tasks, in_head_fraction=in_head, seed=run.seed)
     if len(traces) < 0.9 * len(sft_tasks):
         raise RuntimeError(f"only {len(traces)} of {len(sft_tasks)} SFT traces ran correctly")
     return {"sft_traces": traces, "rl_rows": rl_rows, "eval_rows": eval_rows}
 
 
-def run_demo(run: RunConfig, workdir: str) -> dict[str, Any]:
-    """``mode=demo``: SFT -> greedy eval -> GRPO-RoC -> greedy eval; writes demo_summary.json."""
+def rl_run_for_demo(run: RunConfig, train_path: str) -> RunConfig:
+    """The config the RL stage reads: the demo's sections with data from the generated file."""
+    return dataclasses.replace(run, data=dataclasses.replace(run.data, train_path=train_path),
+                               checkpoint=dataclasses.replace(run.checkpoint, init_from=""))
+
+
+def config_json(run: RunConfig) -> str:
+    """The run's typed config (every section, defaults included) as sorted JSON: what
+    ``provenance``'s hash is taken of and ``config.json`` in the workdir holds."""
+    return json.dumps(dataclasses.asdict(run), sort_keys=True, indent=1, default=str)
+
+
+def git_commit() -> str | None:
+    """The commit of the code that runs (``-dirty`` with uncommitted changes to tracked files);
+    None outside a git checkout (an installed wheel)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(rstarjax.__file__)))
+    try:
+        out = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def provenance(run: RunConfig) -> dict[str, Any]:
+    """What a figure in the README needs to be traced to its run: the SHA-256 of the config (as
+    ``config.json`` in the workdir holds it), the seeds, the library versions and the code's commit."""
+    return {
+        "config_sha256": hashlib.sha256(config_json(run).encode()).hexdigest(),
+        "seeds": {"seed": int(run.seed), "sft_seed": int(run.sft.seed)},
+        "versions": {"rstarjax": rstarjax.__version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+                     "flax": flax.__version__, "optax": optax.__version__, "python": platform.python_version()},
+        "git_commit": git_commit(),
+        "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+        "cpu_count": os.cpu_count(),
+    }
+
+
+@dataclasses.dataclass
+class DemoSetup:
+    """What every stage of a demo run shares: tokenizer, mesh, the generated data."""
+    tokenizer: Any
+    mesh: Any
+    data: dict[str, list]
+    rl_path: str
+    t_start: float
+    provenance: dict[str, Any]  # taken at the start: the code and config that produced the run
+
+
+def prepare(run: RunConfig, workdir: str, summary_name: str) -> DemoSetup:
+    """Refuses a used workdir, generates the data and writes it (and ``config.json``) there."""
     t_start = time.time()
     os.makedirs(workdir, exist_ok=True)
-    summary_path = os.path.join(workdir, "demo_summary.json")
+    summary_path = os.path.join(workdir, summary_name)
     if os.path.exists(summary_path) and not run.demo.overwrite:
         raise FileExistsError(f"{summary_path} exists: pick a new --workdir (the demo is not resumable)")
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config_json(run))
+    prov = provenance(run)
     tokenizer = build.tokenizer(run.model)
     mesh = build.mesh(run.mesh)
-
     data = demo_datasets(run)
     write_jsonl(os.path.join(workdir, "sft_traces.jsonl"), [{"messages": m} for m in data["sft_traces"]])
     rl_path = os.path.join(workdir, "rl_train.jsonl")
@@ -147,63 +220,81 @@ def run_demo(run: RunConfig, workdir: str) -> dict[str, Any]:
     write_jsonl(os.path.join(workdir, "heldout.jsonl"), data["eval_rows"])
     _say(f"{len(data['sft_traces'])} SFT traces, {len(data['rl_rows'])} RL problems, "
          f"{len(data['eval_rows'])} held-out problems ({time.time() - t_start:.0f}s)")
+    return DemoSetup(tokenizer, mesh, data, rl_path, t_start, prov)
 
-    # ---- 1. non-reasoning SFT -----------------------------------------------------------------
-    model = demo_policy(run, tokenizer, mesh)
+
+def train_sft_policy(run: RunConfig, setup: DemoSetup, workdir: str) -> tuple[nnx.Module, dict[str, Any]]:
+    """Non-reasoning SFT of a fresh demo model on the generated traces (logs in ``workdir/sft``)."""
+    model = demo_policy(run, setup.tokenizer, setup.mesh)
     sft_dir = os.path.join(workdir, "sft")
     with MetricsWriter(os.path.join(sft_dir, "logs"), tensorboard=False) as mw:
         sft_trainer, sft_summary = sft_lib.train_sft(
-            model, tokenizer, data["sft_traces"], run.sft, mesh=mesh, fmt=chat_format(run.sft.chat_format),
-            workdir=sft_dir, checkpoint_cfg=CheckpointConfig(every_steps=10**9, keep=1, async_save=False),
-            meta=build.model_meta(model, tokenizer), metrics_writer=mw, log_every=0)
+            model, setup.tokenizer, setup.data["sft_traces"], run.sft, mesh=setup.mesh,
+            fmt=chat_format(run.sft.chat_format), workdir=sft_dir,
+            checkpoint_cfg=CheckpointConfig(every_steps=10**9, keep=1, async_save=False),
+            meta=build.model_meta(model, setup.tokenizer), metrics_writer=mw, log_every=0)
     _say(f"SFT: {sft_summary['steps']} steps, loss {sft_summary['first_loss']:.3f} -> "
          f"{sft_summary['final_loss']:.3f} ({sft_summary['seconds']:.0f}s)")
-    policy = sft_trainer.model()
+    return sft_trainer.model(), sft_summary
 
-    # ---- 2. held-out accuracy after SFT ------------------------------------------------------------
+
+def demo_rollouts(run: RunConfig, policy: nnx.Module, setup: DemoSetup, executor) -> ColocatedRollouts:
+    """The agent loop the demo evaluates and trains with: the RL section's budgets and sampling,
+    the SFT traces' chat format, ``demo.num_slots`` slots."""
+    return build.rollouts(policy, setup.tokenizer, executor, run.rl.agent(), run.rl.sampling(), run.rl.max_prompt_len,
+                          run.sft.chat_format, run.serving, num_slots=run.demo.num_slots)
+
+
+def evaluate(rollouts, records, label: str, policy_version: int = 0) -> tuple[float, list, dict[str, Any]]:
+    """Greedy held-out accuracy, its trajectories and the per-kind breakdown (printed)."""
+    t0 = time.time()
+    acc, trajs = greedy_accuracy(rollouts, records, policy_version=policy_version)
+    breakdown = accuracy_breakdown(records, trajs)
+    _say(f"held-out greedy accuracy {label}: {100 * acc:.1f}% ({time.time() - t0:.0f}s); {_describe(breakdown)}")
+    return acc, trajs, breakdown
+
+
+def run_demo(run: RunConfig, workdir: str) -> dict[str, Any]:
+    """``mode=demo``: SFT -> greedy eval -> GRPO-RoC -> greedy eval; writes demo_summary.json."""
+    summary_path = os.path.join(workdir, "demo_summary.json")
+    setup = prepare(run, workdir, "demo_summary.json")
+    data = setup.data
+    policy, sft_summary = train_sft_policy(run, setup, workdir)
+
     executor = build.executor(run.rl.num_tool_workers)
     try:
-        rollouts = build.rollouts(policy, tokenizer, executor, run.rl.agent(), run.rl.sampling(), run.rl.max_prompt_len,
-                                  run.sft.chat_format, run.serving, num_slots=run.demo.num_slots)
-        t0 = time.time()
-        sft_acc, sft_trajs = greedy_accuracy(rollouts, data["eval_rows"])
-        sft_breakdown = accuracy_breakdown(data["eval_rows"], sft_trajs)
-        _say(f"held-out greedy accuracy after SFT: {100 * sft_acc:.1f}% ({time.time() - t0:.0f}s); "
-             f"{_describe(sft_breakdown)}")
+        rollouts = demo_rollouts(run, policy, setup, executor)
+        sft_acc, sft_trajs, sft_breakdown = evaluate(rollouts, data["eval_rows"], "after SFT")
 
-        # ---- 3. GRPO-RoC ------------------------------------------------------------------------------
         rl_dir = os.path.join(workdir, "rl")
         t0 = time.time()
-        rl_run = dataclasses.replace(run, data=dataclasses.replace(run.data, train_path=rl_path),
-                                     checkpoint=dataclasses.replace(run.checkpoint, init_from=""))
-        trainer = run_rl(rl_run, rl_dir, rollout_fn=rollouts, model=policy,
+        trainer = run_rl(rl_run_for_demo(run, setup.rl_path), rl_dir, rollout_fn=rollouts, model=policy,
                          on_update=lambda tr: rollouts.update_params(tr.model()))
         rl_seconds = time.time() - t0
         _say(f"RL: {trainer.step} GRPO-{'RoC' if run.rl.roc else 'plain'} steps ({rl_seconds:.0f}s)")
 
-        # ---- 4. held-out accuracy after RL ----------------------------------------------------------------
         rollouts.update_params(trainer.model())
-        rl_acc, rl_trajs = greedy_accuracy(rollouts, data["eval_rows"], policy_version=trainer.step)
-        rl_breakdown = accuracy_breakdown(data["eval_rows"], rl_trajs)
-        _say(f"held-out greedy accuracy after RL: {100 * rl_acc:.1f}%; {_describe(rl_breakdown)}")
+        rl_acc, rl_trajs, rl_breakdown = evaluate(rollouts, data["eval_rows"], "after RL", trainer.step)
     finally:
         executor.close()
 
     _write_eval_samples(os.path.join(workdir, "heldout_samples.jsonl"), data["eval_rows"], sft_trajs, rl_trajs)
     if run.demo.export_hf:
-        save_hf(trainer.model(), os.path.join(workdir, "hf"), tokenizer=tokenizer)
+        save_hf(trainer.model(), os.path.join(workdir, "hf"), tokenizer=setup.tokenizer)
     summary = {
         "sft_accuracy": sft_acc,
         "rl_accuracy": rl_acc,
         "num_eval_problems": len(data["eval_rows"]),
-        "wall_seconds": time.time() - t_start,
+        "wall_seconds": time.time() - setup.t_start,
         "sft_steps": sft_summary["steps"],
+        "sft_seconds": sft_summary["seconds"],
         "rl_steps": trainer.step,
         "rl_seconds": rl_seconds,
         "roc": bool(run.rl.roc),
         "seed": int(run.seed),
         "sft": sft_breakdown,
         "rl": rl_breakdown,
+        "provenance": setup.provenance,
     }
     try:
         summary["plots"] = report.render(workdir)

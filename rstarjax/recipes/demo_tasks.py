@@ -29,6 +29,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
+from rstarjax.env import classify_tool_error, format_tool_response
 from rstarjax.protocol import TOOL_NAME
 
 TASK_KINDS = ("multiply", "modpow", "count_divisible", "digit_sum_power")
@@ -43,6 +44,10 @@ class DemoTask:
     answer: str
     code: str  # a program that prints the answer (what the SFT trace's tool call runs)
     reason: str  # the trace's opening <reason> text
+    # A plausible first program that fails when run (a missing import, a float overflow) and the
+    # fix a programmer writes after reading its traceback: the recovery traces' two tool calls.
+    buggy_code: str = ""
+    fixed_code: str = ""
 
     def as_row(self) -> dict[str, str]:
         return {"problem": self.problem, "answer": self.answer}
@@ -65,7 +70,8 @@ def _draw(rng: random.Random, make: Callable[[random.Random], DemoTask], answer_
 
 def _multiply_once(rng: random.Random) -> DemoTask:
     a, b = rng.randint(3163, 9999), rng.randint(3163, 9999)  # 4 x 4 digits, product 8 digits
-    return DemoTask("multiply", f"Compute {a} * {b}.", str(a * b), f"print({a} * {b})", "Multiply in Python.")
+    return DemoTask("multiply", f"Compute {a} * {b}.", str(a * b), f"print({a} * {b})", "Multiply in Python.",
+                    buggy_code=f"print(prod([{a}, {b}]))", fixed_code=f"from math import prod\nprint(prod([{a}, {b}]))")
 
 
 def _multiply(rng: random.Random) -> DemoTask:
@@ -77,6 +83,8 @@ def _modpow_once(rng: random.Random) -> DemoTask:
     return DemoTask(
         "modpow", f"Compute {base}^{exp} mod {mod}.", str(pow(base, exp, mod)),
         f"print(pow({base}, {exp}, {mod}))", "Use pow in Python.",
+        buggy_code=f"import math\nprint(int(math.pow({base}, {exp})) % {mod})",  # OverflowError
+        fixed_code=f"print(pow({base}, {exp}, {mod}))",
     )
 
 
@@ -96,6 +104,9 @@ def _count_divisible_once(rng: random.Random) -> DemoTask:
         str(answer),
         f"print(sum(1 for k in range(1, {n} + 1) if k % {a} == 0 or k % {b} == 0))",
         "Count them in Python.",
+        # inclusion-exclusion without its import: NameError: name 'lcm' is not defined
+        buggy_code=f"print({n} // {a} + {n} // {b} - {n} // lcm({a}, {b}))",
+        fixed_code=f"from math import lcm\nprint({n} // {a} + {n} // {b} - {n} // lcm({a}, {b}))",
     )
 
 
@@ -111,6 +122,8 @@ def _digit_sum_power_once(rng: random.Random) -> DemoTask:
         str(sum(int(d) for d in str(base**exp))),
         f"print(sum(int(d) for d in str({base} ** {exp})))",
         "Sum the digits in Python.",
+        buggy_code=f"print(sum(str({base} ** {exp})))",  # TypeError: int + str
+        fixed_code=f"print(sum(int(d) for d in str({base} ** {exp})))",
     )
 
 
@@ -276,32 +289,103 @@ def answers_in_head(task: DemoTask, in_head_fraction: Mapping[str, float], seed:
     return int.from_bytes(digest[:8], "big") / 2.0**64 < p
 
 
+FIX_REASON = "Fix the error."
+
+
+def recovery_trace(task: DemoTask, error_output: str, fixed_output: str) -> list[dict]:
+    """OpenAI-style messages of a first attempt that fails and its fix (paper Fig. 2's pattern):
+    question, reason + the buggy program, its traceback, reason + the fixed program, its output,
+    reason + boxed answer (taken from the fixed program's output)."""
+    def call(code: str) -> list[dict]:
+        return [{"type": "function", "function": {"name": TOOL_NAME, "arguments": {"code": code, "input": ""}}}]
+
+    result = fixed_output.strip()
+    return [
+        {"role": "user", "content": task.problem},
+        {"role": "assistant", "content": f"<reason>{task.reason}</reason>", "tool_calls": call(task.buggy_code)},
+        {"role": "tool", "content": error_output},
+        {"role": "assistant", "content": f"<reason>{FIX_REASON}</reason>", "tool_calls": call(task.fixed_code)},
+        {"role": "tool", "content": fixed_output},
+        {"role": "assistant",
+         "content": f"<reason>The code printed {result}.</reason><answer>\\boxed{{{result}}}</answer>"},
+    ]
+
+
+def recovers(task: DemoTask, recover_fraction: Mapping[str, float], seed: int = 0) -> bool:
+    """Whether `task`'s SFT trace opens with its buggy program: a stable coin per (problem text,
+    seed), independent of `answers_in_head`'s, with probability `recover_fraction[task.kind]`."""
+    p = float(recover_fraction.get(task.kind, 0.0))
+    digest = hashlib.sha256(f"recover-{seed}-{task.problem}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64 < p
+
+
+# (program texts) -> per program (it failed, the text the agent loop shows the model)
+ErrorRunner = Callable[[Sequence[str]], list[tuple[bool, str]]]
+
+
+def sandbox_error_runner(executor) -> ErrorRunner:
+    """Runs programs in the RL sandbox (an ``rstarjax.env.CodeExecutor``) and returns each one's
+    tool response exactly as a rollout formats it: the recovery traces' tracebacks are the ones
+    the policy meets at RL time."""
+    def run(codes: Sequence[str]) -> list[tuple[bool, str]]:
+        results = executor.run_batch(list(codes)) if codes else []
+        return [(classify_tool_error(r) is not None, format_tool_response(r)) for r in results]
+
+    return run
+
+
+def _validate_shares(name: str, shares: Mapping[str, float]) -> None:
+    unknown = sorted(set(shares) - set(GENERATORS))
+    if unknown:
+        raise ValueError(f"{name} names unknown task kinds {unknown}; choose from {TASK_KINDS}")
+    if any(not 0.0 <= float(p) <= 1.0 for p in shares.values()):
+        raise ValueError(f"{name} values must be in [0, 1], got {dict(shares)}")
+
+
 def make_sft_traces(
     tasks: Sequence[DemoTask],
     runner: Callable[[Sequence[str]], list[str]] = run_programs,
     in_head_fraction: Mapping[str, float] | None = None,
     seed: int = 0,
+    recover_fraction: Mapping[str, float] | None = None,
+    error_runner: ErrorRunner | None = None,
 ) -> list[list[dict]]:
     """Runs every task's code (default: a child process; pass e.g. a wrapper around
     rstarjax.env.CodeExecutor to use the RL sandbox) and keeps only traces whose tool output is
     the task's answer (a failed run never becomes training data). With `in_head_fraction`
     ({kind: probability}), that share of a kind's traces answers in the head instead
-    (`in_head_trace`, with the generator's answer; no code runs for it). Order is kept."""
+    (`in_head_trace`, with the generator's answer; no code runs for it). With `recover_fraction`
+    ({kind: probability}), that share of a kind's tool traces opens with the task's buggy program,
+    shows the traceback `error_runner` got for it (required then; `sandbox_error_runner`), and
+    fixes it (`recovery_trace`); kept only if the first program really failed and the fix prints
+    the answer. Order is kept."""
     shares = dict(in_head_fraction or {})
-    unknown = sorted(set(shares) - set(GENERATORS))
-    if unknown:
-        raise ValueError(f"in_head_fraction names unknown task kinds {unknown}; choose from {TASK_KINDS}")
-    if any(not 0.0 <= float(p) <= 1.0 for p in shares.values()):
-        raise ValueError(f"in_head_fraction values must be in [0, 1], got {shares}")
+    recover = dict(recover_fraction or {})
+    _validate_shares("in_head_fraction", shares)
+    _validate_shares("recover_fraction", recover)
+    no_bug = sorted(k for k, p in recover.items() if float(p) > 0 and not GENERATORS[k](random.Random(0)).buggy_code)
+    if no_bug:
+        raise ValueError(f"recover_fraction names kinds without a buggy program: {no_bug}")
     in_head = [answers_in_head(t, shares, seed) for t in tasks]
-    tool_tasks = [t for t, head in zip(tasks, in_head) if not head]
-    outputs = iter(runner([t.code for t in tool_tasks]))
+    recovering = [not head and recovers(t, recover, seed) for t, head in zip(tasks, in_head)]
+    if any(recovering) and error_runner is None:
+        raise ValueError("recover_fraction needs an error_runner (e.g. sandbox_error_runner(CodeExecutor()))")
+    # the program whose output becomes the answer: the fix in a recovery trace, else the code
+    outputs = iter(runner([t.fixed_code if rec else t.code for t, head, rec in zip(tasks, in_head, recovering)
+                           if not head]))
+    errors = iter(error_runner([t.buggy_code for t, rec in zip(tasks, recovering) if rec]) if any(recovering) else [])
     traces = []
-    for t, head in zip(tasks, in_head):
+    for t, head, rec in zip(tasks, in_head, recovering):
         if head:
             traces.append(in_head_trace(t))
             continue
         out = next(outputs)
-        if out.strip() == t.answer:
+        if out.strip() != t.answer:
+            continue
+        if not rec:
             traces.append(sft_trace(t, out))
+            continue
+        failed, error_text = next(errors)
+        if failed:
+            traces.append(recovery_trace(t, error_text, out))
     return traces

@@ -50,12 +50,13 @@ from flax import nnx
 
 from rstarjax.env import ToolCallError, classify_tool_error, format_tool_response, parse_tool_call
 from rstarjax.models.chat_template import RSTAR2, ChatFormat, encode_prompt, encode_tool_response_turn
+from rstarjax.models.config import DTYPES
 from rstarjax.protocol import ANSWER_OPEN, STOP_TOKENS
 from rstarjax.rl.trajectory import FinishReason, Segment, SegmentKind, Trajectory
 from rstarjax.serving.engine import DoneReason, Engine
 from rstarjax.serving.sampling import SamplingParams
 from rstarjax.serving.scheduler import CallTool, Extend, Finish, RolloutScheduler
-from rstarjax.validation import require
+from rstarjax.validation import one_of, require
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +102,18 @@ class ServingConfig:
     admit_reserve_fraction: float = 0.125
     decode_steps: int = 16  # decode steps per device call (one host sync each)
     prefill_chunk: int = 2048  # longest feed per forward row; longer ones go in chunks
+
+    def __post_init__(self):
+        at_least_one = [(getattr(self, n) >= 1, f"{n}={getattr(self, n)} must be >= 1")
+                        for n in ("page_size", "decode_steps", "prefill_chunk")]
+        require(*at_least_one,
+                (self.kv_pages >= 0, f"kv_pages={self.kv_pages} must be >= 0 (0 = sized from kv_memory_fraction)"),
+                (0.0 < self.kv_memory_fraction <= 1.0,
+                 f"kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1]"),
+                (self.num_slots >= 0, f"num_slots={self.num_slots} must be >= 0 (0 = the engine's default)"),
+                (self.admit_reserve_fraction >= 0.0,
+                 f"admit_reserve_fraction={self.admit_reserve_fraction} must be >= 0 (1.0 never preempts)"),
+                one_of("dtype", self.dtype, ("", *DTYPES)))
 
     def engine_options(self, max_len: int, num_slots: int | None = None) -> dict:
         """``Engine`` keyword arguments for rollouts of up to ``max_len`` tokens; ``num_slots``
