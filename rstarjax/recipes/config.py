@@ -114,6 +114,18 @@ class DistributedConfig:
     auto: bool = False  # True: jax.distributed.initialize() finds the cluster itself
     timeout_s: int = 300
 
+    def __post_init__(self):
+        n, i, address = self.num_processes, self.process_id, self.coordinator_address
+        host, _, port = address.rpartition(":")
+        explicit = n > 1 or i != 0 or bool(address)
+        require((n >= 1, f"num_processes={n} must be >= 1"),
+                (0 <= i < max(n, 1), f"process_id={i} must be in [0, num_processes={n})"),
+                (not (self.auto and explicit), "auto=True finds the processes, ids and coordinator itself "
+                 "(TPU pods, SLURM, Open MPI): drop num_processes / process_id / coordinator_address"),
+                (n <= 1 or self.auto or (bool(host) and port.isdigit()),
+                 f"coordinator_address={address!r}: with num_processes={n} give process 0's HOST:PORT"),
+                (self.timeout_s >= 1, f"timeout_s={self.timeout_s} must be >= 1"))
+
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
