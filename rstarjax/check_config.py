@@ -27,11 +27,16 @@ def config_from_argv(argv: Sequence[str]):
     if moved:
         raise ConfigError("\n".join(f"{a}: was replaced: use {RENAMED[a[len('--config.'):].split('=')[0]]}"
                                     for a in moved))
+    argv = ["rstarjax.main", *argv]
     fv = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", None, "configs/<preset>.py[:mode]", flag_values=fv, lock_config=True)
+    # sys_argv: config_flags finds the --config.KEY overrides there (by default in sys.argv)
+    config_flags.DEFINE_config_file("config", None, "configs/<preset>.py[:mode]", flag_values=fv, lock_config=True,
+                                    sys_argv=argv)
     flags.DEFINE_string("workdir", None, "ignored here", flag_values=fv)
     try:
-        rest = fv(["rstarjax.main", *argv])
+        rest = fv(argv)
+    except OSError as e:  # a config file config_flags could not load, met by an override
+        raise ConfigError("--config: cannot load the config file: " + str(e).strip().splitlines()[-1].strip()) from e
     except (flags.Error, KeyError, AttributeError, TypeError, ValueError) as e:
         raise ConfigError(f"the command line does not parse: {type(e).__name__}: {e} "
                           "(a --config.KEY that the config does not have, or a value of the wrong type)") from e
