@@ -10,6 +10,7 @@
 import glob
 import importlib.util
 import json
+import re
 import os
 import struct
 import subprocess
@@ -163,3 +164,46 @@ def test_offline_wandb_logs_what_tensorboard_logs_plus_the_config(tmp_path, monk
     config = {i.key: json.loads(i.value_json) for i in run.config.update}
     assert config["rl"]["group_size"] == 2 and config["total_steps"] == 2 and config["mode"] == "rl"
     assert config["logging"]["wandb"] is True and config["workdir"] == os.path.abspath(workdir)
+
+
+# ------------------------------------------------------------------ docs/metrics.md covers every key
+NAMESPACES = ("rollout", "rollout_all", "roc", "filter", "dynamic_sampling", "train", "time", "perf", "timing", "sft")
+KEY_LITERAL = re.compile(r"""["']((?:%s)/[a-z0-9_]+)["']""" % "|".join(NAMESPACES))
+
+
+def logged_keys() -> set[str]:
+    """Every metric key the code can log: string literals of the namespaces in the package, and
+    the keys the metric functions compute (every loss option on)."""
+    import jax.numpy as jnp
+
+    from rstarjax.rl import loss as loss_lib
+    from rstarjax.rl import metrics as M
+    from rstarjax.serving.scheduler import ScheduleStats, SliceStats
+    from test_trainer import _traj
+
+    keys = set()
+    for path in glob.glob(os.path.join(ROOT, "rstarjax", "**", "*.py"), recursive=True):
+        keys |= set(KEY_LITERAL.findall(open(path).read()))
+    trajs = [_traj(1.0, 2, 1, 1, group=0), _traj(0.0, 0, 0, 0, group=0)]
+    for prefix in ("rollout/", "rollout_all/"):  # as rl.step logs them
+        keys |= set(M.rollout_metrics(trajs, prefix))
+    keys |= set(M.group_metrics(trajs, "rollout_all/"))
+    keys |= set(M.roc_metrics(trajs, trajs[:1])) | set(M.throughput_metrics(10, {"rollout": 1.0, "prepare": 1.0,
+                                                                                  "train": 1.0}))
+    keys |= {f"timing/rollout_{k}" for k in ScheduleStats(1.0, [SliceStats()]).as_dict()}
+    x = jnp.zeros((1, 4))
+    cfg = loss_lib.LossConfig(kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0, dual_clip_c=3.0)
+    _, loss_metrics = loss_lib.policy_loss(x, x, x + 1, x + 1, 4.0, cfg, ref_logprobs=x, rollout_logprobs=x, entropy=x)
+    keys |= {f"train/{k}" for k in [*loss_metrics, "loss", "grad_norm", "tokens"]}  # + the update's own three
+    return keys
+
+
+def test_docs_metrics_lists_every_logged_key():
+    doc = open(os.path.join(ROOT, "docs", "metrics.md")).read()
+    documented = set(re.findall(r"`([a-z0-9_/]+)`", doc))
+    keys = logged_keys()
+    assert {"rollout/reward_mean", "train/clip_frac_high", "timing/rollout_makespan_s", "time/step",
+            "train/kl_ref", "sft/loss", "rollout/tool_call_rate"} <= keys  # the collection works
+    missing = sorted(k for k in keys if k not in documented
+                     and not (k.split("/", 1)[0] in ("rollout", "rollout_all") and k.split("/", 1)[1] in documented))
+    assert not missing, f"docs/metrics.md does not describe: {missing}"
