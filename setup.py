@@ -25,13 +25,16 @@ BASE = [
 
 EXTRAS = {
     # torch is pinned: on the project machines 2.13.0 installs from a local CPU wheel.
-    "test": ["pytest", "torch==2.13.0", "transformers", "tokenizers", "pyarrow"],
+    # wandb is in "test" so CI runs the offline W&B test (tests/test_wandb.py; it needs no network)
+    "test": ["pytest", "torch==2.13.0", "transformers", "tokenizers", "pyarrow", "wandb"],
     "cuda": ["jax[cuda13]"],
     "cuda12": ["jax[cuda12]"],
     "rocm": ["jax[rocm7-local]"],  # needs a local ROCm 7 install (AMD MI300X); see README
     "tpu": ["jax[tpu]"],
     # google-jetstream pulls TensorFlow: never part of the base install.
     "jetstream": ["google-jetstream"],
+    # Weights & Biases logging (--config.logging.wandb=True); the base install never imports it
+    "wandb": ["wandb"],
 }
 
 setup(

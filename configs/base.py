@@ -139,6 +139,12 @@ def get_config(arg=None):
     c.logging = ml_collections.ConfigDict()
     c.logging.tensorboard = True
     c.logging.progress_bar = True
+    # Weights & Biases (pip install -e ".[wandb]"): the same scalars as TensorBoard, plus the config
+    c.logging.wandb = False
+    c.logging.wandb_project = "rstarjax"
+    c.logging.wandb_entity = ""  # "" = the logged-in user's default entity
+    c.logging.wandb_name = ""  # "" = the workdir's name
+    c.logging.wandb_tags = ""  # comma-separated; the mode is always added
 
     # ---- stage-3 difficulty filter (§4.3) -----------------------------------------------------------
     c.filter = ml_collections.ConfigDict()

@@ -218,6 +218,7 @@ def test_rollout_metrics_by_hand():
     assert m["model_tokens_mean"] == pytest.approx(6.0)
     assert m["truncation_ratio"] == pytest.approx(1 / 3)
     assert m["tool_calls_mean"] == pytest.approx(2.0)
+    assert m["tool_call_rate"] == pytest.approx(2 / 3)  # the second response made no call
     assert m["tool_error_ratio"] == pytest.approx(3 / 6)
     assert m["tool_error_ratio_positive"] == pytest.approx(1 / 4)  # Fig. 4: positives only
     assert m["format_violation_ratio"] == pytest.approx(2 / 3)  # 0 tags and 2 tags

@@ -13,6 +13,7 @@ one line each, naming the flag that fixes it. No rule is written twice.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from collections.abc import Mapping
 
@@ -114,13 +115,36 @@ class DistributedConfig:
     auto: bool = False  # True: jax.distributed.initialize() finds the cluster itself
     timeout_s: int = 300
 
+    def __post_init__(self):
+        n, i, address = self.num_processes, self.process_id, self.coordinator_address
+        host, _, port = address.rpartition(":")
+        explicit = n > 1 or i != 0 or bool(address)
+        require((n >= 1, f"num_processes={n} must be >= 1"),
+                (0 <= i < max(n, 1), f"process_id={i} must be in [0, num_processes={n})"),
+                (not (self.auto and explicit), "auto=True finds the processes, ids and coordinator itself "
+                 "(TPU pods, SLURM, Open MPI): drop num_processes / process_id / coordinator_address"),
+                (n <= 1 or self.auto or (bool(host) and port.isdigit()),
+                 f"coordinator_address={address!r}: with num_processes={n} give process 0's HOST:PORT"),
+                (self.timeout_s >= 1, f"timeout_s={self.timeout_s} must be >= 1"))
+
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
-    """The ``logging`` section."""
+    """The ``logging`` section: WORKDIR/logs/metrics.jsonl always; TensorBoard and Weights & Biases
+    receive the same scalars (docs/metrics.md lists them)."""
 
     tensorboard: bool = True
     progress_bar: bool = True
+    wandb: bool = False  # also log to Weights & Biases (the optional [wandb] extra); WANDB_MODE=offline works
+    wandb_project: str = "rstarjax"
+    wandb_entity: str = ""  # "" = the logged-in user's default entity
+    wandb_name: str = ""  # the run's name; "" = the workdir's name
+    wandb_tags: str = ""  # comma-separated; the mode (rl, sft, ...) is always added
+
+    def __post_init__(self):
+        require((not self.wandb or bool(self.wandb_project), "wandb_project is empty: name a W&B project"),
+                (not self.wandb or importlib.util.find_spec("wandb") is not None,
+                 'wandb=True needs the wandb package: pip install -e ".[wandb]" (or set --config.logging.wandb=False)'))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,6 +326,20 @@ def parse(config, num_devices: int | None = None, num_processes: int = 1) -> Run
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     return run
+
+
+def wandb_init_args(run: RunConfig, workdir: str) -> dict | None:
+    """``wandb.init``'s arguments for this run, or None when ``logging.wandb`` is off: the project,
+    entity, run name (default: the workdir's name), tags (the mode, then ``logging.wandb_tags``)
+    and the whole typed config with the workdir."""
+    lg = run.logging
+    if not lg.wandb:
+        return None
+    workdir = os.path.abspath(workdir)
+    tags = [run.mode] + [t.strip() for t in lg.wandb_tags.split(",") if t.strip()]
+    return {"project": lg.wandb_project, "entity": lg.wandb_entity or None,
+            "name": lg.wandb_name or os.path.basename(workdir), "tags": list(dict.fromkeys(tags)),
+            "config": {**dataclasses.asdict(run), "workdir": workdir}}
 
 
 def _require_file(path: str, flag: str, what: str) -> list[str]:

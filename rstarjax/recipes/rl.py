@@ -21,7 +21,7 @@ from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import data as data_lib
 from rstarjax.io.metrics_log import MetricsWriter
 from rstarjax.recipes import build
-from rstarjax.recipes.config import RunConfig
+from rstarjax.recipes.config import RunConfig, wandb_init_args
 from rstarjax.rl.step import rl_step
 from rstarjax.rl.trainer import Trainer, TrainState
 from rstarjax.rl.trajectory import RolloutFn
@@ -198,7 +198,8 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
                     "data_seed": data_seed, "stage_total_steps": run.total_steps, **export_meta}
 
     is_main = jax.process_index() == 0
-    writer = MetricsWriter(os.path.join(workdir, "logs"), enabled=is_main, tensorboard=run.logging.tensorboard)
+    writer = MetricsWriter(os.path.join(workdir, "logs"), enabled=is_main, tensorboard=run.logging.tensorboard,
+                           wandb=wandb_init_args(run, workdir))
     start = trainer.step
     if start >= run.total_steps and is_main:
         print(f"rstarjax: {workdir} is already at global step {start} >= total_steps={run.total_steps}: "

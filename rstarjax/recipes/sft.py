@@ -35,7 +35,7 @@ from rstarjax.io.metrics_log import MetricsWriter
 from rstarjax.models import chat_template as ct
 from rstarjax.models import save_hf
 from rstarjax.recipes import build
-from rstarjax.recipes.config import RunConfig, SFTConfig
+from rstarjax.recipes.config import RunConfig, SFTConfig, wandb_init_args
 from rstarjax.rl import loss as loss_lib
 from rstarjax.rl.batch import SEQUENCE_KEYS, pack_first_fit, place_rows
 from rstarjax.rl.optim import adamw, cosine_with_warmup
@@ -232,7 +232,8 @@ def run_sft(run: RunConfig, workdir: str) -> dict[str, Any]:
     conversations = load_conversations(run.sft.data_path)
     model = build.policy(run.model, mesh, run.seed, **build.vocabulary_of(tokenizer))
     with MetricsWriter(os.path.join(workdir, "logs"), enabled=jax.process_index() == 0,
-                       tensorboard=run.logging.tensorboard) as mw:  # where RL writes its metrics too
+                       tensorboard=run.logging.tensorboard,
+                       wandb=wandb_init_args(run, workdir)) as mw:  # where RL writes its metrics too
         trainer, summary = train_sft(
             model, tokenizer, conversations, run.sft, mesh=mesh, fmt=ct.chat_format(run.sft.chat_format),
             workdir=workdir, checkpoint_cfg=run.checkpoint, meta=build.model_meta(model, tokenizer),

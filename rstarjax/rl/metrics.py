@@ -56,6 +56,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory], prefix: str = "rollout/"
         "truncation_ratio": _mean([float(t.finish == FinishReason.MAX_LENGTH) for t in trajectories]),
         "turns_mean": _mean([t.turns for t in trajectories]),
         "tool_calls_mean": _mean(calls),
+        "tool_call_rate": _mean([float(c > 0) for c in calls]),  # share of responses that used the tool
         "tool_error_ratio": (sum(errors) / total_calls) if total_calls else 0.0,
         "tool_error_ratio_positive": positive_tool_error_ratio(trajectories),
         "format_violation_ratio": format_violation_ratio(trajectories),

@@ -1,0 +1,106 @@
+"""Check a launch command line before starting it on a cluster:
+``python -m rstarjax.check_config --devices=32 --processes=8 --config=configs/stage1.py --config.a.b=...``.
+
+The same ``--config`` arguments as ``rstarjax.main`` (parsed by the same flag library), checked by
+the same rules (``recipes.config.parse``), with the device and process counts of the cluster given
+instead of found: no accelerator, no ``jax.distributed`` and no model is touched, so it runs on a
+laptop or a login node (the paths it names must exist where it runs). Prints one line with the
+resolved mesh and batch layout, or every problem with the flag that fixes it (exit 2).
+docs/launch.md's commands are checked this way in the tests.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from absl import flags
+from ml_collections import config_flags
+
+from rstarjax.recipes.config import RENAMED, RunConfig, parse
+from rstarjax.validation import ConfigError
+
+
+def config_from_argv(argv: Sequence[str]):
+    """The ConfigDict that ``rstarjax.main`` would run for these arguments (``--config=FILE[:mode]``
+    and ``--config.KEY=VALUE`` overrides; ``--workdir`` accepted). Unknown flags or keys raise."""
+    moved = [a for a in argv if a.startswith("--config.") and a[len("--config."):].split("=")[0] in RENAMED]
+    if moved:
+        raise ConfigError("\n".join(f"{a}: was replaced: use {RENAMED[a[len('--config.'):].split('=')[0]]}"
+                                    for a in moved))
+    argv = ["rstarjax.main", *argv]
+    fv = flags.FlagValues()
+    # sys_argv: config_flags finds the --config.KEY overrides there (by default in sys.argv)
+    config_flags.DEFINE_config_file("config", None, "configs/<preset>.py[:mode]", flag_values=fv, lock_config=True,
+                                    sys_argv=argv)
+    flags.DEFINE_string("workdir", None, "ignored here", flag_values=fv)
+    try:
+        rest = fv(argv)
+    except OSError as e:  # a config file config_flags could not load, met by an override
+        raise ConfigError("--config: cannot load the config file: " + str(e).strip().splitlines()[-1].strip()) from e
+    except (flags.Error, KeyError, AttributeError, TypeError, ValueError) as e:
+        raise ConfigError(f"the command line does not parse: {type(e).__name__}: {e} "
+                          "(a --config.KEY that the config does not have, or a value of the wrong type)") from e
+    if len(rest) > 1:
+        raise ConfigError(f"unexpected arguments: {rest[1:]}")
+    try:  # config_flags reports a config file it could not load only when the config is used
+        config = fv.config
+        if config is None:
+            raise ConfigError("--config=configs/<preset>.py is required")
+        config.get("mode")
+    except OSError as e:
+        raise ConfigError("--config: cannot load the config file: " + str(e).strip().splitlines()[-1].strip()) from e
+    return config
+
+
+def check(argv: Sequence[str], num_devices: int, num_processes: int | None = None) -> RunConfig:
+    """The typed config of a launch command line on ``num_devices`` devices in ``num_processes``
+    processes (default: ``distributed.num_processes``); ConfigError lists every problem."""
+    config = config_from_argv(argv)
+    dist = parse(config).distributed
+    if num_processes is None:
+        num_processes = dist.num_processes
+    elif dist.num_processes > 1 and num_processes != dist.num_processes:
+        raise ConfigError(f"--config.distributed.num_processes={dist.num_processes} but the cluster has "
+                          f"{num_processes} processes")
+    if num_devices < num_processes or num_devices % num_processes:
+        raise ConfigError(f"{num_devices} devices do not split evenly over {num_processes} processes")
+    return parse(config, num_devices, num_processes)
+
+
+def describe(run: RunConfig, num_devices: int, num_processes: int) -> str:
+    mesh = run.mesh.resolved(num_devices)
+    line = (f"ok: mode={run.mode} on {num_devices} devices in {num_processes} process(es); mesh "
+            + " ".join(f"{k}={v}" for k, v in mesh.items()))
+    if run.mode in ("rl", "demo"):
+        rows = run.rl.prompts_per_step * run.rl.group_size
+        micro = run.trainer.micro_batch_size or rows // run.trainer.mini_batches
+        line += (f"; {rows} rows per step, micro-batches of {micro} rows "
+                 f"({micro // (mesh['data'] * mesh['fsdp'])} per device)")
+    return line
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    counts = {"--devices": None, "--processes": None}
+    rest = []
+    for arg in argv:
+        name, _, value = arg.partition("=")
+        if name in counts:
+            counts[name] = int(value)
+        else:
+            rest.append(arg)
+    if counts["--devices"] is None:
+        print("usage: python -m rstarjax.check_config --devices=N [--processes=P] --config=FILE "
+              "[--config.KEY=VALUE ...]", file=sys.stderr)
+        return 2
+    try:
+        run = check(rest, counts["--devices"], counts["--processes"])
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(describe(run, counts["--devices"], counts["--processes"] or run.distributed.num_processes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
