@@ -57,9 +57,12 @@ def _tiny_hf_model(path):
     from rstarjax.models import ModelConfig, Qwen3, load_tokenizer, save_hf
 
     tok = load_tokenizer(TOKENS)
+    # Untied: a tiny random model with tied embeddings greedily repeats its last input token,
+    # which would hide a token shifted by one.
     cfg = ModelConfig.preset("tiny", vocab_size=tok.vocab_size, bos_token_id=tok.endoftext_id,
-                             eos_token_id=tok.eos_id, max_position_embeddings=2 * MAX_LEN)
-    save_hf(Qwen3(cfg, rngs=nnx.Rngs(3)), path, tokenizer=tok)
+                             eos_token_id=tok.eos_id, max_position_embeddings=2 * MAX_LEN,
+                             tie_word_embeddings=False)
+    save_hf(Qwen3(cfg, rngs=nnx.Rngs(0)), path, tokenizer=tok)
     return tok
 
 
@@ -140,6 +143,7 @@ def test_jetstream_server_greedy_matches_generate(tmp_path):
                     vocab_limit=tok.num_tokens)
     expected = [_client_view(c, stops) for c in refs]
     assert refs[0].finish == "stop" and len(expected[0]) <= MAX_TOKENS // 2
+    assert sum(len(set(e)) > 3 for e in expected) >= 4, expected  # varied, not one token repeated
 
     port = _free_port()
     log_path = str(tmp_path / "server.log")
