@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated stop ids (default: <|im_end|>,<|endoftext|>)")
     p.add_argument("--threads", type=int, default=0, help="gRPC worker threads (default: JetStream's)")
     p.add_argument("--prometheus_port", type=int, default=0, help="JetStream's metrics server (0: off)")
+    p.add_argument("--log_level", default="WARNING",
+                   help="root log level (JetStream's orchestrator sets DEBUG: a line per step)")
     return p
 
 
@@ -94,10 +96,14 @@ def build_engine(args, model, tokenizer, tokenizer_path: str = ""):
                            tokenizer_path=tokenizer_path)
 
 
-def start_server(adapter, port: int, threads: int = 0, prometheus_port: int = 0):
+def start_server(adapter, port: int, threads: int = 0, prometheus_port: int = 0,
+                 log_level: str = "WARNING"):
     """JetStream's gRPC server and orchestrator on ``adapter`` (interleaved mode, one device);
     returns the running ``server_lib.JetStreamServer`` (``.stop()``, ``.wait_for_termination()``)."""
     from jetstream.core import config_lib, server_lib
+
+    # Importing the orchestrator set the root logger to DEBUG; put the caller's level back.
+    logging.getLogger().setLevel(log_level.upper())
 
     from rstarjax.serving.jetstream_engine import patch_jetstream_for_current_jax
 
@@ -117,14 +123,13 @@ def main(argv=None) -> int:
     except ImportError:
         print(_INSTALL_HINT, file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.WARNING)
     try:
         model, tok, tok_path = load_policy(args)
         adapter = build_engine(args, model, tok, tok_path)
     except (FileNotFoundError, ValueError) as e:
         print(f"serve failed: {e}", file=sys.stderr)
         return 2
-    server = start_server(adapter, args.port, args.threads, args.prometheus_port)
+    server = start_server(adapter, args.port, args.threads, args.prometheus_port, args.log_level)
     print(json.dumps({"serving": args.hf_path or args.checkpoint, "port": args.port,
                       "num_slots": adapter.max_concurrent_decodes,
                       "max_prefill_length": adapter.max_prefill_length,

@@ -51,6 +51,38 @@ def test_serve_without_the_extra_says_how_to_install(tmp_path):
     assert 'pip install -e ".[jetstream]"' in r.stderr
 
 
+def test_serve_loads_a_training_checkpoint(tmp_path):
+    """``--checkpoint`` serves the params a run saved (the export's loader), its tokenizer too."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.models import ModelConfig, Qwen3, load_tokenizer
+    from rstarjax.models.sharding import make_mesh
+    from rstarjax.recipes.build import model_meta
+    from rstarjax.rl.loss import LossConfig
+    from rstarjax.rl.optim import OptimConfig
+    from rstarjax.rl.trainer import Trainer, TrainerConfig
+    from rstarjax.serve import build_parser, load_policy
+
+    tok = load_tokenizer(TOKENS)
+    cfg = ModelConfig.preset("tiny", vocab_size=tok.vocab_size, dtype=jnp.float32,
+                             bos_token_id=tok.endoftext_id, eos_token_id=tok.eos_id)
+    trainer = Trainer(Qwen3(cfg, rngs=nnx.Rngs(5)), OptimConfig(), LossConfig(), TrainerConfig(),
+                      mesh=make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    saved = trainer.model()
+    with ckpt_lib.Checkpointer(str(tmp_path / "ckpt"), ckpt_lib.CheckpointConfig(async_save=False)) as c:
+        c.save(4, trainer.state, model_meta(saved, tok))
+    model, loaded_tok, _ = load_policy(build_parser().parse_args(["--checkpoint", str(tmp_path / "ckpt")]))
+    assert loaded_tok.num_regular_tokens == TOKENS
+    want, got = nnx.state(saved, nnx.Param), nnx.state(model, nnx.Param)
+    assert jax.tree.structure(want) == jax.tree.structure(got)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def _tiny_hf_model(path):
     from flax import nnx
 
