@@ -32,7 +32,7 @@ EXTRAS = {
     "rocm": ["jax[rocm7-local]"],  # needs a local ROCm 7 install (AMD MI300X); see README
     "tpu": ["jax[tpu]"],
     # google-jetstream pulls TensorFlow: never part of the base install.
-    "jetstream": ["google-jetstream"],
+    "jetstream": ["google-jetstream==0.2.2"],  # the Engine API serving/jetstream_engine.py implements
     # Weights & Biases logging (--config.logging.wandb=True); the base install never imports it
     "wandb": ["wandb"],
 }

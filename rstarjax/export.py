@@ -45,10 +45,10 @@ def resolve_model_config(checkpoint_dir: str, meta: dict, model_config: str | No
                      "--model_config path/to/config.json (the base model's) or --preset NAME")
 
 
-def export_checkpoint(checkpoint_dir: str, out_dir: str, step: int | None = None, model_config: str | None = None,
-                      preset: str | None = None, dtype: str | None = None, tokenizer_num_regular_tokens: int | None = None
-                      ) -> dict:
-    """Write ``out_dir`` from the checkpoint's params; returns what was exported."""
+def load_checkpoint(checkpoint_dir: str, step: int | None = None, model_config: str | None = None,
+                    preset: str | None = None, tokenizer_num_regular_tokens: int | None = None):
+    """The policy (float32) and tokenizer of a checkpoint's params, and what was read:
+    ``(model, tokenizer, {"step", "config_source", "num_params"})``."""
     if not os.path.isdir(checkpoint_dir):
         raise FileNotFoundError(f"checkpoint directory {checkpoint_dir!r} does not exist")
     ckpt = ckpt_lib.Checkpointer(checkpoint_dir, ckpt_lib.CheckpointConfig(async_save=False))
@@ -80,8 +80,18 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, step: int | None = None
     if tokenizer.num_tokens > cfg.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.num_tokens} tokens but the model only {cfg.vocab_size} rows; "
                          "pass --tokenizer_num_regular_tokens")
+    return model, tokenizer, {"step": step, "config_source": source, "num_params": cfg.num_params}
+
+
+def export_checkpoint(checkpoint_dir: str, out_dir: str, step: int | None = None, model_config: str | None = None,
+                      preset: str | None = None, dtype: str | None = None, tokenizer_num_regular_tokens: int | None = None
+                      ) -> dict:
+    """Write ``out_dir`` from the checkpoint's params; returns what was exported."""
+    model, tokenizer, info = load_checkpoint(checkpoint_dir, step, model_config, preset,
+                                             tokenizer_num_regular_tokens)
     save_hf(model, out_dir, tokenizer=tokenizer, dtype=jnp.dtype(dtype) if dtype else None)
-    return {"step": step, "out": out_dir, "config_source": source, "num_params": cfg.num_params}
+    return {"step": info["step"], "out": out_dir, "config_source": info["config_source"],
+            "num_params": info["num_params"]}
 
 
 def main(argv=None) -> int:
