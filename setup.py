@@ -25,7 +25,8 @@ BASE = [
 
 EXTRAS = {
     # torch is pinned: on the project machines 2.13.0 installs from a local CPU wheel.
-    "test": ["pytest", "torch==2.13.0", "transformers", "tokenizers", "pyarrow"],
+    "test": ["pytest", "torch==2.13.0", "transformers", "tokenizers", "pyarrow",
+             "nbclient", "ipykernel"],  # nbclient + ipykernel: tests/test_notebook.py runs the notebook
     "cuda": ["jax[cuda13]"],
     "cuda12": ["jax[cuda12]"],
     "rocm": ["jax[rocm7-local]"],  # needs a local ROCm 7 install (AMD MI300X); see README
