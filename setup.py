@@ -25,8 +25,10 @@ BASE = [
 
 EXTRAS = {
     # torch is pinned: on the project machines 2.13.0 installs from a local CPU wheel.
-    # wandb is in "test" so CI runs the offline W&B test (tests/test_wandb.py; it needs no network)
-    "test": ["pytest", "torch==2.13.0", "transformers", "tokenizers", "pyarrow", "wandb"],
+    # wandb: CI runs the offline W&B test (tests/test_wandb.py; it needs no network).
+    # nbclient + ipykernel: tests/test_notebook.py runs notebooks/quickstart.ipynb.
+    "test": ["pytest", "torch==2.13.0", "transformers", "tokenizers", "pyarrow", "wandb",
+             "nbclient", "ipykernel"],
     "cuda": ["jax[cuda13]"],
     "cuda12": ["jax[cuda12]"],
     "rocm": ["jax[rocm7-local]"],  # needs a local ROCm 7 install (AMD MI300X); see README
