@@ -2,6 +2,8 @@
 whose ``tensor`` axis spans 2, 4 or 8 of the simulated CPU devices gives the same tokens (exact)
 and log-probs (1e-4) as one device, through shared-prompt prefill, multi-step decode and
 ``extend`` after a tool call; and the weights and KV pages really are split Megatron-style."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from rstarjax.models.config import ModelConfig
 from rstarjax.models.qwen3 import Qwen3
 from rstarjax.serving import Engine, SamplingParams, StartRequest
+from rstarjax.serving import engine as engine_lib
 from rstarjax.serving.slices import slice_meshes
 
 MAX_LEN = 64
@@ -125,6 +128,37 @@ def test_tp8_slice_decodes_like_one_device(wide, reference):
     # Still split after prefill, decode, insert and extend (programs keep the layout).
     assert engine._k[0].sharding.spec == P("tensor")
     assert _shard_shape(engine.params.layers[1]["o_proj"]) == (q_dim // 8, d)
+
+
+def _decode_collectives(engine: Engine) -> dict[str, list[str]]:
+    """Result shapes of the collectives in the compiled decode program of 4 active rows."""
+    rows = jnp.arange(4, dtype=jnp.int32)
+    width, live = engine._decode_reads([], 1, 4)
+    lowered = engine_lib._decode_program.lower(
+        engine.cfg, engine.params, engine._k, engine._v, engine.init_decode_state(), rows,
+        jnp.asarray(engine._table[:, :width]), live, jnp.full((engine.decode_steps, 4), -1),
+        jnp.int32(1), jnp.int32(5), steps=engine.decode_steps, attention=engine.decode_attention,
+        vocab_limit=None, max_len=engine.max_len, kv_sharding=engine._kv_sharding)
+    hlo = lowered.compile().as_text()
+    return {op: [shape.split("{")[0] for shape in re.findall(rf"= (\S+) {op}(?:-start)?\(", hlo)]
+            for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute")}
+
+
+def test_tp8_decode_all_reduces_activations_never_gathers_weights(wide):
+    """What makes it tensor parallel: per layer one all-reduce of the hidden state after the
+    row-parallel o_proj and one after down_proj; no weight is gathered (only the small
+    vocabulary-split logits are, for sampling)."""
+    [mesh] = slice_meshes(jax.devices(), tensor_parallel=8)
+    engine = _engine(wide, mesh=mesh)
+    cfg = wide.config
+    ops = _decode_collectives(engine)
+    hidden = f"f32[4,1,{cfg.hidden_size}]"
+    assert ops["all-reduce"].count(hidden) == 2 * cfg.num_hidden_layers
+    weight_shapes = {x.shape for layer in engine.params.layers for x in layer.values()}
+    gathered = {tuple(int(d) for d in re.findall(r"\d+", s)) for s in ops["all-gather"]}
+    assert not gathered & weight_shapes
+    assert all(s.startswith(("f32[4,", "s32[4,", "pred[4,")) for s in ops["all-gather"])
+    assert not ops["all-to-all"] and not ops["collective-permute"]
 
 
 @pytest.mark.parametrize("tensor, kv_split", [(2, True), (4, False)])
