@@ -329,12 +329,12 @@ def test_colocated_rollouts_over_tensor_parallel_slices(tok, model, executor):
     same greedy trajectories as the one engine of ``tensor_parallel = 0``."""
     from rstarjax.rl.agent_loop import ColocatedRollouts, ServingConfig
 
-    agent = AgentConfig(max_turns=2, max_response_len=24)
+    agent = AgentConfig(max_turns=2, max_response_len=32)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
 
     def rollouts(**serving):
         return ColocatedRollouts(model, tokenizer=tok, executor=executor, agent=agent,
-                                 sampling=greedy, max_prompt_len=64, fmt=COMPACT, num_slots=4,
+                                 sampling=greedy, max_prompt_len=256, fmt=COMPACT, num_slots=4,
                                  serving=ServingConfig(**serving))
 
     records = [{"problem": "What is 6*7?", "answer": "42"}, {"problem": "1+1?", "answer": "2"}]

@@ -189,3 +189,5 @@ def test_slice_meshes_layout_and_errors():
         slice_meshes(devices, tensor_parallel=9, num_slices=0)
     with pytest.raises(ValueError, match="device or a mesh"):
         Engine(_model(), max_len=MAX_LEN, device=devices[0], mesh=meshes[0])
+    with pytest.raises(ValueError, match="runs on one device"):
+        Engine(_model(), max_len=MAX_LEN, mesh=meshes[0], decode_attention="pallas_gpu")

@@ -383,6 +383,9 @@ class Engine:
             decode_attention = default_decode_implementation(
                 self._first_device.platform, head_dim=self.cfg.head_dim,
                 page_size=self.page_size)
+        if self.tensor_parallel > 1 and decode_attention.startswith("pallas"):
+            raise ValueError(f"decode_attention {decode_attention!r} runs on one device; a slice "
+                             f"of {self.tensor_parallel} devices uses 'ragged' or 'reference'")
         if decode_attention not in DECODE_IMPLEMENTATIONS:
             raise ValueError(f"decode_attention {decode_attention!r} not in "
                              f"{DECODE_IMPLEMENTATIONS + ('auto',)}")
