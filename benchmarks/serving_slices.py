@@ -3,7 +3,7 @@ of the same devices (``S x TP``: S slices of TP devices each, e.g. 1 x TP-8, 2 x
 8 x TP-1), through the rollout scheduler; prints ONE JSON line.
 
 Every layout gets the same total decode slots (split evenly over its slices), the same float32
-weights and the same greedy requests; the completions are checked identical across layouts
+weights and the same greedy requests, split in equal contiguous shares over its slices; the completions are checked identical across layouts
 (tensor parallelism must not change a token). Compiles are excluded (a warm-up run first);
 ``--repeat N`` alternates the layouts N times and reports the median and [min, max].
 
@@ -63,7 +63,11 @@ def run(es: list[Engine], prompts) -> tuple[float, list]:
     episodes = [_OneTurn(p, SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens))
                 for p in prompts]
     t0 = time.perf_counter()
-    RolloutScheduler(es, max_rollout_len=es[0].max_len, admit_reserve_tokens=0).run(episodes)
+    # Static split (equal contiguous shares): every run gives each slice the same requests, so
+    # the warm-up compiled every shape a timed run meets (the dynamic queue splits differently
+    # each run, and a slice meeting a new batch bucket would compile inside the timing).
+    RolloutScheduler(es, max_rollout_len=es[0].max_len, admit_reserve_tokens=0,
+                     policy="static", sync_turns=False).run(episodes)
     return time.perf_counter() - t0, [ep.out.token_ids for ep in episodes]
 
 
