@@ -78,6 +78,10 @@ def get_config(arg=None):
     c.serving.admit_reserve_fraction = 0.125
     c.serving.decode_steps = 16  # decode steps per device call (one host sync each)
     c.serving.prefill_chunk = 2048  # longest feed per forward row; longer ones go in chunks
+    # serving slices (docs/serving.md "Serving slices"): devices per slice (weights split
+    # Megatron-style, KV by kv head); 0 = one engine over the trainer's arrays as they are
+    c.serving.tensor_parallel = 0
+    c.serving.slices_per_host = 1  # slices on each process's devices; 0 = as many as fit
 
     # ---- policy loss (eq. 6; rstarjax/rl/loss.py) ---------------------------------------------
     c.loss = ml_collections.ConfigDict()

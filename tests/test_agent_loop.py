@@ -321,3 +321,33 @@ def test_each_episode_has_its_own_verify_deadline(tok, engine, executor):
     assert (trajs[0].finish, trajs[0].reward) == (FinishReason.ANSWERED, 1.0)
     assert trajs[1].finish == FinishReason.ERROR and "verifier did not answer" in trajs[1].error
     assert timings["rollout/verify_infra_errors"] == 1 and timings["rollout/infra_errors"] == 1
+
+
+def test_colocated_rollouts_over_tensor_parallel_slices(tok, model, executor):
+    """``serving.tensor_parallel = 4, slices_per_host = 2``: two engines, each on a TP-4 mesh of
+    its own devices, share the rollouts (admission by free pages, unchanged) and sample the
+    same greedy trajectories as the one engine of ``tensor_parallel = 0``."""
+    from rstarjax.rl.agent_loop import ColocatedRollouts, ServingConfig
+
+    agent = AgentConfig(max_turns=2, max_response_len=32)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
+
+    def rollouts(**serving):
+        return ColocatedRollouts(model, tokenizer=tok, executor=executor, agent=agent,
+                                 sampling=greedy, max_prompt_len=256, fmt=COMPACT, num_slots=4,
+                                 serving=ServingConfig(**serving))
+
+    records = [{"problem": "What is 6*7?", "answer": "42"}, {"problem": "1+1?", "answer": "2"}]
+    one = rollouts()
+    sliced = rollouts(tensor_parallel=4, slices_per_host=2)
+    assert len(one.engines) == 1 and len(sliced.engines) == 2
+    assert [sorted(d.id for d in e.mesh.devices.flat) for e in sliced.engines] == [[0, 1, 2, 3],
+                                                                                  [4, 5, 6, 7]]
+    want, _ = one(records, 3, 0, 0)
+    got, _ = sliced(records, 3, 0, 0)
+    for a, b in zip(got, want):
+        assert a.response_ids.tolist() == b.response_ids.tolist()
+        np.testing.assert_allclose(a.sampled_logprobs, b.sampled_logprobs, atol=1e-4)
+    assert all(e.generated_tokens > 0 for e in sliced.engines)  # both slices served rollouts
+    sliced.update_params(Qwen3(model.config, rngs=nnx.Rngs(3)))  # every slice gets new weights
+    assert all(e.params.layers[0]["q_proj"].sharding.mesh == e.mesh for e in sliced.engines)

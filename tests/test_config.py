@@ -68,6 +68,29 @@ def test_inconsistent_values_fail_with_a_fix(tmp_path, change, message):
         parse(c, num_devices=8)
 
 
+@pytest.mark.parametrize("tp, slices, num_processes, message", [
+    (16, 1, 1, "serving.tensor_parallel=16 exceeds the 8 devices of each process"),
+    (4, 3, 1, "serving.slices_per_host=3 slices of tensor_parallel=4 devices need 12"),
+    (8, 1, 2, "serving.tensor_parallel=8 exceeds the 4 devices of each process"),
+    (0, 2, 1, "slices_per_host=2 needs tensor_parallel >= 1"),
+    (-1, 1, 1, "tensor_parallel=-1 must be >= 0"),
+])
+def test_serving_slices_must_fit_the_host(tmp_path, tp, slices, num_processes, message):
+    c = good_config(tmp_path)
+    c.serving.tensor_parallel, c.serving.slices_per_host = tp, slices
+    with pytest.raises(ConfigError, match=message):
+        parse(c, num_devices=8, num_processes=num_processes)
+
+
+def test_serving_slices_that_fit(tmp_path):
+    c = good_config(tmp_path)
+    c.serving.tensor_parallel, c.serving.slices_per_host = 4, 0
+    run = parse(c, num_devices=8)
+    assert (run.serving.tensor_parallel, run.serving.slices_per_host) == (4, 0)
+    c.serving.slices_per_host = 2
+    parse(c, num_devices=8)
+
+
 def test_all_errors_reported_together(tmp_path):
     c = good_config(tmp_path)
     c.rl.oversample = 3

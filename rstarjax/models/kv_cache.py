@@ -102,6 +102,15 @@ def pool_layer_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[
     return (cfg.num_key_value_heads, num_pages, page_size, cfg.head_dim)
 
 
+def pool_spec(cfg: ModelConfig, tensor: int, axis: str = "tensor") -> jax.sharding.PartitionSpec:
+    """PartitionSpec of one layer's pool ``[kv_heads, num_pages, page_size, head_dim]`` on a
+    mesh whose ``axis`` has ``tensor`` devices: split by kv head where ``tensor`` divides the
+    kv-head count (each device holds its heads' pages, next to its k/v projection columns),
+    else replicated (every device holds every page: correct, ``tensor`` times the memory)."""
+    P = jax.sharding.PartitionSpec
+    return P(axis) if tensor > 1 and cfg.num_key_value_heads % tensor == 0 else P()
+
+
 def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
     """Bytes of K and V that one token occupies over all layers."""
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * \

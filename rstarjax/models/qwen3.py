@@ -351,6 +351,47 @@ def serving_weights(model: "Qwen3", dtype, untie_head: bool = False) -> ServingW
                           layers=layers)
 
 
+# Megatron-style tensor parallelism of the serving copy (docs/serving.md, "Serving slices"):
+# column-parallel weights split their output features (whole heads / MLP columns) over the
+# tensor axis, row-parallel ones their input features, so a layer's attention and MLP each end
+# in one all-reduce that XLA's SPMD partitioner inserts.
+_COLUMN_PARALLEL = {"q_proj": "q", "q_bias": "q", "k_proj": "kv", "k_bias": "kv",
+                    "v_proj": "kv", "v_bias": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
+_ROW_PARALLEL = {"o_proj": "q", "down_proj": "mlp"}
+
+
+def tensor_parallel_splits(cfg: ModelConfig, tensor: int) -> dict[str, bool]:
+    """Which groups split over ``tensor`` devices: ``q`` (attention heads), ``kv`` (kv heads:
+    k/v projections and the KV pages), ``mlp`` (intermediate columns), ``vocab`` (the output
+    head's columns). A group whose count ``tensor`` does not divide stays replicated (correct,
+    only less memory-saving): e.g. 8 kv heads on TP-16."""
+    return {"q": cfg.num_attention_heads % tensor == 0,
+            "kv": cfg.num_key_value_heads % tensor == 0,
+            "mlp": cfg.intermediate_size % tensor == 0,
+            "vocab": cfg.vocab_size % tensor == 0}
+
+
+def serving_weight_specs(cfg: ModelConfig, w: ServingWeights, tensor: int,
+                         axis: str = "tensor") -> ServingWeights:
+    """PartitionSpec of every array of a serving copy ``w`` (arrays or shapes) on a mesh whose
+    ``axis`` has ``tensor`` devices: q/k/v and gate/up column-parallel, o and down row-parallel,
+    the output head split by vocabulary columns, norms and the embedding replicated."""
+    P = jax.sharding.PartitionSpec
+    split = tensor_parallel_splits(cfg, tensor) if tensor > 1 else {}
+
+    def layer_spec(name, x):
+        if name in _COLUMN_PARALLEL and split.get(_COLUMN_PARALLEL[name]):
+            return P(*([None] * (x.ndim - 1)), axis)
+        if name in _ROW_PARALLEL and split.get(_ROW_PARALLEL[name]):
+            return P(axis, None)
+        return P()
+
+    head = None if w.lm_head is None else (P(None, axis) if split.get("vocab") else P())
+    return ServingWeights(embed=P(), final_norm=P(), lm_head=head,
+                          layers=tuple({n: layer_spec(n, x) for n, x in layer.items()}
+                                       for layer in w.layers))
+
+
 def paged_forward(cfg: ModelConfig, w: ServingWeights, tokens: jax.Array, cache: PagedKVCache,
                   num_new: jax.Array, *, decode_attention: str = "reference",
                   live_pages: tuple[jax.Array, ...] | None = None,

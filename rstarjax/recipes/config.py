@@ -411,4 +411,12 @@ def device_rules(run: RunConfig, num_devices: int, num_processes: int = 1) -> li
         if mbs % dp:
             errs.append(f"--config.trainer.micro_batch_size={mbs} must be a multiple of data*fsdp={dp} "
                         "(each device takes an equal share of every micro-batch)")
+    sv, local = run.serving, num_devices // max(num_processes, 1)
+    if sv.tensor_parallel > local:
+        errs.append(f"--config.serving.tensor_parallel={sv.tensor_parallel} exceeds the {local} devices of "
+                    "each process (a serving slice stays on one host)")
+    elif sv.tensor_parallel and sv.slices_per_host * sv.tensor_parallel > local:
+        errs.append(f"--config.serving.slices_per_host={sv.slices_per_host} slices of tensor_parallel="
+                    f"{sv.tensor_parallel} devices need {sv.slices_per_host * sv.tensor_parallel}, each "
+                    f"process has {local}: lower it, or 0 = as many as fit")
     return errs

@@ -45,6 +45,7 @@ import threading
 import time
 from typing import Sequence
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -56,6 +57,7 @@ from rstarjax.rl.trajectory import FinishReason, Segment, SegmentKind, Trajector
 from rstarjax.serving.engine import DoneReason, Engine
 from rstarjax.serving.sampling import SamplingParams
 from rstarjax.serving.scheduler import CallTool, Extend, Finish, RolloutScheduler
+from rstarjax.serving.slices import slice_meshes
 from rstarjax.validation import one_of, require
 
 
@@ -102,6 +104,11 @@ class ServingConfig:
     admit_reserve_fraction: float = 0.125
     decode_steps: int = 16  # decode steps per device call (one host sync each)
     prefill_chunk: int = 2048  # longest feed per forward row; longer ones go in chunks
+    # Serving slices (docs/serving.md "Serving slices"): devices per slice, its weights split
+    # Megatron-style and its KV pages by kv head; 0 = one engine over the trainer's arrays as
+    # they are (no slices)
+    tensor_parallel: int = 0
+    slices_per_host: int = 1  # slices on this process's devices; 0 = as many as they hold
 
     def __post_init__(self):
         at_least_one = [(getattr(self, n) >= 1, f"{n}={getattr(self, n)} must be >= 1")
@@ -113,6 +120,12 @@ class ServingConfig:
                 (self.num_slots >= 0, f"num_slots={self.num_slots} must be >= 0 (0 = the engine's default)"),
                 (self.admit_reserve_fraction >= 0.0,
                  f"admit_reserve_fraction={self.admit_reserve_fraction} must be >= 0 (1.0 never preempts)"),
+                (self.tensor_parallel >= 0,
+                 f"tensor_parallel={self.tensor_parallel} must be >= 0 (0 = no slices: serve the trainer's arrays)"),
+                (self.slices_per_host >= 0,
+                 f"slices_per_host={self.slices_per_host} must be >= 0 (0 = as many as the local devices hold)"),
+                (self.tensor_parallel >= 1 or self.slices_per_host == 1,
+                 f"slices_per_host={self.slices_per_host} needs tensor_parallel >= 1 (devices per slice)"),
                 one_of("dtype", self.dtype, ("", *DTYPES)))
 
     def engine_options(self, max_len: int, num_slots: int | None = None) -> dict:
@@ -122,6 +135,14 @@ class ServingConfig:
                     kv_memory_fraction=float(self.kv_memory_fraction),
                     num_slots=int(num_slots or self.num_slots), dtype=self.dtype or None,
                     decode_steps=int(self.decode_steps), prefill_chunk=int(self.prefill_chunk))
+
+    def slices(self, devices) -> list:
+        """The serving meshes over ``devices`` (this process's local devices); [] when
+        ``tensor_parallel`` is 0 (one engine over the trainer's arrays)."""
+        if not self.tensor_parallel:
+            return []
+        return slice_meshes(devices, tensor_parallel=self.tensor_parallel,
+                            num_slices=self.slices_per_host)
 
     def admit_reserve_tokens(self, max_len: int) -> int:
         """The scheduler's growth reserve per live rollout, in tokens."""
@@ -398,10 +419,15 @@ class ColocatedRollouts:
         self.tokenizer = tokenizer
         self.fmt = fmt
         self.executor = executor
-        self.engine = Engine(model, vocab_limit=len(self.tokenizer),
-                             **serving.engine_options(self.max_prompt_len + agent.max_response_len, num_slots))
+        options = serving.engine_options(self.max_prompt_len + agent.max_response_len, num_slots)
+        meshes = serving.slices(jax.local_devices()) or [None]
+        # One engine per slice, each with its own pool and slots; the scheduler admits
+        # rollouts to whichever has the pages.
+        self.engines = [Engine(model, vocab_limit=len(self.tokenizer), mesh=mesh, **options)
+                        for mesh in meshes]
+        self.engine = self.engines[0]
         self.scheduler = RolloutScheduler(
-            [self.engine], max_rollout_len=self.engine.max_len,
+            self.engines, max_rollout_len=self.engine.max_len,
             admit_reserve_tokens=serving.admit_reserve_tokens(self.engine.max_len),
             tool_timeout_s=agent.tool_wait_s, timeout_s=agent.rollout_timeout_s)
 
@@ -409,7 +435,8 @@ class ColocatedRollouts:
         """Serve new weights (an NNX module or its state); the engine makes its serving copy once, here."""
         state = model_or_state if not isinstance(model_or_state, nnx.Module) else nnx.split(
             model_or_state)[1]
-        self.engine.update_params(state)
+        for engine in self.engines:
+            engine.update_params(state)
 
     def __call__(self, records, n_per_prompt: int, seed: int, policy_version: int,
                  sampling: SamplingParams | None = None):

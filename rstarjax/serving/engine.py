@@ -49,11 +49,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rstarjax.models.kv_cache import NO_PAGE, PagedKVCache, pages_for
+from rstarjax.models.kv_cache import NO_PAGE, PagedKVCache, pages_for, pool_spec
 from rstarjax.models.paged_attention import (DECODE_IMPLEMENTATIONS, RAGGED_CHUNK,
                                              default_decode_implementation)
-from rstarjax.models.qwen3 import paged_forward, serving_config, serving_weights
+from rstarjax.models.qwen3 import (paged_forward, serving_config, serving_weight_specs,
+                                   serving_weights)
+from rstarjax.models.sharding import state_shardings
 from rstarjax.serving.pages import OutOfPages, PagePool
 from rstarjax.serving.sampling import SamplingParams, sample_tokens
 from rstarjax.serving.sizing import free_device_bytes, plan_kv
@@ -214,16 +217,26 @@ def _pow2_at_least(n: int) -> int:
 
 # ---- jitted programs (module level so every engine with the same shapes shares them) ------
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 3))
-def _to_serving(graphdef, state, dtype, untie_head):
+def _serving_fn(graphdef, state, dtype, untie_head):
     return serving_weights(nnx.merge(graphdef, state), dtype, untie_head)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("k", "v"))
-def _feed_program(cfg, weights, k, v, page_table, lengths, tokens, num_new):
+_to_serving = jax.jit(_serving_fn, static_argnums=(0, 2, 3))
+
+
+def _pin(pages: tuple, sharding: NamedSharding | None) -> tuple:
+    """Keep a slice's pool in its layout (split by kv head) through a program; ``None``: a
+    one-device engine, nothing to pin."""
+    if sharding is None:
+        return pages
+    return tuple(jax.lax.with_sharding_constraint(x, sharding) for x in pages)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kv_sharding"), donate_argnames=("k", "v"))
+def _feed_program(cfg, weights, k, v, page_table, lengths, tokens, num_new, kv_sharding=None):
     logits, cache = paged_forward(cfg, weights, tokens, PagedKVCache(k, v, page_table, lengths),
                                   num_new)
-    return cache.k, cache.v, logits
+    return _pin(cache.k, kv_sharding), _pin(cache.v, kv_sharding), logits
 
 
 @functools.partial(jax.jit, static_argnames=("vocab_limit",))
@@ -233,14 +246,15 @@ def _sample_program(logits, rows, seeds, counters, temperature, top_k, top_p, fo
                          vocab_limit)
 
 
-@functools.partial(jax.jit, donate_argnames=("k", "v", "state"))
-def _insert_program(k, v, state: DecodeState, copy_src, copy_dst, slot, values: dict):
+@functools.partial(jax.jit, static_argnames=("kv_sharding",), donate_argnames=("k", "v", "state"))
+def _insert_program(k, v, state: DecodeState, copy_src, copy_dst, slot, values: dict,
+                    kv_sharding=None):
     """Copy pages (``copy_dst`` out of range: skipped), then write the slot rows (``slot``
     out of range: skipped)."""
     def copy(pages):
         return pages.at[:, copy_dst].set(pages[:, copy_src], mode="drop")
 
-    k, v = tuple(copy(x) for x in k), tuple(copy(x) for x in v)
+    k, v = _pin(tuple(copy(x) for x in k), kv_sharding), _pin(tuple(copy(x) for x in v), kv_sharding)
     state = state.replace(**{name: getattr(state, name).at[slot].set(val, mode="drop")
                              for name, val in values.items()})
     return k, v, state
@@ -263,10 +277,11 @@ def _advance(state: DecodeState, tok, lp, num_new, lengths, max_len):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "steps", "attention", "vocab_limit",
-                                             "max_len"),
+                                             "max_len", "kv_sharding"),
                    donate_argnames=("k", "v", "state"))
 def _decode_program(cfg, weights, k, v, state: DecodeState, rows, page_table, live_pages,
-                    forced, n_steps, stop_after, *, steps, attention, vocab_limit, max_len):
+                    forced, n_steps, stop_after, *, steps, attention, vocab_limit, max_len,
+                    kv_sharding=None):
     """Up to ``n_steps`` (<= ``steps``) decode steps of the slots ``rows`` (the active ones,
     padded with out-of-range ids: the batch is compacted, idle slots cost nothing); stops
     early when none is active or ``stop_after`` of them stopped (their tool calls and the
@@ -296,7 +311,7 @@ def _decode_program(cfg, weights, k, v, state: DecodeState, rows, page_table, li
                                 st.top_p, forced[i], vocab_limit)
         st, step = _advance(st, tok, lp, num_new, cache.lengths, max_len)
         outs = tuple(o.at[i].set(x) for o, x in zip(outs, step))
-        return i + 1, cache.k, cache.v, st, outs
+        return i + 1, _pin(cache.k, kv_sharding), _pin(cache.v, kv_sharding), st, outs
 
     _, k, v, sub, outs = jax.lax.while_loop(cond, body, (jnp.int32(0), k, v, sub, outs))
     state = jax.tree.map(lambda full, part: full.at[rows].set(part, mode="drop"), state, sub)
@@ -310,6 +325,13 @@ class Engine:
     ``kv_memory_fraction`` of the device memory free after the serving weights, else (CPU,
     no memory statistics) a dense-equivalent pool of ``num_slots`` maximum-length rows. A
     pool that cannot hold one ``max_len`` rollout is refused at construction.
+
+    Placement: ``device`` (one device), ``mesh`` (a serving slice: a mesh whose ``tensor``
+    axis spans its devices, docs/serving.md "Serving slices"), or neither (the weights stay
+    where the given model's arrays are). On a mesh the serving copy is split Megatron-style
+    (``models.qwen3.serving_weight_specs``) and the pool by kv head where the kv-head count
+    allows (``models.kv_cache.pool_spec``); the programs are the same, XLA's SPMD partitioner
+    adds the collectives.
     """
 
     def __init__(self, model: nnx.Module, *, max_len: int, num_slots: int = 0,
@@ -317,7 +339,15 @@ class Engine:
                  dtype=None, cache_dtype=None, buckets: Sequence[int] | None = None,
                  min_bucket: int = 16, prefill_chunk: int = 2048, max_prefill_tokens: int = 8192,
                  decode_steps: int = 16, min_context: int = 256, decode_attention: str = "auto",
-                 device: jax.Device | None = None, vocab_limit: int | None = None):
+                 device: jax.Device | None = None, mesh: Mesh | None = None,
+                 vocab_limit: int | None = None):
+        if device is not None and mesh is not None:
+            raise ValueError("give an engine a device or a mesh, not both")
+        if mesh is not None and "tensor" not in mesh.shape:
+            raise ValueError(f"a serving mesh needs a 'tensor' axis, got axes {mesh.axis_names}")
+        if mesh is not None and mesh.size != mesh.shape["tensor"]:
+            raise ValueError(f"a serving mesh spans its devices with its 'tensor' axis only, got "
+                             f"{dict(mesh.shape)}")
         if max_len < 2:
             raise ValueError(f"need max_len >= 2, got {max_len}")
         if decode_steps < 1:
@@ -329,21 +359,33 @@ class Engine:
         # Ids >= vocab_limit (embedding padding past the tokenizer) are never sampled.
         self.vocab_limit = vocab_limit
         self.device = device
+        self.mesh = mesh
+        self.tensor_parallel = 1 if mesh is None else int(mesh.shape["tensor"])
         self.max_len = int(max_len)
         self.graphdef, state = nnx.split(model)
         self._state_structure = jax.tree.structure(state)
+        self._kv_sharding = None
+        if mesh is not None:
+            self._place_on_mesh(state)
         self.params = self._serving_copy(state)
         self.plan = plan_kv(model.config, max_len=self.max_len, page_size=page_size,
                             kv_pages=kv_pages, kv_memory_fraction=kv_memory_fraction,
                             num_slots=num_slots, dtype=self.cache_dtype,
-                            free_bytes=None if kv_pages else free_device_bytes(device))
+                            free_bytes=None if kv_pages else self._free_kv_bytes())
         self.num_slots = self.plan.num_slots
         self.page_size = self.plan.page_size
         self.num_pages = self.plan.num_pages
-        if decode_attention == "auto":
+        if decode_attention == "auto" and self.tensor_parallel > 1:
+            # The shipped Pallas kernels are not partitioned by XLA (they would need a
+            # shard_map over kv heads); the pure-JAX ragged attention is.
+            decode_attention = "ragged"
+        elif decode_attention == "auto":
             decode_attention = default_decode_implementation(
-                (device or jax.local_devices()[0]).platform, head_dim=self.cfg.head_dim,
+                self._first_device.platform, head_dim=self.cfg.head_dim,
                 page_size=self.page_size)
+        if self.tensor_parallel > 1 and decode_attention.startswith("pallas"):
+            raise ValueError(f"decode_attention {decode_attention!r} runs on one device; a slice "
+                             f"of {self.tensor_parallel} devices uses 'ragged' or 'reference'")
         if decode_attention not in DECODE_IMPLEMENTATIONS:
             raise ValueError(f"decode_attention {decode_attention!r} not in "
                              f"{DECODE_IMPLEMENTATIONS + ('auto',)}")
@@ -361,9 +403,16 @@ class Engine:
         self.prefill_chunk = min(self.prefill_chunk, self.buckets[-1])
         self.max_prefill_tokens = max(int(max_prefill_tokens), self.buckets[-1])
         self.pages = PagePool(self.num_pages, self.page_size)
-        with jax.default_device(device) if device is not None else _nullcontext():
-            self._k, self._v = PagedKVCache.init_pool(self.model_config, self.num_pages,
-                                                      self.page_size, self.cache_dtype)
+        if mesh is not None:  # made in place, split by kv head (never whole on one device)
+            pool = [self._kv_sharding] * self.model_config.num_hidden_layers
+            self._k, self._v = jax.jit(
+                lambda: PagedKVCache.init_pool(self.model_config, self.num_pages,
+                                               self.page_size, self.cache_dtype),
+                out_shardings=(tuple(pool), tuple(pool)))()
+        else:
+            with jax.default_device(device) if device is not None else _nullcontext():
+                self._k, self._v = PagedKVCache.init_pool(self.model_config, self.num_pages,
+                                                          self.page_size, self.cache_dtype)
         self._table = np.full((self.num_slots, self.table_width), NO_PAGE, np.int32)
         self._slots: list[_Slot | None] = [None] * self.num_slots
         # Counters (read by the scheduler and benchmarks).
@@ -395,6 +444,8 @@ class Engine:
             counters=jnp.zeros(b, jnp.int32), temperature=jnp.zeros(b, jnp.float32),
             top_k=jnp.zeros(b, jnp.int32), top_p=jnp.ones(b, jnp.float32),
             stop_ids=jnp.full((b, MAX_STOP_IDS), -1, jnp.int32), budget=jnp.zeros(b, jnp.int32))
+        if self.mesh is not None:
+            return jax.device_put(state, NamedSharding(self.mesh, PartitionSpec()))
         return state if self.device is None else jax.device_put(state, self.device)
 
     def bucket_for(self, n: int) -> int:
@@ -598,7 +649,7 @@ class Engine:
             self.cfg, params, self._k, self._v, state, jnp.asarray(rows),
             jnp.asarray(self._table[:, :width]), live_pages, jnp.asarray(f), jnp.int32(steps),
             jnp.int32(stop_after), steps=self.decode_steps, attention=self.decode_attention,
-            vocab_limit=self.vocab_limit, max_len=self.max_len)
+            vocab_limit=self.vocab_limit, max_len=self.max_len, kv_sharding=self._kv_sharding)
         compact = jax.device_get(outs)
         self.busy_seconds += time.perf_counter() - t0
         self.host_syncs += 1
@@ -683,11 +734,47 @@ class Engine:
         return max(0, pages_for(target, self.page_size) - len(info.pages))
 
     # ---- internals -------------------------------------------------------------------------
+    @property
+    def _first_device(self) -> jax.Device:
+        if self.mesh is not None:
+            return self.mesh.devices.flat[0]
+        return self.device or jax.local_devices()[0]
+
+    def _place_on_mesh(self, state) -> None:
+        """Shardings of a slice: the model state as it arrives (its logical axes on this mesh:
+        heads and MLP columns split, the rest replicated), the serving copy it becomes, the
+        pool."""
+        self._state_shardings = state_shardings(state, self.mesh)
+        cpu = self._first_device.platform == "cpu"
+        shapes = jax.eval_shape(functools.partial(_serving_fn, self.graphdef, dtype=self.dtype,
+                                                  untie_head=cpu), state)
+        specs = serving_weight_specs(self.model_config, shapes, self.tensor_parallel)
+        shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs,
+                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
+        self._to_serving_on_mesh = jax.jit(_serving_fn, static_argnums=(0, 2, 3),
+                                           out_shardings=shardings)
+        self._kv_sharding = NamedSharding(self.mesh, pool_spec(self.model_config,
+                                                               self.tensor_parallel))
+
     def _serving_copy(self, state):
+        cpu = self._first_device.platform == "cpu"
+        if self.mesh is not None:
+            state = jax.device_put(state, self._state_shardings)
+            return self._to_serving_on_mesh(self.graphdef, state, self.dtype, cpu)
         if self.device is not None:
             state = jax.device_put(state, self.device)
-        cpu = (self.device or jax.local_devices()[0]).platform == "cpu"
         return _to_serving(self.graphdef, state, self.dtype, cpu)
+
+    def _free_kv_bytes(self) -> int | None:
+        """Pool bytes the slice's devices can still take: one device's free memory, times the
+        tensor size where the pool is split by kv head (each device holds 1/tensor of a page)."""
+        if self.mesh is None:
+            return free_device_bytes(self.device)
+        free = [free_device_bytes(d) for d in self.mesh.devices.flat]
+        if any(f is None for f in free):
+            return None
+        split = self._kv_sharding.spec != PartitionSpec()
+        return min(free) * (self.tensor_parallel if split else 1)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
@@ -822,7 +909,7 @@ class Engine:
         t0 = time.perf_counter()
         self._k, self._v, logits = _feed_program(
             self.cfg, params, self._k, self._v, jnp.asarray(table), jnp.asarray(lengths),
-            jnp.asarray(tokens), jnp.asarray(num_new))
+            jnp.asarray(tokens), jnp.asarray(num_new), kv_sharding=self._kv_sharding)
         self.busy_seconds += time.perf_counter() - t0
         self.prefill_tokens += int(sum(sizes))
         return logits
@@ -897,7 +984,7 @@ class Engine:
         t0 = time.perf_counter()
         self._k, self._v, state = _insert_program(
             self._k, self._v, state, jnp.asarray(src), jnp.asarray(dst), jnp.asarray(slot_idx),
-            {name: jnp.asarray(v) for name, v in vals.items()})
+            {name: jnp.asarray(v) for name, v in vals.items()}, kv_sharding=self._kv_sharding)
         self.busy_seconds += time.perf_counter() - t0
         return state
 
