@@ -55,6 +55,7 @@ from rstarjax.models.config import DTYPES
 from rstarjax.protocol import ANSWER_OPEN, STOP_TOKENS
 from rstarjax.rl.trajectory import FinishReason, Segment, SegmentKind, Trajectory
 from rstarjax.serving.engine import DoneReason, Engine
+from rstarjax.serving.handoff import ProcessHandoff
 from rstarjax.serving.sampling import SamplingParams
 from rstarjax.serving.scheduler import CallTool, Extend, Finish, RolloutScheduler
 from rstarjax.serving.slices import slice_meshes
@@ -421,6 +422,14 @@ class ColocatedRollouts:
         self.executor = executor
         options = serving.engine_options(self.max_prompt_len + agent.max_response_len, num_slots)
         meshes = serving.slices(jax.local_devices()) or [None]
+        # Multi-process: the engines serve this process's own copy (serving.handoff), never the
+        # trainer's global arrays; no slices configured = one slice over all local devices.
+        self.handoff = None
+        if jax.process_count() > 1:
+            graphdef, state = nnx.split(model)
+            self.handoff = ProcessHandoff(state)
+            model = nnx.merge(graphdef, self.handoff(state))
+            meshes = [m for m in meshes if m is not None] or [self.handoff.local]
         # One engine per slice, each with its own pool and slots; the scheduler admits
         # rollouts to whichever has the pages.
         self.engines = [Engine(model, vocab_limit=len(self.tokenizer), mesh=mesh, **options)
@@ -435,6 +444,8 @@ class ColocatedRollouts:
         """Serve new weights (an NNX module or its state); the engine makes its serving copy once, here."""
         state = model_or_state if not isinstance(model_or_state, nnx.Module) else nnx.split(
             model_or_state)[1]
+        if self.handoff is not None:  # the one cross-process step of rollout, once per update
+            state = self.handoff(state)
         for engine in self.engines:
             engine.update_params(state)
 

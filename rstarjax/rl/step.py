@@ -120,11 +120,26 @@ class RLConfig:
 
 
 def _any_process(flag: bool) -> bool:
-    """True if ``flag`` is True on any process: every process must run the same number of rollout
-    rounds (the colocated engine is a collective), so the refill decision is global."""
+    """True if ``flag`` is True on any process: the refill decision is global, so every process
+    runs the same number of rollout rounds and consumes the same number of prompts (the data
+    iterators stay in lockstep)."""
     if jax.process_count() == 1:
         return flag
     return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
+
+
+def _update_anywhere(has_rows: bool, num_rows: int) -> bool:
+    """Whether any process has a group to train on, after checking that every process brings the
+    same number of rows (the global batch is their concatenation, split evenly over the
+    devices). One small all-gather, outside rollout."""
+    if jax.process_count() == 1:
+        return has_rows
+    got = multihost_utils.process_allgather(np.asarray([has_rows, num_rows], np.int64))
+    rows = got[:, 1].tolist()
+    if len(set(rows)) > 1:
+        raise ValueError(f"processes bring different row counts {rows} to the update: every process "
+                         "needs the same number of prompts per step (rl.prompts_per_step / processes)")
+    return bool(got[:, 0].any())
 
 
 def _round_seed(seed: int, round_index: int) -> int:
@@ -153,6 +168,17 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
     ended by infrastructure errors excluded, equal-reward groups rejected) -> RoC keeps G ->
     advantages (``loss_cfg.advantage_estimator``, eq. 7) -> TrainBatch -> update. Returns host
     metrics (rollout + filter + train).
+
+    Multi-process runs split by prompt group: ``records`` are this process's share of the step's
+    prompts (``io.data.host_shard``: every ``process_count``-th record, the same count on every
+    process), and all 2G rollouts of a prompt are made, filtered, RoC-selected and given their
+    advantages here, so group statistics always see whole groups. Rollout runs on this
+    process's devices only (``ColocatedRollouts``); the only cross-process steps are the update
+    (``trainer.train`` on the global batch: the processes' rows concatenated in process order)
+    and small all-gathers of flags (whether to update; with dynamic sampling, whether to refill).
+    Every process brings ``len(records) * G`` rows: the
+    rows of rejected or missing groups are padding with loss mask 0 (zero weight), so the row
+    count never depends on what the filters kept.
 
     Rejected groups are not refilled (the official trainer's behaviour): their rows are padding
     (loss mask 0), so eq. 6's denominator counts only the kept groups' tokens. When no process has
@@ -221,7 +247,7 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
                         "dynamic_sampling/groups_padded": float(quota - n_groups),
                         "dynamic_sampling/groups_surplus": float(max(len(groups) - quota, 0))})
     t2 = time.perf_counter()
-    update = _any_process(bool(train_trajs))
+    update = _update_anywhere(bool(train_trajs), num_rows)
     metrics["filter/updated"] = float(update)
     if update:
         denom = None

@@ -57,6 +57,7 @@ from rstarjax.models.paged_attention import (DECODE_IMPLEMENTATIONS, RAGGED_CHUN
 from rstarjax.models.qwen3 import (paged_forward, serving_config, serving_weight_specs,
                                    serving_weights)
 from rstarjax.models.sharding import state_shardings
+from rstarjax.serving.handoff import require_process_local
 from rstarjax.serving.pages import OutOfPages, PagePool
 from rstarjax.serving.sampling import SamplingParams, sample_tokens
 from rstarjax.serving.sizing import free_device_bytes, plan_kv
@@ -363,6 +364,7 @@ class Engine:
         self.tensor_parallel = 1 if mesh is None else int(mesh.shape["tensor"])
         self.max_len = int(max_len)
         self.graphdef, state = nnx.split(model)
+        require_process_local(state, "the model given to Engine")
         self._state_structure = jax.tree.structure(state)
         self._kv_sharding = None
         if mesh is not None:
@@ -684,6 +686,7 @@ class Engine:
         if jax.tree.structure(new_params) != self._state_structure:
             raise ValueError("update_params: the new state's tree structure differs from the "
                              "served model's")
+        require_process_local(new_params, "update_params' state")
         self.params = self._serving_copy(new_params)
 
     # ---- page accounting for the scheduler --------------------------------------------------
