@@ -61,18 +61,22 @@ def rl_config():
                     rollout_timeout_s=240.0)
 
 
-def make_trainer(mesh):
+def tiny_policy():
     import jax.numpy as jnp
     from flax import nnx
 
     from rstarjax.models.config import ModelConfig
     from rstarjax.models.qwen3 import Qwen3
+
+    return Qwen3(ModelConfig.preset("tiny", dtype=jnp.float32, num_hidden_layers=1), rngs=nnx.Rngs(0))
+
+
+def make_trainer(mesh):
     from rstarjax.rl import optim as optim_lib
     from rstarjax.rl import trainer as trainer_lib
     from rstarjax.rl.loss import LossConfig
 
-    cfg = ModelConfig.preset("tiny", dtype=jnp.float32, num_hidden_layers=1)
-    return trainer_lib.Trainer(Qwen3(cfg, rngs=nnx.Rngs(0)),
+    return trainer_lib.Trainer(tiny_policy(),
                                optim_lib.OptimConfig(learning_rate=1e-3, warmup_steps=1), LossConfig(),
                                trainer_lib.TrainerConfig(recompute_old_logprobs=True), mesh=mesh)
 
@@ -133,6 +137,29 @@ def worker(port: int, pid: int, out_dir: str):
                      "prefill_tokens": sum(e.prefill_tokens for e in rollouts.engines),
                      "params": [np.asarray(x) for x in jax.tree.leaves(params)]}, f)
     jax.distributed.shutdown()
+
+
+def test_handoff_in_one_process_keeps_the_values_in_the_local_layout():
+    """The hand-off's reshard and re-wrap in one process (8 devices): the trainer's FSDP x TP
+    layout becomes the local slice layout, values untouched."""
+    import jax
+    from flax import nnx
+
+    from rstarjax.models.sharding import make_mesh, shard_model, state_shardings
+    from rstarjax.serving.handoff import ProcessHandoff
+
+    state = nnx.split(shard_model(tiny_policy(), make_mesh(1, 4, 2)))[1]  # the trainer's layout
+    handoff = ProcessHandoff(state)
+    assert dict(handoff.mesh.shape) == {"process": 1, "tensor": jax.local_device_count()}
+    out = handoff(state)
+    want = jax.tree.leaves(state_shardings(state, handoff.local))
+    assert any(w.spec != jax.sharding.PartitionSpec() for w in want)  # some leaves really split
+    for a, b, w in zip(jax.tree.leaves(state), jax.tree.leaves(out), want, strict=True):
+        assert b.sharding.is_equivalent_to(w, b.ndim), (b.sharding, w)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    one = jax.device_put(state, jax.local_devices()[0])  # a state on part of the devices: placed
+    for b, w in zip(jax.tree.leaves(handoff(one)), want, strict=True):
+        assert b.sharding.is_equivalent_to(w, b.ndim)
 
 
 def free_port() -> int:

@@ -88,11 +88,13 @@ class ProcessHandoff:
 
     def __call__(self, state):
         """``state`` (global arrays, the trainer's layout) -> the same values as arrays on this
-        process's local mesh. Arrays already on this process's devices are placed locally."""
-        if is_process_local(state):
-            return jax.device_put(state, self._local_shardings)
-        gathered = self._gather(state)
-        return jax.tree.map(_local_view, gathered, self._local_shardings)
+        process's local mesh. A state on other devices than the trainer's (all of them) must lie
+        on this process's devices only: it is placed locally, with no collective."""
+        if _device_set(state) == set(self.mesh.devices.flat):
+            gathered = self._gather(state)
+            return jax.tree.map(_local_view, gathered, self._local_shardings)
+        require_process_local(state, "a state on part of the devices")
+        return jax.device_put(state, self._local_shardings)
 
 
 def _local_view(x: jax.Array, sharding: NamedSharding) -> jax.Array:
@@ -100,6 +102,10 @@ def _local_view(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     mesh (same buffers)."""
     return jax.make_array_from_single_device_arrays(
         x.shape, sharding, [s.data for s in x.addressable_shards])
+
+
+def _device_set(tree) -> set:
+    return {d for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) for d in x.sharding.device_set}
 
 
 def _devices_by_process() -> dict[int, list[jax.Device]]:
