@@ -686,7 +686,6 @@ class Engine:
         if jax.tree.structure(new_params) != self._state_structure:
             raise ValueError("update_params: the new state's tree structure differs from the "
                              "served model's")
-        require_process_local(new_params, "update_params' state")
         self.params = self._serving_copy(new_params)
 
     # ---- page accounting for the scheduler --------------------------------------------------
