@@ -2,9 +2,9 @@
 into every serving slice's layout and the serving dtype once per update, device to device.
 
 Against an outside reference: the serving copy equals numpy's cast of the gathered params (bf16
-rounding is exact), each array is placed with the slice's own shardings, no device-to-host
-transfer happens on the way (jax's transfer guard), and the decode program compiled for the
-handed-off weights gathers and converts no weight. ``release`` frees the serving copy and the KV
+rounding is exact), each array is placed with the slice's own shardings, no jax.Array is read
+back to the host on the way, and the decode program compiled for the handed-off weights
+gathers and converts no weight. ``Engine.release_memory`` frees the serving copy and the KV
 pool (``serving.release_during_update``) and the next hand-off makes both again, with rollouts
 token-identical to an engine that never released."""
 import dataclasses
@@ -199,7 +199,7 @@ def test_release_frees_serving_copy_and_pool_and_handoff_restores_them(model):
     engine_bytes = _engine_bytes(released)
     assert engine_bytes > 0
     arrays = jax.tree.leaves((released.params, released._k, released._v))
-    released.release()
+    released.release_memory()
     assert all(x.is_deleted() for x in arrays)
     freed = live - sum(x.nbytes for x in jax.live_arrays())
     assert freed >= engine_bytes  # every byte of the serving copy and the pool
@@ -220,4 +220,89 @@ def test_release_refuses_live_requests(model):
     engine.start(engine.params, state, [StartRequest(slot=0, history=[1, 2, 3], prompt_len=3,
                                                      sampling=SamplingParams(max_new_tokens=4))])
     with pytest.raises(ValueError, match="slot"):
-        engine.release()
+        engine.release_memory()
+
+
+def test_release_during_update_is_a_checked_config_key():
+    import importlib.util
+    import pathlib
+
+    from rstarjax.rl.agent_loop import ServingConfig
+    from rstarjax.validation import ConfigError
+
+    spec = importlib.util.spec_from_file_location(
+        "base_config", pathlib.Path(__file__).parents[1] / "configs" / "base.py")
+    base = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(base)
+    assert base.get_config().serving.release_during_update is False
+    assert ServingConfig().release_during_update is False
+    with pytest.raises(ConfigError, match="release_during_update='yes' must be True or False"):
+        ServingConfig(release_during_update="yes")
+
+
+@pytest.mark.slow
+def test_rl_step_releases_serving_memory_during_the_update_and_samples_the_same():
+    """A colocated GRPO step (2 slices of TP-4, the trainer FSDP over the same 8 devices) with
+    ``serving.release_during_update`` on and off: with it on, the engines' device memory is
+    freed before the update and they hold none while it runs; the rollouts before the update
+    and after the hand-off that re-creates them are token-identical to the run with it off."""
+    from rstarjax.env import CodeExecutor
+    from rstarjax.models.chat_template import COMPACT
+    from rstarjax.models.tokenizer import load_tokenizer
+    from rstarjax.rl import optim as optim_lib
+    from rstarjax.rl import trainer as trainer_lib
+    from rstarjax.rl.agent_loop import AgentConfig, ColocatedRollouts, ServingConfig
+    from rstarjax.rl.loss import LossConfig
+    from rstarjax.rl.step import RLConfig, rl_step
+
+    tok = load_tokenizer(486)
+    cfg = ModelConfig.preset("tiny", dtype=jnp.float32, vocab_size=512)
+    records = [{"problem": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(4)]
+    rl = RLConfig(prompts_per_step=4, group_size=2, oversample=4, max_prompt_len=256,
+                  max_response_len=8, reject_equal_reward=False)
+
+    def run(release: bool, executor):
+        trainer = trainer_lib.Trainer(Qwen3(cfg, rngs=nnx.Rngs(0)),
+                                      optim_lib.OptimConfig(learning_rate=1e-2), LossConfig(),
+                                      trainer_lib.TrainerConfig(), mesh=make_mesh(1, -1, 1))
+        rollouts = ColocatedRollouts(
+            trainer.model(), tokenizer=tok, executor=executor,
+            agent=AgentConfig(max_turns=1, max_response_len=8),
+            sampling=SamplingParams(temperature=1.0, max_new_tokens=8), max_prompt_len=256,
+            fmt=COMPACT, num_slots=8,
+            serving=ServingConfig(tensor_parallel=4, slices_per_host=2,
+                                  release_during_update=release))
+        sampled, freed, during = [], [], []
+
+        def rollout_fn(*args):
+            trajs, extra = rollouts(*args)
+            sampled.append([t.response_ids.tolist() for t in trajs])
+            return trajs, extra
+
+        def release():
+            engine_bytes = sum(_engine_bytes(e) for e in rollouts.engines)
+            live = sum(x.nbytes for x in jax.live_arrays())
+            rollouts.release_memory()
+            freed.append((live - sum(x.nbytes for x in jax.live_arrays()), engine_bytes))
+
+        train = trainer.train
+
+        def spy(*args, **kw):  # what the engines hold while the update runs
+            during.append([_engine_bytes(e) for e in rollouts.engines])
+            return train(*args, **kw)
+
+        trainer.train = spy
+        rl_step(trainer, rollout_fn, records, rl, LossConfig(), seed=0,
+                before_update=release if release else None)
+        assert trainer.step == 1
+        rollouts.update_params(trainer.model())
+        rollout_fn(records, 2, 9, 1)  # the updated policy, served by the re-created engines
+        return sampled, freed, during
+
+    with CodeExecutor(num_workers=1) as executor:
+        kept_tokens, _, kept_during = run(False, executor)
+        freed_tokens, freed, freed_during = run(True, executor)
+    assert freed_tokens == kept_tokens and len(kept_tokens) == 2
+    assert all(kept_during[0]) and freed_during == [[0, 0]]
+    [(dropped, engine_bytes)] = freed
+    assert engine_bytes > 0 and dropped >= engine_bytes

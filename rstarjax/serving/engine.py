@@ -352,7 +352,7 @@ def update_engines(engines: Sequence["Engine"], state) -> None:
     """Hand ``state`` (an ``nnx.split`` state of the served model) to ``engines`` (e.g. every
     slice of a host): one ``serving_copies`` for those that share a model and a dtype, so
     colocated slices cost one program per update, not one per slice. A released engine
-    (``Engine.release``) gets its KV pool back."""
+    (``Engine.release_memory``) gets its KV pool back."""
     groups: dict[tuple, list[Engine]] = {}
     for e in engines:
         if jax.tree.structure(state) != e._state_structure:
@@ -570,7 +570,7 @@ class Engine:
 
     def init_decode_state(self) -> DecodeState:
         """Fresh decode state; every slot free and every page returned to the pool."""
-        if self.released:
+        if self.memory_released:
             raise RuntimeError("the engine was released (serving.release_during_update): "
                                "update_params before serving again")
         b = self.num_slots
@@ -823,18 +823,18 @@ class Engine:
         ``update_engines``). A released engine gets its KV pool back."""
         update_engines([self], new_params)
 
-    def release(self) -> None:
+    def release_memory(self) -> None:
         """Free the serving copy and the KV pool (``serving.release_during_update``: room for
         the train step on the same devices, docs/serving.md "Memory plan"); the next
         ``update_params`` makes both again. Every slot must be free."""
         if self.live_slots():
-            raise ValueError(f"release: slots {self.live_slots()} still hold requests")
+            raise ValueError(f"release_memory: slots {self.live_slots()} still hold requests")
         for x in jax.tree.leaves((self.params, self._k, self._v)):
             x.delete()
         self.params = self._k = self._v = None
 
     @property
-    def released(self) -> bool:
+    def memory_released(self) -> bool:
         return self._k is None
 
     # ---- page accounting for the scheduler --------------------------------------------------
@@ -910,8 +910,8 @@ class Engine:
                                           self.cache_dtype)
 
     def _serve(self, weights: ServingWeights) -> None:
-        """Take a hand-off's serving copy; make the pool again after a ``release``."""
-        if self.released:
+        """Take a hand-off's serving copy; make the pool again after ``release_memory``."""
+        if self.memory_released:
             self._k, self._v = self._new_pool()
         self.params = weights
 
