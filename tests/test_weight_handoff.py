@@ -279,7 +279,7 @@ def test_rl_step_releases_serving_memory_during_the_update_and_samples_the_same(
             sampled.append([t.response_ids.tolist() for t in trajs])
             return trajs, extra
 
-        def release():
+        def free():
             engine_bytes = sum(_engine_bytes(e) for e in rollouts.engines)
             live = sum(x.nbytes for x in jax.live_arrays())
             rollouts.release_memory()
@@ -293,7 +293,7 @@ def test_rl_step_releases_serving_memory_during_the_update_and_samples_the_same(
 
         trainer.train = spy
         rl_step(trainer, rollout_fn, records, rl, LossConfig(), seed=0,
-                before_update=release if release else None)
+                before_update=free if release else None)
         assert trainer.step == 1
         rollouts.update_params(trainer.model())
         rollout_fn(records, 2, 9, 1)  # the updated policy, served by the re-created engines
