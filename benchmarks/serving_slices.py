@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from rstarjax.models.config import ModelConfig  # noqa: E402
-from rstarjax.models.qwen3 import Qwen3, serving_weight_specs  # noqa: E402
+from rstarjax.models.qwen3 import Qwen3  # noqa: E402
 from rstarjax.models.sharding import make_mesh, state_shardings  # noqa: E402
 from rstarjax.rl import optim as optim_lib  # noqa: E402
 from rstarjax.rl import trainer as trainer_lib  # noqa: E402
