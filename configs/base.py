@@ -82,6 +82,9 @@ def get_config(arg=None):
     # Megatron-style, KV by kv head); 0 = one engine over the trainer's arrays as they are
     c.serving.tensor_parallel = 0
     c.serving.slices_per_host = 1  # slices on each process's devices; 0 = as many as fit
+    # free the serving copy and the KV pool before each train step, make them again at the
+    # weight hand-off after it (docs/serving.md "Memory plan"): room for the update
+    c.serving.release_during_update = False
 
     # ---- policy loss (eq. 6; rstarjax/rl/loss.py) ---------------------------------------------
     c.loss = ml_collections.ConfigDict()

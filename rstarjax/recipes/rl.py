@@ -167,7 +167,7 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
         export_meta = {"model_config": model.config.to_hf_dict()}
     trainer = Trainer(model, run.optim, run.loss, run.trainer, mesh=mesh)
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), run.checkpoint)
-    executor = None
+    executor, before_update = None, None
     try:
         meta = initial_state(trainer, ckpt, run)
         if rollout_fn is None:
@@ -175,14 +175,18 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
             rollouts = build.rollouts(trainer.model(), tokenizer, executor, run.rl.agent(), run.rl.sampling(),
                                       run.rl.max_prompt_len, run.rl.chat_format, run.serving)
             rollout_fn, on_update = rollouts, lambda tr: rollouts.update_params(tr.model())
-        return _train_stage(run, workdir, trainer, ckpt, meta, rollout_fn, on_update, export_meta)
+            if run.serving.release_during_update:  # freed before each update, made again by on_update
+                before_update = rollouts.release_memory
+        return _train_stage(run, workdir, trainer, ckpt, meta, rollout_fn, on_update, export_meta,
+                            before_update)
     finally:
         ckpt.close()  # waits for the last async save
         if executor is not None:
             executor.close()  # the code-execution pool this stage started
 
 
-def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_update, export_meta) -> Trainer:
+def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_update, export_meta,
+                 before_update=None) -> Trainer:
     """``run_rl``'s loop, from the stage's starting state to ``run.total_steps``."""
     reference = setup_reference(trainer, run, meta)
     stage_start = int(meta.get("stage_start_step", 0))
@@ -224,7 +228,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
             # dynamic sampling refills from the same iterator, so its checkpointed state covers
             # every prompt a step consumed
             metrics = rl_step(trainer, rollout_fn, records, run.rl, run.loss, seed,
-                              more_records=lambda: next(data_iter))
+                              more_records=lambda: next(data_iter), before_update=before_update)
             if trainer.step == step:  # every group was rejected: no update, as the official trainer
                 rejected_in_a_row += 1
                 log.warning("step %d: no group of the batch is left to train on (rejected %.0f%%, %d infra-short); "

@@ -54,7 +54,7 @@ from rstarjax.models.chat_template import RSTAR2, ChatFormat, encode_prompt, enc
 from rstarjax.models.config import DTYPES
 from rstarjax.protocol import ANSWER_OPEN, STOP_TOKENS
 from rstarjax.rl.trajectory import FinishReason, Segment, SegmentKind, Trajectory
-from rstarjax.serving.engine import DoneReason, Engine
+from rstarjax.serving.engine import DoneReason, Engine, update_engines
 from rstarjax.serving.handoff import ProcessHandoff
 from rstarjax.serving.sampling import SamplingParams
 from rstarjax.serving.scheduler import CallTool, Extend, Finish, RolloutScheduler
@@ -110,6 +110,9 @@ class ServingConfig:
     # they are (no slices)
     tensor_parallel: int = 0
     slices_per_host: int = 1  # slices on this process's devices; 0 = as many as they hold
+    # Free the serving copy and the KV pool before each train step and make them again at the
+    # hand-off after it (docs/serving.md "Memory plan"): room for the update on the same devices
+    release_during_update: bool = False
 
     def __post_init__(self):
         at_least_one = [(getattr(self, n) >= 1, f"{n}={getattr(self, n)} must be >= 1")
@@ -127,6 +130,8 @@ class ServingConfig:
                  f"slices_per_host={self.slices_per_host} must be >= 0 (0 = as many as the local devices hold)"),
                 (self.tensor_parallel >= 1 or self.slices_per_host == 1,
                  f"slices_per_host={self.slices_per_host} needs tensor_parallel >= 1 (devices per slice)"),
+                (isinstance(self.release_during_update, bool),
+                 f"release_during_update={self.release_during_update!r} must be True or False"),
                 one_of("dtype", self.dtype, ("", *DTYPES)))
 
     def engine_options(self, max_len: int, num_slots: int | None = None) -> dict:
@@ -446,8 +451,13 @@ class ColocatedRollouts:
             model_or_state)[1]
         if self.handoff is not None:  # the one cross-process step of rollout, once per update
             state = self.handoff(state)
+        update_engines(self.engines, state)  # one hand-off program for the host's slices
+
+    def release_memory(self) -> None:
+        """Free every engine's serving copy and KV pool until the next ``update_params``
+        (``serving.release_during_update``: called between the rollouts and the train step)."""
         for engine in self.engines:
-            engine.update_params(state)
+            engine.release_memory()
 
     def __call__(self, records, n_per_prompt: int, seed: int, policy_version: int,
                  sampling: SamplingParams | None = None):

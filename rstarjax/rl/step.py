@@ -163,7 +163,8 @@ def _empty_train_batch(num_rows: int, seq_len: int) -> TrainBatch:
 
 
 def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfig, loss_cfg: loss_lib.LossConfig,
-            seed: int, more_records: Callable[[], list] | None = None) -> dict[str, float]:
+            seed: int, more_records: Callable[[], list] | None = None,
+            before_update: Callable[[], None] | None = None) -> dict[str, float]:
     """One GRPO-RoC step on this process's prompts: rollouts (2G each) -> batch filter (rollouts
     ended by infrastructure errors excluded, equal-reward groups rejected) -> RoC keeps G ->
     advantages (``loss_cfg.advantage_estimator``, eq. 7) -> TrainBatch -> update. Returns host
@@ -191,6 +192,9 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
     Extra informative groups beyond the quota are discarded (first come first kept). A shortfall
     after the last round is padded with empty rows (loss mask 0): the batch keeps its configured
     [len(records) * G, L] shape and the eq.-6 denominator counts only real tokens.
+
+    ``before_update`` runs after the last rollout and before the update (only when one runs):
+    e.g. the colocated engine frees its serving memory (``serving.release_during_update``).
     """
     quota = len(records)
     num_rows = quota * cfg.group_size
@@ -250,6 +254,8 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
     update = _update_anywhere(bool(train_trajs), num_rows)
     metrics["filter/updated"] = float(update)
     if update:
+        if before_update is not None:
+            before_update()
         denom = None
         if estimator == "dr_grpo":  # Dr. GRPO's constant: the configured sequences of one update x max length
             rows_per_update = num_rows * jax.process_count() // trainer.cfg.mini_batches

@@ -49,13 +49,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from rstarjax.models.kv_cache import NO_PAGE, PagedKVCache, pages_for, pool_spec
 from rstarjax.models.paged_attention import (DECODE_IMPLEMENTATIONS, RAGGED_CHUNK,
                                              default_decode_implementation)
-from rstarjax.models.qwen3 import (paged_forward, serving_config, serving_weight_specs,
-                                   serving_weights)
+from rstarjax.models.qwen3 import (ServingWeights, paged_forward, serving_config,
+                                   serving_weight_specs, serving_weights)
 from rstarjax.models.sharding import state_shardings
 from rstarjax.serving.handoff import require_process_local
 from rstarjax.serving.pages import OutOfPages, PagePool
@@ -224,6 +224,148 @@ def _serving_fn(graphdef, state, dtype, untie_head):
 
 _to_serving = jax.jit(_serving_fn, static_argnums=(0, 2, 3))
 
+# A slice's target layout in the hand-off: the NamedShardings of its serving copy (a
+# ``ServingWeights`` of them), one device, or None (wherever the cast program puts it).
+Target = ServingWeights | jax.Device | None
+
+
+def serving_copies(graphdef, state, targets: Sequence[Target], *, dtype,
+                   untie_head: bool = False) -> list[ServingWeights]:
+    """The weight hand-off (docs/serving.md "Weight hand-off"): the serving copy
+    (``models.qwen3.serving_weights``: matmul weights in ``dtype``, one buffer per layer) of the
+    ``nnx.split`` model ``state`` (e.g. the trainer's float32 FSDP params) placed in each of
+    ``targets``, made once per update in device memory, never through the host.
+
+    Colocated slices (each target's devices, in its mesh order, are ``tensor_parallel``
+    consecutive devices of the state's, sorted by id, as ``slices.slice_meshes`` makes them):
+    ONE jitted program per tensor size gathers and casts the params straight into a staging
+    layout over the state's own devices, the slices' layout on every row of ``tensor``
+    devices; each slice then keeps the buffers already on its devices (no copy). Transient
+    memory per device: one serving shard (what a device of a slice keeps anyway). The program
+    is the same on every process of a multi-host run (it depends on the state's devices and
+    the tensor size only). Other targets (devices outside the state's, a state on the host):
+    ``jax.device_put`` to the target, then the cast there.
+
+    The copies own their buffers: the trainer may donate its params afterwards."""
+    dtype = jnp.dtype(dtype)
+    out: list[ServingWeights | None] = [None] * len(targets)
+    rows = _staging_rows(state, targets)
+    for tensor in sorted({len(r) for r in rows if r}):
+        group = [i for i, r in enumerate(rows) if r and len(r) == tensor]
+        devices = _sorted_devices(state)
+        mesh = Mesh(np.array(devices).reshape(-1, tensor), ("replica", "tensor"),
+                    axis_types=(AxisType.Auto, AxisType.Auto))
+        target = targets[group[0]]
+        specs = (jax.tree.map(lambda _: PartitionSpec(), _serving_shapes(graphdef, state, dtype,
+                                                                         untie_head))
+                 if isinstance(target, jax.Device) else
+                 jax.tree.map(lambda s: s.spec, target, is_leaf=_is_sharding))
+        staged = _staging_program(graphdef, dtype, untie_head, _named(mesh, specs))(state)
+        for i in group:
+            out[i] = _take_row(staged, targets[i], rows[i])
+    for i, target in enumerate(targets):
+        if out[i] is not None:
+            continue
+        if target is None:
+            out[i] = _to_serving(graphdef, state, dtype, untie_head)
+        elif isinstance(target, jax.Device):
+            out[i] = _to_serving(graphdef, jax.device_put(state, target), dtype, untie_head)
+        else:
+            mesh = jax.tree.leaves(target, is_leaf=_is_sharding)[0].mesh
+            placed = jax.device_put(state, state_shardings(state, mesh))
+            out[i] = jax.jit(_serving_fn, static_argnums=(0, 2, 3), out_shardings=target)(
+                graphdef, placed, dtype, untie_head)
+    return out
+
+
+def _is_sharding(x) -> bool:
+    return isinstance(x, jax.sharding.Sharding)
+
+
+def _named(mesh: Mesh, specs):
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def _serving_shapes(graphdef, state, dtype, untie_head):
+    return jax.eval_shape(functools.partial(_serving_fn, graphdef, dtype=dtype,
+                                            untie_head=untie_head), state)
+
+
+def _sorted_devices(state) -> list[jax.Device]:
+    devices = set()
+    for x in jax.tree.leaves(state):
+        devices |= x.sharding.device_set
+    return sorted(devices, key=lambda d: d.id)
+
+
+def _staging_rows(state, targets) -> list[tuple[jax.Device, ...] | None]:
+    """Per target, its devices when the staging program can place it (see ``serving_copies``),
+    else None."""
+    leaves = jax.tree.leaves(state)
+    if not leaves or not all(isinstance(x, jax.Array) and x.committed for x in leaves):
+        return [None] * len(targets)
+    devices = _sorted_devices(state)
+    rows = []
+    for target in targets:
+        if isinstance(target, jax.Device):
+            row = (target,)
+        elif target is None:
+            row = None
+        else:
+            mesh = jax.tree.leaves(target, is_leaf=_is_sharding)[0].mesh
+            row = tuple(mesh.devices.flat)
+        if row is not None and len(devices) % len(row) == 0:
+            t = len(row)
+            if row not in {tuple(devices[i:i + t]) for i in range(0, len(devices), t)}:
+                row = None
+        else:
+            row = None
+        rows.append(row)
+    return rows
+
+
+@functools.lru_cache(maxsize=64)
+def _staging_jit(graphdef, dtype, untie_head, leaves, treedef):
+    return jax.jit(functools.partial(_serving_fn, graphdef, dtype=dtype, untie_head=untie_head),
+                   out_shardings=jax.tree.unflatten(treedef, leaves))
+
+
+def _staging_program(graphdef, dtype, untie_head, shardings):
+    leaves, treedef = jax.tree.flatten(shardings, is_leaf=_is_sharding)
+    return _staging_jit(graphdef, dtype, untie_head, tuple(leaves), treedef)
+
+
+def _take_row(staged: ServingWeights, target: Target, row) -> ServingWeights:
+    """The slice's own arrays out of the staging copy: its devices' buffers, no copy."""
+    def take(x, sharding):
+        shards = {s.device: s.data for s in x.addressable_shards}
+        return jax.make_array_from_single_device_arrays(
+            x.shape, sharding, [shards[d] for d in sharding.addressable_devices_indices_map(
+                x.shape)])
+    if isinstance(target, jax.Device):
+        single = jax.sharding.SingleDeviceSharding(target)
+        return jax.tree.map(lambda x: take(x, single), staged)
+    return jax.tree.map(take, staged, target)
+
+
+def update_engines(engines: Sequence["Engine"], state) -> None:
+    """Hand ``state`` (an ``nnx.split`` state of the served model) to ``engines`` (e.g. every
+    slice of a host): one ``serving_copies`` for those that share a model and a dtype, so
+    colocated slices cost one program per update, not one per slice. A released engine
+    (``Engine.release_memory``) gets its KV pool back."""
+    groups: dict[tuple, list[Engine]] = {}
+    for e in engines:
+        if jax.tree.structure(state) != e._state_structure:
+            raise ValueError("update_params: the new state's tree structure differs from the "
+                             "served model's")
+        groups.setdefault((e.graphdef, e.dtype, e._untie_head), []).append(e)
+    for (graphdef, dtype, untie), group in groups.items():
+        copies = serving_copies(graphdef, state, [e._handoff_target for e in group],
+                                dtype=dtype, untie_head=untie)
+        for e, weights in zip(group, copies):
+            e._serve(weights)
+
 
 def _pin(pages: tuple, sharding: NamedSharding | None) -> tuple:
     """Keep a slice's pool in its layout (split by kv head) through a program; ``None``: a
@@ -366,10 +508,13 @@ class Engine:
         self.graphdef, state = nnx.split(model)
         require_process_local(state, "the model given to Engine")
         self._state_structure = jax.tree.structure(state)
+        self._untie_head = self._first_device.platform == "cpu"
         self._kv_sharding = None
+        self._handoff_target: Target = device
         if mesh is not None:
             self._place_on_mesh(state)
-        self.params = self._serving_copy(state)
+        [self.params] = serving_copies(self.graphdef, state, [self._handoff_target],
+                                       dtype=self.dtype, untie_head=self._untie_head)
         self.plan = plan_kv(model.config, max_len=self.max_len, page_size=page_size,
                             kv_pages=kv_pages, kv_memory_fraction=kv_memory_fraction,
                             num_slots=num_slots, dtype=self.cache_dtype,
@@ -405,16 +550,7 @@ class Engine:
         self.prefill_chunk = min(self.prefill_chunk, self.buckets[-1])
         self.max_prefill_tokens = max(int(max_prefill_tokens), self.buckets[-1])
         self.pages = PagePool(self.num_pages, self.page_size)
-        if mesh is not None:  # made in place, split by kv head (never whole on one device)
-            pool = [self._kv_sharding] * self.model_config.num_hidden_layers
-            self._k, self._v = jax.jit(
-                lambda: PagedKVCache.init_pool(self.model_config, self.num_pages,
-                                               self.page_size, self.cache_dtype),
-                out_shardings=(tuple(pool), tuple(pool)))()
-        else:
-            with jax.default_device(device) if device is not None else _nullcontext():
-                self._k, self._v = PagedKVCache.init_pool(self.model_config, self.num_pages,
-                                                          self.page_size, self.cache_dtype)
+        self._k, self._v = self._new_pool()
         self._table = np.full((self.num_slots, self.table_width), NO_PAGE, np.int32)
         self._slots: list[_Slot | None] = [None] * self.num_slots
         # Counters (read by the scheduler and benchmarks).
@@ -436,6 +572,9 @@ class Engine:
 
     def init_decode_state(self) -> DecodeState:
         """Fresh decode state; every slot free and every page returned to the pool."""
+        if self.memory_released:
+            raise RuntimeError("the engine was released (serving.release_during_update): "
+                               "update_params before serving again")
         b = self.num_slots
         self.pages.reset()
         self._table[:] = NO_PAGE
@@ -682,11 +821,23 @@ class Engine:
 
     def update_params(self, new_params) -> None:
         """Serve new weights: an ``nnx.split`` state of the served model's structure, copied
-        once into the serving dtype and layout (``ServingWeights``)."""
-        if jax.tree.structure(new_params) != self._state_structure:
-            raise ValueError("update_params: the new state's tree structure differs from the "
-                             "served model's")
-        self.params = self._serving_copy(new_params)
+        once into the serving dtype and layout (``serving_copies``; several slices at once:
+        ``update_engines``). A released engine gets its KV pool back."""
+        update_engines([self], new_params)
+
+    def release_memory(self) -> None:
+        """Free the serving copy and the KV pool (``serving.release_during_update``: room for
+        the train step on the same devices, docs/serving.md "Memory plan"); the next
+        ``update_params`` makes both again. Every slot must be free."""
+        if self.live_slots():
+            raise ValueError(f"release_memory: slots {self.live_slots()} still hold requests")
+        for x in jax.tree.leaves((self.params, self._k, self._v)):
+            x.delete()
+        self.params = self._k = self._v = None
+
+    @property
+    def memory_released(self) -> bool:
+        return self._k is None
 
     # ---- page accounting for the scheduler --------------------------------------------------
     @property
@@ -743,29 +894,28 @@ class Engine:
         return self.device or jax.local_devices()[0]
 
     def _place_on_mesh(self, state) -> None:
-        """Shardings of a slice: the model state as it arrives (its logical axes on this mesh:
-        heads and MLP columns split, the rest replicated), the serving copy it becomes, the
-        pool."""
-        self._state_shardings = state_shardings(state, self.mesh)
-        cpu = self._first_device.platform == "cpu"
-        shapes = jax.eval_shape(functools.partial(_serving_fn, self.graphdef, dtype=self.dtype,
-                                                  untie_head=cpu), state)
+        """Shardings of a slice: the serving copy (the hand-off's target) and the pool."""
+        shapes = _serving_shapes(self.graphdef, state, self.dtype, self._untie_head)
         specs = serving_weight_specs(self.model_config, shapes, self.tensor_parallel)
-        shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs,
-                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
-        self._to_serving_on_mesh = jax.jit(_serving_fn, static_argnums=(0, 2, 3),
-                                           out_shardings=shardings)
+        self._handoff_target = _named(self.mesh, specs)
         self._kv_sharding = NamedSharding(self.mesh, pool_spec(self.model_config,
                                                                self.tensor_parallel))
 
-    def _serving_copy(self, state):
-        cpu = self._first_device.platform == "cpu"
-        if self.mesh is not None:
-            state = jax.device_put(state, self._state_shardings)
-            return self._to_serving_on_mesh(self.graphdef, state, self.dtype, cpu)
-        if self.device is not None:
-            state = jax.device_put(state, self.device)
-        return _to_serving(self.graphdef, state, self.dtype, cpu)
+    def _new_pool(self):
+        if self.mesh is not None:  # made in place, split by kv head (never whole on one device)
+            pool = tuple([self._kv_sharding] * self.model_config.num_hidden_layers)
+            return jax.jit(lambda: PagedKVCache.init_pool(self.model_config, self.num_pages,
+                                                          self.page_size, self.cache_dtype),
+                           out_shardings=(pool, pool))()
+        with jax.default_device(self.device) if self.device is not None else _nullcontext():
+            return PagedKVCache.init_pool(self.model_config, self.num_pages, self.page_size,
+                                          self.cache_dtype)
+
+    def _serve(self, weights: ServingWeights) -> None:
+        """Take a hand-off's serving copy; make the pool again after ``release_memory``."""
+        if self.memory_released:
+            self._k, self._v = self._new_pool()
+        self.params = weights
 
     def _free_kv_bytes(self) -> int | None:
         """Pool bytes the slice's devices can still take: one device's free memory, times the
