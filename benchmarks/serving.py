@@ -330,6 +330,10 @@ def bench_rollouts(quick: bool) -> tuple[list[dict], list[dict]]:
             "busy_fraction_dense_engine": d["timing/rollout_busy_fraction_mean"],
             "rollout_host_syncs_per_token": t["timing/rollout_host_syncs"]
             / max(1, t["timing/rollout_generated_tokens"]),
+            # Work balance of the static split (forced tokens of each contiguous share over
+            # the mean share): at equal rollouts per slice, the most a shared queue can gain
+            # over static allocation without turn sync on this workload.
+            "static_split_imbalance": _static_imbalance(x["trajs"], len(paged)),
             "rollouts_same_tokens_as_dense_engine": float(same),
             "tool_calls": int(sum(tr.tool_calls for tr in x["trajs"])),
             "reward_mean": float(np.mean([tr.reward for tr in x["trajs"]])),
@@ -347,6 +351,14 @@ def bench_rollouts(quick: bool) -> tuple[list[dict], list[dict]]:
                             "prefill_tokens_reprefill": reprefill,
                             "prefill_token_ratio": reprefill / max(1, x["prefill"])})
     return runs, extend_runs
+
+
+def _static_imbalance(trajs, slices: int) -> float:
+    """Largest contiguous equal share's generated + tool tokens over the mean share."""
+    work = np.array([sum(len(seg.ids) for seg in tr.segments) for tr in trajs], float)
+    bounds = np.linspace(0, len(work), slices + 1).round().astype(int)
+    shares = [work[i:j].sum() for i, j in zip(bounds[:-1], bounds[1:])]
+    return float(max(shares) / np.mean(shares))
 
 
 # ---- GPU: decode throughput and HBM roofline ------------------------------------------------------

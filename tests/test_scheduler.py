@@ -105,6 +105,22 @@ def test_admission_by_pages_with_reserve_and_preemption_of_the_youngest(model):
     assert any(r.waiting for r in packed.timeline)  # admitted, waiting on a tool, reported
 
 
+def test_reserve_covers_a_turn_not_growth_past_it(model):
+    """The growth reserve guarantees each turn ``admit_reserve_tokens`` tokens, counted from
+    the turn's start: a turn already longer than that holds no reserve beyond its pages. A
+    (50 tokens) and B (32) start in the 2 slots of a 10-page pool (pages of 8, reserve 24
+    tokens); when B ends, A has grown 32 tokens past its reserve and holds 5 pages, so X
+    (3 pages: 1 to start, 2 of reserve) fits in the 5 free ones and runs beside A. Reserving
+    24 more tokens for A from its current length (3 pages) would keep X waiting until A ends."""
+    eng = make_engine(model, slots=2, kv_pages=10)
+    a, b, x = ScriptEpisode([50]), ScriptEpisode([32]), ScriptEpisode([4])
+    stats = RolloutScheduler([eng], max_rollout_len=MAX_LEN, admit_reserve_tokens=24,
+                             decode_steps=4).run([a, b, x])
+    assert all(e.received == e.script for e in (a, b, x))
+    assert stats.slices[0].preemptions == 0
+    assert x.turn_end_times[0] < a.turn_end_times[0]  # admitted while A still decoded
+
+
 def test_group_samples_share_one_prompt_prefill(model):
     eng = make_engine(model, slots=4)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]

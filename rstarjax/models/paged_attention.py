@@ -29,6 +29,7 @@ from rstarjax.models.kv_cache import NO_PAGE
 DECODE_IMPLEMENTATIONS = ("reference", "ragged", "pallas_gpu", "pallas_tpu")
 QUERY_BLOCK = 256  # queries per block in the reference: bounds the [T, context] logits buffer
 RAGGED_CHUNK = 64  # pages per iteration of the ragged decode attention
+RAGGED_LIST_STEP = 16  # a list of at most RAGGED_CHUNK pages is padded to a multiple of this
 
 
 def write_kv_pages(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: jax.Array,
@@ -102,16 +103,19 @@ def ragged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                             chunk: int = RAGGED_CHUNK) -> jax.Array:
     """One query per row over exactly the listed pages, pure JAX: q [B, N, H] -> [B, N, H].
 
-    ``page_ids``/``page_rows``/``page_starts`` [M] (M a multiple of ``chunk``): the pages to
-    read, the row each belongs to and the position of its first token; only the first
-    ``num_listed`` entries count. Row b sees its first ``lengths[b]`` tokens. Pages are read
-    ``chunk`` at a time in a loop of ``ceil(num_listed / chunk)`` iterations with an online
-    softmax per row (running max, sum and output), so the work follows the live pages of the
-    decoding rows, not every row times the longest one, and M is fixed per engine (no compile
-    per count). The portable decode path (CPU)."""
+    ``page_ids``/``page_rows``/``page_starts`` [M]: the pages to read, the row each belongs to
+    and the position of its first token; only the first ``num_listed`` entries count. Row b
+    sees its first ``lengths[b]`` tokens. A list of at most ``chunk`` entries is read in one
+    pass (the engine pads it to a multiple of ``RAGGED_LIST_STEP``, so a short list reads
+    about its live pages, not a whole chunk); a longer one (M a multiple of ``chunk``, fixed
+    per batch bucket) ``chunk`` pages at a time in a loop of ``ceil(num_listed / chunk)``
+    iterations with an online softmax per row (running max, sum and output). Either way the
+    work follows the live pages of the decoding rows, not every row times the longest one.
+    The portable decode path (CPU)."""
     b, n, h = q.shape
     kh, _, s, _ = k_pages.shape
     g = n // kh
+    chunk = min(chunk, page_ids.shape[0])
     if page_ids.shape[0] % chunk:
         raise ValueError(f"{page_ids.shape[0]} listed-page entries: not a multiple of {chunk}")
     # Materialise q: fused into the per-page gather, its producers (norm, rope) would be

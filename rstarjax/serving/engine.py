@@ -21,9 +21,11 @@ Device programs (module-level ``jax.jit``, shared by every engine with the same 
   the active slots only (compacted into a batch of 4, 16, 64 or 256 rows) that stops early
   when none is active or a given number stopped; the host syncs once per call. Attention reads
   only live pages: the Pallas kernels (GPU, TPU) stop at each row's length, the portable
-  ``ragged`` path walks a list of the active rows' live pages, the ``reference`` path (tests)
-  reads a power-of-two bucket of page-table columns. Compiles: one per batch bucket (per
-  context bucket too for ``reference``).
+  ``ragged`` path walks a list of the active rows' live pages (padded to a multiple of 16
+  pages up to 64, one pass; longer lists 64 pages per loop iteration), the ``reference`` path
+  (tests) reads a power-of-two bucket of page-table columns. Compiles: per batch bucket, one
+  per list size for ``ragged`` (16, 32, 48, 64, longer), one per context bucket for
+  ``reference``, one for the Pallas kernels.
 - ``feed``: several rows per call (prefill of distinct prompts, ``extend`` of several slots,
   re-prefill after preemption), each row up to ``prefill_chunk`` new tokens (longer feeds go
   in chunks), logits of each row's last token only. Compiles: row buckets (1, 2, ..., 16) x token
@@ -53,7 +55,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from rstarjax.models.kv_cache import NO_PAGE, PagedKVCache, pages_for, pool_spec
 from rstarjax.models.paged_attention import (DECODE_IMPLEMENTATIONS, RAGGED_CHUNK,
-                                             default_decode_implementation)
+                                             RAGGED_LIST_STEP, default_decode_implementation)
 from rstarjax.models.qwen3 import (ServingWeights, paged_forward, serving_config,
                                    serving_weight_specs, serving_weights)
 from rstarjax.models.sharding import state_shardings
@@ -964,7 +966,7 @@ class Engine:
                 ids += info.pages[:n]
                 rows += [j] * n
                 starts += range(0, n * size, size)
-            m = -(-batch * self.table_width // RAGGED_CHUNK) * RAGGED_CHUNK
+            m = _ragged_list_size(len(ids), batch * self.table_width)
         else:
             m = RAGGED_CHUNK  # unused
         arrays = [np.zeros(m, np.int32), np.full(m, batch, np.int32), np.zeros(m, np.int32)]
@@ -1148,6 +1150,16 @@ def _batch_bucket(n: int, num_slots: int) -> int:
     while b < n:
         b *= 4
     return min(b, num_slots) if n <= num_slots else n
+
+
+def _ragged_list_size(listed: int, most: int) -> int:
+    """Entries of the ragged attention's page list: up to one chunk, the live pages rounded up
+    to a multiple of ``RAGGED_LIST_STEP`` (read in one pass: the gather and the attention
+    follow the live pages; a few compiles per batch bucket); more, a fixed size per batch
+    bucket read a chunk at a time (``most``: every row's whole page table)."""
+    if listed <= RAGGED_CHUNK:
+        return max(RAGGED_LIST_STEP, -(-listed // RAGGED_LIST_STEP) * RAGGED_LIST_STEP)
+    return -(-most // RAGGED_CHUNK) * RAGGED_CHUNK
 
 
 def _row_bucket(n: int) -> int:

@@ -200,6 +200,7 @@ class _Rollout:
     wait_since: float = 0.0
     append: tuple[list[int], int] | None = None  # ready tool ids + budget, not yet appended
     budget: int = 0  # tokens it may sample after the pending one (kept while parked)
+    turn_start: int = 0  # cache length when its current turn started (prompt or tool turn in)
 
 
 class _Source:
@@ -453,6 +454,7 @@ class _SliceDriver:
             for r, out in zip(items, outs):
                 r.history.extend(r.append[0])
                 r.append = None
+                r.turn_start = self.engine.slot_length(r.slot)
                 self._add_token(r, out.token, out.logprob, out.done)
         return progressed
 
@@ -513,8 +515,10 @@ class _SliceDriver:
             if r.append is not None:
                 r.history.extend(r.append[0])
                 r.append = None
+                r.turn_start = self.engine.slot_length(r.slot)
                 self._add_token(r, out.token, out.logprob, out.done)
-            # else: the restored pending token was forced; it is in the history already
+            # else: the restored pending token was forced; it is in the history already (the
+            # turn goes on: its start, and so its reserve, are unchanged)
         return True
 
     # ---- admission ------------------------------------------------------------------------------
@@ -525,11 +529,22 @@ class _SliceDriver:
         need = e.start_cost(reqs)
         if not self.live and len(reqs) == 1:
             return need <= e.free_pages
-        reserve = sum(e.pages_to_grow(s, self.s.reserve) for s in self.live)
+        reserve = sum(self._reserve_pages(r) for r in self.live.values())
         for n in lengths:
             target = min(n + self.s.reserve, e.max_len)
             reserve += pages_for(target, e.page_size) - pages_for(n, e.page_size)
         return need + reserve <= e.free_pages
+
+    def _reserve_pages(self, r: _Rollout) -> int:
+        """Pages a live rollout still holds in reserve: its current turn may grow to
+        ``admit_reserve_tokens`` tokens (counted from the turn's start, so a turn's own
+        tokens use up its reserve); one waiting on a tool keeps a whole reserve for its next
+        turn (the tool's tokens and the model's answer)."""
+        e = self.engine
+        if r.waiting is not None or r.append is not None or not e.is_decoding(r.slot):
+            return e.pages_to_grow(r.slot, self.s.reserve)
+        grown = e.slot_length(r.slot) - r.turn_start
+        return e.pages_to_grow(r.slot, max(0, self.s.reserve - grown))
 
     def _admit(self) -> bool:
         """Admit queued episodes (whole groups of one prompt where they fit) while pages and
@@ -562,7 +577,7 @@ class _SliceDriver:
         self.state, outs = self.engine.start(self.params, self.state, reqs)
         for ep, req, out in zip(episodes, reqs, outs):
             r = _Rollout(ep, next(self.seq), len(ep.prompt_ids), list(ep.prompt_ids),
-                         slot=req.slot)
+                         slot=req.slot, turn_start=self.engine.slot_length(req.slot))
             self.live[req.slot] = r
             self.stats.episodes += 1
             self._add_token(r, out.token, out.logprob, out.done)
