@@ -40,14 +40,12 @@ def test_config_variants():
     with pytest.raises(ValueError):
         _config("bogus")
     assert not dict(full.demo.recover_fraction)  # the default demo has no recovery traces
-    # :compare is the default demo plus the recovery mix, the lengths it needs, the paper's rollout
-    # temperature and more RL steps; its SFT (data aside) and every RL knob the arms share are the demo's
+    # :compare is the default demo plus the recovery mix and the lengths it needs
     compare, compare_ci = _config("compare"), _config("compare_ci")
     diff = {k for k, v in _flat(compare).items() if _flat(full).get(k, object()) != v}
-    assert diff == {"mode", "demo.recover_fraction.count_divisible", "demo.recover_fraction.modpow",
-                    "demo.export_hf", "rl.max_response_len", "sft.seq_len", "rl.temperature", "total_steps"}
+    assert diff == {"mode", "demo.recover_fraction.count_divisible", "demo.export_hf", "rl.max_response_len",
+                    "sft.seq_len"}
     assert compare.mode == "demo_compare" and compare.rl.roc
-    assert compare.rl.temperature == 1.0 and compare.total_steps > full.total_steps
     # the CI-sized variants differ from their full ones only in sizes
     for small, big in ((ci, full), (compare_ci, compare)):
         assert {k for k, v in _flat(small).items() if _flat(big)[k] != v} <= CI_KEYS
@@ -157,7 +155,7 @@ def test_compare_ci_end_to_end(tmp_path):
     prov = on_disk["provenance"]
     config_text = (tmp_path / "config.json").read_text()
     assert prov["config_sha256"] == hashlib.sha256(config_text.encode()).hexdigest()
-    assert json.loads(config_text)["demo"]["recover_fraction"] == {"count_divisible": 0.3, "modpow": 0.3}
+    assert json.loads(config_text)["demo"]["recover_fraction"] == {"count_divisible": 0.3}
     assert prov["seeds"]["seed"] == c.seed
     import flax, jax, optax  # noqa: E401
     assert prov["versions"]["jax"] == jax.__version__ and prov["versions"]["flax"] == flax.__version__
@@ -165,7 +163,6 @@ def test_compare_ci_end_to_end(tmp_path):
     assert any(p.endswith("compare_tool_error_ratio_positive.png") for p in on_disk["plots"])
     # the SFT data holds recovery traces whose first tool call failed in the sandbox
     sft = [json.loads(l)["messages"] for l in (tmp_path / "sft_traces.jsonl").read_text().splitlines()]
-    assert any(len(m) == 6 and "NameError" in m[2]["content"] for m in sft)  # counting: lcm without its import
-    assert any(len(m) == 6 and "OverflowError" in m[2]["content"] for m in sft)  # modpow: math.pow
+    assert any(len(m) == 6 and "Error" in m[2]["content"] for m in sft)
     with pytest.raises(FileExistsError):
         RECIPES[c.mode](parse(c), str(tmp_path))
