@@ -111,14 +111,10 @@ def get_config(arg=None):
         # GRPO-RoC vs plain GRPO from one SFT (recipes.demo_compare, docs/demo.md "GRPO-RoC vs plain GRPO")
         c.mode = "demo_compare"
         # 30 % of the counting tool traces open with inclusion-exclusion missing its import
-        # (NameError: name 'lcm' is not defined), then `from math import lcm`; 30 % of the modpow
-        # ones with math.pow (OverflowError), then pow(b, e, m). At temperature 1 the groups of
-        # both kinds mix right and wrong answers, so their positives are the ones the updates train on.
-        c.demo.recover_fraction = ml_collections.ConfigDict({"count_divisible": 0.3, "modpow": 0.3})
-        # the paper's rollout temperature. At 0.7 the SFT policy opened 7 % of its counting tool
-        # calls with the buggy program (30 % of the data); at 1.0, 31 % (docs/demo.md)
-        c.rl.temperature = 1.0
-        c.total_steps = 20  # Fig. 4 is about what RL does over steps; 10 left it at noise
+        # (NameError: name 'lcm' is not defined), then `from math import lcm`. Counting is the kind
+        # whose groups mix right and wrong answers (the in-head guesses), so its positives are
+        # the ones the updates train on.
+        c.demo.recover_fraction = ml_collections.ConfigDict({"count_divisible": 0.3})
         c.demo.export_hf = False
         c.rl.max_response_len = 448  # a recovered counting response is 411 tokens (2 calls + traceback)
         # the longest recovery trace is 564 tokens; at 640 two tool traces share a row, so a step
