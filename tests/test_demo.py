@@ -40,12 +40,16 @@ def test_config_variants():
     with pytest.raises(ValueError):
         _config("bogus")
     assert not dict(full.demo.recover_fraction)  # the default demo has no recovery traces
-    # :compare is the default demo plus the recovery mix and the lengths it needs
+    # :compare is the default demo with its own task mix (two kinds, recovery traces, no in-head
+    # guesses), the paper's temperature, more RL steps and the lengths a recovery needs
     compare, compare_ci = _config("compare"), _config("compare_ci")
-    diff = {k for k, v in _flat(compare).items() if _flat(full).get(k, object()) != v}
-    assert diff == {"mode", "demo.recover_fraction.count_divisible", "demo.export_hf", "rl.max_response_len",
-                    "sft.seq_len"}
+    flat_full, flat_compare = _flat(full), _flat(compare)
+    diff = {k for k in flat_full.keys() | flat_compare.keys() if flat_full.get(k, None) != flat_compare.get(k, None)}
+    assert diff == {"mode", "demo.task_kinds", "demo.in_head_fraction.count_divisible",
+                    "demo.recover_fraction.count_divisible", "demo.recover_fraction.modpow", "demo.export_hf",
+                    "rl.temperature", "total_steps", "rl.max_response_len", "sft.seq_len"}
     assert compare.mode == "demo_compare" and compare.rl.roc
+    assert not dict(compare.demo.in_head_fraction)
     # the CI-sized variants differ from their full ones only in sizes
     for small, big in ((ci, full), (compare_ci, compare)):
         assert {k for k, v in _flat(small).items() if _flat(big)[k] != v} <= CI_KEYS
@@ -155,7 +159,7 @@ def test_compare_ci_end_to_end(tmp_path):
     prov = on_disk["provenance"]
     config_text = (tmp_path / "config.json").read_text()
     assert prov["config_sha256"] == hashlib.sha256(config_text.encode()).hexdigest()
-    assert json.loads(config_text)["demo"]["recover_fraction"] == {"count_divisible": 0.3}
+    assert json.loads(config_text)["demo"]["recover_fraction"] == dict(c.demo.recover_fraction)
     assert prov["seeds"]["seed"] == c.seed
     import flax, jax, optax  # noqa: E401
     assert prov["versions"]["jax"] == jax.__version__ and prov["versions"]["flax"] == flax.__version__

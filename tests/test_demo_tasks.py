@@ -184,7 +184,7 @@ def sandbox():
 def test_recovery_traces_show_real_sandbox_errors_then_the_fix(sandbox):
     from rstarjax.env import classify_tool_error, format_tool_response, parse_tool_call, verify_answer
 
-    small = load_tokenizer(3000)
+    small, demo_tok = load_tokenizer(3000), load_tokenizer(1000)
     tasks = [t for k in dt.TASK_KINDS for t in dt.generate_tasks(3, "train", seed=7, kinds=(k,))]
     traces = dt.make_sft_traces(tasks, recover_fraction={k: 1.0 for k in dt.TASK_KINDS},
                                 error_runner=dt.sandbox_error_runner(sandbox))
@@ -196,11 +196,19 @@ def test_recovery_traces_show_real_sandbox_errors_then_the_fix(sandbox):
         result = sandbox.run(task.buggy_code)
         assert classify_tool_error(result) == "execution"
         assert msgs[2]["content"] == format_tool_response(result)
-        assert re.search(r"(NameError|OverflowError|TypeError): ", msgs[2]["content"])
+        assert re.search(r"(NameError|SyntaxError|TypeError): ", msgs[2]["content"])
         rendered = ct.render_conversation(msgs, fmt=ct.COMPACT)
         turns = rendered.split("<|im_start|>assistant")[1:]
         assert parse_tool_call(turns[0]).code == task.buggy_code
-        assert parse_tool_call(turns[1]).code == task.fixed_code
+        # the fix is the task's own program: a recovery copies the question's numbers no more
+        # often than a clean trace does (the buggy program copies each operand once too)
+        assert parse_tool_call(turns[1]).code == task.code
+        assert sorted(re.findall(r"\d{2,}", task.buggy_code)) == sorted(re.findall(r"\d{2,}", task.code))
+        # ... and at the same token positions as in the clean program, in the demo's vocabulary
+        demo_ids = [demo_tok.encode(c) for c in (task.code, task.buggy_code)]
+        is_digit = [[demo_tok.decode([t]).isdigit() for t in ids] + [False] for ids in demo_ids]
+        digits = [[i for i in range(len(d) - 1) if d[i] and (d[i - 1] or d[i + 1])] for d in is_digit]  # operands
+        assert digits[0] == digits[1], task.kind
         # the fix prints the answer (an independent computation), which the last turn boxes
         assert int(msgs[4]["content"]) == _independent_answer(task.problem)
         assert verify_answer(msgs[5]["content"], task.answer)

@@ -247,6 +247,7 @@ class DemoConfig:
     num_slots: int = 64
     export_hf: bool = True
     overwrite: bool = False
+    sft_checkpoint: str = ""  # an earlier run's WORKDIR/sft/checkpoints: start RL from it, skip SFT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,6 +384,10 @@ def _run_rules(run: RunConfig) -> list[str]:
         if mode in modes and getattr(run, name) is None:
             source = "demo" if mode in DEMO_MODES else mode
             errs.append(f"mode={mode!r} needs a --config.{name} section (configs/{source}.py has it)")
+    if mode in DEMO_MODES and run.demo is not None and run.demo.sft_checkpoint \
+            and not os.path.isdir(run.demo.sft_checkpoint):
+        errs.append(f"--config.demo.sft_checkpoint={run.demo.sft_checkpoint!r} is not a directory "
+                    "(give an earlier demo run's WORKDIR/sft/checkpoints)")
     if mode == "sft" and run.sft is not None:
         errs += _require_file(run.sft.data_path, "--config.sft.data_path",
                               'a jsonl/parquet of {"messages": [...]} chat records')

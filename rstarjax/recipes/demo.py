@@ -39,6 +39,7 @@ from flax import nnx
 
 import rstarjax
 from rstarjax import report
+from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io.checkpoint import CheckpointConfig
 from rstarjax.io.metrics_log import MetricsWriter
 from rstarjax.models import save_hf
@@ -223,8 +224,34 @@ def prepare(run: RunConfig, workdir: str, summary_name: str) -> DemoSetup:
     return DemoSetup(tokenizer, mesh, data, rl_path, t_start, prov)
 
 
+def load_sft_policy(run: RunConfig, setup: DemoSetup) -> tuple[nnx.Module, dict[str, Any]]:
+    """The demo model with the params of an earlier run's SFT checkpoint (``demo.sft_checkpoint``,
+    e.g. ``OLD_WORKDIR/sft/checkpoints``): RL arms re-run from the same SFT weights, no SFT."""
+    model = demo_policy(run, setup.tokenizer, setup.mesh)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    source = ckpt_lib.Checkpointer(run.demo.sft_checkpoint, CheckpointConfig(async_save=False))
+    try:
+        step = source.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"--config.demo.sft_checkpoint={run.demo.sft_checkpoint!r} holds no finished "
+                                    "checkpoint")
+        meta = source.read_meta(step)
+    finally:
+        source.close()
+    if meta.get("stage") != "sft":
+        raise ValueError(f"--config.demo.sft_checkpoint={run.demo.sft_checkpoint!r} is not an SFT checkpoint "
+                         f"(its meta says stage {meta.get('stage')!r})")
+    restored, _, _ = ckpt_lib.restore_params(run.demo.sft_checkpoint, ckpt_lib.abstract_like(params), step=step)
+    _say(f"SFT: params of step {step} from {run.demo.sft_checkpoint} (no SFT run)")
+    summary = {"steps": int(step), "seconds": 0.0, "sft_checkpoint": os.path.abspath(run.demo.sft_checkpoint)}
+    return nnx.merge(graphdef, restored, rest), summary
+
+
 def train_sft_policy(run: RunConfig, setup: DemoSetup, workdir: str) -> tuple[nnx.Module, dict[str, Any]]:
-    """Non-reasoning SFT of a fresh demo model on the generated traces (logs in ``workdir/sft``)."""
+    """Non-reasoning SFT of a fresh demo model on the generated traces (logs in ``workdir/sft``);
+    with ``demo.sft_checkpoint``, that checkpoint's params instead (``load_sft_policy``)."""
+    if run.demo.sft_checkpoint:
+        return load_sft_policy(run, setup)
     model = demo_policy(run, setup.tokenizer, setup.mesh)
     sft_dir = os.path.join(workdir, "sft")
     with MetricsWriter(os.path.join(sft_dir, "logs"), tensorboard=False) as mw:

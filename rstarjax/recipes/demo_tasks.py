@@ -44,10 +44,14 @@ class DemoTask:
     answer: str
     code: str  # a program that prints the answer (what the SFT trace's tool call runs)
     reason: str  # the trace's opening <reason> text
-    # A plausible first program that fails when run (a missing import, a float overflow) and the
-    # fix a programmer writes after reading its traceback: the recovery traces' two tool calls.
+    # A plausible first program that fails when run (a type error, an unknown name, a stray
+    # parenthesis): the recovery traces open with it, read its traceback and then run `code`. It
+    # has `code`'s tokens around every operand (only a word or a closing token differs), so the
+    # policy copies the question's numbers into it exactly as into `code`, and the fix copies them
+    # from the program just above. Measured (docs/demo.md): buggy programs that moved the operands
+    # (`import math` first, inclusion-exclusion) were recovered into a right answer 1-5 % of the
+    # time, this layout about as often as a clean program is right.
     buggy_code: str = ""
-    fixed_code: str = ""
 
     def as_row(self) -> dict[str, str]:
         return {"problem": self.problem, "answer": self.answer}
@@ -71,7 +75,7 @@ def _draw(rng: random.Random, make: Callable[[random.Random], DemoTask], answer_
 def _multiply_once(rng: random.Random) -> DemoTask:
     a, b = rng.randint(3163, 9999), rng.randint(3163, 9999)  # 4 x 4 digits, product 8 digits
     return DemoTask("multiply", f"Compute {a} * {b}.", str(a * b), f"print({a} * {b})", "Multiply in Python.",
-                    buggy_code=f"print(prod([{a}, {b}]))", fixed_code=f"from math import prod\nprint(prod([{a}, {b}]))")
+                    buggy_code=f"print({a} * {b}))")  # SyntaxError: unmatched ')'
 
 
 def _multiply(rng: random.Random) -> DemoTask:
@@ -83,8 +87,7 @@ def _modpow_once(rng: random.Random) -> DemoTask:
     return DemoTask(
         "modpow", f"Compute {base}^{exp} mod {mod}.", str(pow(base, exp, mod)),
         f"print(pow({base}, {exp}, {mod}))", "Use pow in Python.",
-        buggy_code=f"import math\nprint(int(math.pow({base}, {exp})) % {mod})",  # OverflowError
-        fixed_code=f"print(pow({base}, {exp}, {mod}))",
+        buggy_code=f"print(mod({base}, {exp}, {mod}))",  # NameError: name 'mod' is not defined
     )
 
 
@@ -104,9 +107,8 @@ def _count_divisible_once(rng: random.Random) -> DemoTask:
         str(answer),
         f"print(sum(1 for k in range(1, {n} + 1) if k % {a} == 0 or k % {b} == 0))",
         "Count them in Python.",
-        # inclusion-exclusion without its import: NameError: name 'lcm' is not defined
-        buggy_code=f"print({n} // {a} + {n} // {b} - {n} // lcm({a}, {b}))",
-        fixed_code=f"from math import lcm\nprint({n} // {a} + {n} // {b} - {n} // lcm({a}, {b}))",
+        # TypeError: object of type 'generator' has no len()
+        buggy_code=f"print(len(k for k in range(1, {n} + 1) if k % {a} == 0 or k % {b} == 0))",
     )
 
 
@@ -122,8 +124,7 @@ def _digit_sum_power_once(rng: random.Random) -> DemoTask:
         str(sum(int(d) for d in str(base**exp))),
         f"print(sum(int(d) for d in str({base} ** {exp})))",
         "Sum the digits in Python.",
-        buggy_code=f"print(sum(str({base} ** {exp})))",  # TypeError: int + str
-        fixed_code=f"print(sum(int(d) for d in str({base} ** {exp})))",
+        buggy_code=f"print(sum(int(d) for d in int({base} ** {exp})))",  # TypeError: 'int' object is not iterable
     )
 
 
@@ -294,8 +295,8 @@ FIX_REASON = "Fix the error."
 
 def recovery_trace(task: DemoTask, error_output: str, fixed_output: str) -> list[dict]:
     """OpenAI-style messages of a first attempt that fails and its fix (paper Fig. 2's pattern):
-    question, reason + the buggy program, its traceback, reason + the fixed program, its output,
-    reason + boxed answer (taken from the fixed program's output)."""
+    question, reason + the buggy program, its traceback, reason + the task's program, its output,
+    reason + boxed answer (taken from that output)."""
     def call(code: str) -> list[dict]:
         return [{"type": "function", "function": {"name": TOOL_NAME, "arguments": {"code": code, "input": ""}}}]
 
@@ -304,7 +305,7 @@ def recovery_trace(task: DemoTask, error_output: str, fixed_output: str) -> list
         {"role": "user", "content": task.problem},
         {"role": "assistant", "content": f"<reason>{task.reason}</reason>", "tool_calls": call(task.buggy_code)},
         {"role": "tool", "content": error_output},
-        {"role": "assistant", "content": f"<reason>{FIX_REASON}</reason>", "tool_calls": call(task.fixed_code)},
+        {"role": "assistant", "content": f"<reason>{FIX_REASON}</reason>", "tool_calls": call(task.code)},
         {"role": "tool", "content": fixed_output},
         {"role": "assistant",
          "content": f"<reason>The code printed {result}.</reason><answer>\\boxed{{{result}}}</answer>"},
@@ -370,9 +371,8 @@ def make_sft_traces(
     recovering = [not head and recovers(t, recover, seed) for t, head in zip(tasks, in_head)]
     if any(recovering) and error_runner is None:
         raise ValueError("recover_fraction needs an error_runner (e.g. sandbox_error_runner(CodeExecutor()))")
-    # the program whose output becomes the answer: the fix in a recovery trace, else the code
-    outputs = iter(runner([t.fixed_code if rec else t.code for t, head, rec in zip(tasks, in_head, recovering)
-                           if not head]))
+    # the program whose output becomes the answer (a recovery trace's fix is the task's program)
+    outputs = iter(runner([t.code for t, head in zip(tasks, in_head) if not head]))
     errors = iter(error_runner([t.buggy_code for t, rec in zip(tasks, recovering) if rec]) if any(recovering) else [])
     traces = []
     for t, head, rec in zip(tasks, in_head, recovering):
