@@ -170,3 +170,38 @@ def test_compare_ci_end_to_end(tmp_path):
     assert any(len(m) == 6 and "Error" in m[2]["content"] for m in sft)
     with pytest.raises(FileExistsError):
         RECIPES[c.mode](parse(c), str(tmp_path))
+
+
+@pytest.mark.slow
+def test_sft_checkpoint_starts_from_an_earlier_runs_sft(demo_ci_run, tmp_path):
+    """demo.sft_checkpoint: the policy holds the earlier run's SFT params (not a fresh init) and no
+    SFT runs; an RL checkpoint or a missing directory is refused by name."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.recipes import demo
+    from rstarjax.recipes.config import ConfigError, parse
+
+    earlier, _ = demo_ci_run
+    c = _config("ci")
+    c.mesh.fsdp, c.mesh.data = 1, -1
+    c.demo.sft_checkpoint = str(earlier / "sft" / "checkpoints")
+    run = parse(c)
+    setup = demo.prepare(run, str(tmp_path / "again"), "demo_summary.json")
+    policy, summary = demo.train_sft_policy(run, setup, str(tmp_path / "again"))
+    assert summary["seconds"] == 0.0 and not (tmp_path / "again" / "sft").exists()  # no SFT ran
+    _, params, _ = nnx.split(policy, nnx.Param, ...)
+    saved, _, _ = ckpt_lib.restore_params(c.demo.sft_checkpoint, ckpt_lib.abstract_like(params))
+    fresh = nnx.split(demo.demo_policy(run, setup.tokenizer, setup.mesh), nnx.Param, ...)[1]
+    leaves = lambda t: [np.asarray(x) for x in jax.tree.leaves(t)]  # noqa: E731
+    assert all(np.array_equal(a, b) for a, b in zip(leaves(params), leaves(saved), strict=True))
+    assert not all(np.array_equal(a, b) for a, b in zip(leaves(params), leaves(fresh), strict=True))
+    # the RL arm's checkpoints of that run are no SFT checkpoint
+    c.demo.sft_checkpoint = str(earlier / "rl" / "checkpoints")
+    with pytest.raises(ValueError, match="not an SFT checkpoint"):
+        demo.train_sft_policy(parse(c), setup, str(tmp_path / "third"))
+    c.demo.sft_checkpoint = str(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="demo.sft_checkpoint"):
+        parse(c)

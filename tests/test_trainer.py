@@ -221,6 +221,7 @@ def test_rollout_metrics_by_hand():
     assert m["tool_call_rate"] == pytest.approx(2 / 3)  # the second response made no call
     assert m["tool_error_ratio"] == pytest.approx(3 / 6)
     assert m["tool_error_ratio_positive"] == pytest.approx(1 / 4)  # Fig. 4: positives only
+    assert m["positives_with_tool_error"] == pytest.approx(1 / 2)  # one of the two positives had a failed call
     assert m["format_violation_ratio"] == pytest.approx(2 / 3)  # 0 tags and 2 tags
     r = M.roc_metrics(trajs, trajs[1:])
     assert r["roc/tool_error_ratio_positive_before"] == pytest.approx(0.25)

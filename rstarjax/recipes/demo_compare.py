@@ -3,8 +3,9 @@
     python -m rstarjax.main --config=configs/demo.py:compare --workdir=/tmp/compare
 
 One SFT (``recipes.demo``'s, on a task mix whose traces sometimes open with a buggy program, read the
-sandbox's traceback and fix it: ``demo.recover_fraction``), then two RL runs from the same SFT
-weights with the same seed, data and steps:
+sandbox's traceback and fix it: ``demo.recover_fraction``; or the params of an earlier run's SFT,
+``demo.sft_checkpoint``), then two RL runs from the same SFT weights with the same seed, data and
+steps:
 
 * ``roc``: GRPO-RoC, 2G rollouts per prompt, Resample-on-Correct keeps G (§2.2.3);
 * ``grpo``: "GRPO with tool", the paper's baseline: G rollouts per prompt, all of them trained.
@@ -19,6 +20,7 @@ import dataclasses
 import json
 import math
 import os
+import textwrap
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,6 +48,9 @@ CURVES: dict[str, tuple[str, str]] = {
     "tool_error_ratio_positive_sampled": (
         "rollout_all/tool_error_ratio_positive",
         "the same over every positively rewarded rollout sampled (what the policy does, before any selection)"),
+    "positives_with_tool_error_sampled": (
+        "rollout_all/positives_with_tool_error",
+        "share of the positive rollouts sampled that hold at least one failed tool call"),
     "reward_mean": ("rollout_all/reward_mean", "mean reward of every rollout sampled"),
     "response_length": ("rollout_all/response_length_mean",
                         "mean response length in tokens (model + tool output) of every rollout sampled"),
@@ -88,6 +93,9 @@ def arm_summary(curves: Mapping[str, list[float]], heldout_accuracy: float, brea
         "tool_error_ratio_positive_first": curves["tool_error_ratio_positive"][0] if steps else float("nan"),
         "tool_error_ratio_positive_sampled_first":
             curves["tool_error_ratio_positive_sampled"][0] if steps else float("nan"),
+        "positives_with_tool_error_sampled_first":
+            curves["positives_with_tool_error_sampled"][0] if steps else float("nan"),
+        "positives_with_tool_error_sampled_last": last_mean(curves["positives_with_tool_error_sampled"]),
         "heldout_accuracy": heldout_accuracy,
         "response_length_last": last_mean(curves["response_length"]),
         "response_length_trained_last": last_mean(curves["response_length_trained"]),
@@ -117,7 +125,7 @@ def plot_comparison(arms: Mapping[str, Mapping[str, Any]], out_dir: str) -> list
     paths = []
     for name, (_, what) in CURVES.items():
         path = os.path.join(out_dir, f"compare_{name}.png")
-        report.plot_lines(path, f"{name}: {what}"[:110],
+        report.plot_lines(path, textwrap.fill(f"{name}: {what}", 90),
                           [(arm, a["curves"]["step"], a["curves"][name]) for arm, a in arms.items()],
                           xlabel="RL step", title_size=9)
         paths.append(path)

@@ -30,6 +30,14 @@ def positive_tool_error_ratio(trajectories: Sequence[Trajectory]) -> float:
     return errors / calls if calls else 0.0
 
 
+def positives_with_tool_error_fraction(trajectories: Sequence[Trajectory]) -> float:
+    """Share of the positively rewarded trajectories with at least one failed tool call: the
+    lucky error-ridden successes that an outcome-only reward reinforces (rStar2-Agent §2.2.3).
+    0 when there is no positive trajectory."""
+    pos = [t for t in trajectories if t.reward > 0]
+    return _mean([float(t.tool_errors.total > 0) for t in pos])
+
+
 def format_violation_ratio(trajectories: Sequence[Trajectory]) -> float:
     """Fraction of trajectories that break the answer format: no <answer> tag, or more than one
     (the two cases rStar2-Agent eq. 5 penalises)."""
@@ -59,6 +67,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory], prefix: str = "rollout/"
         "tool_call_rate": _mean([float(c > 0) for c in calls]),  # share of responses that used the tool
         "tool_error_ratio": (sum(errors) / total_calls) if total_calls else 0.0,
         "tool_error_ratio_positive": positive_tool_error_ratio(trajectories),
+        "positives_with_tool_error": positives_with_tool_error_fraction(trajectories),
         "format_violation_ratio": format_violation_ratio(trajectories),
         "error_finish_ratio": _mean([float(t.finish == FinishReason.ERROR) for t in trajectories]),
     }
