@@ -143,7 +143,7 @@ def test_compare_ci_end_to_end(tmp_path):
     for arm in ("roc", "grpo"):
         a = on_disk[arm]
         for key in ("tool_error_ratio_positive_last", "heldout_accuracy", "response_length_last", "turns_last",
-                    "wall_seconds"):
+                    "wall_seconds", "positives_with_tool_error_sampled_first"):
             assert key in a, (arm, key)
         assert 0.0 <= a["heldout_accuracy"] <= 1.0 and a["wall_seconds"] > 0
         assert a["steps"] == c.total_steps

@@ -48,9 +48,9 @@ class DemoTask:
     # parenthesis): the recovery traces open with it, read its traceback and then run `code`. It
     # has `code`'s tokens around every operand (only a word or a closing token differs), so the
     # policy copies the question's numbers into it exactly as into `code`, and the fix copies them
-    # from the program just above. Measured (docs/demo.md): buggy programs that moved the operands
-    # (`import math` first, inclusion-exclusion) were recovered into a right answer 1-5 % of the
-    # time, this layout about as often as a clean program is right.
+    # from the program just above. Measured (docs/demo.md): modpow's earlier buggy program, which
+    # moved the operands (`import math` first), was recovered into a right answer 5 % of the time;
+    # this layout 69 %, against 90 % for a clean first program.
     buggy_code: str = ""
 
     def as_row(self) -> dict[str, str]:
