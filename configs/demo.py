@@ -48,15 +48,16 @@ def get_config(arg=None):
     # tool pays (docs/demo.md). One kind: the other three show what RL does to a policy that
     # already calls the tool.
     c.demo.in_head_fraction = ml_collections.ConfigDict({"count_divisible": 0.6})
-    # 8000 tool traces (2000 per kind; demo.tool_balanced_kind_cycle draws the in-head kind more
-    # often) + 3000 in-head ones: digit copying (question -> code) appears between 200 and 500
-    # SFT steps of 16 tool traces (docs/demo.md)
-    # {kind: share} of a kind's SFT tool traces that open with a buggy program (a missing import,
-    # a float overflow, int + str), show the sandbox's real traceback and fix it (demo_tasks
+    # {kind: share} of a kind's SFT tool traces that open with a buggy program (a type error, an
+    # unknown name, a stray parenthesis), show the sandbox's real traceback and fix it (demo_tasks
     # .recovery_trace): the tool errors inside positive trajectories that Fig. 4 counts. Off in the
     # default demo; on in :compare.
     c.demo.recover_fraction = ml_collections.ConfigDict({})
-    c.demo.num_sft_problems = 11000
+    # 11,200 tool traces (2,800 per kind; demo.tool_balanced_kind_cycle draws the in-head kind
+    # more often) + 4,200 in-head ones, 700 SFT steps: digit copying (question -> code) appears
+    # between 200 and 500 steps of 16 tool traces and is still fragile at 500 (docs/demo.md: on
+    # 2026-11-25, 500 SFT steps + 10 RL steps left counting at 0 %; 700 + 20 reached 100 %)
+    c.demo.num_sft_problems = 15400
     c.demo.num_rl_problems = 4096
     c.demo.num_eval_problems = 256
     c.demo.num_slots = 64
@@ -70,7 +71,7 @@ def get_config(arg=None):
     c.sft.data_path = ""  # generated in the workdir
     c.sft.chat_format = "compact"
     c.sft.epochs = 1
-    c.sft.batch_size = 22  # ~16 tool traces (one row each) + ~6 in-head traces (two per row): 500 steps
+    c.sft.batch_size = 22  # ~16 tool traces (one row each) + ~6 in-head traces (two per row): 700 steps
     c.sft.learning_rate = 3e-3
     c.sft.warmup_ratio = 0.04
     c.sft.min_lr_ratio = 0.1
@@ -85,7 +86,8 @@ def get_config(arg=None):
     c.sft.seed = 0
     c.sft.compute_dtype = ml_collections.config_dict.placeholder(str)
 
-    c.total_steps = 10
+    # RL moves counting from the in-head guess to the tool in 5-20 steps (docs/demo.md)
+    c.total_steps = 20
     c.rl.prompts_per_step = 16
     c.rl.group_size = 4
     c.rl.oversample = 8
@@ -129,7 +131,7 @@ def get_config(arg=None):
         # the paper's rollout temperature: at 0.7 the SFT policy sampled its buggy first program
         # 4x less often than its data shows (docs/demo.md), and its groups stopped mixing
         c.rl.temperature = 1.0
-        c.total_steps = 20
+        c.demo.num_sft_problems = 11000  # 500 SFT steps, as measured (docs/demo.md)
         c.rl.max_response_len = 512  # a recovered counting response is 476 tokens (2 calls + traceback)
         # the longest recovery trace is 629 tokens; at 640 two clean traces share a row
         c.sft.seq_len = 640

@@ -47,7 +47,7 @@ def test_config_variants():
     diff = {k for k in flat_full.keys() | flat_compare.keys() if flat_full.get(k, None) != flat_compare.get(k, None)}
     assert diff == {"mode", "demo.task_kinds", "demo.in_head_fraction.count_divisible",
                     "demo.recover_fraction.count_divisible", "demo.recover_fraction.modpow", "demo.export_hf",
-                    "rl.temperature", "total_steps", "rl.max_response_len", "sft.seq_len"}
+                    "rl.temperature", "demo.num_sft_problems", "rl.max_response_len", "sft.seq_len"}
     assert compare.mode == "demo_compare" and compare.rl.roc
     assert not dict(compare.demo.in_head_fraction)
     # the CI-sized variants differ from their full ones only in sizes
