@@ -178,6 +178,35 @@ def test_pallas_tpu_paged_attention_interpreted_equals_reference():
     np.testing.assert_allclose(np.asarray(got), ref, atol=2e-5)
 
 
+@pytest.mark.slow  # both interpreters
+@pytest.mark.parametrize("implementation, tensor", [("pallas_gpu", 2), ("pallas_gpu", 4),
+                                                    ("pallas_tpu", 4)])
+def test_kernels_split_over_kv_heads_equal_reference(implementation, tensor):
+    """On a tensor-parallel slice each device runs the kernel on its kv heads and their query
+    heads (``kv_sharding``): the result equals the unsplit reference, and stays split."""
+    import contextlib
+
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    q, k, v, table, lengths, _ = _decode_case(2, n=8, kh=4)
+    q = _bf16_exact(q * 128 ** -0.5) * 128 ** 0.5  # exact for the TPU kernel's pre-scaling
+    ref = np.asarray(paged_decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                            jnp.asarray(table), jnp.asarray(lengths)))
+    pool = NamedSharding(Mesh(np.array(jax.devices()[:tensor]), ("tensor",)),
+                         PartitionSpec("tensor"))
+    interpreter = (pltpu.force_tpu_interpret_mode() if implementation == "pallas_tpu"
+                   else contextlib.nullcontext())
+    with interpreter:
+        got = jax.jit(lambda *a: paged_decode_attention(
+            *a, implementation=implementation, kv_sharding=pool,
+            interpret=implementation == "pallas_gpu"))(
+            jnp.asarray(q), jax.device_put(k, pool), jax.device_put(v, pool),
+            jnp.asarray(table), jnp.asarray(lengths))
+    assert got.sharding.spec == PartitionSpec(None, "tensor")
+    np.testing.assert_allclose(np.asarray(got), ref, atol=2e-5)
+
+
 @pytest.mark.slow
 def test_decode_through_the_gpu_kernel_equals_reference_decode(tiny):
     """The whole paged forward with the GPU kernel (interpreted) for its decode attention."""

@@ -130,16 +130,21 @@ def test_tp8_slice_decodes_like_one_device(wide, reference):
     assert _shard_shape(engine.params.layers[1]["o_proj"]) == (q_dim // 8, d)
 
 
-def _decode_collectives(engine: Engine) -> dict[str, list[str]]:
-    """Result shapes of the collectives in the compiled decode program of 4 active rows."""
+def _lower_decode(engine: Engine):
+    """The decode program of 4 active rows, lowered."""
     rows = jnp.arange(4, dtype=jnp.int32)
     width, live = engine._decode_reads([], 1, 4)
-    lowered = engine_lib._decode_program.lower(
+    return engine_lib._decode_program.lower(
         engine.cfg, engine.params, engine._k, engine._v, engine.init_decode_state(), rows,
         jnp.asarray(engine._table[:, :width]), live, jnp.full((engine.decode_steps, 4), -1),
         jnp.int32(1), jnp.int32(5), steps=engine.decode_steps, attention=engine.decode_attention,
-        vocab_limit=None, max_len=engine.max_len, kv_sharding=engine._kv_sharding)
-    hlo = lowered.compile().as_text()
+        vocab_limit=None, max_len=engine.max_len, kv_sharding=engine._kv_sharding,
+        interpret=engine.interpret)
+
+
+def _decode_collectives(engine: Engine) -> dict[str, list[str]]:
+    """Result shapes of the collectives in the compiled decode program of 4 active rows."""
+    hlo = _lower_decode(engine).compile().as_text()
     return {op: [shape.split("{")[0] for shape in re.findall(rf"= (\S+) {op}(?:-start)?\(", hlo)]
             for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute")}
 
@@ -189,5 +194,36 @@ def test_slice_meshes_layout_and_errors():
         slice_meshes(devices, tensor_parallel=9, num_slices=0)
     with pytest.raises(ValueError, match="device or a mesh"):
         Engine(_model(), max_len=MAX_LEN, device=devices[0], mesh=meshes[0])
-    with pytest.raises(ValueError, match="runs on one device"):
-        Engine(_model(), max_len=MAX_LEN, mesh=meshes[0], decode_attention="pallas_gpu")
+    tp4 = slice_meshes(devices, tensor_parallel=4, num_slices=1)[0]
+    with pytest.raises(ValueError, match="2 kv heads do not divide over 4 devices"):
+        Engine(_model(), max_len=MAX_LEN, mesh=tp4, decode_attention="pallas_gpu")
+    # Replicated pages: the portable path by default; split pages: the platform's default.
+    assert Engine(_model(), max_len=MAX_LEN, mesh=tp4).decode_attention == "ragged"
+    assert Engine(_model(), max_len=MAX_LEN, mesh=meshes[0]).decode_attention == \
+        engine_lib.default_decode_implementation("cpu")
+
+
+# ---- the Pallas decode kernels on a slice: once per device, on its kv heads -----------------
+
+@pytest.mark.slow  # the Pallas interpreter inside every decode program
+@pytest.mark.parametrize("name, tensor", [("tiny", 2), ("wide", 8)])
+def test_tp_slice_decodes_through_the_gpu_kernel_like_one_device(request, reference, name,
+                                                                 tensor):
+    """The Triton paged-attention kernel (interpreted on CPU) under ``shard_map`` over kv
+    heads gives the one-device engine's tokens and log-probs, through shared prefill, decode
+    and ``extend``; the decode program adds no collective for attention (the pages never
+    leave their device) and gathers no KV page."""
+    [mesh] = slice_meshes(jax.devices()[:tensor], tensor_parallel=tensor, num_slices=1)
+    model = request.getfixturevalue(name)
+    engine = _engine(model, mesh=mesh, decode_attention="pallas_gpu", interpret=True)
+    assert engine._k[0].sharding.spec == P("tensor")
+    _check_same(_rollouts(engine), reference[name])
+    # One per-device kernel region (shard_map) per layer.
+    lowered = _lower_decode(engine).as_text()
+    assert lowered.count("sdy.manual_computation") == model.config.num_hidden_layers
+    ops = _decode_collectives(engine)
+    cfg = model.config
+    assert ops["all-reduce"].count(f"f32[4,1,{cfg.hidden_size}]") == 2 * cfg.num_hidden_layers
+    # Only per-row values are gathered (the vocabulary-split logits, for sampling).
+    assert all(s.startswith(("f32[4,", "s32[4,", "pred[4,")) for s in ops["all-gather"])
+    assert not ops["all-to-all"] and not ops["collective-permute"]

@@ -173,14 +173,21 @@ def _largest_divisor(n: int, at_most: int) -> int:
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            page_table: jax.Array, lengths: jax.Array, *,
-                           implementation: str = "reference", interpret: bool = False
+                           implementation: str = "reference", interpret: bool = False,
+                           kv_sharding: jax.sharding.NamedSharding | None = None
                            ) -> jax.Array:
     """One query per row: q [B, N, H] attends to the row's first ``lengths[b]`` tokens
     (including the one just written). -> [B, N, H].
 
     ``interpret=True`` runs the GPU kernel in Pallas' interpreter (CPU tests); the TPU
     kernel's interpreter is switched on by ``pltpu.force_tpu_interpret_mode()`` around the
-    call."""
+    call. ``kv_sharding``: the pool's sharding on a tensor-parallel slice; where it splits the
+    kv heads, a Pallas kernel runs once per device on that device's heads (``shard_map``:
+    XLA cannot partition a kernel call itself)."""
+    if kv_sharding is not None and implementation.startswith("pallas") \
+            and split_kv_axis(kv_sharding) is not None:
+        return _per_kv_head_shard(q, k_pages, v_pages, page_table, lengths, kv_sharding,
+                                  implementation=implementation, interpret=interpret)
     if implementation == "reference":
         pos = (lengths - 1)[:, None]
         return paged_attention_reference(q[:, None], k_pages, v_pages, page_table, pos)[:, 0]
@@ -204,3 +211,27 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         return tpu_kernel(scaled, k_pages, v_pages, lengths, table,
                           pages_per_compute_block=per_block)
     raise ValueError(f"decode attention {implementation!r} not in {DECODE_IMPLEMENTATIONS}")
+
+
+def split_kv_axis(kv_sharding: jax.sharding.NamedSharding) -> str | None:
+    """The mesh axis a pool sharding splits the kv heads over (None: replicated pool)."""
+    spec = tuple(kv_sharding.spec)
+    return spec[0] if spec and spec[0] is not None else None
+
+
+def _per_kv_head_shard(q, k_pages, v_pages, page_table, lengths, kv_sharding, **kernel):
+    """A Pallas decode kernel on each device's kv heads and their query heads, no collective.
+
+    Query heads are split the same way as kv heads (contiguous blocks, as the q/k/v
+    projections' columns are), so a device's queries of kv head j sit next to its pages of j.
+    """
+    axis = split_kv_axis(kv_sharding)
+    P = jax.sharding.PartitionSpec
+
+    def local(q, k, v, table, lens):
+        return paged_decode_attention(q, k, v, table, lens, **kernel)
+
+    return jax.shard_map(local, mesh=kv_sharding.mesh,
+                         in_specs=(P(None, axis), P(axis), P(axis), P(), P()),
+                         out_specs=P(None, axis), check_vma=False)(
+        q, k_pages, v_pages, page_table, lengths)

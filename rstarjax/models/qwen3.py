@@ -395,7 +395,7 @@ def serving_weight_specs(cfg: ModelConfig, w: ServingWeights, tensor: int,
 def paged_forward(cfg: ModelConfig, w: ServingWeights, tokens: jax.Array, cache: PagedKVCache,
                   num_new: jax.Array, *, decode_attention: str = "reference",
                   live_pages: tuple[jax.Array, ...] | None = None,
-                  interpret: bool = False) -> tuple[jax.Array, PagedKVCache]:
+                  interpret: bool = False, kv_sharding=None) -> tuple[jax.Array, PagedKVCache]:
     """Cached forward over a paged pool (docs/design.md): token i of row b sits at position
     ``lengths[b] + i`` (i < ``num_new[b]``; the rest is padding whose writes are dropped), is
     written into the row's page and attends to the row's positions ``<=`` its own. Returns the
@@ -405,7 +405,9 @@ def paged_forward(cfg: ModelConfig, w: ServingWeights, tokens: jax.Array, cache:
     ``cfg`` is ``serving_config(...)`` (its dtype is the compute dtype). One query per row
     (T = 1, a decode step) uses ``paged_decode_attention(implementation=decode_attention)``,
     or for ``"ragged"`` ``ragged_decode_attention`` over ``live_pages`` (page ids, rows,
-    first positions, count); more (prefill, extend) use the pure-JAX reference."""
+    first positions, count); more (prefill, extend) use the pure-JAX reference.
+    ``kv_sharding``: the pool's sharding on a tensor-parallel slice (the Pallas kernels then
+    run per device on its kv heads)."""
     b, t = tokens.shape
     if cache.page_table.shape[0] != b or num_new.shape != (b,):
         raise ValueError(f"tokens {tokens.shape}, page_table {cache.page_table.shape} and "
@@ -425,7 +427,8 @@ def paged_forward(cfg: ModelConfig, w: ServingWeights, tokens: jax.Array, cache:
             elif t == 1:
                 out = paged_decode_attention(q[:, 0], keys[i], values[i], cache.page_table,
                                              positions[:, 0] + 1, interpret=interpret,
-                                             implementation=decode_attention)[:, None]
+                                             implementation=decode_attention,
+                                             kv_sharding=kv_sharding)[:, None]
             else:
                 out = paged_attention_reference(q, keys[i], values[i], cache.page_table,
                                                 positions)

@@ -55,7 +55,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from rstarjax.models.kv_cache import NO_PAGE, PagedKVCache, pages_for, pool_spec
 from rstarjax.models.paged_attention import (DECODE_IMPLEMENTATIONS, RAGGED_CHUNK,
-                                             RAGGED_LIST_STEP, default_decode_implementation)
+                                             RAGGED_LIST_STEP, default_decode_implementation,
+                                             split_kv_axis)
 from rstarjax.models.qwen3 import (ServingWeights, paged_forward, serving_config,
                                    serving_weight_specs, serving_weights)
 from rstarjax.models.sharding import state_shardings
@@ -422,11 +423,11 @@ def _advance(state: DecodeState, tok, lp, num_new, lengths, max_len):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "steps", "attention", "vocab_limit",
-                                             "max_len", "kv_sharding"),
+                                             "max_len", "kv_sharding", "interpret"),
                    donate_argnames=("k", "v", "state"))
 def _decode_program(cfg, weights, k, v, state: DecodeState, rows, page_table, live_pages,
                     forced, n_steps, stop_after, *, steps, attention, vocab_limit, max_len,
-                    kv_sharding=None):
+                    kv_sharding=None, interpret=False):
     """Up to ``n_steps`` (<= ``steps``) decode steps of the slots ``rows`` (the active ones,
     padded with out-of-range ids: the batch is compacted, idle slots cost nothing); stops
     early when none is active or ``stop_after`` of them stopped (their tool calls and the
@@ -451,7 +452,8 @@ def _decode_program(cfg, weights, k, v, state: DecodeState, rows, page_table, li
         num_new = st.active.astype(jnp.int32)
         logits, cache = paged_forward(cfg, weights, st.pending[:, None],
                                       PagedKVCache(k, v, table, st.lengths), num_new,
-                                      decode_attention=attention, live_pages=live_pages)
+                                      decode_attention=attention, live_pages=live_pages,
+                                      kv_sharding=kv_sharding, interpret=interpret)
         tok, lp = sample_tokens(logits, st.seeds, st.counters, st.temperature, st.top_k,
                                 st.top_p, forced[i], vocab_limit)
         st, step = _advance(st, tok, lp, num_new, cache.lengths, max_len)
@@ -476,7 +478,8 @@ class Engine:
     where the given model's arrays are). On a mesh the serving copy is split Megatron-style
     (``models.qwen3.serving_weight_specs``) and the pool by kv head where the kv-head count
     allows (``models.kv_cache.pool_spec``); the programs are the same, XLA's SPMD partitioner
-    adds the collectives.
+    adds the collectives (the Pallas decode kernels run per device on its kv heads).
+    ``interpret``: run the Pallas kernels in their interpreter (tests on CPU).
     """
 
     def __init__(self, model: nnx.Module, *, max_len: int, num_slots: int = 0,
@@ -485,7 +488,7 @@ class Engine:
                  min_bucket: int = 16, prefill_chunk: int = 2048, max_prefill_tokens: int = 8192,
                  decode_steps: int = 16, min_context: int = 256, decode_attention: str = "auto",
                  device: jax.Device | None = None, mesh: Mesh | None = None,
-                 vocab_limit: int | None = None):
+                 vocab_limit: int | None = None, interpret: bool = False):
         if device is not None and mesh is not None:
             raise ValueError("give an engine a device or a mesh, not both")
         if mesh is not None and "tensor" not in mesh.shape:
@@ -524,21 +527,27 @@ class Engine:
         self.num_slots = self.plan.num_slots
         self.page_size = self.plan.page_size
         self.num_pages = self.plan.num_pages
-        if decode_attention == "auto" and self.tensor_parallel > 1:
-            # The shipped Pallas kernels are not partitioned by XLA (they would need a
-            # shard_map over kv heads); the pure-JAX ragged attention is.
+        # On a slice the Pallas kernels run per device on its kv heads (shard_map), so they
+        # need a pool split by kv head; a replicated pool decodes with the pure-JAX paths.
+        kv_split = self._kv_sharding is not None and split_kv_axis(self._kv_sharding) is not None
+        if decode_attention == "auto" and self.tensor_parallel > 1 and not kv_split:
             decode_attention = "ragged"
         elif decode_attention == "auto":
             decode_attention = default_decode_implementation(
                 self._first_device.platform, head_dim=self.cfg.head_dim,
                 page_size=self.page_size)
-        if self.tensor_parallel > 1 and decode_attention.startswith("pallas"):
-            raise ValueError(f"decode_attention {decode_attention!r} runs on one device; a slice "
-                             f"of {self.tensor_parallel} devices uses 'ragged' or 'reference'")
+        if self.tensor_parallel > 1 and not kv_split and decode_attention.startswith("pallas"):
+            raise ValueError(
+                f"decode_attention {decode_attention!r} on a slice of {self.tensor_parallel} "
+                f"devices needs the kv pool split by kv head, but "
+                f"{self.model_config.num_key_value_heads} kv heads do not divide over "
+                f"{self.tensor_parallel} devices: use 'ragged' or 'reference', or a "
+                f"serving.tensor_parallel that divides the kv heads")
         if decode_attention not in DECODE_IMPLEMENTATIONS:
             raise ValueError(f"decode_attention {decode_attention!r} not in "
                              f"{DECODE_IMPLEMENTATIONS + ('auto',)}")
         self.decode_attention = decode_attention
+        self.interpret = bool(interpret)  # CPU tests: the Pallas kernels in their interpreter
         self.decode_steps = int(decode_steps)
         self.table_width = pages_for(self.max_len, self.page_size)
         if decode_attention != "reference":  # the kernels split the table in blocks of pages
@@ -792,7 +801,8 @@ class Engine:
             self.cfg, params, self._k, self._v, state, jnp.asarray(rows),
             jnp.asarray(self._table[:, :width]), live_pages, jnp.asarray(f), jnp.int32(steps),
             jnp.int32(stop_after), steps=self.decode_steps, attention=self.decode_attention,
-            vocab_limit=self.vocab_limit, max_len=self.max_len, kv_sharding=self._kv_sharding)
+            vocab_limit=self.vocab_limit, max_len=self.max_len, kv_sharding=self._kv_sharding,
+            interpret=self.interpret)
         compact = jax.device_get(outs)
         self.busy_seconds += time.perf_counter() - t0
         self.host_syncs += 1
