@@ -189,6 +189,31 @@ def test_single_file_checkpoint_loads(single_file_ckpt):
                                atol=ATOL, rtol=0)
 
 
+def test_structure_only_load_reads_no_tensor_but_checks_the_headers(single_file_ckpt, tmp_path,
+                                                                    monkeypatch):
+    """``read_weights=False`` (a run whose checkpoint replaces every parameter): the loaded
+    model's shapes, dtypes and shardings, zeros for values, no tensor data read; a checkpoint
+    that does not fit the config is still refused."""
+    from jax.sharding import Mesh
+
+    from rstarjax.models import hf as hf_lib
+
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2, 1), ("data", "fsdp", "tensor"))
+    full = nnx.state(load_hf(str(single_file_ckpt), mesh=mesh), nnx.Param)
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("a tensor was read")
+
+    monkeypatch.setattr(hf_lib, "_read_slice", no_read)
+    shell = nnx.state(load_hf(str(single_file_ckpt), mesh=mesh, read_weights=False), nnx.Param)
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(shell), strict=True):
+        assert (a.shape, a.dtype, a.sharding) == (b.shape, b.dtype, b.sharding)
+        assert not np.any(np.asarray(b))
+    _copy_ckpt(single_file_ckpt, tmp_path, config_edit={"intermediate_size": 100})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight"):
+        load_hf(str(tmp_path), read_weights=False)
+
+
 def test_missing_tensor_is_named(single_file_ckpt, tmp_path):
     _copy_ckpt(single_file_ckpt, tmp_path, drop="model.layers.1.mlp.up_proj.weight")
     with pytest.raises(KeyError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):

@@ -11,6 +11,7 @@
 * every shipped config starts (builds its code executor and rollout engine) with only the
   overrides a user must give (model, data) and sizes.
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -111,6 +112,28 @@ def test_rl_checkpoint_hands_over_params_optimizer_and_step(tmp_path):
             np.testing.assert_array_equal(a, b)
         # a fresh optimizer restarts its schedule: the first update of stage 3 warms up again
         assert tr.learning_rate() == pytest.approx(1e-3 / 2 if reset else 1e-3)
+
+
+def test_the_hf_weights_are_read_only_when_nothing_replaces_them(tmp_path):
+    """A stage started from ``init_from`` or resuming its workdir overwrites every parameter, so
+    its HF weights are not read (``build.policy(read_weights=False)``); a fresh stage, and any
+    stage with a KL term (its "initial" reference is the policy as built), reads them."""
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.recipes import rl as rl_recipe
+
+    _save_trained(_trainer(), str(tmp_path / "resumed"), 3, {"step": 3, "stage": "rl"})
+    fresh = ckpt_lib.Checkpointer(str(tmp_path / "fresh"))
+    resumed = ckpt_lib.Checkpointer(str(tmp_path / "resumed"))
+    try:
+        assert not rl_recipe.checkpoint_replaces_weights(_stage_config(), fresh)
+        assert rl_recipe.checkpoint_replaces_weights(_stage_config(str(tmp_path / "sft")), fresh)
+        assert rl_recipe.checkpoint_replaces_weights(_stage_config(), resumed)
+        config = _stage_config(str(tmp_path / "sft"))
+        with_kl = dataclasses.replace(config, loss=dataclasses.replace(config.loss, kl_coef=0.01))
+        assert not rl_recipe.checkpoint_replaces_weights(with_kl, resumed)
+    finally:
+        fresh.close()
+        resumed.close()
 
 
 def test_a_workdir_belongs_to_one_stage(tmp_path):

@@ -174,13 +174,17 @@ def _read_slice(where, spec: TensorSpec, index, dtype, num_layers: int) -> np.nd
 
 
 def load_hf(path: str, dtype=jnp.bfloat16, param_dtype=jnp.float32, mesh: Mesh | None = None,
-            rules=DEFAULT_RULES, **config_overrides) -> Qwen3:
+            rules=DEFAULT_RULES, read_weights: bool = True, **config_overrides) -> Qwen3:
     """Load a HF Qwen3/Qwen2 checkpoint directory into a ``Qwen3`` module.
 
     ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype. With ``mesh`` every
     parameter is placed on its logical-axis sharding, each device reading only its slice.
     Raises naming the tensor or config field on a missing tensor, a shape mismatch, an
     unexpected tensor or an unsupported architecture.
+
+    ``read_weights=False``: the same checks (from the headers) and the same shapes and
+    shardings, but zeros instead of the tensors' data: for a run whose checkpoint replaces
+    every parameter (a later stage, a resume), which need not read a 14B model first.
     """
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
@@ -225,6 +229,9 @@ def load_hf(path: str, dtype=jnp.bfloat16, param_dtype=jnp.float32, mesh: Mesh |
         var = flat[key]
         shape, pdt = var.get_value().shape, var.get_value().dtype
         sharding = sharding_of.get(key, single)
+        if not read_weights:
+            new_flat.append((key, var.replace(jnp.zeros(shape, pdt, device=sharding))))
+            continue
         arr = jax.make_array_from_callback(
             shape, sharding,
             lambda idx, spec=spec, pdt=pdt: _read_slice(where, spec, idx, pdt,

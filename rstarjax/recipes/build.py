@@ -36,13 +36,16 @@ def vocabulary_of(tok: Tokenizer) -> dict[str, Any]:
     return dict(vocab_size=tok.vocab_size, bos_token_id=tok.endoftext_id, eos_token_id=tok.eos_id)
 
 
-def policy(src: ModelSource, mesh: Mesh, seed: int, **preset_overrides) -> nnx.Module:
+def policy(src: ModelSource, mesh: Mesh, seed: int, *, read_weights: bool = True,
+           **preset_overrides) -> nnx.Module:
     """The policy on ``mesh``: the HF checkpoint at ``src.hf_path``, or (``src.random_init``) a
     seeded ``src.preset`` with ``preset_overrides`` (e.g. ``vocabulary_of(tokenizer)``; the preset's
-    own vocabulary otherwise) and random weights (tests, demos)."""
+    own vocabulary otherwise) and random weights (tests, demos). ``read_weights=False``: the HF
+    model's structure with zeros (a checkpoint restored next replaces every parameter)."""
     dtype = jnp.dtype(src.dtype)
     if not src.random_init:
-        return load_hf(src.hf_path, dtype=dtype, mesh=mesh, remat_policy=src.remat_policy)
+        return load_hf(src.hf_path, dtype=dtype, mesh=mesh, remat_policy=src.remat_policy,
+                       read_weights=read_weights)
     cfg = ModelConfig.preset(src.preset, dtype=dtype, remat_policy=src.remat_policy, **preset_overrides)
     return shard_model(Qwen3(cfg, rngs=nnx.Rngs(int(seed))), mesh)
 

@@ -115,6 +115,16 @@ def initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig)
             "init_from_step": int(src_step), "init_from_stage": "sft" if from_sft else "rl"}
 
 
+def checkpoint_replaces_weights(run: RunConfig, ckpt: ckpt_lib.Checkpointer) -> bool:
+    """Whether ``initial_state`` overwrites every parameter of the policy as built (a resume of
+    this workdir, or ``checkpoint.init_from``) before anything reads them: then the HF weights
+    need not be read (minutes for a 14B model at every stage start). The KL term's "initial"
+    reference is the policy as built, so with ``loss.kl_coef > 0`` they are always read."""
+    if run.loss.kl_coef > 0:
+        return False
+    return bool(run.checkpoint.init_from) or ckpt.latest_step() is not None
+
+
 def setup_reference(trainer: Trainer, run: RunConfig, meta: dict) -> dict | None:
     """Choose the KL term's frozen reference policy (only with ``loss.kl_coef > 0``) and return
     the record of that choice, saved in every checkpoint's meta as ``"reference"``.
@@ -158,17 +168,19 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
     policy) and after every update (the colocated engine takes the new params in memory there).
     """
     mesh = build.mesh(run.mesh)
-    model = model if model is not None else build.policy(run.model, mesh, run.seed)
-    # what rstarjax.export needs to rebuild the model from a checkpoint of this run alone
-    tokenizer = build.tokenizer(run.model)
-    if rollout_fn is None or len(tokenizer) <= model.config.vocab_size:
-        export_meta = build.model_meta(model, tokenizer)  # raises when the vocabularies disagree
-    else:  # a scripted rollout function on a preset whose table fits no tokenizer: the architecture only
-        export_meta = {"model_config": model.config.to_hf_dict()}
-    trainer = Trainer(model, run.optim, run.loss, run.trainer, mesh=mesh)
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), run.checkpoint)
     executor, before_update = None, None
     try:
+        if model is None:
+            model = build.policy(run.model, mesh, run.seed,
+                                 read_weights=not checkpoint_replaces_weights(run, ckpt))
+        # what rstarjax.export needs to rebuild the model from a checkpoint of this run alone
+        tokenizer = build.tokenizer(run.model)
+        if rollout_fn is None or len(tokenizer) <= model.config.vocab_size:
+            export_meta = build.model_meta(model, tokenizer)  # raises when the vocabularies disagree
+        else:  # a scripted rollout function on a preset whose table fits no tokenizer: the architecture only
+            export_meta = {"model_config": model.config.to_hf_dict()}
+        trainer = Trainer(model, run.optim, run.loss, run.trainer, mesh=mesh)
         meta = initial_state(trainer, ckpt, run)
         if rollout_fn is None:
             executor = build.executor(run.rl.num_tool_workers)

@@ -85,7 +85,9 @@ def run_filter(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None
     executor = None
     if rollout_fn is None:
         mesh = build.mesh(run.mesh)
-        model = model if model is not None else build.policy(run.model, mesh, run.seed)
+        if model is None:  # init_from's params replace the built ones: no need to read HF's
+            model = build.policy(run.model, mesh, run.seed,
+                                 read_weights=not run.checkpoint.init_from)
         if run.checkpoint.init_from:
             graphdef, params, rest = nnx.split(model, nnx.Param, ...)
             shardings = jax.tree.map(lambda x: x.sharding, params)
