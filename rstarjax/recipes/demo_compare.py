@@ -87,14 +87,15 @@ def last_mean(values: Sequence[float], n: int = LAST_STEPS) -> float:
 def arm_summary(curves: Mapping[str, list[float]], heldout_accuracy: float, breakdown: Mapping[str, Any],
                 wall_seconds: float, steps: int) -> dict[str, Any]:
     """One arm's entry of comparison.json."""
+    def first(name: str) -> float:
+        return curves[name][0] if steps else float("nan")
+
     return {
         "tool_error_ratio_positive_last": last_mean(curves["tool_error_ratio_positive"]),
         "tool_error_ratio_positive_sampled_last": last_mean(curves["tool_error_ratio_positive_sampled"]),
-        "tool_error_ratio_positive_first": curves["tool_error_ratio_positive"][0] if steps else float("nan"),
-        "tool_error_ratio_positive_sampled_first":
-            curves["tool_error_ratio_positive_sampled"][0] if steps else float("nan"),
-        "positives_with_tool_error_sampled_first":
-            curves["positives_with_tool_error_sampled"][0] if steps else float("nan"),
+        "tool_error_ratio_positive_first": first("tool_error_ratio_positive"),
+        "tool_error_ratio_positive_sampled_first": first("tool_error_ratio_positive_sampled"),
+        "positives_with_tool_error_sampled_first": first("positives_with_tool_error_sampled"),
         "positives_with_tool_error_sampled_last": last_mean(curves["positives_with_tool_error_sampled"]),
         "heldout_accuracy": heldout_accuracy,
         "response_length_last": last_mean(curves["response_length"]),
