@@ -12,6 +12,8 @@
     # exits 1, naming what to change, when a plan cannot fit
     python benchmarks/bench_trainer.py --plan [--models qwen3-1.7b,qwen3-8b,qwen3-14b]
         [--meshes h100x8,v5p-64] [--micro-rows 1] [--remat full] [--kv-slots 8]
+    # padding rows (rejected groups): Trainer.train skipping all-padding micro-batches vs not
+    python benchmarks/bench_trainer.py --padding 0.5 [--batch 32 --seq 512 --micro 4]
     # largest row length whose train step fits one device (GPU: measured, else XLA:CPU analysis)
     python benchmarks/bench_trainer.py --max-len --preset qwen3-1.7b --hbm-gb 80
 
@@ -54,6 +56,8 @@ def parse_args(argv=None):
     mode.add_argument("--memory-scan", action="store_true")
     mode.add_argument("--plan", action="store_true")
     mode.add_argument("--max-len", action="store_true")
+    mode.add_argument("--padding", type=float, default=None, metavar="FRACTION",
+                      help="rows that are padding (rejected groups): skip_padding on vs off")
     ap.add_argument("--preset", default=None, help="model shape (default: tiny; scan: tiny widths)")
     ap.add_argument("--vocab", type=int, default=None, help="override vocab_size")
     ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
@@ -186,10 +190,10 @@ def single_device_trainer(cfg: ModelConfig, micro: int = 0) -> trainer_lib.Train
                                mesh=mesh)
 
 
-def compile_step(tr: trainer_lib.Trainer, batch: dict):
+def compile_step(tr: trainer_lib.Trainer, batch: dict, skip_padding: bool = False):
     rows = batch["tokens"].shape[0]
     with jax.set_mesh(tr.mesh):
-        return tr.step_fn(rows).lower(tr.state, batch, jnp.float32(0.0)).compile()
+        return tr.step_fn(rows, None, skip_padding).lower(tr.state, batch, jnp.float32(0.0)).compile()
 
 
 def baseline_step_fn(model, opt):
@@ -327,6 +331,69 @@ def speed(args) -> dict:
                    speedup=round(float(np.median(ratios)), 3),
                    speedup_range=[round(min(ratios), 3), round(max(ratios), 3)])
     return out
+
+
+def padded_batch(args, vocab: int) -> dict:
+    """``make_batch`` whose last ``--padding`` fraction of rows are padding, as
+    ``rl.batch.place_rows`` leaves the rows of rejected groups (pad tokens, positions and
+    segment ids 0, nothing trained)."""
+    batch = make_batch(args.batch, args.seq, vocab)
+    real = args.batch - int(round(args.batch * args.padding))
+    for k in batch:
+        batch[k][real:] = 0
+    return batch
+
+
+def padding(args) -> dict:
+    """``Trainer.train`` (old-log-prob recompute + one update, as an RL step runs it) on a batch
+    whose last ``--padding`` of rows are padding: ``skip_padding`` (real rows moved into the
+    first micro-batches, all-padding ones skipped) vs computing every row, alternating
+    ``--repeats`` timings of ``--steps`` steps from the same initial weights; the two end up
+    with the same weights (``max_param_diff``)."""
+    cfg = model_config(args, dtype_default="float32")
+    batch = padded_batch(args, cfg.vocab_size)
+    mesh = sharding_lib.make_mesh(1, -1, 1)
+
+    def trainer(skip):
+        return trainer_lib.Trainer(Qwen3(cfg, rngs=nnx.Rngs(0)),
+                                   optim_lib.OptimConfig(learning_rate=1e-4, warmup_steps=0),
+                                   loss_lib.LossConfig(),
+                                   trainer_lib.TrainerConfig(micro_batch_size=args.micro,
+                                                             skip_padding=skip), mesh=mesh)
+
+    ours, base = trainer(True), trainer(False)
+    runs = {id(ours): 0, id(base): 0}
+    peaks = [memory_stats(compile_step(tr, tr.put_batch(batch), tr.cfg.skip_padding))["peak_bytes"]
+             for tr in (ours, base)]
+
+    def run(tr):
+        def one():
+            runs[id(tr)] += 1
+            return tr.train(batch)["train/loss"]
+        return one
+
+    t_ours, t_base = [], []
+    for _ in range(args.repeats):
+        t_ours.append(timed(run(ours), args.steps))
+        t_base.append(timed(run(base), args.steps))
+    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+               zip(jax.tree.leaves(ours.state.params), jax.tree.leaves(base.state.params)))
+    ratios = [b / o for o, b in zip(t_ours, t_base)]
+    micro = args.micro or args.batch
+    return {"bench": "trainer_padding", "device": str(jax.devices()[0].device_kind),
+            "devices": jax.device_count(), "preset": args.preset or "tiny",
+            "overrides": args.overrides, "batch": args.batch, "seq": args.seq,
+            "micro_batch": micro, "micro_batches": args.batch // micro,
+            "padding_fraction": args.padding,
+            "padding_micro_batches_skipped": (args.batch - int((batch["loss_mask"].any(1)).sum()))
+            // micro, "repeats": args.repeats, "updates_each": runs[id(ours)],
+            "skip_step_s": round(float(np.median(t_ours)), 4),
+            "skip_step_s_range": [round(min(t_ours), 4), round(max(t_ours), 4)],
+            "all_rows_step_s": round(float(np.median(t_base)), 4),
+            "all_rows_step_s_range": [round(min(t_base), 4), round(max(t_base), 4)],
+            "speedup": round(float(np.median(ratios)), 3),
+            "speedup_range": [round(min(ratios), 3), round(max(ratios), 3)],
+            "max_param_diff": diff, "skip_peak_bytes": peaks[0], "all_rows_peak_bytes": peaks[1]}
 
 
 def growth(values: dict) -> float:
@@ -531,6 +598,8 @@ def main():
         out = plan(ARGS)
     elif ARGS.max_len:
         out = max_len(ARGS)
+    elif ARGS.padding is not None:
+        out = padding(ARGS)
     else:
         out = speed(ARGS)
     print(json.dumps(out))

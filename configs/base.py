@@ -115,6 +115,7 @@ def get_config(arg=None):
     c.trainer.micro_batch_size = 64  # global rows per gradient-accumulation micro-step
     c.trainer.mini_batches = 1  # optimizer updates per rollout batch
     c.trainer.recompute_old_logprobs = True
+    c.trainer.skip_padding = True  # no forward/backward for micro-steps of padding rows only
     c.trainer.compute_dtype = ml_collections.config_dict.placeholder(str)  # None: model decides
 
     # ---- device mesh (data, fsdp, tensor); -1 = the rest of the devices --------------------------

@@ -51,3 +51,14 @@ def test_memory_scan_prints_peak_bytes_per_length():
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(res["peak_bytes"]) == {"256", "512"} and res["ran_lengths"] == [256, 512]
     assert 0.5 < res["growth_per_doubling_max"] < 2.2
+
+
+@pytest.mark.slow
+def test_padding_mode_skips_the_padding_micro_batches_with_the_same_weights():
+    out = _bench("--padding", "0.5", "--batch", "8", "--seq", "64", "--micro", "2", "--steps", "1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["bench"] == "trainer_padding" and res["micro_batches"] == 4
+    assert res["padding_micro_batches_skipped"] == 2
+    assert res["max_param_diff"] < 1e-5 and res["updates_each"] >= 3
+    assert res["skip_step_s"] > 0 and res["all_rows_step_s"] > 0 and res["speedup"] > 0

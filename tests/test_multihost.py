@@ -1,6 +1,8 @@
 """Multi-process training: 2 processes x 2 CPU devices (jax.distributed, gloo CPU collectives,
 localhost coordinator), each feeding only its own half of the batch, reach the parameters of a
-1-process run on the whole batch. This file doubles as the worker:
+1-process run on the whole batch; the second batch has padding rows (rejected groups), which
+each process arranges in its own rows and every process skips together. This file doubles
+as the worker:
 ``python tests/test_multihost.py PORT PROCESS_ID OUT.npz``.
 """
 import os
@@ -15,6 +17,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 STEPS = 2
+
+
+def batches():
+    """Step 1: every row trained; step 2: half the rows padding, one real and one padding row
+    per 2-row micro-batch slot as given (so the arrangement must move them)."""
+    from test_trainer import random_batch
+
+    out = [random_batch(s) for s in range(1, STEPS + 1)]
+    for k in out[-1]:
+        out[-1][k][[1, 2, 5, 6]] = 0
+    return out
 
 
 def run_training(batches, mesh, process_rows=None):
@@ -42,15 +55,14 @@ def worker(port: int, pid: int, out: str):
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid,
                                initialization_timeout=120)
     from jax.experimental import multihost_utils
-    from test_trainer import B, random_batch
+    from test_trainer import B
 
     from rstarjax.models import sharding as sharding_lib
 
     assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
     mesh = sharding_lib.make_mesh(2, 1, 2)  # data across the two processes, tensor within each
     half = B // 2
-    tr, metrics = run_training([random_batch(s) for s in range(1, STEPS + 1)], mesh,
-                               process_rows=slice(pid * half, (pid + 1) * half))
+    tr, metrics = run_training(batches(), mesh, process_rows=slice(pid * half, (pid + 1) * half))
     params = multihost_utils.process_allgather(tr.state.params, tiled=True)
     if pid == 0:
         np.savez(out, grad_norm=np.array([m["train/grad_norm"] for m in metrics]),
@@ -67,7 +79,6 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
     import jax
-    from test_trainer import random_batch
 
     from rstarjax.models import sharding as sharding_lib
 
@@ -77,8 +88,7 @@ def test_two_processes_match_one_process(tmp_path):
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(port), str(i), out], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     # the 1-process reference on the whole batch while the workers run
-    ref, ref_metrics = run_training([random_batch(s) for s in range(1, STEPS + 1)],
-                                    sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    ref, ref_metrics = run_training(batches(), sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     for p in procs:
         try:
             log, _ = p.communicate(timeout=500)

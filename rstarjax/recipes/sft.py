@@ -153,6 +153,9 @@ class SFTTrainer:
 
     def train_step(self, arrays: Mapping[str, np.ndarray]) -> dict[str, float]:
         """One update on packed host arrays (the whole global batch, the same on every process)."""
+        arrays = {k: arrays[k] for k in SEQUENCE_KEYS}
+        if self.trainer.cfg.skip_padding:  # unused packed rows fill whole micro-batches, skipped
+            arrays = self.trainer.arrange_rows(arrays, whole_batch=True)
         batch = {k: jax.device_put(np.asarray(arrays[k]), self.trainer.batch_sharding) for k in SEQUENCE_KEYS}
         lr = float(cosine_with_warmup(self.step, self.total_steps, self.cfg.learning_rate, self.cfg.warmup_ratio,
                                       self.cfg.min_lr_ratio))

@@ -179,7 +179,7 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
     and small all-gathers of flags (whether to update; with dynamic sampling, whether to refill).
     Every process brings ``len(records) * G`` rows: the
     rows of rejected or missing groups are padding with loss mask 0 (zero weight), so the row
-    count never depends on what the filters kept.
+    count never depends on what the filters kept (``trainer.skip_padding`` skips their compute).
 
     Rejected groups are not refilled (the official trainer's behaviour): their rows are padding
     (loss mask 0), so eq. 6's denominator counts only the kept groups' tokens. When no process has
