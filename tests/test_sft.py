@@ -1,7 +1,9 @@
 """SFT: loss vs HF transformers (PyTorch fp32, labels=-100 outside assistant turns), the
 schedule vs transformers' get_cosine_schedule_with_warmup, packing, bad input, learning."""
 import json
+import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +15,8 @@ from rstarjax.protocol import TOOL_NAME
 from rstarjax.recipes import sft
 from rstarjax.recipes.config import SFTConfig
 from rstarjax.rl.optim import cosine_with_warmup
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -161,3 +165,47 @@ def test_sft_learns_and_checkpoints(tok, tmp_path):
     b = nnx.state(again.model(), nnx.Param)
     for x, y in zip(np.asarray(a["embed"][...]), np.asarray(b["embed"][...])):
         np.testing.assert_array_equal(x, y)
+
+
+def test_a_resumed_sft_run_does_not_read_the_hf_weights(tmp_path, monkeypatch):
+    """``run_sft`` in a workdir with a checkpoint builds the policy without reading the HF
+    weights (the restore replaces every parameter); a fresh workdir reads them."""
+    import sys
+
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.recipes import build
+    from rstarjax.recipes.config import parse
+
+    sys.path.insert(0, os.path.join(ROOT, "configs"))
+    import sft as sft_config
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def policy(src, mesh, seed, read_weights=True, **kw):
+        asked.append(read_weights)
+        raise Stop
+
+    monkeypatch.setattr(build, "policy", policy)
+    monkeypatch.setattr(build, "tokenizer", lambda src: None)
+    monkeypatch.setattr(build, "vocabulary_of", lambda tok: {})
+    monkeypatch.setattr(sft, "load_conversations", lambda path: [])
+    c = sft_config.get_config()
+    hf, data = tmp_path / "hf", tmp_path / "sft.jsonl"  # checked to exist; never read here
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    data.write_text("")
+    c.model.hf_path, c.sft.data_path = str(hf), str(data)
+    run = parse(c, num_devices=jax.device_count())
+    for workdir, saved in ((tmp_path / "fresh", False), (tmp_path / "resumed", True)):
+        if saved:
+            ckpt = ckpt_lib.Checkpointer(str(workdir / "checkpoints"),
+                                         ckpt_lib.CheckpointConfig(async_save=False))
+            ckpt.save(3, {"w": jax.numpy.zeros(2)}, {"stage": "sft"})
+            ckpt.close()
+        with pytest.raises(Stop):
+            sft.run_sft(run, str(workdir))
+    assert asked == [True, False]

@@ -226,6 +226,15 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
 
 
 # ---- entry point -----------------------------------------------------------------------------------
+def resumes(workdir: str, checkpoint_cfg) -> bool:
+    """Whether ``train_sft`` in ``workdir`` resumes from a checkpoint there."""
+    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), checkpoint_cfg)
+    try:
+        return ckpt.latest_step() is not None
+    finally:
+        ckpt.close()
+
+
 def run_sft(run: RunConfig, workdir: str) -> dict[str, Any]:
     """``mode=sft``: fine-tune ``run.model`` on ``run.sft.data_path``; checkpoints and metrics in
     ``workdir``; with ``sft.export_hf`` also a HF directory ``workdir/hf``."""
@@ -233,7 +242,9 @@ def run_sft(run: RunConfig, workdir: str) -> dict[str, Any]:
     mesh = build.mesh(run.mesh)
     tokenizer = build.tokenizer(run.model)
     conversations = load_conversations(run.sft.data_path)
-    model = build.policy(run.model, mesh, run.seed, **build.vocabulary_of(tokenizer))
+    # A resume restores every parameter before anything reads them: the HF weights are not read.
+    model = build.policy(run.model, mesh, run.seed, read_weights=not resumes(workdir, run.checkpoint),
+                         **build.vocabulary_of(tokenizer))
     with MetricsWriter(os.path.join(workdir, "logs"), enabled=jax.process_index() == 0,
                        tensorboard=run.logging.tensorboard,
                        wandb=wandb_init_args(run, workdir)) as mw:  # where RL writes its metrics too
