@@ -386,8 +386,9 @@ class Trainer:
         rows = batch["tokens"].shape[0]
         # The step that skips padding micro-batches only when the batch has one: its loop of
         # unknown length measured ~10 % slower than the plain scan on CPU with none to skip.
-        skip = self.cfg.skip_padding and not bool(jax.device_get(
-            _every_micro_batch_trained(batch["loss_mask"], self.num_micro(rows))))
+        num_micro = self.num_micro(rows)
+        skip = self.cfg.skip_padding and num_micro > 1 and not bool(jax.device_get(
+            _every_micro_batch_trained(batch["loss_mask"], num_micro)))
         with jax.set_mesh(self.mesh):
             self.state, metrics = self.step_fn(rows, micro_loss, skip)(self.state, batch, denom_arr)
         return metrics
