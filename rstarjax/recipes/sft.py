@@ -156,7 +156,7 @@ class SFTTrainer:
         arrays = {k: arrays[k] for k in SEQUENCE_KEYS}
         if self.trainer.cfg.skip_padding:  # unused packed rows fill whole micro-batches, skipped
             arrays = self.trainer.arrange_rows(arrays, whole_batch=True)
-        batch = {k: jax.device_put(np.asarray(arrays[k]), self.trainer.batch_sharding) for k in SEQUENCE_KEYS}
+        batch = {k: jax.device_put(np.asarray(v), self.trainer.batch_sharding) for k, v in arrays.items()}
         lr = float(cosine_with_warmup(self.step, self.total_steps, self.cfg.learning_rate, self.cfg.warmup_ratio,
                                       self.cfg.min_lr_ratio))
         m = jax.device_get(self.trainer.update(batch, loss_lib.NLL))

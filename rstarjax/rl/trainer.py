@@ -44,8 +44,8 @@ class TrainerConfig:
     compute_dtype: str | None = None
     recompute_old_logprobs: bool = True  # old log-probs from a trainer forward, not the sampler
     # Micro-batches whose rows are all padding (rejected groups, unused packed rows) skip their
-    # forward and backward (``lax.cond``); ``train`` first moves a mini-batch's real rows into
-    # its first micro-batches (``micro_major_order``). False computes every row, as before.
+    # forward and backward; ``train`` first moves a mini-batch's real rows into its first
+    # micro-batches (``micro_major_order``). False computes every row, as before.
     skip_padding: bool = True
 
     def __post_init__(self):
@@ -327,15 +327,13 @@ class Trainer:
                 def forward(m):
                     return forward_logprobs(graphdef, rest, params, m, dtype, False)[0].astype(jnp.float32)
 
-                def one(m):  # a padding micro-batch's log-probs are never read (loss mask 0): zeros
-                    if not skip:
-                        return forward(m)
+                def forward_or_zeros(m):  # a padding micro-batch's log-probs are never read (mask 0)
                     return jax.lax.cond(jnp.any(m["loss_mask"] > 0), forward,
                                         lambda m: jnp.zeros(m["tokens"].shape, jnp.float32), m)
 
                 micros = {k: split_micro_batches(batch[k], num_micro) for k in BATCH_KEYS}
                 micros = jax.lax.with_sharding_constraint(micros, micro_sharding)
-                lp = jax.lax.map(one, micros)
+                lp = jax.lax.map(forward_or_zeros if skip else forward, micros)
                 return jnp.swapaxes(lp, 0, 1).reshape(batch["tokens"].shape)  # undo the strided split
 
             self._logprob_fns[num_micro] = jax.jit(
