@@ -73,6 +73,8 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=1, help="alternating timings (ours, baseline)")
     ap.add_argument("--overrides", default="", help='ModelConfig fields as JSON, e.g. {"hidden_size": 128}')
     ap.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
+    ap.add_argument("--trace-dir", default="", help="speed: a jax.profiler trace of one step of "
+                    "ours (train_<preset>_<batch>x<seq>.json.gz; benchmarks/profile_summary.py reads it)")
     ap.add_argument("--lengths", default="2048,4096,8192,16384", help="--memory-scan row lengths")
     ap.add_argument("--models", default="qwen3-1.7b,qwen3-8b,qwen3-14b", help="--plan presets")
     ap.add_argument("--meshes", default="h100x8,v5p-64", help=f"--plan meshes {sorted(PLAN_MESHES)}")
@@ -104,6 +106,7 @@ from rstarjax.models.qwen3 import Qwen3  # noqa: E402
 from rstarjax.rl import loss as loss_lib  # noqa: E402
 from rstarjax.rl import optim as optim_lib  # noqa: E402
 from rstarjax.rl import trainer as trainer_lib  # noqa: E402
+from tracing import trace_one_call  # noqa: E402  (benchmarks/, this script's folder)
 
 GB = 1e9
 
@@ -322,6 +325,9 @@ def speed(args) -> dict:
     if peak:
         out.update(peak_tflops=peak / 1e12,
                    mfu=round(flops * tokens / t_tr / (peak * jax.device_count()), 4))
+    if args.trace_dir:
+        name = f"train_{args.preset or 'tiny'}_{args.batch}x{args.seq}.json.gz"
+        out.update(trace_one_call(ours, os.path.join(args.trace_dir, name)))
     if base is not None:
         ratios = [b / o for o, b in zip(t_ours, t_base)]
         t_b = float(np.median(t_base))

@@ -63,6 +63,9 @@ ap.add_argument("--sizing-check", action="store_true",
                      "(serving section as shipped), start a maximum-length rollout and two "
                      "shared 2048-token prompts x 16 samples, run a few decode calls")
 ap.add_argument("--stages", default="stage1,stage2", help="--sizing-check: configs/<stage>.py")
+ap.add_argument("--trace-dir", default="",
+                help="--device gpu: a jax.profiler trace of one decode call per preset x batch "
+                     "(decode_<preset>_b<batch>.json.gz; read with benchmarks/profile_summary.py)")
 ap.add_argument("--param-dtype", default="bfloat16",
                 help="--sizing-check: the model's stored weights next to the serving copy "
                      "(float32: a colocated trainer's master weights)")
@@ -90,6 +93,7 @@ from rstarjax.rl.agent_loop import AgentConfig, RolloutRequest, run_rollouts  # 
 from rstarjax.serving import Engine, SamplingParams, StartRequest, generate  # noqa: E402
 from rstarjax.serving.scheduler import RolloutScheduler  # noqa: E402
 from rstarjax.serving.sizing import serving_weight_bytes  # noqa: E402
+from tracing import trace_one_call  # noqa: E402
 
 TOOL = "execute_python_code_with_standard_io"
 REPEAT = args.repeat or (1 if args.quick else 3)
@@ -409,22 +413,35 @@ def bench_gpu(quick: bool) -> dict:
             state, _ = engine.start(engine.params, state, reqs)
             state, _ = engine.decode(engine.params, state)  # compile
             jax.block_until_ready(state)
-            lengths, steps, t0 = [], 0, time.perf_counter()
+            # each call ends in its one host sync, so a call's wall time is its device time plus
+            # the host's bookkeeping: the median over calls is the figure, with its range
+            lengths, call_s, call_steps = [], [], []
             for _ in range(calls):
                 lengths.append(np.mean([engine.slot_length(s) for s in range(batch)]))
+                t0 = time.perf_counter()
                 state, block = engine.decode(engine.params, state)
-                steps += block.steps
-            dt = time.perf_counter() - t0
+                call_s.append(time.perf_counter() - t0)
+                call_steps.append(block.steps)
+            step_ms = [1e3 * t / n for t, n in zip(call_s, call_steps)]
             weights = serving_weight_bytes(cfg, jnp.bfloat16)
             kv = float(np.mean(lengths)) * batch * kv_bytes_per_token(cfg, jnp.bfloat16)
-            step_s = dt / steps
+            step_s = statistics.median(step_ms) / 1e3
             key = f"{preset}_b{batch}"
-            out[f"{key}_decode_tok_s"] = batch * steps / dt
+            out[f"{key}_decode_tok_s"] = batch / step_s
             out[f"{key}_step_ms"] = 1e3 * step_s
+            out[f"{key}_step_ms_range"] = [round(min(step_ms), 3), round(max(step_ms), 3)]
+            out[f"{key}_calls"] = calls
             out[f"{key}_bytes_per_step_gb"] = (weights + kv) / 1e9
             if peak:
                 out[f"{key}_roofline_fraction"] = (weights + kv) / (peak * 1e9) / step_s
             out[f"{key}_decode_attention"] = engine.decode_attention
+            if args.trace_dir:
+                def one_call():
+                    nonlocal state
+                    state, block = engine.decode(engine.params, state)
+                    return state
+                traced = trace_one_call(one_call, os.path.join(args.trace_dir, f"decode_{key}.json.gz"))
+                out.update({f"{key}_{k}": v for k, v in traced.items()})
             del engine, state
             gc.collect()
     return out

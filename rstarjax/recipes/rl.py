@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import jax
@@ -158,6 +159,18 @@ def setup_reference(trainer: Trainer, run: RunConfig, meta: dict) -> dict | None
 
 
 
+def device_memory_metrics() -> dict[str, float]:
+    """Peak and current bytes in use on this process's busiest device, in GB (GPU/TPU; CPU
+    devices keep no such statistics and give nothing)."""
+    stats = [d.memory_stats() or {} for d in jax.local_devices()]
+    peak = max((s.get("peak_bytes_in_use", 0) for s in stats), default=0)
+    if not peak:
+        return {}
+    return {"perf/device_peak_gb": peak / 1e9,
+            "perf/device_in_use_gb": max(s.get("bytes_in_use", 0) for s in stats) / 1e9,
+            "perf/device_limit_gb": max(s.get("bytes_limit", 0) for s in stats) / 1e9}
+
+
 def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, model: nnx.Module | None = None,
            on_update: Callable[[Trainer], None] | None = None) -> Trainer:
     """``mode=rl``: GRPO-RoC updates until the global step reaches ``run.total_steps``, resumable
@@ -255,15 +268,21 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
                 continue
             metrics["filter/rejected_batches"] = float(rejected_in_a_row)
             rejected_in_a_row = 0
+            t_handoff = time.perf_counter()
             if on_update is not None:
                 on_update(trainer)
+            metrics["time/handoff"] = time.perf_counter() - t_handoff
             new_step = trainer.step
             if ckpt.should_save(new_step, run.total_steps):
+                t_save = time.perf_counter()
                 ckpt.save(new_step, trainer.state, {
                     "step": new_step, "rng": ckpt_lib.key_to_json(base_key),
                     "data_state": data_iter.get_state(), **stage_record,
                     **({"reference": reference} if reference else {}),
                 })
+                # with async_save, the part the loop waits for (the copy off the device)
+                metrics["time/checkpoint"] = time.perf_counter() - t_save
+            metrics.update(device_memory_metrics())
             writer.write(new_step, metrics)
             bar.update(1)
             bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}",

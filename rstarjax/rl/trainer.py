@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -406,8 +407,10 @@ class Trainer:
             batch = self.put_batch(arrays)
         batch = {k: batch[k] for k in BATCH_KEYS}
         metrics: dict[str, float] = {}
+        t0 = time.perf_counter()
         if self.cfg.recompute_old_logprobs:
-            recomputed = self.compute_logprobs(batch)
+            recomputed = jax.block_until_ready(self.compute_logprobs(batch))  # timed apart
+            metrics["time/old_logprobs"] = time.perf_counter() - t0
             metrics.update(_gap_on_device(batch["rollout_logprobs"], recomputed, batch["loss_mask"]))
             batch["old_logprobs"] = recomputed
         if self._kl:
@@ -434,10 +437,12 @@ class Trainer:
                     mini = {k: v[i * rows // n:(i + 1) * rows // n] for k, v in batch.items()}
                     mini = jax.device_put(mini, self._batch_shardings(tuple(batch)))
             per_update.append(self.update(mini, self.policy_loss, denom or 0.0))
-        host = jax.device_get(per_update)
+        host, trained = jax.device_get((per_update, jnp.sum(batch["loss_mask"])))
+        metrics["time/update"] = time.perf_counter() - t0 - metrics.get("time/old_logprobs", 0.0)
         for k in host[0] if host else ():
             metrics[f"train/{k}"] = float(np.mean([h[k] for h in host]))
         metrics["train/updates"] = float(len(host))
+        metrics["train/trained_tokens"] = float(trained)  # loss-mask tokens, all processes' rows
         metrics["train/step"] = self.step
         metrics["train/lr"] = self.learning_rate()
         return metrics

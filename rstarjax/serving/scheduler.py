@@ -126,6 +126,7 @@ class StepRecord:
 @dataclasses.dataclass
 class SliceStats:
     busy_s: float = 0.0  # inside engine programs
+    decode_s: float = 0.0  # of which in decode calls (the rest: prefill and extend feeds)
     episodes: int = 0
     decode_steps: int = 0  # steps run by decode calls (the slice's makespan in steps)
     decode_calls: int = 0
@@ -169,6 +170,8 @@ class ScheduleStats:
         return {
             "makespan_s": self.makespan_s,
             "busy_fraction_mean": float(np.mean(self.busy_fraction)),
+            "decode_s": total("decode_s"),
+            "prefill_s": total("busy_s") - total("decode_s"),
             "tool_wait_s": total("tool_wait_s"),
             "decode_steps": total("decode_steps"),
             "max_slice_steps": float(max(s.decode_steps for s in self.slices)),
@@ -614,8 +617,10 @@ class _SliceDriver:
             for i in range(steps):
                 forced[i, s] = r.episode.forced_token(len(r.turn_ids) + i)
         stop_after = max(1, math.ceil(self.s.stop_fraction * len(decoding)))
+        t0 = time.perf_counter()
         self.state, block = e.decode(self.params, self.state, steps=steps, forced=forced,
                                      stop_after=stop_after)
+        self.stats.decode_s += time.perf_counter() - t0
         ran = int(block.valid.any(axis=1).sum())
         self.stats.decode_calls += 1
         self.stats.decode_steps += ran

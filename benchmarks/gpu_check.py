@@ -1,0 +1,445 @@
+"""The prepared device check: the main job end to end, the parts' speed, and profiles.
+
+    python benchmarks/gpu_check.py --commit $(git rev-parse --short HEAD)   # one H100/H200, ~6 min
+    python benchmarks/gpu_check.py --shape tiny                             # anywhere (CPU), ~1 min
+
+A session lent a GPU has minutes of device time, so everything it should learn runs from this
+one command, each part in its own process with its own time limit (a part that fails or runs
+out of time costs only itself):
+
+* ``env``: device, driver, jax / flax / orbax versions.
+* ``main``: ``python -m rstarjax.main --config=configs/stage1.py`` with only the model, the data
+  and sizes overridden: a Qwen3-1.7B-shaped HF directory with random bf16 weights written on
+  the spot, a synthetic problem file, 2 prompts x 2G = 32 rollouts with the real code pool, a
+  4,096-token response budget, 2 RL steps, one checkpoint. Random weights earn reward 0
+  everywhere, so ``rl.reject_equal_reward=False`` (else every group would be dropped). Reported
+  per step from the run's own metrics: rollout (prefill, decode, tool wait), RoC/batch, old
+  log-probs, update, hand-off, checkpoint seconds, decode and trained tokens/s, peak device
+  memory, preemptions and re-prefilled tokens.
+* ``serving_<preset>``: decode tokens/s and fraction of the HBM roofline at 64 and 256 rollouts, Qwen3-1.7B
+  and 8B shapes (``benchmarks/serving.py --device gpu``), with a trace of one decode call each.
+* ``train_1x8k``, ``train_4x8k``: train-step MFU at 1 x 8K and 4 x 8K tokens, Qwen3-1.7B, bf16
+  (``benchmarks/bench_trainer.py``), with a trace of one step each.
+
+``--shape tiny`` runs the same parts at the ``tiny`` model shape with small sizes, so a test
+keeps this script working between lent sessions. Output (``--out``, default ``$OUT`` when set):
+``gpu_check.json`` (every part's full result), ``gpu_check.log`` (every part's output),
+``main_metrics.jsonl`` (the main job's metrics log) and ``traces.tar`` (the traces, for
+``benchmarks/profile_summary.py``). One JSON line per part is printed as it ends, and a summary
+table last.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The sizes of one check. ``gpu``: what the issue asks of one H100/H200; ``tiny``: the
+    same parts small enough for a CPU test."""
+    model: str  # ModelConfig preset of the main job's random HF model
+    tokenizer_regular_tokens: int  # 0: Qwen3's full tokenizer
+    prompts: int
+    samples: int  # 2G rollouts per prompt
+    group: int  # G kept after RoC
+    response_len: int
+    prompt_len: int
+    micro_batch: int
+    steps: int
+    serving_presets: tuple[str, ...]  # one part each: a part's JSON line comes at its end
+    serving_batches: str
+    serving_quick: bool
+    train_preset: str
+    train_seq: int
+    train_batches: tuple[int, ...]
+    train_repeats: int
+    timeouts: dict  # part -> seconds
+
+
+SHAPES = {
+    "gpu": Shape(model="qwen3-1.7b", tokenizer_regular_tokens=0, prompts=2, samples=16, group=8,
+                 response_len=4096, prompt_len=512, micro_batch=8, steps=2,
+                 serving_presets=("qwen3-1.7b", "qwen3-8b"), serving_batches="64,256",
+                 serving_quick=False, train_preset="qwen3-1.7b", train_seq=8192,
+                 train_batches=(1, 4), train_repeats=3,
+                 timeouts={"env": 60, "main": 220, "serving_qwen3-1.7b": 70,
+                           "serving_qwen3-8b": 80, "train_1x8k": 60, "train_4x8k": 70}),
+    "tiny": Shape(model="tiny", tokenizer_regular_tokens=4000, prompts=2, samples=4, group=2,
+                  response_len=48, prompt_len=1024, micro_batch=0, steps=2,
+                  serving_presets=("tiny",), serving_batches="4", serving_quick=True,
+                  train_preset="tiny", train_seq=256, train_batches=(1,), train_repeats=1,
+                  timeouts={"env": 60, "main": 400, "serving_tiny": 200, "train_1x256": 200}),
+}
+
+PAGE_SIZE = 16  # configs/base.py serving.page_size
+
+
+# ---- running a part ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class PartResult:
+    name: str
+    ok: bool
+    seconds: float
+    result: dict
+    error: str = ""
+
+
+def run_part(name: str, argv: list[str], timeout_s: float, log, env: dict | None = None,
+             cwd: str = ROOT) -> tuple[int | None, str]:
+    """Run one part's command, its output appended to ``log``; (exit status or None when it
+    ran past ``timeout_s`` and was killed with its whole process group, its output)."""
+    log.write(f"\n===== {name}: {' '.join(argv)}\n")
+    log.flush()
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the main job's code pool and verifier too
+        out, _ = proc.communicate()
+        code = None
+    log.write(out or "")
+    log.write(f"===== {name}: exit {code}\n")
+    log.flush()
+    return code, out or ""
+
+
+def last_json_line(text: str) -> dict:
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return {}
+
+
+def tail(text: str, n: int = 600) -> str:
+    return text[-n:].strip()
+
+
+# ---- env -----------------------------------------------------------------------------------------
+ENV_SCRIPT = r"""
+import json, importlib.metadata as md, jax
+out = {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+       "device_kind": jax.devices()[0].device_kind, "python": __import__("sys").version.split()[0]}
+for pkg in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy"):
+    try:
+        out[pkg] = md.version(pkg)
+    except md.PackageNotFoundError:
+        out[pkg] = None
+stats = jax.devices()[0].memory_stats() or {}
+out["bytes_limit_gb"] = stats.get("bytes_limit", 0) / 1e9
+print(json.dumps(out))
+"""
+
+
+def nvidia_smi() -> dict:
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                            "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        name, driver, memory = [x.strip() for x in q.stdout.strip().splitlines()[0].split(",")]
+        return {"gpu": name, "driver": driver, "gpu_memory": memory}
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return {}
+
+
+def part_env(shape: Shape, args, log, env) -> dict:
+    code, out = run_part("env", [sys.executable, "-c", ENV_SCRIPT], shape.timeouts["env"], log, env)
+    result = last_json_line(out)
+    result.update(nvidia_smi())
+    result.update(commit=args.commit, date=datetime.date.today().isoformat(), shape=args.shape)
+    if code != 0:
+        raise RuntimeError(f"jax did not start: {tail(out)}")
+    return result
+
+
+# ---- main: the stage-1 job end to end ------------------------------------------------------------
+MAKE_INPUTS = r"""
+import json, sys
+import jax.numpy as jnp
+from flax import nnx
+from rstarjax.models import ModelConfig, Qwen3, load_tokenizer, save_hf
+preset, regular, hf_dir, data_path, n = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+tok = load_tokenizer(regular or None)
+overrides = {} if not regular else dict(vocab_size=tok.num_tokens, bos_token_id=tok.endoftext_id,
+                                        eos_token_id=tok.eos_id, max_position_embeddings=8192)
+cfg = ModelConfig.preset(preset, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, **overrides)
+save_hf(Qwen3(cfg, rngs=nnx.Rngs(0)), hf_dir, tokenizer=tok, dtype=jnp.bfloat16)
+with open(data_path, "w") as f:
+    for i in range(n):
+        a, b = 100 + 7 * i, 500 + 13 * i  # 3 digits each: every prompt has the same length
+        f.write(json.dumps({"problem": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n")
+print(json.dumps({"params_b": cfg.num_params / 1e9, "vocab": cfg.vocab_size,
+                  "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size}))
+"""
+
+
+def main_job_argv(shape: Shape, hf_dir: str, data_path: str, workdir: str) -> list[str]:
+    """The README's main command on configs/stage1.py; every override is the model, the data
+    or a size, except reject_equal_reward (random weights: all rewards 0)."""
+    rollouts = shape.prompts * shape.samples
+    row = shape.prompt_len + shape.response_len
+    kv_pages = rollouts * math.ceil(row / PAGE_SIZE) + 64  # every rollout at full length
+    o = {
+        "model.hf_path": hf_dir, "data.train_path": data_path,
+        "total_steps": shape.steps, "rl.prompts_per_step": shape.prompts,
+        "rl.oversample": shape.samples, "rl.group_size": shape.group,
+        "rl.max_prompt_len": shape.prompt_len, "rl.max_response_len": shape.response_len,
+        "rl.reject_equal_reward": False, "trainer.micro_batch_size": shape.micro_batch,
+        "serving.kv_pages": kv_pages, "checkpoint.every_steps": shape.steps,
+        "logging.progress_bar": False,
+    }
+    if shape.model == "tiny":  # CPU: float32 and no remat, as the tiny tests run it
+        o.update({"model.dtype": "float32", "model.remat_policy": "none"})
+    return ([sys.executable, "-m", "rstarjax.main", f"--config={ROOT}/configs/stage1.py",
+             f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in o.items()])
+
+
+STEP_KEYS = {  # summary name -> metrics.jsonl key
+    "rollout_s": "time/rollout", "prefill_s": "timing/rollout_prefill_s",
+    "decode_s": "timing/rollout_decode_s", "tool_wait_s": "timing/tool_exec_wait_s",
+    "verify_wait_s": "timing/verify_wait_s", "roc_batch_s": "time/prepare",
+    "old_logprobs_s": "time/old_logprobs", "update_s": "time/update", "train_s": "time/train",
+    "handoff_s": "time/handoff", "checkpoint_s": "time/checkpoint",
+    "generated_tokens": "timing/rollout_generated_tokens",
+    "prefill_tokens": "timing/rollout_prefill_tokens", "preemptions": "timing/rollout_preemptions",
+    "trained_tokens": "train/trained_tokens", "peak_device_gb": "perf/device_peak_gb",
+    "max_pages_in_use": "timing/rollout_max_pages_in_use", "max_live": "timing/rollout_max_live",
+    "logprob_gap_max": "train/logprob_gap_max", "response_len_mean": "rollout_all/response_length_mean",
+    "tool_calls_mean": "rollout_all/tool_calls_mean",
+}
+
+
+def step_summary(m: dict, prompt_tokens: int) -> dict:
+    """One step's figures from its metrics line; ``prompt_tokens``: the tokens its prompts
+    needed prefilled once (more means something was prefilled again: preemption or tool turns)."""
+    s = {name: m.get(key) for name, key in STEP_KEYS.items()}
+    if s["decode_s"] and s["generated_tokens"]:
+        s["decode_tok_s"] = s["generated_tokens"] / s["decode_s"]
+    if s["train_s"] and s["trained_tokens"]:
+        s["trained_tok_s"] = s["trained_tokens"] / s["train_s"]
+    if s["prefill_tokens"] is not None:
+        s["reprefilled_tokens"] = max(0, int(s["prefill_tokens"]) - prompt_tokens)
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items() if v is not None}
+
+
+def part_main(shape: Shape, args, log, env, scratch: str) -> dict:
+    hf_dir, data_path = os.path.join(scratch, "hf"), os.path.join(scratch, "problems.jsonl")
+    workdir = os.path.join(scratch, "run")
+    t0 = time.perf_counter()
+    code, out = run_part("main/inputs", [sys.executable, "-c", MAKE_INPUTS, shape.model,
+                                         str(shape.tokenizer_regular_tokens), hf_dir, data_path,
+                                         str(4 * shape.prompts * shape.steps)],
+                         shape.timeouts["main"], log, env)
+    if code != 0:
+        raise RuntimeError(f"writing the random HF model failed: {tail(out)}")
+    result = {"model": shape.model, **last_json_line(out), "inputs_s": round(time.perf_counter() - t0, 1),
+              "rollouts_per_step": shape.prompts * shape.samples, "response_len": shape.response_len}
+    left = shape.timeouts["main"] - (time.perf_counter() - t0)
+    t1 = time.perf_counter()
+    code, out = run_part("main", main_job_argv(shape, hf_dir, data_path, workdir), left, log, env)
+    result["job_s"] = round(time.perf_counter() - t1, 1)
+    result["exit"] = code
+    metrics_path = os.path.join(workdir, "logs", "metrics.jsonl")
+    lines = []
+    if os.path.exists(metrics_path):
+        with open(metrics_path) as f:
+            lines = [json.loads(x) for x in f if x.strip()]
+        if args.out:
+            with open(os.path.join(args.out, "main_metrics.jsonl"), "w") as f:
+                f.writelines(json.dumps(x) + "\n" for x in lines)
+    prompt_tokens = prompt_token_count(shape, data_path, hf_dir, env)
+    result["steps"] = [step_summary(m, prompt_tokens.get(i, 0)) for i, m in enumerate(lines)]
+    ckpts = os.path.join(workdir, "checkpoints")
+    result["checkpoints"] = sorted(d for d in os.listdir(ckpts) if d.isdigit()) if os.path.isdir(ckpts) else []
+    if code != 0:
+        raise RuntimeError(f"the main job exited {code}: {tail(out)}"
+                           + f" (after {len(lines)} steps)")
+    return result
+
+
+PROMPT_TOKENS = r"""
+import json, sys
+from rstarjax.models.chat_template import RSTAR2, encode_prompt
+from rstarjax.models.tokenizer import load_tokenizer_for
+tok = load_tokenizer_for(sys.argv[1])
+rows = [json.loads(x) for x in open(sys.argv[2])]
+print(json.dumps([len(encode_prompt(tok, r["problem"], RSTAR2)) for r in rows]))
+"""
+
+
+def prompt_token_count(shape: Shape, data_path: str, hf_dir: str, env) -> dict[int, int]:
+    """Step i -> prompt tokens its rollouts prefill once (each group's prompt once, shared by
+    its samples). The problems all have the same token length, so the data order (shuffled)
+    does not matter; more prefilled tokens than this were prefilled again."""
+    try:
+        out = subprocess.run([sys.executable, "-c", PROMPT_TOKENS, hf_dir, data_path], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=60)
+        lengths = json.loads(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return {}
+    mean = sum(lengths) / len(lengths)
+    return {i: int(round(mean * shape.prompts)) for i in range(shape.steps)}
+
+
+# ---- the parts' speed ------------------------------------------------------------------------------
+def part_serving(shape: Shape, preset: str, name: str, log, env, trace_dir: str) -> dict:
+    argv = [sys.executable, os.path.join(HERE, "serving.py"), "--device", "gpu",
+            "--presets", preset, "--batches", shape.serving_batches,
+            "--trace-dir", trace_dir] + (["--quick"] if shape.serving_quick else [])
+    code, out = run_part(name, argv, shape.timeouts[name], log, env)
+    result = last_json_line(out)
+    if code != 0:
+        raise RuntimeError(f"exit {code}: {tail(out)}")
+    return result
+
+
+def part_train(shape: Shape, batch: int, name: str, log, env, trace_dir: str) -> dict:
+    argv = [sys.executable, os.path.join(HERE, "bench_trainer.py"), "--preset", shape.train_preset,
+            "--batch", str(batch), "--seq", str(shape.train_seq), "--steps", "2",
+            "--repeats", str(shape.train_repeats), "--no-baseline", "--trace-dir", trace_dir]
+    if shape.train_preset != "tiny":
+        argv += ["--remat", "full"]
+    code, out = run_part(name, argv, shape.timeouts[name], log, env)
+    result = last_json_line(out)
+    if code != 0:
+        raise RuntimeError(f"exit {code}: {tail(out)}")
+    return result
+
+
+# ---- summary -------------------------------------------------------------------------------------
+def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
+    """(figure, value) rows of the table printed last."""
+    rows = []
+    env = results.get("env")
+    if env and env.ok:
+        e = env.result
+        rows.append(("device", f"{e.get('gpu') or e.get('device_kind')} driver {e.get('driver', '-')} "
+                               f"jax {e.get('jax')} ({e.get('date')}, {e.get('commit') or '-'})"))
+    for name, part in results.items():
+        if not part.ok:
+            rows.append((name, f"FAILED after {part.seconds:.0f} s: {part.error[:160]}"))
+    main = results.get("main")
+    if main is not None:
+        for i, s in enumerate(main.result.get("steps", []), 1):
+            rows.append((f"main step {i}", " ".join(
+                f"{k}={s[k]:.1f}" if isinstance(s.get(k), float) else f"{k}={s.get(k)}"
+                for k in ("rollout_s", "prefill_s", "decode_s", "tool_wait_s", "roc_batch_s",
+                          "old_logprobs_s", "update_s", "handoff_s", "checkpoint_s",
+                          "decode_tok_s", "trained_tok_s", "peak_device_gb", "preemptions",
+                          "reprefilled_tokens") if k in s)))
+        if main.ok:
+            rows.append(("main job", f"{main.result.get('job_s')} s, checkpoints "
+                                     f"{main.result.get('checkpoints')}"))
+    for serving in results.values():
+        if not (serving.name.startswith("serving") and serving.ok):
+            continue
+        for k, v in serving.result.items():
+            if k.endswith("_decode_tok_s"):
+                key = k[: -len("_decode_tok_s")]
+                frac = serving.result.get(f"{key}_roofline_fraction")
+                rows.append((f"decode {key}", f"{v:,.0f} tok/s, {serving.result.get(f'{key}_step_ms')} "
+                                              f"ms/step" + (f", {100 * frac:.1f} % of HBM roofline"
+                                                            if frac else "")))
+    for name, part in results.items():
+        if name.startswith("train_") and part.ok:
+            r = part.result
+            rows.append((f"train {r.get('batch')}x{r.get('seq')}",
+                         f"{r.get('trainer_tokens_per_s'):,.0f} tok/s, step {r.get('trainer_step_s')} s"
+                         + (f", MFU {100 * r['mfu']:.1f} %" if r.get("mfu") else "")))
+    return rows
+
+
+def print_table(rows: list[tuple[str, str]]) -> None:
+    width = max((len(k) for k, _ in rows), default=0)
+    print("\n" + "-" * 100)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print("-" * 100, flush=True)
+
+
+def pack_traces(trace_dir: str, dest: str) -> list[str]:
+    names = sorted(n for n in os.listdir(trace_dir) if n.endswith(".json.gz"))
+    with tarfile.open(dest, "w") as tar:
+        for n in names:
+            tar.add(os.path.join(trace_dir, n), arcname=n)
+    return names
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="gpu")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""),
+                    help="where the JSON, the log and the traces go (default $OUT; else none kept)")
+    ap.add_argument("--parts", default="env,main,serving,train",
+                    help="comma-separated subset of env,main,serving,train")
+    ap.add_argument("--commit", default="", help="the commit measured (recorded in the output)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    shape = SHAPES[args.shape]
+    parts = args.parts.split(",")
+    scratch = tempfile.mkdtemp(prefix="gpu_check_")
+    out_dir = args.out or scratch
+    os.makedirs(out_dir, exist_ok=True)
+    trace_dir = os.path.join(scratch, "traces")
+    os.makedirs(trace_dir, exist_ok=True)
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # jax's default 0.75 hides 20 % of the card
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    if args.shape == "tiny":
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        env.pop("XLA_FLAGS", None)  # one device, as a one-GPU machine
+    plan = [("env", lambda log: part_env(shape, args, log, env))]
+    plan.append(("main", lambda log: part_main(shape, args, log, env, scratch)))
+    for preset in shape.serving_presets:
+        name = f"serving_{preset}"
+        plan.append((name, lambda log, p=preset, n=name: part_serving(shape, p, n, log, env, trace_dir)))
+    for b in shape.train_batches:
+        seq = f"{shape.train_seq // 1024}k" if shape.train_seq % 1024 == 0 else str(shape.train_seq)
+        name = f"train_{b}x{seq}"
+        plan.append((name, lambda log, b=b, n=name: part_train(shape, b, n, log, env, trace_dir)))
+    results: dict[str, PartResult] = {}
+    with open(os.path.join(out_dir, "gpu_check.log"), "a") as log:
+        for name, fn in plan:
+            if name.split("_")[0] not in parts:
+                continue
+            t0 = time.perf_counter()
+            try:
+                res = PartResult(name, True, 0.0, fn(log))
+            except Exception as exc:  # noqa: BLE001  (a part's failure is reported; the others run)
+                res = PartResult(name, False, 0.0, {}, f"{type(exc).__name__}: {exc}")
+            res.seconds = round(time.perf_counter() - t0, 1)
+            results[name] = res
+            print(json.dumps({"part": name, **dataclasses.asdict(res)}), flush=True)
+            if name == "env" and not res.ok:
+                break  # no device: nothing else can run
+    names = pack_traces(trace_dir, os.path.join(out_dir, "traces.tar"))
+    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+        json.dump({"shape": args.shape, "traces": names,
+                   "parts": {k: dataclasses.asdict(v) for k, v in results.items()}}, f, indent=1)
+    print_table(summary_rows(results))
+    return 0 if all(r.ok for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
