@@ -20,8 +20,8 @@ Which events count as the device:
     charged its self time.
   * auto (default): gpu when the trace has a device process with events, else cpu.
 
-``--module`` keeps the events whose ``hlo_module`` contains the text (``jit_decode`` keeps
-``jit_decode_step``); ``--start-ms``/``--end-ms`` keep the events that start in that window,
+``--module`` keeps the events whose ``hlo_module`` contains the text, runs of ``_`` read as
+one (``jit_decode`` keeps the engine's ``jit__decode_program``); ``--start-ms``/``--end-ms`` keep the events that start in that window,
 in ms from the trace's first event (the times Perfetto shows). Both exist because a capture
 holds warm-up and other programs beside the step of interest.
 
@@ -600,11 +600,18 @@ def trace_origin(events: list[dict]) -> float:
     return min(stamps) if stamps else 0.0
 
 
+def module_matches(wanted: str, module: str) -> bool:
+    """``wanted`` is in the module's name, read with runs of ``_`` as one: jax names the jit of
+    ``_decode_program`` ``jit__decode_program``, which ``jit_decode`` should find."""
+    squeeze = lambda text: re.sub(r"_+", "_", text)  # noqa: E731
+    return wanted in module or squeeze(wanted) in squeeze(module)
+
+
 def restrict(events: list[DeviceEvent], module: str | None = None, start_us: float | None = None,
              end_us: float | None = None) -> list[DeviceEvent]:
-    """The events of modules whose name contains ``module``, starting in [start_us, end_us)."""
+    """The events of modules ``module`` matches, starting in [start_us, end_us)."""
     return [e for e in events
-            if (module is None or module in e.module)
+            if (module is None or module_matches(module, e.module))
             and (start_us is None or e.start >= start_us)
             and (end_us is None or e.start < end_us)]
 

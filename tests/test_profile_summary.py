@@ -51,7 +51,7 @@ GPU_EVENTS = [
     _kernel("Memset 0", 151.0, 1.0, Memset_details="kind:unknown num_bytes:64 async:0"),  # copies
     _kernel("nvjet_sm90_tss_256x128_64x4_1x2_h_bz_coopA_TNT", 160.0, 6.0),  # matmul
     _kernel("mystery_kernel", 166.0, 4.0),                                 # other
-    _kernel("loop_add_fusion", 400.0, 10.0, module="jit_other"),           # another program
+    _kernel("loop_add_fusion", 400.0, 10.0, module="jit__other_program"),  # another program
 ]
 
 
@@ -86,7 +86,10 @@ def test_hand_written_gpu_trace_gives_exactly_the_known_groups_times_and_gaps(tm
     names = {o["op"] for o in s["top_ops"]}
     assert "cudnn::fusion::compute_dot_do_o_specialized<true, 64>" in names  # C++ name trimmed
 
-    everything = ps.build_summary(str(tmp_path))  # no module filter: the H2D copy and jit_other
+    other = ps.build_summary(str(tmp_path), module="jit_other")  # runs of _ read as one
+    assert other["modules"] == {"jit__other_program": {"time_us": 10.0, "count": 1}}
+
+    everything = ps.build_summary(str(tmp_path))  # no module filter: the H2D copy, jit_other
     assert everything["span_us"] == 320.0 and everything["busy_us"] == 46 + 5 + 10
     assert everything["groups"]["copies"]["bytes"] == 4096 + 64
     # a window in ms from the trace's first event (ts 0): keeps events starting in [0.13, 0.16)
