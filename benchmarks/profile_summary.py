@@ -21,9 +21,10 @@ Which events count as the device:
   * auto (default): gpu when the trace has a device process with events, else cpu.
 
 ``--module`` keeps the events whose ``hlo_module`` contains the text, runs of ``_`` read as
-one (``jit_decode`` keeps the engine's ``jit__decode_program``); ``--start-ms``/``--end-ms`` keep the events that start in that window,
-in ms from the trace's first event (the times Perfetto shows). Both exist because a capture
-holds warm-up and other programs beside the step of interest.
+one (``jit_decode`` keeps the engine's ``jit__decode_program``); ``--start-ms``/``--end-ms``
+keep the events that start in that window, in ms from the trace's first event (the times
+Perfetto shows). Both exist because a capture holds warm-up and other programs beside the
+step of interest.
 
 Figures: ``time`` is device time (self time on cpu); ``share`` its fraction of all selected
 device time (the shares sum to 1; that is the busy time where kernels don't overlap);
