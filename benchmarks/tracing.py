@@ -14,12 +14,15 @@ from collections.abc import Callable
 
 import jax
 
+XPLANE_MAX_BYTES = 8 << 20  # a lent device returns files of at most 16 MiB
+
 
 def trace_one_call(fn: Callable[[], object], dest: str) -> dict:
     """Run ``fn()`` once under ``jax.profiler.trace`` (waiting for its outputs inside the trace)
     and copy the Perfetto / Chrome-JSON trace to ``dest`` (``*.json.gz``).
 
-    Returns ``{"trace": dest, "trace_bytes": n}``, or ``{"trace_error": why}`` when this jax or
+    The run's ``*.xplane.pb`` (the compiled HLO) goes next to it as ``*.xplane.pb`` when it is
+    at most ``XPLANE_MAX_BYTES``. Returns ``{"trace": dest, "trace_bytes": n, ...}``, or ``{"trace_error": why}`` when this jax or
     backend cannot trace: a benchmark's figures never depend on the profiler working.
     """
     work = tempfile.mkdtemp(prefix="trace_")
@@ -32,7 +35,14 @@ def trace_one_call(fn: Callable[[], object], dest: str) -> dict:
             return {"trace_error": f"no trace file under {work}"}
         os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
         shutil.copyfile(found[-1], dest)
-        return {"trace": dest, "trace_bytes": os.path.getsize(dest)}
+        out = {"trace": dest, "trace_bytes": os.path.getsize(dest)}
+        # the compiled HLO (bytes and FLOPs per op for profile_summary.py) lives in the xplane
+        xplanes = glob.glob(os.path.join(os.path.dirname(found[-1]), "*.xplane.pb"))
+        if xplanes and os.path.getsize(xplanes[0]) <= XPLANE_MAX_BYTES:
+            xplane = dest[: -len(".json.gz")] + ".xplane.pb"
+            shutil.copyfile(xplanes[0], xplane)
+            out["xplane_bytes"] = os.path.getsize(xplane)
+        return out
     except Exception as exc:  # noqa: BLE001  (a profiler failure is reported, not fatal)
         return {"trace_error": f"{type(exc).__name__}: {exc}"[:300]}
     finally:
