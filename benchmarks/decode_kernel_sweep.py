@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -43,6 +44,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental.pallas.ops.gpu import paged_attention as kernel  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rstarjax.models.paged_attention import PALLAS_GPU_BLOCKING  # noqa: E402
+
 if args.tiny:
     args.batches, args.contexts, args.width = "4", "40", 8
     args.kv_heads, args.q_heads, args.head_dim = 2, 4, 16
@@ -65,10 +69,8 @@ def inputs(batch: int, context: int, seed: int = 0):
 
 
 def engine_default(width: int) -> tuple[int, int]:
-    """What models/paged_attention.py picks today: (pages per compute block, k splits)."""
-    div = lambda n, at_most: max(d for d in range(1, at_most + 1) if n % d == 0)  # noqa: E731
-    per = div(width, 8)
-    return per, div(width // per, 16)
+    """What the engine picks today: (pages per compute block, k splits)."""
+    return PALLAS_GPU_BLOCKING.for_width(width)
 
 
 def timed(fn, *a) -> float:
@@ -85,7 +87,7 @@ def main():
     t_start = time.perf_counter()
     kv_bytes_token = 2 * args.kv_heads * args.head_dim * 2  # K and V, bf16, one layer
     default = engine_default(args.width)
-    configs = [(default[0], default[1], 8, 2)]  # the engine's today (num_warps 8: jax's default)
+    configs = [(*default, PALLAS_GPU_BLOCKING.num_warps, PALLAS_GPU_BLOCKING.num_stages)]
     for per, ks, w, st in itertools.product(*(map(int, s.split(",")) for s in
                                               (args.per_block, args.k_splits, args.warps, args.stages))):
         if args.width % (per * ks) == 0 and (per, ks, w, st) not in configs:

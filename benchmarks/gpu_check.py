@@ -76,12 +76,14 @@ SHAPES = {
                  serving_quick=False, train_preset="qwen3-1.7b", train_seq=8192,
                  train_batches=(1, 4), train_repeats=3,
                  timeouts={"env": 60, "main": 220, "serving_qwen3-1.7b": 70,
-                           "serving_qwen3-8b": 80, "train_1x8k": 60, "train_4x8k": 70}),
+                           "serving_qwen3-8b": 80, "train_1x8k": 60, "train_4x8k": 70,
+                           "blocking": 75, "remat": 75}),
     "tiny": Shape(model="tiny", tokenizer_regular_tokens=4000, prompts=2, samples=4, group=2,
                   response_len=48, prompt_len=1024, micro_batch=0, steps=2,
                   serving_presets=("tiny",), serving_batches="4", serving_quick=True,
                   train_preset="tiny", train_seq=256, train_batches=(1,), train_repeats=1,
-                  timeouts={"env": 60, "main": 400, "serving_tiny": 200, "train_1x256": 200}),
+                  timeouts={"env": 60, "main": 400, "serving_tiny": 200, "train_1x256": 200,
+                            "blocking": 200, "remat": 200}),
 }
 
 PAGE_SIZE = 16  # configs/base.py serving.page_size
@@ -299,24 +301,28 @@ def prompt_token_count(shape: Shape, data_path: str, hf_dir: str, env) -> dict[i
 
 
 # ---- the parts' speed ------------------------------------------------------------------------------
-def part_serving(shape: Shape, preset: str, name: str, log, env, trace_dir: str) -> dict:
+def part_serving(shape: Shape, preset: str, name: str, log, env, trace_dir: str,
+                 blocking: str = "") -> dict:
     argv = [sys.executable, os.path.join(HERE, "serving.py"), "--device", "gpu",
             "--presets", preset, "--batches", shape.serving_batches,
             "--trace-dir", trace_dir] + (["--quick"] if shape.serving_quick else [])
-    code, out = run_part(name, argv, shape.timeouts[name], log, env)
+    if blocking:
+        argv += ["--pallas-blocking", blocking]
+    code, out = run_part(name, argv, shape.timeouts.get(name, shape.timeouts["blocking"]), log, env)
     result = last_json_line(out)
     if code != 0:
         raise RuntimeError(f"exit {code}: {tail(out)}")
     return result
 
 
-def part_train(shape: Shape, batch: int, name: str, log, env, trace_dir: str) -> dict:
+def part_train(shape: Shape, batch: int, name: str, log, env, trace_dir: str,
+               remat: str = "full") -> dict:
     argv = [sys.executable, os.path.join(HERE, "bench_trainer.py"), "--preset", shape.train_preset,
             "--batch", str(batch), "--seq", str(shape.train_seq), "--steps", "2",
             "--repeats", str(shape.train_repeats), "--no-baseline", "--trace-dir", trace_dir]
     if shape.train_preset != "tiny":
-        argv += ["--remat", "full"]
-    code, out = run_part(name, argv, shape.timeouts[name], log, env)
+        argv += ["--remat", remat]
+    code, out = run_part(name, argv, shape.timeouts.get(name, shape.timeouts["remat"]), log, env)
     result = last_json_line(out)
     if code != 0:
         raise RuntimeError(f"exit {code}: {tail(out)}")
@@ -348,19 +354,20 @@ def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
             rows.append(("main job", f"{main.result.get('job_s')} s, checkpoints "
                                      f"{main.result.get('checkpoints')}"))
     for serving in results.values():
-        if not (serving.name.startswith("serving") and serving.ok):
+        if not (serving.name.startswith(("serving", "blocking")) and serving.ok):
             continue
+        arm = "" if serving.name.startswith("serving") else f" [{serving.name}]"
         for k, v in serving.result.items():
             if k.endswith("_decode_tok_s"):
                 key = k[: -len("_decode_tok_s")]
                 frac = serving.result.get(f"{key}_roofline_fraction")
-                rows.append((f"decode {key}", f"{v:,.0f} tok/s, {serving.result.get(f'{key}_step_ms')} "
+                rows.append((f"decode {key}{arm}", f"{v:,.0f} tok/s, {serving.result.get(f'{key}_step_ms')} "
                                               f"ms/step" + (f", {100 * frac:.1f} % of HBM roofline"
                                                             if frac else "")))
     for name, part in results.items():
-        if name.startswith("train_") and part.ok:
+        if name.startswith(("train_", "remat_")) and part.ok:
             r = part.result
-            rows.append((f"train {r.get('batch')}x{r.get('seq')}",
+            rows.append((f"train {r.get('batch')}x{r.get('seq')} remat {r.get('remat')}",
                          f"{r.get('trainer_tokens_per_s'):,.0f} tok/s, step {r.get('trainer_step_s')} s"
                          + (f", MFU {100 * r['mfu']:.1f} %" if r.get("mfu") else "")))
     return rows
@@ -375,7 +382,11 @@ def print_table(rows: list[tuple[str, str]]) -> None:
 
 
 def pack_traces(trace_dir: str, dest: str) -> list[str]:
-    names = sorted(n for n in os.listdir(trace_dir) if n.endswith(".json.gz"))
+    """Every trace and xplane under ``trace_dir`` into one tar (a lent device returns at most
+    8 files); names relative to ``trace_dir``."""
+    names = sorted(os.path.relpath(os.path.join(d, n), trace_dir)
+                   for d, _, files in os.walk(trace_dir) for n in files
+                   if n.endswith((".json.gz", ".xplane.pb")))
     with tarfile.open(dest, "w") as tar:
         for n in names:
             tar.add(os.path.join(trace_dir, n), arcname=n)
@@ -388,7 +399,12 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", ""),
                     help="where the JSON, the log and the traces go (default $OUT; else none kept)")
     ap.add_argument("--parts", default="env,main,serving,train",
-                    help="comma-separated subset of env,main,serving,train")
+                    help="comma-separated subset of env,main,serving,train and the optional "
+                         "blocking (the first serving preset with each --blockings spec) and "
+                         "remat (the train parts with --remat-policy)")
+    ap.add_argument("--blockings", default="4,8,4,2;8,4,4,2",
+                    help="';'-separated --pallas-blocking specs of benchmarks/serving.py")
+    ap.add_argument("--remat-policy", default="dots", help="the remat part's ModelConfig.remat_policy")
     ap.add_argument("--commit", default="", help="the commit measured (recorded in the output)")
     return ap.parse_args(argv)
 
@@ -418,6 +434,14 @@ def main(argv=None) -> int:
         seq = f"{shape.train_seq // 1024}k" if shape.train_seq % 1024 == 0 else str(shape.train_seq)
         name = f"train_{b}x{seq}"
         plan.append((name, lambda log, b=b, n=name: part_train(shape, b, n, log, env, trace_dir)))
+    for spec in args.blockings.split(";") if args.blockings else []:
+        name = f"blocking_{spec.replace(',', '-')}"
+        plan.append((name, lambda log, sp=spec, n=name: part_serving(
+            shape, shape.serving_presets[0], n, log, env, os.path.join(trace_dir, n), blocking=sp)))
+    for b in shape.train_batches:
+        name = f"remat_{args.remat_policy}_{b}x"
+        plan.append((name, lambda log, b=b, n=name: part_train(shape, b, n, log, env, trace_dir,
+                                                                remat=args.remat_policy)))
     results: dict[str, PartResult] = {}
     with open(os.path.join(out_dir, "gpu_check.log"), "a") as log:
         for name, fn in plan:

@@ -35,6 +35,7 @@ and ``spread`` holds [min, max] per figure.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -63,6 +64,9 @@ ap.add_argument("--sizing-check", action="store_true",
                      "(serving section as shipped), start a maximum-length rollout and two "
                      "shared 2048-token prompts x 16 samples, run a few decode calls")
 ap.add_argument("--stages", default="stage1,stage2", help="--sizing-check: configs/<stage>.py")
+ap.add_argument("--pallas-blocking", default="",
+                help="--device gpu: PAGES_PER_BLOCK,MAX_K_SPLITS,NUM_WARPS,NUM_STAGES for the "
+                     "Triton decode kernel (models/paged_attention.py PallasGpuBlocking)")
 ap.add_argument("--trace-dir", default="",
                 help="--device gpu: a jax.profiler trace of one decode call per preset x batch "
                      "(decode_<preset>_b<batch>.json.gz; read with benchmarks/profile_summary.py)")
@@ -389,13 +393,26 @@ def _random_model(preset: str, param_dtype=jnp.bfloat16):
     return Qwen3(cfg, rngs=nnx.Rngs(0))
 
 
+def set_pallas_blocking(spec: str) -> str:
+    """``--pallas-blocking``: the Triton decode kernel's blocking for every engine built after;
+    returns the one in use, as the flag spells it."""
+    from rstarjax.models import paged_attention
+
+    if spec:
+        per, splits, warps, stages = (int(x) for x in spec.split(","))
+        paged_attention.PALLAS_GPU_BLOCKING = paged_attention.PallasGpuBlocking(
+            per, splits, warps, stages)
+    return ",".join(str(v) for v in dataclasses.astuple(paged_attention.PALLAS_GPU_BLOCKING))
+
+
 def bench_gpu(quick: bool) -> dict:
     """Decode tokens/s and fraction of the HBM roofline at each preset x batch: every slot
     holds a 512-token prompt and decodes ``calls`` device calls of 16 steps; bytes per step =
     the serving weights + the live KV of every slot (mean length over the calls)."""
     dev = jax.devices()[0]
     peak = _peak_gbps(dev)
-    out = {"device_kind": dev.device_kind, "peak_hbm_gbps": peak}
+    out = {"device_kind": dev.device_kind, "peak_hbm_gbps": peak,
+           "pallas_blocking": set_pallas_blocking(args.pallas_blocking)}
     prompt_len, calls = 512, (4 if quick else 16)
     for preset in args.presets.split(","):
         for batch in map(int, args.batches.split(",")):

@@ -15,6 +15,9 @@ def get_config(arg=None):
     c.mode = arg or "rl"  # rl | filter (sft / eval / demo are added by their own presets)
     c.seed = 0
     c.total_steps = 300  # optimizer steps in this stage (global step count at its end)
+    # jax's persistent compilation cache, shared by every run and stage of this user ("" = off):
+    # a resumed run or the next stage loads the programs instead of compiling them again
+    c.compilation_cache_dir = "~/.cache/rstarjax/xla"
 
     # ---- policy model ----------------------------------------------------------------------
     c.model = ml_collections.ConfigDict()

@@ -20,6 +20,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from rstarjax.io import compile_cache
 from rstarjax.recipes import demo, demo_compare, evaluate, rl, sft, stage3_filter
 from rstarjax.recipes.config import MODES, RENAMED, DistributedConfig, RunConfig, device_rules, parse
 from rstarjax.validation import ConfigError
@@ -55,6 +56,7 @@ def run(config, workdir: str) -> None:
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     os.makedirs(workdir, exist_ok=True)
+    compile_cache.enable_persistent_cache(typed.compilation_cache_dir)
     RECIPES[typed.mode](typed, workdir)
 
 

@@ -257,6 +257,8 @@ class RunConfig:
     mode: str = "rl"
     seed: int = 0
     total_steps: int = 300  # optimizer steps at the end of this stage (the global step count)
+    # jax's persistent compilation cache ("" = off; rstarjax/io/compile_cache.py)
+    compilation_cache_dir: str = "~/.cache/rstarjax/xla"
     model: ModelSource = dataclasses.field(default_factory=ModelSource)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     rl: RLConfig = dataclasses.field(default_factory=RLConfig)
@@ -280,7 +282,7 @@ SECTIONS = {"model": ModelSource, "data": DataConfig, "rl": RLConfig, "loss": Lo
             "trainer": TrainerConfig, "serving": ServingConfig, "mesh": MeshConfig, "distributed": DistributedConfig,
             "checkpoint": CheckpointConfig, "logging": LoggingConfig, "filter": FilterConfig, "sft": SFTConfig,
             "eval": EvalConfig, "demo": DemoConfig}
-_TOP_LEVEL = ("mode", "seed", "total_steps")
+_TOP_LEVEL = ("mode", "seed", "total_steps", "compilation_cache_dir")
 
 
 def _plain(value):
@@ -320,6 +322,8 @@ def parse(config, num_devices: int | None = None, num_processes: int = 1) -> Run
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     run = RunConfig(mode=mode, seed=int(config.get("seed", 0)), total_steps=int(config.get("total_steps", 300)),
+                    compilation_cache_dir=str(config.get("compilation_cache_dir",
+                                                         RunConfig.compilation_cache_dir)),
                     **sections)
     errors = _run_rules(run)
     if not errors and num_devices is not None:

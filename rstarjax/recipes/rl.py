@@ -19,6 +19,7 @@ import tqdm
 from flax import nnx
 
 from rstarjax.io import checkpoint as ckpt_lib
+from rstarjax.io import compile_cache
 from rstarjax.io import data as data_lib
 from rstarjax.io.metrics_log import MetricsWriter
 from rstarjax.recipes import build
@@ -239,6 +240,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
     try:
         while trainer.step < run.total_steps:
             step = trainer.step
+            compiled_before = compile_cache.compile_seconds()
             try:
                 records = next(data_iter)
             except StopIteration:
@@ -283,6 +285,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
                 # with async_save, the part the loop waits for (the copy off the device)
                 metrics["time/checkpoint"] = time.perf_counter() - t_save
             metrics.update(device_memory_metrics())
+            metrics["time/compile"] = compile_cache.compile_seconds() - compiled_before
             writer.write(new_step, metrics)
             bar.update(1)
             bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}",

@@ -1,0 +1,71 @@
+"""The prepared device check (benchmarks/gpu_check.py) and the kernel sweep run on CPU at the tiny
+shape, so neither rots between sessions that are lent a GPU."""
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "OUT")}
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+@pytest.mark.slow  # the stage-1 main job at tiny size, a decode and a train benchmark: ~2 min
+def test_gpu_check_runs_every_part_at_the_tiny_shape(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"),
+                           "--shape", "tiny", "--out", str(out), "--commit", "test"],
+                          capture_output=True, text=True, env=_env(), timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    parts = report["parts"]
+    assert set(parts) == {"env", "main", "serving_tiny", "train_1x256"}
+    assert all(p["ok"] for p in parts.values()), {k: p["error"] for k, p in parts.items()}
+
+    main = parts["main"]["result"]
+    steps = main["steps"]
+    assert len(steps) == 2 and main["checkpoints"] == ["2"]  # 2 RL steps, the last one saved
+    for s in steps:
+        for key in ("prefill_s", "decode_s", "old_logprobs_s", "update_s", "handoff_s",
+                    "decode_tok_s", "trained_tok_s"):
+            assert s[key] > 0, (key, s)
+        # the pool holds every rollout at full length and the tiny model calls no tool: nothing
+        # is preempted or prefilled twice
+        assert s["preemptions"] == 0 and s["reprefilled_tokens"] == 0, s
+        # 2 prompts x G=2 kept rows of at most 48 response tokens are trained
+        assert 0 < s["trained_tokens"] <= 2 * 2 * 48
+        # every one of the 8 rollouts decodes at most 48 tokens, the first from the prefill
+        assert 0 < s["generated_tokens"] <= 8 * 47
+    assert "checkpoint_s" in steps[1] and "checkpoint_s" not in steps[0]
+    metrics = [json.loads(x) for x in (out / "main_metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+
+    serving = parts["serving_tiny"]["result"]
+    assert serving["tiny_b4_decode_tok_s"] > 0 and serving["tiny_b4_calls"] == 4
+    with tarfile.open(out / "traces.tar") as tar:
+        names = set(tar.getnames())
+    assert {"decode_tiny_b4.json.gz", "train_tiny_1x256.json.gz"} <= names
+    # the table comes last, one row per main step
+    table = proc.stdout[proc.stdout.rindex("-" * 100 + "\n", 0, len(proc.stdout) - 102):]
+    assert "main step 1" in table and "main step 2" in table and "decode tiny_b4" in table
+
+
+@pytest.mark.slow  # the Pallas interpreter: ~20 s
+def test_decode_kernel_sweep_runs_interpreted():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "decode_kernel_sweep.py"),
+                           "--tiny", "--interpret", "--iters", "1"],
+                          capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    timed = [r for r in rows if not r.get("best")]
+    assert timed[0]["default"] and all("us" in r for r in timed)
+    # every blocking computes the same attention (bf16 output rounding apart)
+    assert max(r["max_diff_vs_default"] for r in timed) < 0.05
+    assert sum(r.get("best", False) for r in rows) == 1
