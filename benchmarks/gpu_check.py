@@ -301,6 +301,14 @@ def prompt_token_count(shape: Shape, data_path: str, hf_dir: str, env) -> dict[i
 
 
 # ---- the parts' speed ------------------------------------------------------------------------------
+def benchmark_result(name: str, argv: list[str], timeout_s: float, log, env) -> dict:
+    """A benchmark script's one JSON line; its exit status and output tail when it failed."""
+    code, out = run_part(name, argv, timeout_s, log, env)
+    if code != 0:
+        raise RuntimeError(f"exit {code}: {tail(out)}")
+    return last_json_line(out)
+
+
 def part_serving(shape: Shape, preset: str, name: str, log, env, trace_dir: str,
                  blocking: str = "") -> dict:
     argv = [sys.executable, os.path.join(HERE, "serving.py"), "--device", "gpu",
@@ -308,11 +316,7 @@ def part_serving(shape: Shape, preset: str, name: str, log, env, trace_dir: str,
             "--trace-dir", trace_dir] + (["--quick"] if shape.serving_quick else [])
     if blocking:
         argv += ["--pallas-blocking", blocking]
-    code, out = run_part(name, argv, shape.timeouts.get(name, shape.timeouts["blocking"]), log, env)
-    result = last_json_line(out)
-    if code != 0:
-        raise RuntimeError(f"exit {code}: {tail(out)}")
-    return result
+    return benchmark_result(name, argv, shape.timeouts.get(name, shape.timeouts["blocking"]), log, env)
 
 
 def part_train(shape: Shape, batch: int, name: str, log, env, trace_dir: str,
@@ -322,11 +326,7 @@ def part_train(shape: Shape, batch: int, name: str, log, env, trace_dir: str,
             "--repeats", str(shape.train_repeats), "--no-baseline", "--trace-dir", trace_dir]
     if shape.train_preset != "tiny":
         argv += ["--remat", remat]
-    code, out = run_part(name, argv, shape.timeouts.get(name, shape.timeouts["remat"]), log, env)
-    result = last_json_line(out)
-    if code != 0:
-        raise RuntimeError(f"exit {code}: {tail(out)}")
-    return result
+    return benchmark_result(name, argv, shape.timeouts.get(name, shape.timeouts["remat"]), log, env)
 
 
 # ---- summary -------------------------------------------------------------------------------------
