@@ -191,7 +191,7 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
         # what rstarjax.export needs to rebuild the model from a checkpoint of this run alone
         tokenizer = build.tokenizer(run.model)
         if rollout_fn is None or len(tokenizer) <= model.config.vocab_size:
-            export_meta = build.model_meta(model, tokenizer)  # raises when the vocabularies disagree
+            export_meta = build.model_meta(model, tokenizer, run.rl.chat_format)  # raises when the vocabularies disagree
         else:  # a scripted rollout function on a preset whose table fits no tokenizer: the architecture only
             export_meta = {"model_config": model.config.to_hf_dict()}
         trainer = Trainer(model, run.optim, run.loss, run.trainer, mesh=mesh)
