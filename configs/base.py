@@ -57,6 +57,9 @@ def get_config(arg=None):
     c.rl.roc_variant = "paper"  # "topk": the official code's deterministic selection, exactly
     c.rl.roc_min_negatives = 2  # topk's per-class floors (the official run script's values)
     c.rl.roc_min_positives = 2
+    # RoC's penalties: "paper" (eq. 4-5 from the rollout's counts) | "official_text" (read from the
+    # decoded response as the official code does; with roc_variant="topk" its kept set, exactly)
+    c.rl.roc_penalty = "paper"
     # §4.3 / the official run script: drop groups whose rollouts all earned the same reward (no
     # gradient) before RoC, without refilling; False keeps them with zero advantage
     c.rl.reject_equal_reward = True
