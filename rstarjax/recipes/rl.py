@@ -198,7 +198,7 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
         meta = initial_state(trainer, ckpt, run)
         if rollout_fn is None:
             executor = build.executor(run.rl.num_tool_workers)
-            rollouts = build.rollouts(trainer.model(), tokenizer, executor, run.rl.agent(), run.rl.sampling(),
+            rollouts = build.rollouts(trainer.model(), tokenizer, executor, run.agent(), run.rl.sampling(),
                                       run.rl.max_prompt_len, run.rl.chat_format, run.serving)
             rollout_fn, on_update = rollouts, lambda tr: rollouts.update_params(tr.model())
             if run.serving.release_during_update:  # freed before each update, made again by on_update
