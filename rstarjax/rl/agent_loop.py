@@ -520,4 +520,4 @@ class ColocatedRollouts:
                 sp = dataclasses.replace(sampling, seed=(seed * 1_000_003 + g * n_per_prompt + j) % (2**31 - 1))
                 requests.append(RolloutRequest(prompt, str(rec["answer"]), g, sp, policy_version))
         return run_rollouts(self.scheduler, self.tokenizer, self.executor, requests,
-                            self.agent_config, self.fmt)
+                            self.agent_config, fmt=self.fmt)
