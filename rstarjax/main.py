@@ -48,9 +48,10 @@ def init_distributed(cfg: DistributedConfig) -> None:
                                    process_id=cfg.process_id, initialization_timeout=cfg.timeout_s)
 
 
-def run(config, workdir: str) -> None:
-    """Parse and check the config, set up JAX, and run the mode's recipe."""
-    typed = parse(config)  # static checks first: fail before touching devices
+def run(config, workdir: str, explicit=frozenset()) -> None:
+    """Parse and check the config, set up JAX, and run the mode's recipe. ``explicit``: the
+    dotted keys the command line set (they win over ``config.profile``'s)."""
+    typed = parse(config, explicit=explicit)  # static checks first: fail before touching devices
     init_distributed(typed.distributed)
     errors = device_rules(typed, jax.device_count(), jax.process_count())
     if errors:
@@ -87,8 +88,9 @@ def main(argv=None) -> None:
         config = flags.FLAGS.config
         workdir = flags.FLAGS.workdir or os.path.join("runs", str(config.get("mode", "run")))
         print(f"rstarjax: mode={config.get('mode')} workdir={os.path.abspath(workdir)}", flush=True)
+        explicit = frozenset(config_flags.get_override_values(flags.FLAGS["config"]))
         try:
-            run(config, workdir)
+            run(config, workdir, explicit)
         except ConfigError as e:
             print(e, file=sys.stderr)
             sys.exit(2)

@@ -56,6 +56,20 @@ TOOL_SCHEMA: dict = {
     },
 }
 
+# The official rStar2-Agent code's tool (repository microsoft/rStar, file
+# rstar2_agent/config/tool_config/python_tool_config.yaml, "tool_schema"): the same function under
+# another name and without a "return" field; the released checkpoint calls it by this name
+# (profile rstar2_official, models/chat_template.RSTAR2_OFFICIAL).
+OFFICIAL_TOOL_NAME = "python_code_with_standard_io"
+OFFICIAL_TOOL_SCHEMA: dict = {
+    "type": "function",
+    "function": {
+        "name": OFFICIAL_TOOL_NAME,
+        "description": TOOL_SCHEMA["function"]["description"],
+        "parameters": TOOL_SCHEMA["function"]["parameters"],
+    },
+}
+
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"  # the reward reads the \boxed{} inside
@@ -65,3 +79,6 @@ END_OF_TEXT = "<|endoftext|>"
 # A model turn ends right after any of these: the tool is dispatched the moment a call is
 # complete (</tool_call>), an answer turn ends with <|im_end|>, a base model may emit EOS.
 STOP_TOKENS = (TOOL_CALL_CLOSE, IM_END, END_OF_TEXT)
+# The official loop (microsoft/rStar, rstar2_agent/rollout/rstar2_agent_loop.py) decodes a turn to
+# the end of the assistant message and parses its calls afterwards.
+OFFICIAL_STOP_TOKENS = (IM_END, END_OF_TEXT)

@@ -351,3 +351,46 @@ def test_colocated_rollouts_over_tensor_parallel_slices(tok, model, executor):
     assert all(e.generated_tokens > 0 for e in sliced.engines)  # both slices served rollouts
     sliced.update_params(Qwen3(model.config, rngs=nnx.Rngs(3)))  # every slice gets new weights
     assert all(e.params.layers[0]["q_proj"].sharding.mesh == e.mesh for e in sliced.engines)
+
+
+def test_official_layout_episodes(tok, engine, executor):
+    """The official loop's protocol (issue #27; microsoft/rStar rstar2_agent/rollout/rstar2_agent_loop.py):
+    decoding runs past </tool_call> to <|im_end|>, the first complete call of the turn is run (a
+    malformed one answered as a tool response), the tool turn follows the model's <|im_end|>
+    directly and ends with the <reason> prefill; reward.mode=official scores the whole text. The
+    official layout with a short system prompt (the test model's budget)."""
+    import dataclasses
+
+    from rstarjax.models.chat_template import RSTAR2_OFFICIAL
+
+    fmt = dataclasses.replace(RSTAR2_OFFICIAL, system_prompt="Use python_code_with_standard_io.")
+    name = "python_code_with_standard_io"
+
+    def official_call(code):
+        args = json.dumps({"code": code, "input": ""})
+        return f'run it</reason>\n<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call><|im_end|>'
+
+    cases = {
+        "success": [official_call("print(6*7)"), "done</reason><answer>\\boxed{42}</answer><|im_end|>"],
+        "malformed": ['x</reason>\n<tool_call>\n{"name": "' + name + '", </tool_call> more<|im_end|>',
+                      "done</reason><answer>\\boxed{41}</answer><|im_end|>"],
+        # a program prints the box: the official reward reads the whole response, tool output included
+        "printed": [official_call("print(chr(92) + 'boxed{42}')"), "see above</reason><|im_end|>"],
+    }
+    reqs = [RolloutRequest(encode_prompt(tok, "What is 6*7?", fmt), "42", i,
+                           SamplingParams(temperature=1.0, seed=i), script=[j for t in turns for j in tok.encode(t)])
+            for i, turns in enumerate(cases.values())]
+    cfg = AgentConfig(max_turns=5, max_response_len=MAX_LEN - 200, tool_timeout_s=2.0, tool_wait_s=30.0,
+                      reward_mode="official")
+    trajs, _ = run_rollouts(engine, tok, executor, reqs, cfg, fmt)
+    by = dict(zip(cases, trajs))
+    for case, t in by.items():
+        model_segs = [s.ids.tolist() for s in t.segments if s.kind == SegmentKind.MODEL]
+        assert model_segs == [tok.encode(x) for x in cases[case]]  # each turn ran to its <|im_end|>
+        tool = [s for s in t.segments if s.kind == SegmentKind.TOOL]
+        assert len(tool) == 1 and tok.decode(tool[0].ids).startswith("<|im_start|>user\n<tool_response>\n")
+        assert tok.decode(tool[0].ids).endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n<reason>")
+    assert (by["success"].finish, by["success"].reward, by["success"].tool_calls) == (FinishReason.ANSWERED, 1.0, 1)
+    assert by["malformed"].tool_errors.parse == 1 and by["malformed"].reward == 0.0
+    assert "Tool call error" in by["malformed"].response_text
+    assert (by["printed"].finish, by["printed"].reward) == (FinishReason.NO_TOOL_CALL, 1.0)

@@ -235,3 +235,89 @@ def test_compact_prompt_fits_demo_budget(small):
     n = len(ct.encode_prompt(small, "What is 123456789 * 987654321?", ct.COMPACT))
     assert n < 135, n  # leaves ~380 of a 512-token budget for the SFT/RL response
     assert len(ct.encode_prompt(small, "What is 123456789 * 987654321?")) > 4 * n  # the full Fig. 3
+
+
+# ---- the official rStar2-Agent format (issue #27) ----------------------------------------------
+# The oracle is the official code's own template text (tests/fixtures/rstar2_official: microsoft/rStar
+# rstar2_agent/config/rstar2_agent_trainer.yaml, custom_chat_template, and the tool schema of
+# rstar2_agent/config/tool_config/python_tool_config.yaml), rendered by transformers as verl does.
+OFFICIAL_FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "rstar2_official"
+OFFICIAL_QUESTIONS = ["What is 2+2?", "Let $x^2 = 4$; find $x > 0$.\n\nGive \\boxed{x}.", "中文 🎉 'quotes' \"dq\"", ""]
+
+
+@pytest.fixture(scope="module")
+def official(small, tmp_path_factory):
+    """(HF tokenizer with the official template, the official tool schemas)."""
+    yaml = pytest.importorskip("yaml")
+    from transformers import AutoTokenizer
+
+    trainer = yaml.safe_load((OFFICIAL_FIXTURES / "rstar2_agent_trainer.yaml").read_text())
+    template = trainer["actor_rollout_ref"]["model"]["custom_chat_template"]
+    tools = yaml.safe_load((OFFICIAL_FIXTURES / "python_tool_config.yaml").read_text())["tools"]
+    path = small.save_pretrained(tmp_path_factory.mktemp("official"), chat_template=template)
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True), [t["tool_schema"] for t in tools]
+
+
+def _ids(x):
+    return list(x["input_ids"] if hasattr(x, "keys") else x)
+
+
+def test_official_prompt_is_the_official_template_byte_for_byte(official, small):
+    hf_official, tools = official
+    fmt = ct.chat_format("rstar2_official")
+    assert fmt is ct.RSTAR2_OFFICIAL and fmt.tool_names == ("python_code_with_standard_io",)
+    assert [json.loads(json.dumps(s)) for s in fmt.tool_schemas] == tools  # the official schema, exactly
+    for q in OFFICIAL_QUESTIONS:
+        msgs = [{"role": "user", "content": q}]
+        theirs = hf_official.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+        assert ct.render_prompt(q, fmt) == theirs
+        theirs_ids = hf_official.apply_chat_template(msgs, tools=tools, tokenize=True, add_generation_prompt=True)
+        assert ct.encode_prompt(small, q, fmt) == _ids(theirs_ids)
+    assert ct.render_prompt("Q", fmt).endswith("This is the problem:\nQ<|im_end|>\n<|im_start|>assistant\n<reason>")
+
+
+@pytest.mark.parametrize("outputs", [["4"], ["Tool call success\nstdout: 17\n\nexecution time: 0.01s"], ["a", "b\n"]])
+def test_official_tool_turn_is_what_the_official_loop_appends(official, small, outputs):
+    """The official loop (microsoft/rStar rstar2_agent/rollout/rstar2_agent_loop.py) renders the tool
+    messages with the template, add_generation_prompt=True, and drops the ids of the template's
+    system turn (verl ToolAgentLoop.system_prompt: the template applied to [{}])."""
+    hf_official, _ = official
+    fmt = ct.RSTAR2_OFFICIAL
+    system_ids = _ids(hf_official.apply_chat_template([{}], add_generation_prompt=False, tokenize=True))
+    msgs = [{"role": "tool", "content": t} for t in outputs]
+    turn_ids = _ids(hf_official.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))[len(system_ids):]
+    assert ct.encode_tool_response_turn(small, outputs, fmt=fmt) == turn_ids
+    assert ct.render_tool_response_turn(outputs, fmt=fmt) == small.decode(turn_ids)
+    assert ct.render_tool_response_turn(outputs[0], fmt=fmt).startswith("<|im_start|>user\n<tool_response>\n")
+
+
+def test_official_tool_name_is_accepted_by_the_parser():
+    from rstarjax.env.tools import ToolCall, ToolCallError, parse_tool_call
+
+    fmt = ct.RSTAR2_OFFICIAL
+    text = "x</reason>\n" + ct.format_tool_call("python_code_with_standard_io", {"code": "print(1)", "input": ""})
+    assert isinstance(parse_tool_call(text, fmt.tool_names), ToolCall)
+    assert isinstance(parse_tool_call(text), ToolCallError)  # the paper's name only, by default
+    assert isinstance(parse_tool_call(text.replace("python_code", "execute_python_code"), fmt.tool_names),
+                      ToolCallError)
+
+
+def test_official_jinja_export_renders_what_we_render(small, tmp_path, official):
+    from transformers import AutoTokenizer
+
+    fmt = ct.RSTAR2_OFFICIAL
+    path = small.save_pretrained(tmp_path, chat_template=ct.jinja_chat_template(fmt))
+    hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    for msgs in _conversations(40, seed=3):
+        for call in (c for m in msgs for c in m.get("tool_calls") or []):
+            call["function"]["name"] = "python_code_with_standard_io"
+        for gen in (False, True):
+            assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen) == \
+                ct.render_conversation(msgs, add_generation_prompt=gen, fmt=fmt)
+        ids = ct.encode_conversation(small, msgs, fmt=fmt)
+        assert small.decode(ids.ids) == ct.render_conversation(msgs, fmt=fmt)
+    q = [{"role": "user", "content": "Q"}]
+    _, tools = official
+    assert hf.apply_chat_template(q, tokenize=False, add_generation_prompt=True) == ct.render_prompt("Q", fmt)
+    assert hf.apply_chat_template(q, tools=tools, tokenize=False, add_generation_prompt=True) == \
+        ct.render_prompt("Q", fmt)

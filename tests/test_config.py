@@ -189,3 +189,38 @@ def test_tool_pool_filter_and_baseline_options(tmp_path):
     c.rl.chat_format = "fancy"
     with pytest.raises(ConfigError, match="chat_format='fancy'"):
         parse(c)
+
+
+def test_profile_rstar2_official(tmp_path):
+    """--config.profile=rstar2_official (issue #27): the official code's settings everywhere they
+    apply; the paper's stay the default; a key given on the command line keeps its value."""
+    import eval as eval_preset
+
+    paper = parse(good_config(tmp_path))
+    assert (paper.profile, paper.rl.chat_format, paper.reward.mode, paper.loss.dual_clip_c,
+            paper.loss.token_mean, paper.rl.roc_penalty) == ("paper", "rstar2", "answer", None, "batch", "paper")
+    c = good_config(tmp_path)
+    c.profile = "rstar2_official"
+    run = parse(c)
+    assert (run.rl.chat_format, run.reward.mode, run.rl.roc_variant, run.rl.roc_penalty, run.rl.max_turns,
+            run.rl.max_tool_response_chars, run.loss.dual_clip_c, run.loss.token_mean) == (
+        "rstar2_official", "official", "topk", "official_text", 5, 256, 3.0, "micro_batch")
+    assert run.agent().reward_mode == "official"
+    c.rl.max_turns = 7
+    assert parse(c, explicit={"rl.max_turns"}).rl.max_turns == 7  # the command line wins
+    c.profile = "nope"
+    with pytest.raises(ConfigError, match="profile"):
+        parse(c)
+    # configs/eval.py with the profile: examples/aime_eval.sh's sampling, lengths and turns
+    e = eval_preset.get_config()
+    e.profile = "rstar2_official"
+    e.model.random_init, e.model.preset = True, "tiny"
+    e.eval.paths = str(tmp_path / "train.jsonl")
+    ev = parse(e).eval
+    assert (ev.chat_format, ev.temperature, ev.top_p, ev.k, ev.max_turns, ev.max_prompt_len, ev.max_response_len) == (
+        "rstar2_official", 0.0, 1.0, 16, 5, 2048, 30720)
+    assert parse(e).eval_agent().reward_mode == "official" and parse(e).eval_agent().max_turns == 5
+    c = good_config(tmp_path)
+    c.reward.mode = "whole"
+    with pytest.raises(ConfigError, match="--config.reward.mode"):
+        parse(c)

@@ -130,6 +130,9 @@ def test_verify_in_the_pool(ex):
     assert bool(ex.verify(r"<answer>\boxed{1,000}</answer>", 1000)) is True
     assert bool(ex.verify(r"<answer>\boxed{7}</answer>", "8")) is False
     assert bool(ex.verify("no box here", "8")) is False
+    # reward.mode=official: the official compute_score on the whole text (tests/test_official_reward.py)
+    assert bool(ex.verify("so the answer is 8", "8", mode="official")) is True
+    assert bool(ex.verify("so the answer is 8", "8")) is False
 
 
 def test_pathological_verification_times_out_as_reward_zero(ex):

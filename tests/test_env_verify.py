@@ -11,6 +11,7 @@ from rstarjax.env import extract_final_answer, find_boxed, verify_answer
         (r"<answer>\boxed{0.5}</answer>", r"\frac{1}{2}"),
         (r"<answer>\boxed{1,000}</answer>", "1000"),
         (r"<answer>\boxed{1000}</answer>", "1,000"),
+        (r"<answer>\boxed{12,345}</answer>", "12345"),
         (r"<answer>$\boxed{ 110 }$</answer>", "110"),
         (r"<answer>\boxed{\text{42}}</answer>", "42"),
         (r"<answer>\boxed{-7}</answer>", "-7"),
@@ -29,6 +30,9 @@ def test_equivalent_forms_are_correct(response, gold):
     [
         (r"<answer>\boxed{3}</answer>", "4"),
         (r"<answer>\boxed{1,001}</answer>", "1000"),
+        # math-verify's own test cases: a comma and a space separate two numbers (issue #27)
+        (r"<answer>\boxed{32, 349}</answer>", "32349"),
+        (r"<answer>\boxed{1, 000}</answer>", "1000"),
         (r"<answer>\boxed{0.51}</answer>", r"\frac{1}{2}"),
         (r"<answer>110</answer>", "110"),  # no box
         ("no answer at all", "1"),

@@ -33,6 +33,9 @@ def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
     with ckpt_lib.Checkpointer(str(root / "checkpoints"), ckpt_lib.CheckpointConfig(async_save=False)) as c:
         c.save(7, trainer.state, model_meta(model, tok))
+    # a run trained with the official rStar2-Agent format (profile rstar2_official, issue #27)
+    with ckpt_lib.Checkpointer(str(root / "official"), ckpt_lib.CheckpointConfig(async_save=False)) as c:
+        c.save(7, trainer.state, model_meta(model, tok, "rstar2_official"))
     return root, trainer.model(), tok
 
 
@@ -68,6 +71,19 @@ def test_export_cli_and_errors(checkpoint, tmp_path):
         export.export_checkpoint(str(root / "checkpoints"), str(tmp_path / "x"), preset="tiny",
                                  model_config=_write_cfg(tmp_path, hidden_size=32))
     assert export.main(["--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "y")]) == 2
+
+
+def test_export_carries_the_chat_format_the_run_trained_with(checkpoint, tmp_path):
+    from rstarjax.models import chat_template as ct
+
+    root, _, _ = checkpoint
+    q = [{"role": "user", "content": "What is 2+2?"}]
+    for ckpt, fmt in (("checkpoints", ct.RSTAR2), ("official", ct.RSTAR2_OFFICIAL)):
+        out = export.export_checkpoint(str(root / ckpt), str(tmp_path / ckpt))
+        assert out["chat_format"] == ("rstar2" if fmt is ct.RSTAR2 else "rstar2_official")
+        hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / ckpt))
+        assert hf_tok.apply_chat_template(q, tokenize=False, add_generation_prompt=True) == \
+            ct.render_prompt("What is 2+2?", fmt)
 
 
 def _write_cfg(tmp_path, **changes):

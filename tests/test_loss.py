@@ -341,3 +341,34 @@ def test_trajectory_advantages_groups_and_length_penalty():
     np.testing.assert_allclose(adv[3:], grpo_advantages([1.0, 0.0]), rtol=1e-6)
     _, plain = trajectory_advantages(trajs, estimator="dr_grpo")
     np.testing.assert_allclose(plain[:3], [1 / 3, 1 / 3, -2 / 3], rtol=1e-6)
+
+
+def test_micro_batch_token_mean_is_the_official_actors():
+    """loss.token_mean="micro_batch" (issue #27): each micro-batch contributes its own token mean
+    times its rows / the batch's rows, as verl's dp_actor.update_policy does with use_dynamic_bsz
+    (loss_scale_factor = micro rows / mini-batch rows, loss_agg_mode="token-mean"); with dual clip c=3."""
+    rng = np.random.default_rng(11)
+    trajs = make_group(rng, n=8)
+    b, new, _ = batch_and_newlp(trajs, rng, spread=0.6)
+    cfg = LossConfig(dual_clip_c=3.0, token_mean="micro_batch")
+    rows = int(np.sum(np.asarray(b.loss_mask).any(axis=1)))
+    total, official = 0.0, 0.0
+    for s, e in ((0, 3), (3, 6), (6, 8)):
+        mb = jax.tree.map(lambda a: a[s:e], b)
+        loss, _ = policy_loss(jnp.asarray(new[s:e]), mb.old_logprobs, mb.advantages, mb.loss_mask, rows, cfg)
+        total += float(loss)
+        # the official formula by hand: token mean of the dual-clipped PPO loss over this micro-batch
+        mask = np.asarray(mb.loss_mask) > 0
+        r = np.exp(new[s:e] - np.asarray(mb.old_logprobs))
+        a = np.asarray(mb.advantages)
+        pg = np.maximum(-a * r, -a * np.clip(r, 0.8, 1.28))
+        pg = np.where(a < 0, np.minimum(pg, -a * 3.0), pg)
+        official += pg[mask].mean() * mask.any(axis=1).sum() / rows
+    assert total == pytest.approx(official, rel=1e-5)
+    whole = float(policy_loss(jnp.asarray(new), b.old_logprobs, b.advantages, b.loss_mask,
+                              num_loss_tokens(b), LossConfig(dual_clip_c=3.0))[0])
+    assert whole != pytest.approx(total, rel=1e-3)  # eq. 6's one batch-wide mean differs
+    with pytest.raises(ValueError, match="token_mean"):
+        LossConfig(token_mean="sequence")
+    with pytest.raises(ValueError, match="dr_grpo"):
+        LossConfig(token_mean="micro_batch", advantage_estimator="dr_grpo")

@@ -502,7 +502,7 @@ def test_every_shipped_config_starts(name, arg, user_inputs, tmp_path, monkeypat
 
     seen = {}
 
-    def at_first_rollout(scheduler_or_engines, tokenizer, executor, requests, config=None):
+    def at_first_rollout(scheduler_or_engines, tokenizer, executor, requests, config=None, fmt=None):
         seen["executor"] = executor.run("print(6 * 7)")
         seen["engine"] = scheduler_or_engines
         raise _Started

@@ -44,6 +44,7 @@ import threading
 import time
 
 from . import cgroups, uids
+from .official_reward import REWARD_MODES
 from .results import ERROR, ExecResult, VerifyResult
 from .routing import HEAVY, LEAN, choose_tier
 from .sandbox import SAFE_ENV, SandboxLimits
@@ -485,13 +486,18 @@ class CodeExecutor:
             raise TypeError(f"stdin must be str, got {type(stdin).__name__}")
         return self._submit("exec", {"code": code, "stdin": stdin}, self._check_timeout(timeout))
 
-    def submit_verify(self, response_text: str, gold, timeout: float | None = None) -> concurrent.futures.Future:
+    def submit_verify(self, response_text: str, gold, timeout: float | None = None,
+                      mode: str = "answer") -> concurrent.futures.Future:
         """Reward of one response, computed in a sandbox under a wall-clock kill.
-        Returns a Future[VerifyResult] (`bool(result)` is the reward; a timeout gives False)."""
+        Returns a Future[VerifyResult] (`bool(result)` is the reward; a timeout gives False).
+        ``mode``: official_reward.REWARD_MODES ("answer": the paper's eq. 3; "official": the
+        official code's compute_score on the whole text)."""
         if not isinstance(response_text, str):
             raise TypeError(f"response_text must be str, got {type(response_text).__name__}")
+        if mode not in REWARD_MODES:
+            raise ValueError(f"reward mode must be one of {REWARD_MODES}, got {mode!r}")
         timeout = self._check_timeout(timeout if timeout is not None else self.config.verify_timeout)
-        return self._submit("verify", {"response": response_text, "gold": str(gold)}, timeout)
+        return self._submit("verify", {"response": response_text, "gold": str(gold), "mode": mode}, timeout)
 
     def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult:
         fut = self.submit(code, stdin, timeout)
@@ -504,8 +510,8 @@ class CodeExecutor:
         futures = [self.submit(code, stdin, timeout) for code, stdin in batch_items(calls)]
         return [self._wait(f, limit) for f in futures]
 
-    def verify(self, response_text: str, gold, timeout: float | None = None) -> VerifyResult:
-        fut = self.submit_verify(response_text, gold, timeout)
+    def verify(self, response_text: str, gold, timeout: float | None = None, mode: str = "answer") -> VerifyResult:
+        fut = self.submit_verify(response_text, gold, timeout, mode)
         return self._wait(fut, self._check_timeout(timeout or self.config.verify_timeout))
 
     async def arun(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult:

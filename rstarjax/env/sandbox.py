@@ -30,7 +30,7 @@ import sys
 import traceback
 
 from rstarjax.env import isolation, seccomp, wire
-from rstarjax.env.verify import is_correct
+from rstarjax.env.official_reward import score
 
 CODE_FILENAME = "<code>"
 RESULT_FD = 3
@@ -326,8 +326,9 @@ def child_main(limits: SandboxLimits, confinement: Confinement, fds: dict) -> No
 
 
 def run_verify(call: dict) -> dict:
-    """The reward check (math-verify, preloaded by the heavy zygote), under the pool's kill."""
+    """The reward check (math-verify, preloaded by the heavy zygote), under the pool's kill; the
+    call's "mode" picks the paper's reward or the official one (official_reward.score)."""
     try:
-        return {"status": "verify", "correct": bool(is_correct(call["response"], call["gold"]))}
+        return {"status": "verify", "correct": bool(score(call["response"], call["gold"], call.get("mode", "answer")))}
     except BaseException as exc:  # noqa: BLE001
         return {"status": "verify", "correct": False, "error": f"{type(exc).__name__}: {exc}"[:500]}

@@ -27,6 +27,9 @@ _ANSWER_BLOCK = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
 _BOX_OPENERS = ("\\boxed", "\\fbox")
 # "1000", "-17", "+3", "1,000,000" (thousands separators only in the canonical 3-digit groups).
 _INTEGER = re.compile(r"[+-]?(?:\d+|\d{1,3}(?:,\d{3})+)")
+# "32, 349" is a list of two numbers, never 32349: a comma followed by white space separates items
+# (math-verify's own test cases read it so); only a bare comma can group thousands.
+_COMMA_THEN_SPACE = re.compile(r",\s")
 _STRIP_WRAPPERS = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$", re.DOTALL)
 MAX_ANSWER_CHARS = 1000  # longer "answers" are not answers; they also feed sympy pathologies
 
@@ -79,7 +82,10 @@ def normalize_integer(text: str) -> int | None:
     m = _STRIP_WRAPPERS.match(s)
     if m:
         s = m.group(1).strip()
-    s = s.replace("\\!", "").replace("{,}", ",").replace(" ", "")
+    s = s.replace("\\!", "").replace("{,}", ",")
+    if _COMMA_THEN_SPACE.search(s):  # checked before the spaces go: "1, 000" is not 1000
+        return None
+    s = s.replace(" ", "")
     if s.endswith("."):
         s = s[:-1]
     if _INTEGER.fullmatch(s):

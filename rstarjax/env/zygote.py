@@ -44,7 +44,7 @@ def _bootstrap_package() -> None:
 if __name__ == "__main__":
     _bootstrap_package()  # before the imports below: rstarjax/__init__.py must not run here
 
-from rstarjax.env import forker, isolation, routing, sandbox, verify, worker  # noqa: E402
+from rstarjax.env import forker, isolation, official_reward, routing, sandbox, verify, worker  # noqa: E402
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
@@ -92,6 +92,7 @@ def preload(tier: str) -> None:
         import sympy  # noqa: F401
 
         verify.warm_up()
+        official_reward.warm_up()
         warm_up_libraries()
 
 

@@ -53,23 +53,36 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rstarjax.protocol import (IM_END, IM_START, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_NAME, TOOL_RESPONSE_CLOSE,
-                               TOOL_RESPONSE_OPEN, TOOL_SCHEMA)
+from rstarjax.protocol import (IM_END, IM_START, OFFICIAL_TOOL_NAME, OFFICIAL_TOOL_SCHEMA, TOOL_CALL_CLOSE,
+                               TOOL_CALL_OPEN, TOOL_NAME, TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN, TOOL_SCHEMA)
 
-SYSTEM_PROMPT = (
+SYSTEM_INTRO = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves "
     "it. The Assistant first thinks about the reasoning process in the mind and then provides the "
     "user with the answer. The reasoning process and answer are enclosed within <reason> </reason> "
     "and <answer> </answer> tags, respectively, i.e., <reason> reasoning process here </reason>"
-    "<answer> answer here </answer>.\n\n"
-    "# Tools\n\n"
-    "You may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n"
-    "<tools>\n" + json.dumps(TOOL_SCHEMA, ensure_ascii=False) + "\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within "
+    "<answer> answer here </answer>."
+)
+
+# Qwen's function-calling block, one JSON schema per line (json.dumps as Jinja's `tojson` in
+# transformers writes it: ensure_ascii=False, default separators, keys in their own order).
+_TOOLS_HEADER = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+_TOOLS_FOOTER = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
     "<tool_call></tool_call> XML tags:\n"
     '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
 )
+
+
+def tools_block(schemas: Sequence[Mapping[str, Any]]) -> str:
+    """The text after the system intro that lists the tools' JSON schemas."""
+    return _TOOLS_HEADER + "".join("\n" + json.dumps(s, ensure_ascii=False) for s in schemas) + _TOOLS_FOOTER
+
+
+SYSTEM_PROMPT = SYSTEM_INTRO + tools_block([TOOL_SCHEMA])
 
 USER_PROMPT_PREFIX = (
     "You must put your answer inside <answer> </answer> tags, i.e., <answer> answer here </answer>. "
@@ -84,18 +97,63 @@ COMPACT_SYSTEM_PROMPT = (
 COMPACT_USER_PROMPT_PREFIX = "Put the answer in \\boxed{}.\n"
 
 
+# The official rStar2-Agent chat template (repository microsoft/rStar, file
+# rstar2_agent/config/rstar2_agent_trainer.yaml, actor_rollout_ref.model.custom_chat_template),
+# rendered with tools=[OFFICIAL_TOOL_SCHEMA] and add_generation_prompt=True: its system text, its
+# user prefix (ending in a newline), and "<reason>" written after every "<|im_start|>assistant\n".
+OFFICIAL_SYSTEM_INTRO = (
+    "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. "
+    "The Assistant first thinks about the reasoning process in the mind and then provides the User with "
+    "the answer. The reasoning process is enclosed within <reason> </reason> and answer is enclosed within "
+    "<answer> </answer> tags, respectively, i.e., <reason> reasoning process here </reason> <answer> answer "
+    "here </answer>."
+)
+OFFICIAL_USER_PROMPT_PREFIX = (
+    "You must put your answer inside <answer> </answer> tags, i.e., <answer> answer here </answer>. "
+    "And your final answer will be extracted automatically by the \\boxed{} tag.\n"
+    "This is the problem:\n"
+)
+OFFICIAL_GENERATION_PREFILL = "<reason>"
+
+
 @dataclasses.dataclass(frozen=True)
 class ChatFormat:
-    """The fixed texts of a prompt. RSTAR2 is paper Fig. 3; COMPACT keeps the same structure and
-    tool-call syntax in ~60 tokens (Qwen3 vocab; ~85 with 3000 ranks) for tiny demo models with a ~512-token budget."""
+    """The fixed texts of a prompt and the layout of the turns. RSTAR2 is paper Fig. 3; COMPACT
+    keeps the same structure and tool-call syntax in ~60 tokens (Qwen3 vocab; ~85 with 3000 ranks)
+    for tiny demo models with a ~512-token budget; RSTAR2_OFFICIAL is what the official code
+    shows the model (see ``official_layout``)."""
 
     system_prompt: str = SYSTEM_PROMPT
     user_prompt_prefix: str = USER_PROMPT_PREFIX
+    # the tool names the parser accepts (env.tools.parse_tool_call(text, fmt.tool_names))
+    tool_names: tuple[str, ...] = (TOOL_NAME,)
+    # official_layout=True is the official loop's protocol: the model's turn runs to its own
+    # <|im_end|> (the engine does not stop at </tool_call>), the tool turn follows that <|im_end|>
+    # directly and ends with "<|im_end|>\n" (the newline closes a turn instead of opening the next),
+    # every generation prompt is followed by ``generation_prefill``, a leading system message
+    # replaces only ``system_intro`` (the tools block stays), and tool calls in rendered
+    # conversations each start on a new line (the official template's layout).
+    official_layout: bool = False
+    generation_prefill: str = ""
+    system_intro: str = ""  # official_layout: the system text before the tools block
+    tool_schemas: tuple = ()  # official_layout: the schemas of the tools block
+
+    @property
+    def stops_at_tool_call(self) -> bool:
+        """Whether the engine ends a model turn at </tool_call> (paper layout) or only at the end
+        of the assistant message (the official loop, which parses the calls afterwards)."""
+        return not self.official_layout
 
 
 RSTAR2 = ChatFormat()
 COMPACT = ChatFormat(COMPACT_SYSTEM_PROMPT, COMPACT_USER_PROMPT_PREFIX)
-CHAT_FORMATS = {"rstar2": RSTAR2, "compact": COMPACT}  # the names configs use (rl/sft/eval.chat_format)
+RSTAR2_OFFICIAL = ChatFormat(
+    system_prompt=OFFICIAL_SYSTEM_INTRO + tools_block([OFFICIAL_TOOL_SCHEMA]),
+    user_prompt_prefix=OFFICIAL_USER_PROMPT_PREFIX, tool_names=(OFFICIAL_TOOL_NAME,), official_layout=True,
+    generation_prefill=OFFICIAL_GENERATION_PREFILL, system_intro=OFFICIAL_SYSTEM_INTRO,
+    tool_schemas=(OFFICIAL_TOOL_SCHEMA,))
+# the names configs use (rl/sft/eval.chat_format)
+CHAT_FORMATS = {"rstar2": RSTAR2, "compact": COMPACT, "rstar2_official": RSTAR2_OFFICIAL}
 
 
 def chat_format(name: str) -> ChatFormat:
@@ -145,35 +203,58 @@ def _data(text: str) -> Piece:
 
 
 # ---- pieces -----------------------------------------------------------------------------------
-def _turn_open(role: str, newline_before: bool = False) -> list[Piece]:
+# Two layouts of the same ChatML text. Paper (RSTAR2, COMPACT): a turn is closed by <|im_end|> and
+# the "\n" opens the next turn. Official (fmt.official_layout): a template turn is closed by
+# "<|im_end|>\n", while the model's own <|im_end|> is followed directly by the next turn, as the
+# official loop appends it. Prompts render to the same string in both.
+def _turn_open(role: str, fmt: ChatFormat, first: bool = False) -> list[Piece]:
+    newline_before = not first and not fmt.official_layout
     return ([_text("\n")] if newline_before else []) + [_special(IM_START), _text(role + "\n")]
 
 
-def _system_user_pieces(system: str, user_prefix: str, question: str) -> list[Piece]:
+def _turn_close(fmt: ChatFormat) -> list[Piece]:
+    """The end of a template (non-model) turn."""
+    return [_special(IM_END)] + ([_text("\n")] if fmt.official_layout else [])
+
+
+def _system_text(fmt: ChatFormat, custom: str | None) -> str:
+    """The system turn's text: fmt's, or a conversation's own system message (which, in the
+    official layout, replaces the intro before the tools block, as the official template does)."""
+    if custom is None:
+        return fmt.system_prompt
+    if fmt.official_layout:
+        return custom + tools_block(fmt.tool_schemas)
+    return custom
+
+
+def _system_user_pieces(system: str, user_prefix: str, question: str, fmt: ChatFormat) -> list[Piece]:
     return (
-        _turn_open("system") + [_text(system), _special(IM_END)]
-        + _turn_open("user", newline_before=True) + [_text(user_prefix), _data(question), _special(IM_END)]
+        _turn_open("system", fmt, first=True) + [_text(system)] + _turn_close(fmt)
+        + _turn_open("user", fmt) + [_text(user_prefix), _data(question)] + _turn_close(fmt)
     )
 
 
-def _generation_prompt_pieces() -> list[Piece]:
-    return _turn_open("assistant", newline_before=True)
+def _generation_prompt_pieces(fmt: ChatFormat = RSTAR2) -> list[Piece]:
+    prefill = [_text(fmt.generation_prefill)] if fmt.generation_prefill else []
+    return _turn_open("assistant", fmt) + prefill
 
 
-def _tool_responses_pieces(texts: Sequence[str]) -> list[Piece]:
-    pieces = [_text("\n"), _special(IM_START), _text("user")]
+def _tool_responses_pieces(texts: Sequence[str], fmt: ChatFormat) -> list[Piece]:
+    pieces = _turn_open("user", fmt)[:-1] + [_text("user")]  # "user" without its newline: one per block
     for text in texts:
         pieces += [_text("\n"), _special(TOOL_RESPONSE_OPEN), _text("\n"), _data(text), _text("\n"),
                    _special(TOOL_RESPONSE_CLOSE)]
-    return pieces + [_special(IM_END)]
+    return pieces + _turn_close(fmt)
 
 
 def prompt_pieces(question: str, fmt: ChatFormat = RSTAR2) -> list[Piece]:
     _check_str("question", question)
-    return _system_user_pieces(fmt.system_prompt, fmt.user_prompt_prefix, question) + _generation_prompt_pieces()
+    return (_system_user_pieces(fmt.system_prompt, fmt.user_prompt_prefix, question, fmt)
+            + _generation_prompt_pieces(fmt))
 
 
-def tool_response_turn_pieces(texts: str | Sequence[str], close_assistant_turn: bool = False) -> list[Piece]:
+def tool_response_turn_pieces(texts: str | Sequence[str], close_assistant_turn: bool = False,
+                              fmt: ChatFormat = RSTAR2) -> list[Piece]:
     texts = [texts] if isinstance(texts, str) else list(texts)
     if not texts:
         raise ValueError("a tool response turn needs at least one tool output")
@@ -181,7 +262,7 @@ def tool_response_turn_pieces(texts: str | Sequence[str], close_assistant_turn: 
         _check_str("tool output", t)
     # An engine that stops at </tool_call> has not emitted <|im_end|>: the template closes the turn.
     close = [_special(IM_END)] if close_assistant_turn else []
-    return close + _tool_responses_pieces(texts) + _generation_prompt_pieces()
+    return close + _tool_responses_pieces(texts, fmt) + _generation_prompt_pieces(fmt)
 
 
 def format_tool_call(name: str, arguments: Mapping[str, Any] | str) -> str:
@@ -195,7 +276,7 @@ def format_tool_call(name: str, arguments: Mapping[str, Any] | str) -> str:
 _MERGES_WITH_PROMPT_NEWLINE = re.compile(r"\s*[\r\n]")
 
 
-def _assistant_text(message: Mapping[str, Any]) -> str:
+def _assistant_text(message: Mapping[str, Any], fmt: ChatFormat = RSTAR2) -> str:
     content = message.get("content") or ""
     _check_str("assistant content", content)
     calls = []
@@ -204,10 +285,15 @@ def _assistant_text(message: Mapping[str, Any]) -> str:
         if "name" not in fn or "arguments" not in fn:
             raise ValueError(f"a tool call needs 'name' and 'arguments': {call!r}")
         calls.append(format_tool_call(fn["name"], fn["arguments"]))
-    text = content + "\n".join(calls)
+    # the official template starts every call on a new line; the paper's traces put the first
+    # call right after the text (Fig. 11)
+    text = content + "".join("\n" + c for c in calls) if fmt.official_layout else content + "\n".join(calls)
     if not text:
         raise ValueError("an assistant message needs content or tool_calls")
-    if _MERGES_WITH_PROMPT_NEWLINE.match(text):
+    # In the official layout the model's text follows the prefill "<reason>", whose ">" the
+    # pre-tokenizer joins with most next characters: there turn-by-turn ids (the rollout's, and
+    # encode_conversation's) and the ids of the whole rendered string differ by design.
+    if not fmt.official_layout and _MERGES_WITH_PROMPT_NEWLINE.match(text):
         raise ValueError(
             "assistant content must not start with a line break (after optional whitespace): it "
             "would merge with the newline of '<|im_start|>assistant\\n' when the conversation is "
@@ -221,25 +307,28 @@ def conversation_pieces(
     messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False, fmt: ChatFormat = RSTAR2
 ) -> list[Piece]:
     """OpenAI-style messages -> pieces. An optional leading system message replaces fmt's system
-    prompt; the first user message is the question (after fmt's user prefix); later user messages are
-    verbatim; role="tool" messages become <tool_response> blocks of one user turn."""
+    prompt (in the official layout: its intro); the first user message is the question (after fmt's
+    user prefix); later user messages are verbatim; role="tool" messages become <tool_response>
+    blocks of one user turn. In the official layout an assistant message's content is what the
+    model wrote after the prefill, as in the rollouts."""
     messages = list(messages)
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or m.get("role") not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"message {i}: role must be system/user/assistant/tool, got {m!r:.80}")
-    system = fmt.system_prompt
+    custom_system = None
     if messages and messages[0]["role"] == "system":
-        system = messages.pop(0).get("content") or ""
-        _check_str("system content", system)
+        custom_system = messages.pop(0).get("content") or ""
+        _check_str("system content", custom_system)
     if not messages or messages[0]["role"] != "user":
         raise ValueError("the conversation must start with the user's question (after an optional system)")
-    pieces = _system_user_pieces(system, fmt.user_prompt_prefix, _content(messages[0], 0))
+    pieces = _system_user_pieces(_system_text(fmt, custom_system), fmt.user_prompt_prefix,
+                                 _content(messages[0], 0), fmt)
     i = 1
     while i < len(messages):
         role = messages[i]["role"]
         if role == "assistant":
-            pieces += _generation_prompt_pieces()
-            pieces += [Piece(_assistant_text(messages[i]), assistant=True), _special(IM_END, assistant=True)]
+            pieces += _generation_prompt_pieces(fmt)
+            pieces += [Piece(_assistant_text(messages[i], fmt), assistant=True), _special(IM_END, assistant=True)]
             i += 1
         elif role == "tool":
             if messages[i - 1]["role"] != "assistant" or not messages[i - 1].get("tool_calls"):
@@ -247,16 +336,16 @@ def conversation_pieces(
             j = i
             while j < len(messages) and messages[j]["role"] == "tool":
                 j += 1
-            pieces += _tool_responses_pieces([_content(messages[k], k) for k in range(i, j)])
+            pieces += _tool_responses_pieces([_content(messages[k], k) for k in range(i, j)], fmt)
             i = j
         elif role == "user":
-            pieces += _turn_open("user", newline_before=True) + [_data(_content(messages[i], i)), _special(IM_END)]
+            pieces += _turn_open("user", fmt) + [_data(_content(messages[i], i))] + _turn_close(fmt)
             i += 1
         else:
             raise ValueError(f"message {i}: a system message is only allowed first")
     if add_generation_prompt:
-        pieces += _generation_prompt_pieces()
-    else:
+        pieces += _generation_prompt_pieces(fmt)
+    elif not (fmt.official_layout and messages[-1]["role"] != "assistant"):
         pieces.append(_text("\n"))  # ChatML closes every turn with a newline
     return pieces
 
@@ -271,11 +360,12 @@ def render_prompt(question: str, fmt: ChatFormat = RSTAR2) -> str:
     return render(prompt_pieces(question, fmt))
 
 
-def render_tool_response_turn(texts: str | Sequence[str], close_assistant_turn: bool = False) -> str:
+def render_tool_response_turn(texts: str | Sequence[str], close_assistant_turn: bool = False,
+                              fmt: ChatFormat = RSTAR2) -> str:
     """What the rollout appends after a model turn that ended with <|im_end|> (or, with
     close_assistant_turn=True, one that stopped at </tool_call>): the tool output(s) as a user turn
-    in <tool_response> blocks, then the next assistant generation prompt."""
-    return render(tool_response_turn_pieces(texts, close_assistant_turn))
+    in <tool_response> blocks, then the next assistant generation prompt (fmt's layout)."""
+    return render(tool_response_turn_pieces(texts, close_assistant_turn, fmt))
 
 
 def render_conversation(
@@ -338,11 +428,12 @@ def encode_prompt(tokenizer: TokenizerLike, question: str, fmt: ChatFormat = RST
 
 
 def encode_tool_response_turn(
-    tokenizer: TokenizerLike, texts: str | Sequence[str], close_assistant_turn: bool = False
+    tokenizer: TokenizerLike, texts: str | Sequence[str], close_assistant_turn: bool = False,
+    fmt: ChatFormat = RSTAR2,
 ) -> list[int]:
     """Ids the rollout appends after a model turn (see render_tool_response_turn); the tool output
     is plain text even if it prints "<|im_end|>"."""
-    return encode_pieces(tokenizer, tool_response_turn_pieces(texts, close_assistant_turn))[0].tolist()
+    return encode_pieces(tokenizer, tool_response_turn_pieces(texts, close_assistant_turn, fmt))[0].tolist()
 
 
 @dataclasses.dataclass
@@ -383,6 +474,8 @@ def jinja_chat_template(fmt: ChatFormat = RSTAR2) -> str:
     """The same template as conversation_pieces(), for HF `apply_chat_template` (saved into
     tokenizer_config.json by Tokenizer.save_pretrained); tests/test_chat_template.py checks that
     transformers renders exactly what render_conversation renders."""
+    if fmt.official_layout:
+        return _official_layout_jinja(fmt)
     return (
         "{%- set default_system = " + _jinja_string(fmt.system_prompt) + " %}"
         "{%- set user_prefix = " + _jinja_string(fmt.user_prompt_prefix) + " %}"
@@ -420,6 +513,52 @@ def jinja_chat_template(fmt: ChatFormat = RSTAR2) -> str:
         "{%- endif %}"
         "{%- endfor %}"
         "{%- if add_generation_prompt %}{{- '\\n<|im_start|>assistant\\n' }}{%- else %}{{- '\\n' }}{%- endif %}"
+    )
+
+
+def _official_layout_jinja(fmt: ChatFormat) -> str:
+    """jinja_chat_template for the official layout. `tools=[...]` given to apply_chat_template
+    replace fmt's schemas in the tools block, as in the official template; without them the
+    block lists fmt's own (the model was only ever shown a prompt with the tools block)."""
+    tool_call = '<tool_call>\\n{"name": "'
+    return (
+        "{%- set default_intro = " + _jinja_string(fmt.system_intro) + " %}"
+        "{%- set default_tools = " + _jinja_string("".join("\n" + json.dumps(t, ensure_ascii=False)
+                                                             for t in fmt.tool_schemas)) + " %}"
+        "{%- set user_prefix = " + _jinja_string(fmt.user_prompt_prefix) + " %}"
+        "{%- set prefill = " + _jinja_string(fmt.generation_prefill) + " %}"
+        "{{- '<|im_start|>system\\n' }}"
+        "{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- set start = 1 %}"
+        "{%- else %}{{- default_intro }}{%- set start = 0 %}{%- endif %}"
+        "{{- " + _jinja_string(_TOOLS_HEADER) + " }}"
+        "{%- if tools %}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+        "{%- else %}{{- default_tools }}{%- endif %}"
+        "{{- " + _jinja_string(_TOOLS_FOOTER + IM_END + "\n") + " }}"
+        "{%- set ns = namespace(seen_question=false) %}"
+        "{%- for message in messages[start:] %}"
+        "{%- if message.role == 'user' %}"
+        "{{- '<|im_start|>user\\n' }}"
+        "{%- if not ns.seen_question %}{{- user_prefix }}{%- set ns.seen_question = true %}{%- endif %}"
+        "{{- message.content + '<|im_end|>\\n' }}"
+        "{%- elif message.role == 'assistant' %}"
+        "{{- '<|im_start|>assistant\\n' + prefill }}"
+        "{%- if message.content %}{{- message.content }}{%- endif %}"
+        "{%- for tool_call in message.tool_calls or [] %}"
+        "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+        "{{- '\\n" + tool_call + "' + tool_call.name + '\", \"arguments\": ' }}"
+        "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+        "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+        "{{- '}\\n</tool_call>' }}"
+        "{%- endfor %}"
+        "{{- '<|im_end|>' }}"
+        "{%- elif message.role == 'tool' %}"
+        "{%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+        "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+        "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+        "{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' + prefill }}"
+        "{%- elif messages[-1].role == 'assistant' %}{{- '\\n' }}{%- endif %}"
     )
 
 

@@ -262,11 +262,13 @@ def default_tokenizer_for(cfg: ModelConfig):
 
 
 def save_hf(model: Qwen3, path: str, tokenizer=None, max_shard_bytes: int = 5 * 2**30,
-            dtype=None) -> None:
+            dtype=None, chat_format: str = "rstar2") -> None:
     """Write a transformers-loadable directory: config.json, generation_config.json,
     ``model-0000k-of-0000n.safetensors`` shards of at most ``max_shard_bytes`` (a single larger
     tensor gets its own shard), model.safetensors.index.json, and the tokenizer files.
-    ``dtype`` (default: the parameters' dtype) is the saved tensor dtype.
+    ``dtype`` (default: the parameters' dtype) is the saved tensor dtype. ``chat_format`` (a name
+    of ``chat_template.CHAT_FORMATS``: the one the model was trained with) is the Jinja chat
+    template written into tokenizer_config.json.
 
     ``tokenizer``: the model's tokenizer (``models.load_tokenizer(...)``). ``None`` writes the
     tokenizer the vocabulary implies (Qwen3's for a full-size table) and raises when it implies
@@ -335,4 +337,4 @@ def save_hf(model: Qwen3, path: str, tokenizer=None, max_shard_bytes: int = 5 * 
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2)
     if tokenizer is not False:
-        tokenizer.save_pretrained(path)
+        tokenizer.save_pretrained(path, chat_template=chat_format)

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import tiktoken
 
-from rstarjax.models.chat_template import JINJA_CHAT_TEMPLATE
+from rstarjax.models.chat_template import CHAT_FORMATS, jinja_chat_template
 
 # Qwen2/Qwen3 pre-tokenizer (tokenizer.json "pre_tokenizer" Split regex). Unlike GPT-4's cl100k it
 # splits digits one by one (\p{N}, not \p{N}{1,3}).
@@ -301,9 +301,10 @@ class Tokenizer:
 
     def save_pretrained(self, path: str | os.PathLike, chat_template: str | None = "rstar2") -> pathlib.Path:
         """Write `tokenizer.json` + `tokenizer_config.json` that `AutoTokenizer.from_pretrained`
-        loads offline. chat_template: "rstar2" (the rStar2-Agent Jinja template), None, or Jinja."""
-        if chat_template == "rstar2":
-            chat_template = JINJA_CHAT_TEMPLATE
+        loads offline. chat_template: a chat format's name (``chat_template.CHAT_FORMATS``: "rstar2",
+        the rStar2-Agent Jinja template; "rstar2_official", the official code's layout), None, or Jinja."""
+        if chat_template in CHAT_FORMATS:
+            chat_template = jinja_chat_template(CHAT_FORMATS[chat_template])
         path = pathlib.Path(path)
         path.mkdir(parents=True, exist_ok=True)
         with open(path / "tokenizer.json", "w", encoding="utf-8") as f:

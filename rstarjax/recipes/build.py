@@ -58,10 +58,12 @@ def check_vocab(model, tok: Tokenizer) -> None:
                          "--config.model.tokenizer_path) to the model's tokenizer")
 
 
-def model_meta(model, tok: Tokenizer) -> dict[str, Any]:
-    """What ``rstarjax.export`` needs to rebuild the model from a checkpoint alone."""
+def model_meta(model, tok: Tokenizer, chat_format: str = "rstar2") -> dict[str, Any]:
+    """What ``rstarjax.export`` needs to rebuild the model from a checkpoint alone (and the chat
+    format it was trained with, whose template the HF export carries)."""
     check_vocab(model, tok)
-    return {"model_config": model.config.to_hf_dict(), "tokenizer_num_regular_tokens": int(tok.num_regular_tokens)}
+    return {"model_config": model.config.to_hf_dict(), "tokenizer_num_regular_tokens": int(tok.num_regular_tokens),
+            "chat_format": chat_format}
 
 
 def host_cores() -> int:

@@ -17,6 +17,7 @@ import importlib.util
 import os
 from collections.abc import Mapping
 
+from rstarjax.env.official_reward import REWARD_MODES
 from rstarjax.io.checkpoint import CheckpointConfig
 from rstarjax.models.chat_template import CHAT_FORMATS
 from rstarjax.models.config import DTYPES, PRESETS, REMAT_POLICIES
@@ -41,6 +42,51 @@ RENAMED = {
     "loss.overlong_filter": "--config.rl.overlong_filter",
     "loss.length_penalty_coef": "--config.rl.length_penalty_coef",
 }
+
+
+# --config.profile: one switch for a group of settings. "paper" (the default) changes nothing: the
+# sections' own defaults are rStar2-Agent's paper. "rstar2_official" makes a run do what the
+# official rStar2-Agent code does (repository microsoft/rStar, the rstar2_agent recipe on verl;
+# docs/algorithm.md "Paper vs. official code" lists every row), for evaluating or further
+# training the released checkpoint. A profile writes its keys into the sections the config has;
+# a key also given on the command line (--config.SECTION.KEY) keeps the command line's value.
+PROFILES: dict[str, dict[str, object]] = {
+    "paper": {},
+    "rstar2_official": {
+        # what the model sees: the official template, tool name, <reason> prefill, tool turn
+        "rl.chat_format": "rstar2_official", "sft.chat_format": "rstar2_official",
+        "eval.chat_format": "rstar2_official",
+        # rstar2_agent/reward/compute_score.py on the whole response
+        "reward.mode": "official",
+        # rstar2_agent/down_sample/roc.py with the run script's settings
+        "rl.roc_variant": "topk", "rl.roc_penalty": "official_text", "rl.roc_min_negatives": 2,
+        "rl.roc_min_positives": 2, "rl.reject_equal_reward": True,
+        # rstar2_agent_trainer.yaml multi_turn.max_assistant_turns; verl's max_tool_response_length
+        "rl.max_turns": 5, "rl.max_tool_response_chars": 256,
+        # verl's policy loss: dual clip with clip_ratio_c=3; its actor: token means per micro-batch
+        "loss.dual_clip_c": 3.0, "loss.token_mean": "micro_batch",
+        # examples/aime_eval.sh: verl's val_kwargs (greedy: temperature 0, top_p 1), n=16,
+        # 2048 prompt / 30720 response tokens, 5 assistant turns
+        "eval.temperature": 0.0, "eval.top_p": 1.0, "eval.top_k": -1, "eval.k": 16, "eval.max_turns": 5,
+        "eval.max_response_len": 30720, "eval.max_prompt_len": 2048,
+    },
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """The ``reward`` section: how a finished rollout is scored."""
+
+    # env.official_reward.REWARD_MODES: "answer" = rStar2-Agent eq. 3 (the last \boxed{} in the
+    # model's last <answer>, verify.is_correct); "official" = the official code's compute_score
+    # (PRIME grader, then math-verify) on the whole decoded response, tool outputs included
+    mode: str = "answer"
+
+    def __post_init__(self):
+        require(one_of("mode", self.mode, REWARD_MODES),
+                (self.mode != "official" or importlib.util.find_spec("pylatexenc") is not None,
+                 "mode='official' needs the PRIME grader's pylatexenc: pip install pylatexenc "
+                 "(or set --config.reward.mode=answer)"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,12 +302,14 @@ class RunConfig:
 
     mode: str = "rl"
     seed: int = 0
+    profile: str = "paper"  # PROFILES: the group of settings the run started from
     total_steps: int = 300  # optimizer steps at the end of this stage (the global step count)
     # jax's persistent compilation cache ("" = off; rstarjax/io/compile_cache.py)
     compilation_cache_dir: str = "~/.cache/rstarjax/xla"
     model: ModelSource = dataclasses.field(default_factory=ModelSource)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     rl: RLConfig = dataclasses.field(default_factory=RLConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
@@ -275,14 +323,23 @@ class RunConfig:
     eval: EvalConfig | None = None
     demo: DemoConfig | None = None
 
+    def agent(self) -> AgentConfig:
+        """The rollouts' budgets of an RL stage (``rl``) with the run's reward (``reward``)."""
+        return dataclasses.replace(self.rl.agent(), reward_mode=self.reward.mode)
+
+    def eval_agent(self) -> AgentConfig:
+        """The evaluation's budgets (``eval``) with the run's reward."""
+        return dataclasses.replace(self.eval.agent(self.rl), reward_mode=self.reward.mode)
+
 
 # section name -> its dataclass (a section absent from the ConfigDict keeps the defaults; sft,
 # eval and demo stay None, and the modes that need them say so)
-SECTIONS = {"model": ModelSource, "data": DataConfig, "rl": RLConfig, "loss": LossConfig, "optim": OptimConfig,
+SECTIONS = {"model": ModelSource, "data": DataConfig, "rl": RLConfig, "reward": RewardConfig, "loss": LossConfig,
+            "optim": OptimConfig,
             "trainer": TrainerConfig, "serving": ServingConfig, "mesh": MeshConfig, "distributed": DistributedConfig,
             "checkpoint": CheckpointConfig, "logging": LoggingConfig, "filter": FilterConfig, "sft": SFTConfig,
             "eval": EvalConfig, "demo": DemoConfig}
-_TOP_LEVEL = ("mode", "seed", "total_steps", "compilation_cache_dir")
+_TOP_LEVEL = ("mode", "seed", "profile", "total_steps", "compilation_cache_dir")
 
 
 def _plain(value):
@@ -290,10 +347,23 @@ def _plain(value):
     return value.to_dict() if hasattr(value, "to_dict") else value
 
 
+def profile_sections(config, profile: str, explicit=frozenset()) -> dict[str, dict]:
+    """The sections of ``config`` as plain dicts with ``PROFILES[profile]`` written in: a profile
+    key lands in a section the config has (or in ``reward``, which every run has), unless the
+    command line gave it (``explicit``: dotted keys such as "rl.max_turns")."""
+    sections = {name: {k: _plain(v) for k, v in dict(config[name]).items()} for name in SECTIONS if name in config}
+    for dotted, value in PROFILES[profile].items():
+        name, key = dotted.split(".", 1)
+        if dotted in explicit or (name not in sections and name != "reward"):
+            continue
+        sections.setdefault(name, {})[key] = value
+    return sections
+
+
 def _parse_section(name: str, section: Mapping, errors: list[str]):
     cls = SECTIONS[name]
     fields = {f.name for f in dataclasses.fields(cls)}
-    items = {k: _plain(v) for k, v in dict(section).items()}
+    items = dict(section)
     for key in items:
         if key not in fields:
             hint = RENAMED.get(f"{name}.{key}")
@@ -306,10 +376,12 @@ def _parse_section(name: str, section: Mapping, errors: list[str]):
         return None
 
 
-def parse(config, num_devices: int | None = None, num_processes: int = 1) -> RunConfig:
+def parse(config, num_devices: int | None = None, num_processes: int = 1, explicit=frozenset()) -> RunConfig:
     """The typed RunConfig of a ConfigDict; ConfigError listing every problem (one per line) with
     the flag that fixes it. ``num_devices``: also check the mesh and the batch sizes against the
-    devices (None skips the device checks; ``rstarjax.main`` runs them once JAX is up)."""
+    devices (None skips the device checks; ``rstarjax.main`` runs them once JAX is up).
+    ``config.profile`` (``PROFILES``) is applied first; ``explicit``: the dotted keys the command
+    line set, which keep their values (``rstarjax.main`` passes them)."""
     mode = config.get("mode")
     if mode not in MODES:
         raise ConfigError(f"config.mode={mode!r} is unknown; choose one of {sorted(MODES)} "
@@ -318,10 +390,15 @@ def parse(config, num_devices: int | None = None, num_processes: int = 1) -> Run
     for key in config:
         if key not in SECTIONS and key not in _TOP_LEVEL:
             errors.append(f"--config.{key} is not a config section (known: {sorted(SECTIONS)})")
-    sections = {name: _parse_section(name, config[name], errors) for name in SECTIONS if name in config}
+    profile = config.get("profile", "paper")
+    if profile not in PROFILES:
+        raise ConfigError(f"invalid config:\n  --config.profile={profile!r} is unknown; choose one of {sorted(PROFILES)}")
+    raw = profile_sections(config, profile, frozenset(explicit))
+    sections = {name: _parse_section(name, raw[name], errors) for name in SECTIONS if name in raw}
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-    run = RunConfig(mode=mode, seed=int(config.get("seed", 0)), total_steps=int(config.get("total_steps", 300)),
+    run = RunConfig(mode=mode, seed=int(config.get("seed", 0)), profile=profile,
+                    total_steps=int(config.get("total_steps", 300)),
                     compilation_cache_dir=str(config.get("compilation_cache_dir",
                                                          RunConfig.compilation_cache_dir)),
                     **sections)

@@ -268,7 +268,7 @@ def train_sft_policy(run: RunConfig, setup: DemoSetup, workdir: str) -> tuple[nn
 def demo_rollouts(run: RunConfig, policy: nnx.Module, setup: DemoSetup, executor) -> ColocatedRollouts:
     """The agent loop the demo evaluates and trains with: the RL section's budgets and sampling,
     the SFT traces' chat format, ``demo.num_slots`` slots."""
-    return build.rollouts(policy, setup.tokenizer, executor, run.rl.agent(), run.rl.sampling(), run.rl.max_prompt_len,
+    return build.rollouts(policy, setup.tokenizer, executor, run.agent(), run.rl.sampling(), run.rl.max_prompt_len,
                           run.sft.chat_format, run.serving, num_slots=run.demo.num_slots)
 
 

@@ -191,14 +191,14 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
         # what rstarjax.export needs to rebuild the model from a checkpoint of this run alone
         tokenizer = build.tokenizer(run.model)
         if rollout_fn is None or len(tokenizer) <= model.config.vocab_size:
-            export_meta = build.model_meta(model, tokenizer)  # raises when the vocabularies disagree
+            export_meta = build.model_meta(model, tokenizer, run.rl.chat_format)  # raises when the vocabularies disagree
         else:  # a scripted rollout function on a preset whose table fits no tokenizer: the architecture only
             export_meta = {"model_config": model.config.to_hf_dict()}
         trainer = Trainer(model, run.optim, run.loss, run.trainer, mesh=mesh)
         meta = initial_state(trainer, ckpt, run)
         if rollout_fn is None:
             executor = build.executor(run.rl.num_tool_workers)
-            rollouts = build.rollouts(trainer.model(), tokenizer, executor, run.rl.agent(), run.rl.sampling(),
+            rollouts = build.rollouts(trainer.model(), tokenizer, executor, run.agent(), run.rl.sampling(),
                                       run.rl.max_prompt_len, run.rl.chat_format, run.serving)
             rollout_fn, on_update = rollouts, lambda tr: rollouts.update_params(tr.model())
             if run.serving.release_during_update:  # freed before each update, made again by on_update

@@ -250,10 +250,10 @@ def run_sft(run: RunConfig, workdir: str) -> dict[str, Any]:
                        wandb=wandb_init_args(run, workdir)) as mw:  # where RL writes its metrics too
         trainer, summary = train_sft(
             model, tokenizer, conversations, run.sft, mesh=mesh, fmt=ct.chat_format(run.sft.chat_format),
-            workdir=workdir, checkpoint_cfg=run.checkpoint, meta=build.model_meta(model, tokenizer),
+            workdir=workdir, checkpoint_cfg=run.checkpoint, meta=build.model_meta(model, tokenizer, run.sft.chat_format),
             metrics_writer=mw)
     if run.sft.export_hf:
-        save_hf(trainer.model(), os.path.join(workdir, "hf"), tokenizer=tokenizer)
+        save_hf(trainer.model(), os.path.join(workdir, "hf"), tokenizer=tokenizer, chat_format=run.sft.chat_format)
     with open(os.path.join(workdir, "sft_summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary

@@ -29,9 +29,20 @@ Token bookkeeping (token-in/token-out, never re-tokenized):
   are loss-mask 0: the model is not trained to close a turn after a tool call (it can't not
   stop there at inference time anyway, as the engine stops it).
 
-The reward is ``executor.submit_verify(model_text, gold)`` on the *model's* text only, so a
-program printing ``\\boxed{...}`` in a tool response cannot earn it; truncated / errored
-episodes get 0 without verification. Each episode waits for its own verification at most
+The official layout (``ChatFormat.official_layout``, chat format ``rstar2_official``) is the
+official loop's protocol (microsoft/rStar ``rstar2_agent/rollout/rstar2_agent_loop.py``): the
+engine decodes a turn to ``<|im_end|>`` / EOS (never stopping at ``</tool_call>``), the complete
+``<tool_call>`` blocks of the turn are parsed afterwards and the first one is run (verl's
+``max_parallel_calls=1``; a malformed one comes back as a tool response), and the TOOL segment
+(``encode_tool_response_turn(..., fmt=fmt)``) follows the model's own ``<|im_end|>`` directly; a
+turn without a complete call ends the episode.
+
+The reward (``AgentConfig.reward_mode="answer"``, the paper's) is
+``executor.submit_verify(model_text, gold)`` on the *model's* text only, so a program printing
+``\\boxed{...}`` in a tool response cannot earn it; truncated / errored episodes get 0 without
+verification. ``reward_mode="official"`` scores as the official reward manager does: the whole
+decoded response (tool turns included, special tokens dropped) with the official compute_score
+(``env.official_reward``), truncated responses included. Each episode waits for its own verification at most
 ``verify_wait_s`` from the moment it was submitted, or from the end of the batch's rollouts when
 that is later (queueing in the pool included); a verifier that ran out of its own wall-clock
 limit in the sandbox (``verify_timeout_s``) scores 0, as a wrong answer, while one that never
@@ -50,9 +61,11 @@ import numpy as np
 from flax import nnx
 
 from rstarjax.env import ToolCallError, classify_tool_error, format_tool_response, parse_tool_call
+from rstarjax.env.official_reward import REWARD_MODES
+from rstarjax.env.tools import parse_tool_calls
 from rstarjax.models.chat_template import RSTAR2, ChatFormat, encode_prompt, encode_tool_response_turn
 from rstarjax.models.config import DTYPES
-from rstarjax.protocol import ANSWER_OPEN, STOP_TOKENS
+from rstarjax.protocol import ANSWER_OPEN, STOP_TOKENS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from rstarjax.rl.trajectory import FinishReason, Segment, SegmentKind, Trajectory
 from rstarjax.serving.engine import DoneReason, Engine, update_engines
 from rstarjax.serving.handoff import ProcessHandoff
@@ -79,9 +92,13 @@ class AgentConfig:
     infra_retry_delay_s: float = 0.5  # before retry k: k times this (the pool replaces dead workers)
     max_tool_response_chars: int = 2048
     rollout_timeout_s: float = 3600.0
+    # env.official_reward.REWARD_MODES: "answer" (paper eq. 3: the model's last boxed answer) or
+    # "official" (the official compute_score on the whole response, truncated ones included)
+    reward_mode: str = "answer"
 
     def __post_init__(self):
-        require((self.max_turns >= 1, f"max_turns={self.max_turns} must be >= 1"),
+        require(one_of("reward_mode", self.reward_mode, REWARD_MODES),
+                (self.max_turns >= 1, f"max_turns={self.max_turns} must be >= 1"),
                 (self.max_response_len >= 2, f"max_response_len={self.max_response_len} must be >= 2"),
                 (self.infra_retries >= 0 and self.infra_retry_delay_s >= 0,
                  "infra_retries and infra_retry_delay_s must be >= 0"),
@@ -190,22 +207,24 @@ class StopIds:
     tool_call_end: int
     im_end: int
     eos: int
+    at_tool_call: bool = True  # False: the official loop's decoding, to <|im_end|> / EOS only
 
     @classmethod
-    def from_tokenizer(cls, tokenizer) -> "StopIds":
-        return cls(*(tokenizer.token_id(t) for t in STOP_TOKENS))
+    def from_tokenizer(cls, tokenizer, fmt: ChatFormat = RSTAR2) -> "StopIds":
+        return cls(*(tokenizer.token_id(t) for t in STOP_TOKENS), at_tool_call=fmt.stops_at_tool_call)
 
     @property
     def all(self) -> tuple[int, ...]:
-        return (self.tool_call_end, self.im_end, self.eos)
+        return (self.tool_call_end, self.im_end, self.eos) if self.at_tool_call else (self.im_end, self.eos)
 
 
 class AgentEpisode:
     """The per-rollout state machine the scheduler drives (``serving.scheduler.Episode``)."""
 
     def __init__(self, request: RolloutRequest, tokenizer, executor, config: AgentConfig,
-                 stops: StopIds):
+                 stops: StopIds, fmt: ChatFormat = RSTAR2):
         self.request = request
+        self.fmt = fmt
         self.tokenizer = tokenizer
         self.executor = executor
         self.config = config
@@ -243,12 +262,19 @@ class AgentEpisode:
         t.answer_tags = self.model_text.count(ANSWER_OPEN)
         if reason in (DoneReason.BUDGET, DoneReason.CONTEXT):
             return self._finish(FinishReason.MAX_LENGTH)
-        if ids[-1] != self.stops.tool_call_end:  # <|im_end|> or EOS: the episode is over
+        if self.fmt.official_layout:
+            call = official_turn_call(text, self.fmt.tool_names)
+        elif ids[-1] == self.stops.tool_call_end:
+            call = parse_tool_call(text, self.fmt.tool_names)
+            call = ToolCallError("Tool call has no opening <tool_call> tag.") if call is None else call
+        else:
+            call = None
+        if call is None:  # <|im_end|> or EOS without a call: the episode is over
             return self._finish(FinishReason.ANSWERED if t.answer_tags else FinishReason.NO_TOOL_CALL)
         if t.turns >= self.config.max_turns:
             return self._finish(FinishReason.MAX_TURNS)
         t.tool_calls += 1
-        return CallTool(self._dispatch(parse_tool_call(text)))
+        return CallTool(self._dispatch(call))
 
     def on_tool_ready(self, ids, free_tokens_in_slot: int):
         room = self.config.max_response_len - len(self.traj.response_ids)
@@ -271,10 +297,18 @@ class AgentEpisode:
     def _finish(self, finish: FinishReason):
         self.traj.finish = finish
         self.done = True
-        if finish not in (FinishReason.MAX_LENGTH, FinishReason.ERROR):
+        official = self.config.reward_mode == "official"
+        # the official reward manager scores every response, truncated ones too
+        unscored = (FinishReason.ERROR,) if official else (FinishReason.MAX_LENGTH, FinishReason.ERROR)
+        if finish not in unscored:
             try:
-                self.verify_future = self.executor.submit_verify(
-                    self.model_text, self.request.gold_answer, timeout=self.config.verify_timeout_s)
+                if official:  # the whole decoded response, as the official reward manager reads it
+                    text = self.tokenizer.decode(self.traj.response_ids, skip_special_tokens=True)
+                    self.verify_future = self.executor.submit_verify(
+                        text, self.request.gold_answer, timeout=self.config.verify_timeout_s, mode="official")
+                else:
+                    self.verify_future = self.executor.submit_verify(
+                        self.model_text, self.request.gold_answer, timeout=self.config.verify_timeout_s)
                 self.verify_submitted = time.monotonic()
             except Exception as e:  # the executor is gone: the environment's failure
                 self._infra_error(f"the verifier could not be reached: {e!r}")
@@ -283,8 +317,6 @@ class AgentEpisode:
     def _dispatch(self, call) -> concurrent.futures.Future:
         """Future of the tool turn's ids; execution starts now (asynchronous to decoding)."""
         out: concurrent.futures.Future = concurrent.futures.Future()
-        if call is None:  # "</tool_call>" with no "<tool_call>" before it in this turn
-            call = ToolCallError("Tool call has no opening <tool_call> tag.")
         if isinstance(call, ToolCallError):
             self._count_error(call)
             out.set_result(self._tool_turn_ids(call))
@@ -333,7 +365,22 @@ class AgentEpisode:
 
     def _tool_turn_ids(self, outcome) -> list[int]:
         text = format_tool_response(outcome, max_chars=self.config.max_tool_response_chars)
-        return encode_tool_response_turn(self.tokenizer, text, close_assistant_turn=True)
+        # an engine stopped at </tool_call> left the turn open; the official loop's turn ended
+        # with the model's own <|im_end|>
+        return encode_tool_response_turn(self.tokenizer, text, close_assistant_turn=self.fmt.stops_at_tool_call,
+                                          fmt=self.fmt)
+
+
+def official_turn_call(text: str, tool_names: tuple[str, ...]):
+    """The call the official loop runs after a turn (microsoft/rStar
+    rstar2_agent/tools/tool_parser.py and rollout/rstar2_agent_loop.py): None unless the turn holds
+    both "<tool_call>" and "</tool_call>" and at least one complete block; else the first block
+    (verl's max_parallel_calls=1), parsed or, when malformed, a ToolCallError returned to the
+    model as its tool response."""
+    if TOOL_CALL_OPEN not in text or TOOL_CALL_CLOSE not in text:
+        return None
+    calls = parse_tool_calls(text, tool_names)
+    return calls[0] if calls else None
 
 
 def _collect_rewards(episodes: Sequence[AgentEpisode], rollouts_end: float) -> dict[str, int]:
@@ -371,13 +418,13 @@ def _collect_rewards(episodes: Sequence[AgentEpisode], rollouts_end: float) -> d
 
 
 def run_rollouts(scheduler_or_engines: RolloutScheduler | Engine | Sequence[Engine], tokenizer,
-                 executor, requests: Sequence[RolloutRequest], config: AgentConfig = AgentConfig()
-                 ) -> tuple[list[Trajectory], dict[str, float]]:
+                 executor, requests: Sequence[RolloutRequest], config: AgentConfig = AgentConfig(),
+                 fmt: ChatFormat = RSTAR2) -> tuple[list[Trajectory], dict[str, float]]:
     """Run every request to a ``Trajectory`` (same order) with its reward; plus timings.
 
     Engines given directly get a dynamic scheduler with ``max_rollout_len`` = the longest
     prompt + ``max_response_len`` (capped to the slot size)."""
-    stops = StopIds.from_tokenizer(tokenizer)
+    stops = StopIds.from_tokenizer(tokenizer, fmt)
     if hasattr(scheduler_or_engines, "run"):  # a RolloutScheduler (or one with its interface)
         scheduler = scheduler_or_engines
     else:
@@ -388,7 +435,7 @@ def run_rollouts(scheduler_or_engines: RolloutScheduler | Engine | Sequence[Engi
             engines, max_rollout_len=min(engines[0].max_len, longest + config.max_response_len),
             policy="dynamic", tool_timeout_s=config.tool_wait_s,
             timeout_s=config.rollout_timeout_s)
-    episodes = [AgentEpisode(r, tokenizer, executor, config, stops) for r in requests]
+    episodes = [AgentEpisode(r, tokenizer, executor, config, stops, fmt) for r in requests]
     t0 = time.perf_counter()
     stats = scheduler.run(episodes)
     t1 = time.perf_counter()
@@ -473,4 +520,4 @@ class ColocatedRollouts:
                 sp = dataclasses.replace(sampling, seed=(seed * 1_000_003 + g * n_per_prompt + j) % (2**31 - 1))
                 requests.append(RolloutRequest(prompt, str(rec["answer"]), g, sp, policy_version))
         return run_rollouts(self.scheduler, self.tokenizer, self.executor, requests,
-                            self.agent_config)
+                            self.agent_config, fmt=self.fmt)

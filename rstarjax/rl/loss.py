@@ -53,6 +53,10 @@ class LossConfig:
     # advantages.ADVANTAGE_ESTIMATORS: "grpo" (eq. 7) or "dr_grpo" (no std, and eq. 6's
     # normaliser becomes the constant of ``dr_grpo_denominator``).
     advantage_estimator: str = "grpo"
+    # TOKEN_MEANS: "batch" = eq. 6, one token mean over the whole (mini-)batch; "micro_batch" = the
+    # official verl actor's: a token mean per micro-batch, weighted by its share of the rows
+    # (``micro_batch_token_mean_scale``)
+    token_mean: str = "batch"
 
     def __post_init__(self):
         require(
@@ -67,7 +71,25 @@ class LossConfig:
             (self.tis_cap is None or self.tis_cap > 0, f"tis_cap={self.tis_cap} must be > 0"),
             one_of("policy_loss", self.policy_loss, POLICY_RATIOS),
             one_of("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS),
+            one_of("token_mean", self.token_mean, TOKEN_MEANS),
+            (self.token_mean == "batch" or self.advantage_estimator != "dr_grpo",
+             "token_mean='micro_batch' replaces eq. 6's normaliser, which dr_grpo fixes to a constant: "
+             "use one of them"),
         )
+
+
+TOKEN_MEANS = ("batch", "micro_batch")
+
+
+def micro_batch_token_mean_scale(mask: jax.Array, batch_rows) -> jax.Array:
+    """The factor that turns a micro-batch's token SUM into the official actor's share of the
+    loss (verl dp_actor.update_policy with use_dynamic_bsz, loss_agg_mode="token-mean"): its token
+    mean times its rows / the mini-batch's rows, ``batch_rows`` counting the rows with a trained
+    token (padding rows of rejected groups are no rows of the official batch)."""
+    f32 = jnp.float32
+    mask = mask.astype(f32)
+    rows = jnp.sum(jnp.any(mask > 0, axis=tuple(range(1, mask.ndim))).astype(f32))
+    return rows / (jnp.maximum(jnp.asarray(batch_rows, f32), 1.0) * jnp.maximum(jnp.sum(mask), 1.0))
 
 
 def dr_grpo_denominator(num_sequences: int, max_response_len: int) -> float:
@@ -155,6 +177,8 @@ def policy_loss(
     ``rollout_logprobs`` is only used with ``cfg.tis_cap``; ``ref_logprobs`` with ``cfg.kl_coef``;
     ``entropy`` with ``cfg.entropy_coef`` (and reported when given); ``segment_ids`` with GSPO on
     packed rows. Metrics are sums / denom as well, so they add across micro-batches too.
+    With ``cfg.token_mean="micro_batch"``, ``denom`` is the batch's number of trained rows and each
+    sum is scaled by ``micro_batch_token_mean_scale`` instead.
     """
     f32 = jnp.float32
     logp = logprobs.astype(f32)
@@ -162,7 +186,10 @@ def policy_loss(
     adv = advantages.astype(f32)
     mask = loss_mask.astype(f32)
     on = mask > 0
-    inv_denom = 1.0 / jnp.maximum(jnp.asarray(denom, f32), 1.0)
+    if cfg.token_mean == "micro_batch":
+        inv_denom = micro_batch_token_mean_scale(mask, denom)
+    else:
+        inv_denom = 1.0 / jnp.maximum(jnp.asarray(denom, f32), 1.0)
 
     log_ratio = jnp.where(on, jnp.clip(logp - old, -_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0)
     log_ratio, eps_low, eps_high = POLICY_RATIOS[cfg.policy_loss](log_ratio, logp, mask, segment_ids, cfg)
@@ -223,6 +250,9 @@ class MicroLoss:
     fn: Callable[[jax.Array, jax.Array | None, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, dict]]
     keys: tuple[str, ...]
     with_entropy: bool = True
+    # what the trainer's default ``denom`` counts: the batch's trained "tokens" (eq. 6) or its
+    # trained "rows" (loss.token_mean="micro_batch")
+    normaliser: str = "tokens"
 
 
 def policy_micro_loss(cfg: LossConfig) -> MicroLoss:
@@ -234,7 +264,8 @@ def policy_micro_loss(cfg: LossConfig) -> MicroLoss:
                            ref_logprobs=micro.get(REF_KEY), rollout_logprobs=micro["rollout_logprobs"],
                            entropy=entropy, segment_ids=micro["segment_ids"])
 
-    return MicroLoss(fn, BATCH_KEYS + (REF_KEY,) if cfg.kl_coef > 0 else BATCH_KEYS)
+    return MicroLoss(fn, BATCH_KEYS + (REF_KEY,) if cfg.kl_coef > 0 else BATCH_KEYS,
+                     normaliser="rows" if cfg.token_mean == "micro_batch" else "tokens")
 
 
 def masked_nll(logprobs, entropy, micro, denom):

@@ -23,9 +23,12 @@ Decisions the paper leaves open (see docs/algorithm.md):
   ``official_topk_counts``: counts ``round(|neg| G/N)`` / ``round(|pos| G/N)`` (Python round,
   half to even), per-class floors (the run script's ``min_zero_reward_trace_num=2`` and
   ``min_non_zero_reward_trace_num=2``), the positives sorted by p_total ascending (stable: ties
-  by index) and cut, the negatives taken in rollout order. Unlike the official code, tool errors
-  come from the structured counts (``Trajectory.tool_errors``), never from searching tool output
-  for "error".
+  by index) and cut, the negatives taken in rollout order. By default tool errors come from the
+  structured counts (``Trajectory.tool_errors``), never from searching tool output for "error".
+* ``penalty="official_text"`` (``official_text_penalty``): the penalties the official code
+  computes from the decoded response text instead (turns = the response's assistant spans,
+  errors = tool responses containing "error", unclosed <answer> tags counted); with
+  ``variant="topk"`` the kept set is then the official one on the same trajectories.
 
 Edge cases at N = 2G = 32, G = 16 (docs/algorithm.md): 31 negatives / 1 positive keeps 15 + the
 positive in both variants; 1 negative / 31 positives keeps no negative in the paper variant
@@ -35,6 +38,7 @@ positives in the official one.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Sequence
 
 import numpy as np
@@ -110,6 +114,54 @@ def p_format(traj: Trajectory | RocStats) -> float:
 def p_total(traj: Trajectory | RocStats) -> float:
     """Total RoC penalty p_err + p_format (rStar2-Agent §2.2.3, after eq. 5)."""
     return p_err(traj) + p_format(traj)
+
+
+# ---- the official code's penalties, read from the decoded response text ---------------------------
+# microsoft/rStar, rstar2_agent/down_sample/roc.py (calc_error_ratio_penalty_weights,
+# calc_format_penalty_weights): the response is decoded with its special tokens, so it holds the
+# model turns, the tool turns and the <|im_start|>/<|im_end|> markers, but not the prompt (whose
+# "<|im_start|>assistant" opens the first model turn).
+_OFFICIAL_TOOL_RESPONSE = re.compile(r"<tool_response>.*?</tool_response>", re.DOTALL)
+_OFFICIAL_CLOSED_ANSWER = re.compile(r"<answer>.*?</answer>", re.DOTALL)
+_OFFICIAL_ASSISTANT_SPAN = re.compile(r"<\|im_start\|>assistant.*?<\|im_end\|>", re.DOTALL)
+OFFICIAL_NO_TOOL_RESPONSE_PENALTY = 0.5
+
+
+def official_error_ratio_penalty(response_text: str) -> float:
+    """The official error-ratio penalty: of the <tool_response> blocks in the response, the
+    fraction whose text contains "error" in any case (a program that prints "error" counts, a
+    malformed call whose message lacks the word does not); 0.5 when there is none."""
+    responses = _OFFICIAL_TOOL_RESPONSE.findall(response_text)
+    if not responses:
+        return OFFICIAL_NO_TOOL_RESPONSE_PENALTY
+    return sum("error" in r.lower() for r in responses) / len(responses)
+
+
+def official_format_penalty(response_text: str) -> float:
+    """The official answer-format penalty: 1 unless both tags occur and every "<answer>" and
+    "</answer>" belongs to a closed pair; else min(1, (pairs - 1) / turns), turns being the
+    assistant spans "<|im_start|>assistant ... <|im_end|>" of the response (the first model turn
+    opens in the prompt and so is not one: a response without a tool turn has 0 turns and gets 1)."""
+    if "<answer>" not in response_text or "</answer>" not in response_text:
+        return P_FORMAT_NO_ANSWER
+    closed = len(_OFFICIAL_CLOSED_ANSWER.findall(response_text))
+    if response_text.count("<answer>") != closed or response_text.count("</answer>") != closed:
+        return P_FORMAT_NO_ANSWER
+    turns = len(_OFFICIAL_ASSISTANT_SPAN.findall(response_text))
+    if turns == 0:
+        return P_FORMAT_NO_ANSWER
+    return min((closed - 1) / turns, 1.0)
+
+
+def official_text_penalty(response_text: str) -> float:
+    """p_total as the official code computes it (roc_error_ratio and roc_answer_format both on,
+    as in its run scripts): the two penalties above, summed."""
+    if not isinstance(response_text, str):
+        raise TypeError(f"response_text must be a str, got {type(response_text).__name__}")
+    return official_error_ratio_penalty(response_text) + official_format_penalty(response_text)
+
+
+ROC_PENALTIES = ("paper", "official_text")  # rl.roc_penalty
 
 
 def selection_weights(penalties: np.ndarray, zero_penalty_eps: float = DEFAULT_ZERO_PENALTY_EPS) -> np.ndarray:
@@ -204,13 +256,15 @@ def roc_select(
     zero_penalty_eps: float = DEFAULT_ZERO_PENALTY_EPS,
     min_negatives: int = OFFICIAL_MIN_NEGATIVES,
     min_positives: int = OFFICIAL_MIN_POSITIVES,
+    penalty: str = "paper",
 ) -> list[int]:
     """Indices (sorted ascending) of the ``group_size`` rollouts RoC keeps from one prompt's group.
 
     rStar2-Agent §2.2.3: negatives uniformly, positives without replacement with probability
     inversely proportional to p_total (eq. 4 + eq. 5). ``variant="topk"``: the official code's
     deterministic selection (``official_topk_counts``; ``rng`` then unused, ``min_negatives`` /
-    ``min_positives`` are its per-class floors).
+    ``min_positives`` are its per-class floors). ``penalty="official_text"``: p_total is
+    ``official_text_penalty`` of each Trajectory's ``response_text`` (RocStats carry no text).
     """
     gids = {int(t.group_id) for t in trajs_or_stats if isinstance(t, Trajectory)}
     if len(gids) > 1:
@@ -226,7 +280,14 @@ def roc_select(
         raise ValueError("non-finite reward")
     pos = np.flatnonzero(rewards > 0)
     neg = np.flatnonzero(rewards <= 0)
-    penalties = np.array([p_total(s) for s in stats], np.float64)
+    if penalty == "paper":
+        penalties = np.array([p_total(s) for s in stats], np.float64)
+    elif penalty == "official_text":
+        if not all(isinstance(t, Trajectory) for t in trajs_or_stats):
+            raise ValueError("penalty='official_text' reads each Trajectory's response_text; RocStats have none")
+        penalties = np.array([official_text_penalty(t.response_text) for t in trajs_or_stats], np.float64)
+    else:
+        raise ValueError(f"unknown RoC penalty {penalty!r} (expected one of {ROC_PENALTIES})")
 
     if variant == "paper":
         gen = _as_rng(rng)

@@ -21,6 +21,7 @@ from rstarjax.rl import loss as loss_lib
 from rstarjax.rl import metrics as metrics_lib
 from rstarjax.rl.agent_loop import AgentConfig
 from rstarjax.rl.batch import TrainBatch, build_train_batch
+from rstarjax.rl.roc import ROC_PENALTIES
 from rstarjax.rl.selection import informative_groups, select_groups, selection_metrics
 from rstarjax.rl.trainer import Trainer
 from rstarjax.rl.trajectory import RolloutFn, trajectories_of
@@ -55,6 +56,10 @@ class RLConfig:
     # per-class floors of roc_variant="topk" (the official run script's values)
     roc_min_negatives: int = 2
     roc_min_positives: int = 2
+    # how RoC's p_total is measured (roc.ROC_PENALTIES): "paper" from the rollout's structured
+    # counts (eq. 4-5); "official_text" from the decoded response as the official code does
+    # (roc.official_text_penalty; with roc_variant="topk": the official kept set)
+    roc_penalty: str = "paper"
     # rStar2-Agent §4.3 / the official run script: groups whose rewards are all equal are dropped
     # before RoC, without refilling (advantages.is_equal_reward_group)
     reject_equal_reward: bool = True
@@ -80,6 +85,7 @@ class RLConfig:
              "(rStar2-Agent §2.2.3 samples 2G and keeps G); or set --config.rl.roc=False (the GRPO "
              "baseline samples group_size rollouts and trains on all of them)"),
             one_of("roc_variant", self.roc_variant, ("paper", "topk")),
+            one_of("roc_penalty", self.roc_penalty, ROC_PENALTIES),
             (not (self.roc and self.roc_variant == "topk")
              or (min(self.roc_min_negatives, self.roc_min_positives) >= 0 and floors <= self.group_size),
              f"roc_min_negatives + roc_min_positives = {floors} must lie in [0, group_size={self.group_size}] "

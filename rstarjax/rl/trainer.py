@@ -172,7 +172,11 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, mic
 
     def step(state: TrainState, batch: Mapping[str, jax.Array], denom: jax.Array):
         batch = {k: batch[k] for k in micro_loss.keys}
-        denom = jnp.where(denom > 0, denom, jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0))
+        if micro_loss.normaliser == "rows":  # loss.token_mean="micro_batch": the batch's trained rows
+            default = jnp.sum(jnp.any(batch["loss_mask"] > 0, axis=1).astype(jnp.float32))
+        else:  # eq. 6: the batch's trained tokens
+            default = jnp.sum(batch["loss_mask"])
+        denom = jnp.where(denom > 0, denom, jnp.maximum(default, 1.0))
         micros = {k: split_micro_batches(v, num_micro) for k, v in batch.items()}
         if micro_sharding is not None:
             micros = jax.lax.with_sharding_constraint(micros, micro_sharding)

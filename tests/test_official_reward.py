@@ -1,0 +1,76 @@
+"""reward.mode=official (issue #27): ``env.official_reward.official_score`` against the official
+``compute_score`` itself (tests/fixtures/rstar2_official/compute_score.py: microsoft/rStar
+rstar2_agent/reward/compute_score.py, with verl's prime_math and math_verify graders it calls) on
+responses where reading the whole text and reading only the <answer> block disagree, and on the
+answer forms the PRIME grader normalises."""
+import pytest
+
+from rstarjax.env.official_reward import match_answer, official_score
+from rstarjax.env.verify import is_correct
+
+pytest.importorskip("pylatexenc")
+from fixtures.rstar2_official.compute_score import compute_score as official_compute_score  # noqa: E402
+
+# (whole response as the official reward manager decodes it: special tokens dropped, tool turns
+# kept; gold). The first group is where the whole text and the <answer> block disagree.
+WHOLE_VS_ANSWER = [
+    # the answer block is right, a later box (in plain reasoning) is wrong: the last box wins
+    ("<reason>x</reason><answer>\\boxed{12}</answer> Check: \\boxed{13}", "12"),
+    # no box in <answer>, a box earlier in the text
+    ("<reason>so \\boxed{7}</reason><answer>7</answer>", "7"),
+    # the answer only in plain words
+    ("<reason>the answer is 42</reason>", "42"),
+    ("<reason>We get x = 5</reason><answer>five</answer>", "5"),
+    # a tool printed the right box, the model's own answer is wrong
+    ("<reason>run it</reason>\n<tool_call>\n{}\n</tool_call>user\n<tool_response>\nTool call success\n"
+     "stdout: \\boxed{204}\n\n</tool_response>\nassistant\n<reason>hmm</reason><answer>\\boxed{205}</answer>",
+     "204"),
+    # the model's answer is right but a tool output comes after it... no: the answer block's box is
+    # followed by words the PRIME extractor cuts at
+    ("<answer>\\boxed{3}</answer> so the answer is 4", "3"),
+    ("<answer>\\boxed{3}</answer> so the answer is 4", "4"),
+    # an unclosed <answer> and a truncated response
+    ("<reason>r</reason><answer>\\boxed{9", "9"),
+    ("<answer>\\boxed{\\frac{1}{2}}</answer> i.e. 0.5", "\\frac{1}{2}"),
+    ("final: 1,000 apples. <answer>\\boxed{1000}</answer>", "1000"),
+    ("<answer>\\boxed{32, 349}</answer>", "32349"),
+    ("I think it is 17.", "17"),
+    ("no number here", "3"),
+]
+# Forms the PRIME grader (grade_answer / math_equal) and math-verify normalise.
+FORMS = [
+    ("\\boxed{\\dfrac{3}{4}}", "\\frac{3}{4}"), ("\\boxed{3/4}", "\\frac{3}{4}"), ("\\boxed{0.75}", "\\frac34"),
+    ("\\boxed{6/8}", "3/4"), ("\\boxed{50\\%}", "50"), ("\\boxed{0.5}", "50"), ("\\boxed{\\$12}", "12"),
+    ("\\boxed{2\\pi}", "6.283"), ("\\boxed{\\pi/2}", "\\frac{\\pi}{2}"), ("\\boxed{(1, 2)}", "(1,2)"),
+    ("\\boxed{[1, 2)}", "[1,2)"), ("\\boxed{(2, 1)}", "(1,2)"), ("\\boxed{x=3}", "3"), ("\\boxed{k = -3}", "-3"),
+    ("\\boxed{\\text{(A)}}", "A"), ("\\boxed{10 \\text{ cm}}", "10"), ("\\boxed{5 meters}", "5"),
+    ("\\boxed{101_2}", "5"), ("\\boxed{1010_2}", "1010"), ("\\boxed{\\sqrt{8}}", "2\\sqrt{2}"),
+    ("\\boxed{2\\sqrt2}", "\\sqrt{8}"), ("\\boxed{x^2+2x+1}", "(x+1)^2"), ("\\boxed{3, 5}", "5, 3"),
+    ("\\boxed{3 \\text{ or } 5}", "3, 5"), ("\\boxed{1e3}", "1000"), ("\\boxed{-0}", "0"), ("\\boxed{7.0}", "7"),
+    ("\\boxed{12,345}", "12345"), ("\\boxed{1, 000}", "1000"), ("\\boxed{\\infty}", "\\infty"),
+    ("\\boxed{2 million}", "2000000"), ("\\boxed{90^\\circ}", "90"), ("\\boxed{\\left( 1,2 \\right)}", "(1,2)"),
+    ("The answer is: $\\frac{\\sqrt{3}}{2}$", "\\frac{\\sqrt3}{2}"), ("\\boxed{Interval(0, 1)}", "[0, 1]"),
+    ("\\boxed{}", "0"), ("\\boxed{a_b}", "1"),
+]
+
+
+@pytest.mark.parametrize("response, gold", WHOLE_VS_ANSWER + FORMS)
+def test_official_score_equals_the_official_compute_score(response, gold):
+    assert official_score(response, gold) == bool(official_compute_score(response, gold))
+
+
+def test_the_cases_separate_the_two_readings():
+    """The whole-text cases are not a restatement of the paper's reward: on several the two
+    disagree, and the official verdicts are mixed."""
+    official = [bool(official_compute_score(r, g)) for r, g in WHOLE_VS_ANSWER]
+    paper = [is_correct(r, g) for r, g in WHOLE_VS_ANSWER]
+    assert sum(o != p for o, p in zip(official, paper)) >= 5
+    assert 0 < sum(official) < len(official)
+
+
+def test_match_answer_cuts_in_the_official_order():
+    assert match_answer("so the answer is 12. Done") == "12"
+    assert match_answer("x \\boxed{y = 3} z") == "3"
+    assert match_answer("42 is the answer") == "42"
+    with pytest.raises(TypeError):
+        official_score(None, "1")
