@@ -560,7 +560,7 @@ class Engine:
         elif decode_attention == "auto":
             decode_attention = default_decode_implementation(
                 self._first_device.platform, head_dim=self.cfg.head_dim,
-                page_size=self.page_size)
+                page_size=self.page_size, kv_dtype=self.cache_dtype)
         if self.tensor_parallel > 1 and not kv_split and decode_attention.startswith("pallas"):
             raise ValueError(
                 f"decode_attention {decode_attention!r} on a slice of {self.tensor_parallel} "
