@@ -219,7 +219,7 @@ class Lane:
 LANES = {
     # one device, a roomy pool, the CPU default path: the most seeds
     "ragged": Lane("ragged", seeds=(0, 1, 2, 3, 4)),
-    # 10 pages of 8 tokens for 4 slots of up to 50 tokens: preempted and resumed
+    # 10 pages of 8 tokens for 4 slots of up to 58 tokens: preempted and resumed
     "reference-tight": Lane("reference", kv_pages=10, ks=(4, 2), seeds=(6, 7, 8)),
     "ragged-tp2-tight": Lane("ragged", tensor_parallel=2, kv_pages=10, ks=(4,), seeds=(9, 10)),
     "pallas_gpu": Lane("pallas_gpu", decode_steps=4, ks=(4,), seeds=(11,), num_prompts=4),
