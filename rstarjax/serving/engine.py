@@ -152,9 +152,10 @@ class SlotToken:
 class StartRequest:
     """Start a request in ``slot``: its cache must hold ``history``, then a token is sampled
     (or ``forced``). Requests with the same ``history`` that is all prompt
-    (``prompt_len == len(history)``) share one prefill; ``prompt_len`` tokens of a longer
-    history (a rollout resumed after preemption) reuse the prompt's pages if another slot
-    still holds them."""
+    (``prompt_len == len(history)``) share one prefill. The whole pages of the first
+    ``prompt_len`` tokens (a prompt, or a rollout resumed after preemption) reuse pages that
+    hold the same tokens: another group's of the same call (which is fed first), or those a
+    live slot holds, written under the weights being served."""
 
     slot: int
     history: Sequence[int]
