@@ -6,8 +6,10 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -137,6 +139,85 @@ def test_grpo_baseline_samples_and_trains_group_size_rollouts(trainer):
     assert calls == [G]  # G rollouts per prompt, not oversample
     assert m["train/tokens"] == sum(response_len(p, j) for p in (2, 3, 4, 5) for j in range(G))
 
+
+
+_log_softmax_forward = jax.jit(lambda state, ids, graphdef: jax.nn.log_softmax(
+    nnx.merge(graphdef, state)(ids)[0], axis=-1), static_argnums=(2,))
+
+
+def exact_sampler(trainer, rewards_of, shift_of=lambda p, j: {}):
+    """A rollout function whose log-probs are the trainer's current policy's own (a float32
+    sampler with nothing wrong), except that rollout j of problem p shifts the log-prob of
+    response token k by ``shift_of(p, j)[k]`` (a sampler that saw another context there)."""
+
+    def fn(records, n, seed, version):
+        graphdef, state = nnx.split(trainer.model())
+        out = []
+        for g, rec in enumerate(records):
+            p = int(rec["problem"].split()[-1])
+            rng = np.random.default_rng([p, seed])
+            for j in range(n):
+                prompt = np.array([5, 6, 7], np.int32)
+                response = rng.integers(1, 400, response_len(p, j)).astype(np.int32)
+                ids = np.zeros(16, np.int32)  # one shape; causal: the padding after is never seen
+                ids[: len(prompt) + len(response)] = np.concatenate([prompt, response])
+                lp_all = np.asarray(_log_softmax_forward(state, jnp.asarray(ids[None]), graphdef))
+                lp = lp_all[np.arange(len(response)) + len(prompt) - 1, response].copy()
+                for k, delta in shift_of(p, j).items():
+                    lp[k] += delta
+                out.append(Trajectory(prompt_ids=prompt,
+                                      segments=[Segment(SegmentKind.MODEL, response, lp)],
+                                      turns=1, answer_tags=1, finish=FinishReason.ANSWERED,
+                                      reward=float(rewards_of(p)[j]), group_id=g, policy_version=version))
+        return out
+
+    return fn
+
+
+def _alarms(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "logprob_gap_tokens_over" in r.getMessage()]
+
+
+def test_log_prob_gap_alarm_counts_the_off_tokens_and_names_their_prompts(caplog):
+    """rl_step with a serving dtype: the trained tokens whose sampler log-prob is off count in
+    ``train/logprob_gap_tokens_over``; a float32 run warns with the step and their prompts only."""
+    shifts = {(3, 0): {0: 2.0, 1: -0.5}, (3, 1): {2: 1.5}}  # problem 3: 3 tokens off
+    cfg = rl_cfg(roc=False)  # every sampled rollout is trained: the count is known
+    tr = make_trainer()
+    off = exact_sampler(tr, REWARDS.get, lambda p, j: shifts.get((p, j), {}))
+    with caplog.at_level("WARNING", logger="rstarjax.rl.step"):
+        m = rl_step(tr, off, records(2, 3), cfg, LossConfig(), seed=6, serving_dtype="float32")
+    assert m["train/logprob_gap_tokens_over"] == 3.0
+    [alarm] = _alarms(caplog)
+    assert alarm.startswith(f"step {tr.step}: 3 trained tokens") and "'problem 3'" in alarm
+    assert "'problem 2'" not in alarm
+
+    caplog.clear()  # bf16 serving: 1 nat; the count goes on, the warning does not
+    with caplog.at_level("WARNING", logger="rstarjax.rl.step"):
+        m = rl_step(tr, off, records(2, 3), cfg, LossConfig(), seed=6, serving_dtype="bfloat16")
+    assert m["train/logprob_gap_tokens_over"] == 2.0  # 2.0 and 1.5 nats; not 0.5
+    assert not _alarms(caplog)
+
+    with caplog.at_level("WARNING", logger="rstarjax.rl.step"):  # an exact sampler: nothing
+        m = rl_step(tr, exact_sampler(tr, REWARDS.get), records(2, 3), cfg, LossConfig(), seed=6,
+                    serving_dtype="float32")
+    assert m["train/logprob_gap_tokens_over"] == 0.0 and m["train/logprob_gap_max"] < 1e-4
+    assert not _alarms(caplog)
+    m = rl_step(tr, exact_sampler(tr, REWARDS.get), records(2, 3), cfg, LossConfig(), seed=6)
+    assert "train/logprob_gap_tokens_over" not in m  # no serving dtype, no threshold
+
+
+def test_log_prob_gap_thresholds_by_serving_dtype():
+    from rstarjax.rl.metrics import logprob_gap_threshold, trajectories_at
+    from rstarjax.rl.batch import Placement
+
+    assert logprob_gap_threshold("float32") < logprob_gap_threshold("float16") < logprob_gap_threshold("bfloat16")
+    assert logprob_gap_threshold(jnp.bfloat16) == logprob_gap_threshold("bfloat16")
+    with pytest.raises(ValueError, match="float64"):
+        logprob_gap_threshold("float64")
+    placements = [Placement(0, 0, 10, False), Placement(0, 10, 5, False), Placement(1, 0, 8, False)]
+    assert trajectories_at(placements, np.array([[0, 12], [1, 7]])) == [1, 2]
+    assert trajectories_at(placements, np.array([[0, 15], [2, 0]])) == []  # past every placement
 
 def run_config(workdir, total_steps, **rl):
     import base

@@ -370,3 +370,64 @@ def test_update_params_serves_new_weights(model):
     np.testing.assert_array_equal(
         np.asarray(bf.params.layers[1]["up_proj"], np.float32),
         np.asarray(other.layers.up_proj[1].astype(jnp.bfloat16), np.float32))
+
+
+def _prompts_with_one_head(rng, head_pages, tails):
+    """Prompts that agree on their first ``head_pages`` whole pages and differ after them."""
+    head = rng.integers(0, 512, size=head_pages * PAGE).tolist()
+    return [head + rng.integers(0, 512, size=n).tolist() for n in tails]
+
+
+def _check_first_tokens(model, prompts, firsts):
+    for p, f in zip(prompts, firsts):
+        ref = _full_logprobs(model, p)[-1]
+        assert f.token == int(np.argmax(ref))
+        assert abs(f.logprob - ref[f.token]) < 1e-4
+
+
+def test_prompts_sharing_whole_pages_in_one_start_read_them_after_they_are_written(model):
+    """Different prompts with the same whole-page head, started in one call (issue 31): the
+    later groups share the first group's head pages, yet every first token and the decode
+    after it are the full forward's (they read the pages only once written)."""
+    rng = np.random.default_rng(31)
+    prompts = _prompts_with_one_head(rng, 2, (5, 3, 6))  # the shortest tail is fed first
+    eng = _engine(model)
+    state = eng.init_decode_state()
+    sp = SamplingParams(temperature=0.0, max_new_tokens=6)
+    reqs = [StartRequest(s, p, sp, prompt_len=len(p)) for s, p in enumerate(prompts)]
+    assert eng.start_cost(reqs) == 3 + 1 + 1  # the head's 2 pages are taken once
+    free = eng.free_pages
+    state, firsts = eng.start(eng.params, state, reqs)
+    assert free - eng.free_pages == 3 + 1 + 1
+    assert eng.slot_pages(1)[:2] == eng.slot_pages(0)[:2] == eng.slot_pages(2)[:2]  # shared
+    assert eng.prefill_tokens == len(prompts[0]) + 3 + 6  # the others fed their tails only
+    _check_first_tokens(model, prompts, firsts)
+    state, block = eng.decode(eng.params, state, steps=4)
+    for s, p in enumerate(prompts):
+        ref = _greedy_reference(model, p, 5)
+        assert [firsts[s].token] + block.tokens[:, s].tolist() == ref
+
+
+def test_prefix_pages_of_older_weights_are_not_shared_after_an_update(model):
+    """A slot still holds a prompt's pages written under the old weights (a rollout kept across
+    an update); a new request with the same head after ``update_params`` must not use them."""
+    rng = np.random.default_rng(32)
+    old_prompt, new_prompt = _prompts_with_one_head(rng, 2, (3, 4))
+    eng = _engine(model)
+    state = eng.init_decode_state()
+    sp = SamplingParams(temperature=0.0, max_new_tokens=6)
+    state, _ = eng.start(eng.params, state, [StartRequest(0, old_prompt, sp,
+                                                          prompt_len=len(old_prompt))])
+    other = _chaotic(model, seed=11)
+    eng.update_params(nnx.split(other)[1])
+    req = StartRequest(1, new_prompt, sp, prompt_len=len(new_prompt))
+    assert eng.start_cost([req]) == 3  # nothing to share under the new weights
+    state, firsts = eng.start(eng.params, state, [req])
+    assert not set(eng.slot_pages(1)) & set(eng.slot_pages(0))
+    _check_first_tokens(other, [new_prompt], firsts)
+    # Under the new weights the new pages are shared again.
+    again = StartRequest(2, new_prompt[:16] + [7, 8], sp, prompt_len=18)
+    assert eng.start_cost([again]) == 1
+    state, firsts = eng.start(eng.params, state, [again])
+    assert eng.slot_pages(2)[:2] == eng.slot_pages(1)[:2]
+    _check_first_tokens(other, [again.history], firsts)

@@ -249,6 +249,9 @@ def test_default_kernel_per_platform():
     assert default_decode_implementation("cuda") == "pallas_gpu"
     assert default_decode_implementation("tpu") == "pallas_tpu"
     assert default_decode_implementation("tpu", head_dim=64) == "ragged"
+    # The TPU kernel rounds K and V to bf16 inside: a float32 pool takes the exact path.
+    assert default_decode_implementation("tpu", kv_dtype=jnp.float32) == "ragged"
+    assert default_decode_implementation("cuda", kv_dtype=jnp.float32) == "pallas_gpu"
     assert default_decode_implementation("rocm") == "ragged"
 
 

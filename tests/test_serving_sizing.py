@@ -102,16 +102,37 @@ def test_page_pool_counts_shares_and_forgets_freed_prefixes():
     a = pool.alloc(3)
     assert pool.num_free == 3 and sorted(a) == [0, 1, 2]
     prompt = list(range(10))  # 2 full pages + 2 tokens
-    pool.register_prefix(prompt, a)
-    assert pool.lookup_prefix(prompt[:8] + [99]) == tuple(a[:2])  # same full pages
-    assert pool.lookup_prefix([99] + prompt) == ()  # a different full-page part
-    assert pool.lookup_prefix(prompt[:9]) == tuple(a[:2])
+    pool.register_prefix(prompt, a, version=0)
+    assert pool.lookup_prefix(prompt[:8] + [99], version=0) == tuple(a[:2])  # same full pages
+    assert pool.lookup_prefix([99] + prompt, version=0) == ()  # a different full-page part
+    assert pool.lookup_prefix(prompt[:9], version=0) == tuple(a[:2])
     pool.share(a[:2])
     pool.release(a)
-    assert pool.num_free == 4 and pool.lookup_prefix(prompt) == tuple(a[:2])  # still held
+    assert pool.num_free == 4 and pool.lookup_prefix(prompt, version=0) == tuple(a[:2])  # still held
     pool.release(a[:2])
-    assert pool.num_free == 6 and pool.lookup_prefix(prompt) == ()  # freed: forgotten
+    assert pool.num_free == 6 and pool.lookup_prefix(prompt, version=0) == ()  # freed: forgotten
     with pytest.raises(ValueError):
         pool.release([a[0]])
     with pytest.raises(RuntimeError):
         pool.alloc(7)
+
+
+def test_page_pool_offers_prefix_pages_only_of_the_weights_they_were_written_with():
+    pool = PagePool(8, page_size=4)
+    prompt = list(range(9))  # 2 full pages + 1 token
+    old = pool.alloc(3)
+    pool.register_prefix(prompt, old, version=0)
+    assert pool.lookup_prefix(prompt, version=1) == ()  # written under older weights
+    new = pool.alloc(3)
+    pool.register_prefix(prompt, new, version=1)
+    assert pool.lookup_prefix(prompt, version=1) == tuple(new[:2])
+    assert pool.lookup_prefix(prompt, version=0) == tuple(old[:2])  # each its own pages
+    pool.release(old)  # the old weights' pages go; the new ones stay registered
+    assert pool.lookup_prefix(prompt, version=0) == ()
+    assert pool.lookup_prefix(prompt, version=1) == tuple(new[:2])
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.register_prefix([7] * 8, old[:2], version=1)  # freed pages hold nothing
+    with pytest.raises(ValueError, match="cannot hold"):
+        pool.register_prefix([7] * 8, new[:1], version=1)
+    with pytest.raises(TypeError):
+        pool.lookup_prefix(prompt)  # the version is not optional

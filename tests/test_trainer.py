@@ -297,3 +297,31 @@ def test_run_filter_writes_the_stage3_dataset(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "filtered.jsonl").read_text().splitlines()]
     assert [r["answer"] for r in rows] == ["1", "3"] and summary["dropped_all_correct"] == 3
     assert json.loads((tmp_path / "filtered.jsonl.summary.json").read_text())["kept"] == 2
+
+
+def test_tokens_over_the_gap_threshold_are_counted_and_found_in_the_callers_rows():
+    """``train(gap_threshold=...)``: the count of trained tokens whose sampler log-prob is off by
+    more than the threshold, and where they are, in the caller's row order (the skip-padding
+    reorder moves rows before they go on the mesh)."""
+    batch = random_batch(4)
+    batch["loss_mask"][[1, 5]] = 0.0  # padding rows: train() reorders the rest first
+    batch["advantages"][[1, 5]] = 0.0
+    tr = trainer_lib.Trainer(tiny_model(), optim_lib.OptimConfig(), LossConfig(),
+                             trainer_lib.TrainerConfig(micro_batch_size=2),
+                             mesh=sharding_lib.make_mesh(1, 2, 1, devices=jax.devices()[:2]))
+    assert (tr.row_order(batch) != np.arange(B)).any(), "want rows that move"
+    exact = np.asarray(tr.compute_logprobs(tr.put_batch(batch)))  # the sampler was exact...
+    sampled = exact.copy()
+    off = [(0, PROMPT + 1, 0.5), (3, PROMPT, -0.02), (6, PROMPT + 3, 3.0)]  # ...but here
+    for r, c, delta in off:
+        assert batch["loss_mask"][r, c] == 1.0
+        sampled[r, c] += delta
+    sampled[2, 1] += 5.0  # a prompt token: not trained, never counted
+    sampled[3, PROMPT + 1] += 0.005  # below the threshold
+    batch["rollout_logprobs"] = sampled.astype(np.float32)
+    m = tr.train(batch, gap_threshold=0.01)
+    assert m["train/logprob_gap_tokens_over"] == 3.0
+    assert sorted(map(tuple, tr.logprob_gap_outliers.tolist())) == [(r, c) for r, c, _ in off]
+    assert m["train/logprob_gap_max"] == pytest.approx(3.0, abs=1e-4)
+    m = tr.train(batch)  # no threshold: no count
+    assert "train/logprob_gap_tokens_over" not in m and len(tr.logprob_gap_outliers) == 0

@@ -21,6 +21,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -158,13 +159,17 @@ def ragged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
 
 
 def default_decode_implementation(platform: str | None = None, *, head_dim: int = 128,
-                                  page_size: int = 16) -> str:
+                                  page_size: int = 16, kv_dtype=jnp.bfloat16) -> str:
     """The decode attention for a platform ("cuda", "rocm", "tpu", "cpu"; default: the first
-    device's): the shipped Pallas kernel where its constraints hold, else the reference."""
+    device's) and a pool of ``kv_dtype``: the shipped Pallas kernel where its constraints hold,
+    else the portable ``ragged`` path. Not the TPU kernel for a float32 pool: it rounds K and V
+    to bfloat16 inside (jax's ``paged_attention_kernel``, ``_maybe_dequantize``), so a float32
+    engine's log-probs would be off by ~1e-3 from the trainer's (tests/test_engine_differential.py)."""
     platform = platform or jax.devices()[0].platform
     if platform in ("cuda", "gpu") and head_dim % 16 == 0 and page_size % 16 == 0:
         return "pallas_gpu"
-    if platform == "tpu" and head_dim % 128 == 0 and page_size % 16 == 0:
+    if platform == "tpu" and head_dim % 128 == 0 and page_size % 16 == 0 and \
+            jnp.dtype(kv_dtype).itemsize <= 2:
         return "pallas_tpu"
     return "ragged"  # CPU; ROCm (the Triton kernel is untested there); odd shapes
 
@@ -206,9 +211,9 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """One query per row: q [B, N, H] attends to the row's first ``lengths[b]`` tokens
     (including the one just written). -> [B, N, H].
 
-    ``interpret=True`` runs the GPU kernel in Pallas' interpreter (CPU tests); the TPU
-    kernel's interpreter is switched on by ``pltpu.force_tpu_interpret_mode()`` around the
-    call. ``kv_sharding``: the pool's sharding on a tensor-parallel slice; where it splits the
+    ``interpret=True`` runs either kernel in its interpreter (CPU tests): Pallas' for the GPU
+    kernel, the TPU interpreter (``pltpu.force_tpu_interpret_mode``, which also works around
+    the call) for the TPU one. ``kv_sharding``: the pool's sharding on a tensor-parallel slice; where it splits the
     kv heads, a Pallas kernel runs once per device on that device's heads (``shard_map``:
     XLA cannot partition a kernel call itself)."""
     if kv_sharding is not None and implementation.startswith("pallas") \
@@ -235,10 +240,14 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
             pages_per_compute_block=per_block, k_splits=k_splits, num_warps=blocking.num_warps,
             num_stages=blocking.num_stages, interpret=interpret)
     if implementation == "pallas_tpu":
+        from jax.experimental.pallas import tpu as pltpu
         from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_kernel
 
-        return tpu_kernel(scaled, k_pages, v_pages, lengths, table,
-                          pages_per_compute_block=per_block)
+        # The interpreter is chosen when the kernel is traced, in this thread: the engine's
+        # programs may be traced in a scheduler thread, outside any context of the caller's.
+        with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
+            return tpu_kernel(scaled, k_pages, v_pages, lengths, table,
+                              pages_per_compute_block=per_block)
     raise ValueError(f"decode attention {implementation!r} not in {DECODE_IMPLEMENTATIONS}")
 
 

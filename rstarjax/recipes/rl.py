@@ -203,8 +203,11 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
             rollout_fn, on_update = rollouts, lambda tr: rollouts.update_params(tr.model())
             if run.serving.release_during_update:  # freed before each update, made again by on_update
                 before_update = rollouts.release_memory
+        # the dtype the engine serves in sets the log-prob gap alarm's threshold (None: a rollout
+        # function that does not say, e.g. a scripted one: no count)
+        serving_dtype = getattr(rollout_fn, "serving_dtype", None)
         return _train_stage(run, workdir, trainer, ckpt, meta, rollout_fn, on_update, export_meta,
-                            before_update)
+                            before_update, serving_dtype)
     finally:
         ckpt.close()  # waits for the last async save
         if executor is not None:
@@ -212,8 +215,10 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
 
 
 def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_update, export_meta,
-                 before_update=None) -> Trainer:
-    """``run_rl``'s loop, from the stage's starting state to ``run.total_steps``."""
+                 before_update=None, serving_dtype=None) -> Trainer:
+    """``run_rl``'s loop, from the stage's starting state to ``run.total_steps``. ``serving_dtype``:
+    the dtype the rollouts are served in (None: unknown, e.g. a scripted ``rollout_fn``; no
+    log-prob gap count)."""
     reference = setup_reference(trainer, run, meta)
     stage_start = int(meta.get("stage_start_step", 0))
     data_seed = int(meta.get("data_seed", stage_data_seed(run.seed, stage_start)))
@@ -255,7 +260,8 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
             # dynamic sampling refills from the same iterator, so its checkpointed state covers
             # every prompt a step consumed
             metrics = rl_step(trainer, rollout_fn, records, run.rl, run.loss, seed,
-                              more_records=lambda: next(data_iter), before_update=before_update)
+                              more_records=lambda: next(data_iter), before_update=before_update,
+                              serving_dtype=serving_dtype)
             if trainer.step == step:  # every group was rejected: no update, as the official trainer
                 rejected_in_a_row += 1
                 log.warning("step %d: no group of the batch is left to train on (rejected %.0f%%, %d infra-short); "

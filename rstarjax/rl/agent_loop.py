@@ -492,6 +492,12 @@ class ColocatedRollouts:
             admit_reserve_tokens=serving.admit_reserve_tokens(self.engine.max_len),
             tool_timeout_s=agent.tool_wait_s, timeout_s=agent.rollout_timeout_s)
 
+    @property
+    def serving_dtype(self) -> str:
+        """The dtype of the serving weights and KV pages (its name): what the sampler's log-probs are
+        computed in (the trainer's log-prob gap alarm reads it)."""
+        return self.engine.dtype.name
+
     def update_params(self, model_or_state) -> None:
         """Serve new weights (an NNX module or its state); the engine makes its serving copy once, here."""
         state = model_or_state if not isinstance(model_or_state, nnx.Module) else nnx.split(

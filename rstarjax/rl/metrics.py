@@ -109,3 +109,59 @@ def throughput_metrics(num_tokens: int, timings: Mapping[str, float]) -> dict[st
     out["time/step"] = float(total)
     out["perf/tokens_per_second"] = num_tokens / total if total > 0 else 0.0
     return out
+
+
+# ---- the sampler / trainer log-prob gap alarm ---------------------------------------------------
+
+# A trained token counts in ``train/logprob_gap_tokens_over`` when the log-prob the sampler recorded
+# and the one the trainer recomputes differ by more than this (nats), per serving dtype. float32:
+# the two forwards differ only in kernels and summation order (CPU: max gap ~1e-6 per step on the
+# demo), so 1e-2 is far above noise yet far below what a wrong context costs (issue 31: 1.7 to 14.5
+# nats). bfloat16 / float16 serving rounds every matmul: the gap is wide by nature (docs/metrics.md,
+# "Sampler / trainer log-prob gap", has the measured distribution) and the threshold sits above it.
+LOGPROB_GAP_THRESHOLDS = {"float32": 1e-2, "bfloat16": 1.0, "float16": 0.25}
+
+
+def logprob_gap_threshold(serving_dtype) -> float:
+    """The gap above which a trained token counts as off, for rollouts served in ``serving_dtype``
+    (a name or a dtype)."""
+    import jax.numpy as jnp  # the dtype names jax knows (bfloat16 among them)
+
+    try:
+        name = jnp.dtype(serving_dtype).name
+    except TypeError:
+        name = str(serving_dtype)
+    if name not in LOGPROB_GAP_THRESHOLDS:
+        raise ValueError(f"no log-prob gap threshold for serving dtype {serving_dtype!r}; known: "
+                         f"{sorted(LOGPROB_GAP_THRESHOLDS)}")
+    return LOGPROB_GAP_THRESHOLDS[name]
+
+
+def is_float32(serving_dtype) -> bool:
+    import jax.numpy as jnp
+
+    return jnp.dtype(serving_dtype) == jnp.float32
+
+
+def trajectories_at(placements: Sequence, positions: np.ndarray) -> list[int]:
+    """Indices of the trajectories whose columns hold any of ``positions`` ((row, column) pairs of
+    a TrainBatch; ``placements``: ``batch.BatchLayout.placements``, one per trajectory)."""
+    hit = []
+    for i, p in enumerate(placements):
+        rows = positions[positions[:, 0] == p.row]
+        if ((rows[:, 1] >= p.start) & (rows[:, 1] < p.start + p.length)).any():
+            hit.append(i)
+    return hit
+
+
+def logprob_gap_alarm(step: int, tokens_over: int, threshold: float, prompts: Sequence[str],
+                      max_prompt_chars: int = 200) -> str:
+    """The warning of a float32 run whose sampler and trainer disagree on trained tokens: the
+    engine fed the sampler a different context than the trajectory holds (issue 31), or the two
+    forwards are not the same model."""
+    shown = "\n".join(f"  - {p[:max_prompt_chars]!r}" for p in prompts) or "  (none of this process's)"
+    return (f"step {step}: {tokens_over} trained tokens have a sampler/trainer log-prob gap above "
+            f"{threshold:g} nats (train/logprob_gap_tokens_over), where float32 serving should agree to "
+            f"float noise: the sampler probably saw a different context than the trained trajectory "
+            f"(docs/metrics.md, 'Sampler / trainer log-prob gap'). Prompts of the affected "
+            f"trajectories:\n{shown}")

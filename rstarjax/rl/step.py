@@ -8,8 +8,9 @@ The stage around it (data, checkpoints, the rollout engine's weights) is ``recip
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
@@ -29,6 +30,8 @@ from rstarjax.serving.sampling import SamplingParams
 from rstarjax.validation import one_of, require
 
 PAD_ID = 0  # value of padding tokens; never attended to (segment 0) nor trained on (mask 0)
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +163,15 @@ def _relabel(trajs, offset: int) -> list:
     return [dataclasses.replace(t, group_id=int(t.group_id) + offset) for t in trajs]
 
 
+def _prompt_text(records: list, traj) -> str:
+    """What a trajectory was asked: its record's problem, else its prompt's token ids."""
+    gid = int(traj.group_id)
+    record = records[gid] if 0 <= gid < len(records) else None
+    if isinstance(record, Mapping) and record.get("problem"):
+        return str(record["problem"])
+    return f"prompt ids {np.asarray(traj.prompt_ids).tolist()}"
+
+
 def _empty_train_batch(num_rows: int, seq_len: int) -> TrainBatch:
     """All-padding TrainBatch (mask 0 everywhere): a step where no group carried a signal."""
     z = np.zeros((num_rows, seq_len), np.float32)
@@ -170,7 +182,8 @@ def _empty_train_batch(num_rows: int, seq_len: int) -> TrainBatch:
 
 def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfig, loss_cfg: loss_lib.LossConfig,
             seed: int, more_records: Callable[[], list] | None = None,
-            before_update: Callable[[], None] | None = None) -> dict[str, float]:
+            before_update: Callable[[], None] | None = None,
+            serving_dtype: str | None = None) -> dict[str, float]:
     """One GRPO-RoC step on this process's prompts: rollouts (2G each) -> batch filter (rollouts
     ended by infrastructure errors excluded, equal-reward groups rejected) -> RoC keeps G ->
     advantages (``loss_cfg.advantage_estimator``, eq. 7) -> TrainBatch -> update. Returns host
@@ -201,11 +214,18 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
 
     ``before_update`` runs after the last rollout and before the update (only when one runs):
     e.g. the colocated engine frees its serving memory (``serving.release_during_update``).
+
+    ``serving_dtype`` (the dtype the rollouts were served in): count the trained tokens whose
+    sampler and trainer log-probs differ by more than ``metrics.logprob_gap_threshold`` of it
+    (``train/logprob_gap_tokens_over``), and in a float32 run warn with the step and the
+    affected trajectories' prompts when any does (docs/metrics.md).
     """
     quota = len(records)
     num_rows = quota * cfg.group_size
     estimator = loss_cfg.advantage_estimator
+    gap_threshold = None if serving_dtype is None else metrics_lib.logprob_gap_threshold(serving_dtype)
     t0 = time.perf_counter()
+    all_records = []  # every round's records: a trajectory's group_id indexes them
     all_trajs, all_kept, groups, extras, selections = [], [], [], [], []
     dropped, rounds, offset, batch_records = 0, 0, 0, records
     while True:
@@ -213,6 +233,7 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
         trajs, extra = trajectories_of(out), (out[1] if isinstance(out, tuple) else {})
         selection = select_groups(trajs, len(batch_records), cfg, _round_seed(seed, rounds))
         selections.append(selection)
+        all_records += list(batch_records)
         kept = selection.kept
         rounds += 1
         if offset:
@@ -239,10 +260,10 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
     if train_trajs:
         # eq. 7 per group (+ optional Kimi length reward)
         _, adv = adv_lib.trajectory_advantages(train_trajs, estimator, cfg.length_penalty_coef)
-        batch, _ = build_train_batch(train_trajs, adv, seq_len=cfg.seq_len, pad_id=PAD_ID, num_rows=num_rows,
-                                     overlong_filter=cfg.overlong_filter)
+        batch, layout = build_train_batch(train_trajs, adv, seq_len=cfg.seq_len, pad_id=PAD_ID, num_rows=num_rows,
+                                          overlong_filter=cfg.overlong_filter)
     else:
-        batch = _empty_train_batch(num_rows, cfg.seq_len)
+        batch, layout = _empty_train_batch(num_rows, cfg.seq_len), None
     metrics = {}
     metrics.update(metrics_lib.rollout_metrics(all_trajs, prefix="rollout_all/"))
     metrics.update(metrics_lib.group_metrics(all_trajs, prefix="rollout_all/"))
@@ -266,7 +287,14 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
         if estimator == "dr_grpo":  # Dr. GRPO's constant: the configured sequences of one update x max length
             rows_per_update = num_rows * jax.process_count() // trainer.cfg.mini_batches
             denom = loss_lib.dr_grpo_denominator(rows_per_update, cfg.max_response_len)
-        metrics.update(trainer.train(batch, denom=denom))
+        metrics.update(trainer.train(batch, denom=denom, gap_threshold=gap_threshold))
+        over = int(metrics.get("train/logprob_gap_tokens_over", 0))
+        if over and serving_dtype is not None and metrics_lib.is_float32(serving_dtype):
+            hit = [] if layout is None else metrics_lib.trajectories_at(
+                layout.placements, trainer.logprob_gap_outliers)
+            prompts = [_prompt_text(all_records, train_trajs[i]) for i in hit]
+            log.warning(metrics_lib.logprob_gap_alarm(trainer.step, over, gap_threshold,
+                                                      list(dict.fromkeys(prompts))))
     t3 = time.perf_counter()
     timings = {"rollout": t1 - t0, "prepare": t2 - t1, "train": t3 - t2}
     metrics.update(metrics_lib.throughput_metrics(int(sum(len(t.response_ids) for t in all_trajs)), timings))

@@ -254,6 +254,9 @@ class Trainer:
         self.state = TrainState(params, opt_state, jax.device_put(jnp.int32(0), self.replicated))
         self._steps: dict[tuple[int, loss_lib.MicroLoss], Callable] = {}
         self._logprob_fns: dict[int, Callable] = {}
+        # (row, column) in the caller's batch of the trained tokens whose sampler / trainer
+        # log-prob gap passed ``train``'s ``gap_threshold`` in the last call (the first few).
+        self.logprob_gap_outliers = np.zeros((0, 2), np.int64)
         # The frozen reference policy of the KL term (k3, ``loss_cfg.kl_coef > 0``): a copy of the
         # initial params unless ``set_reference`` replaces it. None (no memory) without the KL.
         self.ref_params = self._copy_params(params) if self._kl else None
@@ -366,15 +369,20 @@ class Trainer:
         ``micro_major_order`` (real rows first in their micro-batches: ``skip_padding``): this
         process's rows (``put_batch``'s multi-process input), or with ``whole_batch`` the
         global batch (the same arrays on every process)."""
+        order = self.row_order(arrays, mini_batches, whole_batch)
+        return {k: np.asarray(v)[order] for k, v in arrays.items()}
+
+    def row_order(self, arrays: Mapping[str, np.ndarray], mini_batches: int = 1,
+                  whole_batch: bool = False) -> np.ndarray:
+        """The permutation ``arrange_rows`` applies: its row i is the caller's row ``order[i]``."""
         local = np.shape(arrays["tokens"])[0]
         rows = local if whole_batch else local * jax.process_count()
         offset = 0 if whole_batch else jax.process_index() * local
         if rows % mini_batches:
             raise ValueError(f"batch of {rows} rows does not split into mini_batches={mini_batches}")
         mini_rows = rows // mini_batches
-        order = micro_major_order(np.asarray(arrays["loss_mask"]).any(axis=1), mini_rows=mini_rows,
-                                  num_micro=self.num_micro(mini_rows), offset=offset)
-        return {k: np.asarray(v)[order] for k, v in arrays.items()}
+        return micro_major_order(np.asarray(arrays["loss_mask"]).any(axis=1), mini_rows=mini_rows,
+                                 num_micro=self.num_micro(mini_rows), offset=offset)
 
     def compute_logprobs(self, batch: Mapping[str, jax.Array], params=None) -> jax.Array:
         """Log-probs of ``batch``'s tokens under ``params`` (default the current policy), [B, L]."""
@@ -396,18 +404,25 @@ class Trainer:
             self.state, metrics = self.step_fn(rows, micro_loss, skip)(self.state, batch, denom_arr)
         return metrics
 
-    def train(self, batch, denom: float | None = None) -> dict[str, float]:
+    def train(self, batch, denom: float | None = None,
+              gap_threshold: float | None = None) -> dict[str, float]:
         """The RL update: old log-probs (optionally recomputed), then ``mini_batches`` optimizer
         updates of eq. 6.
 
         ``batch``: a TrainBatch / mapping of host arrays (this process's rows) or the dict
         ``put_batch`` returned. ``denom``: a constant loss normaliser (Dr. GRPO); default the
-        token count of each mini-batch (eq. 6).
+        token count of each mini-batch (eq. 6). ``gap_threshold`` (with
+        ``recompute_old_logprobs``): count the trained tokens whose sampler and trainer
+        log-probs differ by more than this (``train/logprob_gap_tokens_over``, global) and keep
+        where the first of this process's rows are in ``logprob_gap_outliers``.
         """
+        self.logprob_gap_outliers = np.zeros((0, 2), np.int64)
+        order = None  # the caller's row of each row put on the mesh (None: the same order)
         if not _is_global(batch):
             arrays = batch_to_dict(batch)
             if self.cfg.skip_padding:
-                arrays = self.arrange_rows(arrays, self.cfg.mini_batches)
+                order = self.row_order(arrays, self.cfg.mini_batches)
+                arrays = {k: np.asarray(v)[order] for k, v in arrays.items()}
             batch = self.put_batch(arrays)
         batch = {k: batch[k] for k in BATCH_KEYS}
         metrics: dict[str, float] = {}
@@ -415,7 +430,14 @@ class Trainer:
         if self.cfg.recompute_old_logprobs:
             recomputed = jax.block_until_ready(self.compute_logprobs(batch))  # timed apart
             metrics["time/old_logprobs"] = time.perf_counter() - t0
-            metrics.update(_gap_on_device(batch["rollout_logprobs"], recomputed, batch["loss_mask"]))
+            threshold = np.inf if gap_threshold is None else float(gap_threshold)
+            gap, positions = _gap_on_device(batch["rollout_logprobs"], recomputed,
+                                            batch["loss_mask"], threshold, self.replicated)
+            if gap_threshold is None:  # no threshold, no count
+                gap.pop("train/logprob_gap_tokens_over")
+            metrics.update(gap)
+            self.logprob_gap_outliers = _local_positions(
+                positions, batch["tokens"].shape[0] // jax.process_count(), order)
             batch["old_logprobs"] = recomputed
         if self._kl:
             if self.ref_params is None:
@@ -495,17 +517,44 @@ def _mini_batch_tokens(loss_mask, mini_batches: int):
     return tuple(jnp.sum(loss_mask[i * rows:(i + 1) * rows]) for i in range(mini_batches))
 
 
-@jax.jit
-def _gap_sums(sampled, recomputed, mask):
+MAX_GAP_OUTLIERS = 64  # positions of over-threshold tokens read back per train call
+
+
+@functools.partial(jax.jit, static_argnames=("out_sharding",))
+def _gap_sums(sampled, recomputed, mask, threshold, out_sharding=None):
     d = (recomputed - sampled) * mask
-    return jnp.sum(jnp.abs(d)), jnp.max(jnp.abs(d)), jnp.sum((jnp.exp(d) - 1.0 - d) * mask), jnp.sum(mask)
+    over = jnp.abs(d) > threshold  # untrained tokens have d = 0: never over a threshold >= 0
+    # The first few (row, column) of the over-threshold tokens, in row-major order; -1 pads.
+    positions = jnp.argwhere(over, size=MAX_GAP_OUTLIERS, fill_value=-1)
+    out = (jnp.sum(jnp.abs(d)), jnp.max(jnp.abs(d)), jnp.sum((jnp.exp(d) - 1.0 - d) * mask),
+           jnp.sum(mask), jnp.sum(over), positions)
+    # Replicated: readable on every process of a multi-process run.
+    return out if out_sharding is None else jax.lax.with_sharding_constraint(out, out_sharding)
 
 
-def _gap_on_device(sampled, recomputed, mask) -> dict[str, float]:
+def _gap_on_device(sampled, recomputed, mask, threshold: float = np.inf, replicated=None
+                   ) -> tuple[dict[str, float], np.ndarray]:
     """Mismatch between the sampler's and the trainer's log-probs on trained tokens, computed
-    where the (possibly multi-process) arrays live: mean |d|, max |d| and the mean k3 estimate of
-    KL(sampler || trainer), exp(d) - 1 - d with d = trainer - sampler (>= 0, unbiased)."""
-    s_abs, s_max, s_kl, n = jax.device_get(_gap_sums(sampled, recomputed, mask))
+    where the (possibly multi-process) arrays live: mean |d|, max |d|, the mean k3 estimate of
+    KL(sampler || trainer), exp(d) - 1 - d with d = trainer - sampler (>= 0, unbiased), and the
+    count of tokens with |d| > ``threshold``; plus the global (row, column) of the first
+    ``MAX_GAP_OUTLIERS`` of those ([n, 2])."""
+    s_abs, s_max, s_kl, n, over, positions = jax.device_get(
+        _gap_sums(sampled, recomputed, mask, jnp.float32(threshold), out_sharding=replicated))
     n = max(float(n), 1.0)
-    return {"train/logprob_gap_abs": float(s_abs) / n, "train/logprob_gap_max": float(s_max),
-            "train/logprob_gap_kl": float(s_kl) / n}
+    metrics = {"train/logprob_gap_abs": float(s_abs) / n, "train/logprob_gap_max": float(s_max),
+               "train/logprob_gap_kl": float(s_kl) / n,
+               "train/logprob_gap_tokens_over": float(over)}
+    return metrics, np.asarray(positions)[np.asarray(positions)[:, 0] >= 0]
+
+
+def _local_positions(positions: np.ndarray, local_rows: int, order: np.ndarray | None
+                     ) -> np.ndarray:
+    """Global (row, column) pairs -> this process's rows, in the caller's row order (``order``:
+    the permutation ``row_order`` applied before the batch went on the mesh)."""
+    first = jax.process_index() * local_rows
+    mine = positions[(positions[:, 0] >= first) & (positions[:, 0] < first + local_rows)].copy()
+    mine[:, 0] -= first
+    if order is not None:
+        mine[:, 0] = np.asarray(order)[mine[:, 0]]
+    return mine.astype(np.int64).reshape(-1, 2)

@@ -152,9 +152,10 @@ class SlotToken:
 class StartRequest:
     """Start a request in ``slot``: its cache must hold ``history``, then a token is sampled
     (or ``forced``). Requests with the same ``history`` that is all prompt
-    (``prompt_len == len(history)``) share one prefill; ``prompt_len`` tokens of a longer
-    history (a rollout resumed after preemption) reuse the prompt's pages if another slot
-    still holds them."""
+    (``prompt_len == len(history)``) share one prefill. The whole pages of the first
+    ``prompt_len`` tokens (a prompt, or a rollout resumed after preemption) reuse pages that
+    hold the same tokens: another group's of the same call (which is fed first), or those a
+    live slot holds, written under the weights being served."""
 
     slot: int
     history: Sequence[int]
@@ -182,6 +183,29 @@ class _Row:
     start: int  # tokens already in them
     tokens: np.ndarray  # to feed
     samples: list[_Sample]
+
+
+@dataclasses.dataclass
+class _StartGroup:
+    """How ``Engine.start`` runs the requests of one prompt (``Engine._plan_start``)."""
+
+    leader: StartRequest  # its row feeds the leader's history; the members sample from it
+    members: list[StartRequest]
+    registered: tuple[int, ...] = ()  # pages from the prefix registry (written by earlier calls)
+    writer: int | None = None  # an earlier group of the call whose new pages this one shares
+    num_shared: int = 0  # leading pages shared (from the registry or the writer)
+    writes_prefix: bool = False  # registers its prompt's full pages once its feed ran
+
+
+def _start_cost(plan: Sequence[_StartGroup], page_size: int) -> int:
+    """Pages a ``start`` plan takes: each leader's pages less the shared ones, plus a copy of
+    the partial last page for every other member."""
+    total = 0
+    for g in plan:
+        n = len(g.leader.history)
+        total += pages_for(n, page_size) - g.num_shared
+        total += (len(g.members) - 1) * (1 if n % page_size else 0)
+    return total
 
 
 @dataclasses.dataclass
@@ -520,6 +544,8 @@ class Engine:
             self._place_on_mesh(state)
         [self.params] = serving_copies(self.graphdef, state, [self._handoff_target],
                                        dtype=self.dtype, untie_head=self._untie_head)
+        # Bumped by every update: the prefix registry offers only pages of the current weights.
+        self.params_version = 0
         self.plan = plan_kv(model.config, max_len=self.max_len, page_size=page_size,
                             kv_pages=kv_pages, kv_memory_fraction=kv_memory_fraction,
                             num_slots=num_slots, dtype=self.cache_dtype,
@@ -535,7 +561,7 @@ class Engine:
         elif decode_attention == "auto":
             decode_attention = default_decode_implementation(
                 self._first_device.platform, head_dim=self.cfg.head_dim,
-                page_size=self.page_size)
+                page_size=self.page_size, kv_dtype=self.cache_dtype)
         if self.tensor_parallel > 1 and not kv_split and decode_attention.startswith("pallas"):
             raise ValueError(
                 f"decode_attention {decode_attention!r} on a slice of {self.tensor_parallel} "
@@ -726,50 +752,69 @@ class Engine:
               ) -> tuple[DecodeState, list[SlotToken]]:
         """Start requests in free slots in batched feeds (see ``StartRequest``); one
         ``SlotToken`` per request, in order. Raises ``OutOfPages`` when ``start_cost`` exceeds
-        the free pages."""
-        if self.start_cost(requests) > self.pages.num_free:
-            raise OutOfPages(f"starting {len(requests)} requests needs "
-                             f"{self.start_cost(requests)} pages, {self.pages.num_free} free")
-        rows, order = [], []
-        for leader, members in self._group(requests):
-            history = np.asarray(leader.history, np.int32)
-            n = len(history)
-            shared = self._shareable_pages(leader)
-            pages = list(shared) + self.pages.alloc(pages_for(n, self.page_size) - len(shared))
-            self.pages.share(shared)
-            full = pages[: n // self.page_size]
-            samples = []
-            for r in members:
-                budget = r.sampling.max_new_tokens - r.counter if r.budget is None else r.budget
-                if r is leader:
-                    slot_pages, copy = pages, None
-                else:  # share the leader's full pages, copy its last partial page
-                    self.pages.share(full)
-                    slot_pages = list(full)
-                    copy = None
-                    if n % self.page_size:
-                        own = self.pages.alloc(1)[0]
-                        slot_pages.append(own)
-                        copy = (pages[len(full)], own)
-                self._bind(r.slot, slot_pages, 0, 0, r.counter, budget, r.sampling, False)
-                samples.append(_Sample(r.slot, r.sampling, r.counter, budget, r.forced, n, copy))
-                order.append(id(r))
-            if leader.prompt_len >= self.page_size:
-                self.pages.register_prefix(history[: leader.prompt_len], pages)
-            start = len(shared) * self.page_size
-            rows.append(_Row(pages, start, history[start:], samples))
-        results, state = self._run_rows(params, state, rows)
-        by_request = dict(zip(order, results))
-        return state, [SlotToken(*by_request[id(r)]) for r in requests]
+        the free pages.
+
+        A group whose prompt's full pages another group of the same call writes (different
+        prompts with the same whole-page head) shares those pages and feeds only the rest, in
+        feeds that run after the writer's: a page is never read before it is written."""
+        version = self._weights_version(params)
+        plan = self._plan_start(requests, version)
+        need = _start_cost(plan, self.page_size)
+        if need > self.pages.num_free:
+            raise OutOfPages(f"starting {len(requests)} requests needs {need} pages, "
+                             f"{self.pages.num_free} free")
+        rows, pages_of = [], []
+        for g in plan:
+            shared = g.registered if g.writer is None else pages_of[g.writer][: g.num_shared]
+            rows.append(self._start_row(g, shared))
+            pages_of.append(rows[-1].pages)
+        results: dict[int, tuple] = {}
+        writers_first = [i for i, g in enumerate(plan) if g.writer is None]
+        readers_after = [i for i, g in enumerate(plan) if g.writer is not None]
+        for batch in (writers_first, readers_after):
+            if not batch:
+                continue
+            out, state = self._run_rows(params, state, [rows[i] for i in batch])
+            members = [r for i in batch for r in plan[i].members]  # the rows' sample order
+            results.update(zip(map(id, members), out))
+            for i in batch:  # written now: later groups and calls may share them
+                if plan[i].writes_prefix and version is not None:
+                    leader = plan[i].leader
+                    self.pages.register_prefix(leader.history[: leader.prompt_len], pages_of[i],
+                                               version=version)
+        return state, [SlotToken(*results[id(r)]) for r in requests]
+
+    def _start_row(self, group: "_StartGroup", shared: Sequence[int]) -> _Row:
+        """Take the pages of ``group`` (its leader's: ``shared`` then new ones; every other
+        member shares the leader's full pages and gets its own copy of the partial last one),
+        bind its slots, and return the row that feeds the leader's history past ``shared``."""
+        leader = group.leader
+        history = np.asarray(leader.history, np.int32)
+        n = len(history)
+        pages = list(shared) + self.pages.alloc(pages_for(n, self.page_size) - len(shared))
+        self.pages.share(shared)
+        full = pages[: n // self.page_size]
+        samples = []
+        for r in group.members:
+            budget = r.sampling.max_new_tokens - r.counter if r.budget is None else r.budget
+            if r is leader:
+                slot_pages, copy = pages, None
+            else:  # share the leader's full pages, copy its last partial page
+                self.pages.share(full)
+                slot_pages = list(full)
+                copy = None
+                if n % self.page_size:
+                    own = self.pages.alloc(1)[0]
+                    slot_pages.append(own)
+                    copy = (pages[len(full)], own)
+            self._bind(r.slot, slot_pages, 0, 0, r.counter, budget, r.sampling, False)
+            samples.append(_Sample(r.slot, r.sampling, r.counter, budget, r.forced, n, copy))
+        start = len(shared) * self.page_size
+        return _Row(pages, start, history[start:], samples)
 
     def start_cost(self, requests: Sequence[StartRequest]) -> int:
-        """Pages ``start(requests)`` takes from the pool."""
-        total = 0
-        for leader, members in self._group(requests):
-            n = len(leader.history)
-            total += pages_for(n, self.page_size) - len(self._shareable_pages(leader))
-            total += (len(members) - 1) * (1 if n % self.page_size else 0)
-        return total
+        """Pages ``start(requests)`` takes from the pool (served with ``self.params``)."""
+        return _start_cost(self._plan_start(requests, self.params_version), self.page_size)
 
     def decode(self, params, state: DecodeState, steps: int | None = None,
                forced: np.ndarray | None = None, stop_after: int | None = None
@@ -928,6 +973,7 @@ class Engine:
         if self.memory_released:
             self._k, self._v = self._new_pool()
         self.params = weights
+        self.params_version += 1
 
     def _free_kv_bytes(self) -> int | None:
         """Pool bytes the slice's devices can still take: one device's free memory, times the
@@ -1011,12 +1057,34 @@ class Engine:
                 out.append([r])
         return [(members[0], members) for members in out]
 
-    def _shareable_pages(self, request: StartRequest) -> tuple[int, ...]:
-        if request.prompt_len < self.page_size:
-            return ()
-        pages = self.pages.lookup_prefix(request.history[: request.prompt_len])
-        # At least the last token is fed again: its logits are what the first token samples.
-        return pages[: (len(request.history) - 1) // self.page_size]
+    def _weights_version(self, params) -> int | None:
+        """The registry version of pages written with ``params``: the served copy's version;
+        None for any other weights (their pages are neither registered nor looked up)."""
+        return self.params_version if params is self.params else None
+
+    def _plan_start(self, requests: Sequence[StartRequest], version: int | None
+                    ) -> list["_StartGroup"]:
+        """Which pages each group of ``start(requests)`` shares: registered pages written by
+        an earlier call under the same weights, else the pages an earlier group of this call
+        writes for the same full-page prompt head (that group then runs first), else none."""
+        plan, writer_of = [], {}
+        for leader, members in self._group(requests):
+            group = _StartGroup(leader, members)
+            head = self.pages.full_prefix_key(leader.history[: leader.prompt_len])
+            # At least the last token is fed again: its logits are what the first token samples.
+            shareable = min(len(head), len(leader.history) - 1) // self.page_size
+            registered = () if version is None or not head else self.pages.lookup_prefix(
+                head, version=version)
+            if registered:
+                group.registered = registered[:shareable]
+                group.num_shared = len(group.registered)
+            elif head in writer_of and shareable:
+                group.writer, group.num_shared = writer_of[head], shareable
+            elif head and head not in writer_of:
+                writer_of[head] = len(plan)
+                group.writes_prefix = True
+            plan.append(group)
+        return plan
 
     def _run_rows(self, params, state, rows: list[_Row]):
         """Feed every row (chunked, batched), sample each row's samples from its last logits,

@@ -6,6 +6,11 @@ keeps a registry of prompt prefixes: the full pages holding a prompt's first
 ``k * page_size`` tokens, findable by those tokens while any row still holds them. Pages are
 immutable once full and shared: a row only ever writes at positions past its own length, and
 the engine copies a shared prompt's last, partial page instead of sharing it.
+
+What the registry promises, and the engine must keep: a registered page already holds its
+tokens' K/V (register only after the feed that writes it ran), computed under the weights of
+the version it is registered with (a lookup names the version it serves: pages of earlier
+weights are never handed out, even while rows still hold them).
 """
 from __future__ import annotations
 
@@ -27,8 +32,9 @@ class PagePool:
         self.page_size = int(page_size)
         self._refs = np.zeros(self.num_pages, np.int32)
         self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out low ids first
-        self._prefixes: dict[tuple[int, ...], tuple[int, ...]] = {}
-        self._prefix_of_page: dict[int, tuple[int, ...]] = {}
+        # (weights version, full-page tokens) -> pages holding their K/V under those weights
+        self._prefixes: dict[tuple[int, tuple[int, ...]], tuple[int, ...]] = {}
+        self._prefix_of_page: dict[int, tuple[int, tuple[int, ...]]] = {}
 
     @property
     def num_free(self) -> int:
@@ -76,12 +82,21 @@ class PagePool:
         n = (len(tokens) // self.page_size) * self.page_size
         return tuple(int(t) for t in tokens[:n])
 
-    def register_prefix(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
-        """``pages`` hold the full-page part of ``tokens`` (extra pages are ignored)."""
-        key = self.full_prefix_key(tokens)
-        if not key or key in self._prefixes:
+    def register_prefix(self, tokens: Sequence[int], pages: Sequence[int], *, version: int
+                        ) -> None:
+        """``pages`` hold the full-page part of ``tokens`` (extra pages are ignored), written
+        under weights ``version``. Call it once the K/V are in the pages, not before."""
+        tokens_key = self.full_prefix_key(tokens)
+        key = (int(version), tokens_key)
+        if not tokens_key or key in self._prefixes:
             return
-        held = tuple(int(p) for p in pages[: len(key) // self.page_size])
+        held = tuple(int(p) for p in pages[: len(tokens_key) // self.page_size])
+        if len(held) < len(tokens_key) // self.page_size:
+            raise ValueError(f"{len(held)} pages cannot hold the {len(tokens_key)} full-page "
+                             f"tokens of a prefix (page size {self.page_size})")
+        for p in held:
+            if self._refs[p] < 1:
+                raise ValueError(f"page {p} is not allocated: a free page cannot hold a prefix")
         self._prefixes[key] = held
         for p in held:
             old = self._prefix_of_page.get(p)
@@ -89,11 +104,12 @@ class PagePool:
                 self._forget(old)
             self._prefix_of_page[p] = key
 
-    def lookup_prefix(self, tokens: Sequence[int]) -> tuple[int, ...]:
-        """Live pages holding the full-page part of ``tokens`` (empty when not registered)."""
-        return self._prefixes.get(self.full_prefix_key(tokens), ())
+    def lookup_prefix(self, tokens: Sequence[int], *, version: int) -> tuple[int, ...]:
+        """Live pages holding the full-page part of ``tokens`` written under weights
+        ``version`` (empty when none are registered)."""
+        return self._prefixes.get((int(version), self.full_prefix_key(tokens)), ())
 
-    def _forget(self, key: tuple[int, ...]) -> None:
+    def _forget(self, key: tuple[int, tuple[int, ...]]) -> None:
         for p in self._prefixes.pop(key, ()):
             if self._prefix_of_page.get(p) == key:
                 del self._prefix_of_page[p]
