@@ -120,6 +120,9 @@ def get_config(arg=None):
     c.trainer.recompute_old_logprobs = True
     c.trainer.skip_padding = True  # no forward/backward for micro-steps of padding rows only
     c.trainer.compute_dtype = ml_collections.config_dict.placeholder(str)  # None: model decides
+    # an update with a non-finite loss / gradient / update is skipped (params kept, counted as
+    # train/skipped_nonfinite); this many such steps in a row stop the run with an error
+    c.trainer.max_nonfinite_steps = 3
 
     # ---- device mesh (data, fsdp, tensor); -1 = the rest of the devices --------------------------
     c.mesh = ml_collections.ConfigDict()

@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -43,6 +44,22 @@ class CheckpointConfig:
     def __post_init__(self):
         require((self.every_steps >= 1, f"every_steps={self.every_steps} must be >= 1"),
                 (self.keep >= 1, f"keep={self.keep} must be >= 1"))
+
+
+class NonFiniteState(ValueError):
+    """A train state with inf or nan values was given to ``Checkpointer.save``."""
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
+
+
+def all_finite(tree) -> bool:
+    """Whether every floating leaf of ``tree`` is finite: one jitted reduction, one host read
+    (a replicated scalar, so every process of a multi-process run gets the same answer)."""
+    return bool(jax.device_get(_all_finite(tree)))
 
 
 def abstract_like(tree, shardings=None):
@@ -80,9 +97,15 @@ class Checkpointer:
         return step % self.cfg.every_steps == 0 or (last_step is not None and step == last_step)
 
     def save(self, step: int, state, meta: dict[str, Any], force: bool = False) -> bool:
-        """Start saving (returns at once when async). Every process must call it."""
+        """Start saving (returns at once when async). Every process must call it.
+
+        A state with an inf or nan anywhere is refused (``NonFiniteState``): a resume could never
+        recover from it, and with ``keep`` it would push the good checkpoints out."""
         if step in self._manager.all_steps():
             return False
+        if not all_finite(state):
+            raise NonFiniteState(f"checkpoint {step} not written to {self.directory}: the train state holds "
+                                 "inf or nan values")
         saved = self._manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))),

@@ -7,6 +7,7 @@ its own order (``stage_data_seed``).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -52,6 +53,50 @@ def problem_batches(run: RunConfig, seed: int):
 
 class StageError(ValueError):
     """A workdir / init_from combination that cannot be resumed or started (the message says why)."""
+
+
+class NonFiniteTraining(RuntimeError):
+    """``trainer.max_nonfinite_steps`` steps in a row had their update skipped as non-finite."""
+
+
+# the per-update quantities the jitted step checks (``trainer.make_train_step``), as logged
+NONFINITE_QUANTITIES = ("train/loss", "train/grad_norm", "train/update_norm")
+
+
+def nonfinite_quantities(metrics: dict) -> list[str]:
+    """The checked quantities of a step's metrics that are inf or nan (a mean over the step's
+    updates is nan when any of them was)."""
+    return [f"{k.split('/', 1)[1]}={metrics[k]}" for k in NONFINITE_QUANTITIES
+            if k in metrics and not np.isfinite(metrics[k])]
+
+
+@dataclasses.dataclass
+class NonFiniteStreak:
+    """Steps in a row whose update the trainer skipped as non-finite, and when to give up."""
+
+    limit: int  # trainer.max_nonfinite_steps
+    count: int = 0
+    first_step: int = 0
+
+    def observe(self, step: int, metrics: dict, last_saved: int | None) -> NonFiniteTraining | None:
+        """Count finished step ``step``; the error to raise once ``limit`` are reached in a row."""
+        if metrics.get("train/skipped_nonfinite", 0.0) <= 0:
+            self.count = 0
+            return None
+        self.count += 1
+        self.first_step = self.first_step if self.count > 1 else step
+        what = ", ".join(nonfinite_quantities(metrics)) or "update"
+        log.warning("step %d: non-finite %s: the update was skipped (%d in a row; the run stops at %d)",
+                    step, what, self.count, self.limit)
+        if self.count < self.limit:
+            return None
+        steps = f"step {step}" if self.count == 1 else f"steps {self.first_step}-{step}"
+        saved = f"step {last_saved}" if last_saved is not None else "none yet"
+        return NonFiniteTraining(
+            f"{steps}: {self.count} updates in a row were not finite, the last with {what}; each was "
+            f"skipped, so the parameters are still those of step {self.first_step - 1} (newest checkpoint: "
+            f"{saved}). The run diverged or its data is bad: lower --config.optim.learning_rate, check "
+            "the data, or allow more with --config.trainer.max_nonfinite_steps")
 
 
 def _same_dir(a: str, b: str) -> bool:
@@ -237,6 +282,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
     bar = tqdm.tqdm(total=run.total_steps, initial=start, disable=not (is_main and run.logging.progress_bar),
                     desc="rl", dynamic_ncols=True)
     rejected_in_a_row = 0
+    nonfinite = NonFiniteStreak(run.trainer.max_nonfinite_steps)
     try:
         while trainer.step < run.total_steps:
             step = trainer.step
@@ -275,6 +321,10 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
                 on_update(trainer)
             metrics["time/handoff"] = time.perf_counter() - t_handoff
             new_step = trainer.step
+            diverged = nonfinite.observe(new_step, metrics, ckpt.latest_step())
+            if diverged is not None:  # logged, never saved: the newest checkpoint stays the last good one
+                writer.write(new_step, metrics)
+                raise diverged
             if ckpt.should_save(new_step, run.total_steps):
                 t_save = time.perf_counter()
                 ckpt.save(new_step, trainer.state, {
