@@ -148,6 +148,10 @@ def get_config(arg=None):
     c.checkpoint.init_from = ""
     c.checkpoint.reset_optimizer = False  # stage 3: fresh optimizer state, LR warmup again (§4.3)
     c.checkpoint.update_reference = False  # stage 3: KL reference := the init_from policy (§4.3; kl_coef > 0)
+    # SIGTERM / SIGINT: the last finished step is saved and the run exits (status 128 + signal)
+    # within this many seconds; a second signal exits at once (docs/training.md "When a run is
+    # interrupted"). A preempted TPU VM gets about 30 s.
+    c.checkpoint.preemption_grace_s = 25.0
 
     # ---- logging -----------------------------------------------------------------------------------
     c.logging = ml_collections.ConfigDict()

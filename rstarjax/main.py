@@ -21,7 +21,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from rstarjax.io import compile_cache
-from rstarjax.recipes import demo, demo_compare, evaluate, rl, sft, stage3_filter
+from rstarjax.recipes import demo, demo_compare, evaluate, preemption, rl, sft, stage3_filter
 from rstarjax.recipes.config import MODES, RENAMED, DistributedConfig, RunConfig, device_rules, parse
 from rstarjax.validation import ConfigError
 
@@ -60,6 +60,20 @@ def run(config, workdir: str) -> None:
     RECIPES[typed.mode](typed, workdir)
 
 
+def run_to_exit_status(config, workdir: str) -> int:
+    """``run`` as the command line does: the process's exit status (2: a configuration error,
+    printed; 128 + the signal: stopped by SIGTERM / SIGINT after saving, recipes/preemption.py)."""
+    try:
+        run(config, workdir)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except preemption.Interrupted as e:
+        print(e, file=sys.stderr, flush=True)
+        return e.exit_status
+    return 0
+
+
 def renamed_flags(argv) -> list[str]:
     """A message for each ``--config.KEY`` override of a key that moved (the flag parser would only
     say that the key does not exist)."""
@@ -87,11 +101,7 @@ def main(argv=None) -> None:
         config = flags.FLAGS.config
         workdir = flags.FLAGS.workdir or os.path.join("runs", str(config.get("mode", "run")))
         print(f"rstarjax: mode={config.get('mode')} workdir={os.path.abspath(workdir)}", flush=True)
-        try:
-            run(config, workdir)
-        except ConfigError as e:
-            print(e, file=sys.stderr)
-            sys.exit(2)
+        sys.exit(run_to_exit_status(config, workdir))
 
     app.run(_main, argv=argv)
 

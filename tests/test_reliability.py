@@ -6,9 +6,13 @@ The signal tests run a tiny stage 1 (``tests/test_stages.py``'s model, problems 
 real engine, code pool and verifier) in a subprocess: this file is also that worker
 (``python tests/test_reliability.py WORKDIR OVERRIDES_JSON``).
 """
+import glob
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -134,3 +138,271 @@ def test_a_diverging_run_stops_naming_step_and_quantity_and_saves_only_finite_pa
         for step in ck.all_steps():
             params, _, _ = ckpt_lib.restore_params(ck.directory, ckpt_lib.abstract_like(tr.state.params), step)
             assert all(np.isfinite(x).all() for x in _leaves(params)), step
+
+
+# ============================================================================ the tiny stage 1 in a subprocess
+def stage1_worker(workdir, overrides):
+    """A tiny stage 1 through ``rstarjax.main`` (real engine, code pool, verifier), exiting with
+    the status the command line would. ``overrides``: "section.key" -> value, plus total_steps.
+    ``SLOW_STOP`` (seconds) delays the save after a stop signal: time for a second signal."""
+    from rstarjax.main import run_to_exit_status
+    from rstarjax.recipes import rl
+    from test_stages import _load, _rl_sizes
+
+    if os.environ.get("SLOW_STOP"):
+        stop = rl._stop
+
+        def slow_stop(*args, **kwargs):
+            import time
+
+            time.sleep(float(os.environ["SLOW_STOP"]))
+            return stop(*args, **kwargs)
+
+        rl._stop = slow_stop
+    c = _rl_sizes(_load("stage1"), overrides.pop("total_steps"))
+    c.rl.num_tool_workers = 1
+    c.rl.reject_equal_reward = False  # the untrained model is always wrong: train on its groups anyway
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        setattr(getattr(c, section), name, value)
+    sys.exit(run_to_exit_status(c, workdir))
+
+
+
+@pytest.fixture(scope="module")
+def stage1_inputs(tmp_path_factory):
+    """The tiny HF model and 16 problems a user would bring."""
+    from test_stages import _problems, _tiny_hf_model
+
+    root = tmp_path_factory.mktemp("inputs")
+    _tiny_hf_model(str(root / "model"))
+    _problems(str(root / "problems.jsonl"), 16)
+    return {"model.hf_path": str(root / "model"), "data.train_path": str(root / "problems.jsonl")}
+
+
+def _launch(workdir, inputs, slow_stop=0.0, **overrides):
+    """The worker on ``workdir`` with its own TMPDIR (where the code pool makes its sandbox
+    directory), output in WORKDIR/out-N.log; returns (process, log path)."""
+    tmp = os.path.join(workdir, "tmp")
+    os.makedirs(tmp, exist_ok=True)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu", TMPDIR=tmp,
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if slow_stop:
+        env["SLOW_STOP"] = str(slow_stop)
+    n = len([f for f in os.listdir(workdir) if f.startswith("out-")])
+    out = os.path.join(workdir, f"out-{n}.log")
+    with open(out, "w") as f:
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), workdir,
+                                 json.dumps({**inputs, **overrides})], env=env, stdout=f, stderr=subprocess.STDOUT)
+    return proc, out
+
+
+def _logged_steps(workdir):
+    from rstarjax.io.metrics_log import read_metrics
+
+    path = os.path.join(workdir, "logs", "metrics.jsonl")
+    return [r["step"] for r in read_metrics(path)] if os.path.exists(path) else []
+
+
+def _wait_until(proc, out, ready, timeout=600.0):
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended early ({proc.returncode}):\n{open(out).read()[-4000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"timed out:\n{open(out).read()[-4000:]}")
+        time.sleep(0.05)
+
+
+def _sandbox_dirs(workdir):
+    return sorted(glob.glob(os.path.join(workdir, "tmp", "rstarjax-sandbox-*")))
+
+
+@pytest.fixture(scope="module")
+def interrupted_runs(stage1_inputs, tmp_path_factory):
+    """One tiny stage 1, interrupted the ways a cluster does it, in one workdir:
+
+    A. SIGTERM after step 3 (checkpoints only on a signal: every 100 steps);
+    B. resumed with checkpoints every 2 steps, then SIGINT twice, the second while the first's
+       save is still pending (SLOW_STOP): an exit at once, like a SIGKILL;
+    C. resumed to one step past B's last, after the test corrupted B's newest checkpoint.
+    Returns what each phase left: exit status, seconds from the (last) signal to the exit,
+    the log, the logged steps, the committed checkpoints, the sandbox directories."""
+    from test_checkpoint import committed_steps
+
+    workdir = str(tmp_path_factory.mktemp("interrupted") / "run")
+    os.makedirs(workdir)
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    phases = {}
+
+    def record(name, proc, out, t_signal, **extra):
+        try:
+            status = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"phase {name} did not exit:\n{open(out).read()[-4000:]}")
+        phases[name] = dict(status=status, seconds=time.monotonic() - t_signal, log=open(out).read(),
+                            logged=_logged_steps(workdir), checkpoints=committed_steps(ckpt_dir),
+                            sandboxes=_sandbox_dirs(workdir), **extra)
+
+    grace = {"checkpoint.preemption_grace_s": 60.0}
+    proc, out = _launch(workdir, stage1_inputs, total_steps=100, **grace, **{"checkpoint.every_steps": 100})
+    _wait_until(proc, out, lambda: len(_logged_steps(workdir)) >= 3)
+    t = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    record("A", proc, out, t)
+
+    last_a = phases["A"]["logged"][-1]
+    proc, out = _launch(workdir, stage1_inputs, slow_stop=30.0, total_steps=100, **grace,
+                        **{"checkpoint.every_steps": 2})
+    _wait_until(proc, out, lambda: len(_logged_steps(workdir)) >= last_a + 2)
+    proc.send_signal(signal.SIGINT)
+    _wait_until(proc, out, lambda: "SIGINT received" in open(out).read())
+    t = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    record("B", proc, out, t)
+
+    newest = phases["B"]["checkpoints"][-1]
+    corrupted = _corrupt_checkpoint(os.path.join(ckpt_dir, str(newest)))
+    proc, out = _launch(workdir, stage1_inputs, total_steps=phases["B"]["logged"][-1] + 1, **grace,
+                        **{"checkpoint.every_steps": 2})
+    record("C", proc, out, time.monotonic(), corrupted=(newest, corrupted))
+    return phases
+
+
+def _corrupt_checkpoint(step_dir):
+    """Garbage over the newest checkpoint's metadata (a torn write): what a bare
+    JSONDecodeError came from. Returns the file's path."""
+    path = os.path.join(step_dir, "meta", "metadata")
+    assert os.path.exists(path), os.listdir(os.path.join(step_dir, "meta"))
+    with open(path, "w") as f:
+        f.write('{"step": 7, "rng": [0, ')
+    return path
+
+
+# ============================================================================ 3. SIGTERM / SIGINT
+def test_sigterm_saves_the_last_finished_step_closes_the_code_pool_and_exits(interrupted_runs):
+    a = interrupted_runs["A"]
+    assert a["status"] == 128 + signal.SIGTERM, a["log"][-3000:]
+    assert a["seconds"] < 60.0  # within checkpoint.preemption_grace_s, by the clean path:
+    assert "stopped on SIGTERM" in a["log"] and f"step {a['logged'][-1]} is saved" in a["log"], a["log"][-3000:]
+    # the last finished step is on disk although no periodic save was due (every 100 steps)
+    assert a["checkpoints"] == [a["logged"][-1]] and a["logged"][-1] >= 3
+    assert a["sandboxes"] == []  # the code pool was closed (it removes its sandbox directory)
+
+
+def test_a_second_signal_exits_at_once_without_saving(interrupted_runs):
+    a, b = interrupted_runs["A"], interrupted_runs["B"]
+    assert b["status"] == 128 + signal.SIGINT, b["log"][-3000:]
+    assert "second stop signal (SIGINT): exiting at once" in b["log"]
+    assert b["seconds"] < 10.0  # not the 30 s the pending save would have taken
+    assert "is saved" not in b["log"]
+    # B wrote only its periodic checkpoints (every 2 steps), not one for its last step
+    assert all(s % 2 == 0 for s in set(b["checkpoints"]) - set(a["checkpoints"]))
+
+
+def test_the_first_signal_abandons_rollouts_in_progress():
+    """In-process: inside ``SignalGuard.rollouts()`` a SIGTERM raises ``StepAbandoned`` at once;
+    outside it only records the request (the step finishes); a request already made abandons
+    the next rollouts before they start."""
+    from rstarjax.recipes import preemption
+
+    previous = signal.getsignal(signal.SIGTERM)
+    with preemption.SignalGuard(grace_s=60.0) as guard:
+        with pytest.raises(preemption.StepAbandoned):
+            with guard.rollouts():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler interrupts this
+        assert guard.request.signum == signal.SIGTERM and guard.abandoned
+        with pytest.raises(preemption.StepAbandoned):
+            with guard.rollouts():
+                pytest.fail("rollouts started after a stop signal")
+    assert signal.getsignal(signal.SIGTERM) is previous  # the previous handler is back
+    with preemption.SignalGuard(grace_s=60.0, can_abandon=False) as guard:  # multi-process: never abandon
+        with guard.rollouts():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+        assert guard.request.signum == signal.SIGTERM and guard.stop_signal(4) == signal.SIGTERM
+
+
+def test_every_process_stops_after_the_same_step():
+    from rstarjax.recipes.preemption import agreed_stop
+
+    assert agreed_stop([[0, 7], [0, 7]]) == 0  # nobody asked
+    assert agreed_stop([[0, 7], [15, 7]]) == 15  # one process got SIGTERM: all stop after step 7
+    with pytest.raises(RuntimeError, match=r"different steps \[7, 8\]"):
+        agreed_stop([[15, 7], [15, 8]])
+
+
+
+# ============================================================================ 4. a corrupt newest checkpoint
+def _truncate_arrays(step_dir):
+    """Half of every array data file of a checkpoint's state (a torn write): Orbax's raw
+    OUT_OF_RANGE error on restore."""
+    files = [f for f in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True) if os.path.isfile(f)]
+    assert files
+    for f in files:
+        with open(f, "rb") as fh:
+            data = fh.read()
+        with open(f, "wb") as fh:
+            fh.write(data[: len(data) // 2])
+
+
+def test_resume_falls_back_past_corrupt_checkpoints(tmp_path, caplog):
+    """Steps 1-3 saved; 3's meta and 2's arrays are corrupted: the resume takes step 1, warns
+    naming both directories, and moves them out of the way, so the resumed run can save
+    steps 2 and 3 again. With every checkpoint unreadable nothing is moved and the error lists
+    each one's reason."""
+    import jax
+
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.recipes import rl as rl_recipe
+    from rstarjax.recipes.config import RunConfig
+
+    tr = _one_device_trainer()
+    directory = str(tmp_path / "checkpoints")
+    with ckpt_lib.Checkpointer(directory, ckpt_lib.CheckpointConfig(async_save=False)) as ck:
+        for step in (1, 2, 3):
+            state = jax.tree.map(lambda x: x + step if x.dtype.kind == "f" else x, tr.state)
+            state.step = state.step + step
+            ck.save(step, state, {"step": step, "stage": "rl", "init_from": ""})
+    want = _leaves(jax.tree.map(lambda x: x + 1 if x.dtype.kind == "f" else x, tr.state.params))
+    _corrupt_checkpoint(os.path.join(directory, "3"))
+    _truncate_arrays(os.path.join(directory, "2"))
+
+    fresh = _one_device_trainer()
+    with ckpt_lib.Checkpointer(directory) as ck, caplog.at_level("WARNING"):
+        meta = rl_recipe.initial_state(fresh, ck, RunConfig())
+        assert meta["step"] == 1 and fresh.step == 1 and ck.all_steps() == [1]
+    for a, b in zip(_leaves(fresh.state.params), want):
+        np.testing.assert_array_equal(a, b)
+    warned = caplog.text
+    for step, why in ((3, "JSONDecodeError"), (2, "OUT_OF_RANGE")):
+        assert f"checkpoint {directory}/{step} does not restore ({why if step == 3 else 'ValueError'}" in warned
+        assert f"{directory}/{step} (moved to {directory}/{step}.unreadable)" in warned
+    assert "OUT_OF_RANGE" in warned and sorted(os.listdir(directory)) == ["1", "2.unreadable", "3.unreadable"]
+
+    _truncate_arrays(os.path.join(directory, "1"))
+    with ckpt_lib.Checkpointer(directory) as ck:
+        with pytest.raises(ckpt_lib.CheckpointError, match=r"no checkpoint in .* restores: step 1: ValueError: "
+                                                            r"OUT_OF_RANGE"):
+            rl_recipe.initial_state(_one_device_trainer(), ck, RunConfig())
+    assert sorted(os.listdir(directory)) == ["1", "2.unreadable", "3.unreadable"]  # nothing more moved
+
+
+def test_an_interrupted_run_resumes_past_its_corrupt_newest_checkpoint(interrupted_runs):
+    """Phase C of the interrupted run: B's newest checkpoint was corrupted; C names it, resumes
+    from the one before and trains to its end."""
+    c = interrupted_runs["C"]
+    step, _ = c["corrupted"]
+    assert c["status"] == 0, c["log"][-4000:]
+    assert f"/checkpoints/{step} does not restore (JSONDecodeError" in c["log"]
+    assert f"/checkpoints/{step} (moved to " in c["log"]
+    assert c["checkpoints"][-1] == c["logged"][-1] == interrupted_runs["B"]["logged"][-1] + 1
+    assert step in c["checkpoints"]  # the resumed run saved that step again
+
+
+
+if __name__ == "__main__":
+    stage1_worker(sys.argv[1], json.loads(sys.argv[2]))

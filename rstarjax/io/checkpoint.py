@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -40,10 +41,31 @@ class CheckpointConfig:
     init_from: str = ""
     reset_optimizer: bool = False  # stage 3: fresh optimizer state, LR warmup again (rStar2-Agent §4.3)
     update_reference: bool = False  # stage 3: KL reference := the init_from policy (§4.3; loss.kl_coef > 0)
+    # from the first SIGTERM / SIGINT to the exit: the save of the last finished step and the
+    # code pool's shutdown must fit (a preempted TPU VM gets about 30 s); recipes/preemption.py
+    preemption_grace_s: float = 25.0
 
     def __post_init__(self):
         require((self.every_steps >= 1, f"every_steps={self.every_steps} must be >= 1"),
-                (self.keep >= 1, f"keep={self.keep} must be >= 1"))
+                (self.keep >= 1, f"keep={self.keep} must be >= 1"),
+                (self.preemption_grace_s > 0, f"preemption_grace_s={self.preemption_grace_s} must be > 0 (seconds "
+                 "from the first SIGTERM / SIGINT to the exit)"))
+
+
+# what Orbax and TensorStore raise for a torn or corrupt checkpoint (ValueError covers
+# json.JSONDecodeError and TensorStore's OUT_OF_RANGE / DATA_LOSS statuses)
+_READ_ERRORS = (ValueError, OSError, RuntimeError)
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint of a directory restores (the message says why each failed)."""
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line`` of an exception, at most 300 characters (Orbax's messages run to
+    pages of TensorStore specs)."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
 
 
 class NonFiniteState(ValueError):
@@ -131,6 +153,67 @@ class Checkpointer:
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
         )
         return out["state"], dict(out["meta"] or {})
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def restore_newest(self, abstract_state, check_meta: Callable[[dict, int], None] | None = None):
+        """(state, meta, step) of the newest checkpoint that restores, for a resume.
+
+        A newer one that does not (a torn or corrupt write: Orbax's OUT_OF_RANGE / ZSTD errors,
+        a JSONDecodeError for its meta) is skipped with a warning naming its directory, and once
+        an older one restored it is renamed ``STEP.unreadable`` (kept for a look, but out of
+        Orbax's way, so that the resumed run can save that step again). When none restores
+        nothing is renamed (a model that does not fit the checkpoints looks the same) and
+        ``CheckpointError`` lists why each failed. ``check_meta(meta, step)`` vets a candidate's
+        meta before its arrays are read; what it raises propagates."""
+        unreadable: list[tuple[int, str]] = []
+
+        def skip(step: int, exc: BaseException) -> None:
+            log.warning("checkpoint %s does not restore (%s): skipping it", self.step_dir(step), _first_line(exc))
+            unreadable.append((step, _first_line(exc)))
+
+        for step in sorted(self.all_steps(), reverse=True):
+            try:
+                meta = self.read_meta(step)
+            except _READ_ERRORS as exc:
+                skip(step, exc)
+                continue
+            if check_meta is not None:
+                check_meta(meta, step)
+            try:
+                state, meta = self.restore(abstract_state, step)
+            except _READ_ERRORS as exc:
+                skip(step, exc)
+                continue
+            if unreadable:
+                moved = self._set_aside([s for s, _ in unreadable])
+                log.warning("resuming from step %d of %s; skipped the newer, unreadable %s", step, self.directory,
+                            ", ".join(f"{self.step_dir(s)} (moved to {m})" for (s, _), m in zip(unreadable, moved)))
+            return state, meta, step
+        if not unreadable:
+            raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
+        raise CheckpointError(f"no checkpoint in {self.directory} restores: " + "; ".join(
+            f"step {s}: {reason}" for s, reason in unreadable))
+
+    def _set_aside(self, steps: list[int]) -> list[str]:
+        """Rename these step directories ``STEP.unreadable`` (``-N`` added when taken; process
+        0 renames, every process waits for it), make Orbax list the steps again, and return
+        the new paths."""
+        targets = []
+        for step in steps:
+            target, n = self.step_dir(step) + ".unreadable", 1
+            while os.path.exists(target):
+                target, n = f"{self.step_dir(step)}.unreadable-{n}", n + 1
+            targets.append(target)
+            if jax.process_index() == 0:
+                os.rename(self.step_dir(step), target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("rstarjax: unreadable checkpoints set aside")
+        self._manager.reload()
+        return targets
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         """The ``meta`` item of ``step`` (default the latest finished one) alone: no array is read."""

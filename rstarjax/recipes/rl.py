@@ -23,7 +23,7 @@ from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
 from rstarjax.io import data as data_lib
 from rstarjax.io.metrics_log import MetricsWriter
-from rstarjax.recipes import build
+from rstarjax.recipes import build, preemption
 from rstarjax.recipes.config import RunConfig, wandb_init_args
 from rstarjax.rl.step import rl_step
 from rstarjax.rl.trainer import Trainer, TrainState
@@ -121,19 +121,21 @@ def initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig)
         raise StageError(f"--config.checkpoint.init_from={run.checkpoint.init_from!r} is this run's own "
                          "checkpoint directory: give each stage its own --workdir (a workdir resumes by itself)")
     if ckpt.latest_step() is not None:
-        meta = ckpt.read_meta()
-        if meta.get("stage") == "sft":
-            raise StageError(f"{ckpt.directory} holds an SFT run's checkpoints: give the RL stage its own "
-                             "--workdir and start it with --config.checkpoint.init_from=SFT_WORKDIR/checkpoints")
-        recorded = meta.get("init_from", "")
-        # checkpoints that predate the stage record ("stage" absent) cannot tell: they resume
-        if "stage" in meta and init_from and (not recorded or not _same_dir(recorded, init_from)):
-            raise StageError(
-                f"{ckpt.directory} holds checkpoints of another run (started from "
-                f"{recorded or 'the base model'!r}, now at step {ckpt.latest_step()}), not of a stage started "
-                f"from {init_from!r}: give this stage a new --workdir")
+        def same_stage(meta: dict, step: int) -> None:
+            if meta.get("stage") == "sft":
+                raise StageError(f"{ckpt.directory} holds an SFT run's checkpoints: give the RL stage its own "
+                                 "--workdir and start it with --config.checkpoint.init_from=SFT_WORKDIR/checkpoints")
+            recorded = meta.get("init_from", "")
+            # checkpoints that predate the stage record ("stage" absent) cannot tell: they resume
+            if "stage" in meta and init_from and (not recorded or not _same_dir(recorded, init_from)):
+                raise StageError(
+                    f"{ckpt.directory} holds checkpoints of another run (started from "
+                    f"{recorded or 'the base model'!r}, now at step {step}), not of a stage started "
+                    f"from {init_from!r}: give this stage a new --workdir")
+
         abstract = ckpt_lib.abstract_like(trainer.state, trainer.state_sharding)
-        trainer.state, meta = ckpt.restore(abstract)
+        # the newest checkpoint that restores: a torn or corrupt newer one is skipped, with a warning
+        trainer.state, meta, _ = ckpt.restore_newest(abstract, check_meta=same_stage)
         return dict(meta, resumed=True)
     if not init_from:
         return {"step": 0, "stage_start_step": 0}
@@ -225,40 +227,48 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
     ``rollout_fn`` defaults to the agent loop on a colocated serving engine; ``on_update`` is
     called once the starting state is in place (so the very first rollouts sample the restored
     policy) and after every update (the colocated engine takes the new params in memory there).
+
+    SIGTERM / SIGINT stop the stage cleanly (``recipes.preemption``): the last finished step is
+    saved, the code pool closed, and ``preemption.Interrupted`` raised.
     """
-    mesh = build.mesh(run.mesh)
-    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), run.checkpoint)
-    executor, before_update = None, None
-    try:
-        if model is None:
-            model = build.policy(run.model, mesh, run.seed,
-                                 read_weights=not checkpoint_replaces_weights(run, ckpt))
-        # what rstarjax.export needs to rebuild the model from a checkpoint of this run alone
-        tokenizer = build.tokenizer(run.model)
-        if rollout_fn is None or len(tokenizer) <= model.config.vocab_size:
-            export_meta = build.model_meta(model, tokenizer)  # raises when the vocabularies disagree
-        else:  # a scripted rollout function on a preset whose table fits no tokenizer: the architecture only
-            export_meta = {"model_config": model.config.to_hf_dict()}
-        trainer = Trainer(model, run.optim, run.loss, run.trainer, mesh=mesh)
-        meta = initial_state(trainer, ckpt, run)
-        if rollout_fn is None:
-            executor = build.executor(run.rl.num_tool_workers)
-            rollouts = build.rollouts(trainer.model(), tokenizer, executor, run.rl.agent(), run.rl.sampling(),
-                                      run.rl.max_prompt_len, run.rl.chat_format, run.serving)
-            rollout_fn, on_update = rollouts, lambda tr: rollouts.update_params(tr.model())
-            if run.serving.release_during_update:  # freed before each update, made again by on_update
-                before_update = rollouts.release_memory
-        return _train_stage(run, workdir, trainer, ckpt, meta, rollout_fn, on_update, export_meta,
-                            before_update)
-    finally:
-        ckpt.close()  # waits for the last async save
-        if executor is not None:
-            executor.close()  # the code-execution pool this stage started
+    guard = preemption.SignalGuard(run.checkpoint.preemption_grace_s, can_abandon=jax.process_count() == 1)
+    with guard:  # from here on a signal is a request to stop, answered within the grace period
+        mesh = build.mesh(run.mesh)
+        ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), run.checkpoint)
+        executor, before_update = None, None
+        try:
+            if model is None:
+                model = build.policy(run.model, mesh, run.seed,
+                                     read_weights=not checkpoint_replaces_weights(run, ckpt))
+            # what rstarjax.export needs to rebuild the model from a checkpoint of this run alone
+            tokenizer = build.tokenizer(run.model)
+            if rollout_fn is None or len(tokenizer) <= model.config.vocab_size:
+                export_meta = build.model_meta(model, tokenizer)  # raises when the vocabularies disagree
+            else:  # a scripted rollout function on a preset whose table fits no tokenizer: the architecture only
+                export_meta = {"model_config": model.config.to_hf_dict()}
+            trainer = Trainer(model, run.optim, run.loss, run.trainer, mesh=mesh)
+            meta = initial_state(trainer, ckpt, run)
+            if rollout_fn is None:
+                executor = build.executor(run.rl.num_tool_workers)
+                rollouts = build.rollouts(trainer.model(), tokenizer, executor, run.rl.agent(), run.rl.sampling(),
+                                          run.rl.max_prompt_len, run.rl.chat_format, run.serving)
+                rollout_fn, on_update = rollouts, lambda tr: rollouts.update_params(tr.model())
+                if run.serving.release_during_update:  # freed before each update, made again by on_update
+                    before_update = rollouts.release_memory
+            return _train_stage(run, workdir, trainer, ckpt, meta, rollout_fn, on_update, export_meta,
+                                before_update, guard)
+        finally:
+            ckpt.close()  # waits for the last async save
+            if executor is not None:  # the code-execution pool this stage started
+                # after a signal, calls still in flight are of an abandoned step: no need to wait
+                executor.close(drain_timeout=0.0 if guard.request is not None else None)
 
 
 def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_update, export_meta,
-                 before_update=None) -> Trainer:
-    """``run_rl``'s loop, from the stage's starting state to ``run.total_steps``."""
+                 before_update=None, guard: preemption.SignalGuard | None = None) -> Trainer:
+    """``run_rl``'s loop, from the stage's starting state to ``run.total_steps``; ``guard``
+    (installed by the caller) says when a signal asks it to stop."""
+    guard = guard or preemption.SignalGuard(0.0, can_abandon=False)  # never installed: never asks
     reference = setup_reference(trainer, run, meta)
     stage_start = int(meta.get("stage_start_step", 0))
     data_seed = int(meta.get("data_seed", stage_data_seed(run.seed, stage_start)))
@@ -272,6 +282,16 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
                     "init_from_step": meta.get("init_from_step"), "stage_start_step": stage_start,
                     "data_seed": data_seed, "stage_total_steps": run.total_steps, **export_meta}
 
+    def save(step: int, data_state) -> bool:
+        return ckpt.save(step, trainer.state, {
+            "step": step, "rng": ckpt_lib.key_to_json(base_key), "data_state": data_state, **stage_record,
+            **({"reference": reference} if reference else {}),
+        })
+
+    def guarded_rollouts(*args, **kwargs):  # the part of a step that a stop signal may abandon
+        with guard.rollouts():
+            return rollout_fn(*args, **kwargs)
+
     is_main = jax.process_index() == 0
     writer = MetricsWriter(os.path.join(workdir, "logs"), enabled=is_main, tensorboard=run.logging.tensorboard,
                            wandb=wandb_init_args(run, workdir))
@@ -283,8 +303,15 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
                     desc="rl", dynamic_ncols=True)
     rejected_in_a_row = 0
     nonfinite = NonFiniteStreak(run.trainer.max_nonfinite_steps)
+    # the data position after the last finished step: what a checkpoint of that step records
+    # (batches drawn since, by a rejected or an abandoned step, are drawn again on resume)
+    finished_data = data_iter.get_state()
+    stop_signal = 0
     try:
         while trainer.step < run.total_steps:
+            stop_signal = guard.stop_signal(trainer.step)
+            if stop_signal:
+                break
             step = trainer.step
             compiled_before = compile_cache.compile_seconds()
             try:
@@ -300,8 +327,12 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
             seed = int(jax.random.randint(step_key, (), 0, 2**31 - 1))
             # dynamic sampling refills from the same iterator, so its checkpointed state covers
             # every prompt a step consumed
-            metrics = rl_step(trainer, rollout_fn, records, run.rl, run.loss, seed,
-                              more_records=lambda: next(data_iter), before_update=before_update)
+            try:
+                metrics = rl_step(trainer, guarded_rollouts, records, run.rl, run.loss, seed,
+                                  more_records=lambda: next(data_iter), before_update=before_update)
+            except preemption.StepAbandoned:  # the train state is still that of the last finished step
+                stop_signal = guard.request.signum
+                break
             if trainer.step == step:  # every group was rejected: no update, as the official trainer
                 rejected_in_a_row += 1
                 log.warning("step %d: no group of the batch is left to train on (rejected %.0f%%, %d infra-short); "
@@ -316,6 +347,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
                 continue
             metrics["filter/rejected_batches"] = float(rejected_in_a_row)
             rejected_in_a_row = 0
+            finished_data = data_iter.get_state()
             t_handoff = time.perf_counter()
             if on_update is not None:
                 on_update(trainer)
@@ -327,11 +359,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
                 raise diverged
             if ckpt.should_save(new_step, run.total_steps):
                 t_save = time.perf_counter()
-                ckpt.save(new_step, trainer.state, {
-                    "step": new_step, "rng": ckpt_lib.key_to_json(base_key),
-                    "data_state": data_iter.get_state(), **stage_record,
-                    **({"reference": reference} if reference else {}),
-                })
+                save(new_step, finished_data)
                 # with async_save, the part the loop waits for (the copy off the device)
                 metrics["time/checkpoint"] = time.perf_counter() - t_save
             metrics.update(device_memory_metrics())
@@ -340,7 +368,18 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
             bar.update(1)
             bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}",
                             len=f"{metrics.get('rollout/response_length_mean', 0):.0f}")
+        if stop_signal:
+            raise _stop(stop_signal, trainer.step, start, save, finished_data, ckpt, guard.abandoned)
     finally:
         bar.close()
         writer.close()
     return trainer
+
+
+def _stop(signum: int, step: int, start: int, save, data_state, ckpt, abandoned: bool) -> preemption.Interrupted:
+    """Save ``step``, the last finished one, unless it is on disk already or this run finished
+    none; wait for the write; return the exception that ends the stage."""
+    if step > start and step not in ckpt.all_steps():
+        save(step, data_state)
+    ckpt.wait()
+    return preemption.Interrupted(signum, step, saved=step > start or step in ckpt.all_steps(), abandoned=abandoned)
