@@ -404,5 +404,41 @@ def test_an_interrupted_run_resumes_past_its_corrupt_newest_checkpoint(interrupt
 
 
 
+# ============================================================================ 2. over-long prompts
+class _ModelBuilt(Exception):
+    """Raised where the run would build its model."""
+
+
+def test_over_long_prompts_are_skipped_at_load_before_the_model_is_built(stage1_inputs, tmp_path, monkeypatch,
+                                                                           caplog):
+    """Rows 3 and 9 of the problems have prompts over ``rl.max_prompt_len``: they are measured
+    as the engine encodes them, skipped and counted with their row numbers before the model
+    (and the code pool) is built, instead of stopping the run when drawn."""
+    from rstarjax.main import run
+    from rstarjax.recipes import build
+    from rstarjax.rl.step import RLConfig
+    from test_stages import _load, _rl_sizes
+
+    data = tmp_path / "problems.jsonl"
+    lines = open(stage1_inputs["data.train_path"]).read().splitlines()[:10]
+    for row in (3, 9):
+        lines[row - 1] = json.dumps({"problem": "How many words? " + "word " * 300, "answer": "300"})
+    data.write_text("\n".join(lines) + "\n")
+
+    def no_model(*args, **kwargs):
+        raise _ModelBuilt
+
+    monkeypatch.setattr(build, "policy", no_model)
+    c = _rl_sizes(_load("stage1"), 2)
+    c.model.hf_path, c.data.train_path = stage1_inputs["model.hf_path"], str(data)
+    with caplog.at_level("WARNING"), pytest.raises(_ModelBuilt):
+        run(c, str(tmp_path / "run"))
+    assert ("dataset: 2 prompts longer than --config.rl.max_prompt_len=160 tokens skipped; prompt_too_long=2 "
+            "(rows problems.jsonl:3, problems.jsonl:9)") in caplog.text
+
+    records, report = build.problems(str(data), RLConfig(), None)  # a scripted rollout_fn
+    assert len(records) == 10 and not report.skipped  # measures nothing: it encodes no prompt
+
+
 if __name__ == "__main__":
     stage1_worker(sys.argv[1], json.loads(sys.argv[2]))

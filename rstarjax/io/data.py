@@ -51,23 +51,43 @@ class BadRow(ValueError):
         self.reason = reason
 
 
+# rows named per skip reason in a report (the rest are counted only)
+EXAMPLE_ROWS = 5
+
+
 @dataclasses.dataclass
 class DataReport:
-    """What loading kept and dropped, by reason (never silent)."""
+    """What loading kept and dropped, by reason, with the first rows of each ("FILE:ROW", rows
+    numbered from 1: a .jsonl file's line numbers) so they can be found and fixed (never silent)."""
 
     total: int = 0
     kept: int = 0
     skipped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    rows: dict = dataclasses.field(default_factory=dict)  # reason -> the first EXAMPLE_ROWS "FILE:ROW"
 
     @property
     def num_skipped(self) -> int:
         return sum(self.skipped.values())
 
+    def skip(self, reason: str, where: str) -> None:
+        """Count one skipped row of ``reason`` at ``where`` ("FILE:ROW")."""
+        self.skipped[reason] += 1
+        examples = self.rows.setdefault(reason, [])
+        if len(examples) < EXAMPLE_ROWS:
+            examples.append(where)
+
     def merge(self, other: "DataReport") -> "DataReport":
-        return DataReport(self.total + other.total, self.kept + other.kept, self.skipped + other.skipped)
+        rows = {k: (self.rows.get(k, []) + other.rows.get(k, []))[:EXAMPLE_ROWS] for k in {*self.rows, *other.rows}}
+        return DataReport(self.total + other.total, self.kept + other.kept, self.skipped + other.skipped, rows)
+
+    def describe(self, reason: str) -> str:
+        """``reason=N (rows a, b, ...)``."""
+        n, rows = self.skipped[reason], self.rows.get(reason, [])
+        more = ", ..." if n > len(rows) else ""
+        return f"{reason}={n}" + (f" (rows {', '.join(rows)}{more})" if rows else "")
 
     def __str__(self) -> str:
-        reasons = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or "none"
+        reasons = ", ".join(self.describe(k) for k in sorted(self.skipped)) or "none"
         return f"{self.kept}/{self.total} rows kept; skipped: {reasons}"
 
 
@@ -153,16 +173,17 @@ def integer_answer(answer: str) -> str | None:
     return str(int(a.split(".")[0]))
 
 
-def read_rows(path: str) -> tuple[list[Any], collections.Counter]:
-    """Raw rows of a .jsonl/.json/.parquet file, plus counts of lines that did not decode."""
-    bad: collections.Counter = collections.Counter()
+def read_numbered_rows(path: str) -> list[tuple[int, Any]]:
+    """(row number, raw row) of each row of a .jsonl/.json/.parquet file, numbered from 1 (a
+    .jsonl file's line numbers; blank lines are no rows); a row that does not decode is a
+    ``BadRow`` in its place."""
     ext = os.path.splitext(path)[1].lower()
     if ext == ".parquet":
         try:  # lazily: pyarrow is large and only parquet files need it
             import pyarrow.parquet as pq
         except ImportError as e:  # pragma: no cover - depends on the install
             raise ImportError("reading parquet needs pyarrow (pip install pyarrow)") from e
-        return pq.read_table(path).to_pylist(), bad
+        return list(enumerate(pq.read_table(path).to_pylist(), start=1))
     if ext not in (".jsonl", ".json"):
         raise ValueError(f"unsupported dataset file {path!r} (expected .jsonl, .json or .parquet)")
     with open(path, encoding="utf-8") as f:
@@ -171,42 +192,55 @@ def read_rows(path: str) -> tuple[list[Any], collections.Counter]:
         data = json.loads(text)
         if not isinstance(data, list):
             raise ValueError(f"{path}: a .json dataset must be a list of rows")
-        return data, bad
+        return list(enumerate(data, start=1))
     rows = []
-    for line in text.splitlines():
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            rows.append((number, json.loads(line)))
         except json.JSONDecodeError:
-            bad["bad_json"] += 1
+            rows.append((number, BadRow("bad_json")))
+    return rows
+
+
+def read_rows(path: str) -> tuple[list[Any], collections.Counter]:
+    """Raw rows of a .jsonl/.json/.parquet file, plus counts of lines that did not decode."""
+    rows, bad = [], collections.Counter()
+    for _, row in read_numbered_rows(path):
+        if isinstance(row, BadRow):
+            bad[row.reason] += 1
+        else:
+            rows.append(row)
     return rows, bad
 
 
 def load_problems(paths: str | Iterable[str], integer_only: bool = True) -> tuple[list[dict[str, str]], DataReport]:
-    """Normalised records from one or more files, and a report of everything dropped."""
+    """Normalised records from one or more files, and a report of everything dropped. A
+    record's ``uid`` is ``FILE:ROW`` (``read_numbered_rows``' numbering)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     records: list[dict[str, str]] = []
     report = DataReport()
     for path in paths:
-        rows, bad = read_rows(os.fspath(path))
-        report.total += len(rows) + sum(bad.values())
-        report.skipped.update(bad)
         source = os.path.basename(os.fspath(path))
-        for i, row in enumerate(rows):
+        for number, row in read_numbered_rows(os.fspath(path)):
+            report.total += 1
+            where = f"{source}:{number}"
             try:
+                if isinstance(row, BadRow):
+                    raise row
                 rec = normalize_row(row)
             except BadRow as e:
-                report.skipped[e.reason] += 1
+                report.skip(e.reason, where)
                 continue
             if integer_only:
                 canon = integer_answer(rec["answer"])
                 if canon is None:
-                    report.skipped["non_integer_answer"] += 1
+                    report.skip("non_integer_answer", where)
                     continue
                 rec["answer"] = canon
-            rec["uid"] = f"{source}:{i}"
+            rec["uid"] = where
             rec["source"] = source
             records.append(rec)
     report.kept = len(records)
@@ -215,6 +249,26 @@ def load_problems(paths: str | Iterable[str], integer_only: bool = True) -> tupl
     if not records:
         raise ValueError(f"no usable rows in {list(paths)} ({report})")
     return records, report
+
+
+def drop_long_prompts(records: list[dict], report: DataReport, prompt_len, max_len: int, flag: str) -> list[dict]:
+    """``records`` without those whose prompt is longer than ``max_len`` tokens
+    (``prompt_len(problem)`` measures it as the rollouts will encode it), each counted in
+    ``report`` as ``prompt_too_long`` with its row (a record's ``uid``). Raises, naming ``flag``,
+    when none is left."""
+    kept = []
+    for rec in records:
+        if prompt_len(rec["problem"]) > max_len:
+            report.skip("prompt_too_long", rec.get("uid", "?"))
+        else:
+            kept.append(rec)
+    report.kept = len(kept)
+    if len(kept) < len(records):
+        log.warning("dataset: %d prompts longer than %s=%d tokens skipped; %s", len(records) - len(kept), flag,
+                    max_len, report.describe("prompt_too_long"))
+    if not kept:
+        raise ValueError(f"every prompt is longer than {flag}={max_len} tokens ({report})")
+    return kept
 
 
 def host_shard(num_records: int, process_index: int, process_count: int, even: bool = True) -> slice:

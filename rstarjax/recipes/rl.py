@@ -42,13 +42,12 @@ def stage_data_seed(seed: int, stage_start_step: int) -> int:
     return int(np.random.default_rng([int(seed), int(stage_start_step)]).integers(0, 2**31 - 1))
 
 
-def problem_batches(run: RunConfig, seed: int):
-    """grain iterator over this process's share of the prompts, ``prompts_per_step`` per step
+def problem_batches(run: RunConfig, seed: int, records: list[dict]):
+    """grain iterator over this process's share of ``records``, ``prompts_per_step`` per step
     (repeats when ``data.num_epochs == 0``), shuffled with ``seed``."""
     per_process = run.rl.prompts_per_step // jax.process_count()
-    ds, _ = data_lib.problem_dataset(run.data.train_path, per_process, seed=seed,
-                                     num_epochs=run.data.num_epochs or None, shuffle=run.data.shuffle)
-    return ds
+    return data_lib.make_dataset(records, per_process, seed=seed, num_epochs=run.data.num_epochs or None,
+                                 shuffle=run.data.shuffle)
 
 
 class StageError(ValueError):
@@ -233,6 +232,9 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
     """
     guard = preemption.SignalGuard(run.checkpoint.preemption_grace_s, can_abandon=jax.process_count() == 1)
     with guard:  # from here on a signal is a request to stop, answered within the grace period
+        tokenizer = build.tokenizer(run.model)
+        # the data first: its bad and over-long rows are reported before minutes of model loading
+        records, _ = build.problems(run.data.train_path, run.rl, tokenizer if rollout_fn is None else None)
         mesh = build.mesh(run.mesh)
         ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), run.checkpoint)
         executor, before_update = None, None
@@ -241,7 +243,6 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
                 model = build.policy(run.model, mesh, run.seed,
                                      read_weights=not checkpoint_replaces_weights(run, ckpt))
             # what rstarjax.export needs to rebuild the model from a checkpoint of this run alone
-            tokenizer = build.tokenizer(run.model)
             if rollout_fn is None or len(tokenizer) <= model.config.vocab_size:
                 export_meta = build.model_meta(model, tokenizer)  # raises when the vocabularies disagree
             else:  # a scripted rollout function on a preset whose table fits no tokenizer: the architecture only
@@ -255,7 +256,7 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
                 rollout_fn, on_update = rollouts, lambda tr: rollouts.update_params(tr.model())
                 if run.serving.release_during_update:  # freed before each update, made again by on_update
                     before_update = rollouts.release_memory
-            return _train_stage(run, workdir, trainer, ckpt, meta, rollout_fn, on_update, export_meta,
+            return _train_stage(run, workdir, trainer, ckpt, meta, records, rollout_fn, on_update, export_meta,
                                 before_update, guard)
         finally:
             ckpt.close()  # waits for the last async save
@@ -264,7 +265,7 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
                 executor.close(drain_timeout=0.0 if guard.request is not None else None)
 
 
-def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_update, export_meta,
+def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, records, rollout_fn, on_update, export_meta,
                  before_update=None, guard: preemption.SignalGuard | None = None) -> Trainer:
     """``run_rl``'s loop, from the stage's starting state to ``run.total_steps``; ``guard``
     (installed by the caller) says when a signal asks it to stop."""
@@ -272,7 +273,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
     reference = setup_reference(trainer, run, meta)
     stage_start = int(meta.get("stage_start_step", 0))
     data_seed = int(meta.get("data_seed", stage_data_seed(run.seed, stage_start)))
-    data_iter = iter(problem_batches(run, seed=data_seed))
+    data_iter = iter(problem_batches(run, data_seed, records))
     if meta.get("resumed") and meta.get("data_state") is not None:
         data_iter.set_state(meta["data_state"])
     base_key = ckpt_lib.key_from_json(meta["rng"]) if "rng" in meta else jax.random.key(run.seed)
