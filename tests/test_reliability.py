@@ -440,5 +440,47 @@ def test_over_long_prompts_are_skipped_at_load_before_the_model_is_built(stage1_
     assert len(records) == 10 and not report.skipped  # measures nothing: it encodes no prompt
 
 
+
+# ============================================================================ 7. the data loader
+def test_bad_rows_are_skipped_and_counted_each_with_its_reason_and_row(tmp_path):
+    """One file with a byte that is not UTF-8, answers of 5,000 digits (a JSON number and a
+    string), answers of the wrong type, and duplicates: the good rows load, and each bad one is
+    counted under its own reason with its line number."""
+    from rstarjax.io.data import load_problems
+
+    huge = "9" * 5000
+    lines = [
+        json.dumps({"problem": "one", "answer": "1"}).encode(),  # 1
+        b'{"problem": "caf\xe9 au lait", "answer": "2"}',  # 2: latin-1, not UTF-8
+        b'{"problem": "big number", "answer": ' + huge.encode() + b"}",  # 3
+        json.dumps({"problem": "big string", "answer": huge}).encode(),  # 4
+        json.dumps({"problem": "a list", "answer": [1, 2]}).encode(),  # 5
+        json.dumps({"problem": "a null", "answer": None}).encode(),  # 6
+        json.dumps({"problem": "a bool", "answer": True}).encode(),  # 7
+        json.dumps({"problem": "one", "answer": "1"}).encode(),  # 8: duplicate of row 1
+        json.dumps({"problem": "one", "answer": "11"}).encode(),  # 9: the same problem, another answer
+        json.dumps({"problem": "two", "answer": 2}).encode(),  # 10
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    records, report = load_problems(str(path))
+    assert [(r["problem"], r["answer"], r["uid"]) for r in records] == [("one", "1", "mixed.jsonl:1"),
+                                                                          ("two", "2", "mixed.jsonl:10")]
+    assert dict(report.skipped) == {"not_utf8": 1, "answer_too_long": 2, "answer_wrong_type": 3, "duplicate": 1,
+                                    "duplicate_other_answer": 1}
+    assert report.rows["not_utf8"] == ["mixed.jsonl:2 [byte 17 of the line is b'\\xe9']"]
+    assert report.rows["answer_too_long"] == [f"mixed.jsonl:{n} [5000 digits, Python's limit is 4300]" for n in (3, 4)]
+    assert report.rows["answer_wrong_type"] == ["mixed.jsonl:5 [answer is list]", "mixed.jsonl:6 [answer is null]",
+                                                "mixed.jsonl:7 [answer is bool]"]
+    assert report.rows["duplicate"] == ["mixed.jsonl:8 [of mixed.jsonl:1]"]
+    assert report.rows["duplicate_other_answer"] == ["mixed.jsonl:9 [of mixed.jsonl:1, answer '1']"]
+    assert "2/10 rows kept" in str(report) and "answer_wrong_type=3 (rows mixed.jsonl:5 [answer is list]" in str(report)
+
+    one_document = tmp_path / "list.json"
+    one_document.write_bytes(b'[{"problem": "one", "answer": "1"},\n {"problem": "caf\xe9", "answer": "2"}]')
+    with pytest.raises(ValueError, match=r"list.json: line 2 is not UTF-8 \(byte b'\\xe9' at offset 53\)"):
+        load_problems(str(one_document))
+
+
 if __name__ == "__main__":
     stage1_worker(sys.argv[1], json.loads(sys.argv[2]))

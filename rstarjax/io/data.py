@@ -9,20 +9,24 @@ Layouts understood (first match wins):
 Files: ``.jsonl`` / ``.json`` (a list of rows or JSON lines) and ``.parquet`` (needs pyarrow).
 
 Rows are read and normalised eagerly on the host (datasets here are ~10^4-10^5 problems): bad rows
-(undecodable JSON, missing or empty fields) are skipped and COUNTED by reason in ``DataReport``;
-non-integer answers are filtered out when ``integer_only`` (rStar2-Agent §4.2) and counted too.
+(a line that is not UTF-8 or not JSON, missing, empty or wrong-type fields, repeated problems) are
+skipped and COUNTED by reason in ``DataReport``, with their first rows (``FILE:ROW``);
+non-integer answers are filtered out when ``integer_only`` (rStar2-Agent §4.2), and integers past
+Python's int-string limit (4,300 digits), which the verifier could not read, are counted too.
 The pipeline is then: per-host shard (process_index::process_count) -> seeded shuffle, reshuffled
 every epoch -> repeat(num_epochs) -> batch. Its iterator's ``get_state()`` / ``set_state()``
 (a small dict) is what a checkpoint stores to resume exactly.
 """
 from __future__ import annotations
 
+import codecs
 import collections
 import dataclasses
 import json
 import logging
 import os
 import re
+import sys
 from typing import Any, Iterable
 
 import grain
@@ -49,6 +53,7 @@ class BadRow(ValueError):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+        self.detail = detail
 
 
 # rows named per skip reason in a report (the rest are counted only)
@@ -116,34 +121,46 @@ def _chat_user_content(prompt: Any) -> str | None:
     return None
 
 
+def _kind(x: Any) -> str:
+    """What a JSON value is, for a message: null, a bool, a list, ..."""
+    if x is None:
+        return "null"
+    if isinstance(x, float) and not np.isfinite(x):
+        return repr(x)
+    return type(x).__name__
+
+
+def _field(candidates: list[tuple[str, Any]], what: str) -> str:
+    """The text of the first candidate (key, value) that is text or a number; raises BadRow
+    ``missing_{what}`` when there is none, ``{what}_wrong_type`` (naming the keys and the types
+    found) when the fields are there but hold nulls, lists, bools, objects."""
+    wrong = []
+    for key, value in candidates:
+        text = _text(value)
+        if text is not None:
+            return text
+        wrong.append(f"{key} is {_kind(value)}")
+    if wrong:
+        raise BadRow(f"{what}_wrong_type", "; ".join(wrong))
+    raise BadRow(f"missing_{what}")
+
+
 def normalize_row(row: Any) -> dict[str, str]:
     """{"problem", "answer"} from any supported layout; raises BadRow otherwise."""
     if not isinstance(row, dict):
         raise BadRow("not_a_mapping", type(row).__name__)
-    problem = None
-    answer = None
+    answers = []
     if "prompt" in row and not isinstance(row["prompt"], str):  # DAPO / verl layout
         content = _chat_user_content(row["prompt"])
         if content is None:
             raise BadRow("bad_chat_prompt")
         problem = strip_dapo_wrapper(content)
         rm = row.get("reward_model")
-        if isinstance(rm, dict):
-            answer = _text(rm.get("ground_truth"))
+        if isinstance(rm, dict) and "ground_truth" in rm:
+            answers.append(("reward_model.ground_truth", rm["ground_truth"]))
     else:
-        for k in _PROBLEM_KEYS + ("prompt",):
-            if k in row:
-                problem = _text(row[k])
-                break
-    if answer is None:
-        for k in _ANSWER_KEYS:
-            if k in row and row[k] is not None:
-                answer = _text(row[k])
-                break
-    if problem is None:
-        raise BadRow("missing_problem")
-    if answer is None:
-        raise BadRow("missing_answer")
+        problem = _field([(k, row[k]) for k in _PROBLEM_KEYS + ("prompt",) if k in row], "problem")
+    answer = _field(answers + [(k, row[k]) for k in _ANSWER_KEYS if k in row], "answer")
     if "####" in answer:  # GSM8K: rationale "#### final"
         answer = answer.rsplit("####", 1)[1].strip()
     if not problem:
@@ -170,13 +187,40 @@ def integer_answer(answer: str) -> str | None:
         a = a.replace(",", "")
     if not _INT_RE.match(a):
         return None
-    return str(int(a.split(".")[0]))
+    # canonical by hand: int() refuses strings over sys.get_int_max_str_digits() (4,300) digits
+    digits = a.lstrip("+-").split(".")[0].lstrip("0") or "0"
+    return ("-" if a.startswith("-") and digits != "0" else "") + digits
+
+
+def _int_max_digits() -> int:
+    """Python's int-string conversion limit (0: none)."""
+    return sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 0
+
+
+def _json_int(text: str) -> int | str:
+    """``json.loads``' parse_int: an integer literal over Python's int-string limit stays its
+    digits (an int() of it raises, naming neither file nor row)."""
+    limit = _int_max_digits()
+    return text if limit and len(text.lstrip("-")) > limit else int(text)
+
+
+def _decode_line(line: bytes) -> Any:
+    """One JSON-lines row, or a BadRow saying why it is none."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return BadRow("not_utf8", f"byte {e.start + 1} of the line is {line[e.start:e.start + 1]!r}")
+    try:
+        return json.loads(text, parse_int=_json_int)
+    except ValueError as e:  # JSONDecodeError, and whatever json raises past it
+        return BadRow("bad_json", str(e).splitlines()[0][:200])
 
 
 def read_numbered_rows(path: str) -> list[tuple[int, Any]]:
     """(row number, raw row) of each row of a .jsonl/.json/.parquet file, numbered from 1 (a
-    .jsonl file's line numbers; blank lines are no rows); a row that does not decode is a
-    ``BadRow`` in its place."""
+    .jsonl file's line numbers; blank lines are no rows). A .jsonl row that does not decode (not
+    UTF-8, not JSON) is a ``BadRow`` in its place; a .json file is one document, so a byte that
+    is not UTF-8 or a JSON error in it raises, naming the file and the line."""
     ext = os.path.splitext(path)[1].lower()
     if ext == ".parquet":
         try:  # lazily: pyarrow is large and only parquet files need it
@@ -186,22 +230,23 @@ def read_numbered_rows(path: str) -> list[tuple[int, Any]]:
         return list(enumerate(pq.read_table(path).to_pylist(), start=1))
     if ext not in (".jsonl", ".json"):
         raise ValueError(f"unsupported dataset file {path!r} (expected .jsonl, .json or .parquet)")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if ext == ".json" and text.lstrip().startswith("["):
-        data = json.loads(text)
-        if not isinstance(data, list):
-            raise ValueError(f"{path}: a .json dataset must be a list of rows")
-        return list(enumerate(data, start=1))
-    rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    with open(path, "rb") as f:
+        data = f.read()
+    data = data.removeprefix(codecs.BOM_UTF8)
+    if ext == ".json" and data.lstrip().startswith(b"["):
         try:
-            rows.append((number, json.loads(line)))
-        except json.JSONDecodeError:
-            rows.append((number, BadRow("bad_json")))
-    return rows
+            rows = json.loads(data.decode("utf-8"), parse_int=_json_int)
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise ValueError(f"{path}: line {line} is not UTF-8 (byte "
+                             f"{data[e.start:e.start + 1]!r} at offset {e.start}); a .json dataset is one document: "
+                             "fix the file, or write it as .jsonl, whose bad lines are skipped and counted") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: a .json dataset must be a list of rows")
+        return list(enumerate(rows, start=1))
+    return [(number, _decode_line(line)) for number, line in enumerate(data.split(b"\n"), start=1) if line.strip()]
 
 
 def read_rows(path: str) -> tuple[list[Any], collections.Counter]:
@@ -216,30 +261,31 @@ def read_rows(path: str) -> tuple[list[Any], collections.Counter]:
 
 
 def load_problems(paths: str | Iterable[str], integer_only: bool = True) -> tuple[list[dict[str, str]], DataReport]:
-    """Normalised records from one or more files, and a report of everything dropped. A
-    record's ``uid`` is ``FILE:ROW`` (``read_numbered_rows``' numbering)."""
+    """Normalised records from one or more files, and a report of everything dropped, with the
+    rows (``FILE:ROW [why]``). A record's ``uid`` is ``FILE:ROW`` (``read_numbered_rows``'
+    numbering). A problem seen before (in any of the files) is dropped as ``duplicate``, or as
+    ``duplicate_other_answer`` when its answer differs: the first row wins."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     records: list[dict[str, str]] = []
     report = DataReport()
+    seen: dict[str, tuple[str, str]] = {}  # problem -> (answer, uid) of its first row
     for path in paths:
         source = os.path.basename(os.fspath(path))
         for number, row in read_numbered_rows(os.fspath(path)):
             report.total += 1
             where = f"{source}:{number}"
             try:
-                if isinstance(row, BadRow):
-                    raise row
-                rec = normalize_row(row)
+                rec = _checked_record(row, integer_only)
             except BadRow as e:
-                report.skip(e.reason, where)
+                report.skip(e.reason, f"{where} [{e.detail}]" if e.detail else where)
                 continue
-            if integer_only:
-                canon = integer_answer(rec["answer"])
-                if canon is None:
-                    report.skip("non_integer_answer", where)
-                    continue
-                rec["answer"] = canon
+            first = seen.setdefault(rec["problem"], (rec["answer"], where))
+            if first[1] != where:
+                same = first[0] == rec["answer"]
+                report.skip("duplicate" if same else "duplicate_other_answer",
+                            f"{where} [of {first[1]}{'' if same else f', answer {first[0]!r}'}]")
+                continue
             rec["uid"] = where
             rec["source"] = source
             records.append(rec)
@@ -249,6 +295,22 @@ def load_problems(paths: str | Iterable[str], integer_only: bool = True) -> tupl
     if not records:
         raise ValueError(f"no usable rows in {list(paths)} ({report})")
     return records, report
+
+
+def _checked_record(row: Any, integer_only: bool) -> dict[str, str]:
+    """``normalize_row``, then with ``integer_only`` the canonical integer answer; raises BadRow."""
+    if isinstance(row, BadRow):
+        raise row
+    rec = normalize_row(row)
+    if integer_only:
+        canon = integer_answer(rec["answer"])
+        if canon is None:
+            raise BadRow("non_integer_answer")
+        limit = _int_max_digits()
+        if limit and len(canon.lstrip("-")) > limit:  # the verifier's int() would refuse it
+            raise BadRow("answer_too_long", f"{len(canon.lstrip('-'))} digits, Python's limit is {limit}")
+        rec["answer"] = canon
+    return rec
 
 
 def drop_long_prompts(records: list[dict], report: DataReport, prompt_len, max_len: int, flag: str) -> list[dict]:

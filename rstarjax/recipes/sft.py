@@ -58,7 +58,7 @@ def load_conversations(path: str) -> list[list[dict]]:
         raise FileNotFoundError(f"SFT data file {path!r} does not exist (set --config.sft.data_path)")
     rows, bad = read_rows(path)
     if bad:
-        raise ValueError(f"{path}: {sum(bad.values())} line(s) are not valid JSON")
+        raise ValueError(f"{path}: {sum(bad.values())} line(s) are not valid JSON or not UTF-8 ({dict(bad)})")
     out = []
     for i, row in enumerate(rows):
         msgs = row.get("messages") if isinstance(row, Mapping) else None
