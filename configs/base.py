@@ -50,9 +50,9 @@ def get_config(arg=None):
     c.rl.temperature = 1.0
     c.rl.top_p = 1.0
     c.rl.top_k = -1
-    c.rl.tool_timeout_s = 5.0
+    c.rl.tool_timeout_s = 5.0  # per code execution; in (0, 600], the code pool's limit per call
     c.rl.num_tool_workers = 0  # code-pool workers; 0 = one per host core (each runs 4 sandboxes)
-    c.rl.rollout_timeout_s = 3600.0  # a whole step's rollouts; past it the step fails loudly
+    c.rl.rollout_timeout_s = 3600.0  # a whole step's rollouts (> 0); past it the step fails loudly
     c.rl.roc = True  # False: the paper's GRPO baseline: G rollouts per prompt, all trained (oversample unused)
     c.rl.roc_variant = "paper"  # "topk": the official code's deterministic selection, exactly
     c.rl.roc_min_negatives = 2  # topk's per-class floors (the official run script's values)

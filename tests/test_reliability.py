@@ -482,5 +482,56 @@ def test_bad_rows_are_skipped_and_counted_each_with_its_reason_and_row(tmp_path)
         load_problems(str(one_document))
 
 
+
+# ============================================================================ 6. values that break a run
+@pytest.mark.parametrize("key, value, message", [
+    ("tool_timeout_s", 0.0, r"--config.rl.tool_timeout_s=0.0 must be in \(0, 600\] seconds, the code pool's limit"),
+    ("tool_timeout_s", 601.0, r"--config.rl.tool_timeout_s=601.0 must be in \(0, 600\] seconds"),
+    ("rollout_timeout_s", 0.0, r"--config.rl.rollout_timeout_s=0.0 must be > 0 seconds"),
+])
+def test_timeouts_that_would_break_every_rollout_are_refused_at_start(tmp_path, key, value, message):
+    import stage1
+
+    from rstarjax.recipes.config import parse
+    from rstarjax.validation import ConfigError
+
+    c = stage1.get_config()
+    c.model.random_init, c.model.preset = True, "tiny"
+    c.data.train_path = str(tmp_path / "train.jsonl")
+    (tmp_path / "train.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
+    parse(c)
+    setattr(c.rl, key, value)
+    with pytest.raises(ConfigError, match=message):
+        parse(c)
+
+
+def test_a_long_tool_limit_is_not_cut_short_by_the_schedulers_wait():
+    from rstarjax.rl.step import RLConfig
+
+    assert RLConfig().agent().tool_wait_s == 60.0  # the default 5 s calls: as before
+    assert RLConfig(tool_timeout_s=600.0).agent().tool_wait_s == 1200.0
+
+
+def test_the_data_position_counts_rows_so_a_new_batch_size_skips_nothing():
+    """Two steps of 2 prompts, then a resume with 3 per step: the next batch is rows 5-7 of
+    the same order (a position counting batches would restart at row 7, skipping two). A
+    checkpoint written before rows were counted (``{"next_index": batches}``) resumes as before."""
+    from rstarjax.io.data import make_dataset
+
+    records = [{"problem": f"p{i}", "answer": str(i)} for i in range(20)]
+    order = [r["problem"] for b in make_dataset(records, 1, seed=3, num_epochs=1, process_index=0, process_count=1)
+             for r in b]
+    it = iter(make_dataset(records, 2, seed=3, num_epochs=None, process_index=0, process_count=1))
+    assert [r["problem"] for _ in range(2) for r in next(it)] == order[:4]
+    state = json.loads(json.dumps(it.get_state()))
+    assert state == {"rows": 4}
+    resumed = iter(make_dataset(records, 3, seed=3, num_epochs=None, process_index=0, process_count=1))
+    resumed.set_state(state)
+    assert [r["problem"] for r in next(resumed)] == order[4:7]
+    old = iter(make_dataset(records, 2, seed=3, num_epochs=None, process_index=0, process_count=1))
+    old.set_state({"next_index": 2})
+    assert [r["problem"] for r in next(old)] == order[4:6]
+
+
 if __name__ == "__main__":
     stage1_worker(sys.argv[1], json.loads(sys.argv[2]))

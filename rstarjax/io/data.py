@@ -14,8 +14,9 @@ skipped and COUNTED by reason in ``DataReport``, with their first rows (``FILE:R
 non-integer answers are filtered out when ``integer_only`` (rStar2-Agent §4.2), and integers past
 Python's int-string limit (4,300 digits), which the verifier could not read, are counted too.
 The pipeline is then: per-host shard (process_index::process_count) -> seeded shuffle, reshuffled
-every epoch -> repeat(num_epochs) -> batch. Its iterator's ``get_state()`` / ``set_state()``
-(a small dict) is what a checkpoint stores to resume exactly.
+every epoch -> repeat(num_epochs) -> batches of rows. Its iterator's ``get_state()`` /
+``set_state()`` (a small dict: the position in rows) is what a checkpoint stores to resume exactly,
+also with another batch size.
 """
 from __future__ import annotations
 
@@ -355,11 +356,12 @@ def make_dataset(
     process_count: int | None = None,
     drop_remainder: bool = True,
     even_shards: bool = True,
-) -> grain.IterDataset:
-    """grain pipeline over records: host shard -> shuffle (per epoch) -> repeat -> batch (lists of dicts).
+) -> "RowBatches":
+    """Batches (lists of dicts) of ``records``: host shard -> shuffle (per epoch) -> repeat,
+    then ``batch_size`` rows at a time (``RowBatches``).
 
     ``num_epochs=None`` repeats forever. process_index/count default to jax.process_index/count.
-    ``iter(ds)`` gives a grain DatasetIterator with get_state()/set_state() for checkpoints.
+    ``iter(ds)`` gives an iterator with get_state()/set_state() for checkpoints, which count rows.
     """
     if batch_size <= 0:
         raise ValueError("batch_size must be > 0")
@@ -373,9 +375,52 @@ def make_dataset(
         raise ValueError(f"{len(ds)} records on this host cannot fill one batch of {batch_size}")
     if shuffle:
         ds = ds.shuffle(seed=seed)  # grain reshuffles with a new permutation each epoch of repeat()
-    ds = ds.repeat(num_epochs)
-    ds = ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=list)
-    return ds.to_iter_dataset()
+    return RowBatches(ds.repeat(num_epochs).to_iter_dataset(), batch_size, drop_remainder)
+
+
+class RowBatches:
+    """``batch_size`` rows at a time from a row-level grain dataset. Its iterators' state (what a
+    checkpoint stores) is the position in ROWS: a run resumed with another batch size (e.g. a
+    changed ``rl.prompts_per_step``) continues at the next row, where a batch count would skip
+    or repeat data. Rows cross epoch boundaries as one sequence, as ``grain``'s ``batch`` does."""
+
+    def __init__(self, rows: grain.IterDataset, batch_size: int, drop_remainder: bool = True):
+        self.rows, self.batch_size, self.drop_remainder = rows, batch_size, drop_remainder
+
+    def __iter__(self) -> "RowBatchIterator":
+        return RowBatchIterator(iter(self.rows), self.batch_size, self.drop_remainder)
+
+
+class RowBatchIterator:
+    """``next()``: the next batch; a last batch short of ``batch_size`` ends the iteration when
+    ``drop_remainder``. ``get_state()`` = ``{"rows": rows consumed}``."""
+
+    def __init__(self, rows, batch_size: int, drop_remainder: bool):
+        self._rows, self.batch_size, self.drop_remainder = rows, batch_size, drop_remainder
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list:
+        batch = []
+        for _ in range(self.batch_size):
+            try:
+                batch.append(next(self._rows))
+            except StopIteration:
+                break
+        if not batch or (self.drop_remainder and len(batch) < self.batch_size):
+            raise StopIteration
+        return batch
+
+    def get_state(self) -> dict:
+        return {"rows": int(self._rows.get_state()["next_index"])}
+
+    def set_state(self, state: dict) -> None:
+        """A state of ``get_state``; or ``{"next_index": batches}`` as checkpoints written before
+        positions counted rows hold it, read as that many batches of this iterator's size (right
+        when the batch size did not change since)."""
+        rows = state["rows"] if "rows" in state else int(state["next_index"]) * self.batch_size
+        self._rows.set_state({"next_index": int(rows)})
 
 
 def problem_dataset(
@@ -385,7 +430,7 @@ def problem_dataset(
     num_epochs: int | None = 1,
     integer_only: bool = True,
     **kwargs,
-) -> tuple[grain.IterDataset, DataReport]:
+) -> tuple[RowBatches, DataReport]:
     """load_problems + make_dataset in one call."""
     records, report = load_problems(paths, integer_only=integer_only)
     return make_dataset(records, batch_size, seed=seed, num_epochs=num_epochs, **kwargs), report
