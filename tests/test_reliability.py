@@ -150,15 +150,13 @@ def stage1_worker(workdir, overrides):
     from test_stages import _load, _rl_sizes
 
     if os.environ.get("SLOW_STOP"):
-        stop = rl._stop
+        save_last = rl._save_last
 
-        def slow_stop(*args, **kwargs):
-            import time
-
+        def slow_save_last(*args, **kwargs):
             time.sleep(float(os.environ["SLOW_STOP"]))
-            return stop(*args, **kwargs)
+            return save_last(*args, **kwargs)
 
-        rl._stop = slow_stop
+        rl._save_last = slow_save_last
     c = _rl_sizes(_load("stage1"), overrides.pop("total_steps"))
     c.rl.num_tool_workers = 1
     c.rl.reject_equal_reward = False  # the untrained model is always wrong: train on its groups anyway
@@ -171,12 +169,12 @@ def stage1_worker(workdir, overrides):
 
 @pytest.fixture(scope="module")
 def stage1_inputs(tmp_path_factory):
-    """The tiny HF model and 16 problems a user would bring."""
+    """The tiny HF model and 26 problems (13 steps of 2) a user would bring."""
     from test_stages import _problems, _tiny_hf_model
 
     root = tmp_path_factory.mktemp("inputs")
     _tiny_hf_model(str(root / "model"))
-    _problems(str(root / "problems.jsonl"), 16)
+    _problems(str(root / "problems.jsonl"), 26)
     return {"model.hf_path": str(root / "model"), "data.train_path": str(root / "problems.jsonl")}
 
 
@@ -226,7 +224,8 @@ def interrupted_runs(stage1_inputs, tmp_path_factory):
     A. SIGTERM after step 3 (checkpoints only on a signal: every 100 steps);
     B. resumed with checkpoints every 2 steps, then SIGINT twice, the second while the first's
        save is still pending (SLOW_STOP): an exit at once, like a SIGKILL;
-    C. resumed to one step past B's last, after the test corrupted B's newest checkpoint.
+    C. resumed after the test corrupted B's newest checkpoint, with one pass over the data
+       (``data.num_epochs=1``: 13 steps), until it runs out.
     Returns what each phase left: exit status, seconds from the (last) signal to the exit,
     the log, the logged steps, the committed checkpoints, the sandbox directories."""
     from test_checkpoint import committed_steps
@@ -265,8 +264,8 @@ def interrupted_runs(stage1_inputs, tmp_path_factory):
 
     newest = phases["B"]["checkpoints"][-1]
     corrupted = _corrupt_checkpoint(os.path.join(ckpt_dir, str(newest)))
-    proc, out = _launch(workdir, stage1_inputs, total_steps=phases["B"]["logged"][-1] + 1, **grace,
-                        **{"checkpoint.every_steps": 2})
+    proc, out = _launch(workdir, stage1_inputs, total_steps=100, **grace,
+                        **{"checkpoint.every_steps": 2, "checkpoint.keep": 10, "data.num_epochs": 1})
     record("C", proc, out, time.monotonic(), corrupted=(newest, corrupted))
     return phases
 
@@ -399,8 +398,9 @@ def test_an_interrupted_run_resumes_past_its_corrupt_newest_checkpoint(interrupt
     assert c["status"] == 0, c["log"][-4000:]
     assert f"/checkpoints/{step} does not restore (JSONDecodeError" in c["log"]
     assert f"/checkpoints/{step} (moved to " in c["log"]
-    assert c["checkpoints"][-1] == c["logged"][-1] == interrupted_runs["B"]["logged"][-1] + 1
-    assert step in c["checkpoints"]  # the resumed run saved that step again
+    fallback = max(s for s in interrupted_runs["B"]["checkpoints"] if s < step)
+    assert f"resuming from step {fallback} of " in c["log"]
+    assert step in c["checkpoints"]  # and the resumed run could save that step again
 
 
 
@@ -531,6 +531,20 @@ def test_the_data_position_counts_rows_so_a_new_batch_size_skips_nothing():
     old = iter(make_dataset(records, 2, seed=3, num_epochs=None, process_index=0, process_count=1))
     old.set_state({"next_index": 2})
     assert [r["problem"] for r in next(old)] == order[4:6]
+
+
+
+# ============================================================================ 5. finite data running out
+def test_finite_data_that_runs_out_is_saved_and_said(interrupted_runs):
+    """Phase C reads its one pass over the 26 problems to the end: it saves step 13 (not a
+    periodic step: every 2) and says how many steps ran and why it stopped."""
+    c = interrupted_runs["C"]
+    fallback = max(s for s in interrupted_runs["B"]["checkpoints"] if s < c["corrupted"][0])
+    assert c["status"] == 0, c["log"][-4000:]
+    assert c["logged"][-1] == 13 and c["checkpoints"][-1] == 13
+    assert (f"the data ran out at step 13, before total_steps=100: {13 - fallback} steps ran in this run; "
+            "data.num_epochs=1 pass over 26 problems at 2 per step give 13 steps. Step 13 is saved. Raise "
+            "--config.data.num_epochs (0 = repeat forever) to train on.") in c["log"]
 
 
 if __name__ == "__main__":

@@ -265,7 +265,7 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
                 executor.close(drain_timeout=0.0 if guard.request is not None else None)
 
 
-def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, records, rollout_fn, on_update, export_meta,
+def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout_fn, on_update, export_meta,
                  before_update=None, guard: preemption.SignalGuard | None = None) -> Trainer:
     """``run_rl``'s loop, from the stage's starting state to ``run.total_steps``; ``guard``
     (installed by the caller) says when a signal asks it to stop."""
@@ -273,7 +273,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, records, rollout_
     reference = setup_reference(trainer, run, meta)
     stage_start = int(meta.get("stage_start_step", 0))
     data_seed = int(meta.get("data_seed", stage_data_seed(run.seed, stage_start)))
-    data_iter = iter(problem_batches(run, data_seed, records))
+    data_iter = iter(problem_batches(run, data_seed, problems))
     if meta.get("resumed") and meta.get("data_state") is not None:
         data_iter.set_state(meta["data_state"])
     base_key = ckpt_lib.key_from_json(meta["rng"]) if "rng" in meta else jax.random.key(run.seed)
@@ -307,7 +307,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, records, rollout_
     # the data position after the last finished step: what a checkpoint of that step records
     # (batches drawn since, by a rejected or an abandoned step, are drawn again on resume)
     finished_data = data_iter.get_state()
-    stop_signal = 0
+    stop_signal, data_ran_out = 0, False
     try:
         while trainer.step < run.total_steps:
             stop_signal = guard.stop_signal(trainer.step)
@@ -317,7 +317,8 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, records, rollout_
             compiled_before = compile_cache.compile_seconds()
             try:
                 records = next(data_iter)
-            except StopIteration:
+            except StopIteration:  # finite data (data.num_epochs) is used up
+                data_ran_out = True
                 break
             # one seed per (step, process), derived from the run key: same rollouts after a resume,
             # independent samples on every process (and for each batch drawn again at this step)
@@ -370,17 +371,35 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, records, rollout_
             bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}",
                             len=f"{metrics.get('rollout/response_length_mean', 0):.0f}")
         if stop_signal:
-            raise _stop(stop_signal, trainer.step, start, save, finished_data, ckpt, guard.abandoned)
+            saved = _save_last(trainer.step, start, save, finished_data, ckpt)
+            raise preemption.Interrupted(stop_signal, trainer.step, saved, guard.abandoned)
+        if data_ran_out:
+            saved = _save_last(trainer.step, start, save, finished_data, ckpt)
+            message = data_ran_out_message(run, len(problems), trainer.step, start, saved)
+            log.warning("%s", message)
+            if is_main:
+                print(f"rstarjax: {message}", flush=True)
     finally:
         bar.close()
         writer.close()
     return trainer
 
 
-def _stop(signum: int, step: int, start: int, save, data_state, ckpt, abandoned: bool) -> preemption.Interrupted:
+def _save_last(step: int, start: int, save, data_state, ckpt) -> bool:
     """Save ``step``, the last finished one, unless it is on disk already or this run finished
-    none; wait for the write; return the exception that ends the stage."""
+    none; wait for the write. Whether ``step`` is on disk now."""
     if step > start and step not in ckpt.all_steps():
         save(step, data_state)
     ckpt.wait()
-    return preemption.Interrupted(signum, step, saved=step > start or step in ckpt.all_steps(), abandoned=abandoned)
+    return step in ckpt.all_steps()
+
+
+def data_ran_out_message(run: RunConfig, num_problems: int, step: int, start: int, saved: bool) -> str:
+    """Why a stage with finite data stopped before ``total_steps``, and how to go on."""
+    per_step = run.rl.prompts_per_step
+    epochs = run.data.num_epochs
+    return (f"the data ran out at step {step}, before total_steps={run.total_steps}: {step - start} steps ran in "
+            f"this run; data.num_epochs={epochs} pass{'es' if epochs != 1 else ''} over {num_problems} problems at "
+            f"{per_step} per step give {num_problems * epochs // per_step} steps. "
+            + (f"Step {step} is saved. " if saved else "No step was trained, nothing saved. ")
+            + "Raise --config.data.num_epochs (0 = repeat forever) to train on.")
