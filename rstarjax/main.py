@@ -20,6 +20,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
 from rstarjax.recipes import demo, demo_compare, evaluate, preemption, rl, sft, stage3_filter
 from rstarjax.recipes.config import MODES, RENAMED, DistributedConfig, RunConfig, device_rules, parse
@@ -62,7 +63,8 @@ def run(config, workdir: str) -> None:
 
 def run_to_exit_status(config, workdir: str) -> int:
     """``run`` as the command line does: the process's exit status (2: a configuration error,
-    printed; 128 + the signal: stopped by SIGTERM / SIGINT after saving, recipes/preemption.py)."""
+    printed; 128 + the signal: stopped by SIGTERM / SIGINT after saving, recipes/preemption.py;
+    1: a checkpoint could not be written, e.g. a full disk, said in one line)."""
     try:
         run(config, workdir)
     except ConfigError as e:
@@ -71,6 +73,9 @@ def run_to_exit_status(config, workdir: str) -> int:
     except preemption.Interrupted as e:
         print(e, file=sys.stderr, flush=True)
         return e.exit_status
+    except ckpt_lib.CheckpointWriteError as e:  # e.g. a full disk: the cause in one line, not a traceback
+        print(f"rstarjax: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

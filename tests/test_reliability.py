@@ -7,8 +7,10 @@ real engine, code pool and verifier) in a subprocess: this file is also that wor
 (``python tests/test_reliability.py WORKDIR OVERRIDES_JSON``).
 """
 import glob
+import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +22,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+HAS_WANDB = importlib.util.find_spec("wandb") is not None
 
 
 def _one_device_trainer(layers=1, **trainer_options):
@@ -545,6 +549,117 @@ def test_finite_data_that_runs_out_is_saved_and_said(interrupted_runs):
     assert (f"the data ran out at step 13, before total_steps=100: {13 - fallback} steps ran in this run; "
             "data.num_epochs=1 pass over 26 problems at 2 per step give 13 steps. Step 13 is saved. Raise "
             "--config.data.num_epochs (0 = repeat forever) to train on.") in c["log"]
+
+
+
+# ============================================================================ 8. leaks after a kill
+def test_each_step_is_logged_once_and_no_sandbox_directory_is_left(interrupted_runs):
+    """After the kill in B (its last steps were logged, not saved) and C's resume from an older
+    checkpoint, metrics.jsonl holds every step once; B's sandbox directory, left by the kill, was
+    removed when C started its code pool."""
+    b, c = interrupted_runs["B"], interrupted_runs["C"]
+    assert len(b["sandboxes"]) == 1  # the kill left one behind
+    assert c["logged"] == list(range(1, 14))
+    assert c["sandboxes"] == []
+
+
+def test_a_resumed_writer_keeps_each_step_once_in_every_log(tmp_path, monkeypatch):
+    """A writer resumed at step 3 after a run that logged 1-5: metrics.jsonl drops 4-5 (logged
+    again with the resumed values), TensorBoard purges from step 4, and the W&B run, resumed by
+    its id, takes only the steps it does not hold."""
+    from rstarjax.io.metrics_log import MetricsWriter, read_metrics
+
+    logdir = str(tmp_path / "logs")
+    wandb = None
+    if HAS_WANDB:
+        for var, sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+            monkeypatch.setenv(var, str(tmp_path / "wandb_home" / sub))
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        wandb = {"project": "rstarjax-test", "name": "resumed"}
+    with MetricsWriter(logdir, tensorboard=True, wandb=wandb, resume_step=0) as w:
+        for step in range(1, 6):
+            w.write(step, {"x": float(step)})
+    with MetricsWriter(logdir, tensorboard=True, wandb=wandb, resume_step=3) as w:
+        for step in range(4, 8):
+            w.write(step, {"x": 10.0 * step})
+    assert [(r["step"], r["x"]) for r in read_metrics(os.path.join(logdir, "metrics.jsonl"))] == [
+        (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0), (7, 70.0)]
+    from tensorboardX.proto import event_pb2
+
+    purges = []
+    for path in sorted(glob.glob(os.path.join(logdir, "tb", "events.out.tfevents.*"))):
+        data, pos = open(path, "rb").read(), 0
+        while pos + 12 <= len(data):
+            length = int.from_bytes(data[pos:pos + 8], "little")
+            event = event_pb2.Event()
+            event.ParseFromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+                purges.append(event.step)
+    assert purges == [4]  # TensorBoard drops the earlier events of steps >= 4
+    if HAS_WANDB:
+        from test_wandb import read_wandb_run
+
+        runs = sorted(glob.glob(os.path.join(logdir, "wandb", "offline-run-*")))
+        assert len(runs) == 2 and len({r.rsplit("-", 1)[1] for r in runs}) == 1  # one W&B run, resumed
+        first, second = (read_wandb_run(r)[1] for r in runs)
+        assert sorted(first) == [1, 2, 3, 4, 5] and sorted(second) == [6, 7]
+
+
+def test_only_stale_sandbox_directories_are_removed(tmp_path):
+    """Empty and named by no live process: removed. In use by a live zygote (its command line
+    names it) or not empty: kept."""
+    from rstarjax.env.executor import remove_stale_sandbox_dirs
+
+    stale, live, full = (tmp_path / f"rstarjax-sandbox-{n}" for n in ("stale", "live", "full"))
+    for d in (stale, live, full):
+        d.mkdir()
+    (full / "w0").mkdir()
+    (tmp_path / "unrelated").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(live)])
+    try:
+        assert remove_stale_sandbox_dirs(str(tmp_path)) == [str(stale)]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rstarjax-sandbox-full", "rstarjax-sandbox-live", "unrelated"]
+
+
+_FULL_DISK_WORKER = """
+import os, sys
+import jax, jax.numpy as jnp
+from rstarjax.io import checkpoint as ckpt_lib
+from rstarjax.rl.trainer import TrainState
+
+state = TrainState({"w": jax.random.normal(jax.random.key(0), (256, 1024))}, {}, jnp.int32(0))
+with ckpt_lib.Checkpointer(os.path.join(sys.argv[1], "checkpoints")) as ck:  # async saves
+    for step in (1, 2, 3):
+        ck.save(step, state, {"step": step})
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root to mount a small tmpfs")
+def test_a_full_disk_during_an_async_save_is_named_in_one_line(tmp_path):
+    """The workdir on a 300 KiB tmpfs (in a private mount namespace) and a 1 MiB state: the
+    asynchronous save of step 1 fails; the next save raises one line naming the step, the
+    directory and the full disk, not Orbax's hundreds of lines of threads and asyncio."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    script = (f"mount -t tmpfs -o size=300k tmpfs {mount} || exit 99; "
+              f"exec {sys.executable} -c '{_FULL_DISK_WORKER}' {mount}")
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], env=env,
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode == 99:
+        pytest.skip("cannot mount a tmpfs here")
+    assert r.returncode == 1
+    error = r.stderr.strip().splitlines()[-1]
+    assert error == (f"rstarjax.io.checkpoint.CheckpointWriteError: checkpoint 1 could not be written to {mount}/checkpoints: "
+                     "the disk is full (no space left on device): free space there or give --workdir a larger disk; "
+                     "no checkpoint is complete")
+    traceback_lines = r.stderr[r.stderr.index("Traceback (most recent call last)"):].splitlines()
+    assert len(traceback_lines) < 10, r.stderr[-3000:]
+
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ finished one.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 from collections.abc import Callable
@@ -68,6 +69,43 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (the message, one line, says which, where and why)."""
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` or one in its chain is ENOSPC / EDQUOT (TensorStore reports them as text:
+    ``No space left on device [os_error_code='28']``)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(exc)
+        if any(s in text for s in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT),
+                                   f"os_error_code='{errno.ENOSPC}'", f"os_error_code='{errno.EDQUOT}'")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class _OrbaxThreadErrorsOneLine(logging.Filter):
+    """Orbax logs a failed background write with its whole traceback, once per thread, before
+    the save surfaces it; ``Checkpointer`` raises the failure as one line, so these records keep
+    their own (first) line only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_orbax_thread_errors() -> None:
+    absl_logger = logging.getLogger("absl")  # Orbax logs through absl
+    if not any(isinstance(f, _OrbaxThreadErrorsOneLine) for f in absl_logger.filters):
+        absl_logger.addFilter(_OrbaxThreadErrorsOneLine())
+
+
 class NonFiniteState(ValueError):
     """A train state with inf or nan values was given to ``Checkpointer.save``."""
 
@@ -114,6 +152,9 @@ class Checkpointer:
             create=True,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self._writing: int | None = None  # the step of the async save in flight
+        self._failed = False  # a write error was raised: later waits on it stay quiet
+        _quiet_orbax_thread_errors()
 
     def should_save(self, step: int, last_step: int | None = None) -> bool:
         return step % self.cfg.every_steps == 0 or (last_step is not None and step == last_step)
@@ -128,14 +169,32 @@ class Checkpointer:
         if not all_finite(state):
             raise NonFiniteState(f"checkpoint {step} not written to {self.directory}: the train state holds "
                                  "inf or nan values")
-        saved = self._manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))),
-            force=force,
-        )
+        try:  # an async save's error surfaces here, at the next save (or in wait / close)
+            saved = self._manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))),
+                force=force,
+            )
+        except Exception as exc:  # noqa: BLE001 - Orbax and TensorStore raise many types; named in one line
+            raise self._write_error(self._writing if self._writing is not None else step, exc) from None
+        self._writing = step if saved and self.cfg.async_save else None
         if saved:
             log.info("checkpoint %d -> %s (async=%s)", step, self.directory, self.cfg.async_save)
         return saved
+
+    def _write_error(self, step: int | None, exc: BaseException) -> "CheckpointWriteError":
+        """One line for a failed write: the step, the directory, the cause (a full disk said so)
+        and the newest checkpoint that is complete. The Orbax / TensorStore chain (hundreds of
+        lines of threads and asyncio) stays reachable as ``__context__`` but is not printed."""
+        self._failed, self._writing = True, None
+        complete = [s for s in self._manager.all_steps() if s != step]
+        newest = f"the newest complete checkpoint is step {max(complete)}" if complete else "no checkpoint is complete"
+        if _disk_full(exc):
+            cause = "the disk is full (no space left on device): free space there or give --workdir a larger disk"
+        else:
+            cause = _first_line(exc)
+        which = f"checkpoint {step}" if step is not None else "a checkpoint"
+        return CheckpointWriteError(f"{which} could not be written to {self.directory}: {cause}; {newest}")
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -224,12 +283,22 @@ class Checkpointer:
         return dict(out["meta"] or {})
 
     def wait(self) -> None:
-        """Block until the pending async save is on disk."""
-        self._manager.wait_until_finished()
+        """Block until the pending async save is on disk (``CheckpointWriteError`` if it failed;
+        once a failure was raised, the same failure is not raised again)."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as exc:  # noqa: BLE001
+            if self._failed:
+                log.debug("checkpoint write error already reported: %s", _first_line(exc))
+                return
+            raise self._write_error(self._writing, exc) from None
+        self._writing = None
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
 
     def __enter__(self):
         return self

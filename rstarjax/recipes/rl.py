@@ -294,9 +294,10 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
             return rollout_fn(*args, **kwargs)
 
     is_main = jax.process_index() == 0
-    writer = MetricsWriter(os.path.join(workdir, "logs"), enabled=is_main, tensorboard=run.logging.tensorboard,
-                           wandb=wandb_init_args(run, workdir))
     start = trainer.step
+    # the steps after ``start`` that a killed run logged are logged again: kept once
+    writer = MetricsWriter(os.path.join(workdir, "logs"), enabled=is_main, tensorboard=run.logging.tensorboard,
+                           wandb=wandb_init_args(run, workdir), resume_step=start)
     if start >= run.total_steps and is_main:
         print(f"rstarjax: {workdir} is already at global step {start} >= total_steps={run.total_steps}: "
               "nothing to train (raise --config.total_steps to train on)", flush=True)
