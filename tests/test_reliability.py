@@ -662,5 +662,115 @@ def test_a_full_disk_during_an_async_save_is_named_in_one_line(tmp_path):
 
 
 
+# ============================================================================ 9. who may use the policy server
+class _RecordingGrpc:
+    """The part of the ``grpc`` module ``rstarjax.serve`` uses, recording what it is asked for."""
+
+    class LocalConnectionType:
+        LOCAL_TCP, UDS = "local_tcp", "uds"
+
+    @staticmethod
+    def local_server_credentials(kind):
+        return ("local", kind)
+
+    @staticmethod
+    def ssl_server_credentials(pairs, root_certificates=None, require_client_auth=False):
+        return ("ssl", pairs, root_certificates, require_client_auth)
+
+    @staticmethod
+    def insecure_server_credentials():
+        return ("insecure",)
+
+
+def test_the_policy_server_admits_loopback_only_unless_exposed_over_tls(tmp_path, monkeypatch, capsys):
+    """Default: gRPC local credentials (loopback peers only), passed to JetStream's
+    ``server_lib.run``, which would otherwise use insecure ones on every interface. ``--expose``
+    needs a server certificate and key; a client CA makes client certificates required."""
+    import types
+
+    from rstarjax import serve
+
+    parse = serve.build_parser().parse_args
+    grpc = _RecordingGrpc
+    assert serve.server_credentials(parse(["--hf_path", "m"]), grpc) == ("local", "local_tcp")
+    for pem in ("cert", "key", "ca"):
+        (tmp_path / f"{pem}.pem").write_bytes(f"PEM {pem}".encode())
+    tls = ["--expose", "--tls_cert", str(tmp_path / "cert.pem"), "--tls_key", str(tmp_path / "key.pem")]
+    assert serve.server_credentials(parse(["--hf_path", "m", *tls]), grpc) == (
+        "ssl", [(b"PEM key", b"PEM cert")], None, False)
+    with_ca = parse(["--hf_path", "m", *tls, "--tls_client_ca", str(tmp_path / "ca.pem")])
+    assert serve.access_errors(with_ca) == []
+    assert serve.server_credentials(with_ca, grpc) == ("ssl", [(b"PEM key", b"PEM cert")], b"PEM ca", True)
+
+    assert serve.access_errors(parse(["--hf_path", "m", "--expose"])) == [
+        "--expose serves other machines over TLS: give --tls_cert and --tls_key (PEM files)"]
+    assert serve.access_errors(parse(["--hf_path", "m", "--tls_cert", str(tmp_path / "cert.pem")])) == [
+        "--tls_cert only apply with --expose (without it only this machine may connect)"]
+    with pytest.raises(SystemExit) as exit_info:  # refused before anything is loaded
+        serve.main(["--hf_path", "m", "--expose", "--tls_cert", "nope.pem", "--tls_key", str(tmp_path / "key.pem")])
+    assert exit_info.value.code == 2 and "--tls_cert='nope.pem' is not a file" in capsys.readouterr().err
+
+    calls = {}
+    jetstream_core = types.SimpleNamespace(
+        config_lib=types.SimpleNamespace(ServerConfig=lambda **kw: kw, MetricsServerConfig=lambda **kw: kw),
+        server_lib=types.SimpleNamespace(run=lambda **kw: calls.update(kw) or "server"))
+    monkeypatch.setitem(sys.modules, "grpc", grpc)
+    monkeypatch.setitem(sys.modules, "jetstream", types.ModuleType("jetstream"))
+    monkeypatch.setitem(sys.modules, "jetstream.core", jetstream_core)
+    monkeypatch.setitem(sys.modules, "rstarjax.serving.jetstream_engine",
+                        types.SimpleNamespace(patch_jetstream_for_current_jax=lambda: None))
+    device = types.SimpleNamespace(platform="cpu")
+    adapter = types.SimpleNamespace(mesh=types.SimpleNamespace(devices=types.SimpleNamespace(flat=[device])))
+    assert serve.start_server(adapter, 9000) == "server"
+    assert calls["credentials"] == ("local", "local_tcp") and calls["port"] == 9000
+
+
+def _own_other_address():
+    """An address of this machine's network namespace that is not loopback (None if none):
+    the source address of a route out (a UDP connect sends nothing)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))
+            address = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def test_the_default_credentials_refuse_a_peer_on_another_address():
+    """With real gRPC: a server on every interface (as JetStream binds) with the default
+    credentials answers a client over loopback (an insecure channel, as JetStream's own clients
+    use) and refuses the same client at another address of this machine."""
+    grpc = pytest.importorskip("grpc")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rstarjax import serve
+
+    other = _own_other_address()
+    if other is None:
+        pytest.skip("no address but loopback here")
+    server = grpc.server(ThreadPoolExecutor(2))
+    echo = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Echo", {"Echo": echo}),))
+    port = server.add_secure_port("[::]:0", serve.server_credentials(serve.build_parser().parse_args(
+        ["--hf_path", "m"]), grpc))
+    server.start()
+
+    def call(host):
+        with grpc.insecure_channel(f"{host}:{port}") as channel:
+            try:
+                return channel.unary_unary("/test.Echo/Echo")(b"ping", timeout=10)
+            except grpc.RpcError as e:
+                return e.code()
+
+    try:
+        assert call("127.0.0.1") == b"ping"
+        assert call(other) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(0)
+
+
 if __name__ == "__main__":
     stage1_worker(sys.argv[1], json.loads(sys.argv[2]))
