@@ -85,13 +85,18 @@ def test_a_checkpoint_of_non_finite_params_is_refused(tmp_path):
 
 def _scripted_run(tmp_path, total_steps, rows=8, **overrides):
     """``run_rl`` on the tiny preset with test_checkpoint's deterministic rollouts, in this
-    process on one device: (config, workdir). ``overrides``: "section.key" -> value."""
-    import base
-
+    process on one device: (config, workdir) with ``rows`` problems written there.
+    ``overrides``: "section.key" -> value."""
     from test_checkpoint import write_data
 
     workdir = str(tmp_path / "run")
     write_data(workdir, rows)
+    return _scripted_config(workdir, total_steps, **overrides), workdir
+
+
+def _scripted_config(workdir, total_steps, **overrides):
+    import base
+
     c = base.get_config()
     c.total_steps = total_steps
     c.model.preset, c.model.random_init, c.model.dtype, c.model.remat_policy = "tiny", True, "float32", "none"
@@ -106,7 +111,7 @@ def _scripted_run(tmp_path, total_steps, rows=8, **overrides):
     for key, value in overrides.items():
         section, name = key.split(".")
         setattr(getattr(c, section), name, value)
-    return c, workdir
+    return c
 
 
 @pytest.fixture
@@ -327,6 +332,63 @@ def test_the_first_signal_abandons_rollouts_in_progress():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.2)
         assert guard.request.signum == signal.SIGTERM and guard.stop_signal(4) == signal.SIGTERM
+
+
+def two_process_worker(workdir, port, pid):
+    """Process ``pid`` of a 2-process scripted run (2 CPU devices each, gloo collectives)."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid,
+                               initialization_timeout=120)
+    from rstarjax.recipes import preemption
+    from rstarjax.recipes.config import parse
+    from rstarjax.recipes.rl import run_rl
+    from test_checkpoint import fake_rollout_fn
+
+    c = _scripted_config(workdir, 100, **{"mesh.fsdp": -1, "checkpoint.every_steps": 100})
+    try:
+        run_rl(parse(c), workdir, rollout_fn=fake_rollout_fn)
+    except preemption.Interrupted as e:
+        print(e, flush=True)
+        sys.exit(e.exit_status)
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_path):
+    """Two processes train in lockstep; SIGTERM reaches process 1 only: at the next step boundary
+    both agree to stop, both save that one step (one checkpoint: the multi-process save) and
+    both exit with SIGTERM's status."""
+    import socket
+
+    from test_checkpoint import committed_steps, write_data
+
+    workdir = str(tmp_path / "run")
+    write_data(workdir, 8)
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               WORKER_SLOW="0.3", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    outs = [os.path.join(workdir, f"process-{i}.log") for i in range(2)]
+    procs = []
+    for i in range(2):
+        with open(outs[i], "w") as f:
+            procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "two-processes", workdir,
+                                           str(port), str(i)], env=env, stdout=f, stderr=subprocess.STDOUT))
+    try:
+        _wait_until(procs[0], outs[0], lambda: len(_logged_steps(workdir)) >= 2)
+        procs[1].send_signal(signal.SIGTERM)
+        statuses = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = [open(o).read() for o in outs]
+    assert statuses == [128 + signal.SIGTERM] * 2, [log[-3000:] for log in logs]
+    last = _logged_steps(workdir)[-1]
+    assert committed_steps(os.path.join(workdir, "checkpoints")) == [last]
+    assert all(f"stopped on SIGTERM: step {last} is saved" in log for log in logs), [log[-2000:] for log in logs]
 
 
 def test_every_process_stops_after_the_same_step():
@@ -773,4 +835,7 @@ def test_the_default_credentials_refuse_a_peer_on_another_address():
 
 
 if __name__ == "__main__":
-    stage1_worker(sys.argv[1], json.loads(sys.argv[2]))
+    if sys.argv[1] == "two-processes":
+        two_process_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        stage1_worker(sys.argv[1], json.loads(sys.argv[2]))

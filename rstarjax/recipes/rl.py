@@ -377,7 +377,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
         if data_ran_out:
             saved = _save_last(trainer.step, start, save, finished_data, ckpt)
             message = data_ran_out_message(run, len(problems), trainer.step, start, saved)
-            log.warning("%s", message)
+            log.info("%s", message)
             if is_main:
                 print(f"rstarjax: {message}", flush=True)
     finally:
