@@ -488,7 +488,7 @@ def test_over_long_prompts_are_skipped_at_load_before_the_model_is_built(stage1_
     data = tmp_path / "problems.jsonl"
     lines = open(stage1_inputs["data.train_path"]).read().splitlines()[:10]
     for row in (3, 9):
-        lines[row - 1] = json.dumps({"problem": "How many words? " + "word " * 300, "answer": "300"})
+        lines[row - 1] = json.dumps({"problem": f"How many words (row {row})? " + "word " * 300, "answer": "300"})
     data.write_text("\n".join(lines) + "\n")
 
     def no_model(*args, **kwargs):
@@ -626,9 +626,10 @@ def test_each_step_is_logged_once_and_no_sandbox_directory_is_left(interrupted_r
 
 
 def test_a_resumed_writer_keeps_each_step_once_in_every_log(tmp_path, monkeypatch):
-    """A writer resumed at step 3 after a run that logged 1-5: metrics.jsonl drops 4-5 (logged
-    again with the resumed values), TensorBoard purges from step 4, and the W&B run, resumed by
-    its id, takes only the steps it does not hold."""
+    """A writer resumed at step 3 after a run that logged 1-5 and was killed writing 6:
+    metrics.jsonl drops 4-5 and the torn line (4-5 are logged again with the resumed values),
+    TensorBoard purges from step 4, and the W&B run, resumed by its id, takes only the steps it
+    does not hold."""
     from rstarjax.io.metrics_log import MetricsWriter, read_metrics
 
     logdir = str(tmp_path / "logs")
@@ -641,6 +642,8 @@ def test_a_resumed_writer_keeps_each_step_once_in_every_log(tmp_path, monkeypatc
     with MetricsWriter(logdir, tensorboard=True, wandb=wandb, resume_step=0) as w:
         for step in range(1, 6):
             w.write(step, {"x": float(step)})
+    with open(os.path.join(logdir, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 6, "wall_ti')  # the kill came in the middle of a line
     with MetricsWriter(logdir, tensorboard=True, wandb=wandb, resume_step=3) as w:
         for step in range(4, 8):
             w.write(step, {"x": 10.0 * step})

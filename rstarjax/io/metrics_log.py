@@ -41,18 +41,28 @@ def _start_wandb(init_args: Mapping, logdir: str):
 
 def drop_records_after(path: str, step: int) -> int | None:
     """Rewrite the metrics log at ``path`` without its records of steps after ``step`` (a
-    resumed run logs those again) and return the last step it held (None: no file or no record).
-    The rewrite goes through a temporary file, so a kill leaves the old or the new log."""
+    resumed run logs those again) or lines that are not JSON (torn by a kill mid-write), and
+    return the last step it held (None: no file or no record). The rewrite goes through a
+    temporary file, so a kill leaves the old or the new log."""
     if not os.path.exists(path):
         return None
-    records = read_metrics(path)
+    records, unreadable = [], 0
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a torn line of a killed write: not a record to keep
+                unreadable += 1
+    records = [r for r in records if isinstance(r, dict) and isinstance(r.get("step"), int)]
     if not records:
         return None
-    last = max(int(r["step"]) for r in records)
-    if last > step:
+    last = max(r["step"] for r in records)
+    if last > step or unreadable:
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records if int(r["step"]) <= step)
+            f.writelines(json.dumps(r) + "\n" for r in records if r["step"] <= step)
         os.replace(tmp, path)
     return last
 
