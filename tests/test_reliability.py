@@ -4,7 +4,10 @@ values that pass the checks but break the run, leaks after a kill, the policy se
 
 The signal tests run a tiny stage 1 (``tests/test_stages.py``'s model, problems and sizes; the
 real engine, code pool and verifier) in a subprocess: this file is also that worker
-(``python tests/test_reliability.py WORKDIR OVERRIDES_JSON``).
+(``python tests/test_reliability.py WORKDIR OVERRIDES_JSON``), and the worker of the
+two-process run (``python tests/test_reliability.py two-processes WORKDIR PORT PID``). One
+interrupted run (the ``interrupted_runs`` fixture: SIGTERM, then SIGINT twice, then a resume past
+a corrupt checkpoint to the end of its data) serves the tests of several parts.
 """
 import glob
 import importlib.util
