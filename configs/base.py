@@ -54,9 +54,9 @@ def get_config(arg=None):
     c.rl.temperature = 1.0
     c.rl.top_p = 1.0
     c.rl.top_k = -1
-    c.rl.tool_timeout_s = 5.0
+    c.rl.tool_timeout_s = 5.0  # per code execution; in (0, 600], the code pool's limit per call
     c.rl.num_tool_workers = 0  # code-pool workers; 0 = one per host core (each runs 4 sandboxes)
-    c.rl.rollout_timeout_s = 3600.0  # a whole step's rollouts; past it the step fails loudly
+    c.rl.rollout_timeout_s = 3600.0  # a whole step's rollouts (> 0); past it the step fails loudly
     c.rl.roc = True  # False: the paper's GRPO baseline: G rollouts per prompt, all trained (oversample unused)
     c.rl.roc_variant = "paper"  # "topk": the official code's deterministic selection, exactly
     c.rl.roc_min_negatives = 2  # topk's per-class floors (the official run script's values)
@@ -134,6 +134,9 @@ def get_config(arg=None):
     c.trainer.recompute_old_logprobs = True
     c.trainer.skip_padding = True  # no forward/backward for micro-steps of padding rows only
     c.trainer.compute_dtype = ml_collections.config_dict.placeholder(str)  # None: model decides
+    # an update with a non-finite loss / gradient / update is skipped (params kept, counted as
+    # train/skipped_nonfinite); this many such steps in a row stop the run with an error
+    c.trainer.max_nonfinite_steps = 3
 
     # ---- device mesh (data, fsdp, tensor); -1 = the rest of the devices --------------------------
     c.mesh = ml_collections.ConfigDict()
@@ -159,6 +162,10 @@ def get_config(arg=None):
     c.checkpoint.init_from = ""
     c.checkpoint.reset_optimizer = False  # stage 3: fresh optimizer state, LR warmup again (§4.3)
     c.checkpoint.update_reference = False  # stage 3: KL reference := the init_from policy (§4.3; kl_coef > 0)
+    # SIGTERM / SIGINT: the last finished step is saved and the run exits (status 128 + signal)
+    # within this many seconds; a second signal exits at once (docs/training.md "When a run is
+    # interrupted"). A preempted TPU VM gets about 30 s.
+    c.checkpoint.preemption_grace_s = 25.0
 
     # ---- logging -----------------------------------------------------------------------------------
     c.logging = ml_collections.ConfigDict()

@@ -20,8 +20,9 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
-from rstarjax.recipes import demo, demo_compare, evaluate, rl, sft, stage3_filter
+from rstarjax.recipes import demo, demo_compare, evaluate, preemption, rl, sft, stage3_filter
 from rstarjax.recipes.config import MODES, RENAMED, DistributedConfig, RunConfig, device_rules, parse
 from rstarjax.validation import ConfigError
 
@@ -61,6 +62,24 @@ def run(config, workdir: str, explicit=frozenset()) -> None:
     RECIPES[typed.mode](typed, workdir)
 
 
+def run_to_exit_status(config, workdir: str, explicit=frozenset()) -> int:
+    """``run`` as the command line does: the process's exit status (2: a configuration error,
+    printed; 128 + the signal: stopped by SIGTERM / SIGINT after saving, recipes/preemption.py;
+    1: a checkpoint could not be written, e.g. a full disk, said in one line)."""
+    try:
+        run(config, workdir, explicit)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except preemption.Interrupted as e:
+        print(e, file=sys.stderr, flush=True)
+        return e.exit_status
+    except ckpt_lib.CheckpointWriteError as e:  # e.g. a full disk: the cause in one line, not a traceback
+        print(f"rstarjax: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 def renamed_flags(argv) -> list[str]:
     """A message for each ``--config.KEY`` override of a key that moved (the flag parser would only
     say that the key does not exist)."""
@@ -89,11 +108,7 @@ def main(argv=None) -> None:
         workdir = flags.FLAGS.workdir or os.path.join("runs", str(config.get("mode", "run")))
         print(f"rstarjax: mode={config.get('mode')} workdir={os.path.abspath(workdir)}", flush=True)
         explicit = frozenset(config_flags.get_override_values(flags.FLAGS["config"]))
-        try:
-            run(config, workdir, explicit)
-        except ConfigError as e:
-            print(e, file=sys.stderr)
-            sys.exit(2)
+        sys.exit(run_to_exit_status(config, workdir, explicit))
 
     app.run(_main, argv=argv)
 

@@ -11,12 +11,19 @@ decode share the engine's one device and KV pool). Clients speak JetStream's
 ``token_content`` (ids in, ids out), and ``max_tokens``. Sampling is server-wide
 (``--temperature``, ``--top_p``, ``--top_k``, ``--seed``; greedy by default). See
 docs/serving.md, "JetStream".
+
+Who may connect (``server_credentials``): by default only this machine, over loopback (gRPC's
+local server credentials: a client on another address fails the handshake; a client here
+connects as before, with an insecure channel or ``grpc.local_channel_credentials()``).
+``--expose`` with ``--tls_cert`` / ``--tls_key`` (and optionally ``--tls_client_ca``, which
+requires client certificates) serves other machines, over TLS only.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 
 _INSTALL_HINT = ('rstarjax.serve needs google-jetstream, an optional extra that pulls TensorFlow: '
@@ -34,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer_num_regular_tokens", type=int, default=0,
                    help="small-vocabulary tokenizer (default: the model's own, else Qwen3's)")
     p.add_argument("--port", type=int, default=9000)
+    access = p.add_argument_group("who may connect (default: this machine only, over loopback)")
+    access.add_argument("--expose", action="store_true",
+                        help="serve other machines too, over TLS (needs --tls_cert and --tls_key)")
+    access.add_argument("--tls_cert", help="with --expose: the server's PEM certificate (chain)")
+    access.add_argument("--tls_key", help="with --expose: the server's PEM private key")
+    access.add_argument("--tls_client_ca", help="with --expose: PEM CA certificates; clients must then "
+                        "present a certificate they signed")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"),
                    help="compute dtype of the serving weights and KV cache")
     p.add_argument("--num_slots", type=int, default=8, help="concurrent decodes")
@@ -57,6 +71,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log_level", default="WARNING",
                    help="root log level (JetStream's orchestrator sets DEBUG: a line per step)")
     return p
+
+
+def access_errors(args) -> list[str]:
+    """What is wrong with the access flags (the parser reports it), naming the flags."""
+    tls = [f"--{n}" for n in ("tls_cert", "tls_key", "tls_client_ca") if getattr(args, n)]
+    errors = []
+    if args.expose and not (args.tls_cert and args.tls_key):
+        errors.append("--expose serves other machines over TLS: give --tls_cert and --tls_key (PEM files)")
+    if tls and not args.expose:
+        errors.append(f"{' '.join(tls)} only apply with --expose (without it only this machine may connect)")
+    for flag in tls:
+        path = getattr(args, flag[2:])
+        if not os.path.isfile(path):
+            errors.append(f"{flag}={path!r} is not a file")
+    return errors
+
+
+def server_credentials(args, grpc):
+    """The gRPC server credentials ``args`` ask for (``grpc``: the module). Default: local
+    credentials over TCP, which admit loopback connections only (the server still listens on
+    JetStream's ``[::]``, but a peer on another address fails the handshake)."""
+    if not args.expose:
+        return grpc.local_server_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+
+    def read(path):
+        with open(path, "rb") as f:
+            return f.read()
+
+    client_ca = read(args.tls_client_ca) if args.tls_client_ca else None
+    return grpc.ssl_server_credentials([(read(args.tls_key), read(args.tls_cert))], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
 
 
 def load_policy(args):
@@ -97,10 +142,15 @@ def build_engine(args, model, tokenizer, tokenizer_path: str = ""):
 
 
 def start_server(adapter, port: int, threads: int = 0, prometheus_port: int = 0,
-                 log_level: str = "WARNING"):
+                 log_level: str = "WARNING", credentials=None):
     """JetStream's gRPC server and orchestrator on ``adapter`` (interleaved mode, one device);
-    returns the running ``server_lib.JetStreamServer`` (``.stop()``, ``.wait_for_termination()``)."""
+    returns the running ``server_lib.JetStreamServer`` (``.stop()``, ``.wait_for_termination()``).
+    ``credentials``: gRPC server credentials (``server_credentials``); None = loopback only."""
+    import grpc
     from jetstream.core import config_lib, server_lib
+
+    if credentials is None:
+        credentials = grpc.local_server_credentials(grpc.LocalConnectionType.LOCAL_TCP)
 
     # Importing the orchestrator set the root logger to DEBUG; put the caller's level back.
     logging.getLogger().setLevel(log_level.upper())
@@ -112,25 +162,32 @@ def start_server(adapter, port: int, threads: int = 0, prometheus_port: int = 0,
     config = config_lib.ServerConfig(interleaved_slices=(f"{device.platform}=1",),
                                      interleaved_engine_create_fns=(lambda devices: adapter,))
     metrics = config_lib.MetricsServerConfig(port=prometheus_port) if prometheus_port else None
-    return server_lib.run(port=port, config=config, devices=[device], threads=threads or None,
-                          metrics_server_config=metrics)
+    return server_lib.run(port=port, config=config, devices=[device], credentials=credentials,
+                          threads=threads or None, metrics_server_config=metrics)
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    errors = access_errors(args)
+    if errors:
+        parser.error("; ".join(errors))
     try:
         import jetstream  # noqa: F401
     except ImportError:
         print(_INSTALL_HINT, file=sys.stderr)
         return 2
+    import grpc  # a dependency of jetstream
     try:
         model, tok, tok_path = load_policy(args)
         adapter = build_engine(args, model, tok, tok_path)
     except (FileNotFoundError, ValueError) as e:
         print(f"serve failed: {e}", file=sys.stderr)
         return 2
-    server = start_server(adapter, args.port, args.threads, args.prometheus_port, args.log_level)
-    print(json.dumps({"serving": args.hf_path or args.checkpoint, "port": args.port,
+    server = start_server(adapter, args.port, args.threads, args.prometheus_port, args.log_level,
+                          credentials=server_credentials(args, grpc))
+    access = "tls, any address" if args.expose else "loopback only"
+    print(json.dumps({"serving": args.hf_path or args.checkpoint, "port": args.port, "access": access,
                       "num_slots": adapter.max_concurrent_decodes,
                       "max_prefill_length": adapter.max_prefill_length,
                       "max_len": adapter.engine.max_len}), flush=True)

@@ -32,6 +32,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import json
+import logging
 import math
 import os
 import shutil
@@ -52,10 +53,57 @@ from .wire import FrameReader, send_frame
 
 _ZYGOTE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
 _executor_seq = itertools.count()
+log = logging.getLogger(__name__)
 
 
 class ExecutorClosedError(RuntimeError):
     pass
+
+
+SANDBOX_DIR_PREFIX = "rstarjax-sandbox-"
+
+
+def _live_command_lines() -> list[bytes]:
+    """The command lines of the processes this user may read (``/proc/PID/cmdline``)."""
+    lines = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    lines.append(f.read())
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+    return lines
+
+
+def remove_stale_sandbox_dirs(root: str | None = None) -> list[str]:
+    """Remove the sandbox directories (``rstarjax-sandbox-*`` in ``root``, default the temp
+    directory) that executors killed before their ``close`` left behind; return them.
+
+    Stale means: ours, empty (the sandboxes' files live in the zygote's private /tmp), and named
+    by no live process: every executor's zygote has its directory on its command line for its
+    whole life, so a live executor's directory, of this version or an older one, is never
+    taken. Removing an empty directory that an executor created a moment ago but has not yet
+    handed to its zygote is harmless: the zygote makes it again (``os.makedirs``)."""
+    root = root or tempfile.gettempdir()
+    try:
+        candidates = [os.path.join(root, n) for n in os.listdir(root) if n.startswith(SANDBOX_DIR_PREFIX)]
+    except OSError:
+        return []
+    if not candidates:
+        return []
+    in_use = b"\0".join(_live_command_lines())
+    removed = []
+    for path in candidates:
+        try:
+            if (os.stat(path).st_uid != os.geteuid() or not os.path.isdir(path) or os.listdir(path)
+                    or path.encode() in in_use):
+                continue
+            os.rmdir(path)  # fails, harmlessly, if something was put in it meanwhile
+        except OSError:
+            continue
+        removed.append(path)
+    return removed
 
 
 def batch_items(calls) -> list[tuple[str, str]]:
@@ -396,8 +444,12 @@ class CodeExecutor:
     def start(self) -> "CodeExecutor":
         if self._started:
             return self
+        # what executors killed before their close() left behind (their zygotes are gone)
+        stale = remove_stale_sandbox_dirs()
+        if stale:
+            log.info("removed %d stale sandbox directories: %s", len(stale), ", ".join(stale))
         # Sandboxes see this path only inside the zygote's private /tmp when that mount works.
-        self._workdir_root = tempfile.mkdtemp(prefix="rstarjax-sandbox-")
+        self._workdir_root = tempfile.mkdtemp(prefix=SANDBOX_DIR_PREFIX)
         try:
             if self.uid_base is None:
                 self._uid_lease = uids.lease(self.num_sandbox_uids)

@@ -9,20 +9,25 @@ Layouts understood (first match wins):
 Files: ``.jsonl`` / ``.json`` (a list of rows or JSON lines) and ``.parquet`` (needs pyarrow).
 
 Rows are read and normalised eagerly on the host (datasets here are ~10^4-10^5 problems): bad rows
-(undecodable JSON, missing or empty fields) are skipped and COUNTED by reason in ``DataReport``;
-non-integer answers are filtered out when ``integer_only`` (rStar2-Agent §4.2) and counted too.
+(a line that is not UTF-8 or not JSON, missing, empty or wrong-type fields, repeated problems) are
+skipped and COUNTED by reason in ``DataReport``, with their first rows (``FILE:ROW``);
+non-integer answers are filtered out when ``integer_only`` (rStar2-Agent §4.2), and integers past
+Python's int-string limit (4,300 digits), which the verifier could not read, are counted too.
 The pipeline is then: per-host shard (process_index::process_count) -> seeded shuffle, reshuffled
-every epoch -> repeat(num_epochs) -> batch. Its iterator's ``get_state()`` / ``set_state()``
-(a small dict) is what a checkpoint stores to resume exactly.
+every epoch -> repeat(num_epochs) -> batches of rows. Its iterator's ``get_state()`` /
+``set_state()`` (a small dict: the position in rows) is what a checkpoint stores to resume exactly,
+also with another batch size.
 """
 from __future__ import annotations
 
+import codecs
 import collections
 import dataclasses
 import json
 import logging
 import os
 import re
+import sys
 from typing import Any, Iterable
 
 import grain
@@ -49,25 +54,46 @@ class BadRow(ValueError):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+        self.detail = detail
+
+
+# rows named per skip reason in a report (the rest are counted only)
+EXAMPLE_ROWS = 5
 
 
 @dataclasses.dataclass
 class DataReport:
-    """What loading kept and dropped, by reason (never silent)."""
+    """What loading kept and dropped, by reason, with the first rows of each ("FILE:ROW", rows
+    numbered from 1: a .jsonl file's line numbers) so they can be found and fixed (never silent)."""
 
     total: int = 0
     kept: int = 0
     skipped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    rows: dict = dataclasses.field(default_factory=dict)  # reason -> the first EXAMPLE_ROWS "FILE:ROW"
 
     @property
     def num_skipped(self) -> int:
         return sum(self.skipped.values())
 
+    def skip(self, reason: str, where: str) -> None:
+        """Count one skipped row of ``reason`` at ``where`` ("FILE:ROW")."""
+        self.skipped[reason] += 1
+        examples = self.rows.setdefault(reason, [])
+        if len(examples) < EXAMPLE_ROWS:
+            examples.append(where)
+
     def merge(self, other: "DataReport") -> "DataReport":
-        return DataReport(self.total + other.total, self.kept + other.kept, self.skipped + other.skipped)
+        rows = {k: (self.rows.get(k, []) + other.rows.get(k, []))[:EXAMPLE_ROWS] for k in {*self.rows, *other.rows}}
+        return DataReport(self.total + other.total, self.kept + other.kept, self.skipped + other.skipped, rows)
+
+    def describe(self, reason: str) -> str:
+        """``reason=N (rows a, b, ...)``."""
+        n, rows = self.skipped[reason], self.rows.get(reason, [])
+        more = ", ..." if n > len(rows) else ""
+        return f"{reason}={n}" + (f" (rows {', '.join(rows)}{more})" if rows else "")
 
     def __str__(self) -> str:
-        reasons = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or "none"
+        reasons = ", ".join(self.describe(k) for k in sorted(self.skipped)) or "none"
         return f"{self.kept}/{self.total} rows kept; skipped: {reasons}"
 
 
@@ -96,34 +122,46 @@ def _chat_user_content(prompt: Any) -> str | None:
     return None
 
 
+def _kind(x: Any) -> str:
+    """What a JSON value is, for a message: null, a bool, a list, ..."""
+    if x is None:
+        return "null"
+    if isinstance(x, float) and not np.isfinite(x):
+        return repr(x)
+    return type(x).__name__
+
+
+def _field(candidates: list[tuple[str, Any]], what: str) -> str:
+    """The text of the first candidate (key, value) that is text or a number; raises BadRow
+    ``missing_{what}`` when there is none, ``{what}_wrong_type`` (naming the keys and the types
+    found) when the fields are there but hold nulls, lists, bools, objects."""
+    wrong = []
+    for key, value in candidates:
+        text = _text(value)
+        if text is not None:
+            return text
+        wrong.append(f"{key} is {_kind(value)}")
+    if wrong:
+        raise BadRow(f"{what}_wrong_type", "; ".join(wrong))
+    raise BadRow(f"missing_{what}")
+
+
 def normalize_row(row: Any) -> dict[str, str]:
     """{"problem", "answer"} from any supported layout; raises BadRow otherwise."""
     if not isinstance(row, dict):
         raise BadRow("not_a_mapping", type(row).__name__)
-    problem = None
-    answer = None
+    answers = []
     if "prompt" in row and not isinstance(row["prompt"], str):  # DAPO / verl layout
         content = _chat_user_content(row["prompt"])
         if content is None:
             raise BadRow("bad_chat_prompt")
         problem = strip_dapo_wrapper(content)
         rm = row.get("reward_model")
-        if isinstance(rm, dict):
-            answer = _text(rm.get("ground_truth"))
+        if isinstance(rm, dict) and "ground_truth" in rm:
+            answers.append(("reward_model.ground_truth", rm["ground_truth"]))
     else:
-        for k in _PROBLEM_KEYS + ("prompt",):
-            if k in row:
-                problem = _text(row[k])
-                break
-    if answer is None:
-        for k in _ANSWER_KEYS:
-            if k in row and row[k] is not None:
-                answer = _text(row[k])
-                break
-    if problem is None:
-        raise BadRow("missing_problem")
-    if answer is None:
-        raise BadRow("missing_answer")
+        problem = _field([(k, row[k]) for k in _PROBLEM_KEYS + ("prompt",) if k in row], "problem")
+    answer = _field(answers + [(k, row[k]) for k in _ANSWER_KEYS if k in row], "answer")
     if "####" in answer:  # GSM8K: rationale "#### final"
         answer = answer.rsplit("####", 1)[1].strip()
     if not problem:
@@ -150,63 +188,106 @@ def integer_answer(answer: str) -> str | None:
         a = a.replace(",", "")
     if not _INT_RE.match(a):
         return None
-    return str(int(a.split(".")[0]))
+    # canonical by hand: int() refuses strings over sys.get_int_max_str_digits() (4,300) digits
+    digits = a.lstrip("+-").split(".")[0].lstrip("0") or "0"
+    return ("-" if a.startswith("-") and digits != "0" else "") + digits
 
 
-def read_rows(path: str) -> tuple[list[Any], collections.Counter]:
-    """Raw rows of a .jsonl/.json/.parquet file, plus counts of lines that did not decode."""
-    bad: collections.Counter = collections.Counter()
+def _int_max_digits() -> int:
+    """Python's int-string conversion limit (0: none)."""
+    return sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 0
+
+
+def _json_int(text: str) -> int | str:
+    """``json.loads``' parse_int: an integer literal over Python's int-string limit stays its
+    digits (an int() of it raises, naming neither file nor row)."""
+    limit = _int_max_digits()
+    return text if limit and len(text.lstrip("-")) > limit else int(text)
+
+
+def _decode_line(line: bytes) -> Any:
+    """One JSON-lines row, or a BadRow saying why it is none."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return BadRow("not_utf8", f"byte {e.start + 1} of the line is {line[e.start:e.start + 1]!r}")
+    try:
+        return json.loads(text, parse_int=_json_int)
+    except ValueError as e:  # JSONDecodeError, and whatever json raises past it
+        return BadRow("bad_json", str(e).splitlines()[0][:200])
+
+
+def read_numbered_rows(path: str) -> list[tuple[int, Any]]:
+    """(row number, raw row) of each row of a .jsonl/.json/.parquet file, numbered from 1 (a
+    .jsonl file's line numbers; blank lines are no rows). A .jsonl row that does not decode (not
+    UTF-8, not JSON) is a ``BadRow`` in its place; a .json file is one document, so a byte that
+    is not UTF-8 or a JSON error in it raises, naming the file and the line."""
     ext = os.path.splitext(path)[1].lower()
     if ext == ".parquet":
         try:  # lazily: pyarrow is large and only parquet files need it
             import pyarrow.parquet as pq
         except ImportError as e:  # pragma: no cover - depends on the install
             raise ImportError("reading parquet needs pyarrow (pip install pyarrow)") from e
-        return pq.read_table(path).to_pylist(), bad
+        return list(enumerate(pq.read_table(path).to_pylist(), start=1))
     if ext not in (".jsonl", ".json"):
         raise ValueError(f"unsupported dataset file {path!r} (expected .jsonl, .json or .parquet)")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if ext == ".json" and text.lstrip().startswith("["):
-        data = json.loads(text)
-        if not isinstance(data, list):
-            raise ValueError(f"{path}: a .json dataset must be a list of rows")
-        return data, bad
-    rows = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
+    with open(path, "rb") as f:
+        data = f.read()
+    data = data.removeprefix(codecs.BOM_UTF8)
+    if ext == ".json" and data.lstrip().startswith(b"["):
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            bad["bad_json"] += 1
+            rows = json.loads(data.decode("utf-8"), parse_int=_json_int)
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise ValueError(f"{path}: line {line} is not UTF-8 (byte "
+                             f"{data[e.start:e.start + 1]!r} at offset {e.start}); a .json dataset is one document: "
+                             "fix the file, or write it as .jsonl, whose bad lines are skipped and counted") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: a .json dataset must be a list of rows")
+        return list(enumerate(rows, start=1))
+    return [(number, _decode_line(line)) for number, line in enumerate(data.split(b"\n"), start=1) if line.strip()]
+
+
+def read_rows(path: str) -> tuple[list[Any], collections.Counter]:
+    """Raw rows of a .jsonl/.json/.parquet file, plus counts of lines that did not decode."""
+    rows, bad = [], collections.Counter()
+    for _, row in read_numbered_rows(path):
+        if isinstance(row, BadRow):
+            bad[row.reason] += 1
+        else:
+            rows.append(row)
     return rows, bad
 
 
 def load_problems(paths: str | Iterable[str], integer_only: bool = True) -> tuple[list[dict[str, str]], DataReport]:
-    """Normalised records from one or more files, and a report of everything dropped."""
+    """Normalised records from one or more files, and a report of everything dropped, with the
+    rows (``FILE:ROW [why]``). A record's ``uid`` is ``FILE:ROW`` (``read_numbered_rows``'
+    numbering). A problem seen before (in any of the files) is dropped as ``duplicate``, or as
+    ``duplicate_other_answer`` when its answer differs: the first row wins."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     records: list[dict[str, str]] = []
     report = DataReport()
+    seen: dict[str, tuple[str, str]] = {}  # problem -> (answer, uid) of its first row
     for path in paths:
-        rows, bad = read_rows(os.fspath(path))
-        report.total += len(rows) + sum(bad.values())
-        report.skipped.update(bad)
         source = os.path.basename(os.fspath(path))
-        for i, row in enumerate(rows):
+        for number, row in read_numbered_rows(os.fspath(path)):
+            report.total += 1
+            where = f"{source}:{number}"
             try:
-                rec = normalize_row(row)
+                rec = _checked_record(row, integer_only)
             except BadRow as e:
-                report.skipped[e.reason] += 1
+                report.skip(e.reason, f"{where} [{e.detail}]" if e.detail else where)
                 continue
-            if integer_only:
-                canon = integer_answer(rec["answer"])
-                if canon is None:
-                    report.skipped["non_integer_answer"] += 1
-                    continue
-                rec["answer"] = canon
-            rec["uid"] = f"{source}:{i}"
+            first = seen.setdefault(rec["problem"], (rec["answer"], where))
+            if first[1] != where:
+                same = first[0] == rec["answer"]
+                report.skip("duplicate" if same else "duplicate_other_answer",
+                            f"{where} [of {first[1]}{'' if same else f', answer {first[0]!r}'}]")
+                continue
+            rec["uid"] = where
             rec["source"] = source
             records.append(rec)
     report.kept = len(records)
@@ -215,6 +296,42 @@ def load_problems(paths: str | Iterable[str], integer_only: bool = True) -> tupl
     if not records:
         raise ValueError(f"no usable rows in {list(paths)} ({report})")
     return records, report
+
+
+def _checked_record(row: Any, integer_only: bool) -> dict[str, str]:
+    """``normalize_row``, then with ``integer_only`` the canonical integer answer; raises BadRow."""
+    if isinstance(row, BadRow):
+        raise row
+    rec = normalize_row(row)
+    if integer_only:
+        canon = integer_answer(rec["answer"])
+        if canon is None:
+            raise BadRow("non_integer_answer")
+        limit = _int_max_digits()
+        if limit and len(canon.lstrip("-")) > limit:  # the verifier's int() would refuse it
+            raise BadRow("answer_too_long", f"{len(canon.lstrip('-'))} digits, Python's limit is {limit}")
+        rec["answer"] = canon
+    return rec
+
+
+def drop_long_prompts(records: list[dict], report: DataReport, prompt_len, max_len: int, flag: str) -> list[dict]:
+    """``records`` without those whose prompt is longer than ``max_len`` tokens
+    (``prompt_len(problem)`` measures it as the rollouts will encode it), each counted in
+    ``report`` as ``prompt_too_long`` with its row (a record's ``uid``). Raises, naming ``flag``,
+    when none is left."""
+    kept = []
+    for rec in records:
+        if prompt_len(rec["problem"]) > max_len:
+            report.skip("prompt_too_long", rec.get("uid", "?"))
+        else:
+            kept.append(rec)
+    report.kept = len(kept)
+    if len(kept) < len(records):
+        log.warning("dataset: %d prompts longer than %s=%d tokens skipped; %s", len(records) - len(kept), flag,
+                    max_len, report.describe("prompt_too_long"))
+    if not kept:
+        raise ValueError(f"every prompt is longer than {flag}={max_len} tokens ({report})")
+    return kept
 
 
 def host_shard(num_records: int, process_index: int, process_count: int, even: bool = True) -> slice:
@@ -239,11 +356,12 @@ def make_dataset(
     process_count: int | None = None,
     drop_remainder: bool = True,
     even_shards: bool = True,
-) -> grain.IterDataset:
-    """grain pipeline over records: host shard -> shuffle (per epoch) -> repeat -> batch (lists of dicts).
+) -> "RowBatches":
+    """Batches (lists of dicts) of ``records``: host shard -> shuffle (per epoch) -> repeat,
+    then ``batch_size`` rows at a time (``RowBatches``).
 
     ``num_epochs=None`` repeats forever. process_index/count default to jax.process_index/count.
-    ``iter(ds)`` gives a grain DatasetIterator with get_state()/set_state() for checkpoints.
+    ``iter(ds)`` gives an iterator with get_state()/set_state() for checkpoints, which count rows.
     """
     if batch_size <= 0:
         raise ValueError("batch_size must be > 0")
@@ -257,9 +375,52 @@ def make_dataset(
         raise ValueError(f"{len(ds)} records on this host cannot fill one batch of {batch_size}")
     if shuffle:
         ds = ds.shuffle(seed=seed)  # grain reshuffles with a new permutation each epoch of repeat()
-    ds = ds.repeat(num_epochs)
-    ds = ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=list)
-    return ds.to_iter_dataset()
+    return RowBatches(ds.repeat(num_epochs).to_iter_dataset(), batch_size, drop_remainder)
+
+
+class RowBatches:
+    """``batch_size`` rows at a time from a row-level grain dataset. Its iterators' state (what a
+    checkpoint stores) is the position in ROWS: a run resumed with another batch size (e.g. a
+    changed ``rl.prompts_per_step``) continues at the next row, where a batch count would skip
+    or repeat data. Rows cross epoch boundaries as one sequence, as ``grain``'s ``batch`` does."""
+
+    def __init__(self, rows: grain.IterDataset, batch_size: int, drop_remainder: bool = True):
+        self.rows, self.batch_size, self.drop_remainder = rows, batch_size, drop_remainder
+
+    def __iter__(self) -> "RowBatchIterator":
+        return RowBatchIterator(iter(self.rows), self.batch_size, self.drop_remainder)
+
+
+class RowBatchIterator:
+    """``next()``: the next batch; a last batch short of ``batch_size`` ends the iteration when
+    ``drop_remainder``. ``get_state()`` = ``{"rows": rows consumed}``."""
+
+    def __init__(self, rows, batch_size: int, drop_remainder: bool):
+        self._rows, self.batch_size, self.drop_remainder = rows, batch_size, drop_remainder
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list:
+        batch = []
+        for _ in range(self.batch_size):
+            try:
+                batch.append(next(self._rows))
+            except StopIteration:
+                break
+        if not batch or (self.drop_remainder and len(batch) < self.batch_size):
+            raise StopIteration
+        return batch
+
+    def get_state(self) -> dict:
+        return {"rows": int(self._rows.get_state()["next_index"])}
+
+    def set_state(self, state: dict) -> None:
+        """A state of ``get_state``; or ``{"next_index": batches}`` as checkpoints written before
+        positions counted rows hold it, read as that many batches of this iterator's size (right
+        when the batch size did not change since)."""
+        rows = state["rows"] if "rows" in state else int(state["next_index"]) * self.batch_size
+        self._rows.set_state({"next_index": int(rows)})
 
 
 def problem_dataset(
@@ -269,7 +430,7 @@ def problem_dataset(
     num_epochs: int | None = 1,
     integer_only: bool = True,
     **kwargs,
-) -> tuple[grain.IterDataset, DataReport]:
+) -> tuple[RowBatches, DataReport]:
     """load_problems + make_dataset in one call."""
     records, report = load_problems(paths, integer_only=integer_only)
     return make_dataset(records, batch_size, seed=seed, num_epochs=num_epochs, **kwargs), report

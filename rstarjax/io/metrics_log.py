@@ -7,6 +7,7 @@ import json
 import math
 import os
 import time
+import uuid
 from collections.abc import Mapping
 
 import numpy as np
@@ -21,11 +22,49 @@ def _jsonable(v):
 
 
 def _start_wandb(init_args: Mapping, logdir: str):
+    """A W&B run that a restart of the same workdir continues: its id is kept in
+    ``logdir/wandb_run_id`` and the run resumed with it."""
     try:  # lazily: an optional extra, which the base install never imports
         import wandb
     except ImportError as e:
         raise ImportError('logging.wandb=True needs the wandb package: pip install -e ".[wandb]"') from e
-    return wandb.init(dir=logdir, **init_args)
+    id_path = os.path.join(logdir, "wandb_run_id")
+    if os.path.exists(id_path):
+        with open(id_path) as f:
+            run_id = f.read().strip()
+    else:
+        run_id = uuid.uuid4().hex[:12]  # W&B ids: letters and digits
+        with open(id_path, "w") as f:
+            f.write(run_id + "\n")
+    return wandb.init(dir=logdir, id=run_id, resume="allow", **init_args)
+
+
+def drop_records_after(path: str, step: int) -> int | None:
+    """Rewrite the metrics log at ``path`` without its records of steps after ``step`` (a
+    resumed run logs those again) or lines that are not JSON (torn by a kill mid-write), and
+    return the last step it held (None: no file or no record). The rewrite goes through a
+    temporary file, so a kill leaves the old or the new log."""
+    if not os.path.exists(path):
+        return None
+    records, unreadable = [], 0
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a torn line of a killed write: not a record to keep
+                unreadable += 1
+    records = [r for r in records if isinstance(r, dict) and isinstance(r.get("step"), int)]
+    if not records:
+        return None
+    last = max(r["step"] for r in records)
+    if last > step or unreadable:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records if r["step"] <= step)
+        os.replace(tmp, path)
+    return last
 
 
 def _scalars(metrics: Mapping) -> dict[str, float]:
@@ -39,27 +78,37 @@ class MetricsWriter:
 
     Only process 0 writes (pass ``enabled=False`` on the others). TensorBoard is optional: if
     tensorboardX is missing the JSONL file is still written.
+
+    ``resume_step``: the step a (resumed) run starts from. The steps after it that an earlier,
+    killed run logged are logged again by this one, so each is kept once: ``metrics.jsonl`` drops
+    its records after ``resume_step``, TensorBoard purges its events from ``resume_step + 1``
+    (``purge_step``), and the W&B run (resumed by id) skips the steps it already holds.
     """
 
     def __init__(self, logdir: str, enabled: bool = True, tensorboard: bool = True,
-                 wandb: Mapping | None = None):
+                 wandb: Mapping | None = None, resume_step: int | None = None):
         self.enabled = enabled
         self._tb = None
         self._jsonl = None
         self._wandb = None
+        self._wandb_has_through = None  # the last step the resumed W&B run already holds
         if not enabled:
             return
         os.makedirs(logdir, exist_ok=True)
-        self._jsonl = open(os.path.join(logdir, "metrics.jsonl"), "a", buffering=1)
+        path = os.path.join(logdir, "metrics.jsonl")
+        logged_through = drop_records_after(path, resume_step) if resume_step is not None else None
+        self._jsonl = open(path, "a", buffering=1)
         if tensorboard:
             try:  # lazily: tensorboardX is heavy to import and runs without it lose nothing else
                 from tensorboardX import SummaryWriter
             except ImportError:  # pragma: no cover - tensorboardX is a base dependency
                 SummaryWriter = None
             if SummaryWriter is not None:
-                self._tb = SummaryWriter(os.path.join(logdir, "tb"))
+                purge = resume_step + 1 if logged_through is not None and logged_through > resume_step else None
+                self._tb = SummaryWriter(os.path.join(logdir, "tb"), purge_step=purge)
         if wandb is not None:
             self._wandb = _start_wandb(wandb, logdir)
+            self._wandb_has_through = logged_through
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         if not self.enabled:
@@ -71,8 +120,8 @@ class MetricsWriter:
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, int(step))
-        if self._wandb is not None:
-            self._wandb.log(scalars, step=int(step))
+        if self._wandb is not None and (self._wandb_has_through is None or step > self._wandb_has_through):
+            self._wandb.log(scalars, step=int(step))  # W&B keeps a step's first values: it refuses older steps
 
     def close(self) -> None:
         if self._jsonl is not None:

@@ -11,11 +11,13 @@ from jax.sharding import Mesh
 
 from rstarjax.env import CodeExecutor
 from rstarjax.models import ModelConfig, Qwen3, load_hf
-from rstarjax.models.chat_template import chat_format
+from rstarjax.io import data as data_lib
+from rstarjax.models.chat_template import chat_format, encode_prompt
 from rstarjax.models.sharding import make_mesh, shard_model
 from rstarjax.models.tokenizer import Tokenizer, load_tokenizer_for
 from rstarjax.recipes.config import MeshConfig, ModelSource
 from rstarjax.rl.agent_loop import AgentConfig, ColocatedRollouts, ServingConfig
+from rstarjax.rl.step import RLConfig
 from rstarjax.serving.sampling import SamplingParams
 
 
@@ -80,6 +82,21 @@ def tool_workers(requested: int, cores: int | None = None) -> int:
     if requested < 0:
         raise ValueError(f"rl.num_tool_workers must be >= 0 (0 = one per host core), got {requested}")
     return int(requested) if requested > 0 else max(1, host_cores() if cores is None else int(cores))
+
+
+def problems(train_path: str, rl: RLConfig, tok: Tokenizer | None) -> tuple[list[dict], data_lib.DataReport]:
+    """The problems of ``train_path`` a run rolls out, and the report of what was skipped: read
+    and checked before any model or code pool is built. Rows the loader cannot use are skipped
+    and counted (``io.data.load_problems``), and with ``tok`` (the engine's prompts; None for a
+    scripted rollout function) so are those whose prompt, encoded as the rollouts do, exceeds
+    ``rl.max_prompt_len``: one such row would otherwise stop the run when drawn, hours in, and
+    again at every restart."""
+    records, report = data_lib.load_problems(train_path)
+    if tok is not None:
+        fmt = chat_format(rl.chat_format)
+        records = data_lib.drop_long_prompts(records, report, lambda problem: len(encode_prompt(tok, problem, fmt)),
+                                             rl.max_prompt_len, "--config.rl.max_prompt_len")
+    return records, report
 
 
 def executor(num_tool_workers: int) -> CodeExecutor:

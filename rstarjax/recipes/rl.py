@@ -7,6 +7,7 @@ its own order (``stage_data_seed``).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -22,7 +23,7 @@ from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
 from rstarjax.io import data as data_lib
 from rstarjax.io.metrics_log import MetricsWriter
-from rstarjax.recipes import build
+from rstarjax.recipes import build, preemption
 from rstarjax.recipes.config import RunConfig, wandb_init_args
 from rstarjax.rl.step import rl_step
 from rstarjax.rl.trainer import Trainer, TrainState
@@ -41,17 +42,60 @@ def stage_data_seed(seed: int, stage_start_step: int) -> int:
     return int(np.random.default_rng([int(seed), int(stage_start_step)]).integers(0, 2**31 - 1))
 
 
-def problem_batches(run: RunConfig, seed: int):
-    """grain iterator over this process's share of the prompts, ``prompts_per_step`` per step
+def problem_batches(run: RunConfig, seed: int, records: list[dict]):
+    """grain iterator over this process's share of ``records``, ``prompts_per_step`` per step
     (repeats when ``data.num_epochs == 0``), shuffled with ``seed``."""
     per_process = run.rl.prompts_per_step // jax.process_count()
-    ds, _ = data_lib.problem_dataset(run.data.train_path, per_process, seed=seed,
-                                     num_epochs=run.data.num_epochs or None, shuffle=run.data.shuffle)
-    return ds
+    return data_lib.make_dataset(records, per_process, seed=seed, num_epochs=run.data.num_epochs or None,
+                                 shuffle=run.data.shuffle)
 
 
 class StageError(ValueError):
     """A workdir / init_from combination that cannot be resumed or started (the message says why)."""
+
+
+class NonFiniteTraining(RuntimeError):
+    """``trainer.max_nonfinite_steps`` steps in a row had their update skipped as non-finite."""
+
+
+# the per-update quantities the jitted step checks (``trainer.make_train_step``), as logged
+NONFINITE_QUANTITIES = ("train/loss", "train/grad_norm", "train/update_norm")
+
+
+def nonfinite_quantities(metrics: dict) -> list[str]:
+    """The checked quantities of a step's metrics that are inf or nan (a mean over the step's
+    updates is nan when any of them was)."""
+    return [f"{k.split('/', 1)[1]}={metrics[k]}" for k in NONFINITE_QUANTITIES
+            if k in metrics and not np.isfinite(metrics[k])]
+
+
+@dataclasses.dataclass
+class NonFiniteStreak:
+    """Steps in a row whose update the trainer skipped as non-finite, and when to give up."""
+
+    limit: int  # trainer.max_nonfinite_steps
+    count: int = 0
+    first_step: int = 0
+
+    def observe(self, step: int, metrics: dict, last_saved: int | None) -> NonFiniteTraining | None:
+        """Count finished step ``step``; the error to raise once ``limit`` are reached in a row."""
+        if metrics.get("train/skipped_nonfinite", 0.0) <= 0:
+            self.count = 0
+            return None
+        self.count += 1
+        self.first_step = self.first_step if self.count > 1 else step
+        what = ", ".join(nonfinite_quantities(metrics)) or "update"
+        log.warning("step %d: non-finite %s: the update was skipped (%d in a row; the run stops at %d)",
+                    step, what, self.count, self.limit)
+        if self.count < self.limit:
+            return None
+        steps = f"step {step}" if self.count == 1 else f"steps {self.first_step}-{step}"
+        saved = f"step {last_saved}" if last_saved is not None else "none yet"
+        return NonFiniteTraining(
+            f"{steps}: {self.count} updates in a row were not finite, the last with {what}; each was "
+            f"skipped, so the parameters are still those of step {self.first_step - 1} (newest checkpoint: "
+            f"{saved}). The run diverged or its data is bad: lower --config.optim.learning_rate, check "
+            "the data, or allow more with --config.trainer.max_nonfinite_steps")
 
 
 def _same_dir(a: str, b: str) -> bool:
@@ -76,19 +120,21 @@ def initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig)
         raise StageError(f"--config.checkpoint.init_from={run.checkpoint.init_from!r} is this run's own "
                          "checkpoint directory: give each stage its own --workdir (a workdir resumes by itself)")
     if ckpt.latest_step() is not None:
-        meta = ckpt.read_meta()
-        if meta.get("stage") == "sft":
-            raise StageError(f"{ckpt.directory} holds an SFT run's checkpoints: give the RL stage its own "
-                             "--workdir and start it with --config.checkpoint.init_from=SFT_WORKDIR/checkpoints")
-        recorded = meta.get("init_from", "")
-        # checkpoints that predate the stage record ("stage" absent) cannot tell: they resume
-        if "stage" in meta and init_from and (not recorded or not _same_dir(recorded, init_from)):
-            raise StageError(
-                f"{ckpt.directory} holds checkpoints of another run (started from "
-                f"{recorded or 'the base model'!r}, now at step {ckpt.latest_step()}), not of a stage started "
-                f"from {init_from!r}: give this stage a new --workdir")
+        def same_stage(meta: dict, step: int) -> None:
+            if meta.get("stage") == "sft":
+                raise StageError(f"{ckpt.directory} holds an SFT run's checkpoints: give the RL stage its own "
+                                 "--workdir and start it with --config.checkpoint.init_from=SFT_WORKDIR/checkpoints")
+            recorded = meta.get("init_from", "")
+            # checkpoints that predate the stage record ("stage" absent) cannot tell: they resume
+            if "stage" in meta and init_from and (not recorded or not _same_dir(recorded, init_from)):
+                raise StageError(
+                    f"{ckpt.directory} holds checkpoints of another run (started from "
+                    f"{recorded or 'the base model'!r}, now at step {step}), not of a stage started "
+                    f"from {init_from!r}: give this stage a new --workdir")
+
         abstract = ckpt_lib.abstract_like(trainer.state, trainer.state_sharding)
-        trainer.state, meta = ckpt.restore(abstract)
+        # the newest checkpoint that restores: a torn or corrupt newer one is skipped, with a warning
+        trainer.state, meta, _ = ckpt.restore_newest(abstract, check_meta=same_stage)
         return dict(meta, resumed=True)
     if not init_from:
         return {"step": 0, "stage_start_step": 0}
@@ -180,49 +226,60 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
     ``rollout_fn`` defaults to the agent loop on a colocated serving engine; ``on_update`` is
     called once the starting state is in place (so the very first rollouts sample the restored
     policy) and after every update (the colocated engine takes the new params in memory there).
+
+    SIGTERM / SIGINT stop the stage cleanly (``recipes.preemption``): the last finished step is
+    saved, the code pool closed, and ``preemption.Interrupted`` raised.
     """
-    mesh = build.mesh(run.mesh)
-    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), run.checkpoint)
-    executor, before_update = None, None
-    try:
-        if model is None:
-            model = build.policy(run.model, mesh, run.seed,
-                                 read_weights=not checkpoint_replaces_weights(run, ckpt))
-        # what rstarjax.export needs to rebuild the model from a checkpoint of this run alone
+    guard = preemption.SignalGuard(run.checkpoint.preemption_grace_s, can_abandon=jax.process_count() == 1)
+    with guard:  # from here on a signal is a request to stop, answered within the grace period
         tokenizer = build.tokenizer(run.model)
-        if rollout_fn is None or len(tokenizer) <= model.config.vocab_size:
-            export_meta = build.model_meta(model, tokenizer, run.rl.chat_format)  # raises when the vocabularies disagree
-        else:  # a scripted rollout function on a preset whose table fits no tokenizer: the architecture only
-            export_meta = {"model_config": model.config.to_hf_dict()}
-        trainer = Trainer(model, run.optim, run.loss, run.trainer, mesh=mesh)
-        meta = initial_state(trainer, ckpt, run)
-        if rollout_fn is None:
-            executor = build.executor(run.rl.num_tool_workers)
-            rollouts = build.rollouts(trainer.model(), tokenizer, executor, run.agent(), run.rl.sampling(),
-                                      run.rl.max_prompt_len, run.rl.chat_format, run.serving)
-            rollout_fn, on_update = rollouts, lambda tr: rollouts.update_params(tr.model())
-            if run.serving.release_during_update:  # freed before each update, made again by on_update
-                before_update = rollouts.release_memory
-        # the dtype the engine serves in sets the log-prob gap alarm's threshold (None: a rollout
-        # function that does not say, e.g. a scripted one: no count)
-        serving_dtype = getattr(rollout_fn, "serving_dtype", None)
-        return _train_stage(run, workdir, trainer, ckpt, meta, rollout_fn, on_update, export_meta,
-                            before_update, serving_dtype)
-    finally:
-        ckpt.close()  # waits for the last async save
-        if executor is not None:
-            executor.close()  # the code-execution pool this stage started
+        # the data first: its bad and over-long rows are reported before minutes of model loading
+        records, _ = build.problems(run.data.train_path, run.rl, tokenizer if rollout_fn is None else None)
+        mesh = build.mesh(run.mesh)
+        ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), run.checkpoint)
+        executor, before_update = None, None
+        try:
+            if model is None:
+                model = build.policy(run.model, mesh, run.seed,
+                                     read_weights=not checkpoint_replaces_weights(run, ckpt))
+            # what rstarjax.export needs to rebuild the model from a checkpoint of this run alone
+            if rollout_fn is None or len(tokenizer) <= model.config.vocab_size:
+                export_meta = build.model_meta(model, tokenizer, run.rl.chat_format)  # raises when the vocabularies disagree
+            else:  # a scripted rollout function on a preset whose table fits no tokenizer: the architecture only
+                export_meta = {"model_config": model.config.to_hf_dict()}
+            trainer = Trainer(model, run.optim, run.loss, run.trainer, mesh=mesh)
+            meta = initial_state(trainer, ckpt, run)
+            if rollout_fn is None:
+                executor = build.executor(run.rl.num_tool_workers)
+                rollouts = build.rollouts(trainer.model(), tokenizer, executor, run.agent(), run.rl.sampling(),
+                                          run.rl.max_prompt_len, run.rl.chat_format, run.serving)
+                rollout_fn, on_update = rollouts, lambda tr: rollouts.update_params(tr.model())
+                if run.serving.release_during_update:  # freed before each update, made again by on_update
+                    before_update = rollouts.release_memory
+            # the dtype the engine serves in sets the log-prob gap alarm's threshold (None: a rollout
+            # function that does not say, e.g. a scripted one: no count)
+            serving_dtype = getattr(rollout_fn, "serving_dtype", None)
+            return _train_stage(run, workdir, trainer, ckpt, meta, records, rollout_fn, on_update, export_meta,
+                                before_update, guard, serving_dtype)
+        finally:
+            ckpt.close()  # waits for the last async save
+            if executor is not None:  # the code-execution pool this stage started
+                # after a signal, calls still in flight are of an abandoned step: no need to wait
+                executor.close(drain_timeout=0.0 if guard.request is not None else None)
 
 
-def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_update, export_meta,
-                 before_update=None, serving_dtype=None) -> Trainer:
-    """``run_rl``'s loop, from the stage's starting state to ``run.total_steps``. ``serving_dtype``:
-    the dtype the rollouts are served in (None: unknown, e.g. a scripted ``rollout_fn``; no
-    log-prob gap count)."""
+def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout_fn, on_update, export_meta,
+                 before_update=None, guard: preemption.SignalGuard | None = None,
+                 serving_dtype=None) -> Trainer:
+    """``run_rl``'s loop, from the stage's starting state to ``run.total_steps``; ``guard``
+    (installed by the caller) says when a signal asks it to stop. ``serving_dtype``: the dtype
+    the rollouts are served in (None: unknown, e.g. a scripted ``rollout_fn``; no log-prob gap
+    count)."""
+    guard = guard or preemption.SignalGuard(0.0, can_abandon=False)  # never installed: never asks
     reference = setup_reference(trainer, run, meta)
     stage_start = int(meta.get("stage_start_step", 0))
     data_seed = int(meta.get("data_seed", stage_data_seed(run.seed, stage_start)))
-    data_iter = iter(problem_batches(run, seed=data_seed))
+    data_iter = iter(problem_batches(run, data_seed, problems))
     if meta.get("resumed") and meta.get("data_state") is not None:
         data_iter.set_state(meta["data_state"])
     base_key = ckpt_lib.key_from_json(meta["rng"]) if "rng" in meta else jax.random.key(run.seed)
@@ -232,23 +289,43 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
                     "init_from_step": meta.get("init_from_step"), "stage_start_step": stage_start,
                     "data_seed": data_seed, "stage_total_steps": run.total_steps, **export_meta}
 
+    def save(step: int, data_state) -> bool:
+        return ckpt.save(step, trainer.state, {
+            "step": step, "rng": ckpt_lib.key_to_json(base_key), "data_state": data_state, **stage_record,
+            **({"reference": reference} if reference else {}),
+        })
+
+    def guarded_rollouts(*args, **kwargs):  # the part of a step that a stop signal may abandon
+        with guard.rollouts():
+            return rollout_fn(*args, **kwargs)
+
     is_main = jax.process_index() == 0
-    writer = MetricsWriter(os.path.join(workdir, "logs"), enabled=is_main, tensorboard=run.logging.tensorboard,
-                           wandb=wandb_init_args(run, workdir))
     start = trainer.step
+    # the steps after ``start`` that a killed run logged are logged again: kept once
+    writer = MetricsWriter(os.path.join(workdir, "logs"), enabled=is_main, tensorboard=run.logging.tensorboard,
+                           wandb=wandb_init_args(run, workdir), resume_step=start)
     if start >= run.total_steps and is_main:
         print(f"rstarjax: {workdir} is already at global step {start} >= total_steps={run.total_steps}: "
               "nothing to train (raise --config.total_steps to train on)", flush=True)
     bar = tqdm.tqdm(total=run.total_steps, initial=start, disable=not (is_main and run.logging.progress_bar),
                     desc="rl", dynamic_ncols=True)
     rejected_in_a_row = 0
+    nonfinite = NonFiniteStreak(run.trainer.max_nonfinite_steps)
+    # the data position after the last finished step: what a checkpoint of that step records
+    # (batches drawn since, by a rejected or an abandoned step, are drawn again on resume)
+    finished_data = data_iter.get_state()
+    stop_signal, data_ran_out = 0, False
     try:
         while trainer.step < run.total_steps:
+            stop_signal = guard.stop_signal(trainer.step)
+            if stop_signal:
+                break
             step = trainer.step
             compiled_before = compile_cache.compile_seconds()
             try:
                 records = next(data_iter)
-            except StopIteration:
+            except StopIteration:  # finite data (data.num_epochs) is used up
+                data_ran_out = True
                 break
             # one seed per (step, process), derived from the run key: same rollouts after a resume,
             # independent samples on every process (and for each batch drawn again at this step)
@@ -259,9 +336,13 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
             seed = int(jax.random.randint(step_key, (), 0, 2**31 - 1))
             # dynamic sampling refills from the same iterator, so its checkpointed state covers
             # every prompt a step consumed
-            metrics = rl_step(trainer, rollout_fn, records, run.rl, run.loss, seed,
-                              more_records=lambda: next(data_iter), before_update=before_update,
-                              serving_dtype=serving_dtype)
+            try:
+                metrics = rl_step(trainer, guarded_rollouts, records, run.rl, run.loss, seed,
+                                  more_records=lambda: next(data_iter), before_update=before_update,
+                                  serving_dtype=serving_dtype)
+            except preemption.StepAbandoned:  # the train state is still that of the last finished step
+                stop_signal = guard.request.signum
+                break
             if trainer.step == step:  # every group was rejected: no update, as the official trainer
                 rejected_in_a_row += 1
                 log.warning("step %d: no group of the batch is left to train on (rejected %.0f%%, %d infra-short); "
@@ -276,18 +357,19 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
                 continue
             metrics["filter/rejected_batches"] = float(rejected_in_a_row)
             rejected_in_a_row = 0
+            finished_data = data_iter.get_state()
             t_handoff = time.perf_counter()
             if on_update is not None:
                 on_update(trainer)
             metrics["time/handoff"] = time.perf_counter() - t_handoff
             new_step = trainer.step
+            diverged = nonfinite.observe(new_step, metrics, ckpt.latest_step())
+            if diverged is not None:  # logged, never saved: the newest checkpoint stays the last good one
+                writer.write(new_step, metrics)
+                raise diverged
             if ckpt.should_save(new_step, run.total_steps):
                 t_save = time.perf_counter()
-                ckpt.save(new_step, trainer.state, {
-                    "step": new_step, "rng": ckpt_lib.key_to_json(base_key),
-                    "data_state": data_iter.get_state(), **stage_record,
-                    **({"reference": reference} if reference else {}),
-                })
+                save(new_step, finished_data)
                 # with async_save, the part the loop waits for (the copy off the device)
                 metrics["time/checkpoint"] = time.perf_counter() - t_save
             metrics.update(device_memory_metrics())
@@ -296,7 +378,36 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, rollout_fn, on_up
             bar.update(1)
             bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}",
                             len=f"{metrics.get('rollout/response_length_mean', 0):.0f}")
+        if stop_signal:
+            saved = _save_last(trainer.step, start, save, finished_data, ckpt)
+            raise preemption.Interrupted(stop_signal, trainer.step, saved, guard.abandoned)
+        if data_ran_out:
+            saved = _save_last(trainer.step, start, save, finished_data, ckpt)
+            message = data_ran_out_message(run, len(problems), trainer.step, start, saved)
+            log.info("%s", message)
+            if is_main:
+                print(f"rstarjax: {message}", flush=True)
     finally:
         bar.close()
         writer.close()
     return trainer
+
+
+def _save_last(step: int, start: int, save, data_state, ckpt) -> bool:
+    """Save ``step``, the last finished one, unless it is on disk already or this run finished
+    none; wait for the write. Whether ``step`` is on disk now."""
+    if step > start and step not in ckpt.all_steps():
+        save(step, data_state)
+    ckpt.wait()
+    return step in ckpt.all_steps()
+
+
+def data_ran_out_message(run: RunConfig, num_problems: int, step: int, start: int, saved: bool) -> str:
+    """Why a stage with finite data stopped before ``total_steps``, and how to go on."""
+    per_step = run.rl.prompts_per_step
+    epochs = run.data.num_epochs
+    return (f"the data ran out at step {step}, before total_steps={run.total_steps}: {step - start} steps ran in "
+            f"this run; data.num_epochs={epochs} pass{'es' if epochs != 1 else ''} over {num_problems} problems at "
+            f"{per_step} per step give {num_problems * epochs // per_step} steps. "
+            + (f"Step {step} is saved. " if saved else "No step was trained, nothing saved. ")
+            + "Raise --config.data.num_epochs (0 = repeat forever) to train on.")

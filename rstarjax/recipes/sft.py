@@ -58,7 +58,7 @@ def load_conversations(path: str) -> list[list[dict]]:
         raise FileNotFoundError(f"SFT data file {path!r} does not exist (set --config.sft.data_path)")
     rows, bad = read_rows(path)
     if bad:
-        raise ValueError(f"{path}: {sum(bad.values())} line(s) are not valid JSON")
+        raise ValueError(f"{path}: {sum(bad.values())} line(s) are not valid JSON or not UTF-8 ({dict(bad)})")
     out = []
     for i, row in enumerate(rows):
         msgs = row.get("messages") if isinstance(row, Mapping) else None
@@ -226,11 +226,11 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
 
 
 # ---- entry point -----------------------------------------------------------------------------------
-def resumes(workdir: str, checkpoint_cfg) -> bool:
-    """Whether ``train_sft`` in ``workdir`` resumes from a checkpoint there."""
+def resume_step(workdir: str, checkpoint_cfg) -> int | None:
+    """The step ``train_sft`` in ``workdir`` resumes from (None: it starts afresh)."""
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), checkpoint_cfg)
     try:
-        return ckpt.latest_step() is not None
+        return ckpt.latest_step()
     finally:
         ckpt.close()
 
@@ -242,12 +242,13 @@ def run_sft(run: RunConfig, workdir: str) -> dict[str, Any]:
     mesh = build.mesh(run.mesh)
     tokenizer = build.tokenizer(run.model)
     conversations = load_conversations(run.sft.data_path)
+    start = resume_step(workdir, run.checkpoint)
     # A resume restores every parameter before anything reads them: the HF weights are not read.
-    model = build.policy(run.model, mesh, run.seed, read_weights=not resumes(workdir, run.checkpoint),
+    model = build.policy(run.model, mesh, run.seed, read_weights=start is None,
                          **build.vocabulary_of(tokenizer))
     with MetricsWriter(os.path.join(workdir, "logs"), enabled=jax.process_index() == 0,
-                       tensorboard=run.logging.tensorboard,
-                       wandb=wandb_init_args(run, workdir)) as mw:  # where RL writes its metrics too
+                       tensorboard=run.logging.tensorboard, wandb=wandb_init_args(run, workdir),
+                       resume_step=start or 0) as mw:  # where RL writes its metrics too (each step once)
         trainer, summary = train_sft(
             model, tokenizer, conversations, run.sft, mesh=mesh, fmt=ct.chat_format(run.sft.chat_format),
             workdir=workdir, checkpoint_cfg=run.checkpoint, meta=build.model_meta(model, tokenizer, run.sft.chat_format),

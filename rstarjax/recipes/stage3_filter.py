@@ -17,7 +17,6 @@ import tqdm
 from flax import nnx
 
 from rstarjax.io import checkpoint as ckpt_lib
-from rstarjax.io import data as data_lib
 from rstarjax.recipes import build
 from rstarjax.recipes.config import RunConfig
 from rstarjax.rl.trajectory import RolloutFn, group_indices, trajectories_of
@@ -81,7 +80,9 @@ def run_filter(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None
     if jax.process_count() > 1:
         raise NotImplementedError("the stage-3 filter runs on one process (rollouts are the cost; "
                                   "use one host with a larger serving mesh)")
-    records, report = data_lib.load_problems(run.data.train_path)
+    # with the engine's prompts (rollout_fn None), the over-long ones are skipped and counted too
+    records, report = build.problems(run.data.train_path, run.rl,
+                                     build.tokenizer(run.model) if rollout_fn is None else None)
     executor = None
     if rollout_fn is None:
         mesh = build.mesh(run.mesh)

@@ -61,6 +61,7 @@ import numpy as np
 from flax import nnx
 
 from rstarjax.env import ToolCallError, classify_tool_error, format_tool_response, parse_tool_call
+from rstarjax.env.executor import ExecutorConfig
 from rstarjax.env.official_reward import REWARD_MODES
 from rstarjax.env.tools import parse_tool_calls
 from rstarjax.models.chat_template import RSTAR2, ChatFormat, encode_prompt, encode_tool_response_turn
@@ -97,9 +98,15 @@ class AgentConfig:
     reward_mode: str = "answer"
 
     def __post_init__(self):
+        pool_limit = ExecutorConfig.max_timeout  # the code pool refuses calls with a longer limit
         require(one_of("reward_mode", self.reward_mode, REWARD_MODES),
                 (self.max_turns >= 1, f"max_turns={self.max_turns} must be >= 1"),
                 (self.max_response_len >= 2, f"max_response_len={self.max_response_len} must be >= 2"),
+                (0 < self.tool_timeout_s <= pool_limit,
+                 f"tool_timeout_s={self.tool_timeout_s} must be in (0, {pool_limit:g}] seconds, the code pool's "
+                 "limit per call: outside it every tool call fails as an infrastructure error"),
+                (self.rollout_timeout_s > 0,
+                 f"rollout_timeout_s={self.rollout_timeout_s} must be > 0 seconds (the bound on a step's rollouts)"),
                 (self.infra_retries >= 0 and self.infra_retry_delay_s >= 0,
                  "infra_retries and infra_retry_delay_s must be >= 0"),
                 (self.verify_wait_s >= self.verify_timeout_s,

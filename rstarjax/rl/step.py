@@ -120,9 +120,12 @@ class RLConfig:
         return self.oversample if self.roc else self.group_size
 
     def agent(self) -> AgentConfig:
+        # the scheduler's wait for a tool call's answer covers the call's own limit twice over
+        # (queueing included): a long tool_timeout_s is not cut short as an infrastructure error
+        tool_wait_s = max(AgentConfig.tool_wait_s, 2 * self.tool_timeout_s)
         return AgentConfig(max_turns=self.max_turns, max_response_len=self.max_response_len,
                            tool_timeout_s=self.tool_timeout_s, max_tool_response_chars=self.max_tool_response_chars,
-                           rollout_timeout_s=self.rollout_timeout_s)
+                           rollout_timeout_s=self.rollout_timeout_s, tool_wait_s=tool_wait_s)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(0, self.top_k))

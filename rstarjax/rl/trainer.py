@@ -48,9 +48,14 @@ class TrainerConfig:
     # forward and backward; ``train`` first moves a mini-batch's real rows into its first
     # micro-batches (``micro_major_order``). False computes every row, as before.
     skip_padding: bool = True
+    # An update whose loss, gradient norm or update norm is not finite is skipped (params and
+    # optimizer state kept, ``train/skipped_nonfinite`` logged); the RL loop stops after this many
+    # steps with a skipped update in a row (a diverged run: retrying only burns compute).
+    max_nonfinite_steps: int = 3
 
     def __post_init__(self):
         require((self.micro_batch_size >= 0, f"micro_batch_size={self.micro_batch_size} must be >= 0 (0 = all rows)"),
+                (self.max_nonfinite_steps >= 1, f"max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1"),
                 (self.mini_batches >= 1, f"mini_batches={self.mini_batches} must be >= 1"),
                 (self.compute_dtype is None or _is_dtype(self.compute_dtype),
                  f"compute_dtype={self.compute_dtype!r} is not a dtype name"))
@@ -148,6 +153,12 @@ def forward_logprobs(graphdef, rest, params, batch: Mapping[str, jax.Array], com
                                 segment_ids=batch["segment_ids"], with_entropy=with_entropy)
 
 
+def keep_unless_finite(finite: jax.Array, new, old):
+    """``new`` where the scalar ``finite`` is true, else ``old`` (two pytrees of one structure);
+    an elementwise select that XLA fuses into the update, no host round trip."""
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
 def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, micro_loss: loss_lib.MicroLoss,
                     num_micro: int, compute_dtype=None, micro_sharding: NamedSharding | None = None,
                     skip_padding: bool = False):
@@ -158,6 +169,10 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, mic
     the loss, the gradient or the metrics (all masked sums), so the micro-batches after the
     last one with a trained token are skipped (``Trainer.train`` arranges the rows so that
     those are all the padding ones; the count is global, so every device stops together).
+
+    Non-finite guard: an update whose loss, gradient norm or update norm is inf or nan leaves
+    the params and optimizer state unchanged; the step counter still advances and the metrics
+    say so (``skipped_nonfinite`` = 1, ``update_norm``), so the caller can count and stop.
 
     ``denom`` <= 0: the normaliser is the batch's loss-mask sum (eq. 6's sum_i |o_i|; SFT's
     token mean); > 0: that constant (Dr. GRPO). Either way it is the WHOLE batch's, so the
@@ -207,10 +222,18 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, mic
             (grads, loss, metrics), _ = jax.lax.scan(lambda c, m: (accumulate(c, m), None), init, micros)
         grad_norm = optax.global_norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        update_norm = optax.global_norm(updates)
+        # One scalar says whether the update is usable: inf or nan in any of the three makes the
+        # sum non-finite. A non-finite update is skipped (params and optimizer state, hence the
+        # LR schedule, stay as they were) but the step still counts, so the host loop's clock
+        # (metrics, checkpoints, data order, RNG) runs on and it decides when to stop.
+        finite = jnp.isfinite(loss + grad_norm + update_norm)
+        params, opt_state = keep_unless_finite(finite, (optax.apply_updates(state.params, updates), opt_state),
+                                               (state.params, state.opt_state))
         # Loss metrics that are token sums over ``denom`` add up exactly across micro-steps.
         metrics = dict(metrics)
-        metrics.update(loss=loss, grad_norm=grad_norm, tokens=denom)
+        metrics.update(loss=loss, grad_norm=grad_norm, update_norm=update_norm, tokens=denom,
+                       skipped_nonfinite=1.0 - finite.astype(jnp.float32))
         return TrainState(params, opt_state, state.step + 1), metrics
 
     return step
