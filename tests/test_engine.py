@@ -15,6 +15,7 @@ from rstarjax.models.qwen3 import Qwen3
 from rstarjax.serving import (DoneReason, Engine, OutOfPages, SamplingParams, StartRequest,
                               generate)
 from rstarjax.serving.scheduler import CallTool, Extend, Finish, RolloutScheduler
+from model_support import chaotic
 
 MAX_LEN = 64
 BUCKETS = (16, 64)
@@ -22,21 +23,10 @@ SLOTS = 4
 PAGE = 8
 
 
-def _chaotic(model: Qwen3, seed: int, scale: float = 0.35) -> Qwen3:
-    """Random weights with a large scale, so greedy continuations vary (a freshly initialised
-    tiny model tends to repeat one token, which would make the comparisons weak)."""
-    graphdef, state = nnx.split(model)
-    leaves, tree = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    leaves = [np.asarray(jax.random.normal(k, x.shape, x.dtype)) * scale
-              for k, x in zip(keys, leaves)]
-    return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
-
-
 @pytest.fixture(scope="module")
 def model():
     cfg = ModelConfig.preset("tiny", dtype=jnp.float32)
-    return _chaotic(Qwen3(cfg, rngs=nnx.Rngs(0)), seed=1)
+    return chaotic(Qwen3(cfg, rngs=nnx.Rngs(0)), seed=1)
 
 
 def _engine(model, slots=SLOTS, **kw):
@@ -355,7 +345,7 @@ def test_stops_context_pages_and_bad_input(model):
 
 
 def test_update_params_serves_new_weights(model):
-    other = _chaotic(model, seed=7)
+    other = chaotic(model, seed=7)
     eng = _engine(model)
     _, new_state = nnx.split(other)
     eng.update_params(new_state)
@@ -418,7 +408,7 @@ def test_prefix_pages_of_older_weights_are_not_shared_after_an_update(model):
     sp = SamplingParams(temperature=0.0, max_new_tokens=6)
     state, _ = eng.start(eng.params, state, [StartRequest(0, old_prompt, sp,
                                                           prompt_len=len(old_prompt))])
-    other = _chaotic(model, seed=11)
+    other = chaotic(model, seed=11)
     eng.update_params(nnx.split(other)[1])
     req = StartRequest(1, new_prompt, sp, prompt_len=len(new_prompt))
     assert eng.start_cost([req]) == 3  # nothing to share under the new weights

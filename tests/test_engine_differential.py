@@ -28,6 +28,7 @@ from rstarjax.models.config import ModelConfig
 from rstarjax.models.qwen3 import Qwen3
 from rstarjax.serving import Engine, RolloutScheduler, SamplingParams, slice_meshes
 from rstarjax.serving.scheduler import CallTool, Extend, Finish
+from model_support import chaotic
 
 MAX_LEN = 64
 PAGE = 8
@@ -39,21 +40,10 @@ TIE_TOL = 1e-5  # a greedy token within this of the forward's best log-prob is a
 REF_ROWS = 16  # conversations per reference forward (one compiled shape)
 
 
-def _chaotic(model: Qwen3, seed: int, scale: float = 0.35) -> Qwen3:
-    """Large random weights, so greedy continuations vary (a fresh tiny model repeats a token)
-    and a page read before it is written changes the next token."""
-    graphdef, state = nnx.split(model)
-    leaves, tree = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    leaves = [np.asarray(jax.random.normal(k, x.shape, x.dtype)) * scale
-              for k, x in zip(keys, leaves)]
-    return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
-
-
 @pytest.fixture(scope="module")
 def model():
     cfg = ModelConfig.preset("tiny", dtype=jnp.float32)
-    return _chaotic(Qwen3(cfg, rngs=nnx.Rngs(0)), seed=31)
+    return chaotic(Qwen3(cfg, rngs=nnx.Rngs(0)), seed=31)
 
 
 # ---- workloads --------------------------------------------------------------------------------

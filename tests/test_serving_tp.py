@@ -16,6 +16,7 @@ from rstarjax.models.qwen3 import Qwen3
 from rstarjax.serving import Engine, SamplingParams, StartRequest
 from rstarjax.serving import engine as engine_lib
 from rstarjax.serving.slices import slice_meshes
+from model_support import chaotic
 
 MAX_LEN = 64
 PAGE = 8
@@ -23,19 +24,9 @@ SLOTS = 4
 BUDGET = 7  # tokens per turn
 
 
-def _chaotic(model: Qwen3, seed: int, scale: float = 0.35) -> Qwen3:
-    """Large random weights, so greedy continuations vary (a fresh tiny model repeats a token)."""
-    graphdef, state = nnx.split(model)
-    leaves, tree = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    leaves = [np.asarray(jax.random.normal(k, x.shape, x.dtype)) * scale
-              for k, x in zip(keys, leaves)]
-    return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
-
-
 def _model(**overrides) -> Qwen3:
     cfg = ModelConfig.preset("tiny", dtype=jnp.float32, **overrides)
-    return _chaotic(Qwen3(cfg, rngs=nnx.Rngs(0)), seed=3)
+    return chaotic(Qwen3(cfg, rngs=nnx.Rngs(0)), seed=3)
 
 
 @pytest.fixture(scope="module")
