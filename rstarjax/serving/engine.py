@@ -126,8 +126,10 @@ class Engine:
     allows (``models.kv_cache.pool_spec``); the programs are the same, XLA's SPMD partitioner
     adds the collectives (the Pallas decode kernels run per device on its kv heads).
     ``interpret``: run the Pallas kernels in their interpreter (tests on CPU).
-    """
 
+    Placement is ``serving.placement.Placement``; what the weight hand-off reads is ``layout``
+    and what it calls is ``serve`` (``serving.handoff.update_engines``).
+    """
 
     def __init__(self, model: nnx.Module, *, max_len: int, num_slots: int = 0,
                  page_size: int = 16, kv_pages: int = 0, kv_memory_fraction: float = 0.9,
