@@ -475,7 +475,7 @@ def sizing_check() -> dict:
     memory (peak bytes in use) per pair."""
     import importlib
 
-    from rstarjax.rl.agent_loop import ServingConfig
+    from rstarjax.serving.colocated import ServingConfig
 
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "configs"))
     dev = jax.devices()[0]

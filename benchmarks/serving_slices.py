@@ -10,7 +10,7 @@ weights and the same greedy requests, split in equal contiguous shares over its 
 The weight hand-off, per layout, side by side with its cost baseline, the update step: the
 float32 params of a ``Trainer`` (FSDP over every device) become every slice's serving copy in
 ``--handoff-dtype`` (default bfloat16, the shipped serving dtype) and layout
-(``engine.serving_copies``: one program, no host round trip), ``handoff_seconds``; the
+(``handoff.serving_copies``: one program, no host round trip), ``handoff_seconds``; the
 previous path (``jax.device_put`` onto each slice, which reshards FSDP shards through the host,
 then a cast program per slice), ``handoff_previous_seconds``; and one ``Trainer.update`` of
 ``--train-rows`` x ``--train-seq`` tokens on the same model and devices,
@@ -59,8 +59,8 @@ from rstarjax.rl import optim as optim_lib  # noqa: E402
 from rstarjax.rl import trainer as trainer_lib  # noqa: E402
 from rstarjax.rl.loss import LossConfig  # noqa: E402
 from rstarjax.serving import Engine, RolloutScheduler, SamplingParams, slice_meshes  # noqa: E402
-from rstarjax.serving import engine as engine_lib  # noqa: E402
-from rstarjax.serving.generate import _OneTurn  # noqa: E402
+from rstarjax.serving import handoff as handoff_lib  # noqa: E402
+from rstarjax.serving.completions import _OneTurn  # noqa: E402
 
 
 def model() -> Qwen3:
@@ -91,13 +91,13 @@ def run(es: list[Engine], prompts) -> tuple[float, list]:
 def handoff_targets(es: list[Engine]) -> list:
     """Each slice's serving shardings (the engines serve float32, so that every layout decodes
     the same tokens; the shardings of a bfloat16 copy are the same)."""
-    return [e._handoff_target for e in es]
+    return [e.layout.target for e in es]
 
 
 def handoff(graphdef, state, es: list[Engine], dtype) -> float:
     t0 = time.perf_counter()
-    copies = engine_lib.serving_copies(graphdef, state, handoff_targets(es), dtype=dtype,
-                                       untie_head=es[0]._untie_head)
+    copies = handoff_lib.serving_copies(graphdef, state, handoff_targets(es), dtype=dtype,
+                                        untie_head=es[0].layout.untie_head)
     jax.block_until_ready(copies)
     return time.perf_counter() - t0
 
@@ -110,7 +110,7 @@ def previous_handoff(graphdef, state, es: list[Engine], dtype) -> float:
     copies = []
     for e, target in zip(es, handoff_targets(es)):
         placed = jax.device_put(state, state_shardings(state, e.mesh))
-        copies.append(_previous_cast(e.graphdef, dtype, e._untie_head, target)(placed))
+        copies.append(_previous_cast(e.graphdef, dtype, e.layout.untie_head, target)(placed))
     jax.block_until_ready(copies)
     return time.perf_counter() - t0
 
@@ -121,7 +121,7 @@ _previous = {}
 def _previous_cast(graphdef, dtype, untie, target):
     key = (id(target), dtype)
     if key not in _previous:
-        _previous[key] = jax.jit(lambda st: engine_lib._serving_fn(graphdef, st, dtype, untie),
+        _previous[key] = jax.jit(lambda st: handoff_lib.serving_fn(graphdef, st, dtype, untie),
                                  out_shardings=target)
     return _previous[key]
 

@@ -3,7 +3,8 @@
     python -m rstarjax.serve --hf_path HF_DIR [--port 9000] [--num_slots 8] [--max_len 4096]
     python -m rstarjax.serve --checkpoint WORKDIR/checkpoints [--step N] [--model_config config.json]
 
-The model runs in the paged slot engine that rollouts use (``serving.engine.Engine``) behind
+The model runs in the paged slot engine that rollouts use (``serving.engine.Engine``, with
+JetStream's contract: ``serving.jetstream_contract``) behind
 ``serving.jetstream_engine.JetStreamEngine``, in JetStream's interleaved mode (prefill and
 decode share the engine's one device and KV pool). Clients speak JetStream's
 ``jetstream.core.proto.jetstream_pb2_grpc.Orchestrator`` API: ``Decode`` with
@@ -123,15 +124,16 @@ def load_policy(args):
 def build_engine(args, model, tokenizer, tokenizer_path: str = ""):
     """The JetStream adapter over a paged engine sized by ``args``."""
     from rstarjax.models.kv_cache import pages_for
-    from rstarjax.serving.engine import Engine
+    from rstarjax.serving.jetstream_contract import JetStreamContractEngine
     from rstarjax.serving.jetstream_engine import PREFIXES_IN_FLIGHT, JetStreamEngine
     from rstarjax.serving.sampling import SamplingParams
 
     kv_pages = args.kv_pages or (args.num_slots + PREFIXES_IN_FLIGHT) * pages_for(
         args.max_len, args.page_size)
-    engine = Engine(model, max_len=args.max_len, num_slots=args.num_slots, dtype=args.dtype,
-                    page_size=args.page_size, kv_pages=kv_pages,
-                    decode_attention=args.decode_attention, vocab_limit=tokenizer.num_tokens)
+    engine = JetStreamContractEngine(model, max_len=args.max_len, num_slots=args.num_slots,
+                                     dtype=args.dtype, page_size=args.page_size,
+                                     kv_pages=kv_pages, decode_attention=args.decode_attention,
+                                     vocab_limit=tokenizer.num_tokens)
     stops = tuple(int(t) for t in args.stop_ids.split(",") if t.strip())
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               seed=args.seed, max_new_tokens=args.max_new_tokens or args.max_len,

@@ -195,7 +195,7 @@ def test_trainer_rollout_hook_samples_real_episodes(tok, model, executor):
     import pathlib
 
     from rstarjax.rl import agent_loop
-    from rstarjax.rl.step import RLConfig
+    from rstarjax.rl.config import RLConfig
 
     path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "base.py"
     spec = importlib.util.spec_from_file_location("base_config", path)
@@ -327,7 +327,8 @@ def test_colocated_rollouts_over_tensor_parallel_slices(tok, model, executor):
     """``serving.tensor_parallel = 4, slices_per_host = 2``: two engines, each on a TP-4 mesh of
     its own devices, share the rollouts (admission by free pages, unchanged) and sample the
     same greedy trajectories as the one engine of ``tensor_parallel = 0``."""
-    from rstarjax.rl.agent_loop import ColocatedRollouts, ServingConfig
+    from rstarjax.rl.agent_loop import ColocatedRollouts
+    from rstarjax.serving.colocated import ServingConfig
 
     agent = AgentConfig(max_turns=2, max_response_len=32)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=24)

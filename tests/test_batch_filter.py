@@ -24,7 +24,8 @@ from rstarjax.recipes.rl import run_rl  # noqa: E402
 from rstarjax.rl import optim as optim_lib  # noqa: E402
 from rstarjax.rl import trainer as trainer_lib  # noqa: E402
 from rstarjax.rl.loss import LossConfig  # noqa: E402
-from rstarjax.rl.step import RLConfig, rl_step  # noqa: E402
+from rstarjax.rl.config import RLConfig  # noqa: E402
+from rstarjax.rl.step import rl_step  # noqa: E402
 from rstarjax.rl.trajectory import FinishReason, Segment, SegmentKind, Trajectory  # noqa: E402
 
 G = 2

@@ -12,8 +12,9 @@ from flax import nnx
 
 from rstarjax.models.config import ModelConfig
 from rstarjax.models.qwen3 import Qwen3
-from rstarjax.serving import (DoneReason, Engine, OutOfPages, SamplingParams, StartRequest,
-                              generate)
+from rstarjax.serving import DoneReason, OutOfPages, SamplingParams, StartRequest, generate
+# the native API and JetStream's contract (prefill / insert / generate / release) on one engine
+from rstarjax.serving import JetStreamContractEngine as Engine
 from rstarjax.serving.scheduler import CallTool, Extend, Finish, RolloutScheduler
 from model_support import chaotic
 

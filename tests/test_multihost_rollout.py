@@ -53,7 +53,7 @@ class StubExecutor:
 
 
 def rl_config():
-    from rstarjax.rl.step import RLConfig
+    from rstarjax.rl.config import RLConfig
 
     return RLConfig(prompts_per_step=PROCESSES * PROMPTS_PER_PROCESS, group_size=2, oversample=4,
                     roc_variant="topk", roc_min_negatives=1, roc_min_positives=1, max_turns=2,
@@ -100,7 +100,8 @@ def worker(port: int, pid: int, out_dir: str):
     from rstarjax.models.chat_template import COMPACT
     from rstarjax.models.sharding import make_mesh
     from rstarjax.models.tokenizer import load_tokenizer
-    from rstarjax.rl.agent_loop import ColocatedRollouts, ServingConfig
+    from rstarjax.rl.agent_loop import ColocatedRollouts
+    from rstarjax.serving.colocated import ServingConfig
     from rstarjax.rl.loss import LossConfig
     from rstarjax.rl.step import rl_step
     from rstarjax.serving.handoff import is_process_local

@@ -485,7 +485,7 @@ def test_over_long_prompts_are_skipped_at_load_before_the_model_is_built(stage1_
     (and the code pool) is built, instead of stopping the run when drawn."""
     from rstarjax.main import run
     from rstarjax.recipes import build
-    from rstarjax.rl.step import RLConfig
+    from rstarjax.rl.config import RLConfig
     from test_stages import _load, _rl_sizes
 
     data = tmp_path / "problems.jsonl"
@@ -575,7 +575,7 @@ def test_timeouts_that_would_break_every_rollout_are_refused_at_start(tmp_path, 
 
 
 def test_a_long_tool_limit_is_not_cut_short_by_the_schedulers_wait():
-    from rstarjax.rl.step import RLConfig
+    from rstarjax.rl.config import RLConfig
 
     assert RLConfig().agent().tool_wait_s == 60.0  # the default 5 s calls: as before
     assert RLConfig(tool_timeout_s=600.0).agent().tool_wait_s == 1200.0

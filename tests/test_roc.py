@@ -333,7 +333,7 @@ def test_roc_applied_per_group_of_a_flat_batch():
     """RoC over the rollouts of several prompts (selection.select_groups, the RL step's): G per
     group by ``group_id``, whatever the list order, deterministic in the seed."""
     from rstarjax.rl.selection import select_groups
-    from rstarjax.rl.step import RLConfig
+    from rstarjax.rl.config import RLConfig
 
     trajs = []
     for gid in (1, 0):

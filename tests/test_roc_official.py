@@ -10,7 +10,7 @@ import pytest
 
 from rstarjax.rl import roc
 from rstarjax.rl.selection import select_groups
-from rstarjax.rl.step import RLConfig
+from rstarjax.rl.config import RLConfig
 from rstarjax.rl.trajectory import FinishReason, Segment, SegmentKind, Trajectory
 
 torch = pytest.importorskip("torch")

@@ -15,7 +15,9 @@ from flax import nnx
 
 from rstarjax.models.config import ModelConfig
 from rstarjax.models.qwen3 import Qwen3
-from rstarjax.serving import DoneReason, Engine, SamplingParams
+from rstarjax.serving import DoneReason, SamplingParams
+# the native API, and JetStream's prefill / insert in one test
+from rstarjax.serving import JetStreamContractEngine as Engine
 from rstarjax.serving.scheduler import (CallTool, Extend, Finish, RolloutScheduler,
                                         capacity_for)
 

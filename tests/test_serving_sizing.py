@@ -12,9 +12,8 @@ from flax import nnx
 from rstarjax.models.config import ModelConfig
 from rstarjax.models.kv_cache import kv_bytes_per_token
 from rstarjax.models.qwen3 import Qwen3
-from rstarjax.rl.agent_loop import ServingConfig
-from rstarjax.serving import Engine, PagePool, plan_kv
-from rstarjax.serving import engine as engine_mod
+from rstarjax.serving import Engine, PagePool, ServingConfig, plan_kv
+from rstarjax.serving import placement as engine_mod  # where the engine reads free memory
 from rstarjax.serving.sizing import serving_weight_bytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

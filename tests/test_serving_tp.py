@@ -12,9 +12,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from rstarjax.models.config import ModelConfig
+from rstarjax.models.paged_attention import default_decode_implementation
 from rstarjax.models.qwen3 import Qwen3
 from rstarjax.serving import Engine, SamplingParams, StartRequest
-from rstarjax.serving import engine as engine_lib
+from rstarjax.serving.programs import decode_program
 from rstarjax.serving.slices import slice_meshes
 from model_support import chaotic
 
@@ -125,7 +126,7 @@ def _lower_decode(engine: Engine):
     """The decode program of 4 active rows, lowered."""
     rows = jnp.arange(4, dtype=jnp.int32)
     width, live = engine._decode_reads([], 1, 4)
-    return engine_lib._decode_program.lower(
+    return decode_program.lower(
         engine.cfg, engine.params, engine._k, engine._v, engine.init_decode_state(), rows,
         jnp.asarray(engine._table[:, :width]), live, jnp.full((engine.decode_steps, 4), -1),
         jnp.int32(1), jnp.int32(5), steps=engine.decode_steps, attention=engine.decode_attention,
@@ -191,7 +192,7 @@ def test_slice_meshes_layout_and_errors():
     # Replicated pages: the portable path by default; split pages: the platform's default.
     assert Engine(_model(), max_len=MAX_LEN, mesh=tp4).decode_attention == "ragged"
     assert Engine(_model(), max_len=MAX_LEN, mesh=meshes[0]).decode_attention == \
-        engine_lib.default_decode_implementation("cpu")
+        default_decode_implementation("cpu")
 
 
 # ---- the Pallas decode kernels on a slice: once per device, on its kv heads -----------------

@@ -23,7 +23,8 @@ from rstarjax.models.config import ModelConfig
 from rstarjax.models.qwen3 import Qwen3, serving_weight_specs
 from rstarjax.models.sharding import make_mesh, state_shardings
 from rstarjax.serving import Engine, SamplingParams, StartRequest
-from rstarjax.serving import engine as engine_lib
+from rstarjax.serving import handoff
+from rstarjax.serving.programs import decode_program
 from rstarjax.serving.slices import slice_meshes
 
 MAX_LEN = 48
@@ -62,7 +63,7 @@ NORMS = {"input_norm", "post_attention_norm", "q_norm", "k_norm"}  # kept as sto
 def _reference(model: Qwen3, untie_head: bool):
     """The serving copy computed on the host: numpy's bf16 cast of the gathered params (the
     norms as stored)."""
-    w = engine_lib._to_serving(*nnx.split(model), jnp.float32, untie_head)  # f32: no cast
+    w = handoff.to_serving(*nnx.split(model), jnp.float32, untie_head)  # f32: no cast
     bf16 = lambda x: np.asarray(x).astype(ml_dtypes.bfloat16)  # noqa: E731
     return dataclasses.replace(
         w, embed=bf16(w.embed), lm_head=bf16(w.lm_head), final_norm=np.asarray(w.final_norm),
@@ -93,7 +94,7 @@ def test_handoff_from_fsdp_equals_cast_in_slice_layout_without_host_copy(model, 
     want = _reference(new, untie_head=True)  # CPU engines untie the head
     with monkeypatch.context() as m:
         _refuse_host_copies(m)
-        engine_lib.update_engines(engines, state)
+        handoff.update_engines(engines, state)
     for engine in engines:
         got = engine.params
         for i, layer in enumerate(got.layers):
@@ -116,7 +117,7 @@ def test_handoff_keeps_no_reference_to_the_training_state(model):
     hand-off and the engine still serves."""
     engines = _engines(model, 2, 4)
     state = _fsdp_state(model)
-    engine_lib.update_engines(engines, state)
+    handoff.update_engines(engines, state)
     jax.tree.map(lambda x: x.delete(), state)
     for e in engines:
         assert all(not x.is_deleted() for x in jax.tree.leaves(e.params))
@@ -126,7 +127,7 @@ def test_handoff_keeps_no_reference_to_the_training_state(model):
 def _decode_lowered(engine: Engine, params):
     rows = jnp.arange(2, dtype=jnp.int32)
     width, live = engine._decode_reads([], 1, 2)
-    return engine_lib._decode_program.lower(
+    return decode_program.lower(
         engine.cfg, params, engine._k, engine._v, engine.init_decode_state(), rows,
         jnp.asarray(engine._table[:, :width]), live, jnp.full((engine.decode_steps, 2), -1),
         jnp.int32(1), jnp.int32(3), steps=engine.decode_steps, attention=engine.decode_attention,
@@ -152,7 +153,7 @@ def test_decode_after_handoff_gathers_and_converts_no_weight(model, slices, tp):
     all-gather of a weight (the row/column splits end in all-reduces of activations) and no
     convert of a weight (the cast happened once, in the hand-off)."""
     engine = _engines(model, slices, tp)[-1]
-    engine_lib.update_engines([engine], _fsdp_state(model))
+    handoff.update_engines([engine], _fsdp_state(model))
     hlo = _decode_lowered(engine, engine.params).compile().as_text()
     # per-device (partitioned) shapes of the weights, as the compiled program sees them
     shards = {x.addressable_shards[0].data.shape for x in jax.tree.leaves(engine.params)
@@ -206,8 +207,8 @@ def test_release_frees_serving_copy_and_pool_and_handoff_restores_them(model):
     with pytest.raises(RuntimeError, match="released"):
         released.init_decode_state()
     new = _fsdp_state(_model(seed=7))  # the update the release made room for
-    engine_lib.update_engines([kept], new)
-    engine_lib.update_engines([released], new)
+    handoff.update_engines([kept], new)
+    handoff.update_engines([released], new)
     assert _engine_bytes(released) == engine_bytes
     after = _rollouts(kept)
     assert after != before  # the new policy is served
@@ -227,7 +228,7 @@ def test_release_during_update_is_a_checked_config_key():
     import importlib.util
     import pathlib
 
-    from rstarjax.rl.agent_loop import ServingConfig
+    from rstarjax.serving.colocated import ServingConfig
     from rstarjax.validation import ConfigError
 
     spec = importlib.util.spec_from_file_location(
@@ -251,9 +252,11 @@ def test_rl_step_releases_serving_memory_during_the_update_and_samples_the_same(
     from rstarjax.models.tokenizer import load_tokenizer
     from rstarjax.rl import optim as optim_lib
     from rstarjax.rl import trainer as trainer_lib
-    from rstarjax.rl.agent_loop import AgentConfig, ColocatedRollouts, ServingConfig
+    from rstarjax.rl.agent_loop import AgentConfig, ColocatedRollouts
     from rstarjax.rl.loss import LossConfig
-    from rstarjax.rl.step import RLConfig, rl_step
+    from rstarjax.rl.config import RLConfig
+    from rstarjax.rl.step import rl_step
+    from rstarjax.serving.colocated import ServingConfig
 
     tok = load_tokenizer(486)
     cfg = ModelConfig.preset("tiny", dtype=jnp.float32, vocab_size=512)

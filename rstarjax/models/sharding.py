@@ -1,4 +1,10 @@
-"""Mesh (data, fsdp, tensor), logical-axis rules, and helpers to build/shard models for jit.
+"""Meshes (one builder, one axis vocabulary), logical-axis rules, and helpers to build/shard
+models for jit.
+
+Every mesh of the project is made by ``device_mesh`` with axes from ``AXES``: the trainer's
+``(data, fsdp, tensor)`` (``make_mesh``), a serving slice's ``(tensor,)``
+(``serving.slices``), the weight hand-off's staging ``(data, tensor)`` (one full serving copy per
+row) and cross-process ``(process, tensor)`` meshes (``serving.handoff``).
 
 Every parameter carries ``logical_axes`` metadata (e.g. ``("layers", "embed", "mlp")``); the
 rules below map logical names to mesh axes. A dimension whose size is not divisible by its mesh
@@ -13,7 +19,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor")  # the trainer's mesh
+PROCESS_AXIS = "process"  # one row per process (the multi-process weight hand-off)
+AXES = (PROCESS_AXIS, *MESH_AXES)  # every mesh axis name the project uses
 
 # logical name -> mesh axis (str), tuple of mesh axes, or None (replicated).
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -35,8 +43,24 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
+def device_mesh(devices, axes: Sequence[str]) -> Mesh:
+    """The mesh laying out ``devices`` (an array of devices, or a flat list for one axis) in
+    exactly their given order, one array dimension per name of ``axes`` (names from ``AXES``,
+    every axis ``AxisType.Auto``: XLA's partitioner places the collectives)."""
+    axes = tuple(axes)
+    unknown = [a for a in axes if a not in AXES]
+    if unknown:
+        raise ValueError(f"mesh axes {unknown} are not in the project's vocabulary {AXES}")
+    grid = devices if isinstance(devices, np.ndarray) else np.array(devices, dtype=object)
+    if grid.ndim != len(axes):
+        raise ValueError(f"a mesh over a {grid.ndim}-d array of devices needs {grid.ndim} axis "
+                         f"names, got {axes}")
+    return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
+
+
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
-    """Mesh with axes (data, fsdp, tensor); one size may be -1 (= the remaining devices)."""
+    """The trainer's mesh, axes (data, fsdp, tensor); one size may be -1 (= the remaining
+    devices). Devices are ordered by ``jax.make_mesh`` (the physical topology, e.g. TPU ICI)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = [data, fsdp, tensor]
     if sizes.count(-1) > 1:
@@ -49,8 +73,8 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     if int(np.prod(sizes)) != len(devices):
         raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} "
                          f"devices, have {len(devices)}")
-    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
-                         devices=devices)
+    ordered = jax.make_mesh(tuple(sizes), MESH_AXES, devices=devices).devices
+    return device_mesh(ordered, MESH_AXES)
 
 
 def _mesh_axis_sizes(mesh) -> dict[str, int]:

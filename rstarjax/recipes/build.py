@@ -16,8 +16,9 @@ from rstarjax.models.chat_template import chat_format, encode_prompt
 from rstarjax.models.sharding import make_mesh, shard_model
 from rstarjax.models.tokenizer import Tokenizer, load_tokenizer_for
 from rstarjax.recipes.config import MeshConfig, ModelSource
-from rstarjax.rl.agent_loop import AgentConfig, ColocatedRollouts, ServingConfig
-from rstarjax.rl.step import RLConfig
+from rstarjax.rl.agent_loop import AgentConfig, ColocatedRollouts
+from rstarjax.rl.config import RLConfig
+from rstarjax.serving.colocated import ServingConfig
 from rstarjax.serving.sampling import SamplingParams
 
 

@@ -2,9 +2,9 @@
 are passed down, so nothing below the recipes sees the ConfigDict.
 
 One dataclass per config section, defined where the section is read: ``loss`` ->
-``rl.loss.LossConfig``, ``rl`` -> ``rl.step.RLConfig`` (which derives the rollout layer's
+``rl.loss.LossConfig``, ``rl`` -> ``rl.config.RLConfig`` (which derives the rollout layer's
 ``AgentConfig`` and ``SamplingParams``), ``optim`` -> ``rl.optim.OptimConfig``, ``trainer`` ->
-``rl.trainer.TrainerConfig``, ``serving`` -> ``rl.agent_loop.ServingConfig``, ``checkpoint`` ->
+``rl.trainer.TrainerConfig``, ``serving`` -> ``serving.colocated.ServingConfig``, ``checkpoint`` ->
 ``io.checkpoint.CheckpointConfig``; the sections only the recipes read are defined here. Each
 dataclass checks its own fields (``validation.require``);
 ``parse`` adds the rules that span sections, files or devices, and reports every problem at once,
@@ -21,11 +21,12 @@ from rstarjax.env.official_reward import REWARD_MODES
 from rstarjax.io.checkpoint import CheckpointConfig
 from rstarjax.models.chat_template import CHAT_FORMATS
 from rstarjax.models.config import DTYPES, PRESETS, REMAT_POLICIES
-from rstarjax.rl.agent_loop import AgentConfig, ServingConfig
+from rstarjax.rl.agent_loop import AgentConfig
+from rstarjax.rl.config import RLConfig
 from rstarjax.rl.loss import LossConfig
 from rstarjax.rl.optim import OptimConfig
-from rstarjax.rl.step import RLConfig
 from rstarjax.rl.trainer import TrainerConfig
+from rstarjax.serving.colocated import ServingConfig
 from rstarjax.serving.sampling import SamplingParams
 from rstarjax.validation import ConfigError, one_of, require
 

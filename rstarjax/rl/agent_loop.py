@@ -56,23 +56,20 @@ import threading
 import time
 from typing import Sequence
 
-import jax
 import numpy as np
-from flax import nnx
 
 from rstarjax.env import ToolCallError, classify_tool_error, format_tool_response, parse_tool_call
 from rstarjax.env.executor import ExecutorConfig
 from rstarjax.env.official_reward import REWARD_MODES
 from rstarjax.env.tools import parse_tool_calls
 from rstarjax.models.chat_template import RSTAR2, ChatFormat, encode_prompt, encode_tool_response_turn
-from rstarjax.models.config import DTYPES
 from rstarjax.protocol import ANSWER_OPEN, STOP_TOKENS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from rstarjax.rl.trajectory import FinishReason, Segment, SegmentKind, Trajectory
-from rstarjax.serving.engine import DoneReason, Engine, update_engines
-from rstarjax.serving.handoff import ProcessHandoff
+from rstarjax.serving.colocated import ColocatedEngines, ServingConfig
+from rstarjax.serving.engine import Engine
+from rstarjax.serving.programs import DoneReason
 from rstarjax.serving.sampling import SamplingParams
 from rstarjax.serving.scheduler import CallTool, Extend, Finish, RolloutScheduler
-from rstarjax.serving.slices import slice_meshes
 from rstarjax.validation import one_of, require
 
 
@@ -111,72 +108,6 @@ class AgentConfig:
                  "infra_retries and infra_retry_delay_s must be >= 0"),
                 (self.verify_wait_s >= self.verify_timeout_s,
                  f"verify_wait_s={self.verify_wait_s} must cover verify_timeout_s={self.verify_timeout_s}"))
-
-
-@dataclasses.dataclass(frozen=True)
-class ServingConfig:
-    """The ``serving`` section: the rollout engine's KV page pool, decode batch and admission
-    (docs/serving.md). The engine checks the sizes against the model and the device
-    (``serving.sizing.plan_kv``)."""
-
-    page_size: int = 16  # tokens per KV page
-    kv_pages: int = 0  # > 0: exactly this many pages; 0: sized from kv_memory_fraction
-    kv_memory_fraction: float = 0.9  # of the device memory free after the serving weights
-    num_slots: int = 0  # decode batch width; 0: min(256, pages) on GPU/TPU, 64 on CPU
-    dtype: str = ""  # serving weights, KV and compute dtype; "" = model.dtype
-    # growth headroom kept free per live rollout at admission, as a fraction of the maximum
-    # rollout length (rStar2-Agent §3.2); 1.0 never preempts
-    admit_reserve_fraction: float = 0.125
-    decode_steps: int = 16  # decode steps per device call (one host sync each)
-    prefill_chunk: int = 2048  # longest feed per forward row; longer ones go in chunks
-    # Serving slices (docs/serving.md "Serving slices"): devices per slice, its weights split
-    # Megatron-style and its KV pages by kv head; 0 = one engine over the trainer's arrays as
-    # they are (no slices)
-    tensor_parallel: int = 0
-    slices_per_host: int = 1  # slices on this process's devices; 0 = as many as they hold
-    # Free the serving copy and the KV pool before each train step and make them again at the
-    # hand-off after it (docs/serving.md "Memory plan"): room for the update on the same devices
-    release_during_update: bool = False
-
-    def __post_init__(self):
-        at_least_one = [(getattr(self, n) >= 1, f"{n}={getattr(self, n)} must be >= 1")
-                        for n in ("page_size", "decode_steps", "prefill_chunk")]
-        require(*at_least_one,
-                (self.kv_pages >= 0, f"kv_pages={self.kv_pages} must be >= 0 (0 = sized from kv_memory_fraction)"),
-                (0.0 < self.kv_memory_fraction <= 1.0,
-                 f"kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1]"),
-                (self.num_slots >= 0, f"num_slots={self.num_slots} must be >= 0 (0 = the engine's default)"),
-                (self.admit_reserve_fraction >= 0.0,
-                 f"admit_reserve_fraction={self.admit_reserve_fraction} must be >= 0 (1.0 never preempts)"),
-                (self.tensor_parallel >= 0,
-                 f"tensor_parallel={self.tensor_parallel} must be >= 0 (0 = no slices: serve the trainer's arrays)"),
-                (self.slices_per_host >= 0,
-                 f"slices_per_host={self.slices_per_host} must be >= 0 (0 = as many as the local devices hold)"),
-                (self.tensor_parallel >= 1 or self.slices_per_host == 1,
-                 f"slices_per_host={self.slices_per_host} needs tensor_parallel >= 1 (devices per slice)"),
-                (isinstance(self.release_during_update, bool),
-                 f"release_during_update={self.release_during_update!r} must be True or False"),
-                one_of("dtype", self.dtype, ("", *DTYPES)))
-
-    def engine_options(self, max_len: int, num_slots: int | None = None) -> dict:
-        """``Engine`` keyword arguments for rollouts of up to ``max_len`` tokens; ``num_slots``
-        (> 0) overrides ``self.num_slots``."""
-        return dict(max_len=int(max_len), page_size=int(self.page_size), kv_pages=int(self.kv_pages),
-                    kv_memory_fraction=float(self.kv_memory_fraction),
-                    num_slots=int(num_slots or self.num_slots), dtype=self.dtype or None,
-                    decode_steps=int(self.decode_steps), prefill_chunk=int(self.prefill_chunk))
-
-    def slices(self, devices) -> list:
-        """The serving meshes over ``devices`` (this process's local devices); [] when
-        ``tensor_parallel`` is 0 (one engine over the trainer's arrays)."""
-        if not self.tensor_parallel:
-            return []
-        return slice_meshes(devices, tensor_parallel=self.tensor_parallel,
-                            num_slices=self.slices_per_host)
-
-    def admit_reserve_tokens(self, max_len: int) -> int:
-        """The scheduler's growth reserve per live rollout, in tokens."""
-        return int(float(self.admit_reserve_fraction) * max_len)
 
 
 class InfrastructureError(RuntimeError):
@@ -463,11 +394,11 @@ def run_rollouts(scheduler_or_engines: RolloutScheduler | Engine | Sequence[Engi
 
 class ColocatedRollouts:
     """The ``RolloutFn`` of the recipes (``trajectory.RolloutFn``): (records, n per prompt, seed,
-    policy version) -> (trajectories with ``group_id`` = record index, timings), on one paged
-    engine over the trainer's devices (kimi k1.5 §4.2 hybrid deployment: new params arrive in
-    memory), sized from ``serving`` (refused here, naming the flag, when one rollout of
-    ``max_prompt_len + agent.max_response_len`` tokens cannot fit), and a code executor the
-    caller owns."""
+    policy version) -> (trajectories with ``group_id`` = record index, timings), on the paged
+    engines of ``serving.colocated.ColocatedEngines`` over the trainer's devices (kimi k1.5 §4.2
+    hybrid deployment: new params arrive in memory), sized from ``serving`` (refused, naming the
+    flag, when one rollout of ``max_prompt_len + agent.max_response_len`` tokens cannot fit),
+    and a code executor the caller owns."""
 
     def __init__(self, model, *, tokenizer, executor, agent: AgentConfig, sampling: SamplingParams,
                  max_prompt_len: int, fmt: ChatFormat = RSTAR2, serving: ServingConfig = ServingConfig(),
@@ -479,45 +410,25 @@ class ColocatedRollouts:
         self.tokenizer = tokenizer
         self.fmt = fmt
         self.executor = executor
-        options = serving.engine_options(self.max_prompt_len + agent.max_response_len, num_slots)
-        meshes = serving.slices(jax.local_devices()) or [None]
-        # Multi-process: the engines serve this process's own copy (serving.handoff), never the
-        # trainer's global arrays; no slices configured = one slice over all local devices.
-        self.handoff = None
-        if jax.process_count() > 1:
-            graphdef, state = nnx.split(model)
-            self.handoff = ProcessHandoff(state)
-            model = nnx.merge(graphdef, self.handoff(state))
-            meshes = [m for m in meshes if m is not None] or [self.handoff.local]
-        # One engine per slice, each with its own pool and slots; the scheduler admits
-        # rollouts to whichever has the pages.
-        self.engines = [Engine(model, vocab_limit=len(self.tokenizer), mesh=mesh, **options)
-                        for mesh in meshes]
-        self.engine = self.engines[0]
-        self.scheduler = RolloutScheduler(
-            self.engines, max_rollout_len=self.engine.max_len,
-            admit_reserve_tokens=serving.admit_reserve_tokens(self.engine.max_len),
-            tool_timeout_s=agent.tool_wait_s, timeout_s=agent.rollout_timeout_s)
+        self.serving = ColocatedEngines(
+            model, serving=serving, max_len=self.max_prompt_len + agent.max_response_len,
+            vocab_limit=len(self.tokenizer), tool_timeout_s=agent.tool_wait_s,
+            timeout_s=agent.rollout_timeout_s, num_slots=num_slots)
+        self.engines, self.engine = self.serving.engines, self.serving.engine
+        self.scheduler = self.serving.scheduler
 
     @property
     def serving_dtype(self) -> str:
-        """The dtype of the serving weights and KV pages (its name): what the sampler's log-probs are
-        computed in (the trainer's log-prob gap alarm reads it)."""
-        return self.engine.dtype.name
+        """The dtype of the serving weights and KV pages (``ColocatedEngines.serving_dtype``)."""
+        return self.serving.serving_dtype
 
     def update_params(self, model_or_state) -> None:
-        """Serve new weights (an NNX module or its state); the engine makes its serving copy once, here."""
-        state = model_or_state if not isinstance(model_or_state, nnx.Module) else nnx.split(
-            model_or_state)[1]
-        if self.handoff is not None:  # the one cross-process step of rollout, once per update
-            state = self.handoff(state)
-        update_engines(self.engines, state)  # one hand-off program for the host's slices
+        """Serve new weights (``ColocatedEngines.update_params``)."""
+        self.serving.update_params(model_or_state)
 
     def release_memory(self) -> None:
-        """Free every engine's serving copy and KV pool until the next ``update_params``
-        (``serving.release_during_update``: called between the rollouts and the train step)."""
-        for engine in self.engines:
-            engine.release_memory()
+        """Free the engines' serving copies and KV pools (``ColocatedEngines.release_memory``)."""
+        self.serving.release_memory()
 
     def __call__(self, records, n_per_prompt: int, seed: int, policy_version: int,
                  sampling: SamplingParams | None = None):

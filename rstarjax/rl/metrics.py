@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from rstarjax.rl.trajectory import FinishReason, Trajectory, group_indices
@@ -125,9 +126,7 @@ LOGPROB_GAP_THRESHOLDS = {"float32": 1e-2, "bfloat16": 1.0, "float16": 0.25}
 def logprob_gap_threshold(serving_dtype) -> float:
     """The gap above which a trained token counts as off, for rollouts served in ``serving_dtype``
     (a name or a dtype)."""
-    import jax.numpy as jnp  # the dtype names jax knows (bfloat16 among them)
-
-    try:
+    try:  # the dtype names jax knows (bfloat16 among them)
         name = jnp.dtype(serving_dtype).name
     except TypeError:
         name = str(serving_dtype)
@@ -138,8 +137,6 @@ def logprob_gap_threshold(serving_dtype) -> float:
 
 
 def is_float32(serving_dtype) -> bool:
-    import jax.numpy as jnp
-
     return jnp.dtype(serving_dtype) == jnp.float32
 
 

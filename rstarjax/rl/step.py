@@ -1,4 +1,4 @@
-"""One GRPO-RoC step (``rl_step``) and the ``rl`` config section it reads (``RLConfig``).
+"""One GRPO-RoC step (``rl_step``), reading the ``rl`` config section (``rl.config.RLConfig``).
 
     records -> rollouts (2G each; agent_loop) -> batch filter + RoC keeps G (selection)
             -> advantages (eq. 7; advantages) -> TrainBatch (batch) -> update (eq. 6; trainer)
@@ -16,119 +16,18 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from rstarjax.models.chat_template import CHAT_FORMATS
 from rstarjax.rl import advantages as adv_lib
 from rstarjax.rl import loss as loss_lib
 from rstarjax.rl import metrics as metrics_lib
-from rstarjax.rl.agent_loop import AgentConfig
 from rstarjax.rl.batch import TrainBatch, build_train_batch
-from rstarjax.rl.roc import ROC_PENALTIES
+from rstarjax.rl.config import RLConfig
 from rstarjax.rl.selection import informative_groups, select_groups, selection_metrics
 from rstarjax.rl.trainer import Trainer
 from rstarjax.rl.trajectory import RolloutFn, trajectories_of
-from rstarjax.serving.sampling import SamplingParams
-from rstarjax.validation import one_of, require
 
 PAD_ID = 0  # value of padding tokens; never attended to (segment 0) nor trained on (mask 0)
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class RLConfig:
-    """The ``rl`` section: the rollouts of one step and what of them is trained on
-    (rStar2-Agent §2.2.3 / §4.3). ``agent()`` and ``sampling()`` are the typed configs the
-    rollout layer takes."""
-
-    prompts_per_step: int = 512  # global, over all processes
-    group_size: int = 16  # G: rollouts per prompt kept for the update
-    oversample: int = 32  # 2G rollouts sampled before RoC down-samples to G
-    max_turns: int = 10
-    max_prompt_len: int = 2048
-    max_response_len: int = 8192  # tokens of model + tool text per trajectory
-    max_tool_response_chars: int = 2048
-    chat_format: str = "rstar2"  # models.chat_template.CHAT_FORMATS
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # <= 0: off
-    tool_timeout_s: float = 5.0
-    num_tool_workers: int = 0  # code-pool workers; 0 = one per host core
-    rollout_timeout_s: float = 3600.0  # a whole step's rollouts; past it the step fails loudly
-    roc: bool = True  # False: the paper's GRPO baseline, G rollouts per prompt, all trained
-    roc_variant: str = "paper"  # "topk": the official code's deterministic selection, exactly
-    # per-class floors of roc_variant="topk" (the official run script's values)
-    roc_min_negatives: int = 2
-    roc_min_positives: int = 2
-    # how RoC's p_total is measured (roc.ROC_PENALTIES): "paper" from the rollout's structured
-    # counts (eq. 4-5); "official_text" from the decoded response as the official code does
-    # (roc.official_text_penalty; with roc_variant="topk": the official kept set)
-    roc_penalty: str = "paper"
-    # rStar2-Agent §4.3 / the official run script: groups whose rewards are all equal are dropped
-    # before RoC, without refilling (advantages.is_equal_reward_group)
-    reject_equal_reward: bool = True
-    # consecutive rollout batches with nothing left to train before the run stops with an error
-    max_rejected_batches: int = 20
-    # DAPO dynamic sampling (selection.informative_groups): drop groups whose kept rewards are all
-    # equal and refill from the data, at most dynamic_sampling_max_rounds rollout rounds per step,
-    # the first included (verl's max_num_gen_batches); 1 = drop without refilling.
-    dynamic_sampling: bool = False
-    dynamic_sampling_max_rounds: int = 3
-    # DAPO overlong filtering: truncated rollouts get loss mask 0 (the paper found it harmful, §4.3.1)
-    overlong_filter: bool = False
-    length_penalty_coef: float = 0.0  # Kimi k1.5 length reward (advantages.kimi_length_reward); 0 = off
-
-    def __post_init__(self):
-        floors = self.roc_min_negatives + self.roc_min_positives
-        rounds = self.dynamic_sampling_max_rounds
-        workers = self.num_tool_workers
-        rules = [
-            (self.group_size >= 2, f"group_size={self.group_size}: GRPO needs G >= 2 rollouts per prompt"),
-            (not self.roc or self.oversample == 2 * self.group_size,
-             f"oversample={self.oversample} must be 2 * group_size = {2 * self.group_size} with RoC "
-             "(rStar2-Agent §2.2.3 samples 2G and keeps G); or set --config.rl.roc=False (the GRPO "
-             "baseline samples group_size rollouts and trains on all of them)"),
-            one_of("roc_variant", self.roc_variant, ("paper", "topk")),
-            one_of("roc_penalty", self.roc_penalty, ROC_PENALTIES),
-            (not (self.roc and self.roc_variant == "topk")
-             or (min(self.roc_min_negatives, self.roc_min_positives) >= 0 and floors <= self.group_size),
-             f"roc_min_negatives + roc_min_positives = {floors} must lie in [0, group_size={self.group_size}] "
-             "(the official code asserts the same)"),
-            (self.prompts_per_step >= 1, f"prompts_per_step={self.prompts_per_step} must be >= 1"),
-            (self.max_prompt_len >= 1, f"max_prompt_len={self.max_prompt_len} must be >= 1"),
-            (self.max_rejected_batches >= 1, f"max_rejected_batches={self.max_rejected_batches} must be >= 1"),
-            (isinstance(rounds, int) and rounds >= 1,
-             f"dynamic_sampling_max_rounds={rounds!r} must be an integer >= 1 (rollout rounds per step, the "
-             "first included; 1 = drop zero-variance groups without refilling)"),
-            one_of("chat_format", self.chat_format, CHAT_FORMATS),
-            (isinstance(workers, int) and workers >= 0,
-             f"num_tool_workers={workers!r} must be an integer >= 0 (0 = one per host core)"),
-            (self.length_penalty_coef >= 0, f"length_penalty_coef={self.length_penalty_coef} must be >= 0"),
-        ]
-        try:  # the rollout layer's own rules on the values it takes from this section
-            self.agent(), self.sampling()
-        except ValueError as e:
-            rules += [(False, line) for line in str(e).splitlines()]
-        require(*rules)
-
-    @property
-    def seq_len(self) -> int:
-        return self.max_prompt_len + self.max_response_len
-
-    @property
-    def rollouts_per_prompt(self) -> int:
-        """2G with RoC (it keeps G of them); G for the GRPO baseline, which trains on all it samples."""
-        return self.oversample if self.roc else self.group_size
-
-    def agent(self) -> AgentConfig:
-        # the scheduler's wait for a tool call's answer covers the call's own limit twice over
-        # (queueing included): a long tool_timeout_s is not cut short as an infrastructure error
-        tool_wait_s = max(AgentConfig.tool_wait_s, 2 * self.tool_timeout_s)
-        return AgentConfig(max_turns=self.max_turns, max_response_len=self.max_response_len,
-                           tool_timeout_s=self.tool_timeout_s, max_tool_response_chars=self.max_tool_response_chars,
-                           rollout_timeout_s=self.rollout_timeout_s, tool_wait_s=tool_wait_s)
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(0, self.top_k))
 
 
 def _any_process(flag: bool) -> bool:

@@ -1,12 +1,19 @@
-"""Multi-process weight hand-off: the trainer's globally sharded state -> a full copy on each
-process's own devices (docs/serving.md, "Multi-host rollout").
+"""The weight hand-off, all of it (docs/serving.md "Weight hand-off", "Multi-host rollout"): the
+trainer's state -> each engine's serving copy, once per update, in device memory.
 
-In a multi-process run (``jax.process_count() > 1``) the training state is one global array per
-parameter, split over every process's devices. Rollout must not touch it: each process's
-scheduler issues its own program sequence (its prompts, prefill buckets, decode step counts), so
-any program on a global array would wait for collectives the other processes never join. Each
-process therefore serves its own full copy on its local devices, and the only cross-process
-traffic of rollout is this hand-off, once per update, run by every process at the same point:
+On one process (``serving_copies``, ``update_engines``): the ``nnx.split`` state (e.g. the
+trainer's float32 FSDP params) becomes every slice's serving copy (``models.qwen3``
+``serving_weights``: matmul weights in the serving dtype, one buffer per layer) in ONE jitted
+program per tensor size. An engine tells the hand-off what it serves through its public
+``Engine.layout`` (a ``ServingLayout``) and takes the copy with ``Engine.serve``.
+
+Across processes (``ProcessHandoff``, ``jax.process_count() > 1``): the training state is one
+global array per parameter, split over every process's devices. Rollout must not touch it: each
+process's scheduler issues its own program sequence (its prompts, prefill buckets, decode step
+counts), so any program on a global array would wait for collectives the other processes never
+join. Each process therefore serves its own full copy on its local devices, and the only
+cross-process traffic of rollout is this hand-off, once per update, run by every process at the
+same point:
 
 1. one jitted reshard of the state to a global mesh ``(process, tensor)`` whose row ``p`` is
    process ``p``'s local devices: replicated over ``process`` (the all-gather across processes
@@ -15,25 +22,208 @@ traffic of rollout is this hand-off, once per update, run by every process at th
 2. each process wraps the shards it holds into arrays on its local mesh
    (``jax.make_array_from_single_device_arrays``): no copy, no host round trip.
 
-The engines then make their serving copies from these local arrays (``Engine.update_params``),
-each a program over its own slice's devices.
+The engines then make their serving copies from these local arrays (``update_engines``), each
+a program over its own slice's devices.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Protocol, Sequence
+
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rstarjax.models.sharding import state_shardings
+from rstarjax.models.qwen3 import ServingWeights, serving_weights
+from rstarjax.models.sharding import PROCESS_AXIS, device_mesh, state_shardings
 
-PROCESS_AXIS = "process"
+# A slice's target layout in the hand-off: the NamedShardings of its serving copy (a
+# ``ServingWeights`` of them), one device, or None (wherever the cast program puts it).
+Target = ServingWeights | jax.Device | None
 
+
+@dataclasses.dataclass(frozen=True)
+class ServingLayout:
+    """What the hand-off needs to know of an engine (``Engine.layout``): the served model's
+    structure, the serving dtype, whether the head is untied (CPU), and where the copy goes."""
+
+    graphdef: object  # nnx.GraphDef of the served model
+    structure: object  # jax tree structure of its ``nnx.split`` state
+    dtype: jnp.dtype
+    untie_head: bool
+    target: Target
+
+    @property
+    def program_key(self) -> tuple:
+        """Engines with the same key share one ``serving_copies`` call."""
+        return (self.graphdef, self.dtype, self.untie_head)
+
+
+class Served(Protocol):
+    """An engine as the hand-off sees it (``serving.engine.Engine``)."""
+
+    layout: ServingLayout
+
+    def serve(self, weights: ServingWeights) -> None: ...
+
+
+def serving_fn(graphdef, state, dtype, untie_head):
+    """The serving copy of an ``nnx.split`` state (traced inside the hand-off programs)."""
+    return serving_weights(nnx.merge(graphdef, state), dtype, untie_head)
+
+
+to_serving = jax.jit(serving_fn, static_argnums=(0, 2, 3))
+
+
+def serving_shapes(graphdef, state, dtype, untie_head):
+    """Shapes and dtypes of the serving copy (no computation)."""
+    return jax.eval_shape(functools.partial(serving_fn, graphdef, dtype=dtype,
+                                            untie_head=untie_head), state)
+
+
+def named(mesh: Mesh, specs):
+    """A tree of PartitionSpecs as NamedShardings on ``mesh``."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def serving_copies(graphdef, state, targets: Sequence[Target], *, dtype,
+                   untie_head: bool = False) -> list[ServingWeights]:
+    """The weight hand-off (docs/serving.md "Weight hand-off"): the serving copy
+    (``models.qwen3.serving_weights``: matmul weights in ``dtype``, one buffer per layer) of the
+    ``nnx.split`` model ``state`` (e.g. the trainer's float32 FSDP params) placed in each of
+    ``targets``, made once per update in device memory, never through the host.
+
+    Colocated slices (each target's devices, in its mesh order, are ``tensor_parallel``
+    consecutive devices of the state's, sorted by id, as ``slices.slice_meshes`` makes them):
+    ONE jitted program per tensor size gathers and casts the params straight into a staging
+    layout over the state's own devices, the slices' layout on every row of ``tensor``
+    devices; each slice then keeps the buffers already on its devices (no copy). Transient
+    memory per device: one serving shard (what a device of a slice keeps anyway). The program
+    is the same on every process of a multi-host run (it depends on the state's devices and
+    the tensor size only). Other targets (devices outside the state's, a state on the host):
+    ``jax.device_put`` to the target, then the cast there.
+
+    The copies own their buffers: the trainer may donate its params afterwards."""
+    dtype = jnp.dtype(dtype)
+    out: list[ServingWeights | None] = [None] * len(targets)
+    rows = _staging_rows(state, targets)
+    for tensor in sorted({len(r) for r in rows if r}):
+        group = [i for i, r in enumerate(rows) if r and len(r) == tensor]
+        devices = _sorted_devices(state)
+        # one row per slice position: a full serving copy on every row of ``tensor`` devices
+        mesh = device_mesh(np.array(devices).reshape(-1, tensor), ("data", "tensor"))
+        target = targets[group[0]]
+        specs = (jax.tree.map(lambda _: PartitionSpec(), serving_shapes(graphdef, state, dtype,
+                                                                        untie_head))
+                 if isinstance(target, jax.Device) else
+                 jax.tree.map(lambda s: s.spec, target, is_leaf=_is_sharding))
+        staged = _staging_program(graphdef, dtype, untie_head, named(mesh, specs))(state)
+        for i in group:
+            out[i] = _take_row(staged, targets[i], rows[i])
+    for i, target in enumerate(targets):
+        if out[i] is not None:
+            continue
+        if target is None:
+            out[i] = to_serving(graphdef, state, dtype, untie_head)
+        elif isinstance(target, jax.Device):
+            out[i] = to_serving(graphdef, jax.device_put(state, target), dtype, untie_head)
+        else:
+            mesh = jax.tree.leaves(target, is_leaf=_is_sharding)[0].mesh
+            placed = jax.device_put(state, state_shardings(state, mesh))
+            out[i] = jax.jit(serving_fn, static_argnums=(0, 2, 3), out_shardings=target)(
+                graphdef, placed, dtype, untie_head)
+    return out
+
+
+def update_engines(engines: Sequence[Served], state) -> None:
+    """Hand ``state`` (an ``nnx.split`` state of the served model) to ``engines`` (e.g. every
+    slice of a host): one ``serving_copies`` for those that share a model and a dtype, so
+    colocated slices cost one program per update, not one per slice. A released engine
+    (``Engine.release_memory``) gets its KV pool back."""
+    groups: dict[tuple, list[Served]] = {}
+    for e in engines:
+        if jax.tree.structure(state) != e.layout.structure:
+            raise ValueError("update_params: the new state's tree structure differs from the "
+                             "served model's")
+        groups.setdefault(e.layout.program_key, []).append(e)
+    for (graphdef, dtype, untie), group in groups.items():
+        copies = serving_copies(graphdef, state, [e.layout.target for e in group],
+                                dtype=dtype, untie_head=untie)
+        for e, weights in zip(group, copies):
+            e.serve(weights)
+
+
+def _is_sharding(x) -> bool:
+    return isinstance(x, jax.sharding.Sharding)
+
+
+def _sorted_devices(state) -> list[jax.Device]:
+    devices = set()
+    for x in jax.tree.leaves(state):
+        devices |= x.sharding.device_set
+    return sorted(devices, key=lambda d: d.id)
+
+
+def _staging_rows(state, targets) -> list[tuple[jax.Device, ...] | None]:
+    """Per target, its devices when the staging program can place it (see ``serving_copies``),
+    else None."""
+    leaves = jax.tree.leaves(state)
+    if not leaves or not all(isinstance(x, jax.Array) and x.committed for x in leaves):
+        return [None] * len(targets)
+    devices = _sorted_devices(state)
+    rows = []
+    for target in targets:
+        if isinstance(target, jax.Device):
+            row = (target,)
+        elif target is None:
+            row = None
+        else:
+            mesh = jax.tree.leaves(target, is_leaf=_is_sharding)[0].mesh
+            row = tuple(mesh.devices.flat)
+        if row is not None and len(devices) % len(row) == 0:
+            t = len(row)
+            if row not in {tuple(devices[i:i + t]) for i in range(0, len(devices), t)}:
+                row = None
+        else:
+            row = None
+        rows.append(row)
+    return rows
+
+
+@functools.lru_cache(maxsize=64)
+def _staging_jit(graphdef, dtype, untie_head, leaves, treedef):
+    return jax.jit(functools.partial(serving_fn, graphdef, dtype=dtype, untie_head=untie_head),
+                   out_shardings=jax.tree.unflatten(treedef, leaves))
+
+
+def _staging_program(graphdef, dtype, untie_head, shardings):
+    leaves, treedef = jax.tree.flatten(shardings, is_leaf=_is_sharding)
+    return _staging_jit(graphdef, dtype, untie_head, tuple(leaves), treedef)
+
+
+def _take_row(staged: ServingWeights, target: Target, row) -> ServingWeights:
+    """The slice's own arrays out of the staging copy: its devices' buffers, no copy."""
+    def take(x, sharding):
+        shards = {s.device: s.data for s in x.addressable_shards}
+        return jax.make_array_from_single_device_arrays(
+            x.shape, sharding, [shards[d] for d in sharding.addressable_devices_indices_map(
+                x.shape)])
+    if isinstance(target, jax.Device):
+        single = jax.sharding.SingleDeviceSharding(target)
+        return jax.tree.map(lambda x: take(x, single), staged)
+    return jax.tree.map(take, staged, target)
+
+
+# ---- across processes ----------------------------------------------------------------
 
 def local_mesh(axis: str = "tensor") -> Mesh:
     """This process's devices on one axis, in the order every process sees them
     (``jax.devices()`` filtered by process): position ``i`` is the same on every host."""
-    return Mesh(np.array(_devices_by_process()[jax.process_index()]), (axis,),
-                axis_types=(AxisType.Auto,))
+    return device_mesh(_devices_by_process()[jax.process_index()], (axis,))
 
 
 def process_mesh(local: Mesh) -> Mesh:
@@ -54,8 +244,7 @@ def process_mesh(local: Mesh) -> Mesh:
                          "the same layout")
     rows = [[by_process[p][i] for i in positions] for p in sorted(by_process)]
     devices = np.array(rows, dtype=object).reshape(len(rows), *local.devices.shape)
-    return Mesh(devices, (PROCESS_AXIS, *local.axis_names),
-                axis_types=(AxisType.Auto,) * (1 + len(local.axis_names)))
+    return device_mesh(devices, (PROCESS_AXIS, *local.axis_names))
 
 
 def is_process_local(tree) -> bool:

@@ -1,9 +1,9 @@
 """JetStream's ``engine_api.Engine`` over the paged slot engine (needs the ``[jetstream]`` extra).
 
-``JetStreamEngine`` translates; every token is computed by ``serving.engine.Engine`` (the
-engine rollouts use): ``prefill`` is ``Engine.prefill`` (paged prompt, first token sampled),
-``insert`` is ``Engine.insert``, ``generate`` is ``Engine.generate`` (one decode step of every
-active slot), with the same sampling. What the translation has to bridge (google-jetstream
+``JetStreamEngine`` translates; every token is computed by the paged slot engine rollouts use,
+through its JetStream contract (``serving.jetstream_contract.JetStreamContractEngine``):
+``prefill`` is its ``prefill`` (paged prompt, first token sampled), ``insert`` its ``insert``,
+``generate`` its ``generate`` (one decode step of every active slot), with the same sampling. What the translation has to bridge (google-jetstream
 0.2.2, whose orchestrator runs a prefill thread, a generate thread and a detokenize thread):
 
 - **First token.** JetStream 0.2.2's ``prefill`` returns only the prefix and its orchestrator
@@ -43,8 +43,10 @@ import numpy as np
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
 from rstarjax.models.tokenizer import Tokenizer
-from rstarjax.serving.engine import DoneReason, Engine, Prefix
+from rstarjax.models.sharding import device_mesh
+from rstarjax.serving.jetstream_contract import JetStreamContractEngine, Prefix
 from rstarjax.serving.pages import OutOfPages
+from rstarjax.serving.programs import DoneReason
 from rstarjax.serving.sampling import SamplingParams
 
 NO_BOS = -1  # our models have no BOS token: JetStream's prepended one is dropped in prefill
@@ -128,8 +130,13 @@ class JetStreamEngine(engine_api.Engine):
     not returned to the client). ``max_prefill_length`` must be a JetStream prompt bucket
     below ``engine.max_len`` (default: the largest)."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, sampling: SamplingParams | None = None,
-                 max_prefill_length: int | None = None, tokenizer_path: str = ""):
+    def __init__(self, engine: JetStreamContractEngine, tokenizer: Tokenizer,
+                 sampling: SamplingParams | None = None, max_prefill_length: int | None = None,
+                 tokenizer_path: str = ""):
+        if not isinstance(engine, JetStreamContractEngine):
+            raise TypeError(f"JetStreamEngine needs a serving.jetstream_contract."
+                            f"JetStreamContractEngine (prefill / insert / generate), got "
+                            f"{type(engine).__name__}")
         self.engine = engine
         self.tokenizer = tokenizer
         self.tokenizer_path = tokenizer_path
@@ -245,7 +252,7 @@ class JetStreamEngine(engine_api.Engine):
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
-        return jax.sharding.Mesh(np.array([self._device]), ("replica",))
+        return device_mesh([self._device], ("data",))
 
     @property
     def colocated_cpus(self):

@@ -1,4 +1,6 @@
-"""Host-side page accounting for a paged KV pool (the pool itself lives on the device).
+"""Host-side page accounting for a paged KV pool (the pool itself lives on the device): the
+allocator (``PagePool``) and, beside it, each slot's pages (``SlotTable``), as vLLM keeps its
+block tables beside its block allocator.
 
 ``PagePool`` hands out page ids, counts references (a page shared by several rows, e.g. the
 full pages of a prompt that 2G samples start from, is freed when its last row lets go) and
@@ -11,12 +13,20 @@ What the registry promises, and the engine must keep: a registered page already 
 tokens' K/V (register only after the feed that writes it ran), computed under the weights of
 the version it is registered with (a lookup names the version it serves: pages of earlier
 weights are never handed out, even while rows still hold them).
+
+``SlotTable`` is the engine's host mirror of its slots: per live slot its pages, tokens in the
+cache, pending token, RNG counter, remaining budget and sampling; and the page table (one row
+per slot, ``NO_PAGE`` past its pages) that the device programs read.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import numpy as np
+
+from rstarjax.models.kv_cache import NO_PAGE, pages_for
+from rstarjax.serving.sampling import SamplingParams
 
 
 class OutOfPages(RuntimeError):
@@ -113,3 +123,87 @@ class PagePool:
         for p in self._prefixes.pop(key, ()):
             if self._prefix_of_page.get(p) == key:
                 del self._prefix_of_page[p]
+
+
+@dataclasses.dataclass
+class SlotInfo:
+    """Host mirror of a live slot."""
+
+    pages: list[int]
+    length: int  # tokens in the slot's cache
+    pending: int  # sampled token not yet fed to the cache
+    counter: int  # tokens the request sampled so far (RNG stream index)
+    budget: int  # tokens it may still sample
+    sampling: SamplingParams
+    active: bool  # decoding (not done, not waiting on a tool)
+
+
+class SlotTable:
+    """Which pages each of ``num_slots`` slots holds (taken from and returned to ``pool``), and
+    the ``[num_slots, width]`` page table the device programs read. Slots hold at most
+    ``max_len`` tokens."""
+
+    def __init__(self, pool: PagePool, num_slots: int, width: int, max_len: int):
+        self.pool = pool
+        self.num_slots = int(num_slots)
+        self.max_len = int(max_len)
+        self.table = np.full((self.num_slots, int(width)), NO_PAGE, np.int32)
+        self._slots: list[SlotInfo | None] = [None] * self.num_slots
+
+    def reset(self) -> None:
+        """Every slot free and every page of the pool returned."""
+        self.pool.reset()
+        self.table[:] = NO_PAGE
+        self._slots = [None] * self.num_slots
+
+    def __getitem__(self, slot: int) -> SlotInfo | None:
+        return self._slots[slot]
+
+    def __iter__(self):
+        return iter(self._slots)
+
+    def check(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} out of range [0, {self.num_slots})")
+
+    def bind(self, slot: int, pages: Sequence[int], length: int, pending: int, counter: int,
+             budget: int, sampling: SamplingParams, active: bool) -> None:
+        """Give a free ``slot`` its request: ``pages`` (already held for it) and its state."""
+        self.check(slot)
+        if self._slots[slot] is not None:
+            raise ValueError(f"slot {slot} holds a request")
+        self._slots[slot] = SlotInfo(list(pages), length, pending, counter, budget, sampling,
+                                     active)
+        self.table[slot] = NO_PAGE
+        self.table[slot, : len(pages)] = pages
+
+    def pages_to_grow(self, slot: int, num_tokens: int) -> int:
+        """Pages ``slot`` must take to hold ``num_tokens`` more tokens (capped at max_len)."""
+        info = self._slots[slot]
+        target = min(info.length + int(num_tokens), self.max_len)
+        return max(0, pages_for(target, self.pool.page_size) - len(info.pages))
+
+    def grow(self, slot: int, num_tokens: int) -> None:
+        """Take the pages ``slot`` needs for ``num_tokens`` more tokens (``OutOfPages``)."""
+        info = self._slots[slot]
+        extra = self.pool.alloc(self.pages_to_grow(slot, num_tokens))
+        self.table[slot, len(info.pages): len(info.pages) + len(extra)] = extra
+        info.pages.extend(extra)
+
+    def free(self, slot: int) -> None:
+        """Release ``slot`` and its pages (a free slot stays free)."""
+        self.check(slot)
+        info = self._slots[slot]
+        if info is not None:
+            self.pool.release(info.pages)
+        self._slots[slot] = None
+        self.table[slot] = NO_PAGE
+
+    def live(self) -> list[int]:
+        return [i for i, info in enumerate(self._slots) if info is not None]
+
+    def free_slots(self) -> list[int]:
+        return [i for i, info in enumerate(self._slots) if info is None]
+
+    def decoding(self) -> list[int]:
+        return [i for i, info in enumerate(self._slots) if info is not None and info.active]

@@ -1,5 +1,5 @@
 """Rollout scheduler over serving slices (rStar2-Agent §3.2, Fig. 7): the one drive loop of the
-paged engines (``serving.generate`` runs through it too).
+paged engines (``serving.completions.generate`` runs through it too).
 
 A *slice* is one ``Engine`` (its own slots, page pool and, optionally, device) driven by its
 own thread. Rollouts are multi-turn *episodes* (``Episode``): decode until a stop, hand the
@@ -46,8 +46,10 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from rstarjax.models.kv_cache import pages_for
-from rstarjax.serving.engine import DoneReason, Engine, StartRequest
+from rstarjax.serving.engine import Engine
+from rstarjax.serving.programs import DoneReason
 from rstarjax.serving.sampling import SamplingParams
+from rstarjax.serving.start_plan import StartRequest
 
 POLICIES = ("dynamic", "static")
 

@@ -12,9 +12,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from rstarjax.models.config import ModelConfig
 from rstarjax.models.kv_cache import kv_bytes_per_token, pages_for
+from rstarjax.models.qwen3 import Qwen3, serving_weights
 
 MAX_AUTO_SLOTS = 256  # decode batch width when sized from memory (GPU/TPU decode is
 #                       weight-bandwidth bound up to a few hundred rows)
@@ -66,10 +68,6 @@ def free_device_bytes(device: jax.Device | None = None) -> int | None:
 def serving_weight_bytes(cfg: ModelConfig, dtype) -> int:
     """Bytes of the serving copy of the weights (matmul weights in ``dtype``, norms as
     stored), from the abstract model (``nnx.eval_shape``: nothing is allocated)."""
-    from flax import nnx
-
-    from rstarjax.models.qwen3 import Qwen3, serving_weights
-
     abstract = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     shapes = jax.eval_shape(lambda s: serving_weights(nnx.merge(graphdef, s), dtype), state)

@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
-import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
+
+from rstarjax.models.sharding import device_mesh
 
 
 def slice_meshes(devices: Sequence[jax.Device], *, tensor_parallel: int,
@@ -30,6 +31,5 @@ def slice_meshes(devices: Sequence[jax.Device], *, tensor_parallel: int,
         raise ValueError(f"serving.slices_per_host={num_slices} slices of serving.tensor_parallel="
                          f"{tensor_parallel} devices need {num_slices * tensor_parallel} devices, "
                          f"this host has {len(devices)}")
-    return [Mesh(np.array(devices[i * tensor_parallel:(i + 1) * tensor_parallel]), ("tensor",),
-                 axis_types=(AxisType.Auto,))
+    return [device_mesh(devices[i * tensor_parallel:(i + 1) * tensor_parallel], ("tensor",))
             for i in range(num_slices)]

@@ -1,12 +1,13 @@
-"""``generate``: batch completion of prompts, driven by the rollout scheduler's loop (each
-prompt is a one-turn episode), so slot refills, shared prompts, page admission and
-preemption are the same code as for agent rollouts."""
+"""Batch completion of prompts: ``generate`` (a whole scheduled run, not one decode step) drives
+the rollout scheduler's loop, each prompt a one-turn episode, so slot refills, shared prompts,
+page admission and preemption are the same code as for agent rollouts."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Sequence
 
-from rstarjax.serving.engine import DoneReason, Engine
+from rstarjax.serving.engine import Engine
+from rstarjax.serving.programs import DoneReason
 from rstarjax.serving.sampling import SamplingParams
 from rstarjax.serving.scheduler import Finish, RolloutScheduler
 
