@@ -143,21 +143,21 @@ def initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig)
     except FileNotFoundError:
         raise StageError(f"--config.checkpoint.init_from={run.checkpoint.init_from!r} holds no finished "
                          "checkpoint (did the previous stage save one?)") from None
-    from_sft = src_meta.get("stage") == "sft"
-    if from_sft or run.checkpoint.reset_optimizer:
-        abstract = ckpt_lib.abstract_like(trainer.state.params, trainer.param_sharding)
-        params, _, _ = ckpt_lib.restore_params(init_from, abstract, step=src_step)
-        step = 0 if from_sft else int(src_meta.get("step", src_step))
-        trainer.state = TrainState(params, trainer.state.opt_state,
-                                   jax.device_put(jnp.int32(step), trainer.replicated))
-        trainer.reset_optimizer()
-    else:
-        src = ckpt_lib.Checkpointer(init_from, ckpt_lib.CheckpointConfig(async_save=False))
-        try:
-            trainer.state, _ = src.restore(ckpt_lib.abstract_like(trainer.state, trainer.state_sharding),
-                                           step=src_step)
-        finally:
-            src.close()
+    src = ckpt_lib.Checkpointer(init_from, ckpt_lib.CheckpointConfig(async_save=False))
+    try:
+        from_sft = src_meta.get("stage") == "sft"
+        if from_sft or run.checkpoint.reset_optimizer:
+            abstract = ckpt_lib.abstract_like(trainer.state.params, trainer.param_sharding)
+            params, _, _ = ckpt_lib.restore_params(init_from, abstract, step=src_step)
+            step = 0 if from_sft else int(src_meta.get("step", src_step))
+            trainer.state = TrainState(params, trainer.state.opt_state,
+                                       jax.device_put(jnp.int32(step), trainer.replicated))
+            trainer.reset_optimizer()
+        else:
+            abstract = ckpt_lib.abstract_like(trainer.state, trainer.state_sharding)
+            trainer.state, _ = src.restore(abstract, step=src_step)
+    finally:
+        src.close()
     # a new stage reads its data from the start, in a new order (stage_data_seed)
     return {"step": trainer.step, "stage_start_step": trainer.step, "init_from": init_from,
             "init_from_step": int(src_step), "init_from_stage": "sft" if from_sft else "rl"}
