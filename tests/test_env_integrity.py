@@ -10,8 +10,6 @@ import os
 import platform
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -20,8 +18,6 @@ import uuid
 import pytest
 
 from rstarjax.env import CodeExecutor, ExecutorConfig, SandboxLimits, format_tool_response, parse_tool_call
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def sandbox_processes(ex) -> list[int]:
