@@ -3,7 +3,9 @@ they were at commit 01727d7 (before the paged engine), vendored verbatim in one 
 ``benchmarks/serving.py`` can run them side by side with the current engine in the same run.
 
 Changes from the original files, nothing else: the three modules are concatenated; imports
-point at this module; the scheduler reuses the current ``Finish``/``CallTool``/``Extend``
+point at this module; the dense KV cache and the cached forward it decodes with
+(``KVCache``, ``Qwen3.decode`` at that commit; the package no longer has them) are copied in
+as ``KVCache`` and ``dense_decode``; the scheduler reuses the current ``Finish``/``CallTool``/``Extend``
 classes (the agent loop returns those); the engine counts occupied slots per decode step
 (``occupied_slot_steps``, and ``occupied_while_queued`` over the steps the scheduler takes
 while rollouts wait to be admitted) so the benchmark can report its concurrency. Not part
@@ -26,9 +28,79 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rstarjax.models.kv_cache import KVCache
+from rstarjax.models.qwen3 import Qwen3, attend, decoder_layer, rope_angles
 from rstarjax.serving.sampling import SamplingParams, sample_tokens
 from rstarjax.serving.scheduler import CallTool, Extend, Finish  # noqa: F401  (the agent loop's)
+
+
+# ---- the dense cache and its cached forward (rstarjax/models at commit 01727d7) ------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """``k``, ``v``: ``[num_layers, B, S, num_kv_heads, head_dim]``; ``lengths``: int32[B],
+    the number of tokens stored per row (row b's valid entries are ``[0, lengths[b])``)."""
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def init(cls, cfg, batch: int, max_len: int, dtype=jnp.bfloat16) -> "KVCache":
+        if batch <= 0 or max_len <= 0:
+            raise ValueError(f"KVCache.init needs batch > 0 and max_len > 0, got {batch}, {max_len}")
+        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def replace(self, **changes) -> "KVCache":
+        return dataclasses.replace(self, **changes)
+
+
+def dense_decode(model: Qwen3, tokens: jax.Array, cache: KVCache, num_new: jax.Array
+                 ) -> tuple[jax.Array, KVCache]:
+    """Per-row cached forward: token i of row b sits at position ``lengths[b] + i``, is written
+    there (out-of-range writes dropped, never clamped) and attends to cache entries
+    ``<= lengths[b] + i``; returns lengths + num_new. (``Qwen3.decode`` as it was, its layer
+    loop and embedding/logits helpers being the model's.)"""
+    cfg = model.config
+    if tokens.ndim != 2 or tokens.shape[0] != cache.batch:
+        raise ValueError(f"tokens {tokens.shape} must be [B={cache.batch}, T]")
+    b, t = tokens.shape
+    s = cache.max_len
+    positions = cache.lengths[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)
+    sin, cos = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
+    mask = (jnp.arange(s)[None, None, :] <= positions[:, :, None])[:, None]  # [B,1,T,S]
+    rows = jnp.arange(b)[:, None]
+
+    def layer_fn(p, x, kv, i):
+        ck_all, cv_all = kv
+
+        def attention(q, k, v):
+            ck = ck_all.at[i, rows, positions].set(k.astype(ck_all.dtype), mode="drop")
+            cv = cv_all.at[i, rows, positions].set(v.astype(cv_all.dtype), mode="drop")
+            k_l = jax.lax.dynamic_index_in_dim(ck, i, 0, keepdims=False).astype(q.dtype)
+            v_l = jax.lax.dynamic_index_in_dim(cv, i, 0, keepdims=False).astype(q.dtype)
+            return attend(q, k_l, v_l, mask, cfg.attention_impl), (ck, cv)
+
+        return decoder_layer(cfg, p, x, sin, cos, attention)
+
+    x, (new_k, new_v) = model._run_layers(model._embed(tokens), sin, cos, layer_fn,
+                                          (cache.k, cache.v))
+    new_cache = KVCache(k=new_k, v=new_v,
+                        lengths=cache.lengths + num_new.astype(cache.lengths.dtype))
+    return model._logits(x), new_cache
+
+
+
 MAX_STOP_IDS = 8  # per-request stop ids kept on device (padded with -1)
 
 
@@ -116,7 +188,7 @@ def _row_forward(graphdef, params, row: KVCache, tokens, num_new, seed, counter,
                  top_k, top_p, forced, vocab_limit=None):
     """Feed ``tokens[0, :num_new]`` into a one-row cache; sample after the last one."""
     model = nnx.merge(graphdef, params)
-    logits, row = model.decode(tokens, row, num_new)
+    logits, row = dense_decode(model, tokens, row, num_new)
     last = jnp.take_along_axis(logits, (num_new - 1)[:, None, None], axis=1)[:, 0]
     tok, lp = sample_tokens(last, seed, counter, temperature, top_k, top_p, forced, vocab_limit)
     return row, tok[0], lp[0]
@@ -156,7 +228,7 @@ def _generate_step(graphdef, params, state: DecodeState, forced, vocab_limit=Non
     model = nnx.merge(graphdef, params)
     active = state.active
     num_new = active.astype(jnp.int32)
-    logits, cache = model.decode(state.pending[:, None], state.cache, num_new)
+    logits, cache = dense_decode(model, state.pending[:, None], state.cache, num_new)
     tok, lp = sample_tokens(logits[:, 0], state.seeds, state.counters, state.temperature,
                             state.top_k, state.top_p, forced, vocab_limit)
     budget = state.budget - num_new

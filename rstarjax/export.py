@@ -52,16 +52,7 @@ def load_checkpoint(checkpoint_dir: str, step: int | None = None, model_config: 
     ``(model, tokenizer, {"step", "config_source", "num_params"})``."""
     if not os.path.isdir(checkpoint_dir):
         raise FileNotFoundError(f"checkpoint directory {checkpoint_dir!r} does not exist")
-    ckpt = ckpt_lib.Checkpointer(checkpoint_dir, ckpt_lib.CheckpointConfig(async_save=False))
-    try:
-        step = ckpt.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no finished checkpoint in {checkpoint_dir}")
-        if step not in ckpt.all_steps():
-            raise FileNotFoundError(f"step {step} not in {checkpoint_dir} (have {ckpt.all_steps()})")
-        meta = ckpt.read_meta(step)
-    finally:
-        ckpt.close()
+    step, meta = ckpt_lib.read_checkpoint_meta(checkpoint_dir, step)
     cfg, source = resolve_model_config(checkpoint_dir, meta, model_config, preset)
     cfg = cfg.replace(dtype=jnp.float32, param_dtype=jnp.float32)
     abstract_model = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))

@@ -72,6 +72,7 @@ OFFICIAL_TOOL_SCHEMA: dict = {
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+REASON_OPEN, REASON_CLOSE = "<reason>", "</reason>"  # the reasoning the prompt asks for (paper Fig. 2)
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"  # the reward reads the \boxed{} inside
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # ChatML turn delimiters
 END_OF_TEXT = "<|endoftext|>"

@@ -27,6 +27,13 @@ import logging
 import os
 import sys
 
+from rstarjax.export import load_checkpoint
+from rstarjax.models import load_hf
+from rstarjax.models.kv_cache import pages_for
+from rstarjax.models.tokenizer import load_tokenizer_for
+from rstarjax.serving.jetstream_contract import JetStreamContractEngine
+from rstarjax.serving.sampling import SamplingParams
+
 _INSTALL_HINT = ('rstarjax.serve needs google-jetstream, an optional extra that pulls TensorFlow: '
                  'pip install -e ".[jetstream]"')
 
@@ -109,13 +116,8 @@ def load_policy(args):
     """(model, tokenizer, tokenizer path) from ``--hf_path`` or ``--checkpoint`` (the engine
     casts the weights to ``--dtype``)."""
     if args.hf_path:
-        from rstarjax.models import load_hf
-        from rstarjax.models.tokenizer import load_tokenizer_for
-
         model = load_hf(args.hf_path)
         return model, load_tokenizer_for(args.hf_path, args.tokenizer_num_regular_tokens), args.hf_path
-    from rstarjax.export import load_checkpoint
-
     model, tok, _ = load_checkpoint(args.checkpoint, args.step, args.model_config, args.preset,
                                     args.tokenizer_num_regular_tokens or None)
     return model, tok, ""
@@ -123,10 +125,7 @@ def load_policy(args):
 
 def build_engine(args, model, tokenizer, tokenizer_path: str = ""):
     """The JetStream adapter over a paged engine sized by ``args``."""
-    from rstarjax.models.kv_cache import pages_for
-    from rstarjax.serving.jetstream_contract import JetStreamContractEngine
-    from rstarjax.serving.jetstream_engine import PREFIXES_IN_FLIGHT, JetStreamEngine
-    from rstarjax.serving.sampling import SamplingParams
+    from rstarjax.serving.jetstream_engine import PREFIXES_IN_FLIGHT, JetStreamEngine  # needs jetstream (an extra)
 
     kv_pages = args.kv_pages or (args.num_slots + PREFIXES_IN_FLIGHT) * pages_for(
         args.max_len, args.page_size)

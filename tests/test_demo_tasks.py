@@ -80,7 +80,7 @@ def test_problems_are_short_for_the_demo_budget():
 
 
 def test_sft_traces_render_parse_and_verify():
-    from rstarjax.env import parse_tool_call, verify_answer
+    from rstarjax.env import is_correct, parse_tool_call
 
     small = load_tokenizer(3000)
     tasks = dt.generate_tasks(24, "train", seed=5)
@@ -94,8 +94,8 @@ def test_sft_traces_render_parse_and_verify():
         call = parse_tool_call(first_turn[first_turn.rindex("<|im_start|>assistant"):])
         assert call.code == task.code and call.stdin == ""
         assert msgs[2]["content"] == task.answer
-        assert verify_answer(msgs[3]["content"], task.answer)
-        assert not verify_answer(msgs[3]["content"], str(int(task.answer) + 1))
+        assert is_correct(msgs[3]["content"], task.answer)
+        assert not is_correct(msgs[3]["content"], str(int(task.answer) + 1))
 
 
 def test_failed_runs_never_become_training_data():
@@ -130,7 +130,7 @@ def test_bad_arguments():
 
 
 def test_in_head_traces_share_and_single_token_choice():
-    from rstarjax.env import verify_answer
+    from rstarjax.env import is_correct
 
     small = load_tokenizer(3000)
     tasks = dt.generate_tasks(400, "train", seed=1)
@@ -141,7 +141,7 @@ def test_in_head_traces_share_and_single_token_choice():
     assert {t.kind for t, _ in in_head} == {"count_divisible"}
     assert 45 <= len(in_head) <= 75
     for task, msgs in in_head:
-        assert "tool_calls" not in msgs[1] and verify_answer(msgs[1]["content"], task.answer)
+        assert "tool_calls" not in msgs[1] and is_correct(msgs[1]["content"], task.answer)
     # the two reasons share every token up to " in" (demo vocabulary), so the SFT policy's choice
     # between guessing and the tool is the one sampling decision that follows, which RL can move
     demo_tok = load_tokenizer(1000)
@@ -182,7 +182,7 @@ def sandbox():
 
 
 def test_recovery_traces_show_real_sandbox_errors_then_the_fix(sandbox):
-    from rstarjax.env import classify_tool_error, format_tool_response, parse_tool_call, verify_answer
+    from rstarjax.env import classify_tool_error, format_tool_response, is_correct, parse_tool_call
 
     small, demo_tok = load_tokenizer(3000), load_tokenizer(1000)
     tasks = [t for k in dt.TASK_KINDS for t in dt.generate_tasks(3, "train", seed=7, kinds=(k,))]
@@ -211,7 +211,7 @@ def test_recovery_traces_show_real_sandbox_errors_then_the_fix(sandbox):
         assert digits[0] == digits[1], task.kind
         # the fix prints the answer (an independent computation), which the last turn boxes
         assert int(msgs[4]["content"]) == _independent_answer(task.problem)
-        assert verify_answer(msgs[5]["content"], task.answer)
+        assert is_correct(msgs[5]["content"], task.answer)
         enc = ct.encode_conversation(small, msgs, fmt=ct.COMPACT)
         assert enc.ids.tolist() == small.encode(rendered)
 

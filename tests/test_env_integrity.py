@@ -10,8 +10,6 @@ import os
 import platform
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -20,8 +18,6 @@ import uuid
 import pytest
 
 from rstarjax.env import CodeExecutor, ExecutorConfig, SandboxLimits, format_tool_response, parse_tool_call
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def sandbox_processes(ex) -> list[int]:
@@ -510,22 +506,6 @@ def test_lone_surrogates_in_results_are_encodable(ex):
         r = ex.run(code)
         r.text.encode("utf-8")  # what the rollout does with it
         format_tool_response(r).encode("utf-8")
-
-
-def test_standalone_verify_answer_never_forks_the_calling_process():
-    code = (
-        "import os, threading\n"
-        "forks = []\n"
-        "os.register_at_fork(before=lambda: forks.append(1))\n"
-        "threading.Thread(target=threading.Event().wait, args=(30,), daemon=True).start()  # a threaded caller\n"
-        "from rstarjax.env import verify_answer\n"
-        "print(verify_answer(r'<answer>\\boxed{\\frac{1}{2}}</answer>', '0.5'), "
-        "verify_answer(r'<answer>\\boxed{9^{9^{9^{9}}}+x}</answer>', '3', timeout=2.0), len(forks))\n"
-    )
-    env = dict(os.environ, PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "False", "0"], out.stdout
 
 
 # ---------------------------------------------------------------- sizes and arguments

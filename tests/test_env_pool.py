@@ -414,7 +414,7 @@ def test_close_gives_back_the_hosts_resources():
     ex.close(drain_timeout=0.1)
     assert not any(os.path.exists(d) for d in cgroup_dirs)
     assert not os.path.exists(scratch)
-    from rstarjax.env.executor import kill_uid_range
+    from rstarjax.env.cleanup import kill_uid_range
 
     kill_uid_range(uid_base, count, timeout=0.0)  # nothing left to kill: returns at once
     for entry in os.listdir("/proc"):

@@ -120,7 +120,7 @@ def test_run_eval_end_to_end(tmp_path):
     import jax.numpy as jnp
     from flax import nnx
 
-    from rstarjax.env import verify_answer
+    from rstarjax.env import is_correct
     from rstarjax.models import ModelConfig, Qwen3, load_tokenizer, save_hf
 
     sys_path = __import__("sys").path
@@ -157,4 +157,4 @@ def test_run_eval_end_to_end(tmp_path):
     for r in rows:
         for s in r["samples"]:
             assert s["response_length"] <= 24
-            assert s["reward"] == float(verify_answer(s["response"], r["gold"])) or s["finish"] == "max_length"
+            assert s["reward"] == float(is_correct(s["response"], r["gold"])) or s["finish"] == "max_length"

@@ -13,7 +13,8 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from rstarjax.models import KVCache, load_hf, save_hf  # noqa: E402
+from dense_decode import KVCache, dense_decode  # noqa: E402
+from rstarjax.models import load_hf, save_hf  # noqa: E402
 from rstarjax.models.hf import SafetensorsFile, write_safetensors  # noqa: E402
 
 ATOL = 1e-4
@@ -140,7 +141,7 @@ def test_decode_chunked_matches_transformers(pair):
     prompt_lens, steps, chunk = [7, 2, 5], 3, 4
     seqs = [rng.randint(0, VOCAB, n + steps) for n in prompt_lens]
     graphdef, state = nnx.split(model)
-    dec = jax.jit(lambda st, t, c, n: nnx.merge(graphdef, st).decode(t, c, n))
+    dec = jax.jit(lambda st, t, c, n: dense_decode(nnx.merge(graphdef, st), t, c, n))
     cache = KVCache.init(cfg, batch=3, max_len=16, dtype=jnp.float32)
     got, done = [[] for _ in seqs], [0, 0, 0]
     while any(d < n for d, n in zip(done, prompt_lens)):

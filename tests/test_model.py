@@ -1,12 +1,13 @@
 """Qwen3 model: config presets vs published sizes, scan == unrolled, remat, packed segments,
-and the decode/KVCache contract of docs/design.md."""
+and the dense cached decode kept as a test reference (tests/dense_decode.py)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from rstarjax.models import KVCache, ModelConfig, Qwen3
+from dense_decode import KVCache, dense_decode
+from rstarjax.models import ModelConfig, Qwen3
 
 TINY32 = ModelConfig.preset("tiny", dtype=jnp.float32)
 
@@ -26,7 +27,7 @@ def _jit_decode(model):
 
     @jax.jit
     def dec(state, tokens, cache, num_new):
-        return nnx.merge(graphdef, state).decode(tokens, cache, num_new)
+        return dense_decode(nnx.merge(graphdef, state), tokens, cache, num_new)
     return lambda tokens, cache, num_new: dec(state, tokens, cache, num_new)
 
 

@@ -677,7 +677,7 @@ def test_a_resumed_writer_keeps_each_step_once_in_every_log(tmp_path, monkeypatc
 def test_only_stale_sandbox_directories_are_removed(tmp_path):
     """Empty and named by no live process: removed. In use by a live zygote (its command line
     names it) or not empty: kept."""
-    from rstarjax.env.executor import remove_stale_sandbox_dirs
+    from rstarjax.env.cleanup import remove_stale_sandbox_dirs
 
     stale, live, full = (tmp_path / f"rstarjax-sandbox-{n}" for n in ("stale", "live", "full"))
     for d in (stale, live, full):

@@ -45,6 +45,8 @@ import threading
 import time
 
 from . import cgroups, uids
+from .cleanup import SANDBOX_DIR_PREFIX, kill_uid_range, remove_stale_sandbox_dirs
+from .job_queue import Job, JobQueue
 from .official_reward import REWARD_MODES
 from .results import ERROR, ExecResult, VerifyResult
 from .routing import HEAVY, LEAN, choose_tier
@@ -58,52 +60,6 @@ log = logging.getLogger(__name__)
 
 class ExecutorClosedError(RuntimeError):
     pass
-
-
-SANDBOX_DIR_PREFIX = "rstarjax-sandbox-"
-
-
-def _live_command_lines() -> list[bytes]:
-    """The command lines of the processes this user may read (``/proc/PID/cmdline``)."""
-    lines = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    lines.append(f.read())
-            except OSError:  # gone meanwhile, or not ours to read
-                continue
-    return lines
-
-
-def remove_stale_sandbox_dirs(root: str | None = None) -> list[str]:
-    """Remove the sandbox directories (``rstarjax-sandbox-*`` in ``root``, default the temp
-    directory) that executors killed before their ``close`` left behind; return them.
-
-    Stale means: ours, empty (the sandboxes' files live in the zygote's private /tmp), and named
-    by no live process: every executor's zygote has its directory on its command line for its
-    whole life, so a live executor's directory, of this version or an older one, is never
-    taken. Removing an empty directory that an executor created a moment ago but has not yet
-    handed to its zygote is harmless: the zygote makes it again (``os.makedirs``)."""
-    root = root or tempfile.gettempdir()
-    try:
-        candidates = [os.path.join(root, n) for n in os.listdir(root) if n.startswith(SANDBOX_DIR_PREFIX)]
-    except OSError:
-        return []
-    if not candidates:
-        return []
-    in_use = b"\0".join(_live_command_lines())
-    removed = []
-    for path in candidates:
-        try:
-            if (os.stat(path).st_uid != os.geteuid() or not os.path.isdir(path) or os.listdir(path)
-                    or path.encode() in in_use):
-                continue
-            os.rmdir(path)  # fails, harmlessly, if something was put in it meanwhile
-        except OSError:
-            continue
-        removed.append(path)
-    return removed
 
 
 def batch_items(calls) -> list[tuple[str, str]]:
@@ -123,31 +79,6 @@ def batch_items(calls) -> list[tuple[str, str]]:
         raise TypeError(f"calls[{i}] must be a code string or a (code, stdin) pair of strings, got "
                         f"{type(call).__name__} {shown}")
     return items
-
-
-def kill_uid_range(base: int, count: int, timeout: float = 5.0) -> None:
-    """SIGKILL every process whose real uid is in [base, base + count) until none is left (one
-    may still be forking when the first signal lands). Needs root."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = False
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/status") as f:
-                    uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
-            except (OSError, StopIteration, ValueError):
-                continue
-            if base <= uid < base + count:
-                found = True
-                try:
-                    os.kill(int(entry), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        if not found:
-            return
-        time.sleep(0.01)
 
 
 @dataclasses.dataclass
@@ -180,92 +111,6 @@ class ExecutorConfig:
     huge_pages: bool = True  # the zygotes move their preloaded heap onto transparent huge pages
     #                          (MADV_COLLAPSE): forks and exits copy/unmap far fewer page-table
     #                          entries (see zygote.py collapse_heap); `isolation["huge_page_bytes"]`
-
-
-@dataclasses.dataclass(eq=False)
-class _Job:
-    id: int
-    op: str  # "exec" | "verify"
-    payload: dict
-    timeout: float
-    future: concurrent.futures.Future
-    t_submit: float
-    t_dequeue: float = 0.0
-    t_sent: float = 0.0  # the batch holding this call was written to the worker's socket
-    resolved: bool = False
-    tier: str = HEAVY
-
-    def wire(self) -> dict:
-        return {"id": self.id, "op": self.op, "timeout": self.timeout, **self.payload}
-
-
-class _JobQueue:
-    """Bounded FIFO with batch get, expiry and close; every wait has a timeout."""
-
-    def __init__(self, maxsize: int):
-        self.maxsize = maxsize
-        self.items: collections.deque[_Job] = collections.deque()
-        self.cv = threading.Condition()
-        self.closed = False
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def put(self, job: _Job, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        with self.cv:
-            while len(self.items) >= self.maxsize and not self.closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self.cv.wait(left)
-            if self.closed:
-                return False
-            self.items.append(job)
-            self.cv.notify_all()
-            return True
-
-    def get_batch(self, max_n: int, flush_s: float, timeout: float) -> list[_Job]:
-        deadline = time.monotonic() + timeout
-        with self.cv:
-            while not self.items and not self.closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return []
-                self.cv.wait(left)
-            flush_at = time.monotonic() + flush_s
-            while len(self.items) < max_n and not self.closed:
-                left = flush_at - time.monotonic()
-                if left <= 0:
-                    break
-                self.cv.wait(left)
-            batch = [self.items.popleft() for _ in range(min(max_n, len(self.items)))]
-            self.cv.notify_all()
-            return batch
-
-    def put_front(self, jobs: list[_Job]) -> None:
-        with self.cv:
-            self.items.extendleft(reversed(jobs))
-            self.cv.notify_all()
-
-    def expire(self, older_than: float) -> list[_Job]:
-        with self.cv:
-            if not self.items or self.items[0].t_submit >= older_than:
-                return []
-            keep, gone = collections.deque(), []
-            for job in self.items:
-                (gone if job.t_submit < older_than else keep).append(job)
-            self.items = keep
-            self.cv.notify_all()
-            return gone
-
-    def close(self) -> list[_Job]:
-        with self.cv:
-            self.closed = True
-            rest = list(self.items)
-            self.items.clear()
-            self.cv.notify_all()
-            return rest
 
 
 class _Zygote:
@@ -403,7 +248,7 @@ class CodeExecutor:
         self._cgroups: cgroups.CgroupTree | None = None
         # Flat worker numbering: heavy workers first, then lean ones (the index picks sandbox uids).
         self._worker_tier = [HEAVY] * config.num_workers + [LEAN] * lean
-        self._queues = {HEAVY: _JobQueue(config.max_queue), LEAN: _JobQueue(config.max_queue)}
+        self._queues = {HEAVY: JobQueue(config.max_queue), LEAN: JobQueue(config.max_queue)}
         # One lock for the workers' state. `_cv` announces changes anyone may wait for (deaths,
         # replacements, drained workers); `_capacity[i]` wakes only send thread i when its worker
         # frees capacity: with one shared condition every result woke every send thread.
@@ -594,14 +439,14 @@ class CodeExecutor:
             raise ValueError(f"timeout must be in (0, {self.config.max_timeout}] seconds, got {timeout}")
         return timeout
 
-    def _make_job(self, op: str, payload: dict, timeout: float) -> _Job:
+    def _make_job(self, op: str, payload: dict, timeout: float) -> Job:
         if not self._started or self._closing:
             raise ExecutorClosedError("CodeExecutor is not running (use it as a context manager)")
         fut = concurrent.futures.Future()
         fut.set_running_or_notify_cancel()  # cancel() cannot drop a call: it is answered once
         has_lean = LEAN in self._worker_tier
         tier = choose_tier(payload["code"]) if (op == "exec" and has_lean) else HEAVY
-        return _Job(next(self._ids), op, payload, timeout, fut, time.monotonic(), tier=tier)
+        return Job(next(self._ids), op, payload, timeout, fut, time.monotonic(), tier=tier)
 
     def _submit(self, op: str, payload: dict, timeout: float) -> concurrent.futures.Future:
         job = self._make_job(op, payload, timeout)
@@ -610,7 +455,7 @@ class CodeExecutor:
             self._reject(job)
         return job.future
 
-    def _reject(self, job: _Job) -> None:
+    def _reject(self, job: Job) -> None:
         self._count("rejected")
         why = "the code executor was closed" if self._queues[job.tier].closed else (
             f"code environment overloaded: queue full ({self.config.max_queue}) for {self.config.submit_timeout:g} s")
@@ -632,7 +477,7 @@ class CodeExecutor:
             self.stats[key] += 1
 
     # -- internals: resolution -------------------------------------------------------------
-    def _resolve(self, job: _Job, result) -> None:
+    def _resolve(self, job: Job, result) -> None:
         """Answer a call exactly once (later attempts are ignored and counted)."""
         with self._resolve_lock:
             if job.resolved:
@@ -648,12 +493,12 @@ class CodeExecutor:
         job.future.set_result(result)
 
     @staticmethod
-    def _infra_result(job: _Job, why: str):
+    def _infra_result(job: Job, why: str):
         if job.op == "verify":
             return VerifyResult(False, timed_out=False, error=why)
         return ExecResult(ERROR, f"SandboxError: {why}", infra_error=True)
 
-    def _result_from_wire(self, job: _Job, msg: dict, received: float):
+    def _result_from_wire(self, job: Job, msg: dict, received: float):
         if job.op == "verify":
             return VerifyResult(bool(msg.get("correct")), bool(msg.get("timed_out")), str(msg.get("error", "")))
         now = time.monotonic()

@@ -27,8 +27,9 @@ same inputs. Deliberate differences, none of which changes a verdict on a well-b
   ``"\\begin{pmatrix}"`` in a non-raw string, i.e. with a backspace character, which no answer
   contains, so they never run.
 
-Only the standard library is imported at module level (the sandbox's zygote loads the verifier);
-sympy, pylatexenc (the PRIME grader's own dependency) and math-verify are imported when used.
+Only the standard library and ``verify`` (likewise) are imported at module level (the sandbox's
+zygote loads the verifier); sympy, pylatexenc (the PRIME grader's own dependency) and math-verify
+are imported when used.
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ import contextlib
 import math
 import operator
 import re
+
+from rstarjax.env.verify import is_correct
 
 # ---- 1. PRIME: match_answer ---------------------------------------------------------------------
 _LEADING_MARKERS = ("answer:", "answer is", "answers are")
@@ -530,8 +533,6 @@ def score(response: str, gold, mode: str = "answer") -> bool:
     """The reward of ``response``: ``mode="answer"`` is the paper's (eq. 3, ``verify.is_correct``),
     ``mode="official"`` the official code's (``official_score``)."""
     if mode == "answer":
-        from rstarjax.env.verify import is_correct
-
         return is_correct(response, gold)
     if mode == "official":
         return official_score(response, gold)

@@ -2,28 +2,20 @@
 matches the ground truth under math-verify, else 0).
 
 `is_correct` is the pure check with no time limit of its own: the sandbox runs it inside a pool
-process under the pool's wall-clock kill (`CodeExecutor.submit_verify`, the training path).
-`verify_answer` is the standalone form: the integer fast path in-process, anything that needs
-sympy in a separate verifier interpreter (started once, math-verify preloaded) that is killed after
-`timeout` seconds (reward 0). The caller is never forked: a fork of a process whose threads
-(JAX's, say) hold locks can deadlock the child. math-verify's own timeouts are disabled on
-purpose: they use `signal.alarm`, which raises (and is swallowed, giving reward 0) off the main
-thread.
+process under the pool's wall-clock kill (`CodeExecutor.submit_verify` / `CodeExecutor.verify`,
+the one bounded path). math-verify's own timeouts are disabled on purpose: they use
+`signal.alarm`, which raises (and is swallowed, giving reward 0) off the main thread.
 
-Only the standard library is imported at module level: the zygote loads this module.
+Only the standard library (and the import-free `rstarjax.protocol`) is imported at module level:
+the zygote loads this module; math-verify is imported on first use.
 """
 from __future__ import annotations
 
-import json
-import os
 import re
-import select
-import subprocess
-import sys
-import threading
-import time
 
-_ANSWER_BLOCK = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
+from rstarjax.protocol import ANSWER_CLOSE, ANSWER_OPEN
+
+_ANSWER_BLOCK = re.compile(f"{re.escape(ANSWER_OPEN)}(.*?)(?:{re.escape(ANSWER_CLOSE)}|$)", re.DOTALL)
 _BOX_OPENERS = ("\\boxed", "\\fbox")
 # "1000", "-17", "+3", "1,000,000" (thousands separators only in the canonical 3-digit groups).
 _INTEGER = re.compile(r"[+-]?(?:\d+|\d{1,3}(?:,\d{3})+)")
@@ -106,7 +98,7 @@ def _integer_verdict(answer: str | None, gold_text: str) -> bool | None:
 
 def is_correct(response_text: str, gold) -> bool:
     """rStar2-Agent eq. 3: reward 1 iff the final boxed answer equals `gold`. No time limit:
-    call it only under a wall-clock kill (the sandbox does), or use `verify_answer`.
+    call it only under a wall-clock kill (the sandbox does: `CodeExecutor.verify`).
 
     Integer fast path (the paper trains on integer answers): when both sides are plain integers
     they are compared exactly without sympy. Otherwise math-verify decides (equivalent forms such
@@ -116,128 +108,6 @@ def is_correct(response_text: str, gold) -> bool:
     answer = extract_final_answer(response_text)
     verdict = _integer_verdict(answer, gold_text)
     return verdict if verdict is not None else _math_verify(answer, gold_text)
-
-
-def verify_answer(response_text: str, gold, timeout: float = 5.0) -> bool:
-    """`is_correct` with a wall-clock bound: the sympy path runs in a separate verifier interpreter that is
-    killed after `timeout` seconds, which counts as wrong (reward 0). Safe to call from any
-    thread, and from a process with threads (nothing is forked from it). For many rewards at once
-    use `CodeExecutor.submit_verify`."""
-    gold_text = str(gold).strip()
-    answer = extract_final_answer(response_text)
-    verdict = _integer_verdict(answer, gold_text)
-    if verdict is not None:
-        return verdict
-    verifier = _VerifierProcess.checkout()
-    try:
-        verdict = verifier.ask(answer, gold_text, timeout)
-    except (OSError, TimeoutError, ValueError):  # hung, died, or out of memory: reward 0
-        verifier.kill()
-        return False
-    _VerifierProcess.checkin(verifier)
-    return verdict
-
-
-# A clean interpreter: this file loaded by path (rstarjax/__init__.py, which may import jax, never
-# runs), math-verify warmed up, then one JSON line in, one verdict line out, until EOF. Its
-# answers carry a prefix: anything else a library prints to stdout is skipped.
-_VERIFIER_MAIN = """
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("rstarjax_verifier", sys.argv[1])
-verify = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(verify)
-verify.warm_up()
-print("rstarjax-verifier: ready", flush=True)
-for line in sys.stdin:
-    request = json.loads(line)
-    try:
-        verdict = verify._math_verify(request["answer"], request["gold"])
-    except Exception:
-        verdict = False
-    print("rstarjax-verifier:", int(bool(verdict)), flush=True)
-"""
-
-
-_ANSWER_PREFIX = b"rstarjax-verifier:"
-
-
-class _VerifierProcess:
-    """One verifier interpreter; idle ones are kept for the next call (at most `KEEP`)."""
-
-    KEEP = 2
-    START_TIMEOUT_S = 120.0
-    _idle: list["_VerifierProcess"] = []
-    _lock = threading.Lock()
-
-    def __init__(self):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _VERIFIER_MAIN, os.path.abspath(__file__)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd="/",
-        )
-        self.buffer = b""
-        try:
-            ready = self._read_line(time.monotonic() + self.START_TIMEOUT_S)
-        except (OSError, TimeoutError):
-            ready = b""
-        if ready != b"ready":
-            self.kill()
-            raise OSError("the verifier process did not start")
-
-    @classmethod
-    def checkout(cls) -> "_VerifierProcess":
-        with cls._lock:
-            while cls._idle:
-                verifier = cls._idle.pop()
-                if verifier.proc.poll() is None:
-                    return verifier
-        return cls()
-
-    @classmethod
-    def checkin(cls, verifier: "_VerifierProcess") -> None:
-        with cls._lock:
-            if len(cls._idle) < cls.KEEP:
-                cls._idle.append(verifier)
-                return
-        verifier.close()
-
-    def ask(self, answer: str, gold_text: str, timeout: float) -> bool:
-        self.proc.stdin.write((json.dumps({"answer": answer, "gold": gold_text}) + "\n").encode())
-        self.proc.stdin.flush()
-        return self._read_line(time.monotonic() + timeout) == b"1"
-
-    def _read_line(self, deadline: float) -> bytes:
-        """The verifier's next answer (after its prefix)."""
-        fd = self.proc.stdout.fileno()
-        while True:
-            while b"\n" not in self.buffer:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([fd], [], [], left)[0]:
-                    raise TimeoutError("the verifier did not answer in time")
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    raise OSError("the verifier process exited")
-                self.buffer += chunk
-            line, self.buffer = self.buffer.split(b"\n", 1)
-            if line.startswith(_ANSWER_PREFIX):
-                return line[len(_ANSWER_PREFIX) :].strip()
-
-    def close(self) -> None:
-        try:
-            self.proc.stdin.close()  # EOF: it exits
-            self.proc.wait(5)
-        except (OSError, subprocess.TimeoutExpired):
-            self.kill()
-        finally:
-            self.proc.stdout.close()
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            try:
-                stream.close()
-            except OSError:
-                pass
 
 
 def _math_verify(answer: str, gold_text: str) -> bool:

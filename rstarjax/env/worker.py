@@ -28,7 +28,7 @@ import sys
 import time
 import traceback
 
-from rstarjax.env import cgroups, forker, isolation, sandbox, wire
+from rstarjax.env import cgroups, cleanup, forker, isolation, sandbox, wire
 from rstarjax.env.sandbox import Confinement, SandboxLimits
 
 # Re-warming a slot waits for this much quiet unless a call needs the sandbox now: at low
@@ -80,65 +80,6 @@ class Running:
         "call", "pid", "pidfd", "slot", "workdir", "channel", "stdout", "stderr", "result", "fds", "deadline",
         "t_recv", "t_start", "timed_out", "replied", "done", "cpu_start", "cpu_checked", "over_cpu_budget",
     )
-
-
-def remove_tree(path: str) -> None:
-    """Remove a directory tree of any depth, without recursion and without long paths: each
-    subdirectory is first moved up next to the others, so every directory is emptied at depth
-    one. (A hostile call can build a tree deeper than Python's recursion limit or PATH_MAX.)"""
-    try:
-        os.rmdir(path)  # the usual case: the call left nothing behind
-        return
-    except FileNotFoundError:
-        return
-    except OSError:
-        pass
-    try:
-        top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return
-    counter = 0
-    try:
-        pending: list[str | None] = [None]  # None: `path` itself; else a name inside it
-        while pending:
-            name = pending.pop()
-            try:
-                fd = top if name is None else os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
-            except OSError:
-                continue
-            try:
-                for entry in os.scandir(fd):
-                    try:
-                        if not entry.is_dir(follow_symlinks=False):
-                            os.unlink(entry.name, dir_fd=fd)
-                        elif name is None:
-                            pending.append(entry.name)
-                        else:
-                            while True:
-                                counter += 1
-                                moved = f".removing-{counter}"
-                                try:
-                                    os.stat(moved, dir_fd=top, follow_symlinks=False)
-                                except FileNotFoundError:
-                                    break
-                            os.rename(entry.name, moved, src_dir_fd=fd, dst_dir_fd=top)
-                            pending.append(moved)
-                    except OSError:
-                        pass
-            finally:
-                if fd != top:
-                    os.close(fd)
-            if name is not None:
-                try:
-                    os.rmdir(name, dir_fd=top)
-                except OSError:
-                    pass
-    finally:
-        os.close(top)
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
 
 
 class Worker:
@@ -206,7 +147,7 @@ class Worker:
 
     def serve(self) -> None:
         if not self.call_mounts:
-            remove_tree(self.workdir_root)  # leftovers of a killed predecessor
+            cleanup.remove_tree(self.workdir_root)  # leftovers of a killed predecessor
             os.makedirs(self.workdir_root, mode=0o711)
         self.start_forkers()
         self.sock.setblocking(True)  # replies wait for room; reads never block (MSG_DONTWAIT)
@@ -335,7 +276,7 @@ class Worker:
             if run.channel is not None:
                 run.channel.close()
             if not self.call_mounts:
-                remove_tree(run.workdir)
+                cleanup.remove_tree(run.workdir)
             raise
         finally:
             if theirs is not None:
@@ -403,7 +344,7 @@ class Worker:
         self._close_channel(run)
         self.by_slot[run.slot] = None
         if not self.call_mounts:
-            remove_tree(run.workdir)
+            cleanup.remove_tree(run.workdir)
         self.cold_slots.append(run.slot)
         if run.call is None:
             if run in self.warm:
@@ -513,60 +454,6 @@ class Worker:
             except ProcessLookupError:
                 pass
 
-    def _sweep_uid(self, uid: int | None) -> None:
-        """Without a PID namespace: kill whatever the call left behind (double forks, setsid)."""
-        if uid is None:
-            return
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.setresuid(uid, uid, uid)
-                os.kill(-1, signal.SIGKILL)  # as `uid`: reaches only that uid's processes
-            finally:
-                os._exit(0)
-        os.waitpid(pid, 0)
-
-    @staticmethod
-    def _sweep_shm(uid: int | None) -> None:
-        """Without call mounts: remove what the slot's uid left in the shared /dev/shm."""
-        if uid is None:
-            return
-        try:
-            with os.scandir("/dev/shm") as entries:
-                for entry in entries:
-                    try:
-                        if entry.stat(follow_symlinks=False).st_uid == uid:
-                            if entry.is_dir(follow_symlinks=False):
-                                remove_tree(entry.path)
-                            else:
-                                os.unlink(entry.path)
-                    except OSError:
-                        pass
-        except OSError:
-            pass
-
-    def _kill_orphans(self) -> None:
-        """Weakest fallback (no PID namespace, no uid drop): we are a child subreaper, so what a
-        call double-forked away is re-parented to us. Kill every child that is neither a forker
-        nor a live sandbox. (A daemon of a call still running in another slot dies early:
-        acceptable.)"""
-        me = os.getpid()
-        keep = self.forker_pids | {r.pid for r in self.by_slot if r is not None}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) in keep:
-                continue
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == me:
-                try:
-                    os.kill(int(entry), signal.SIGKILL)
-                    os.waitpid(int(entry), 0)
-                except (ProcessLookupError, ChildProcessError):
-                    pass
-
     def _finish(self, run: Running) -> None:
         run.done = True
         _, status = os.waitpid(run.pid, 0)
@@ -590,12 +477,12 @@ class Worker:
             self._send_result(run, status, t_end)  # answer first; cleaning up is our business
         if not self.use_pidns:
             if self.uid_drop:
-                self._sweep_uid(self.slot_uid(run.slot))
+                cleanup.sweep_uid(self.slot_uid(run.slot))
             else:
-                self._kill_orphans()
+                cleanup.kill_orphans(keep=self.forker_pids | {r.pid for r in self.by_slot if r is not None})
         if not self.call_mounts:
-            remove_tree(run.workdir)
-            self._sweep_shm(self.slot_uid(run.slot))
+            cleanup.remove_tree(run.workdir)
+            cleanup.sweep_shm(self.slot_uid(run.slot))
         self.cold_slots.append(run.slot)  # the slot (and its uid) is re-warmed only once clean
 
     def _send_result(self, run: Running, status: int, t_end: float) -> None:

@@ -307,16 +307,33 @@ class Checkpointer:
         self.close()
 
 
+def read_checkpoint_meta(directory: str, step: int | None = None) -> tuple[int, dict[str, Any]]:
+    """``(step, meta)`` of a checkpoint directory's ``step`` (default: its latest finished one),
+    no array read: what a stage hand-off, an export or a reuse of SFT weights decides on before
+    restoring. ``FileNotFoundError`` when ``directory`` holds no finished checkpoint, or not
+    ``step``."""
+    ckpt = Checkpointer(directory, CheckpointConfig(async_save=False))
+    try:
+        steps = ckpt.all_steps()
+        if step is None:
+            step = ckpt.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no finished checkpoint in {directory}")
+        elif step not in steps:
+            raise FileNotFoundError(f"step {step} not in {directory} (have {steps})")
+        return step, ckpt.read_meta(step)
+    finally:
+        ckpt.close()
+
+
 def restore_params(directory: str, abstract_params, step: int | None = None):
     """Only the params of a (previous stage's) checkpoint: stage 2 -> 3 hand-off (§4.3).
 
     Reads ``state.params`` and ignores the optimizer state, so a stage can reset the optimizer.
     """
+    step, meta = read_checkpoint_meta(directory, step)
     ckpt = Checkpointer(directory, CheckpointConfig(async_save=False))
     try:
-        step = ckpt.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no finished checkpoint in {directory}")
         out = ckpt._manager.restore(
             step,
             args=ocp.args.Composite(
@@ -327,9 +344,8 @@ def restore_params(directory: str, abstract_params, step: int | None = None):
                         abstract_params)},
                     partial_restore=True,
                 ),
-                meta=ocp.args.JsonRestore(),
             ),
         )
-        return out["state"]["params"], dict(out["meta"] or {}), step
+        return out["state"]["params"], meta, step
     finally:
         ckpt._manager.close()

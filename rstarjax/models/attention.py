@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from rstarjax.models.config import PACKED_ATTENTION as IMPLEMENTATIONS
+from rstarjax.models.sharding import logical_to_spec
 
 # CPU/ROCm ``auto``: rows up to this length use the dense path (as fast there, and exactly the
 # numbers of the plain masked attention), longer ones the blockwise path (faster from ~384 tokens
@@ -395,8 +396,6 @@ def _per_device(fn, q, k, v, segment_ids):
     """Run a kernel that only knows one device's arrays under ``shard_map`` when a mesh is set:
     rows split like the ``batch`` logical axis, heads like ``act_heads`` when the key/value
     heads divide over it (then the query heads do too), else whole on every device."""
-    from rstarjax.models.sharding import logical_to_spec
-
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return fn(q, k, v, segment_ids)

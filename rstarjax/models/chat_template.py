@@ -53,8 +53,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rstarjax.protocol import (IM_END, IM_START, OFFICIAL_TOOL_NAME, OFFICIAL_TOOL_SCHEMA, TOOL_CALL_CLOSE,
-                               TOOL_CALL_OPEN, TOOL_NAME, TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN, TOOL_SCHEMA)
+from rstarjax.protocol import (IM_END, IM_START, OFFICIAL_TOOL_NAME, OFFICIAL_TOOL_SCHEMA, REASON_OPEN,
+                               TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_NAME, TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN,
+                               TOOL_SCHEMA)
 
 SYSTEM_INTRO = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves "
@@ -113,7 +114,7 @@ OFFICIAL_USER_PROMPT_PREFIX = (
     "And your final answer will be extracted automatically by the \\boxed{} tag.\n"
     "This is the problem:\n"
 )
-OFFICIAL_GENERATION_PREFILL = "<reason>"
+OFFICIAL_GENERATION_PREFILL = REASON_OPEN
 
 
 @dataclasses.dataclass(frozen=True)

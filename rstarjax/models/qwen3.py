@@ -9,12 +9,11 @@ Entry points (docs/design.md):
   ``model.hidden(tokens, positions, segment_ids) -> [B, T, D]`` the same forward up to the final
   norm, and ``model.token_logprobs(...)`` the per-token log-probs and entropies from it with the
   vocabulary projected chunk by chunk (models/logprobs.py: no [B, T, V] for long rows);
-  ``model.decode(tokens, cache, num_new) -> (f32[B, T, V], KVCache)`` cached forward, dense cache;
   ``paged_forward(cfg, serving_weights(...), tokens, paged_cache, num_new)`` the serving engine's
   forward over a paged KV pool (last-token logits only; layers unrolled over per-layer arrays).
 The packed forward's attention is ``models.attention.packed_attention`` (fused / blockwise,
-memory linear in T; ``ModelConfig.packed_attention``); decoding attends with ``attend``, the
-paged forward with ``models.paged_attention``.
+memory linear in T; ``ModelConfig.packed_attention``), the paged forward's with
+``models.paged_attention``.
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from flax import nnx
 
 from rstarjax.models.attention import choose_implementation, packed_attention, segment_causal_mask
 from rstarjax.models.config import ModelConfig
-from rstarjax.models.kv_cache import KVCache, PagedKVCache
+from rstarjax.models.kv_cache import PagedKVCache
 from rstarjax.models.logprobs import token_logprobs_from_hidden
 from rstarjax.models.paged_attention import (paged_attention_reference, paged_decode_attention,
                                              ragged_decode_attention, write_kv_pages)
@@ -265,42 +264,6 @@ class Qwen3(nnx.Module):
         return token_logprobs_from_hidden(
             self.hidden(tokens, positions, segment_ids), weight, tokens, vocab_major=vocab_major,
             chunk_len=self.config.vocab_chunk_len, with_entropy=with_entropy)
-
-    # ---- cached decoding ------------------------------------------------------------------
-    def decode(self, tokens: jax.Array, cache: KVCache, num_new: jax.Array
-               ) -> tuple[jax.Array, KVCache]:
-        """Per-row cached forward (docs/design.md): token i of row b sits at position
-        ``lengths[b] + i``, is written there (out-of-range writes dropped, never clamped) and
-        attends to cache entries ``<= lengths[b] + i``; returns lengths + num_new."""
-        cfg = self.config
-        if tokens.ndim != 2 or tokens.shape[0] != cache.batch:
-            raise ValueError(f"tokens {tokens.shape} must be [B={cache.batch}, T]")
-        b, t = tokens.shape
-        s = cache.max_len
-        positions = cache.lengths[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)
-        sin, cos = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
-        mask = (jnp.arange(s)[None, None, :] <= positions[:, :, None])[:, None]  # [B,1,T,S]
-        rows = jnp.arange(b)[:, None]
-
-        def layer_fn(p, x, kv, i):
-            ck_all, cv_all = kv
-
-            def attention(q, k, v):
-                # Scatter into the full cache carry (in place in the scan loop); mode="drop"
-                # discards writes past max_len instead of clamping onto earlier entries.
-                ck = ck_all.at[i, rows, positions].set(k.astype(ck_all.dtype), mode="drop")
-                cv = cv_all.at[i, rows, positions].set(v.astype(cv_all.dtype), mode="drop")
-                k_l = jax.lax.dynamic_index_in_dim(ck, i, 0, keepdims=False).astype(q.dtype)
-                v_l = jax.lax.dynamic_index_in_dim(cv, i, 0, keepdims=False).astype(q.dtype)
-                return attend(q, k_l, v_l, mask, cfg.attention_impl), (ck, cv)
-
-            return decoder_layer(cfg, p, x, sin, cos, attention)
-
-        x, (new_k, new_v) = self._run_layers(self._embed(tokens), sin, cos, layer_fn,
-                                             (cache.k, cache.v))
-        new_cache = KVCache(k=new_k, v=new_v,
-                            lengths=cache.lengths + num_new.astype(cache.lengths.dtype))
-        return self._logits(x), new_cache
 
 
 # ---------------------------------------------------------------------------------------------

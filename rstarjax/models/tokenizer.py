@@ -32,6 +32,8 @@ import numpy as np
 import tiktoken
 
 from rstarjax.models.chat_template import CHAT_FORMATS, jinja_chat_template
+from rstarjax.protocol import (END_OF_TEXT, IM_END, IM_START, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_RESPONSE_CLOSE,
+                               TOOL_RESPONSE_OPEN)
 
 # Qwen2/Qwen3 pre-tokenizer (tokenizer.json "pre_tokenizer" Split regex). Unlike GPT-4's cl100k it
 # splits digits one by one (\p{N}, not \p{N}{1,3}).
@@ -42,11 +44,12 @@ QWEN2_PRETOKENIZE_REGEX = (
 
 # Qwen3's added tokens in id order (tokenizer_config.json "added_tokens_decoder", 151643..151668),
 # with HF's `special` flag: special=False tokens are still matched in text, but survive
-# `skip_special_tokens=True` on decode.
+# `skip_special_tokens=True` on decode. The tags the tool protocol uses are protocol.py's names;
+# the rest (<think> included: this protocol reasons in <reason>, plain text) are vocabulary only.
 QWEN3_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
-    ("<|endoftext|>", True),
-    ("<|im_start|>", True),
-    ("<|im_end|>", True),
+    (END_OF_TEXT, True),
+    (IM_START, True),
+    (IM_END, True),
     ("<|object_ref_start|>", True),
     ("<|object_ref_end|>", True),
     ("<|box_start|>", True),
@@ -58,16 +61,16 @@ QWEN3_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
     ("<|vision_pad|>", True),
     ("<|image_pad|>", True),
     ("<|video_pad|>", True),
-    ("<tool_call>", False),
-    ("</tool_call>", False),
+    (TOOL_CALL_OPEN, False),
+    (TOOL_CALL_CLOSE, False),
     ("<|fim_prefix|>", False),
     ("<|fim_middle|>", False),
     ("<|fim_suffix|>", False),
     ("<|fim_pad|>", False),
     ("<|repo_name|>", False),
     ("<|file_sep|>", False),
-    ("<tool_response>", False),
-    ("</tool_response>", False),
+    (TOOL_RESPONSE_OPEN, False),
+    (TOOL_RESPONSE_CLOSE, False),
     ("<think>", False),
     ("</think>", False),
 )
@@ -175,18 +178,18 @@ class Tokenizer:
         except KeyError:
             raise KeyError(f"{token!r} is not an added token of this tokenizer") from None
 
-    endoftext_id = property(lambda self: self.token_id("<|endoftext|>"))
-    im_start_id = property(lambda self: self.token_id("<|im_start|>"))
-    im_end_id = property(lambda self: self.token_id("<|im_end|>"))
-    tool_call_id = property(lambda self: self.token_id("<tool_call>"))
-    tool_call_end_id = property(lambda self: self.token_id("</tool_call>"))
-    tool_response_id = property(lambda self: self.token_id("<tool_response>"))
-    tool_response_end_id = property(lambda self: self.token_id("</tool_response>"))
+    endoftext_id = property(lambda self: self.token_id(END_OF_TEXT))
+    im_start_id = property(lambda self: self.token_id(IM_START))
+    im_end_id = property(lambda self: self.token_id(IM_END))
+    tool_call_id = property(lambda self: self.token_id(TOOL_CALL_OPEN))
+    tool_call_end_id = property(lambda self: self.token_id(TOOL_CALL_CLOSE))
+    tool_response_id = property(lambda self: self.token_id(TOOL_RESPONSE_OPEN))
+    tool_response_end_id = property(lambda self: self.token_id(TOOL_RESPONSE_CLOSE))
     think_id = property(lambda self: self.token_id("<think>"))
     think_end_id = property(lambda self: self.token_id("</think>"))
     # Qwen3 pads with <|endoftext|> (tokenizer_config "pad_token"); <|im_end|> is the chat EOS.
-    pad_id = property(lambda self: self.token_id("<|endoftext|>"))
-    eos_id = property(lambda self: self.token_id("<|im_end|>"))
+    pad_id = property(lambda self: self.token_id(END_OF_TEXT))
+    eos_id = property(lambda self: self.token_id(IM_END))
 
     # ---- text <-> ids ------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -284,13 +287,13 @@ class Tokenizer:
                 }
                 for t, special in self.added_tokens
             },
-            "additional_special_tokens": [t for t, s in self.added_tokens if s and t != "<|endoftext|>"],
+            "additional_special_tokens": [t for t, s in self.added_tokens if s and t != END_OF_TEXT],
             "bos_token": None,
             "clean_up_tokenization_spaces": False,
-            "eos_token": "<|im_end|>",
+            "eos_token": IM_END,
             "errors": "replace",
             "model_max_length": 131072,
-            "pad_token": "<|endoftext|>",
+            "pad_token": END_OF_TEXT,
             "split_special_tokens": False,
             "tokenizer_class": "Qwen2Tokenizer",
             "unk_token": None,
@@ -363,7 +366,7 @@ def saved_num_regular_tokens(directory: str | os.PathLike) -> int | None:
     vocab = (data.get("model") or {}).get("vocab")
     added = {t.get("content"): t.get("id") for t in data.get("added_tokens") or []}
     n = len(vocab) if isinstance(vocab, dict) else -1
-    if not MIN_REGULAR_TOKENS <= n <= QWEN3_NUM_REGULAR_TOKENS or added.get("<|endoftext|>") != n:
+    if not MIN_REGULAR_TOKENS <= n <= QWEN3_NUM_REGULAR_TOKENS or added.get(END_OF_TEXT) != n:
         raise ValueError(f"{path} is not a Qwen BPE tokenizer (its first added token <|endoftext|> must follow "
                          f"the {n} regular tokens); set the tokenizer size explicitly")
     return n

@@ -229,15 +229,11 @@ def load_sft_policy(run: RunConfig, setup: DemoSetup) -> tuple[nnx.Module, dict[
     e.g. ``OLD_WORKDIR/sft/checkpoints``): RL arms re-run from the same SFT weights, no SFT."""
     model = demo_policy(run, setup.tokenizer, setup.mesh)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    source = ckpt_lib.Checkpointer(run.demo.sft_checkpoint, CheckpointConfig(async_save=False))
     try:
-        step = source.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"--config.demo.sft_checkpoint={run.demo.sft_checkpoint!r} holds no finished "
-                                    "checkpoint")
-        meta = source.read_meta(step)
-    finally:
-        source.close()
+        step, meta = ckpt_lib.read_checkpoint_meta(run.demo.sft_checkpoint)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--config.demo.sft_checkpoint={run.demo.sft_checkpoint!r} holds no finished "
+                                "checkpoint") from None
     if meta.get("stage") != "sft":
         raise ValueError(f"--config.demo.sft_checkpoint={run.demo.sft_checkpoint!r} is not an SFT checkpoint "
                          f"(its meta says stage {meta.get('stage')!r})")

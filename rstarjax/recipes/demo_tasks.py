@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from rstarjax.env import classify_tool_error, format_tool_response
-from rstarjax.protocol import TOOL_NAME
+from rstarjax.protocol import ANSWER_CLOSE, ANSWER_OPEN, REASON_CLOSE, REASON_OPEN, TOOL_NAME
 
 TASK_KINDS = ("multiply", "modpow", "count_divisible", "digit_sum_power")
 SPLITS = ("train", "test")
@@ -241,6 +241,16 @@ def run_programs(codes: Sequence[str], timeout: float = 60.0) -> list[str]:
 
 
 # ---- SFT traces --------------------------------------------------------------------------------
+def reasoned(text: str) -> str:
+    """``text`` as the reasoning of an assistant turn (protocol.py's tags)."""
+    return f"{REASON_OPEN}{text}{REASON_CLOSE}"
+
+
+def boxed_answer(value) -> str:
+    """The final answer block the reward reads (paper §2.2)."""
+    return f"{ANSWER_OPEN}\\boxed{{{value}}}{ANSWER_CLOSE}"
+
+
 def sft_trace(task: DemoTask, tool_output: str) -> list[dict]:
     """OpenAI-style messages: question, reason + tool call, tool result, reason + boxed answer.
     The final answer is taken from the tool output (as a model would), not from `task.answer`."""
@@ -249,7 +259,7 @@ def sft_trace(task: DemoTask, tool_output: str) -> list[dict]:
         {"role": "user", "content": task.problem},
         {
             "role": "assistant",
-            "content": f"<reason>{task.reason}</reason>",
+            "content": reasoned(task.reason),
             "tool_calls": [
                 {"type": "function", "function": {"name": TOOL_NAME, "arguments": {"code": task.code, "input": ""}}}
             ],
@@ -257,7 +267,7 @@ def sft_trace(task: DemoTask, tool_output: str) -> list[dict]:
         {"role": "tool", "content": tool_output},
         {
             "role": "assistant",
-            "content": f"<reason>The code printed {result}.</reason><answer>\\boxed{{{result}}}</answer>",
+            "content": reasoned(f"The code printed {result}.") + boxed_answer(result),
         },
     ]
 
@@ -278,7 +288,7 @@ def in_head_trace(task: DemoTask) -> list[dict]:
     return [
         {"role": "user", "content": task.problem},
         {"role": "assistant",
-         "content": f"<reason>{in_head_reason(task)}</reason><answer>\\boxed{{{task.answer}}}</answer>"},
+         "content": reasoned(in_head_reason(task)) + boxed_answer(task.answer)},
     ]
 
 
@@ -303,12 +313,12 @@ def recovery_trace(task: DemoTask, error_output: str, fixed_output: str) -> list
     result = fixed_output.strip()
     return [
         {"role": "user", "content": task.problem},
-        {"role": "assistant", "content": f"<reason>{task.reason}</reason>", "tool_calls": call(task.buggy_code)},
+        {"role": "assistant", "content": reasoned(task.reason), "tool_calls": call(task.buggy_code)},
         {"role": "tool", "content": error_output},
-        {"role": "assistant", "content": f"<reason>{FIX_REASON}</reason>", "tool_calls": call(task.code)},
+        {"role": "assistant", "content": reasoned(FIX_REASON), "tool_calls": call(task.code)},
         {"role": "tool", "content": fixed_output},
         {"role": "assistant",
-         "content": f"<reason>The code printed {result}.</reason><answer>\\boxed{{{result}}}</answer>"},
+         "content": reasoned(f"The code printed {result}.") + boxed_answer(result)},
     ]
 
 

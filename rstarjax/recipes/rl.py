@@ -138,13 +138,13 @@ def initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig)
         return dict(meta, resumed=True)
     if not init_from:
         return {"step": 0, "stage_start_step": 0}
+    try:
+        src_step, src_meta = ckpt_lib.read_checkpoint_meta(init_from)
+    except FileNotFoundError:
+        raise StageError(f"--config.checkpoint.init_from={run.checkpoint.init_from!r} holds no finished "
+                         "checkpoint (did the previous stage save one?)") from None
     src = ckpt_lib.Checkpointer(init_from, ckpt_lib.CheckpointConfig(async_save=False))
     try:
-        src_step = src.latest_step()
-        if src_step is None:
-            raise StageError(f"--config.checkpoint.init_from={run.checkpoint.init_from!r} holds no finished "
-                             "checkpoint (did the previous stage save one?)")
-        src_meta = src.read_meta(src_step)
         from_sft = src_meta.get("stage") == "sft"
         if from_sft or run.checkpoint.reset_optimizer:
             abstract = ckpt_lib.abstract_like(trainer.state.params, trainer.param_sharding)
