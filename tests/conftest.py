@@ -8,6 +8,32 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _share_compiled_programs_for_this_run() -> None:
+    """jax's persistent compilation cache in one fresh directory for the whole test run, so a
+    program compiled once (the tiny model's forward, a train step, an engine bucket) is loaded,
+    not compiled again, by later tests, by the other pytest-xdist worker and by the subprocesses
+    the end-to-end tests start (``python -m rstarjax.main`` inherits the variables, and main's
+    own ``compilation_cache_dir`` yields to them: rstarjax/io/compile_cache.py). Every program is
+    kept, however fast it compiled: the tiny shapes compile in well under jax's default 1 s
+    threshold. The run that made the directory removes it (xdist workers find it already set);
+    a cache the user chose (JAX_COMPILATION_CACHE_DIR set beforehand) is used as it is."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    import atexit
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="rstarjax-test-xla-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+if os.environ.get("RSTARJAX_TEST_COMPILE_CACHE", "1") != "0":
+    _share_compiled_programs_for_this_run()
+
+
 import pathlib  # noqa: E402  (after the environment setup above, which must come first)
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -66,3 +92,41 @@ def demo_ci_run(tmp_path_factory):
         assert r.returncode == 0, r.stderr[-5000:]
         return workdir, None
     return workdir, _execute_quickstart(workdir)
+
+
+def _xdist_group(item) -> str | None:
+    """The pytest-xdist group (``--dist loadgroup``) that keeps ``item`` on the worker already
+    paying for its shared, expensive state: the session's demo run, or a module-scoped fixture
+    of its file (a model built and compiled once per module). None: any worker may run it."""
+    defs = getattr(item, "_fixtureinfo", None)
+    if defs is None:
+        return None
+    scopes = {}
+    for name in item.fixturenames:
+        for d in defs.name2fixturedefs.get(name, ()):
+            if d.baseid.startswith("tests") or d.baseid == "":
+                scopes[name] = d.scope
+    if "demo_ci_run" in scopes:
+        return "demo_ci_run"
+    if any(s in ("module", "package", "session") for n, s in scopes.items()
+           if n not in _CHEAP_SHARED_FIXTURES):
+        return item.module.__name__ if getattr(item, "module", None) else None
+    return None
+
+
+# session-wide fixtures of pytest itself or cheap enough to build on both workers
+_CHEAP_SHARED_FIXTURES = {"tmp_path_factory", "worker_id", "testrun_uid"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (xdist/remote.py)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist: tests sharing an expensive fixture stay on one worker, and the slow
+    end-to-end tests start first, so the two workers finish together instead of one of them
+    starting a 3-minute test at the end. The order within each kind is kept."""
+    if not getattr(config.option, "numprocesses", None):
+        return
+    for item in items:
+        group = _xdist_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
