@@ -121,12 +121,16 @@ _CHEAP_SHARED_FIXTURES = {"tmp_path_factory", "worker_id", "testrun_uid"}
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (xdist/remote.py)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist: tests sharing an expensive fixture stay on one worker, and the slow
-    end-to-end tests start first, so the two workers finish together instead of one of them
-    starting a 3-minute test at the end. The order within each kind is kept."""
+    end-to-end tests that share nothing start first, so the two workers finish together instead
+    of one of them starting a 3-minute test at the end. Grouped tests keep their order (xdist
+    hands out the groups, largest first, before the single tests)."""
     if not getattr(config.option, "numprocesses", None):
         return
+    first = set()
     for item in items:
         group = _xdist_group(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+        elif item.get_closest_marker("slow") is not None:
+            first.add(item.nodeid)
+    items.sort(key=lambda item: item.nodeid not in first)
