@@ -3,7 +3,12 @@ the CI-sized demo run that the demo and notebook tests share."""
 import os
 
 # Must happen before jax is imported anywhere in the test process.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# --xla_backend_optimization_level=0: the tests' programs are tiny and most run a few times, so
+# LLVM's optimisation of the CPU code costs more than it saves (tests/test_model.py: 58 -> 39
+# CPU seconds). The same XLA programs (HLO passes and fusion unchanged) and the same assertions;
+# the end-to-end tests' subprocesses set their own XLA_FLAGS and compile at the default level.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                                   "--xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
