@@ -4,8 +4,8 @@ import os
 
 # Must happen before jax is imported anywhere in the test process.
 # --xla_backend_optimization_level=0: the tests' programs are tiny and most run a few times, so
-# LLVM's optimisation of the CPU code costs more than it saves (tests/test_model.py: 58 -> 39
-# CPU seconds). The same XLA programs (HLO passes and fusion unchanged) and the same assertions;
+# optimising the generated CPU code costs more than it saves (tests/test_model.py: 58 -> 39 CPU
+# seconds, same results). The same programs and assertions, only less optimised machine code;
 # the end-to-end tests' subprocesses set their own XLA_FLAGS and compile at the default level.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
                                    "--xla_backend_optimization_level=0")
