@@ -106,21 +106,16 @@ def _xdist_group(item) -> str | None:
     defs = getattr(item, "_fixtureinfo", None)
     if defs is None:
         return None
-    scopes = {}
+    scopes = {}  # the suite's own fixtures (pytest's and plugins' shared ones are cheap)
     for name in item.fixturenames:
         for d in defs.name2fixturedefs.get(name, ()):
-            if d.baseid.startswith("tests") or d.baseid == "":
+            if d.baseid.startswith("tests"):
                 scopes[name] = d.scope
     if "demo_ci_run" in scopes:
         return "demo_ci_run"
-    if any(s in ("module", "package", "session") for n, s in scopes.items()
-           if n not in _CHEAP_SHARED_FIXTURES):
+    if any(s in ("module", "package", "session") for s in scopes.values()):
         return item.module.__name__ if getattr(item, "module", None) else None
     return None
-
-
-# session-wide fixtures of pytest itself or cheap enough to build on both workers
-_CHEAP_SHARED_FIXTURES = {"tmp_path_factory", "worker_id", "testrun_uid"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (xdist/remote.py)
