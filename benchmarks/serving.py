@@ -30,7 +30,7 @@ bf16 weights at 64 and 256 concurrent rollouts.
 ``--repeat N`` runs every (ours, baseline) pair N times, alternating; each figure is the median
 and ``spread`` holds [min, max] per figure.
 
-    python benchmarks/serving.py [--device cpu|gpu] [--quick] [--repeat 3]
+    python benchmarks/serving.py [--device cpu|gpu] [--quick | --smoke] [--repeat 3]
 """
 from __future__ import annotations
 
@@ -47,6 +47,9 @@ import time
 ap = argparse.ArgumentParser()
 ap.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
 ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+ap.add_argument("--smoke", action="store_true",
+                help="--quick without the untimed compile round of the rollouts: every figure "
+                     "and check, but the timings include compiles (tests/test_bench_serving.py)")
 ap.add_argument("--slices", type=int, default=2)
 ap.add_argument("--repeat", type=int, default=0, help="alternating runs (default 1 quick, 3)")
 ap.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
@@ -100,6 +103,7 @@ from rstarjax.serving.sizing import serving_weight_bytes  # noqa: E402
 from tracing import trace_one_call  # noqa: E402
 
 TOOL = "execute_python_code_with_standard_io"
+args.quick = args.quick or args.smoke
 REPEAT = args.repeat or (1 if args.quick else 3)
 
 
@@ -309,8 +313,10 @@ def bench_rollouts(quick: bool) -> tuple[list[dict], list[dict]]:
             return r
 
         # One untimed round first: every arm compiles the programs of this workload's shapes
-        # (a timed first round would charge its compiles to whichever arm runs first).
-        ours(), baseline()
+        # (a timed first round would charge its compiles to whichever arm runs first). A smoke
+        # run reports no timing anyone reads, only counts and token equality.
+        if not args.smoke:
+            ours(), baseline()
         a, b = alternate(ours, baseline)
     runs, extend_runs = [], []
     for x, y in zip(a, b):

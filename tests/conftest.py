@@ -3,9 +3,40 @@ the CI-sized demo run that the demo and notebook tests share."""
 import os
 
 # Must happen before jax is imported anywhere in the test process.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# --xla_backend_optimization_level=0: the tests' programs are tiny and most run a few times, so
+# optimising the generated CPU code costs more than it saves (tests/test_model.py: 58 -> 39 CPU
+# seconds, same results). The same programs and assertions, only less optimised machine code;
+# the end-to-end tests' subprocesses set their own XLA_FLAGS and compile at the default level.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                                   "--xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _share_compiled_programs_for_this_run() -> None:
+    """jax's persistent compilation cache in one fresh directory for the whole test run, so a
+    program compiled once (the tiny model's forward, a train step, an engine bucket) is loaded,
+    not compiled again, by later tests, by the other pytest-xdist worker and by the subprocesses
+    the end-to-end tests start (``python -m rstarjax.main`` inherits the variables, and main's
+    own ``compilation_cache_dir`` yields to them: rstarjax/io/compile_cache.py). Every program is
+    kept, however fast it compiled: the tiny shapes compile in well under jax's default 1 s
+    threshold. The run that made the directory removes it (xdist workers find it already set);
+    a cache the user chose (JAX_COMPILATION_CACHE_DIR set beforehand) is used as it is."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    import atexit
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="rstarjax-test-xla-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+if os.environ.get("RSTARJAX_TEST_COMPILE_CACHE", "1") != "0":
+    _share_compiled_programs_for_this_run()
 
 
 import pathlib  # noqa: E402  (after the environment setup above, which must come first)
@@ -66,3 +97,40 @@ def demo_ci_run(tmp_path_factory):
         assert r.returncode == 0, r.stderr[-5000:]
         return workdir, None
     return workdir, _execute_quickstart(workdir)
+
+
+def _xdist_group(item) -> str | None:
+    """The pytest-xdist group (``--dist loadgroup``) that keeps ``item`` on the worker already
+    paying for its shared, expensive state: the session's demo run, or a module-scoped fixture
+    of its file (a model built and compiled once per module). None: any worker may run it."""
+    defs = getattr(item, "_fixtureinfo", None)
+    if defs is None:
+        return None
+    scopes = {}  # the suite's own fixtures (pytest's and plugins' shared ones are cheap)
+    for name in item.fixturenames:
+        for d in defs.name2fixturedefs.get(name, ()):
+            if d.baseid.startswith("tests"):
+                scopes[name] = d.scope
+    if "demo_ci_run" in scopes:
+        return "demo_ci_run"
+    if any(s in ("module", "package", "session") for s in scopes.values()):
+        return item.module.__name__ if getattr(item, "module", None) else None
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (xdist/remote.py)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist: tests sharing an expensive fixture stay on one worker, and the slow
+    end-to-end tests that share nothing start first, so the two workers finish together instead
+    of one of them starting a 3-minute test at the end. Grouped tests keep their order (xdist
+    hands out the groups, largest first, before the single tests)."""
+    if not getattr(config.option, "numprocesses", None):
+        return
+    first = set()
+    for item in items:
+        group = _xdist_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+        elif item.get_closest_marker("slow") is not None:
+            first.add(item.nodeid)
+    items.sort(key=lambda item: item.nodeid not in first)

@@ -1,4 +1,5 @@
-"""benchmarks/serving.py --device cpu --quick end to end: it prints the JSON line docs/serving.md
+"""benchmarks/serving.py --device cpu --smoke (--quick's sizes, without its untimed compile round)
+end to end: it prints the JSON line docs/serving.md
 reads, and the checks that ride along hold (greedy tokens equal HF transformers' and the dense
 engine's, rollouts token for token the dense engine's). Only counts are asserted, never speeds:
 figures come from idle-machine runs (docs/serving.md)."""
@@ -21,7 +22,7 @@ def test_quick_cpu_run_prints_every_figure_and_its_checks_hold():
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("XLA_FLAGS", None)  # the benchmark's own 2 slices on the host's devices
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "serving.py"),
-                          "--device", "cpu", "--quick"], capture_output=True, text=True,
+                          "--device", "cpu", "--smoke"], capture_output=True, text=True,
                          env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     line = json.loads(out.stdout.strip().splitlines()[-1])

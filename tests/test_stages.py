@@ -340,7 +340,10 @@ def chain_worker(workdir):
     """Runs the README recipe at tiny size, in-process, recording each RL stage's first rollout."""
     import jax
 
-    jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "xla_cache"))
+    # the test run's shared cache (tests/conftest.py) when there is one: later stages, and the
+    # other tests' runs of the same tiny model, load what an earlier one compiled
+    jax.config.update("jax_compilation_cache_dir", os.environ.get("JAX_COMPILATION_CACHE_DIR")
+                      or os.path.join(workdir, "xla_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     from rstarjax import export
     from rstarjax.main import run
