@@ -1,0 +1,188 @@
+"""LoRA policies (models/lora.py): against the plain model and a hand-written W + (alpha/r) A B."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from rstarjax.models import lora as lora_lib
+from rstarjax.models import sharding as sharding_lib
+from rstarjax.models.config import LORA_TARGETS, ModelConfig
+from rstarjax.models.qwen3 import Qwen3
+from rstarjax.rl import trainer as trainer_lib
+from rstarjax.rl.loss import LossConfig
+
+from test_trainer import random_batch, reference_loss
+
+RANK, ALPHA = 4, 8.0
+
+
+def plain_model(seed=0, **overrides):
+    cfg = ModelConfig.preset("tiny", dtype=jnp.float32, num_hidden_layers=2, **overrides)
+    return Qwen3(cfg, rngs=nnx.Rngs(seed))
+
+
+def lora_model(seed=0, targets=LORA_TARGETS, **overrides):
+    return lora_lib.attach(plain_model(seed, **overrides), RANK, ALPHA, targets, seed=seed + 1)
+
+
+def randomize_b(model, seed=0, scale=0.05):
+    """Non-zero B so the adapters change the model (they start at zero)."""
+    key = jax.random.key(seed)
+    for i, name in enumerate(model.layers.lora_names):
+        var = getattr(model.layers, name)
+        if name.endswith("_lora_b"):
+            var[...] = scale * jax.random.normal(jax.random.fold_in(key, i), var.shape, var.dtype)
+    return model
+
+
+def by_hand_weights(model) -> dict:
+    """Reference merge, written out: W_eff = W + (alpha / r) A @ B per layer, in float64."""
+    cfg = model.config
+    out = {}
+    for name in cfg.lora_targets:
+        w = np.asarray(getattr(model.layers, name)[...], np.float64)
+        a = np.asarray(getattr(model.layers, f"{name}_lora_a")[...], np.float64)
+        b = np.asarray(getattr(model.layers, f"{name}_lora_b")[...], np.float64)
+        out[name] = w + (ALPHA / RANK) * np.stack([a[i] @ b[i] for i in range(len(w))])
+    return out
+
+
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 512, size=(2, 12)), jnp.int32)
+
+
+def test_config_rejects_bad_lora_fields():
+    with pytest.raises(ValueError, match="lora_rank"):
+        ModelConfig.preset("tiny", lora_rank=-1)
+    with pytest.raises(ValueError, match="lora_targets"):
+        ModelConfig.preset("tiny", lora_rank=4, lora_targets=("qkv",))
+    with pytest.raises(ValueError, match="lora_alpha"):
+        ModelConfig.preset("tiny", lora_rank=4, lora_alpha=0.0)
+
+
+def test_rank_zero_is_todays_model():
+    """lora_rank=0: the same parameters (names, dtypes, values) as before."""
+    cfg = ModelConfig.preset("tiny", dtype=jnp.float32)
+    assert cfg.lora_rank == 0 and cfg.base_param_dtype == jnp.float32
+    state = nnx.state(Qwen3(cfg, rngs=nnx.Rngs(0)))
+    assert not nnx.state(Qwen3(cfg, rngs=nnx.Rngs(0)), nnx.LoRAParam)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize("build", ["attach", "config"])
+def test_initial_adapters_give_the_base_model_exactly(build):
+    """B = 0 at init: the LoRA model's logits are bit-equal to the plain model with the same
+    (bfloat16) base weights, whether built by ``attach`` or from ``lora_rank`` in the config."""
+    base = plain_model(param_dtype=jnp.bfloat16)
+    if build == "attach":
+        model = lora_lib.attach(plain_model(), RANK, ALPHA)
+    else:
+        model = Qwen3(base.config.replace(lora_rank=RANK, lora_alpha=ALPHA, param_dtype=jnp.float32),
+                      rngs=nnx.Rngs(0))
+    for name in LORA_TARGETS:  # frozen base in bf16, adapters in f32
+        assert getattr(model.layers, name).dtype == jnp.bfloat16
+        assert getattr(model.layers, f"{name}_lora_a").dtype == jnp.float32
+    assert float(jnp.abs(model.layers.q_proj_lora_a[...]).max()) > 0  # A is random, B zero
+    np.testing.assert_array_equal(np.asarray(model(TOKENS)), np.asarray(base(TOKENS)))
+
+
+@pytest.mark.parametrize("scan,remat", [(True, "none"), (False, "full"), (True, "dots")])
+def test_unmerged_forward_equals_by_hand_merged_weights(scan, remat):
+    """The adapters applied unmerged (scan or unrolled, remat or not) == the plain model whose
+    weights are W + (alpha/r) A B computed by hand; ``merged_model`` gives the same."""
+    model = randomize_b(lora_model(scan_layers=scan, remat_policy=remat))
+    ref_cfg = model.config.replace(lora_rank=0, param_dtype=jnp.float32)
+    ref = Qwen3(ref_cfg, rngs=nnx.Rngs(0))
+    for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if not lora_lib.is_adapter_name(str(key[-1])):
+            target = ref
+            for k in key[:-1]:
+                target = getattr(target, k)
+            getattr(target, key[-1])[...] = var.get_value().astype(jnp.float32)
+    for name, w in by_hand_weights(model).items():
+        getattr(ref.layers, name)[...] = jnp.asarray(w, jnp.float32)
+    want = np.asarray(ref(TOKENS))
+    got = np.asarray(model(TOKENS))
+    assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max())
+    assert np.abs(got - np.asarray(randomize_b(lora_model(), scale=0.0)(TOKENS))).max() > 1e-3
+    merged = lora_lib.merged_model(model)  # bf16 weights: within bf16 rounding of the reference
+    assert merged.config.lora_rank == 0 and not nnx.state(merged, nnx.LoRAParam)
+    np.testing.assert_allclose(np.asarray(merged(TOKENS)), want, atol=3e-2, rtol=3e-2)
+    for name, w in by_hand_weights(model).items():
+        np.testing.assert_allclose(np.asarray(getattr(merged.layers, name)[...], np.float64), w,
+                                   rtol=2 ** -8, atol=1e-6)
+
+
+def test_adapter_gradients_equal_explicit_computation():
+    """d loss / d (A, B) through the unmerged forward == the gradient through the plain model
+    with W_eff = W + (alpha/r) A B written out (JAX differentiates the explicit product)."""
+    model = randomize_b(lora_model(targets=("q_proj", "v_proj", "down_proj")))
+    batch = random_batch(0)
+    graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+    got = jax.grad(lambda p: reference_loss(nnx.merge(graphdef, p, rest), batch))(adapters)
+
+    ref = Qwen3(model.config.replace(lora_rank=0, param_dtype=jnp.float32), rngs=nnx.Rngs(0))
+    ref_graph, ref_params = nnx.split(ref)
+    base = {k: v.get_value().astype(jnp.float32) for k, v in nnx.to_flat_state(rest)}
+    ab = {str(k[-1]): v.get_value() for k, v in nnx.to_flat_state(adapters)}
+
+    def explicit_loss(ab):
+        flat = []
+        for key, var in nnx.to_flat_state(ref_params):
+            w = base[key]
+            name = str(key[-1])
+            if key[0] == "layers" and f"{name}_lora_a" in ab:
+                w = w + (ALPHA / RANK) * jnp.einsum("lir,lro->lio", ab[f"{name}_lora_a"],
+                                                    ab[f"{name}_lora_b"])
+            flat.append((key, var.replace(w)))
+        return reference_loss(nnx.merge(ref_graph, nnx.from_flat_state(flat)), batch)
+
+    want = jax.grad(explicit_loss)(ab)
+    got = {str(k[-1]): v.get_value() for k, v in nnx.to_flat_state(got)}
+    assert set(got) == set(want) == {f"{t}_lora_{x}" for t in ("q_proj", "v_proj", "down_proj") for x in "ab"}
+    for name in want:
+        w, g = np.asarray(want[name]), np.asarray(got[name])
+        assert np.abs(w).max() > 1e-6, name  # a real gradient
+        np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-5 * np.abs(w).max())
+
+
+def test_trainer_trains_only_adapters_on_a_sharded_mesh():
+    """Trainer over a LoRA model on 4 devices (fsdp 2 x tensor 2): the state and optimizer hold
+    the adapters only; an SGD step moves them by the explicit gradient and leaves the frozen
+    base untouched; ``model()`` is the merged plain model (what the rollouts serve)."""
+    model = randomize_b(lora_model())
+    batch = random_batch(1)
+    graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+    ref_grads = jax.grad(lambda p: reference_loss(nnx.merge(graphdef, p, rest), batch))(adapters)
+    frozen_before = [np.asarray(x) for x in jax.tree.leaves(rest)]
+
+    mesh = sharding_lib.make_mesh(1, 2, 2, devices=jax.devices()[:4])
+    tr = trainer_lib.Trainer(model, None, LossConfig(),
+                             trainer_lib.TrainerConfig(micro_batch_size=4, recompute_old_logprobs=False),
+                             mesh=mesh, optimizer=optax.adamw(1e-3))
+    names = {str(k[-1]) for k, _ in nnx.to_flat_state(tr.state.params)}
+    assert names == {f"{t}_lora_{x}" for t in LORA_TARGETS for x in "ab"}
+    adapter_shapes = sorted(x.shape for x in jax.tree.leaves(tr.state.params))
+    moments = [x for x in jax.tree.leaves(tr.state.opt_state) if x.ndim > 0]
+    assert sorted(x.shape for x in moments) == sorted(adapter_shapes * 2)  # mu and nu, adapters only
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(tr.state.params))
+
+    tr = trainer_lib.Trainer(model, None, LossConfig(),
+                             trainer_lib.TrainerConfig(micro_batch_size=4, recompute_old_logprobs=False),
+                             mesh=mesh, optimizer=optax.sgd(1.0))
+    tr.train(batch)
+    got = {str(k[-1]): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(tr.state.params)}
+    ref_flat = {str(k[-1]): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(ref_grads)}
+    for k, v in nnx.to_flat_state(adapters):
+        name = str(k[-1])
+        np.testing.assert_allclose(np.asarray(v.get_value()) - got[name], ref_flat[name], rtol=2e-3,
+                                   atol=2e-5 * max(1.0, np.abs(ref_flat[name]).max()))
+    for a, b in zip(frozen_before, jax.tree.leaves(tr.frozen)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    served = tr.model()
+    assert served.config.lora_rank == 0 and not nnx.state(served, nnx.LoRAParam)
+    np.testing.assert_allclose(np.asarray(served(TOKENS)), np.asarray(tr.lora_model()(TOKENS)),
+                               atol=3e-2, rtol=3e-2)
+    # the merged copy sits on the base's logical-axis shardings (tensor-parallel q heads)
+    assert not served.layers.q_proj[...].sharding.is_fully_replicated
