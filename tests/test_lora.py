@@ -186,3 +186,97 @@ def test_trainer_trains_only_adapters_on_a_sharded_mesh():
                                atol=3e-2, rtol=3e-2)
     # the merged copy sits on the base's logical-axis shardings (tensor-parallel q heads)
     assert not served.layers.q_proj[...].sharding.is_fully_replicated
+
+
+# ------------------------------------------------------------------ checkpoints and export
+@pytest.fixture(scope="module")
+def lora_checkpoint(tmp_path_factory):
+    """A LoRA trainer's checkpoint (adapters + AdamW state, meta with the base record) of a
+    seeded random base, the adapters moved off their initial value."""
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.models import load_tokenizer
+    from rstarjax.recipes import lora_base
+    from rstarjax.recipes.build import model_meta
+    from rstarjax.recipes.config import ModelSource
+    from rstarjax.rl.optim import OptimConfig
+
+    tok = load_tokenizer(1000)
+    cfg = ModelConfig.preset("tiny", vocab_size=tok.num_tokens, dtype=jnp.float32,
+                             bos_token_id=tok.endoftext_id, eos_token_id=tok.eos_id)
+    model = randomize_b(lora_lib.attach(Qwen3(cfg, rngs=nnx.Rngs(3)), RANK, ALPHA, seed=5), seed=7)
+    trainer = trainer_lib.Trainer(model, OptimConfig(), LossConfig(), trainer_lib.TrainerConfig(),
+                                  mesh=sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    record = lora_base.with_hash(lora_base.model_record(ModelSource(preset="tiny", random_init=True), 3),
+                                 trainer.frozen)
+    root = tmp_path_factory.mktemp("lora_run")
+    with ckpt_lib.Checkpointer(str(root / "checkpoints"), ckpt_lib.CheckpointConfig(async_save=False)) as c:
+        c.save(7, trainer.state, dict(model_meta(model, tok), lora_base=record))
+    return root, trainer, tok
+
+
+def test_checkpoint_holds_adapters_and_resumes_exactly(lora_checkpoint):
+    from rstarjax.io import checkpoint as ckpt_lib
+
+    root, trainer, _ = lora_checkpoint
+    with ckpt_lib.Checkpointer(str(root / "checkpoints"), ckpt_lib.CheckpointConfig(async_save=False)) as c:
+        state, meta = c.restore(ckpt_lib.abstract_like(trainer.state, trainer.state_sharding))
+    assert meta["lora"] == {"rank": RANK, "alpha": ALPHA, "targets": list(LORA_TARGETS)}
+    assert meta["lora_base"]["hash"] == lora_lib.weights_fingerprint(trainer.frozen)
+    names = {str(k[-1]) for k, _ in nnx.to_flat_state(state.params)}
+    assert all(lora_lib.is_adapter_name(n) for n in names)  # no base weight in the checkpoint
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(trainer.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_merged_hf_export_and_peft_adapter_match_transformers(lora_checkpoint, tmp_path):
+    """The export merges the adapters into a HF directory that transformers loads with our
+    logits; the PEFT adapter, loaded by HF peft onto the HF export of the bf16 base, too."""
+    import torch
+    import transformers
+
+    from rstarjax import export
+    from rstarjax.models import save_hf
+
+    root, trainer, tok = lora_checkpoint
+    out = export.export_checkpoint(str(root / "checkpoints"), str(tmp_path / "hf"), peft_dir=str(tmp_path / "peft"))
+    assert out["step"] == 7 and out["peft_out"] == str(tmp_path / "peft")
+    ids = tok.encode("<|im_start|>user\nCompute 1234 * 5678.<|im_end|>")
+    ours = np.asarray(trainer.lora_model()(jnp.asarray([ids], jnp.int32)))
+    base_logits = np.asarray(nnx.merge(trainer.graphdef, jax.tree.map(jnp.zeros_like, trainer.state.params),
+                                       trainer.frozen)(jnp.asarray([ids], jnp.int32)))
+    assert np.abs(ours - base_logits).max() > 1e-2  # the adapters matter
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        merged = hf(input_ids=torch.tensor([ids])).logits.numpy()
+    np.testing.assert_allclose(ours, merged, atol=1e-4, rtol=1e-4)
+
+    peft = pytest.importorskip("peft")
+    base = nnx.merge(trainer.graphdef, trainer.state.params, trainer.frozen)
+    save_hf(lora_lib.merged_model(randomize_b(base, scale=0.0), dtype=jnp.float32), str(tmp_path / "base"),
+            tokenizer=tok)  # B = 0: the bf16 base itself, as float32
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
+    with torch.no_grad():
+        np.testing.assert_allclose(hf_base(input_ids=torch.tensor([ids])).logits.numpy(), base_logits,
+                                   atol=1e-4, rtol=1e-4)
+    adapted = peft.PeftModel.from_pretrained(hf_base, str(tmp_path / "peft")).eval()
+    with torch.no_grad():
+        got = adapted(input_ids=torch.tensor([ids])).logits.numpy()
+    np.testing.assert_allclose(ours, got, atol=1e-4, rtol=1e-4)
+
+
+def test_export_refuses_adapters_on_another_base(lora_checkpoint, tmp_path):
+    import json as json_lib
+
+    from rstarjax import export
+    from rstarjax.io import checkpoint as ckpt_lib
+
+    root, trainer, tok = lora_checkpoint
+    with ckpt_lib.Checkpointer(str(root / "checkpoints"), ckpt_lib.CheckpointConfig(async_save=False)) as c:
+        meta = c.read_meta(7)
+    meta["lora_base"] = dict(meta["lora_base"], random_init={"preset": "tiny", "seed": 4})
+    with ckpt_lib.Checkpointer(str(tmp_path / "other"), ckpt_lib.CheckpointConfig(async_save=False)) as c:
+        c.save(7, trainer.state, meta)
+    with pytest.raises(ValueError, match="hashes to"):
+        export.export_checkpoint(str(tmp_path / "other"), str(tmp_path / "x"))
+    assert json_lib.dumps(meta)  # the record is plain JSON

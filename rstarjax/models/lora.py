@@ -84,34 +84,37 @@ def merged_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax
     return (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
 
 
-def merge_lora(state: nnx.State, scale: float, targets: tuple[str, ...]) -> nnx.State:
+def merge_lora(state: nnx.State, scale: float, targets: tuple[str, ...], dtype=None) -> nnx.State:
     """Pure: the state of a LoRA ``Qwen3`` (adapters and base) -> the state of the plain model
-    (``base_config``) whose ``targets`` weights are ``merged_weight``s. Jit it (``merger``):
-    one program on the devices, no host round trip."""
+    (``base_config``) whose ``targets`` weights are ``merged_weight``s, every weight in
+    ``dtype`` (default: the base's). Jit it (``merger``): one program on the devices, no host
+    round trip."""
     flat = dict(nnx.to_flat_state(state))
     out = []
     for key, var in flat.items():
         name = key[-1]
         if is_adapter_name(str(name)):
             continue
+        w = var.get_value()
+        if dtype is not None:
+            w = w.astype(dtype)
         if key[:-1] == ("layers",) and name in targets:
             name_a, name_b = adapter_names(name)
-            var = var.replace(merged_weight(var.get_value(), flat[("layers", name_a)].get_value(),
-                                            flat[("layers", name_b)].get_value(), scale))
-        out.append((key, var))
+            w = merged_weight(w, flat[("layers", name_a)].get_value(), flat[("layers", name_b)].get_value(), scale)
+        out.append((key, var.replace(w)))
     return nnx.from_flat_state(out)
 
 
-def base_config(cfg: ModelConfig) -> ModelConfig:
+def base_config(cfg: ModelConfig, dtype=None) -> ModelConfig:
     """The plain model a LoRA model merges into: same architecture, no adapters, its weights
-    in the frozen base's dtype."""
-    return cfg.replace(lora_rank=0, param_dtype=cfg.base_param_dtype)
+    in ``dtype`` (default: the frozen base's)."""
+    return cfg.replace(lora_rank=0, param_dtype=jnp.dtype(dtype or cfg.base_param_dtype))
 
 
 @functools.lru_cache(maxsize=None)
-def _abstract_base(cfg: ModelConfig):
+def _abstract_base(cfg: ModelConfig, dtype):
     from rstarjax.models.qwen3 import Qwen3  # lora.py sits below qwen3.py, which imports it
-    return nnx.split(nnx.eval_shape(lambda: Qwen3(base_config(cfg), rngs=nnx.Rngs(0))))
+    return nnx.split(nnx.eval_shape(lambda: Qwen3(base_config(cfg, dtype), rngs=nnx.Rngs(0))))
 
 
 def _hashable(cfg: ModelConfig) -> ModelConfig:
@@ -119,26 +122,28 @@ def _hashable(cfg: ModelConfig) -> ModelConfig:
     return cfg.replace(eos_token_id=tuple(eos)) if isinstance(eos, list) else cfg
 
 
-def merger(cfg: ModelConfig, out_shardings=None):
-    """The jitted ``merge_lora`` for ``cfg``'s LoRA model: ``(state) -> plain state``, placed on
-    ``out_shardings`` (e.g. the base's logical-axis shardings) when given."""
-    return jax.jit(functools.partial(merge_lora, scale=cfg.lora_scale, targets=cfg.lora_targets),
-                   out_shardings=out_shardings)
+@functools.lru_cache(maxsize=None)
+def merger(cfg: ModelConfig, mesh=None, dtype=None):
+    """The jitted ``merge_lora`` for ``cfg``'s LoRA model, ``(state) -> plain state`` (built once
+    per config, mesh and dtype: the hand-off of every update reuses the compiled program). With
+    ``mesh`` the result lies on the base's logical-axis shardings."""
+    from rstarjax.models.sharding import state_shardings
+    shardings = None if mesh is None else state_shardings(_abstract_base(cfg, dtype)[1], mesh)
+    return jax.jit(functools.partial(merge_lora, scale=cfg.lora_scale, targets=cfg.lora_targets,
+                                     dtype=dtype), out_shardings=shardings)
 
 
-def merged_model(model, mesh=None) -> nnx.Module:
+def merged_model(model, mesh=None, dtype=None) -> nnx.Module:
     """The plain ``Qwen3`` whose weights are ``model``'s with its adapters merged (a new copy;
-    ``model`` itself when it has no adapters). With ``mesh`` the copy is placed on the base's
-    logical-axis shardings."""
+    ``model`` itself when it has no adapters), in ``dtype`` (default: the base's bfloat16, what
+    the rollouts serve; float32 for an export that adds no rounding). With ``mesh`` the copy is
+    placed on the base's logical-axis shardings."""
     cfg = model.config
     if cfg.lora_rank == 0:
         return model
-    graphdef, abstract = _abstract_base(_hashable(cfg))
-    shardings = None
-    if mesh is not None:
-        from rstarjax.models.sharding import state_shardings
-        shardings = state_shardings(abstract, mesh)
-    return nnx.merge(graphdef, merger(cfg, shardings)(nnx.state(model)))
+    dtype = jnp.dtype(dtype or cfg.base_param_dtype)
+    cfg = _hashable(cfg)
+    return nnx.merge(_abstract_base(cfg, dtype)[0], merger(cfg, mesh, dtype)(nnx.state(model)))
 
 
 def attach(model, rank: int, alpha: float, targets: tuple[str, ...] | None = None, seed: int = 0,
@@ -171,3 +176,30 @@ def attach(model, rank: int, alpha: float, targets: tuple[str, ...] | None = Non
             value = jax.device_put(value, shardings[key].get_value())
         out.append((key, var.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(out))
+
+
+@jax.jit
+def _leaf_checksums(leaves):
+    """Per array: the sum over its elements of (bits x (2 i + 1)), modulo 2^32 (i the flat
+    index); integer arithmetic, so the same on any sharding and device count."""
+    out = []
+    for x in leaves:
+        bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize])
+        bits = bits.reshape(-1).astype(jnp.uint32)
+        weight = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
+        out.append(jnp.sum(bits * weight, dtype=jnp.uint32))
+    return out
+
+
+def weights_fingerprint(state: nnx.State) -> str:
+    """A short hash of a state's arrays (names, shapes, dtypes and every bit of every value),
+    computed on the devices (one 32-bit checksum per array read back): what a LoRA checkpoint
+    records of the frozen base it was trained on, so a resume onto other weights is refused."""
+    import hashlib
+    flat = sorted(((".".join(map(str, k)), v.get_value() if isinstance(v, nnx.Variable) else v)
+                   for k, v in nnx.to_flat_state(state)), key=lambda kv: kv[0])
+    sums = jax.device_get(_leaf_checksums([v for _, v in flat]))
+    h = hashlib.sha256()
+    for (name, v), s in zip(flat, sums):
+        h.update(f"{name}:{tuple(v.shape)}:{jnp.dtype(v.dtype).name}:{int(s)};".encode())
+    return h.hexdigest()[:16]
