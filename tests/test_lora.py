@@ -280,3 +280,73 @@ def test_export_refuses_adapters_on_another_base(lora_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="hashes to"):
         export.export_checkpoint(str(tmp_path / "other"), str(tmp_path / "x"))
     assert json_lib.dumps(meta)  # the record is plain JSON
+
+
+# ------------------------------------------------------------------ the RL recipe with LoRA
+def test_rl_stage_with_lora_from_sft_checkpoint_resumes_exactly(tmp_path, monkeypatch):
+    """``model.lora_rank`` through ``run_rl`` (scripted rollouts): from a full-parameter SFT
+    checkpoint the SFT params become the frozen base and the engine first serves exactly them
+    (B = 0); the checkpoints hold adapters only; 2 steps + a resume to 3 end with the adapters
+    and optimizer state of 3 straight steps; a resume with another base is refused."""
+    import json as json_lib
+
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.recipes import build
+    from rstarjax.recipes.config import parse
+    from rstarjax.recipes.rl import StageError, run_rl
+    from test_checkpoint import fake_rollout_fn
+    from test_stages import _save_trained, _scripted_config, _trainer
+
+    monkeypatch.setattr(build, "mesh", lambda c: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json_lib.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n")
+    sft = str(tmp_path / "sft" / "checkpoints")
+    sft_state = _save_trained(_trainer(layers=2), sft, 40, {"stage": "sft", "total_steps": 40})
+
+    def config(workdir, total):
+        c = _scripted_config(workdir, total, sft)
+        c.model.lora_rank = RANK
+        c.model.lora_alpha = ALPHA
+        c.optim.learning_rate = 1e-2
+        return parse(c)
+
+    def run(name, total):
+        served = []
+        workdir = str(tmp_path / name)
+        tr = run_rl(config(workdir, total), workdir, rollout_fn=fake_rollout_fn,
+                    on_update=lambda t: served.append(t.model()))
+        return tr, served
+
+    tr, served = run("a", 2)
+    first = served[0]  # what the engine got before the first rollout: the SFT policy in bf16
+    assert first.config.lora_rank == 0
+    want = dict(nnx.to_flat_state(sft_state.params))
+    for key, var in nnx.to_flat_state(nnx.state(first)):
+        np.testing.assert_array_equal(np.asarray(var.get_value()),
+                                      np.asarray(want[key].get_value().astype(jnp.bfloat16)))
+    assert tr.step == 2 and tr.lora
+    with ckpt_lib.Checkpointer(str(tmp_path / "a" / "checkpoints")) as ck:
+        meta = ck.read_meta()
+    assert meta["lora_base"]["source"] == "checkpoint" and meta["lora_base"]["step"] == 40
+    assert meta["lora"]["rank"] == RANK
+
+    resumed, _ = run("a", 3)
+    straight, _ = run("b", 3)
+    assert resumed.step == straight.step == 3
+    for a, b in zip(jax.tree.leaves((resumed.state.params, resumed.state.opt_state)),
+                    jax.tree.leaves((straight.state.params, straight.state.opt_state))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    moved = [np.abs(np.asarray(x)).max() for k, x in nnx.to_flat_state(straight.state.params)
+             if str(k[-1]).endswith("_lora_b")]
+    assert max(moved) > 0  # the adapters trained
+
+    # the base it was trained on changed under it: the resume says so
+    with ckpt_lib.Checkpointer(str(tmp_path / "a" / "checkpoints")) as ck:
+        step = ck.latest_step()
+        state, meta = ck.restore(ckpt_lib.abstract_like(resumed.state, resumed.state_sharding), step)
+    meta["lora_base"]["hash"] = "0" * 16
+    with ckpt_lib.Checkpointer(str(tmp_path / "c" / "checkpoints")) as ck:
+        ck.save(step, state, meta)
+    with pytest.raises(ValueError, match="hashes to"):
+        run("c", 4)

@@ -68,11 +68,16 @@ def model_meta(model, tok: Tokenizer, chat_format: str = "rstar2") -> dict[str, 
     """What ``rstarjax.export`` needs to rebuild the model from a checkpoint alone (and the chat
     format it was trained with, whose template the HF export carries)."""
     check_vocab(model, tok)
+    return {"model_config": model.config.to_hf_dict(), "tokenizer_num_regular_tokens": int(tok.num_regular_tokens),
+            "chat_format": chat_format, **lora_meta(model)}
+
+
+def lora_meta(model) -> dict[str, Any]:
+    """``{"lora": {rank, alpha, targets}}`` of a LoRA policy (its checkpoints hold adapters), else {}."""
     cfg = model.config
-    return {"model_config": cfg.to_hf_dict(), "tokenizer_num_regular_tokens": int(tok.num_regular_tokens),
-            "chat_format": chat_format,
-            **({"lora": {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": list(cfg.lora_targets)}}
-               if cfg.lora_rank else {})}
+    if not cfg.lora_rank:
+        return {}
+    return {"lora": {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": list(cfg.lora_targets)}}
 
 
 def host_cores() -> int:

@@ -283,7 +283,7 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
             if rollout_fn is None or len(tokenizer) <= model.config.vocab_size:
                 export_meta = build.model_meta(model, tokenizer, run.rl.chat_format)  # raises when the vocabularies disagree
             else:  # a scripted rollout function on a preset whose table fits no tokenizer: the architecture only
-                export_meta = {"model_config": model.config.to_hf_dict()}
+                export_meta = {"model_config": model.config.to_hf_dict(), **build.lora_meta(model)}
             trainer = Trainer(model, run.optim, run.loss, run.trainer, mesh=mesh)
             meta = initial_state(trainer, ckpt, run)
             if rollout_fn is None:
