@@ -350,3 +350,37 @@ def test_rl_stage_with_lora_from_sft_checkpoint_resumes_exactly(tmp_path, monkey
         ck.save(step, state, meta)
     with pytest.raises(ValueError, match="hashes to"):
         run("c", 4)
+
+
+# ------------------------------------------------------------------ the demo's LoRA variant
+def test_demo_lora_config_changes_only_the_lora_keys():
+    from test_demo import CI_KEYS, _config, _flat
+
+    full, lora, lora_ci = _flat(_config(None)), _flat(_config("lora")), _flat(_config("lora_ci"))
+    assert {k for k in full if full[k] != lora[k]} == {"model.lora_rank", "model.lora_alpha",
+                                                       "optim.learning_rate"}
+    assert lora["model.lora_rank"] == 16
+    assert {k for k in lora if lora[k] != lora_ci[k]} <= CI_KEYS
+
+
+@pytest.mark.slow
+def test_demo_lora_ci_trains_adapters_from_the_sft_checkpoint(demo_ci_run, tmp_path):
+    """configs/demo.py:lora_ci from the CI demo's SFT checkpoint: the RL stage runs on the real
+    engine, sandbox and verifier with rank-16 adapters on the SFT policy, its checkpoint holds
+    the adapters, and the merged export loads."""
+    from test_demo import _config
+
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.recipes import demo
+    from rstarjax.recipes.config import parse
+
+    earlier, _ = demo_ci_run
+    c = _config("lora_ci")
+    c.mesh.fsdp, c.mesh.data = 1, -1
+    c.demo.sft_checkpoint = str(earlier / "sft" / "checkpoints")
+    summary = demo.run_demo(parse(c), str(tmp_path / "lora"))
+    assert summary["rl_steps"] == c.total_steps
+    with ckpt_lib.Checkpointer(str(tmp_path / "lora" / "rl" / "checkpoints")) as ck:
+        meta = ck.read_meta()
+    assert meta["lora"]["rank"] == 16 and meta["lora_base"]["hash"]
+    assert (tmp_path / "lora" / "hf" / "config.json").exists()

@@ -23,6 +23,7 @@ from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
 from rstarjax.io import data as data_lib
 from rstarjax.io.metrics_log import MetricsWriter
+from rstarjax.models import lora
 from rstarjax.recipes import build, lora_base, preemption
 from rstarjax.recipes.config import RunConfig, wandb_init_args
 from rstarjax.rl.step import rl_step
@@ -101,7 +102,7 @@ class NonFiniteStreak:
 def _same_dir(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
-def initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig) -> dict:
+def initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig, base_record: dict | None = None) -> dict:
     """Put the stage's starting state into ``trainer`` and return its record (the checkpoint meta
     of a resume, else ``{"step", "stage_start_step", "init_from", ...}``). The hand-off rules:
 
@@ -122,8 +123,9 @@ def initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig)
     fresh optimizer); ``init_from`` a LoRA checkpoint continues its adapters on its base.
     """
     record = _initial_state(trainer, ckpt, run)
-    if trainer.lora and "lora_base" not in record:  # the base as built
-        record["lora_base"] = lora_base.with_hash(lora_base.model_record(run.model, run.seed), trainer.frozen)
+    if trainer.lora and "lora_base" not in record:  # the base as built (``base_record``: as given)
+        record["lora_base"] = lora_base.with_hash(base_record or lora_base.model_record(run.model, run.seed),
+                                                  trainer.frozen)
     return record
 
 
@@ -276,16 +278,21 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
         ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), run.checkpoint)
         executor, before_update = None, None
         try:
+            base_record = None
             if model is None:
                 model = build.policy(run.model, mesh, run.seed,
                                      read_weights=not checkpoint_replaces_weights(run, ckpt))
+            elif run.model.lora_rank and not model.config.lora_rank:  # a given policy (the demo's SFT) is the base
+                model = lora.attach(model, run.model.lora_rank, run.model.lora_alpha, run.model.lora_target_names,
+                                    seed=run.seed, mesh=mesh)
+                base_record = {"source": "model", "path": "(the policy given to run_rl)"}
             # what rstarjax.export needs to rebuild the model from a checkpoint of this run alone
             if rollout_fn is None or len(tokenizer) <= model.config.vocab_size:
                 export_meta = build.model_meta(model, tokenizer, run.rl.chat_format)  # raises when the vocabularies disagree
             else:  # a scripted rollout function on a preset whose table fits no tokenizer: the architecture only
                 export_meta = {"model_config": model.config.to_hf_dict(), **build.lora_meta(model)}
             trainer = Trainer(model, run.optim, run.loss, run.trainer, mesh=mesh)
-            meta = initial_state(trainer, ckpt, run)
+            meta = initial_state(trainer, ckpt, run, base_record)
             if rollout_fn is None:
                 executor = build.executor(run.rl.num_tool_workers)
                 rollouts = build.rollouts(trainer.model(), tokenizer, executor, run.agent(), run.rl.sampling(),
