@@ -341,6 +341,15 @@ def test_rl_stage_with_lora_from_sft_checkpoint_resumes_exactly(tmp_path, monkey
              if str(k[-1]).endswith("_lora_b")]
     assert max(moved) > 0  # the adapters trained
 
+    # a run that only samples from the stage's policy (the stage-3 filter) gets the same one
+    from rstarjax.recipes import lora_base
+    run_cfg = config(str(tmp_path / "f"), 3)
+    built = build.policy(run_cfg.model, build.mesh(run_cfg.mesh), run_cfg.seed)
+    policy, step = lora_base.restore_lora_policy(built, str(tmp_path / "b" / "checkpoints"))
+    assert step == 3
+    np.testing.assert_array_equal(np.asarray(lora_lib.merged_model(policy).layers.q_proj[...]),
+                                  np.asarray(straight.model().layers.q_proj[...]))
+
     # the base it was trained on changed under it: the resume says so
     with ckpt_lib.Checkpointer(str(tmp_path / "a" / "checkpoints")) as ck:
         step = ck.latest_step()

@@ -66,3 +66,34 @@ def restore_base(trainer, record: dict, flag_hint: str = "--config.model.hf_path
         raise BaseMismatch(f"the LoRA adapters were trained on the base {where} with hash {record['hash']}, "
                            f"but the base built now hashes to {got}{hint}")
     return dict(record, hash=got)
+
+
+def restore_lora_policy(model, directory: str):
+    """A LoRA ``model`` (as built, on its mesh) with the adapters of the newest checkpoint in
+    ``directory`` on the base its record names (hash checked): for a run that only samples
+    from a LoRA stage's policy (the stage-3 filter). Returns (model, step)."""
+    from flax import nnx
+
+    graphdef, adapters, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    ckpt = ckpt_lib.Checkpointer(directory, ckpt_lib.CheckpointConfig(async_save=False))
+    try:
+        step = ckpt.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no finished checkpoint in {directory}")
+        record = ckpt.read_meta(step).get("lora_base")
+    finally:
+        ckpt.close()
+    if not record:
+        raise BaseMismatch(f"{directory} holds full parameters, not LoRA adapters: unset --config.model.lora_rank")
+    shardings = jax.tree.map(lambda x: x.sharding, frozen)
+    if record.get("source") == "checkpoint":
+        frozen, _, _ = ckpt_lib.restore_params(record["path"], ckpt_lib.abstract_like(frozen, shardings),
+                                               step=int(record["step"]))
+    got = lora_lib.weights_fingerprint(frozen)
+    if record.get("hash") and got != record["hash"]:
+        raise BaseMismatch(f"the LoRA adapters of {directory} were trained on the base {record.get('path')!r} "
+                           f"with hash {record['hash']}, but the base built now hashes to {got} "
+                           "(set --config.model.hf_path to the base it was trained on)")
+    adapters, _, _ = ckpt_lib.restore_params(
+        directory, ckpt_lib.abstract_like(adapters, jax.tree.map(lambda x: x.sharding, adapters)), step=step)
+    return nnx.merge(graphdef, adapters, frozen), step
