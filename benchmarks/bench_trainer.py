@@ -479,6 +479,12 @@ def abstract_train_step(cfg: ModelConfig, mesh, rows: int, seq: int):
     abstract = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
     # LoRA: the adapters train, the bf16 base is an argument (as Trainer.step_fn passes it)
     graphdef, params, frozen = nnx.split(abstract, nnx.LoRAParam if cfg.lora_rank else nnx.Param, ...)
+    # XLA:CPU has no bf16 GEMM: it converts the bf16 base to float32, a convert it hoists out of
+    # the layer loop as an f32 copy of the stacked weights (4 bytes per base parameter in temp)
+    # that GPUs and TPUs, which multiply in bf16, never make. Compiling with a float32 base
+    # leaves temp = activations + the adapters' gradients; plan_one counts the base at bf16.
+    frozen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
+                          if jnp.issubdtype(x.dtype, jnp.floating) else x, frozen)
     optimizer = optim_lib.make_optimizer(optim_lib.OptimConfig())
     param_sh = sharding_lib.state_shardings(params, mesh)
     frozen_sh = sharding_lib.state_shardings(frozen, mesh)
