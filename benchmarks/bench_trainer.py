@@ -571,7 +571,9 @@ def plan_one(name: str, mesh_name: str, args) -> dict:
         if remat != "full":
             fixes.append(f"model.remat_policy=full (now {remat})")
         if held_in_update:
-            fixes.append("free the serving copy and KV during the update (--config.serving.release_during_update=true)")
+            released = int(max(usable - p_bytes - o_bytes - g_bytes, 0) // per_row)
+            fixes.insert(0, "free the serving copy and KV during the update (--config.serving."
+                            f"release_during_update=true, --release-serving here): then {released} row(s) fit")
         problems.append(f"train step needs {train_peak / GB:.1f} GB of {usable / GB:.0f} GB: "
                         f"activations {act_bytes / GB:.1f} GB for {args.micro_rows} row(s) of "
                         f"{args.plan_seq} tokens per device; " + "; or ".join(fixes))
