@@ -366,9 +366,8 @@ def test_demo_lora_config_changes_only_the_lora_keys():
     from test_demo import CI_KEYS, _config, _flat
 
     full, lora, lora_ci = _flat(_config(None)), _flat(_config("lora")), _flat(_config("lora_ci"))
-    assert {k for k in full if full[k] != lora[k]} == {"model.lora_rank", "model.lora_alpha",
-                                                       "optim.learning_rate"}
-    assert lora["model.lora_rank"] == 16
+    assert {k for k in full if full[k] != lora[k]} == {"model.lora_rank", "optim.learning_rate"}
+    assert lora["model.lora_rank"] == 16 and lora["model.lora_alpha"] == 32.0
     assert {k for k in lora if lora[k] != lora_ci[k]} <= CI_KEYS
 
 
