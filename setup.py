@@ -33,8 +33,9 @@ EXTRAS = {
     # wandb: CI runs the offline W&B test (tests/test_wandb.py; it needs no network).
     # nbclient + ipykernel: tests/test_notebook.py runs notebooks/quickstart.ipynb.
     # pytest-xdist: the README's test command runs the suite in two workers (-n 2).
+    # peft: tests/test_lora.py loads an exported LoRA adapter with HF PEFT.
     "test": ["pytest", "pytest-xdist", "torch==2.13.0", "transformers", "tokenizers", "pyarrow", "wandb",
-             "nbclient", "ipykernel"],
+             "nbclient", "ipykernel", "peft"],
     "cuda": ["jax[cuda13]"],
     "cuda12": ["jax[cuda12]"],
     "rocm": ["jax[rocm7-local]"],  # needs a local ROCm 7 install (AMD MI300X); see README

@@ -12,6 +12,10 @@
     # exits 1, naming what to change, when a plan cannot fit
     python benchmarks/bench_trainer.py --plan [--models qwen3-1.7b,qwen3-8b,qwen3-14b]
         [--meshes h100x8,v5p-64] [--micro-rows 1] [--remat full] [--kv-slots 8]
+    # LoRA (docs/lora.md): Qwen3-1.7B stage 1 on a 16 GB Colab GPU / TPU, Qwen3-14B stage 2 on one H100
+    python benchmarks/bench_trainer.py --plan --lora-rank 16 --models qwen3-1.7b --meshes t4,v5e-1,l4 \
+        --plan-seq 8192 --kv-slots 4
+    python benchmarks/bench_trainer.py --plan --lora-rank 16 --models qwen3-14b --meshes h100x1 --kv-slots 4
     # padding rows (rejected groups): Trainer.train skipping all-padding micro-batches vs not
     python benchmarks/bench_trainer.py --padding 0.5 [--batch 32 --seq 512 --micro 4]
     # largest row length whose train step fits one device (GPU: measured, else XLA:CPU analysis)
@@ -42,6 +46,10 @@ PLAN_MESHES = {
     "h100x1": (1, 80, (1, 1, 1), 0.95),
     # TPU v5p-64: 64 TensorCores = 32 chips (one jax device each, megacore), 95 GB HBM per chip
     "v5p-64": (32, 95, (1, 32, 1), 0.95),
+    # Colab: a T4 (16 GB), a TPU v5e-1 (one chip, 16 GB HBM), an L4 (24 GB)
+    "t4": (1, 16, (1, 1, 1), 0.95),
+    "v5e-1": (1, 16, (1, 1, 1), 0.95),
+    "l4": (1, 24, (1, 1, 1), 0.95),
 }
 
 # bf16 dense peak FLOP/s per device, by a substring of jax's device_kind.
@@ -81,6 +89,12 @@ def parse_args(argv=None):
     ap.add_argument("--plan-seq", type=int, default=2048 + 12288, help="stage 2: prompt + response")
     ap.add_argument("--micro-rows", type=int, default=1, help="--plan rows per device per micro-step")
     ap.add_argument("--kv-slots", type=int, default=8, help="--plan concurrent rollouts per device")
+    ap.add_argument("--lora-rank", type=int, default=0, help="--plan: LoRA adapters of this rank on every "
+                    "projection, the base frozen in bf16 (0 = full fine-tuning)")
+    ap.add_argument("--serving-copy", action="store_true", help="--plan: count the engine's bf16 serving "
+                    "copy of the weights (always counted with --lora-rank)")
+    ap.add_argument("--release-serving", action="store_true", help="--plan: the serving copy and KV are "
+                    "freed during the update (serving.release_during_update)")
     ap.add_argument("--hbm-gb", type=float, default=80.0, help="--max-len device memory")
     return ap.parse_args(argv)
 
@@ -463,9 +477,17 @@ def abstract_train_step(cfg: ModelConfig, mesh, rows: int, seq: int):
     """The Trainer's step for ``cfg`` on ``mesh``, compiled from shapes alone (no parameter is
     allocated): (compiled, abstract params, their shardings, abstract opt state, shardings)."""
     abstract = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    # LoRA: the adapters train, the bf16 base is an argument (as Trainer.step_fn passes it)
+    graphdef, params, frozen = nnx.split(abstract, nnx.LoRAParam if cfg.lora_rank else nnx.Param, ...)
+    # XLA:CPU has no bf16 GEMM: it converts the bf16 base to float32, a convert it hoists out of
+    # the layer loop as an f32 copy of the stacked weights (4 bytes per base parameter in temp)
+    # that GPUs and TPUs, which multiply in bf16, never make. Compiling with a float32 base
+    # leaves temp = activations + the adapters' gradients; plan_one counts the base at bf16.
+    frozen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
+                          if jnp.issubdtype(x.dtype, jnp.floating) else x, frozen)
     optimizer = optim_lib.make_optimizer(optim_lib.OptimConfig())
     param_sh = sharding_lib.state_shardings(params, mesh)
+    frozen_sh = sharding_lib.state_shardings(frozen, mesh)
     replicated = NamedSharding(mesh, P())
     opt_state = jax.eval_shape(optimizer.init, params)
     opt_sh = optax.tree_utils.tree_map_params(optimizer, lambda _, s: s, opt_state, param_sh,
@@ -478,11 +500,14 @@ def abstract_train_step(cfg: ModelConfig, mesh, rows: int, seq: int):
     batch = {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32 if k in ("tokens", "positions",
                                      "segment_ids") else jnp.float32) for k in keys}
     micro_sh = NamedSharding(mesh, P(None, *batch_sh.spec))
-    step = trainer_lib.make_train_step(graphdef, rest, optimizer, micro_loss, 1, None, micro_sh)
-    jitted = jax.jit(step, in_shardings=(state_sh, {k: batch_sh for k in keys}, replicated),
-                     out_shardings=(state_sh, replicated), donate_argnums=(0,))
+    def step(rest, state, batch, denom):
+        return trainer_lib.make_train_step(graphdef, rest, optimizer, micro_loss, 1, None, micro_sh)(
+            state, batch, denom)
+
+    jitted = jax.jit(step, in_shardings=(frozen_sh, state_sh, {k: batch_sh for k in keys}, replicated),
+                     out_shardings=(state_sh, replicated), donate_argnums=(1,))
     with jax.set_mesh(mesh):
-        compiled = jitted.lower(state, batch, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+        compiled = jitted.lower(frozen, state, batch, jax.ShapeDtypeStruct((), jnp.float32)).compile()
     return compiled, params, param_sh, opt_state, opt_sh
 
 
@@ -496,7 +521,7 @@ def plan_one(name: str, mesh_name: str, args) -> dict:
     rows = args.micro_rows * dp
     remat = args.remat or "full"
     full = ModelConfig.preset(name, dtype=jnp.bfloat16, remat_policy=remat,
-                              packed_attention="blockwise")
+                              packed_attention="blockwise", lora_rank=args.lora_rank)
     # XLA's analysis of the real widths at depth 2 and 3; temp (grads + activations) is linear
     # in depth under scan-over-layers, so depth L is extrapolated from the two. (Depth 1 is no
     # use: XLA simplifies a one-trip loop and assigns its buffers differently.)
@@ -506,48 +531,64 @@ def plan_one(name: str, mesh_name: str, args) -> dict:
     temp_full = temps[0] + (full.num_hidden_layers - 2) * per_layer_temp
     # params / optimizer / gradients of the full depth: shapes (jax.eval_shape) x shardings
     abstract = nnx.eval_shape(lambda: Qwen3(full, rngs=nnx.Rngs(0)))
-    _, params, _ = nnx.split(abstract, nnx.Param, ...)
+    _, params, frozen = nnx.split(abstract, nnx.LoRAParam if full.lora_rank else nnx.Param, ...)
     param_sh = sharding_lib.state_shardings(params, mesh)
     optimizer = optim_lib.make_optimizer(optim_lib.OptimConfig())
     opt_state = jax.eval_shape(optimizer.init, params)
     opt_sh = optax.tree_utils.tree_map_params(optimizer, lambda _, s: s, opt_state, param_sh,
                                               transform_non_params=lambda _: NamedSharding(mesh, P()))
-    p_bytes = per_device_bytes(params, param_sh)
+    trained_bytes = per_device_bytes(params, param_sh)
+    frozen_bytes = per_device_bytes(frozen, sharding_lib.state_shardings(frozen, mesh))
+    p_bytes = trained_bytes + frozen_bytes  # resident weights: trained (f32) + frozen base (LoRA: bf16)
     o_bytes = per_device_bytes(opt_state, opt_sh)
-    g_bytes = p_bytes  # the f32 gradient accumulator of the micro-batch scan
+    g_bytes = trained_bytes  # the f32 gradient accumulator of the micro-batch scan
     act_bytes = max(temp_full - g_bytes, 0)
     kv_token = full.num_hidden_layers * 2 * full.num_key_value_heads * full.head_dim * 2  # bf16
     kv_slot = kv_token * args.plan_seq
     kv_bytes = args.kv_slots * kv_slot
+    # the engine's bf16 copy of the (merged) weights, tensor-sharded like the base
+    count_serving = bool(args.lora_rank or args.serving_copy)
+    serving_bytes = full.num_params * 2 // max(axes[2], 1) if count_serving else 0
+    # what the engine holds through the update unless serving.release_during_update frees it
+    held_in_update = serving_bytes + kv_bytes if count_serving and not args.release_serving else 0
     usable = usable_frac * hbm_gb * GB
-    train_peak = p_bytes + o_bytes + temp_full
-    rollout_peak = p_bytes + o_bytes + kv_bytes  # colocated: weights and optimizer stay resident
-    max_slots = int(max(usable - p_bytes - o_bytes, 0) // kv_slot)
+    train_peak = p_bytes + o_bytes + temp_full + held_in_update
+    # colocated: weights and optimizer stay resident next to the serving copy and the KV pool
+    rollout_peak = p_bytes + o_bytes + serving_bytes + kv_bytes
+    max_slots = int(max(usable - p_bytes - o_bytes - serving_bytes, 0) // kv_slot)
     problems = []
+    lora_hint = "" if full.lora_rank else " or train LoRA adapters only (--config.model.lora_rank=16)"
     if p_bytes + o_bytes + g_bytes > usable:
         problems.append(f"params+optimizer+grads alone need {(p_bytes + o_bytes + g_bytes) / GB:.1f} GB "
                         f"of {usable / GB:.0f} GB: shard over more devices (a larger mesh, fsdp) or "
-                        f"add tensor parallelism (--config.mesh.tensor)")
+                        f"add tensor parallelism (--config.mesh.tensor){lora_hint}")
     elif train_peak > usable:
         per_row = act_bytes / args.micro_rows
-        rows_fit = int(max(usable - p_bytes - o_bytes - g_bytes, 0) // per_row)
+        rows_fit = int(max(usable - p_bytes - o_bytes - g_bytes - held_in_update, 0) // per_row)
         fixes = [f"at most {rows_fit} row(s) per device per micro-step fit "
                  f"(trainer.micro_batch_size = {rows_fit} x data x fsdp)" if rows_fit else
                  "not even one row fits: shorter rows or tensor parallelism (--config.mesh.tensor)"]
         if remat != "full":
             fixes.append(f"model.remat_policy=full (now {remat})")
+        if held_in_update:
+            released = int(max(usable - p_bytes - o_bytes - g_bytes, 0) // per_row)
+            fixes.insert(0, "free the serving copy and KV during the update (--config.serving."
+                            f"release_during_update=true, --release-serving here): then {released} row(s) fit")
         problems.append(f"train step needs {train_peak / GB:.1f} GB of {usable / GB:.0f} GB: "
                         f"activations {act_bytes / GB:.1f} GB for {args.micro_rows} row(s) of "
                         f"{args.plan_seq} tokens per device; " + "; or ".join(fixes))
     if rollout_peak > usable:
         problems.append(f"rollout KV for {args.kv_slots} slots x {args.plan_seq} tokens "
-                        f"({kv_bytes / GB:.1f} GB) does not fit next to the weights and "
-                        f"optimizer: at most {max_slots} concurrent rollouts per device")
+                        f"({kv_bytes / GB:.1f} GB) does not fit next to the weights"
+                        f"{', the serving copy' if serving_bytes else ''} and optimizer: at most "
+                        f"{max_slots} concurrent rollouts per device (--config.serving.num_slots)")
     r = lambda x: round(x / GB, 2)
     return {"model": name, "mesh": mesh_name, "devices": n_dev, "mesh_axes": axes,
             "hbm_gb": hbm_gb, "usable_gb": r(usable), "seq": args.plan_seq,
-            "rows_per_device": args.micro_rows, "remat": remat,
-            "params_gb": r(p_bytes), "optimizer_gb": r(o_bytes), "grads_gb": r(g_bytes),
+            "rows_per_device": args.micro_rows, "remat": remat, "lora_rank": full.lora_rank,
+            "trained_params": int(sum(x.size for x in jax.tree.leaves(params))),
+            "params_gb": r(p_bytes), "frozen_gb": r(frozen_bytes), "optimizer_gb": r(o_bytes), "grads_gb": r(g_bytes),
+            "serving_copy_gb": r(serving_bytes), "serving_released_in_update": bool(args.release_serving),
             "activations_gb": r(act_bytes), "activations_per_layer_gb": r(per_layer_temp),
             "train_peak_gb": r(train_peak), "rollout_kv_gb": r(kv_bytes),
             "kv_slots": args.kv_slots, "kv_per_slot_gb": r(kv_slot),

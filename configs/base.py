@@ -34,6 +34,11 @@ def get_config(arg=None):
     c.model.tokenizer_num_regular_tokens = 0
     c.model.dtype = "bfloat16"  # compute dtype; master weights stay float32
     c.model.remat_policy = "full"
+    # LoRA (docs/lora.md): > 0 trains rank-r float32 adapters only, the base frozen in bfloat16
+    # (Qwen3-1.7B on a 16 GB Colab GPU, Qwen3-14B on one 80 GB GPU); 0 = full fine-tuning
+    c.model.lora_rank = 0
+    c.model.lora_alpha = 32.0  # adapters scaled by lora_alpha / lora_rank
+    c.model.lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
     # ---- data --------------------------------------------------------------------------------
     c.data = ml_collections.ConfigDict()

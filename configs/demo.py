@@ -135,7 +135,15 @@ def get_config(arg=None):
         c.rl.max_response_len = 512  # a recovered counting response is 476 tokens (2 calls + traceback)
         # the longest recovery trace is 629 tokens; at 640 two clean traces share a row
         c.sft.seq_len = 640
-    if arg in ("ci", "compare_ci"):  # the shortened run CI executes
+    if arg in ("lora", "lora_ci"):
+        # The RL stage trains rank-16 LoRA adapters on the SFT policy (which SFT trains fully),
+        # its weights frozen in bf16 (docs/lora.md). The adapters start at zero and move the
+        # weights through a rank-16 product: the usual LoRA practice is a learning rate about 10x
+        # full fine-tuning's (not yet measured on this demo: docs/lora.md).
+        c.model.lora_rank = 16
+        c.model.lora_alpha = 32.0
+        c.optim.learning_rate = 4e-4
+    if arg in ("ci", "compare_ci", "lora_ci"):  # the shortened run CI executes
         # 4 SFT steps leave a policy that solves nothing: every group is all-wrong, and the RL
         # steps would all be rejected (rl.reject_equal_reward). Keep them, so the two RL steps run.
         c.rl.reject_equal_reward = False
@@ -146,6 +154,6 @@ def get_config(arg=None):
         c.total_steps = 2
         c.rl.prompts_per_step = 4
         c.demo.num_slots = 16
-    elif arg not in (None, "", "full", "compare"):
-        raise ValueError(f"configs/demo.py takes '', 'ci', 'compare' or 'compare_ci', got {arg!r}")
+    elif arg not in (None, "", "full", "compare", "lora"):
+        raise ValueError(f"configs/demo.py takes '', 'ci', 'compare', 'compare_ci', 'lora' or 'lora_ci', got {arg!r}")
     return c

@@ -11,6 +11,10 @@ directory (``WORKDIR/hf``, ``WORKDIR/config.json``), or ``--preset``. Only the p
 tokenizer (with the chat template of the format the run trained with, recorded in the checkpoint's
 meta ``chat_format``; the rStar2 one for older checkpoints), so ``AutoModelForCausalLM.from_pretrained(HF_DIR)``
 and ``AutoTokenizer.from_pretrained(HF_DIR)`` load it.
+
+A LoRA checkpoint (meta ``lora``) holds adapters: its base is rebuilt from the meta's ``lora_base``
+record (hash checked), the adapters merged into float32 weights; ``--peft_out DIR`` also writes
+them as a HF PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``) for that base.
 """
 from __future__ import annotations
 
@@ -24,7 +28,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rstarjax.io import checkpoint as ckpt_lib
-from rstarjax.models import ModelConfig, Qwen3, load_tokenizer, save_hf
+from rstarjax.models import ModelConfig, Qwen3, load_hf, load_tokenizer, save_hf
+from rstarjax.models import lora as lora_lib
+from rstarjax.models.hf import save_peft_adapter
 
 
 def resolve_model_config(checkpoint_dir: str, meta: dict, model_config: str | None = None,
@@ -55,6 +61,11 @@ def load_checkpoint(checkpoint_dir: str, step: int | None = None, model_config: 
     step, meta = ckpt_lib.read_checkpoint_meta(checkpoint_dir, step)
     cfg, source = resolve_model_config(checkpoint_dir, meta, model_config, preset)
     cfg = cfg.replace(dtype=jnp.float32, param_dtype=jnp.float32)
+    if meta.get("lora"):
+        model = load_lora_policy(checkpoint_dir, step, meta, cfg)
+        tokenizer = _tokenizer(meta, tokenizer_num_regular_tokens, cfg)
+        return model, tokenizer, {"step": step, "config_source": source, "num_params": cfg.num_params,
+                                  "chat_format": meta.get("chat_format", "rstar2"), "lora_base": meta["lora_base"]}
     abstract_model = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -67,25 +78,76 @@ def load_checkpoint(checkpoint_dir: str, step: int | None = None, model_config: 
                          f"{cfg.vocab_size}): {e}") from e
     rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), rest)
     model = nnx.merge(graphdef, params, rest)
+    tokenizer = _tokenizer(meta, tokenizer_num_regular_tokens, cfg)
+    return model, tokenizer, {"step": step, "config_source": source, "num_params": cfg.num_params,
+                              "chat_format": meta.get("chat_format", "rstar2")}
+
+
+def _tokenizer(meta: dict, tokenizer_num_regular_tokens: int | None, cfg):
     n_regular = tokenizer_num_regular_tokens or meta.get("tokenizer_num_regular_tokens")
     tokenizer = load_tokenizer(int(n_regular) if n_regular else None)
     if tokenizer.num_tokens > cfg.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.num_tokens} tokens but the model only {cfg.vocab_size} rows; "
                          "pass --tokenizer_num_regular_tokens")
-    return model, tokenizer, {"step": step, "config_source": source, "num_params": cfg.num_params,
-                              "chat_format": meta.get("chat_format", "rstar2")}
+    return tokenizer
+
+
+def _single_device(tree):
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
+
+
+def lora_base_model(record: dict, cfg) -> Qwen3:
+    """The plain float32 model a LoRA checkpoint's ``lora_base`` record names
+    (``recipes.lora_base``): a HF directory, the seeded random preset of a test run, or a
+    full-parameter checkpoint's params."""
+    if record.get("source") == "checkpoint":
+        graphdef, abstract, rest = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+        params, _, _ = ckpt_lib.restore_params(record["path"], _single_device(abstract), int(record["step"]))
+        return nnx.merge(graphdef, params, rest)
+    random = record.get("random_init")
+    if random:
+        return Qwen3(cfg, rngs=nnx.Rngs(int(random["seed"])))
+    if not os.path.isdir(record.get("path", "")):
+        raise FileNotFoundError(f"the LoRA base {record.get('path')!r} the checkpoint names is not a directory")
+    return load_hf(record["path"], dtype=jnp.float32, param_dtype=jnp.float32)
+
+
+def load_lora_policy(checkpoint_dir: str, step: int, meta: dict, cfg) -> Qwen3:
+    """The LoRA model (frozen bf16 base + float32 adapters) of a LoRA checkpoint: its base
+    rebuilt from the meta's ``lora_base`` record (hash checked), its adapters read from the
+    checkpoint (never the optimizer state)."""
+    record, spec = meta.get("lora_base"), meta["lora"]
+    if not record:
+        raise ValueError(f"checkpoint {checkpoint_dir} has LoRA adapters but no lora_base record of their base")
+    model = lora_lib.attach(lora_base_model(record, cfg), spec["rank"], spec["alpha"], tuple(spec["targets"]))
+    graphdef, adapters, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    got = lora_lib.weights_fingerprint(frozen)
+    if record.get("hash") and got != record["hash"]:
+        raise ValueError(f"the LoRA base {record.get('path')!r} hashes to {got}, not {record['hash']} as when "
+                         f"{checkpoint_dir} was trained: its adapters belong to other weights")
+    adapters, _, _ = ckpt_lib.restore_params(checkpoint_dir, _single_device(adapters), step)
+    return nnx.merge(graphdef, adapters, frozen)
 
 
 def export_checkpoint(checkpoint_dir: str, out_dir: str, step: int | None = None, model_config: str | None = None,
-                      preset: str | None = None, dtype: str | None = None, tokenizer_num_regular_tokens: int | None = None
-                      ) -> dict:
-    """Write ``out_dir`` from the checkpoint's params; returns what was exported."""
+                      preset: str | None = None, dtype: str | None = None, tokenizer_num_regular_tokens: int | None = None,
+                      peft_dir: str | None = None) -> dict:
+    """Write ``out_dir`` from the checkpoint's params (a LoRA checkpoint: its adapters merged
+    into its base, float32 unless ``dtype``); with ``peft_dir`` also its adapters as a HF PEFT
+    adapter (LoRA checkpoints only); returns what was exported."""
     model, tokenizer, info = load_checkpoint(checkpoint_dir, step, model_config, preset,
                                              tokenizer_num_regular_tokens)
+    if peft_dir and not model.config.lora_rank:
+        raise ValueError(f"--peft_out: checkpoint {checkpoint_dir} holds full parameters, not LoRA adapters")
     save_hf(model, out_dir, tokenizer=tokenizer, dtype=jnp.dtype(dtype) if dtype else None,
             chat_format=info["chat_format"])
-    return {"step": info["step"], "out": out_dir, "config_source": info["config_source"],
-            "num_params": info["num_params"], "chat_format": info["chat_format"]}
+    out = {"step": info["step"], "out": out_dir, "config_source": info["config_source"],
+           "num_params": info["num_params"], "chat_format": info["chat_format"]}
+    if peft_dir:
+        save_peft_adapter(model, peft_dir, info["lora_base"].get("path", ""))
+        out["peft_out"] = peft_dir
+    return out
 
 
 def main(argv=None) -> int:
@@ -99,10 +161,12 @@ def main(argv=None) -> int:
                    help="saved tensor dtype (default: float32 master weights)")
     p.add_argument("--tokenizer_num_regular_tokens", type=int, default=None,
                    help="small-vocab tokenizer size (default: from the checkpoint meta, else full Qwen3)")
+    p.add_argument("--peft_out", default=None,
+                   help="LoRA checkpoints: also write the adapters as a HF PEFT adapter directory here")
     args = p.parse_args(argv)
     try:
         out = export_checkpoint(args.checkpoint, args.out, args.step, args.model_config, args.preset, args.dtype,
-                                args.tokenizer_num_regular_tokens)
+                                args.tokenizer_num_regular_tokens, args.peft_out)
     except (FileNotFoundError, ValueError) as e:
         print(f"export failed: {e}", file=sys.stderr)
         return 2

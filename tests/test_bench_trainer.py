@@ -62,3 +62,20 @@ def test_padding_mode_skips_the_padding_micro_batches_with_the_same_weights():
     assert res["padding_micro_batches_skipped"] == 2
     assert res["max_param_diff"] < 1e-5 and res["updates_each"] >= 3
     assert res["skip_step_s"] > 0 and res["all_rows_step_s"] > 0 and res["speedup"] > 0
+
+
+@pytest.mark.slow
+def test_lora_plan_counts_the_adapters_frozen_base_and_serving_copy():
+    """--lora-rank: trained parameters are the adapters alone (r (in + out) per projection and
+    layer, by hand), the frozen base counted in bf16, the serving copy in both peaks."""
+    out = _bench("--plan", "--lora-rank", "4", "--models", "tiny", "--meshes", "t4", "--plan-seq", "256",
+                 "--kv-slots", "4")
+    assert out.returncode == 0, out.stderr[-2000:]
+    plan = json.loads(out.stdout.strip().splitlines()[-1])["plans"][0]
+    cfg = ModelConfig.preset("tiny")
+    d, f, q, kv = cfg.hidden_size, cfg.intermediate_size, 4 * 16, 2 * 16
+    per_layer = 4 * ((d + q) + (d + kv) * 2 + (q + d) + (d + f) * 2 + (f + d))
+    assert plan["lora_rank"] == 4 and plan["trained_params"] == cfg.num_hidden_layers * per_layer
+    assert plan["frozen_gb"] == pytest.approx(cfg.num_params * 2 / 1e9, abs=0.01)
+    assert plan["serving_copy_gb"] == pytest.approx(cfg.num_params * 2 / 1e9, abs=0.01)
+    assert plan["mesh"] == "t4" and plan["usable_gb"] == pytest.approx(15.2) and plan["fits"]

@@ -17,6 +17,8 @@ DTYPES = ("float32", "bfloat16", "float16")  # the compute dtypes a config may n
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 # Training/scoring attention over packed rows (models/attention.py).
 PACKED_ATTENTION = ("auto", "dense", "blockwise", "splash", "pallas_gpu", "cudnn")
+# The projections a LoRA adapter may wrap (models/lora.py); all of them by default.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +53,22 @@ class ModelConfig:
     # Token log-probs (models/logprobs.py): positions projected onto the vocabulary at a time,
     # every row of the micro-batch together; never [B, T, V] for T above it.
     vocab_chunk_len: int = 1024
+    # LoRA (models/lora.py; docs/lora.md): rank 0 = off (every parameter trained, as before);
+    # > 0 = frozen bfloat16 base weights plus float32 adapters W + (alpha / rank) A B on
+    # ``lora_targets``, the only trained parameters.
+    lora_rank: int = 0
+    lora_alpha: float = 32.0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
 
     def __post_init__(self):
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        if self.lora_rank < 0 or (self.lora_rank > 0 and self.lora_alpha <= 0):
+            raise ValueError(f"lora_rank={self.lora_rank} must be >= 0 (0 = off) and "
+                             f"lora_alpha={self.lora_alpha} > 0")
+        unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if unknown or (self.lora_rank > 0 and not self.lora_targets):
+            raise ValueError(f"lora_targets={self.lora_targets} must be a non-empty subset of "
+                             f"{LORA_TARGETS}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -80,6 +96,17 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def lora_scale(self) -> float:
+        """alpha / rank: the factor of the adapters' product (0 without LoRA)."""
+        return self.lora_alpha / self.lora_rank if self.lora_rank > 0 else 0.0
+
+    @property
+    def base_param_dtype(self):
+        """Storage dtype of the non-adapter weights: bfloat16 when they are LoRA's frozen base
+        (no gradient, no optimizer state: half the memory of float32), else ``param_dtype``."""
+        return jnp.dtype(jnp.bfloat16) if self.lora_rank > 0 else self.param_dtype
 
     @property
     def num_params(self) -> int:

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from rstarjax.models import lora as lora_lib
 from rstarjax.models.config import ModelConfig
 from rstarjax.models.qwen3 import Qwen3
 from rstarjax.models.sharding import DEFAULT_RULES, state_shardings
@@ -261,6 +262,44 @@ def default_tokenizer_for(cfg: ModelConfig):
     return full if cfg.vocab_size >= full.num_tokens else None
 
 
+def peft_adapter_tensors(model: Qwen3) -> dict[str, np.ndarray]:
+    """A LoRA model's adapters under HF PEFT's names and layout: ``base_model.model.<module>.
+    lora_A.weight`` ``[r, in]`` = our ``A[l].T``, ``lora_B.weight`` ``[out, r]`` = our
+    ``B[l].T`` (PEFT adds ``lora_B @ lora_A * alpha / r`` to the ``[out, in]`` weight), float32."""
+    cfg = model.config
+    if not cfg.lora_rank:
+        raise ValueError("peft_adapter_tensors: the model has no LoRA adapters (lora_rank=0)")
+    hf_of = {spec.ours: spec.hf for spec in tensor_specs(cfg)}
+    out = {}
+    for target in cfg.lora_targets:
+        module = hf_of[f"layers.{target}"].removesuffix(".weight")
+        name_a, name_b = lora_lib.adapter_names(target)
+        a = np.asarray(jax.device_get(getattr(model.layers, name_a)[...]), np.float32)
+        b = np.asarray(jax.device_get(getattr(model.layers, name_b)[...]), np.float32)
+        for i in range(cfg.num_hidden_layers):
+            prefix = "base_model.model." + module.format(i=i)
+            out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
+            out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
+    return out
+
+
+def save_peft_adapter(model: Qwen3, path: str, base_model_name_or_path: str = "") -> None:
+    """Write a HF PEFT LoRA adapter directory (``adapter_config.json`` +
+    ``adapter_model.safetensors``) of a LoRA model's adapters, which ``peft.PeftModel.
+    from_pretrained(base, path)`` loads onto the HF export of its (bf16) base."""
+    cfg = model.config
+    tensors = peft_adapter_tensors(model)
+    os.makedirs(path, exist_ok=True)
+    write_safetensors(os.path.join(path, "adapter_model.safetensors"), tensors)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank,
+              "lora_alpha": cfg.lora_alpha, "target_modules": sorted(cfg.lora_targets),
+              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+              "use_dora": False, "init_lora_weights": True, "modules_to_save": None,
+              "base_model_name_or_path": base_model_name_or_path or None, "inference_mode": True}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
 def save_hf(model: Qwen3, path: str, tokenizer=None, max_shard_bytes: int = 5 * 2**30,
             dtype=None, chat_format: str = "rstar2") -> None:
     """Write a transformers-loadable directory: config.json, generation_config.json,
@@ -276,6 +315,8 @@ def save_hf(model: Qwen3, path: str, tokenizer=None, max_shard_bytes: int = 5 * 
     return an empty one; ``False`` writes the weights only, on purpose."""
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    if model.config.lora_rank:  # the adapters merged into float32 weights (W + alpha/r A B)
+        model = lora_lib.merged_model(model, dtype=dtype or jnp.float32)
     cfg = model.config
     if tokenizer is None:
         tokenizer = default_tokenizer_for(cfg)

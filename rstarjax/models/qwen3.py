@@ -28,6 +28,7 @@ from rstarjax.models.attention import choose_implementation, packed_attention, s
 from rstarjax.models.config import ModelConfig
 from rstarjax.models.kv_cache import PagedKVCache
 from rstarjax.models.logprobs import token_logprobs_from_hidden
+from rstarjax.models.lora import adapter_names, init_adapters, lora_delta
 from rstarjax.models.paged_attention import (paged_attention_reference, paged_decode_attention,
                                              ragged_decode_attention, write_kv_pages)
 from rstarjax.models.sharding import constrain
@@ -88,8 +89,15 @@ def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, sin: jax.Array, cos: 
     b, t, _ = x.shape
     nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
 
-    def proj(h, name, heads):
+    def matmul(h, name):
         y = h @ p[name].astype(dt)
+        name_a, name_b = adapter_names(name)
+        if name_a in p:  # LoRA: + (alpha / r) (h A) B, the adapters unmerged (models/lora.py)
+            y = y + lora_delta(h, p[name_a], p[name_b], cfg.lora_scale, dt)
+        return y
+
+    def proj(h, name, heads):
+        y = matmul(h, name)
         bias = p.get(name.replace("proj", "bias"))
         if bias is not None:
             y = y + bias.astype(dt)
@@ -102,13 +110,13 @@ def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, sin: jax.Array, cos: 
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
     out, aux = attention(q, k, v)
-    x = x + out.reshape(b, t, nq * hd) @ p["o_proj"].astype(dt)
+    x = x + matmul(out.reshape(b, t, nq * hd), "o_proj")
     x = constrain(x, ("batch", "seq", "act_embed"))
 
     h = rms_norm(x, p["post_attention_norm"], cfg.rms_norm_eps)
-    gate = constrain(h @ p["gate_proj"].astype(dt), ("batch", "seq", "act_mlp"))
-    up = constrain(h @ p["up_proj"].astype(dt), ("batch", "seq", "act_mlp"))
-    x = x + (jax.nn.silu(gate) * up) @ p["down_proj"].astype(dt)
+    gate = constrain(matmul(h, "gate_proj"), ("batch", "seq", "act_mlp"))
+    up = constrain(matmul(h, "up_proj"), ("batch", "seq", "act_mlp"))
+    x = x + matmul(jax.nn.silu(gate) * up, "down_proj")
     return constrain(x, ("batch", "seq", "act_embed")), aux
 
 
@@ -126,12 +134,15 @@ def _param(rngs: nnx.Rngs | None, shape, dtype, axes, init: str) -> nnx.Param:
 
 
 class DecoderLayers(nnx.Module):
-    """All decoder layers' parameters, stacked on a leading ``layers`` axis (stored [in, out])."""
+    """All decoder layers' parameters, stacked on a leading ``layers`` axis (stored [in, out]).
+    With ``cfg.lora_rank`` > 0 also the stacked adapters of ``cfg.lora_targets``
+    (``nnx.LoRAParam`` ``<proj>_lora_a`` / ``<proj>_lora_b``, models/lora.py), the rest frozen
+    in ``cfg.base_param_dtype``."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         L, d, f = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
         q_dim, kv_dim, pd = cfg.num_attention_heads * cfg.head_dim, \
-            cfg.num_key_value_heads * cfg.head_dim, cfg.param_dtype
+            cfg.num_key_value_heads * cfg.head_dim, cfg.base_param_dtype
         P = lambda shape, axes, init="normal": _param(rngs, (L, *shape), pd, ("layers", *axes), init)
         self.input_norm = P((d,), ("norm",), "ones")
         self.q_proj = P((d, q_dim), ("embed", "q_heads"))
@@ -147,11 +158,17 @@ class DecoderLayers(nnx.Module):
         self.gate_proj = P((d, f), ("embed", "mlp"))
         self.up_proj = P((d, f), ("embed", "mlp"))
         self.down_proj = P((f, d), ("mlp", "embed"))
+        self.lora_names: tuple[str, ...] = ()
+        if cfg.lora_rank > 0:
+            adapters = init_adapters(cfg, rngs.params())
+            for name, var in adapters.items():
+                setattr(self, name, var)
+            self.lora_names = tuple(adapters)
 
     def stacked(self) -> dict[str, jax.Array]:
-        """Raw stacked arrays by name (absent optional params left out)."""
+        """Raw stacked arrays by name (absent optional params left out; adapters included)."""
         out = {}
-        for name in LAYER_PARAM_NAMES:
+        for name in LAYER_PARAM_NAMES + self.lora_names:
             var = getattr(self, name)
             if var is not None:
                 out[name] = var[...]
@@ -161,12 +178,12 @@ class DecoderLayers(nnx.Module):
 class Qwen3(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
-        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.param_dtype,
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.base_param_dtype,
                             ("vocab", "embed"), "normal")
         self.layers = DecoderLayers(cfg, rngs=rngs)
-        self.final_norm = _param(rngs, (cfg.hidden_size,), cfg.param_dtype, ("norm",), "ones")
+        self.final_norm = _param(rngs, (cfg.hidden_size,), cfg.base_param_dtype, ("norm",), "ones")
         self.lm_head = None if cfg.tie_word_embeddings else _param(
-            rngs, (cfg.hidden_size, cfg.vocab_size), cfg.param_dtype, ("embed", "vocab"), "normal")
+            rngs, (cfg.hidden_size, cfg.vocab_size), cfg.base_param_dtype, ("embed", "vocab"), "normal")
 
     # ---- shared pieces ---------------------------------------------------------------------
     def _embed(self, tokens: jax.Array) -> jax.Array:

@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rstarjax.env import CodeExecutor
-from rstarjax.models import ModelConfig, Qwen3, load_hf
+from rstarjax.models import ModelConfig, Qwen3, load_hf, lora
 from rstarjax.io import data as data_lib
 from rstarjax.models.chat_template import chat_format, encode_prompt
 from rstarjax.models.sharding import make_mesh, shard_model
@@ -47,10 +47,14 @@ def policy(src: ModelSource, mesh: Mesh, seed: int, *, read_weights: bool = True
     model's structure with zeros (a checkpoint restored next replaces every parameter)."""
     dtype = jnp.dtype(src.dtype)
     if not src.random_init:
-        return load_hf(src.hf_path, dtype=dtype, mesh=mesh, remat_policy=src.remat_policy,
-                       read_weights=read_weights)
-    cfg = ModelConfig.preset(src.preset, dtype=dtype, remat_policy=src.remat_policy, **preset_overrides)
-    return shard_model(Qwen3(cfg, rngs=nnx.Rngs(int(seed))), mesh)
+        model = load_hf(src.hf_path, dtype=dtype, mesh=mesh, remat_policy=src.remat_policy,
+                        read_weights=read_weights)
+    else:
+        cfg = ModelConfig.preset(src.preset, dtype=dtype, remat_policy=src.remat_policy, **preset_overrides)
+        model = shard_model(Qwen3(cfg, rngs=nnx.Rngs(int(seed))), mesh)
+    if src.lora_rank > 0:  # the weights become the frozen bf16 base of fresh adapters
+        model = lora.attach(model, src.lora_rank, src.lora_alpha, src.lora_target_names, seed=int(seed), mesh=mesh)
+    return model
 
 
 def check_vocab(model, tok: Tokenizer) -> None:
@@ -66,7 +70,15 @@ def model_meta(model, tok: Tokenizer, chat_format: str = "rstar2") -> dict[str, 
     format it was trained with, whose template the HF export carries)."""
     check_vocab(model, tok)
     return {"model_config": model.config.to_hf_dict(), "tokenizer_num_regular_tokens": int(tok.num_regular_tokens),
-            "chat_format": chat_format}
+            "chat_format": chat_format, **lora_meta(model)}
+
+
+def lora_meta(model) -> dict[str, Any]:
+    """``{"lora": {rank, alpha, targets}}`` of a LoRA policy (its checkpoints hold adapters), else {}."""
+    cfg = model.config
+    if not cfg.lora_rank:
+        return {}
+    return {"lora": {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": list(cfg.lora_targets)}}
 
 
 def host_cores() -> int:

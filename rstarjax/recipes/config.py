@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from rstarjax.env.official_reward import REWARD_MODES
 from rstarjax.io.checkpoint import CheckpointConfig
 from rstarjax.models.chat_template import CHAT_FORMATS
-from rstarjax.models.config import DTYPES, PRESETS, REMAT_POLICIES
+from rstarjax.models.config import DTYPES, LORA_TARGETS, PRESETS, REMAT_POLICIES
 from rstarjax.rl.agent_loop import AgentConfig
 from rstarjax.rl.config import RLConfig
 from rstarjax.rl.loss import LossConfig
@@ -103,9 +103,23 @@ class ModelSource:
     tokenizer_num_regular_tokens: int = 0
     dtype: str = "bfloat16"  # compute dtype; master weights stay float32
     remat_policy: str = "full"
+    # LoRA (docs/lora.md): rank > 0 trains float32 adapters W + (alpha / rank) A B on the
+    # comma-separated projections of lora_targets, the base frozen in bfloat16; 0 = every weight
+    lora_rank: int = 0
+    lora_alpha: float = 32.0
+    lora_targets: str = ",".join(LORA_TARGETS)
+
+    @property
+    def lora_target_names(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
 
     def __post_init__(self):
-        require(one_of("dtype", self.dtype, DTYPES), one_of("remat_policy", self.remat_policy, REMAT_POLICIES),
+        bad_targets = [t for t in self.lora_target_names if t not in LORA_TARGETS]
+        require((self.lora_rank >= 0, f"lora_rank={self.lora_rank} must be >= 0 (0 = no LoRA)"),
+                (self.lora_rank == 0 or self.lora_alpha > 0, f"lora_alpha={self.lora_alpha} must be > 0"),
+                (not bad_targets and (self.lora_rank == 0 or self.lora_target_names),
+                 f"lora_targets={self.lora_targets!r} must name some of {','.join(LORA_TARGETS)}"),
+                one_of("dtype", self.dtype, DTYPES), one_of("remat_policy", self.remat_policy, REMAT_POLICIES),
                 (not self.random_init or self.preset in PRESETS,
                  f"preset={self.preset!r} is unknown; known: {sorted(PRESETS)}"),
                 (self.tokenizer_num_regular_tokens >= 0,

@@ -60,10 +60,12 @@ def _say(msg: str) -> None:
 
 
 def demo_policy(run: RunConfig, tokenizer, mesh) -> nnx.Module:
-    """A fresh Qwen3 of ``demo.model`` sizes with the tokenizer's (small) vocabulary."""
+    """A fresh Qwen3 of ``demo.model`` sizes with the tokenizer's (small) vocabulary. The demo's
+    SFT trains every weight; ``model.lora_rank`` applies to its RL stage (``run_rl`` puts
+    adapters on the SFT policy)."""
     # vocab = the tokenizer's real ids, not the padded table: the engine samples over every row and
     # an untrained padding row decoded as text would crash the turn (reported to serving)
-    return build.policy(run.model, mesh, run.seed, vocab_size=tokenizer.num_tokens,
+    return build.policy(dataclasses.replace(run.model, lora_rank=0), mesh, run.seed, vocab_size=tokenizer.num_tokens,
                         bos_token_id=tokenizer.endoftext_id, eos_token_id=tokenizer.eos_id,
                         max_position_embeddings=int(run.rl.max_prompt_len + run.rl.max_response_len),
                         **run.demo.model)
@@ -303,7 +305,7 @@ def run_demo(run: RunConfig, workdir: str) -> dict[str, Any]:
 
     _write_eval_samples(os.path.join(workdir, "heldout_samples.jsonl"), data["eval_rows"], sft_trajs, rl_trajs)
     if run.demo.export_hf:
-        save_hf(trainer.model(), os.path.join(workdir, "hf"), tokenizer=setup.tokenizer)
+        save_hf(trainer.lora_model(), os.path.join(workdir, "hf"), tokenizer=setup.tokenizer)  # LoRA: merged in f32
     summary = {
         "sft_accuracy": sft_acc,
         "rl_accuracy": rl_acc,

@@ -23,7 +23,8 @@ from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
 from rstarjax.io import data as data_lib
 from rstarjax.io.metrics_log import MetricsWriter
-from rstarjax.recipes import build, preemption
+from rstarjax.models import lora
+from rstarjax.recipes import build, lora_base, preemption
 from rstarjax.recipes.config import RunConfig, wandb_init_args
 from rstarjax.rl.step import rl_step
 from rstarjax.rl.trainer import Trainer, TrainState
@@ -101,7 +102,7 @@ class NonFiniteStreak:
 def _same_dir(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
-def initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig) -> dict:
+def initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig, base_record: dict | None = None) -> dict:
     """Put the stage's starting state into ``trainer`` and return its record (the checkpoint meta
     of a resume, else ``{"step", "stage_start_step", "init_from", ...}``). The hand-off rules:
 
@@ -114,7 +115,21 @@ def initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig)
       ``checkpoint.reset_optimizer`` params + step and a fresh optimizer (its schedule, warmup
       included, restarts with it: rStar2-Agent §4.3 resets the optimizer for stage 3);
     * else the model as built (``model.hf_path`` or the seeded preset), step 0.
+
+    LoRA (``trainer.lora``): the checkpoints hold the adapters (and their optimizer state), and
+    the record ``lora_base`` (returned, saved in every checkpoint) names the frozen base and its
+    hash (``recipes.lora_base``): a resume rebuilds that base; ``init_from`` a full-parameter
+    checkpoint (an SFT run) makes its params the base with fresh adapters (step 0 from SFT, a
+    fresh optimizer); ``init_from`` a LoRA checkpoint continues its adapters on its base.
     """
+    record = _initial_state(trainer, ckpt, run)
+    if trainer.lora and "lora_base" not in record:  # the base as built (``base_record``: as given)
+        record["lora_base"] = lora_base.with_hash(base_record or lora_base.model_record(run.model, run.seed),
+                                                  trainer.frozen)
+    return record
+
+
+def _initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig) -> dict:
     init_from = os.path.abspath(run.checkpoint.init_from) if run.checkpoint.init_from else ""
     if init_from and _same_dir(init_from, ckpt.directory):
         raise StageError(f"--config.checkpoint.init_from={run.checkpoint.init_from!r} is this run's own "
@@ -132,9 +147,16 @@ def initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig)
                     f"{recorded or 'the base model'!r}, now at step {step}), not of a stage started "
                     f"from {init_from!r}: give this stage a new --workdir")
 
+            if trainer.lora != ("lora_base" in meta):
+                raise StageError(f"{ckpt.directory} holds {'LoRA adapters' if 'lora_base' in meta else 'full parameters'}"
+                                 f" but --config.model.lora_rank={run.model.lora_rank}: resume with the setting "
+                                 "it was trained with")
+
         abstract = ckpt_lib.abstract_like(trainer.state, trainer.state_sharding)
         # the newest checkpoint that restores: a torn or corrupt newer one is skipped, with a warning
         trainer.state, meta, _ = ckpt.restore_newest(abstract, check_meta=same_stage)
+        if trainer.lora:
+            meta["lora_base"] = lora_base.restore_base(trainer, meta["lora_base"])
         return dict(meta, resumed=True)
     if not init_from:
         return {"step": 0, "stage_start_step": 0}
@@ -146,7 +168,23 @@ def initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig)
     src = ckpt_lib.Checkpointer(init_from, ckpt_lib.CheckpointConfig(async_save=False))
     try:
         from_sft = src_meta.get("stage") == "sft"
-        if from_sft or run.checkpoint.reset_optimizer:
+        base = None
+        if trainer.lora and "lora_base" not in src_meta:  # full params: the new adapters' base
+            base = {"source": "checkpoint", "path": init_from, "step": int(src_step)}
+            lora_base.load_checkpoint_base(trainer, init_from, src_step)
+            step = 0 if from_sft else int(src_meta.get("step", src_step))
+            trainer.state = TrainState(trainer.state.params, trainer.state.opt_state,
+                                       jax.device_put(jnp.int32(step), trainer.replicated))
+            base = lora_base.with_hash(base, trainer.frozen)
+        elif trainer.lora != ("lora_base" in src_meta):
+            raise StageError(f"--config.checkpoint.init_from={run.checkpoint.init_from!r} holds LoRA adapters: "
+                             f"continue it with --config.model.lora_rank={src_meta.get('lora', {}).get('rank', 'R')} "
+                             "(or export it merged, rstarjax.export, and start from that HF directory)")
+        elif trainer.lora:
+            base = lora_base.restore_base(trainer, src_meta["lora_base"])
+        if trainer.lora and "lora_base" not in src_meta:
+            pass  # fresh adapters and optimizer on the new base, set above
+        elif from_sft or run.checkpoint.reset_optimizer:
             abstract = ckpt_lib.abstract_like(trainer.state.params, trainer.param_sharding)
             params, _, _ = ckpt_lib.restore_params(init_from, abstract, step=src_step)
             step = 0 if from_sft else int(src_meta.get("step", src_step))
@@ -160,7 +198,8 @@ def initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig)
         src.close()
     # a new stage reads its data from the start, in a new order (stage_data_seed)
     return {"step": trainer.step, "stage_start_step": trainer.step, "init_from": init_from,
-            "init_from_step": int(src_step), "init_from_stage": "sft" if from_sft else "rl"}
+            "init_from_step": int(src_step), "init_from_stage": "sft" if from_sft else "rl",
+            **({"lora_base": base} if base is not None else {})}
 
 
 def checkpoint_replaces_weights(run: RunConfig, ckpt: ckpt_lib.Checkpointer) -> bool:
@@ -168,7 +207,7 @@ def checkpoint_replaces_weights(run: RunConfig, ckpt: ckpt_lib.Checkpointer) -> 
     this workdir, or ``checkpoint.init_from``) before anything reads them: then the HF weights
     need not be read (minutes for a 14B model at every stage start). The KL term's "initial"
     reference is the policy as built, so with ``loss.kl_coef > 0`` they are always read."""
-    if run.loss.kl_coef > 0:
+    if run.loss.kl_coef > 0 or run.model.lora_rank > 0:  # LoRA: the checkpoints hold adapters only
         return False
     return bool(run.checkpoint.init_from) or ckpt.latest_step() is not None
 
@@ -239,16 +278,21 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
         ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), run.checkpoint)
         executor, before_update = None, None
         try:
+            base_record = None
             if model is None:
                 model = build.policy(run.model, mesh, run.seed,
                                      read_weights=not checkpoint_replaces_weights(run, ckpt))
+            elif run.model.lora_rank and not model.config.lora_rank:  # a given policy (the demo's SFT) is the base
+                model = lora.attach(model, run.model.lora_rank, run.model.lora_alpha, run.model.lora_target_names,
+                                    seed=run.seed, mesh=mesh)
+                base_record = {"source": "model", "path": "(the policy given to run_rl)"}
             # what rstarjax.export needs to rebuild the model from a checkpoint of this run alone
             if rollout_fn is None or len(tokenizer) <= model.config.vocab_size:
                 export_meta = build.model_meta(model, tokenizer, run.rl.chat_format)  # raises when the vocabularies disagree
             else:  # a scripted rollout function on a preset whose table fits no tokenizer: the architecture only
-                export_meta = {"model_config": model.config.to_hf_dict()}
+                export_meta = {"model_config": model.config.to_hf_dict(), **build.lora_meta(model)}
             trainer = Trainer(model, run.optim, run.loss, run.trainer, mesh=mesh)
-            meta = initial_state(trainer, ckpt, run)
+            meta = initial_state(trainer, ckpt, run, base_record)
             if rollout_fn is None:
                 executor = build.executor(run.rl.num_tool_workers)
                 rollouts = build.rollouts(trainer.model(), tokenizer, executor, run.agent(), run.rl.sampling(),
@@ -287,7 +331,8 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
         on_update(trainer)  # the engine serves the restored policy from the first rollout on
     stage_record = {"stage": "rl", "init_from": meta.get("init_from", ""),
                     "init_from_step": meta.get("init_from_step"), "stage_start_step": stage_start,
-                    "data_seed": data_seed, "stage_total_steps": run.total_steps, **export_meta}
+                    "data_seed": data_seed, "stage_total_steps": run.total_steps, **export_meta,
+                    **({"lora_base": meta["lora_base"]} if "lora_base" in meta else {})}
 
     def save(step: int, data_state) -> bool:
         return ckpt.save(step, trainer.state, {

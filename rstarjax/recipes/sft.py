@@ -34,7 +34,7 @@ from rstarjax.io.data import read_rows
 from rstarjax.io.metrics_log import MetricsWriter
 from rstarjax.models import chat_template as ct
 from rstarjax.models import save_hf
-from rstarjax.recipes import build
+from rstarjax.recipes import build, lora_base
 from rstarjax.recipes.config import RunConfig, SFTConfig, wandb_init_args
 from rstarjax.rl import loss as loss_lib
 from rstarjax.rl.batch import SEQUENCE_KEYS, pack_first_fit, place_rows
@@ -246,15 +246,21 @@ def run_sft(run: RunConfig, workdir: str) -> dict[str, Any]:
     # A resume restores every parameter before anything reads them: the HF weights are not read.
     model = build.policy(run.model, mesh, run.seed, read_weights=start is None,
                          **build.vocabulary_of(tokenizer))
+    meta = build.model_meta(model, tokenizer, run.sft.chat_format)
+    if model.config.lora_rank:  # which base the adapters in the checkpoints belong to
+        meta["lora_base"] = lora_base.with_hash(lora_base.model_record(run.model, run.seed),
+                                                nnx.state(model, nnx.Not(nnx.LoRAParam)))
     with MetricsWriter(os.path.join(workdir, "logs"), enabled=jax.process_index() == 0,
                        tensorboard=run.logging.tensorboard, wandb=wandb_init_args(run, workdir),
                        resume_step=start or 0) as mw:  # where RL writes its metrics too (each step once)
         trainer, summary = train_sft(
             model, tokenizer, conversations, run.sft, mesh=mesh, fmt=ct.chat_format(run.sft.chat_format),
-            workdir=workdir, checkpoint_cfg=run.checkpoint, meta=build.model_meta(model, tokenizer, run.sft.chat_format),
+            workdir=workdir, checkpoint_cfg=run.checkpoint, meta=meta,
             metrics_writer=mw)
     if run.sft.export_hf:
-        save_hf(trainer.model(), os.path.join(workdir, "hf"), tokenizer=tokenizer, chat_format=run.sft.chat_format)
+        # (a LoRA policy unmerged: save_hf merges it into float32 weights, no bf16 rounding)
+        save_hf(trainer.trainer.lora_model(), os.path.join(workdir, "hf"), tokenizer=tokenizer,
+                chat_format=run.sft.chat_format)
     with open(os.path.join(workdir, "sft_summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary

@@ -17,7 +17,8 @@ import tqdm
 from flax import nnx
 
 from rstarjax.io import checkpoint as ckpt_lib
-from rstarjax.recipes import build
+from rstarjax.models import lora
+from rstarjax.recipes import build, lora_base
 from rstarjax.recipes.config import RunConfig
 from rstarjax.rl.trajectory import RolloutFn, group_indices, trajectories_of
 
@@ -87,9 +88,13 @@ def run_filter(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None
     if rollout_fn is None:
         mesh = build.mesh(run.mesh)
         if model is None:  # init_from's params replace the built ones: no need to read HF's
-            model = build.policy(run.model, mesh, run.seed,
-                                 read_weights=not run.checkpoint.init_from)
-        if run.checkpoint.init_from:
+            model = build.policy(run.model, mesh, run.seed,  # (LoRA: init_from holds adapters only)
+                                 read_weights=not run.checkpoint.init_from or run.model.lora_rank > 0)
+        if run.checkpoint.init_from and model.config.lora_rank:  # a LoRA stage's policy, merged to serve
+            model, step = lora_base.restore_lora_policy(model, run.checkpoint.init_from)
+            model = lora.merged_model(model, mesh)
+            log.info("filtering with the LoRA policy of step %d from %s", step, run.checkpoint.init_from)
+        elif run.checkpoint.init_from:
             graphdef, params, rest = nnx.split(model, nnx.Param, ...)
             shardings = jax.tree.map(lambda x: x.sharding, params)
             params, _, step = ckpt_lib.restore_params(run.checkpoint.init_from,

@@ -5,6 +5,11 @@ State lives outside the NNX module (``nnx.split``): ``TrainState(params, opt_sta
 plain pytree, so it can be jitted with explicit in/out shardings, donated, checkpointed by Orbax
 and sent to the rollout engine in memory.
 
+LoRA (``model.config.lora_rank`` > 0, models/lora.py): the trained ``params`` are the adapters
+(``nnx.LoRAParam``) only, so the gradient, the optimizer state and the checkpoint cover them
+alone; the frozen bf16 base is ``Trainer.frozen``, an argument of every jitted program (never a
+constant baked into one), and ``Trainer.model()`` is the merged plain model the rollouts serve.
+
 Micro-batching is exact: every micro-batch's loss is divided by the normaliser of the *whole*
 (mini-)batch (its token count, eq. 6's ``sum_i |o_i|``, unless a constant is given), so the sum of
 the micro-batch gradients equals the full-batch gradient, whatever the split.
@@ -27,6 +32,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from rstarjax.models import lora as lora_lib
 from rstarjax.models import sharding as sharding_lib
 from rstarjax.rl import loss as loss_lib
 from rstarjax.rl import optim as optim_lib
@@ -261,8 +267,13 @@ class Trainer:
         self.mesh = mesh if mesh is not None else sharding_lib.make_mesh(1, -1, 1)
         self.optimizer = optimizer if optimizer is not None else optim_lib.make_optimizer(optim_cfg)
         self._schedule = optim_lib.lr_schedule(optim_cfg) if optimizer is None else None
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.lora = getattr(getattr(model, "config", None), "lora_rank", 0) > 0
+        # What trains: every parameter, or with LoRA the adapters only; the rest (the frozen
+        # base with LoRA, else nothing) goes into every program as its first argument.
+        self.graphdef, params, frozen = nnx.split(model, nnx.LoRAParam if self.lora else nnx.Param, ...)
         self.param_sharding = sharding_lib.state_shardings(params, self.mesh)
+        self.frozen_sharding = sharding_lib.state_shardings(frozen, self.mesh)
+        self.frozen = jax.device_put(frozen, self.frozen_sharding)
         self.batch_sharding = sharding_lib.batch_sharding(self.mesh)
         self.replicated = NamedSharding(self.mesh, P())
         abstract_opt = jax.eval_shape(self.optimizer.init, params)
@@ -336,14 +347,20 @@ class Trainer:
         num_micro = self.num_micro(rows)
         key = (num_micro, micro_loss, skip_padding and num_micro > 1)
         if key not in self._steps:
-            step = make_train_step(self.graphdef, self.rest, self.optimizer, micro_loss, num_micro,
-                                   self.cfg.compute_dtype, self._micro_sharding(), key[2])
-            self._steps[key] = jax.jit(
+            graphdef, optimizer, dtype, micro_sharding = (self.graphdef, self.optimizer, self.cfg.compute_dtype,
+                                                          self._micro_sharding())
+
+            def step(frozen, state, batch, denom):
+                return make_train_step(graphdef, frozen, optimizer, micro_loss, num_micro, dtype,
+                                       micro_sharding, key[2])(state, batch, denom)
+
+            self._steps[key] = _WithFrozen(jax.jit(
                 step,
-                in_shardings=(self.state_sharding, self._batch_shardings(micro_loss.keys), self.replicated),
+                in_shardings=(self.frozen_sharding, self.state_sharding, self._batch_shardings(micro_loss.keys),
+                              self.replicated),
                 out_shardings=(self.state_sharding, self.replicated),
-                donate_argnums=(0,),
-            )
+                donate_argnums=(1,),
+            ), self)
         return self._steps[key]
 
     def logprob_fn(self, rows: int) -> Callable:
@@ -351,10 +368,10 @@ class Trainer:
         num_micro = self.num_micro(rows)
         if num_micro not in self._logprob_fns:
             micro_sharding = self._micro_sharding()
-            graphdef, rest, dtype = self.graphdef, self.rest, self.cfg.compute_dtype
+            graphdef, dtype = self.graphdef, self.cfg.compute_dtype
             skip = self.cfg.skip_padding
 
-            def fn(params, batch):
+            def fn(rest, params, batch):
                 def forward(m):
                     return forward_logprobs(graphdef, rest, params, m, dtype, False)[0].astype(jnp.float32)
 
@@ -367,10 +384,10 @@ class Trainer:
                 lp = jax.lax.map(forward_or_zeros if skip else forward, micros)
                 return jnp.swapaxes(lp, 0, 1).reshape(batch["tokens"].shape)  # undo the strided split
 
-            self._logprob_fns[num_micro] = jax.jit(
-                fn, in_shardings=(self.param_sharding, self._batch_shardings()),
+            self._logprob_fns[num_micro] = _WithFrozen(jax.jit(
+                fn, in_shardings=(self.frozen_sharding, self.param_sharding, self._batch_shardings()),
                 out_shardings=self.batch_sharding,
-            )
+            ), self)
         return self._logprob_fns[num_micro]
 
     # ------------------------------------------------------------------ host API
@@ -516,9 +533,42 @@ class Trainer:
                 self.state.params)
         self.state = TrainState(self.state.params, opt_state, self.state.step)
 
+    @property
+    def rest(self):
+        """The non-trained state (``frozen``), under its pre-LoRA name."""
+        return self.frozen
+
     def model(self) -> nnx.Module:
-        """An NNX module over the current params (no copy)."""
-        return nnx.merge(self.graphdef, self.state.params, self.rest)
+        """The policy as a plain ``Qwen3``: a module over the current params (no copy), or with
+        LoRA the adapters merged into a new copy of the weights, on the devices in one jitted
+        program (``models.lora.merged_model``): what the rollouts serve and the HF export writes."""
+        if self.lora:
+            return lora_lib.merged_model(self.lora_model(), self.mesh)
+        return nnx.merge(self.graphdef, self.state.params, self.frozen)
+
+    def lora_model(self) -> nnx.Module:
+        """The module over the current params and the frozen base (no copy): with LoRA the
+        unmerged adapters and base."""
+        return nnx.merge(self.graphdef, self.state.params, self.frozen)
+
+    def set_frozen(self, frozen) -> None:
+        """Replace the frozen (non-trained) state, e.g. a LoRA run's base weights by a previous
+        stage's full policy; same structure, placed on its shardings."""
+        self.frozen = jax.device_put(frozen, self.frozen_sharding)
+
+
+class _WithFrozen:
+    """A jitted program whose first argument is the trainer's frozen state, bound at call time
+    (so ``set_frozen`` takes effect); ``lower`` as the jitted function's, for memory analysis."""
+
+    def __init__(self, jitted, trainer: "Trainer"):
+        self.jitted, self.trainer = jitted, trainer
+
+    def __call__(self, *args):
+        return self.jitted(self.trainer.frozen, *args)
+
+    def lower(self, *args):
+        return self.jitted.lower(self.trainer.frozen, *args)
 
 
 def _is_global(batch) -> bool:

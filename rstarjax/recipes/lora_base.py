@@ -1,0 +1,99 @@
+"""Where a LoRA run's frozen base weights come from (docs/lora.md "Checkpoints").
+
+A LoRA checkpoint holds the adapters and their optimizer state only (``TrainState.params`` are
+the adapters); its meta ``lora_base`` record says which base they belong to and a hash of it
+(``models.lora.weights_fingerprint`` of the bfloat16 base the trainer held):
+
+* ``{"source": "model", "path": HF_DIR}``: the model as built (``model.hf_path``, or the seeded
+  random preset of a test: path ``"random <preset> seed <seed>"``);
+* ``{"source": "checkpoint", "path": CKPT_DIR, "step": N}``: a full-parameter checkpoint's
+  params (an SFT run, or a full fine-tuning RL stage) at step N.
+
+A resume, a later stage and ``rstarjax.export`` rebuild the base from the record and refuse one
+whose hash differs (the adapters would be applied to other weights).
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+
+from rstarjax.io import checkpoint as ckpt_lib
+from rstarjax.models import lora as lora_lib
+
+
+class BaseMismatch(ValueError):
+    """The frozen base rebuilt for a LoRA checkpoint is not the one its adapters were trained on."""
+
+
+def model_record(model_src, seed: int) -> dict:
+    """The record of a base that is the model as built from the ``model`` section."""
+    if model_src.random_init:  # tests and demos: the seeded preset (export rebuilds it from the seed)
+        return {"source": "model", "path": f"random {model_src.preset} seed {int(seed)}",
+                "random_init": {"preset": model_src.preset, "seed": int(seed)}}
+    return {"source": "model", "path": os.path.abspath(model_src.hf_path)}
+
+
+def with_hash(record: dict, frozen) -> dict:
+    return dict(record, hash=lora_lib.weights_fingerprint(frozen))
+
+
+def full_params_abstract(trainer):
+    """What a full-parameter checkpoint's ``params`` restore onto: the frozen base's structure
+    (the plain model's parameter paths), on its shardings, cast to its (bfloat16) dtype."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        trainer.frozen, trainer.frozen_sharding)
+
+
+def load_checkpoint_base(trainer, path: str, step: int) -> None:
+    """The frozen base := the params of the full-parameter checkpoint ``path`` at ``step``."""
+    params, _, _ = ckpt_lib.restore_params(path, full_params_abstract(trainer), step=int(step))
+    trainer.set_frozen(params)
+
+
+def restore_base(trainer, record: dict, flag_hint: str = "--config.model.hf_path") -> dict:
+    """Put the base ``record`` names into ``trainer`` (a model-sourced base is the one already
+    built) and check its hash; returns the record. ``BaseMismatch`` names what to fix."""
+    if record.get("source") == "checkpoint":
+        load_checkpoint_base(trainer, record["path"], record["step"])
+    elif record.get("source") != "model":
+        raise BaseMismatch(f"unknown LoRA base record {record!r}")
+    got = lora_lib.weights_fingerprint(trainer.frozen)
+    if record.get("hash") and got != record["hash"]:
+        where = (f"the checkpoint {record['path']} step {record['step']}" if record["source"] == "checkpoint"
+                 else f"{record['path']!r}")
+        hint = "" if record["source"] == "checkpoint" else f" (set {flag_hint} to the base it was trained on)"
+        raise BaseMismatch(f"the LoRA adapters were trained on the base {where} with hash {record['hash']}, "
+                           f"but the base built now hashes to {got}{hint}")
+    return dict(record, hash=got)
+
+
+def restore_lora_policy(model, directory: str):
+    """A LoRA ``model`` (as built, on its mesh) with the adapters of the newest checkpoint in
+    ``directory`` on the base its record names (hash checked): for a run that only samples
+    from a LoRA stage's policy (the stage-3 filter). Returns (model, step)."""
+    from flax import nnx
+
+    graphdef, adapters, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    ckpt = ckpt_lib.Checkpointer(directory, ckpt_lib.CheckpointConfig(async_save=False))
+    try:
+        step = ckpt.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no finished checkpoint in {directory}")
+        record = ckpt.read_meta(step).get("lora_base")
+    finally:
+        ckpt.close()
+    if not record:
+        raise BaseMismatch(f"{directory} holds full parameters, not LoRA adapters: unset --config.model.lora_rank")
+    shardings = jax.tree.map(lambda x: x.sharding, frozen)
+    if record.get("source") == "checkpoint":
+        frozen, _, _ = ckpt_lib.restore_params(record["path"], ckpt_lib.abstract_like(frozen, shardings),
+                                               step=int(record["step"]))
+    got = lora_lib.weights_fingerprint(frozen)
+    if record.get("hash") and got != record["hash"]:
+        raise BaseMismatch(f"the LoRA adapters of {directory} were trained on the base {record.get('path')!r} "
+                           f"with hash {record['hash']}, but the base built now hashes to {got} "
+                           "(set --config.model.hf_path to the base it was trained on)")
+    adapters, _, _ = ckpt_lib.restore_params(
+        directory, ckpt_lib.abstract_like(adapters, jax.tree.map(lambda x: x.sharding, adapters)), step=step)
+    return nnx.merge(graphdef, adapters, frozen), step
