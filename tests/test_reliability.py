@@ -721,12 +721,17 @@ def test_a_full_disk_during_an_async_save_is_named_in_one_line(tmp_path):
     if r.returncode == 99:
         pytest.skip("cannot mount a tmpfs here")
     assert r.returncode == 1
-    error = r.stderr.strip().splitlines()[-1]
-    assert error == (f"rstarjax.io.checkpoint.CheckpointWriteError: checkpoint 1 could not be written to {mount}/checkpoints: "
-                     "the disk is full (no space left on device): free space there or give --workdir a larger disk; "
-                     "no checkpoint is complete")
-    traceback_lines = r.stderr[r.stderr.index("Traceback (most recent call last)"):].splitlines()
+    error = (f"rstarjax.io.checkpoint.CheckpointWriteError: checkpoint 1 could not be written to {mount}/checkpoints: "
+             "the disk is full (no space left on device): free space there or give --workdir a larger disk; "
+             "no checkpoint is complete")
+    lines = r.stderr.strip().splitlines()
+    assert error in lines, r.stderr[-3000:]
+    # the traceback that ends in it is short; what may follow is asyncio's own "Exception ignored
+    # ... Event loop is closed" from Orbax's threads at interpreter exit (timing-dependent)
+    traceback_lines = lines[lines.index("Traceback (most recent call last):"):lines.index(error) + 1]
     assert len(traceback_lines) < 10, r.stderr[-3000:]
+    assert all(line.startswith(("Exception ignored", "Traceback", " ")) or "Event loop is closed" in line
+               or not line.strip() for line in lines[lines.index(error) + 1:]), r.stderr[-3000:]
 
 
 
