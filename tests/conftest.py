@@ -5,8 +5,9 @@ import os
 # Must happen before jax is imported anywhere in the test process.
 # --xla_backend_optimization_level=0: the tests' programs are tiny and most run a few times, so
 # optimising the generated CPU code costs more than it saves (tests/test_model.py: 58 -> 39 CPU
-# seconds, same results). The same programs and assertions, only less optimised machine code;
-# the end-to-end tests' subprocesses set their own XLA_FLAGS and compile at the default level.
+# seconds, same results). The same programs and assertions, only less optimised machine code.
+# It slows what executes many steps in-process (test_compare_ci_end_to_end alone: 162 s at the
+# default level, 288 s at level 0): subprocesses inherit it unless they set their own XLA_FLAGS.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
                                    "--xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
