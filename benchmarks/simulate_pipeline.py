@@ -50,7 +50,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import jax.numpy as jnp  # noqa: E402
+
 from rstarjax.models.config import ModelConfig  # noqa: E402
+from rstarjax.models.kv_cache import kv_bytes_per_token  # noqa: E402
 
 GB = 1e9
 
@@ -80,8 +83,7 @@ class ModelShape:
     def of(cls, preset: str, row_tokens: int) -> "ModelShape":
         cfg = ModelConfig.preset(preset)
         n = cfg.num_params
-        kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
-        return cls(params=n, weight_bytes=2.0 * n, kv_bytes_per_token=kv,
+        return cls(params=n, weight_bytes=2.0 * n, kv_bytes_per_token=kv_bytes_per_token(cfg, jnp.bfloat16),
                    train_flops_per_token=cfg.train_flops_per_token(row_tokens), state_bytes=16.0 * n)
 
 
