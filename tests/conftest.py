@@ -40,6 +40,27 @@ if os.environ.get("RSTARJAX_TEST_COMPILE_CACHE", "1") != "0":
     _share_compiled_programs_for_this_run()
 
 
+def _own_temp_dir_per_xdist_worker() -> None:
+    """Each pytest-xdist worker gets its own TMPDIR, inherited by what it starts. Tests that check
+    the temporary directory is left as they found it (tests/test_env_integrity.py) then see
+    their own worker's files only, not the scratch directory of an executor that a test on the
+    other worker started meanwhile (a CI failure of that test). Removed when the worker exits."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    import atexit
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix=f"rstarjax-test-{worker}-")  # short: AF_UNIX paths fit
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ["TMPDIR"] = path
+    tempfile.tempdir = path
+
+
+_own_temp_dir_per_xdist_worker()
+
+
 import pathlib  # noqa: E402  (after the environment setup above, which must come first)
 import subprocess  # noqa: E402
 import sys  # noqa: E402

@@ -13,6 +13,7 @@ import glob
 import importlib.util
 import json
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -686,7 +687,13 @@ def test_only_stale_sandbox_directories_are_removed(tmp_path):
     (tmp_path / "unrelated").mkdir()
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(live)])
     try:
-        assert remove_stale_sandbox_dirs(str(tmp_path)) == [str(stale)]
+        # The precondition, checked rather than assumed: the holder is alive and its command
+        # line, as other processes read it, names the directory (a CI run once found it not).
+        deadline = time.monotonic() + 10
+        while str(live).encode() not in pathlib.Path(f"/proc/{holder.pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline and holder.poll() is None, ("holder", holder.poll())
+            time.sleep(0.01)
+        assert remove_stale_sandbox_dirs(str(tmp_path)) == [str(stale)], ("holder", holder.poll())
     finally:
         holder.kill()
         holder.wait()
