@@ -118,6 +118,9 @@ def get_config(arg=None):
     c.loss.gspo_eps_high = 4e-4
     c.loss.dual_clip_c = ml_collections.config_dict.placeholder(float)  # e.g. 3.0
     c.loss.tis_cap = ml_collections.config_dict.placeholder(float)  # truncated importance sampling
+    # decoupled PPO (AReaL): ratio vs the recomputed proximal policy, tokens weighted by
+    # pi_proximal / pi_behaviour and dropped above this cap (e.g. 5.0; inf = uncapped)
+    c.loss.decoupled_cap = ml_collections.config_dict.placeholder(float)
     # eq. 6's token mean over the whole batch ("batch") | per micro-batch, weighted by its rows
     # (the official verl actor: "micro_batch")
     c.loss.token_mean = "batch"

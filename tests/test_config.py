@@ -60,6 +60,8 @@ def test_valid_config_passes(tmp_path):
     (lambda c: setattr(c.rl, "max_turns", 0), "max_turns=0 must be >= 1"),
     (lambda c: setattr(c.checkpoint, "init_from", "/nope"), "init_from='/nope' is not a directory"),
     (lambda c: setattr(c, "mode", "dance"), "mode='dance' is unknown"),
+    (lambda c: (setattr(c.loss, "decoupled_cap", 5.0), setattr(c.trainer, "recompute_old_logprobs", False)),
+     "decoupled_cap=5.0 needs --config.trainer.recompute_old_logprobs=True"),
 ])
 def test_inconsistent_values_fail_with_a_fix(tmp_path, change, message):
     c = good_config(tmp_path)

@@ -115,6 +115,13 @@ def test_demo_ci_end_to_end(demo_ci_run):
     assert not ({r["problem"] for r in rows} & (train | sft))
     assert (tmp_path / "hf" / "config.json").exists()
     assert (tmp_path / "plots" / "reward.png").exists() and (tmp_path / "plots" / "sft_loss.png").exists()
+    # rollouts sample at rl.temperature 0.7: the trainer's log-probs are of that distribution
+    # too, so the sampler/trainer gap stays float noise at every step (one side alone tempered
+    # would put it near a nat)
+    assert c.rl.temperature != 1.0
+    metrics = [json.loads(l) for l in (tmp_path / "rl" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == c.total_steps
+    assert all(m["train/logprob_gap_max"] < 1e-3 for m in metrics), [m["train/logprob_gap_max"] for m in metrics]
     c.mesh.fsdp, c.mesh.data = 1, -1  # this process has conftest's 8 simulated devices
     with pytest.raises(FileExistsError):
         run_demo(parse(c), str(tmp_path))

@@ -39,8 +39,9 @@ _padded_forward = jax.jit(lambda state, tokens, graphdef: nnx.merge(graphdef, st
                           static_argnums=(2,))
 
 
-def _full_logprobs(model, ids):
-    """log_softmax of the uncached training forward over the whole sequence (float64 numpy).
+def _full_logprobs(model, ids, temperature=1.0):
+    """log_softmax of the uncached training forward's logits over the whole sequence, divided by
+    ``temperature`` (float64 numpy).
 
     The sequence is right-padded to 2 * MAX_LEN so one compile serves every length:
     attention is causal, so padding after the sequence cannot change its logits."""
@@ -48,7 +49,7 @@ def _full_logprobs(model, ids):
     padded = np.zeros((1, 2 * MAX_LEN), np.int32)
     padded[0, : len(ids)] = ids
     logits = np.asarray(_padded_forward(state, jnp.asarray(padded), graphdef),
-                        np.float64)[0, : len(ids)]
+                        np.float64)[0, : len(ids)] / temperature
     m = logits.max(-1, keepdims=True)
     return logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
 
@@ -91,7 +92,7 @@ def test_sampled_logprobs_equal_training_forward(model):
                     engine=_engine(model))
     for p, o in zip(prompts, outs):
         ids = p + o.token_ids
-        lp = _full_logprobs(model, ids[:-1])[len(p) - 1:]
+        lp = _full_logprobs(model, ids[:-1], temperature=0.9)[len(p) - 1:]
         np.testing.assert_allclose(o.logprobs, lp[np.arange(len(o.token_ids)), o.token_ids],
                                    atol=1e-4)
     # Seeded per request: the same draws whatever the slot count (here 1 slot, 3 waves).

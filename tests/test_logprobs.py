@@ -53,6 +53,34 @@ def test_chunked_equals_full_logits_values_and_grads(vocab_major, chunk_len):
     np.testing.assert_allclose(lp_only, lpf, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_len", [4, 64])
+def test_tempered_logprobs_and_entropy_equal_torch_at_the_temperature(chunk_len):
+    """temperature=T: log_softmax(logits / T) at the targets and the entropy of softmax(logits / T),
+    against torch's (float64); T=1 is bit-identical to the untempered call."""
+    import torch
+
+    rng = np.random.default_rng(9)
+    b, l, d, v = 2, 9, 5, 13
+    hidden = jnp.asarray(rng.normal(size=(b, l, d)).astype(np.float32) * 2)
+    w = jnp.asarray(rng.normal(size=(d, v)).astype(np.float32))
+    tokens = jnp.asarray(rng.integers(0, v, (b, l)))
+    lp, ent = token_logprobs_from_hidden(hidden, w, tokens, vocab_major=False, chunk_len=chunk_len,
+                                         temperature=0.6)
+    logits = torch.tensor(np.asarray(hidden, np.float64)) @ torch.tensor(np.asarray(w, np.float64))
+    logp = torch.log_softmax(logits[:, :-1] / 0.6, -1)
+    want_lp = logp.gather(-1, torch.tensor(np.asarray(tokens[:, 1:]), dtype=torch.long)[..., None])[..., 0]
+    want_ent = -(logp.exp() * logp).sum(-1)
+    np.testing.assert_allclose(np.asarray(lp)[:, 1:], want_lp.numpy(), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ent)[:, 1:], want_ent.numpy(), atol=1e-4)  # f32, logits ~20
+    plain = token_logprobs_from_hidden(hidden, w, tokens, vocab_major=False, chunk_len=chunk_len)
+    at_one = token_logprobs_from_hidden(hidden, w, tokens, vocab_major=False, chunk_len=chunk_len,
+                                        temperature=1.0)
+    assert all(np.array_equal(x, y) for x, y in zip(plain, at_one))
+    assert np.abs(np.asarray(plain[0]) - np.asarray(lp)).max() > 1e-2
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs_from_hidden(hidden, w, tokens, vocab_major=False, temperature=0.0)
+
+
 def test_chunked_memory_does_not_grow_with_the_row_past_one_chunk():
     """XLA's memory analysis of the gradient: full logits grow with L, the chunked path holds
     one chunk's logits whatever L."""

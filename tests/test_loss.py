@@ -217,6 +217,46 @@ def test_entropy_and_tis_options():
     assert float(m["tis_capped_frac"]) == pytest.approx((mask * (np.exp(b.old_logprobs - rollout) > cap)).sum() / denom, rel=1e-5)
 
 
+def test_decoupled_ppo_equals_a_hand_written_reference():
+    """Decoupled PPO (AReaL): ratio against the proximal policy, each token weighted by
+    pi_prox / pi_behav, tokens above the cap dropped but still counted in the normaliser. Four
+    hand-built tokens, the expected loss written out by hand; with behaviour == proximal it is
+    eq. 6, loss and gradient bit for bit."""
+    import math
+
+    prox = np.log(np.array([[0.5, 0.2, 0.4, 0.3, 0.9]], np.float32))
+    behav = np.log(np.array([[0.5, 0.1, 0.5, 0.05, 0.9]], np.float32))  # w = 1, 2, 0.8, 6 (dropped at 5)
+    new = np.log(np.array([[0.6, 0.3, 0.2, 0.3, 0.9]], np.float32))  # r = 1.2, 1.5 (clip 1.28), 0.5, 1
+    adv = np.array([[1.0, 1.0, -1.0, 2.0, 0.0]], np.float32)
+    mask = np.array([[1.0, 1.0, 1.0, 1.0, 0.0]], np.float32)  # the last token is a prompt token
+    cfg = LossConfig(decoupled_cap=5.0)
+    loss, m = policy_loss(jnp.asarray(new), jnp.asarray(prox), jnp.asarray(adv), jnp.asarray(mask), 4.0, cfg,
+                          rollout_logprobs=jnp.asarray(behav))
+    # token 1: -min(1.2 * 1, 1.2 * 1) * 1 = -1.2; token 2: -min(1.5, 1.28) * 2 = -2.56;
+    # token 3 (A < 0): -min(0.5 * -1, 0.8 * -1) * 0.8 = 0.64; token 4: weight 6 > 5, dropped
+    assert float(loss) == pytest.approx((-1.2 - 2.56 + 0.64 + 0.0) / 4, rel=1e-5)
+    assert float(m["behaviour_dropped_frac"]) == pytest.approx(1 / 4)
+    assert float(m["behaviour_weight_mean"]) == pytest.approx((1 + 2 + 0.8 + 0) / 4, rel=1e-5)
+    uncapped, _ = policy_loss(jnp.asarray(new), jnp.asarray(prox), jnp.asarray(adv), jnp.asarray(mask), 4.0,
+                              LossConfig(decoupled_cap=math.inf), rollout_logprobs=jnp.asarray(behav))
+    assert float(uncapped) == pytest.approx((-1.2 - 2.56 + 0.64 - 6 * 2 * 1.0) / 4, rel=1e-5)
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        policy_loss(jnp.asarray(new), jnp.asarray(prox), jnp.asarray(adv), jnp.asarray(mask), 4.0, cfg)
+
+    def grad_and_loss(c, behaviour):
+        return jax.value_and_grad(lambda lp: policy_loss(lp, jnp.asarray(prox), jnp.asarray(adv), jnp.asarray(mask),
+                                                         4.0, c, rollout_logprobs=behaviour)[0])(jnp.asarray(new))
+    on_policy = grad_and_loss(cfg, jnp.asarray(prox))
+    eq6 = grad_and_loss(LossConfig(), None)
+    assert float(on_policy[0]) == float(eq6[0]) and np.array_equal(on_policy[1], eq6[1])
+    # the weight is data, not differentiated: d loss / d logp_1 = -A r w / denom on an unclipped token
+    g = np.asarray(grad_and_loss(cfg, jnp.asarray(behav))[1])
+    assert g[0, 0] == pytest.approx(-1.0 * 1.2 * 1.0 / 4, rel=1e-5) and g[0, 1] == 0.0 and g[0, 3] == 0.0
+    for bad in (dict(decoupled_cap=1.0), dict(decoupled_cap=5.0, tis_cap=2.0)):
+        with pytest.raises(ValueError):
+            LossConfig(**bad)
+
+
 def numpy_gspo(b, new, seq_ids, el=3e-4, eh=4e-4):
     """GSPO: s_i = exp(mean_t (logp - old)) per sequence; per-token term -min(s A, clip(s) A)."""
     total = 0.0

@@ -96,7 +96,29 @@ def test_sample_frequencies_follow_filtered_distribution():
     # 5 standard errors per cell.
     tol = 5 * np.sqrt(ref * (1 - ref) / n) + 1e-9
     assert np.all(np.abs(freq - ref) <= tol), (freq, ref)
-    np.testing.assert_allclose(logprobs, _np_log_softmax(row)[tokens], atol=1e-5)
+    # the log-prob of the distribution the token came from: the logits at the temperature,
+    # before top-k / top-p (what the trainer recomputes; verl leaves the filters out too)
+    np.testing.assert_allclose(logprobs, _np_log_softmax(row / t)[tokens], atol=1e-5)
+
+
+def test_logprobs_are_of_the_tempered_distribution_and_exact_at_temperature_one():
+    """Per row: log_softmax(logits / T) at T > 0, the raw logits' for greedy rows (T = 0);
+    at T = 1 bit-identical to the untempered log-softmax (the paper's setting changes nothing)."""
+    rng = np.random.default_rng(6)
+    logits = (rng.normal(size=(4, 40)) * 3).astype(np.float32)
+    temperature = np.array([0.7, 1.0, 0.0, 1.6], np.float32)
+    forced = jnp.array([3, 9, -1, 21], jnp.int32)
+    tokens, logprobs = sample_tokens(
+        jnp.asarray(logits), jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32),
+        jnp.asarray(temperature), jnp.zeros(4, jnp.int32), jnp.ones(4), forced=forced)
+    tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+    scale = np.where(temperature > 0, temperature, 1.0)[:, None].astype(np.float64)
+    want = _np_log_softmax(logits.astype(np.float64) / scale)[np.arange(4), tokens]
+    np.testing.assert_allclose(logprobs, want, atol=1e-5)
+    assert tokens[2] == logits[2].argmax()
+    untempered = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))[np.arange(4), tokens]
+    assert logprobs[1] == untempered[1] and logprobs[2] == untempered[2]
+    assert abs(logprobs[0] - untempered[0]) > 1e-3  # the test can tell the two apart
 
 
 def test_draws_depend_only_on_seed_and_counter_not_on_batch_position():

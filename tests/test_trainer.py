@@ -47,11 +47,12 @@ def random_batch(seed=0, vocab=512):
     )
 
 
-def reference_loss(model, batch, eps_low=0.2, eps_high=0.28):
+def reference_loss(model, batch, eps_low=0.2, eps_high=0.28, temperature=1.0):
     """rStar2-Agent eq. 6 transcribed directly over the whole batch (no micro-batching):
-    -1/sum|o_i| sum_i sum_t min(r A, clip(r, 1-el, 1+eh) A), r = exp(logp - old)."""
+    -1/sum|o_i| sum_i sum_t min(r A, clip(r, 1-el, 1+eh) A), r = exp(logp - old); logp of the
+    logits divided by the rollouts' ``temperature``."""
     logits = model(jnp.asarray(batch["tokens"]), positions=jnp.asarray(batch["positions"]),
-                   segment_ids=jnp.asarray(batch["segment_ids"]))
+                   segment_ids=jnp.asarray(batch["segment_ids"])) / temperature
     logp_all = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     tgt = jnp.asarray(batch["tokens"])[:, 1:]
     logp = jnp.take_along_axis(logp_all, tgt[..., None], axis=-1)[..., 0]
@@ -63,10 +64,11 @@ def reference_loss(model, batch, eps_low=0.2, eps_high=0.28):
     return -jnp.sum(obj * mask) / jnp.sum(mask)
 
 
-def reference_sgd_params(batch, lr):
+def reference_sgd_params(batch, lr, temperature=1.0):
     model = tiny_model()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    grads = jax.grad(lambda p: reference_loss(nnx.merge(graphdef, p, rest), batch))(params)
+    grads = jax.grad(lambda p: reference_loss(nnx.merge(graphdef, p, rest), batch,
+                                              temperature=temperature))(params)
     return jax.tree.map(lambda p, g: p - lr * g, params, grads), grads
 
 
@@ -130,6 +132,33 @@ def test_sharded_adamw_steps_equal_single_device():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)  # lr 1e-3: 2% of one update
     # sharded for real: some parameter is split over devices
     assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(multi.state.params))
+
+
+def test_the_trainer_optimises_the_policy_at_the_rollout_temperature():
+    """logit_temperature=T: the recomputed log-probs are log_softmax(logits / T) (torch) and one
+    SGD update of eq. 6 equals the reference's at T, which differs from the one at T=1."""
+    batch = random_batch(4)
+    t, lr = 0.7, 1.0
+    tr = trainer_lib.Trainer(tiny_model(), None, LossConfig(),
+                             trainer_lib.TrainerConfig(micro_batch_size=4, recompute_old_logprobs=False),
+                             mesh=sharding_lib.make_mesh(1, 2, 1, devices=jax.devices()[:2]),
+                             optimizer=optax.sgd(lr), logit_temperature=t)
+    lp = np.asarray(tr.compute_logprobs(tr.put_batch(batch)))
+    logits = tiny_model()(jnp.asarray(batch["tokens"]), positions=jnp.asarray(batch["positions"]),
+                          segment_ids=jnp.asarray(batch["segment_ids"]))
+    ref = torch.log_softmax(torch.tensor(np.asarray(logits[:, :-1], np.float64)) / t, -1).gather(
+        -1, torch.tensor(batch["tokens"][:, 1:], dtype=torch.long)[..., None])[..., 0].numpy()
+    np.testing.assert_allclose(lp[:, 1:], ref, rtol=1e-5, atol=1e-5)
+    tr.train(batch)
+    want, grads = reference_sgd_params(batch, lr, temperature=t)
+    untempered, _ = reference_sgd_params(batch, lr)
+    tol = 2e-5 * max(1.0, max(float(np.abs(g).max()) for g in leaves(grads)))
+    for got, w in zip(leaves(tr.state.params), leaves(want)):
+        np.testing.assert_allclose(got, w, rtol=2e-4, atol=tol)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(leaves(want), leaves(untempered))) > 10 * tol
+    with pytest.raises(ValueError, match="logit_temperature"):
+        trainer_lib.Trainer(tiny_model(), None, LossConfig(), trainer_lib.TrainerConfig(),
+                            optimizer=optax.sgd(lr), logit_temperature=0.0)
 
 
 def test_recompute_old_logprobs_matches_forward_and_gap_is_reported():

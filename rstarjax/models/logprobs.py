@@ -107,15 +107,19 @@ def _project(hidden: jax.Array, unembed: jax.Array, vocab_major: bool) -> jax.Ar
 
 def token_logprobs_from_hidden(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, *,
                                vocab_major: bool, chunk_len: int = 1024,
-                               with_entropy: bool = True
+                               with_entropy: bool = True, temperature: float = 1.0
                                ) -> tuple[jax.Array, jax.Array | None]:
     """(log pi(targets[:, t] | <t), entropy at t), both f32[B, L] (column 0 is 0).
 
     ``hidden`` [B, L, D]: the final-normed hidden states in the compute dtype; ``unembed``: the
     output projection, [D, V], or [V, D] with ``vocab_major=True`` (tied input embedding; cast to
     the hidden states' dtype, as the model's logits are). ``with_entropy=False`` returns
-    (log-probs, None) and skips the entropy's extra pass over the chunk.
+    (log-probs, None) and skips the entropy's extra pass over the chunk. ``temperature``
+    (static): of the distribution ``softmax(logits / temperature)``, the one rollouts sampled
+    from (``serving/sampling.py``); 1.0 leaves the logits untouched.
     """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     if hidden.ndim != 3 or targets.shape != hidden.shape[:2]:
         raise ValueError(f"hidden {hidden.shape} must be [B, L, D] matching targets {targets.shape}")
     if chunk_len <= 0:
@@ -127,7 +131,10 @@ def token_logprobs_from_hidden(hidden: jax.Array, unembed: jax.Array, targets: j
         return zero, (zero if with_entropy else None)
 
     def one_chunk(h, tg):
-        lp, ent = logprobs_and_entropy_of_logits(_project(h, unembed, vocab_major), tg)
+        logits = _project(h, unembed, vocab_major)
+        if temperature != 1.0:
+            logits = logits / temperature
+        lp, ent = logprobs_and_entropy_of_logits(logits, tg)
         return (lp, ent) if with_entropy else (lp, None)
 
     h, tg = hidden[:, :-1], targets[:, 1:].astype(jnp.int32)

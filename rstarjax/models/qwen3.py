@@ -272,15 +272,17 @@ class Qwen3(nnx.Module):
         return self.lm_head[...], False
 
     def token_logprobs(self, tokens: jax.Array, positions: jax.Array | None = None,
-                       segment_ids: jax.Array | None = None, *, with_entropy: bool = True
-                       ) -> tuple[jax.Array, jax.Array | None]:
+                       segment_ids: jax.Array | None = None, *, with_entropy: bool = True,
+                       temperature: float = 1.0) -> tuple[jax.Array, jax.Array | None]:
         """f32[B,T] log pi(tokens[:, t] | tokens[:, <t]) and the entropy of that distribution
         (column 0 is 0; ``models.logprobs``), the vocabulary projected ``vocab_chunk_len``
-        positions at a time. Equal to the log-softmax of ``model(...)`` gathered at the tokens."""
+        positions at a time. Equal to the log-softmax of ``model(...) / temperature`` gathered
+        at the tokens."""
         weight, vocab_major = self.output_projection()
         return token_logprobs_from_hidden(
             self.hidden(tokens, positions, segment_ids), weight, tokens, vocab_major=vocab_major,
-            chunk_len=self.config.vocab_chunk_len, with_entropy=with_entropy)
+            chunk_len=self.config.vocab_chunk_len, with_entropy=with_entropy,
+            temperature=temperature)
 
 
 # ---------------------------------------------------------------------------------------------

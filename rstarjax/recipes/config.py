@@ -466,6 +466,10 @@ def _run_rules(run: RunConfig) -> list[str]:
             errs.append(f"--config.total_steps={run.total_steps} must be >= 1")
         if rl.temperature <= 0:
             errs.append(f"--config.rl.temperature={rl.temperature} must be > 0 for RL sampling")
+        if run.loss.decoupled_cap is not None and not tr.recompute_old_logprobs:
+            errs.append(f"--config.loss.decoupled_cap={run.loss.decoupled_cap} needs "
+                        "--config.trainer.recompute_old_logprobs=True: decoupled PPO's proximal policy is the "
+                        "trainer's recomputed log-probs (without them it equals the behaviour policy)")
         rows = rl.prompts_per_step * rl.group_size
         if rows % tr.mini_batches:
             errs.append(f"--config.trainer.mini_batches={tr.mini_batches} must divide the {rows} rows per step "

@@ -291,7 +291,8 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
                 export_meta = build.model_meta(model, tokenizer, run.rl.chat_format)  # raises when the vocabularies disagree
             else:  # a scripted rollout function on a preset whose table fits no tokenizer: the architecture only
                 export_meta = {"model_config": model.config.to_hf_dict(), **build.lora_meta(model)}
-            trainer = Trainer(model, run.optim, run.loss, run.trainer, mesh=mesh)
+            trainer = Trainer(model, run.optim, run.loss, run.trainer, mesh=mesh,
+                              logit_temperature=run.rl.temperature)  # what rollouts sample at
             meta = initial_state(trainer, ckpt, run, base_record)
             if rollout_fn is None:
                 executor = build.executor(run.rl.num_tool_workers)

@@ -50,6 +50,11 @@ class LossConfig:
     # Truncated importance sampling (Yao et al. 2025): weight each token by
     # min(pi_old_trainer / pi_rollout, tis_cap) to correct sampler/trainer log-prob mismatch.
     tis_cap: float | None = None
+    # Decoupled PPO (AReaL, arXiv 2505.24298): the ratio is taken against the proximal policy
+    # (the old log-probs recomputed at the update's start) and each token weighted by
+    # pi_proximal / pi_behaviour (the sampler's); tokens whose weight exceeds this cap drop out.
+    # None = off; float("inf") = uncapped. For rollouts older than the weights being trained.
+    decoupled_cap: float | None = None
     # advantages.ADVANTAGE_ESTIMATORS: "grpo" (eq. 7) or "dr_grpo" (no std, and eq. 6's
     # normaliser becomes the constant of ``dr_grpo_denominator``).
     advantage_estimator: str = "grpo"
@@ -69,6 +74,10 @@ class LossConfig:
              "kl_coef and entropy_coef must be >= 0 (0 = off; the paper uses 0, §2.2.1)"),
             (self.dual_clip_c is None or self.dual_clip_c > 1, f"dual_clip_c={self.dual_clip_c} must be > 1"),
             (self.tis_cap is None or self.tis_cap > 0, f"tis_cap={self.tis_cap} must be > 0"),
+            (self.decoupled_cap is None or self.decoupled_cap > 1,
+             f"decoupled_cap={self.decoupled_cap} must be > 1 (a weight of 1, on-policy, is always kept)"),
+            (self.tis_cap is None or self.decoupled_cap is None,
+             "tis_cap and decoupled_cap are two corrections of the same behaviour/trainer mismatch: use one"),
             one_of("policy_loss", self.policy_loss, POLICY_RATIOS),
             one_of("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS),
             one_of("token_mean", self.token_mean, TOKEN_MEANS),
@@ -150,6 +159,34 @@ def clipped_surrogate(ratio: jax.Array, advantages: jax.Array, eps_low: float, e
     return pg
 
 
+def behaviour_weight(proximal_logprobs: jax.Array, behaviour_logprobs: jax.Array, mask: jax.Array,
+                     tis_cap: float | None, decoupled_cap: float | None) -> tuple[jax.Array, jax.Array]:
+    """The per-token off-policy weight w_t of the surrogate (stop-gradient), and the tokens it
+    drops; w_t = 1 and nothing dropped without a correction or where the policies coincide.
+
+    w_t = pi_proximal / pi_behaviour, behaviour = the policy the sampler drew from (its recorded
+    log-probs), proximal = the trainer's old log-probs (recomputed at the update's start):
+    - ``tis_cap``: truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework
+      Secretly Brings You Off-Policy RL Training"; verl's ``tis_imp_ratio_cap``):
+      w_t = min(w_t, cap), every token kept;
+    - ``decoupled_cap``: decoupled PPO (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous
+      Reinforcement Learning System for Language Reasoning", arXiv 2505.24298, §5 eq. 5, the
+      behaviour importance weight; its ``behav_imp_weight_cap``): w_t uncapped, and a token
+      whose w_t exceeds the cap drops out (w_t = 0; it still counts in the normaliser).
+    Returns (w [B, L], dropped [B, L] bool)."""
+    f32 = jnp.float32
+    on = mask > 0
+    if tis_cap is None and decoupled_cap is None:
+        return jnp.ones(mask.shape, f32), jnp.zeros(mask.shape, bool)
+    log_w = jnp.where(on, jnp.clip(proximal_logprobs.astype(f32) - behaviour_logprobs.astype(f32),
+                                   -_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0)
+    w = jnp.exp(log_w)
+    if tis_cap is not None:
+        return jax.lax.stop_gradient(jnp.minimum(w, tis_cap)), jnp.zeros(mask.shape, bool)
+    dropped = on & (w > decoupled_cap)
+    return jax.lax.stop_gradient(jnp.where(dropped, 0.0, w)), dropped
+
+
 def kl_k3(logprobs: jax.Array, ref_logprobs: jax.Array) -> jax.Array:
     """k3 estimator of KL(pi || pi_ref) per token: exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
     d = jnp.clip(ref_logprobs - logprobs, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
@@ -174,7 +211,8 @@ def policy_loss(
     pg_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t), r_t = pi / pi_old.
     ``denom`` is the normaliser of the whole batch (see module docstring); a denom of 0 (no
     trainable token anywhere) is treated as 1, giving loss 0. r_t is ``POLICY_RATIOS[cfg.policy_loss]``'s.
-    ``rollout_logprobs`` is only used with ``cfg.tis_cap``; ``ref_logprobs`` with ``cfg.kl_coef``;
+    ``rollout_logprobs`` (the behaviour policy's) is only used with ``cfg.tis_cap`` or
+    ``cfg.decoupled_cap`` (``behaviour_weight``: pg_t times w_t); ``ref_logprobs`` with ``cfg.kl_coef``;
     ``entropy`` with ``cfg.entropy_coef`` (and reported when given); ``segment_ids`` with GSPO on
     packed rows. Metrics are sums / denom as well, so they add across micro-batches too.
     With ``cfg.token_mean="micro_batch"``, ``denom`` is the batch's number of trained rows and each
@@ -197,14 +235,18 @@ def policy_loss(
 
     pg = clipped_surrogate(ratio, adv, eps_low, eps_high, cfg.dual_clip_c)
     metrics = {}
-    if cfg.tis_cap is not None:
+    if cfg.tis_cap is not None or cfg.decoupled_cap is not None:
         if rollout_logprobs is None:
-            raise ValueError("tis_cap needs rollout_logprobs")
-        is_log = jnp.where(on, jnp.clip(old - rollout_logprobs.astype(f32), -_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0)
-        is_weight = jax.lax.stop_gradient(jnp.minimum(jnp.exp(is_log), cfg.tis_cap))
-        pg = pg * is_weight
-        metrics["tis_weight_mean"] = jnp.sum(mask * is_weight) * inv_denom
-        metrics["tis_capped_frac"] = jnp.sum(mask * (jnp.exp(is_log) > cfg.tis_cap)) * inv_denom
+            raise ValueError("tis_cap and decoupled_cap need rollout_logprobs (the behaviour policy's)")
+        weight, dropped = behaviour_weight(old, rollout_logprobs, mask, cfg.tis_cap, cfg.decoupled_cap)
+        pg = pg * weight
+        if cfg.tis_cap is not None:
+            is_log = jnp.where(on, jnp.clip(old - rollout_logprobs.astype(f32), -_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0)
+            metrics["tis_weight_mean"] = jnp.sum(mask * weight) * inv_denom
+            metrics["tis_capped_frac"] = jnp.sum(mask * (jnp.exp(is_log) > cfg.tis_cap)) * inv_denom
+        else:
+            metrics["behaviour_weight_mean"] = jnp.sum(mask * weight) * inv_denom
+            metrics["behaviour_dropped_frac"] = jnp.sum(mask * dropped) * inv_denom
 
     per_token = pg
     metrics["pg_loss"] = jnp.sum(mask * pg) * inv_denom

@@ -148,15 +148,17 @@ def micro_major_order(nonempty: np.ndarray, *, mini_rows: int, num_micro: int, o
 
 
 def forward_logprobs(graphdef, rest, params, batch: Mapping[str, jax.Array], compute_dtype,
-                     with_entropy: bool = True):
+                     with_entropy: bool = True, temperature: float = 1.0):
     """Log-prob of each target token under ``params`` and the entropy at its position, [B, L]
-    (entropy None with ``with_entropy=False``)."""
+    (entropy None with ``with_entropy=False``), of the policy's logits divided by
+    ``temperature`` (static; the rollouts' sampling temperature, ``Trainer``)."""
     if compute_dtype is not None:
         params = cast_floating(params, compute_dtype)
     model = nnx.merge(graphdef, params, rest)
     # f32 log-softmax from the hidden states, the vocabulary a chunk at a time (never [B, L, V])
     return model.token_logprobs(batch["tokens"], positions=batch["positions"],
-                                segment_ids=batch["segment_ids"], with_entropy=with_entropy)
+                                segment_ids=batch["segment_ids"], with_entropy=with_entropy,
+                                temperature=temperature)
 
 
 def keep_unless_finite(finite: jax.Array, new, old):
@@ -167,7 +169,7 @@ def keep_unless_finite(finite: jax.Array, new, old):
 
 def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, micro_loss: loss_lib.MicroLoss,
                     num_micro: int, compute_dtype=None, micro_sharding: NamedSharding | None = None,
-                    skip_padding: bool = False):
+                    skip_padding: bool = False, temperature: float = 1.0):
     """Pure ``(TrainState, batch dict, denom) -> (TrainState, metrics)``: one optimizer update
     whose gradient is the sum over ``num_micro`` micro-batches of ``micro_loss``'s.
 
@@ -183,10 +185,14 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, mic
     ``denom`` <= 0: the normaliser is the batch's loss-mask sum (eq. 6's sum_i |o_i|; SFT's
     token mean); > 0: that constant (Dr. GRPO). Either way it is the WHOLE batch's, so the
     micro-batch gradients add up to the full-batch gradient exactly.
+
+    ``temperature``: the log-probs (and entropy) are the policy's at the rollouts' sampling
+    temperature (``forward_logprobs``).
     """
 
     def loss_of(params, micro, denom):
-        logprobs, entropy = forward_logprobs(graphdef, rest, params, micro, compute_dtype, micro_loss.with_entropy)
+        logprobs, entropy = forward_logprobs(graphdef, rest, params, micro, compute_dtype, micro_loss.with_entropy,
+                                             temperature)
         return micro_loss.fn(logprobs, entropy, micro, denom)
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
@@ -256,11 +262,21 @@ class Trainer:
 
     ``loss_cfg`` may be None for a trainer that never runs the RL update (SFT); ``optimizer``
     replaces the one ``optim_cfg`` describes (its learning rate is then not reported).
+
+    ``logit_temperature``: the temperature the rollouts were sampled at (``rl.temperature``).
+    Every log-prob the trainer computes (old, reference, the loss's) is of
+    ``softmax(logits / logit_temperature)``, the distribution the sampler drew from and whose
+    log-probs it recorded (``serving/sampling.py``), as verl's actor divides its logits by the
+    rollout temperature. 1.0 (the paper's, and SFT's) changes nothing.
     """
 
     def __init__(self, model: nnx.Module, optim_cfg: optim_lib.OptimConfig | None,
                  loss_cfg: loss_lib.LossConfig | None, cfg: TrainerConfig, mesh: Mesh | None = None,
-                 optimizer: optax.GradientTransformation | None = None):
+                 optimizer: optax.GradientTransformation | None = None, logit_temperature: float = 1.0):
+        if not logit_temperature > 0:
+            raise ValueError(f"logit_temperature must be > 0 (the rollouts' sampling temperature), "
+                             f"got {logit_temperature}")
+        self.logit_temperature = float(logit_temperature)
         self.cfg = cfg
         self.loss_cfg = loss_cfg
         self.policy_loss = loss_lib.policy_micro_loss(loss_cfg) if loss_cfg is not None else None
@@ -350,9 +366,11 @@ class Trainer:
             graphdef, optimizer, dtype, micro_sharding = (self.graphdef, self.optimizer, self.cfg.compute_dtype,
                                                           self._micro_sharding())
 
+            temperature = self.logit_temperature
+
             def step(frozen, state, batch, denom):
                 return make_train_step(graphdef, frozen, optimizer, micro_loss, num_micro, dtype,
-                                       micro_sharding, key[2])(state, batch, denom)
+                                       micro_sharding, key[2], temperature)(state, batch, denom)
 
             self._steps[key] = _WithFrozen(jax.jit(
                 step,
@@ -368,12 +386,13 @@ class Trainer:
         num_micro = self.num_micro(rows)
         if num_micro not in self._logprob_fns:
             micro_sharding = self._micro_sharding()
-            graphdef, dtype = self.graphdef, self.cfg.compute_dtype
+            graphdef, dtype, temperature = self.graphdef, self.cfg.compute_dtype, self.logit_temperature
             skip = self.cfg.skip_padding
 
             def fn(rest, params, batch):
                 def forward(m):
-                    return forward_logprobs(graphdef, rest, params, m, dtype, False)[0].astype(jnp.float32)
+                    return forward_logprobs(graphdef, rest, params, m, dtype, False,
+                                            temperature)[0].astype(jnp.float32)
 
                 def forward_or_zeros(m):  # a padding micro-batch's log-probs are never read (mask 0)
                     return jax.lax.cond(jnp.any(m["loss_mask"] > 0), forward,

@@ -12,10 +12,13 @@ compile for any mix of per-slot settings. Each row of a batch carries its own pa
   the number of tokens this request has sampled so far. A request therefore draws the same
   tokens whatever slot, batch or engine it runs in: reproducible from its seed alone.
 
-The returned log-prob is the *policy's* log-prob, ``log_softmax(logits)[token]`` of the raw
-(temperature 1, unfiltered) logits in float32: exactly what the trainer's forward recomputes
-as the "old" log-prob for importance ratios (rStar2-Agent eq. 6 uses pi_old of the sampled
-token). Temperature / top-k / top-p only change which token is drawn.
+The returned log-prob is the log-prob of the distribution the token was drawn from, before
+filtering: ``log_softmax(logits / temperature)[token]`` in float32 (greedy rows: temperature 1,
+the raw logits). It is what the trainer's forward recomputes as the "old" log-prob for the
+importance ratio (rStar2-Agent eq. 6 uses pi_old of the sampled token), the trainer dividing
+its logits by the same rollout temperature (``rl/trainer.py``; verl's actor does the same).
+Top-k / top-p only change which token is drawn (verl, TRL and OpenRLHF leave them out of the
+trained log-probs too). At the paper's temperature 1.0 the division is by 1.0: exact.
 """
 from __future__ import annotations
 
@@ -104,10 +107,10 @@ def sample_tokens(
     """Draw one token per row and return ``(tokens int32[B], logprobs f32[B])``.
 
     ``forced[b] >= 0`` replaces the draw by that token (teacher forcing: scripted policies and
-    the benchmark's fixed workloads); its log-prob is still the policy's.
+    the benchmark's fixed workloads); its log-prob is still the row's tempered policy's.
     ``vocab_limit`` (static): ids >= it are never drawn. Model embeddings are padded past the
     tokenizer (Qwen3: 151936 rows, 151669 tokens) and those ids decode to nothing; the returned
-    log-prob stays the full-vocabulary policy's, the one the trainer recomputes.
+    log-prob stays the full-vocabulary one, which the trainer recomputes.
     """
     policy_logits = logits.astype(jnp.float32)
     logits = policy_logits
@@ -133,6 +136,7 @@ def sample_tokens(
     tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
     if forced is not None:
         tokens = jnp.where(forced >= 0, forced, tokens).astype(jnp.int32)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(policy_logits, axis=-1), tokens[:, None],
+    behaviour_logits = policy_logits / jnp.where(sampled_rows, temperature, 1.0)[:, None]
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(behaviour_logits, axis=-1), tokens[:, None],
                                    axis=-1)[:, 0]
     return tokens, logprobs
