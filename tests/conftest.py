@@ -146,7 +146,9 @@ def pytest_collection_modifyitems(config, items):
     end-to-end tests that share nothing start first, so the two workers finish together instead
     of one of them starting a 3-minute test at the end. Grouped tests keep their order (xdist
     hands out the groups, largest first, before the single tests)."""
-    if not getattr(config.option, "numprocesses", None):
+    # The hook matters in the workers, which collect (the controller only schedules their node
+    # ids); there ``numprocesses`` is unset and ``workerinput`` tells them apart.
+    if not (getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput")):
         return
     first = set()
     for item in items:
