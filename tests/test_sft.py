@@ -209,3 +209,28 @@ def test_a_resumed_sft_run_does_not_read_the_hf_weights(tmp_path, monkeypatch):
         with pytest.raises(Stop):
             sft.run_sft(run, str(workdir))
     assert asked == [True, False]
+    # LoRA: the checkpoints hold adapters, the frozen base is read from HF on a resume too
+    c.model.lora_rank = 4
+    with pytest.raises(Stop):
+        sft.run_sft(parse(c, num_devices=jax.device_count()), str(tmp_path / "resumed"))
+    assert asked == [True, False, True]
+
+
+def test_a_lora_sft_resume_refuses_another_base_or_full_parameters(tok, tmp_path):
+    """train_sft resuming a LoRA checkpoint: the base record's hash must be the one built now,
+    and a full-parameter run must not resume adapters (or the other way round)."""
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.recipes.lora_base import BaseMismatch
+
+    record = {"source": "model", "path": "/models/base", "hash": "aaaa"}
+    workdir = tmp_path / "run"
+    with ckpt_lib.Checkpointer(str(workdir / "checkpoints"), ckpt_lib.CheckpointConfig(async_save=False)) as c:
+        c.save(1, {"w": jax.numpy.zeros(2)}, {"stage": "sft", "lora_base": record})
+    cfg = SFTConfig(batch_size=2, seq_len=512, max_steps=2)
+    convs = [_conversation(i) for i in range(4)]
+    cases = [({"lora_base": dict(record, hash="bbbb")}, "hashes to bbbb"),
+             ({}, "holds LoRA adapters but this run trains full parameters")]
+    for meta, message in cases:
+        with pytest.raises(BaseMismatch, match=message):
+            sft.train_sft(_tiny_model(tok), tok, convs, cfg, fmt=ct.COMPACT, mesh=_one_device_mesh(), workdir=str(workdir),
+                          checkpoint_cfg=ckpt_lib.CheckpointConfig(async_save=False), meta=meta)
