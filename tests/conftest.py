@@ -71,7 +71,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "notebooks" / "quickstart.ipynb"
 
 
-def _notebook_kernel_env() -> dict:
+def host_devices_env() -> dict:
+    """The environment of a process that runs as a user's would: the host's real devices, not
+    the 8 simulated ones set above, and XLA's default optimisation level (an end-to-end run
+    executes thousands of steps: it measured 1.8x faster than at level 0), this checkout first
+    on the import path."""
     env = dict(os.environ)
     # What a Colab CPU runtime has: the host's real devices, not the 8 simulated ones set above.
     env.pop("XLA_FLAGS", None)
@@ -97,7 +101,7 @@ def _execute_quickstart(workdir: pathlib.Path):
     nb.cells.insert(i + 1, params)
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=False,
                                      resources={"metadata": {"path": str(workdir.parent)}})
-    client.execute(env=_notebook_kernel_env())
+    client.execute(env=host_devices_env())
     return nb
 
 
@@ -114,7 +118,7 @@ def demo_ci_run(tmp_path_factory):
         import nbformat  # noqa: F401
     except ImportError:
         r = subprocess.run([sys.executable, "-m", "rstarjax.main", f"--config={ROOT / 'configs' / 'demo.py'}:ci",
-                            f"--workdir={workdir}"], env=_notebook_kernel_env(), capture_output=True,
+                            f"--workdir={workdir}"], env=host_devices_env(), capture_output=True,
                            text=True, timeout=900)
         assert r.returncode == 0, r.stderr[-5000:]
         return workdir, None

@@ -3,10 +3,14 @@ eval with the sandbox and verifier, GRPO-RoC, export, plots) and the summary is 
 import importlib.util
 import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
+from conftest import host_devices_env
 
-CONFIG = pathlib.Path(__file__).parents[1] / "configs" / "demo.py"
+ROOT = pathlib.Path(__file__).parents[1]
+CONFIG = ROOT / "configs" / "demo.py"
 
 
 def _config(arg):
@@ -141,12 +145,17 @@ def test_compare_ci_end_to_end(tmp_path):
     from rstarjax.main import RECIPES
     from rstarjax.recipes.config import parse
 
+    # the README's command in its own process: the host's devices and XLA's default optimisation
+    # level (in this process, at conftest's level 0, the run took 288 s instead of 162 s)
+    r = subprocess.run([sys.executable, "-m", "rstarjax.main", f"--config={ROOT / 'configs' / 'demo.py'}:compare_ci",
+                        f"--workdir={tmp_path}"], env=host_devices_env(), capture_output=True, text=True,
+                       timeout=1200)
+    assert r.returncode == 0, r.stderr[-5000:]
     c = _config("compare_ci")
     c.mesh.fsdp = 1
     c.mesh.data = -1
-    out = RECIPES[c.mode](parse(c), str(tmp_path))
     on_disk = json.loads((tmp_path / "comparison.json").read_text())
-    assert on_disk["targets"] == out["targets"]
+    assert set(on_disk["targets"]) and all(isinstance(v, bool) for v in on_disk["targets"].values())
     for arm in ("roc", "grpo"):
         a = on_disk[arm]
         for key in ("tool_error_ratio_positive_last", "heldout_accuracy", "response_length_last", "turns_last",
