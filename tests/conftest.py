@@ -162,3 +162,17 @@ def pytest_collection_modifyitems(config, items):
         elif item.get_closest_marker("slow") is not None:
             first.add(item.nodeid)
     items.sort(key=lambda item: item.nodeid not in first)
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """On the controller: under ``--dist loadgroup`` xdist schedules by the ``@group`` suffix its
+    workers append to a grouped test's node id. A pytest that drops the suffix (9.2 with xdist
+    3.8) would spread the groups over the workers silently: the session's demo run made twice,
+    module fixtures built twice. The demo test is always grouped: check it carries its group."""
+    if node.config.getvalue("dist") != "loadgroup":
+        return
+    demo = [i for i in ids if i.split("@")[0] == "tests/test_demo.py::test_demo_ci_end_to_end"]
+    if demo and "@" not in demo[0]:
+        raise pytest.UsageError(
+            f"pytest-xdist's --dist loadgroup lost the test groups ({demo[0]} has no @group suffix): "
+            f"pytest {pytest.__version__} ignores the node-id suffix xdist sets; pip install 'pytest<9.2'")

@@ -155,7 +155,14 @@ def test_compare_ci_end_to_end(tmp_path):
     c.mesh.fsdp = 1
     c.mesh.data = -1
     on_disk = json.loads((tmp_path / "comparison.json").read_text())
-    assert set(on_disk["targets"]) and all(isinstance(v, bool) for v in on_disk["targets"].values())
+    # the three claims (Fig. 4 / Fig. 9), decided from the arms' own figures
+    roc, grpo = on_disk["roc"], on_disk["grpo"]
+    g = grpo["tool_error_ratio_positive_last"]
+    assert on_disk["targets"] == {
+        "tool_error_ratio_positive_at_most_half_of_grpo":
+            (roc["tool_error_ratio_positive_last"] <= g / 2) if g > 0 else None,
+        "heldout_accuracy_not_lower_by_more_than_2_points": roc["heldout_accuracy"] >= grpo["heldout_accuracy"] - 0.02,
+        "response_length_shorter": roc["response_length_last"] < grpo["response_length_last"]}
     for arm in ("roc", "grpo"):
         a = on_disk[arm]
         for key in ("tool_error_ratio_positive_last", "heldout_accuracy", "response_length_last", "turns_last",

@@ -43,3 +43,4 @@ def test_quickstart_runs_top_to_bottom(demo_ci_run):
     assert text.count("problem: ") == 3 and "RL policy, greedy" in text
     assert (workdir / "hf_export" / "model.safetensors.index.json").exists()
     assert "logits match: max |ours - transformers|" in text and "greedy continuations agree" in text
+    assert "LoRA RL: held-out accuracy" in text and "after 2 GRPO-RoC steps (full fine-tuning above" in text
