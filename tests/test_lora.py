@@ -375,7 +375,7 @@ def test_demo_lora_config_changes_only_the_lora_keys():
 
 
 @pytest.mark.slow
-def test_demo_lora_ci_trains_adapters_from_the_sft_checkpoint(demo_ci_run):
+def test_demo_lora_ci_trains_adapters_from_the_sft_checkpoint(demo_ci_run, tmp_path):
     """configs/demo.py:lora_ci from the CI demo's SFT checkpoint: the RL stage runs on the real
     engine, sandbox and verifier with rank-16 adapters on the SFT policy, its checkpoint holds
     the adapters, and the merged export loads."""
@@ -403,6 +403,13 @@ def test_demo_lora_ci_trains_adapters_from_the_sft_checkpoint(demo_ci_run):
         meta = ck.read_meta()
     assert meta["lora"]["rank"] == 16 and meta["lora_base"]["hash"]
     assert (workdir / "hf" / "config.json").exists()
+    # the adapters' base is the SFT checkpoint they started from: the export rebuilds it (hash
+    # checked) from the RL checkpoint alone
+    base = meta["lora_base"]
+    assert (base["source"], base["path"]) == ("checkpoint", str((earlier / "sft" / "checkpoints").resolve()))
+    from rstarjax import export
+    out = export.export_checkpoint(str(workdir / "rl" / "checkpoints"), str(tmp_path / "hf"))
+    assert out["step"] == c.total_steps and (tmp_path / "hf" / "config.json").exists()
     # the sampler served the policy the trainer computed: merged in the compute dtype, the
     # sampler/trainer log-prob gap is float noise at every step (a bf16 merge gave ~1e-2)
     metrics = [json_lib.loads(l) for l in (workdir / "rl" / "logs" / "metrics.jsonl").read_text().splitlines()]

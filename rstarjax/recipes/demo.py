@@ -263,6 +263,14 @@ def train_sft_policy(run: RunConfig, setup: DemoSetup, workdir: str) -> tuple[nn
     return sft_trainer.model(), sft_summary
 
 
+def sft_source(sft_summary: Mapping[str, Any], workdir: str) -> dict[str, Any]:
+    """The checkpoint the RL stage's starting policy was read from or saved to (this run's SFT
+    or ``demo.sft_checkpoint``), as a ``recipes.lora_base`` record: a LoRA RL stage's
+    checkpoints name it as their base, so ``rstarjax.export`` can rebuild the policy."""
+    path = sft_summary.get("sft_checkpoint") or os.path.join(workdir, "sft", "checkpoints")
+    return {"source": "checkpoint", "path": os.path.abspath(path), "step": int(sft_summary["steps"])}
+
+
 def demo_rollouts(run: RunConfig, policy: nnx.Module, setup: DemoSetup, executor) -> ColocatedRollouts:
     """The agent loop the demo evaluates and trains with: the RL section's budgets and sampling,
     the SFT traces' chat format, ``demo.num_slots`` slots."""
@@ -294,7 +302,8 @@ def run_demo(run: RunConfig, workdir: str) -> dict[str, Any]:
         rl_dir = os.path.join(workdir, "rl")
         t0 = time.time()
         trainer = run_rl(rl_run_for_demo(run, setup.rl_path), rl_dir, rollout_fn=rollouts, model=policy,
-                         on_update=lambda tr: rollouts.update_params(tr.model()))
+                         on_update=lambda tr: rollouts.update_params(tr.model()),
+                         model_source=sft_source(sft_summary, workdir))
         rl_seconds = time.time() - t0
         _say(f"RL: {trainer.step} GRPO-{'RoC' if run.rl.roc else 'plain'} steps ({rl_seconds:.0f}s)")
 

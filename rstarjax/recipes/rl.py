@@ -258,7 +258,7 @@ def device_memory_metrics() -> dict[str, float]:
 
 
 def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, model: nnx.Module | None = None,
-           on_update: Callable[[Trainer], None] | None = None) -> Trainer:
+           on_update: Callable[[Trainer], None] | None = None, model_source: dict | None = None) -> Trainer:
     """``mode=rl``: GRPO-RoC updates until the global step reaches ``run.total_steps``, resumable
     from ``workdir``; the stage hand-off rules are ``initial_state``'s.
 
@@ -268,6 +268,10 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
 
     SIGTERM / SIGINT stop the stage cleanly (``recipes.preemption``): the last finished step is
     saved, the code pool closed, and ``preemption.Interrupted`` raised.
+
+    ``model_source``: where a given ``model``'s weights come from, as a ``recipes.lora_base``
+    record (e.g. ``{"source": "checkpoint", "path": SFT_CKPT_DIR, "step": N}``): with LoRA it is
+    the base record the checkpoints carry, so a resume and ``rstarjax.export`` can rebuild it.
     """
     guard = preemption.SignalGuard(run.checkpoint.preemption_grace_s, can_abandon=jax.process_count() == 1)
     with guard:  # from here on a signal is a request to stop, answered within the grace period
@@ -285,7 +289,7 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
             elif run.model.lora_rank and not model.config.lora_rank:  # a given policy (the demo's SFT) is the base
                 model = lora.attach(model, run.model.lora_rank, run.model.lora_alpha, run.model.lora_target_names,
                                     seed=run.seed, mesh=mesh)
-                base_record = {"source": "model", "path": "(the policy given to run_rl)"}
+                base_record = dict(model_source or {"source": "model", "path": "(the policy given to run_rl)"})
             # what rstarjax.export needs to rebuild the model from a checkpoint of this run alone
             if rollout_fn is None or len(tokenizer) <= model.config.vocab_size:
                 export_meta = build.model_meta(model, tokenizer, run.rl.chat_format)  # raises when the vocabularies disagree
