@@ -315,6 +315,9 @@ def _load(name, arg=None):
     return importlib.import_module(name).get_config(arg)
 
 
+CHAIN_TEMPERATURE = 0.6
+
+
 def _rl_sizes(c, total_steps):
     """A tiny run of a shipped RL config: sizes, and the short (compact) prompt the tiny SFT
     policy was trained on, sampled at the evaluation temperature (0.6): the SFT policy's answer
@@ -323,7 +326,7 @@ def _rl_sizes(c, total_steps):
     c.model.dtype = "float32"
     c.model.remat_policy = "none"
     c.rl.chat_format = "compact"
-    c.rl.temperature = 0.6
+    c.rl.temperature = CHAIN_TEMPERATURE
     c.rl.prompts_per_step = 2
     c.rl.group_size = 4
     c.rl.oversample = 8
@@ -416,9 +419,10 @@ def chain_worker(workdir):
         json.dump(report, f)
 
 
-def _logprobs_under(ckpt_dir, base_dir, rollouts):
+def _logprobs_under(ckpt_dir, base_dir, rollouts, temperature):
     """Log-probs of each rollout's model tokens under the params of ``ckpt_dir``'s latest
-    checkpoint (None: the base model's own weights), by the plain training forward."""
+    checkpoint (None: the base model's own weights), by the plain training forward, of the
+    distribution sampled at ``temperature`` (logits / T: what the sampler records)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -434,7 +438,7 @@ def _logprobs_under(ckpt_dir, base_dir, rollouts):
     out = []
     for r in rollouts:
         ids = np.asarray(r["ids"])
-        logits = np.asarray(model(jnp.asarray(ids[None, :-1]))[0], np.float64)
+        logits = np.asarray(model(jnp.asarray(ids[None, :-1]))[0], np.float64) / temperature
         logp = jax.nn.log_softmax(logits, axis=-1)
         p = r["prompt"]
         out.append(np.asarray(logp)[np.arange(p - 1, len(ids) - 1), ids[p:]])
@@ -464,8 +468,8 @@ def test_the_readme_recipe_chained_at_tiny_size(tmp_path):
     for name, prev in previous.items():
         rollouts = stages[name]["rollouts"]
         sampled = [np.asarray(r["logprobs"])[np.asarray(r["mask"]) > 0] for r in rollouts]
-        want = _logprobs_under(str(tmp_path / "runs" / prev / "checkpoints"), base, rollouts)
-        not_base = _logprobs_under(None, base, rollouts)
+        want = _logprobs_under(str(tmp_path / "runs" / prev / "checkpoints"), base, rollouts, CHAIN_TEMPERATURE)
+        not_base = _logprobs_under(None, base, rollouts, CHAIN_TEMPERATURE)
         for s, w, b, r in zip(sampled, want, not_base, rollouts):
             m = np.asarray(r["mask"]) > 0
             np.testing.assert_allclose(s, w[m], atol=2e-4, err_msg=name)
