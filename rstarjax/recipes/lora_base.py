@@ -68,6 +68,22 @@ def restore_base(trainer, record: dict, flag_hint: str = "--config.model.hf_path
     return dict(record, hash=got)
 
 
+def check_same_base(saved: dict, now: dict, directory: str) -> None:
+    """A LoRA checkpoint holds adapters only: an SFT resume puts them onto the base they were trained on
+    (``lora_base``'s hash), and only as LoRA; ``BaseMismatch`` names what differs."""
+    was, is_ = saved.get("lora_base"), now.get("lora_base")
+    if bool(was) != bool(is_):
+        raise BaseMismatch(
+            f"{directory} holds {'LoRA adapters' if was else 'full parameters'} but this run trains "
+            f"{'LoRA adapters' if is_ else 'full parameters'}: "
+            + ("set --config.model.lora_rank as that run did" if was else "unset --config.model.lora_rank"))
+    if was and was.get("hash") != is_.get("hash"):
+        raise BaseMismatch(
+            f"the LoRA adapters in {directory} were trained on the base {was.get('path')!r} with hash "
+            f"{was.get('hash')}, but the base built now ({is_.get('path')!r}) hashes to {is_.get('hash')} "
+            "(set --config.model.hf_path to the base it was trained on)")
+
+
 def restore_lora_policy(model, directory: str):
     """A LoRA ``model`` (as built, on its mesh) with the adapters of the newest checkpoint in
     ``directory`` on the base its record names (hash checked): for a run that only samples

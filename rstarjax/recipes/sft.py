@@ -173,22 +173,6 @@ def fixed_num_rows(plan: Sequence[Sequence[Sequence[int]]], multiple: int) -> in
     return -(-most // multiple) * multiple
 
 
-def check_same_base(saved: Mapping[str, Any], now: Mapping[str, Any], directory: str) -> None:
-    """A LoRA SFT checkpoint holds adapters only: resume them onto the base they were trained on
-    (``lora_base``'s hash), and only as LoRA; ``lora_base.BaseMismatch`` names what differs."""
-    was, is_ = saved.get("lora_base"), now.get("lora_base")
-    if bool(was) != bool(is_):
-        raise lora_base.BaseMismatch(
-            f"{directory} holds {'LoRA adapters' if was else 'full parameters'} but this run trains "
-            f"{'LoRA adapters' if is_ else 'full parameters'}: "
-            + ("set --config.model.lora_rank as that run did" if was else "unset --config.model.lora_rank"))
-    if was and was.get("hash") != is_.get("hash"):
-        raise lora_base.BaseMismatch(
-            f"the LoRA adapters in {directory} were trained on the base {was.get('path')!r} with hash "
-            f"{was.get('hash')}, but the base built now ({is_.get('path')!r}) hashes to {is_.get('hash')} "
-            "(set --config.model.hf_path to the base it was trained on)")
-
-
 def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, mesh=None,
               fmt: ct.ChatFormat = ct.RSTAR2, workdir: str | None = None, checkpoint_cfg=None,
               meta: Mapping[str, Any] | None = None, metrics_writer=None, log_every: int = 10,
@@ -212,7 +196,7 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
     if workdir and checkpoint_cfg is not None:
         ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), checkpoint_cfg)
         if ckpt.latest_step() is not None:
-            check_same_base(ckpt.read_meta(), meta or {}, ckpt.directory)
+            lora_base.check_same_base(ckpt.read_meta(), meta or {}, ckpt.directory)
             t = trainer.trainer
             state, _ = ckpt.restore(ckpt_lib.abstract_like(t.state, t.state_sharding))
             trainer.state = state

@@ -161,8 +161,9 @@ def clipped_surrogate(ratio: jax.Array, advantages: jax.Array, eps_low: float, e
 
 def behaviour_weight(proximal_logprobs: jax.Array, behaviour_logprobs: jax.Array, mask: jax.Array,
                      tis_cap: float | None, decoupled_cap: float | None) -> tuple[jax.Array, jax.Array]:
-    """The per-token off-policy weight w_t of the surrogate (stop-gradient), and the tokens it
-    drops; w_t = 1 and nothing dropped without a correction or where the policies coincide.
+    """The per-token off-policy weight w_t of the surrogate (stop-gradient), and the tokens whose
+    raw weight passed the cap (truncated, or dropped); w_t = 1 and none past it without a
+    correction or where the policies coincide.
 
     w_t = pi_proximal / pi_behaviour, behaviour = the policy the sampler drew from (its recorded
     log-probs), proximal = the trainer's old log-probs (recomputed at the update's start):
@@ -173,7 +174,7 @@ def behaviour_weight(proximal_logprobs: jax.Array, behaviour_logprobs: jax.Array
       Reinforcement Learning System for Language Reasoning", arXiv 2505.24298, §5 eq. 5, the
       behaviour importance weight; its ``behav_imp_weight_cap``): w_t uncapped, and a token
       whose w_t exceeds the cap drops out (w_t = 0; it still counts in the normaliser).
-    Returns (w [B, L], dropped [B, L] bool)."""
+    Returns (w [B, L], past_cap [B, L] bool)."""
     f32 = jnp.float32
     on = mask > 0
     if tis_cap is None and decoupled_cap is None:
@@ -181,10 +182,10 @@ def behaviour_weight(proximal_logprobs: jax.Array, behaviour_logprobs: jax.Array
     log_w = jnp.where(on, jnp.clip(proximal_logprobs.astype(f32) - behaviour_logprobs.astype(f32),
                                    -_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0)
     w = jnp.exp(log_w)
-    if tis_cap is not None:
-        return jax.lax.stop_gradient(jnp.minimum(w, tis_cap)), jnp.zeros(mask.shape, bool)
-    dropped = on & (w > decoupled_cap)
-    return jax.lax.stop_gradient(jnp.where(dropped, 0.0, w)), dropped
+    cap = tis_cap if tis_cap is not None else decoupled_cap
+    past_cap = on & (w > cap)
+    kept = jnp.minimum(w, cap) if tis_cap is not None else jnp.where(past_cap, 0.0, w)
+    return jax.lax.stop_gradient(kept), past_cap
 
 
 def kl_k3(logprobs: jax.Array, ref_logprobs: jax.Array) -> jax.Array:
@@ -238,15 +239,12 @@ def policy_loss(
     if cfg.tis_cap is not None or cfg.decoupled_cap is not None:
         if rollout_logprobs is None:
             raise ValueError("tis_cap and decoupled_cap need rollout_logprobs (the behaviour policy's)")
-        weight, dropped = behaviour_weight(old, rollout_logprobs, mask, cfg.tis_cap, cfg.decoupled_cap)
+        weight, past_cap = behaviour_weight(old, rollout_logprobs, mask, cfg.tis_cap, cfg.decoupled_cap)
         pg = pg * weight
-        if cfg.tis_cap is not None:
-            is_log = jnp.where(on, jnp.clip(old - rollout_logprobs.astype(f32), -_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0)
-            metrics["tis_weight_mean"] = jnp.sum(mask * weight) * inv_denom
-            metrics["tis_capped_frac"] = jnp.sum(mask * (jnp.exp(is_log) > cfg.tis_cap)) * inv_denom
-        else:
-            metrics["behaviour_weight_mean"] = jnp.sum(mask * weight) * inv_denom
-            metrics["behaviour_dropped_frac"] = jnp.sum(mask * dropped) * inv_denom
+        prefix, past = ("tis_weight_mean", "tis_capped_frac") if cfg.tis_cap is not None else \
+            ("behaviour_weight_mean", "behaviour_dropped_frac")
+        metrics[prefix] = jnp.sum(mask * weight) * inv_denom
+        metrics[past] = jnp.sum(mask * past_cap) * inv_denom
 
     per_token = pg
     metrics["pg_loss"] = jnp.sum(mask * pg) * inv_denom
