@@ -164,6 +164,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.nodeid not in first)
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
     """On the controller: under ``--dist loadgroup`` xdist schedules by the ``@group`` suffix its
     workers append to a grouped test's node id. A pytest that drops the suffix (9.2 with xdist
