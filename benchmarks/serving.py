@@ -55,6 +55,9 @@ ap.add_argument("--repeat", type=int, default=0, help="alternating runs (default
 ap.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
 ap.add_argument("--reserve-fraction", type=float, default=0.125,
                 help="admission growth reserve, fraction of L (configs/base.py default)")
+ap.add_argument("--adaptive-reserve", type=int, default=None, choices=(0, 1),
+                help="1: the scheduler's adaptive reserve (no reserve until a preemption, then "
+                     "doubling up to --reserve-fraction); default: configs/base.py's")
 ap.add_argument("--peak-gbps", type=float, default=0.0,
                 help="GPU HBM peak GB/s (default: from the device kind)")
 ap.add_argument("--presets", default="qwen3-1.7b,qwen3-8b",
@@ -98,11 +101,14 @@ from rstarjax.models.qwen3 import Qwen3  # noqa: E402
 from rstarjax.models.tokenizer import load_tokenizer  # noqa: E402
 from rstarjax.rl.agent_loop import AgentConfig, RolloutRequest, run_rollouts  # noqa: E402
 from rstarjax.serving import Engine, SamplingParams, StartRequest, generate  # noqa: E402
+from rstarjax.serving.colocated import ServingConfig  # noqa: E402
 from rstarjax.serving.scheduler import RolloutScheduler  # noqa: E402
 from rstarjax.serving.sizing import serving_weight_bytes  # noqa: E402
 from tracing import trace_one_call  # noqa: E402
 
 TOOL = "execute_python_code_with_standard_io"
+ADAPTIVE = (bool(args.adaptive_reserve) if args.adaptive_reserve is not None
+            else bool(ServingConfig().adaptive_reserve))
 args.quick = args.quick or args.smoke
 REPEAT = args.repeat or (1 if args.quick else 3)
 
@@ -277,9 +283,10 @@ def bench_rollouts(quick: bool) -> tuple[list[dict], list[dict]]:
     n = 80 if quick else 128  # quick: still more rollouts than the 2 x 32 slots (some wait)
     reserve = int(args.reserve_fraction * max_len)  # serving.admit_reserve_fraction
 
-    def sched(policy="dynamic", sync=None, reserve=reserve):
+    def sched(policy="dynamic", sync=None, reserve=reserve, adaptive=ADAPTIVE):
         return RolloutScheduler(paged, max_rollout_len=max_len, policy=policy, sync_turns=sync,
-                                admit_reserve_tokens=reserve, tool_timeout_s=60)
+                                admit_reserve_tokens=reserve, adaptive_reserve=adaptive,
+                                tool_timeout_s=60)
 
     with CodeExecutor(num_workers=2) as ex:
 
@@ -305,11 +312,11 @@ def bench_rollouts(quick: bool) -> tuple[list[dict], list[dict]]:
             r = {"trajs": trajs, "t": t, "live": live, "live_queued": queued}
             for name, policy, sync in (("static_async", "static", False),
                                        ("static_sync", "static", True)):
-                r[name] = run(sched(policy, sync), paged)[1]
+                r[name] = run(sched(policy, sync, adaptive=False), paged)[1]
             # Static allocation as rStar2-Agent §3.2 describes it: even shares, every request
             # launched at once (no KV-aware admission: a prompt that fits starts), a rollout
             # evicted and recomputed when the pages run out.
-            r["static_launch_all"] = run(sched("static", False, reserve=0), paged)[1]
+            r["static_launch_all"] = run(sched("static", False, reserve=0, adaptive=False), paged)[1]
             return r
 
         # One untimed round first: every arm compiles the programs of this workload's shapes
@@ -336,6 +343,8 @@ def bench_rollouts(quick: bool) -> tuple[list[dict], list[dict]]:
             "paged_max_live": t["timing/rollout_max_live"],
             "paged_max_pages_in_use": t["timing/rollout_max_pages_in_use"],
             "paged_preemptions": t["timing/rollout_preemptions"],
+            "paged_adaptive_reserve": float(ADAPTIVE),
+            "paged_reserve_tokens_end": t["timing/rollout_reserve_tokens_max"],
             "makespan_paged_s": ms(t), "makespan_dense_engine_s": ms(d),
             "makespan_speedup_vs_dense_engine": ms(d) / ms(t),
             "makespan_static_async_s": ms(y["static_async"]),

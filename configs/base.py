@@ -95,6 +95,9 @@ def get_config(arg=None):
     # estimate and never preempts; smaller admits more rollouts (lengths are heavy-tailed) and
     # preempts the youngest when the pool runs out (it resumes by re-prefill, tokens kept).
     c.serving.admit_reserve_fraction = 0.125
+    # Start each rollout run with no reserve (admit what the pool holds now) and double it at
+    # each preemption, from one page up to admit_reserve_fraction (docs/serving.md "Admission")
+    c.serving.adaptive_reserve = False
     c.serving.decode_steps = 16  # decode steps per device call (one host sync each)
     c.serving.prefill_chunk = 2048  # longest feed per forward row; longer ones go in chunks
     # serving slices (docs/serving.md "Serving slices"): devices per slice (weights split

@@ -94,8 +94,9 @@ def get_config(arg=None):
     c.rl.max_turns = 3
     c.rl.max_prompt_len = 160
     c.rl.max_response_len = 256
-    # T=1 from this tiny SFT policy broke its digit copying (sampled reward 0.00-0.07 against 87 %
-    # greedy, docs/demo.md); at 0.7 the sampled reward tracks the one decision RL must learn
+    # at 0.7 greedy decoding follows the sampled switch to the tool on counting problems; at 1.0
+    # it kept counting in the head (75 % -> 75 %, docs/demo.md 2026-11-26). The older note that
+    # T=1 broke digit copying was measured on the engine with issue 31's KV-page race
     c.rl.temperature = 0.7
     c.rl.chat_format = "compact"  # as the SFT traces
     c.rl.tool_timeout_s = 5.0

@@ -19,7 +19,7 @@ from rstarjax.serving import DoneReason, SamplingParams
 # the native API, and JetStream's prefill / insert in one test
 from rstarjax.serving import JetStreamContractEngine as Engine
 from rstarjax.serving.scheduler import (CallTool, Extend, Finish, RolloutScheduler,
-                                        capacity_for)
+                                        adaptive_growth, capacity_for)
 
 MAX_LEN = 64
 STOP = 3  # turn separator in the scripts
@@ -105,6 +105,40 @@ def test_admission_by_pages_with_reserve_and_preemption_of_the_youngest(model):
     assert safe.preemptions == 0 and packed.preemptions > 0
     assert max(r.live for r in packed.timeline) > max(r.live for r in safe.timeline)
     assert any(r.waiting for r in packed.timeline)  # admitted, waiting on a tool, reported
+
+
+def test_adaptive_growth_doubles_from_one_page_to_the_cap():
+    assert [adaptive_growth(r, 16, 256) for r in (0, 16, 32, 128, 256)] == [16, 32, 64, 256, 256]
+    assert adaptive_growth(0, 16, 8) == 8  # never past the configured reserve
+
+
+def test_adaptive_reserve_admits_what_the_pool_holds_until_a_preemption(model):
+    """The same episodes as above, run with the configured reserve L (never preempts), with
+    no reserve, and adaptively starting from no reserve: a pool that never overflows (a
+    24 pages: 4 rollouts of 5 pages, 3 of L) admits as many at once as with no reserve; the tight 12-page pool preempts,
+    and each preemption doubles the slice's reserve from one page (8 tokens) towards L, so it
+    preempts fewer times than with no reserve at all, and every episode finishes exactly."""
+    def run(kv_pages, **kw):
+        eng = make_engine(model, slots=4, kv_pages=kv_pages)
+        eps = [ScriptEpisode([10, 20], tool_delay=0.05) for _ in range(5)]
+        stats = RolloutScheduler([eng], max_rollout_len=MAX_LEN, decode_steps=4, **kw).run(eps)
+        assert all(e.received == e.script for e in eps)
+        assert eng.pages.num_free == kv_pages
+        return stats.slices[0]
+
+    roomy = {name: run(24, **kw) for name, kw in (
+        ("L", {}), ("none", dict(admit_reserve_tokens=0)), ("adaptive", dict(adaptive_reserve=True)))}
+    peak = {k: max(r.live for r in st.timeline) for k, st in roomy.items()}
+    assert peak["adaptive"] == peak["none"] == 4 > peak["L"]
+    assert roomy["adaptive"].preemptions == 0 and roomy["adaptive"].reserve_tokens == 0
+
+    tight_none = run(12, admit_reserve_tokens=0)
+    tight = run(12, adaptive_reserve=True)
+    assert 0 < tight.preemptions <= tight_none.preemptions
+    expected = 0
+    for _ in range(tight.preemptions):
+        expected = min(MAX_LEN, max(8, 2 * expected))
+    assert tight.reserve_tokens == expected
 
 
 def test_reserve_covers_a_turn_not_growth_past_it(model):

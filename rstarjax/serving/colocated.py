@@ -33,6 +33,9 @@ class ServingConfig:
     # growth headroom kept free per live rollout at admission, as a fraction of the maximum
     # rollout length (rStar2-Agent §3.2); 1.0 never preempts
     admit_reserve_fraction: float = 0.125
+    # start each rollout run with no reserve (admit what the pool holds) and double it, from one
+    # page up to admit_reserve_fraction, at each preemption (serving.scheduler.adaptive_growth)
+    adaptive_reserve: bool = False
     decode_steps: int = 16  # decode steps per device call (one host sync each)
     prefill_chunk: int = 2048  # longest feed per forward row; longer ones go in chunks
     # Serving slices (docs/serving.md "Serving slices"): devices per slice, its weights split
@@ -60,6 +63,8 @@ class ServingConfig:
                  f"slices_per_host={self.slices_per_host} must be >= 0 (0 = as many as the local devices hold)"),
                 (self.tensor_parallel >= 1 or self.slices_per_host == 1,
                  f"slices_per_host={self.slices_per_host} needs tensor_parallel >= 1 (devices per slice)"),
+                (isinstance(self.adaptive_reserve, bool),
+                 f"adaptive_reserve={self.adaptive_reserve!r} must be True or False"),
                 (isinstance(self.release_during_update, bool),
                  f"release_during_update={self.release_during_update!r} must be True or False"),
                 one_of("dtype", self.dtype, ("", *DTYPES)))
@@ -113,7 +118,7 @@ class ColocatedEngines:
         self.scheduler = RolloutScheduler(
             self.engines, max_rollout_len=self.engine.max_len,
             admit_reserve_tokens=serving.admit_reserve_tokens(self.engine.max_len),
-            tool_timeout_s=tool_timeout_s, timeout_s=timeout_s)
+            adaptive_reserve=serving.adaptive_reserve, tool_timeout_s=tool_timeout_s, timeout_s=timeout_s)
 
     @property
     def serving_dtype(self) -> str:

@@ -17,7 +17,8 @@ that each GPU can safely handle") and nothing is ever preempted; a smaller reser
 more rollouts (their lengths are heavy-tailed) and, when pages run out mid-rollout, the
 scheduler *preempts* the youngest rollout instead of failing: its pages return to the pool
 and it is parked with its tokens and log-probs, then resumed (its conversation re-prefilled,
-its RNG stream continued) before any new rollout is admitted.
+its RNG stream continued) before any new rollout is admitted. With ``adaptive_reserve`` a
+slice starts with no reserve and doubles it at each preemption (``adaptive_growth``).
 
 Two assignment policies:
 
@@ -110,6 +111,15 @@ def capacity_for(engine: Engine, max_rollout_len: int) -> int:
     return max(0, min(len(engine.free_slots()), (engine.free_pages - growth) // per_rollout))
 
 
+def adaptive_growth(reserve: int, page_size: int, cap: int) -> int:
+    """The growth reserve after a preemption under ``adaptive_reserve``: doubled, from one page,
+    at most ``cap`` tokens. A slice that never runs out of pages keeps admitting what its pool
+    holds (as launching every request would); one that does backs off towards the configured
+    reserve in a few preemptions (multiplicative increase, as TCP's congestion window shrinks
+    on a loss, mirrored)."""
+    return min(int(cap), max(int(page_size), 2 * int(reserve)))
+
+
 @dataclasses.dataclass
 class StepRecord:
     """One decode call of a slice."""
@@ -137,6 +147,7 @@ class SliceStats:
     tool_wait_s: float = 0.0  # summed over tool calls: dispatch -> ids ready
     prefill_tokens: int = 0
     preemptions: int = 0
+    reserve_tokens: int = 0  # the adaptive growth reserve at the run's end (0 if never raised)
     timeline: list[StepRecord] = dataclasses.field(default_factory=list)
 
     @property
@@ -182,6 +193,7 @@ class ScheduleStats:
             "host_syncs": total("host_syncs"),
             "generated_tokens": total("generated_tokens"),
             "preemptions": total("preemptions"),
+            "reserve_tokens_max": float(max(s.reserve_tokens for s in self.slices)),
             "max_pages_in_use": float(max(s.max_pages_in_use for s in self.slices)),
             "mean_live": float(sum(s.mean_live for s in self.slices)),
             "mean_live_while_queued": float(sum(s.mean_live_while_queued
@@ -238,11 +250,14 @@ class _Source:
 class RolloutScheduler:
     def __init__(self, engines: Sequence[Engine], *, max_rollout_len: int,
                  policy: str = "dynamic", sync_turns: bool | None = None,
-                 admit_reserve_tokens: int | None = None, decode_steps: int | None = None,
-                 stop_fraction: float = 0.25, tool_timeout_s: float = 60.0,
-                 timeout_s: float = 3600.0):
+                 admit_reserve_tokens: int | None = None, adaptive_reserve: bool = False,
+                 decode_steps: int | None = None, stop_fraction: float = 0.25,
+                 tool_timeout_s: float = 60.0, timeout_s: float = 3600.0):
         """``admit_reserve_tokens``: growth reserve per rollout for admission (default
-        ``max_rollout_len``: the paper's safe estimate, never preempts); ``decode_steps``:
+        ``max_rollout_len``: the paper's safe estimate, never preempts); ``adaptive_reserve``:
+        each slice starts a run with no reserve (it admits what its pool holds now) and every
+        preemption doubles its reserve, from one page up to ``admit_reserve_tokens``
+        (``adaptive_growth``); ``decode_steps``:
         tokens per decode call (default: each engine's); ``stop_fraction``: a decode call
         returns early once this fraction of its slots stopped (their tool calls go out and
         their slots refill without waiting for the remaining steps)."""
@@ -260,6 +275,7 @@ class RolloutScheduler:
             else int(admit_reserve_tokens)
         if self.reserve < 0:
             raise ValueError(f"admit_reserve_tokens must be >= 0, got {self.reserve}")
+        self.adaptive_reserve = bool(adaptive_reserve)
         self.decode_steps = decode_steps
         if not 0.0 < stop_fraction <= 1.0:
             raise ValueError(f"stop_fraction must be in (0, 1], got {stop_fraction}")
@@ -321,6 +337,7 @@ class _SliceDriver:
         self.live: dict[int, _Rollout] = {}  # slot -> rollout holding pages
         self.parked: list[_Rollout] = []  # preempted, oldest first
         self.seq = itertools.count()
+        self.reserve = 0 if sched.adaptive_reserve else sched.reserve  # growth reserve, tokens
         self.state = None
         self.params = None
         self.steps = sched.decode_steps or engine.decode_steps
@@ -390,6 +407,9 @@ class _SliceDriver:
         self.parked.append(r)
         self.parked.sort(key=lambda x: x.seq)
         self.stats.preemptions += 1
+        if self.s.adaptive_reserve:
+            self.reserve = adaptive_growth(self.reserve, self.engine.page_size, self.s.reserve)
+            self.stats.reserve_tokens = self.reserve
 
     def _youngest(self, exclude=()) -> _Rollout | None:
         cands = [r for r in self.live.values() if r not in exclude]
@@ -536,7 +556,7 @@ class _SliceDriver:
             return need <= e.free_pages
         reserve = sum(self._reserve_pages(r) for r in self.live.values())
         for n in lengths:
-            target = min(n + self.s.reserve, e.max_len)
+            target = min(n + self.reserve, e.max_len)
             reserve += pages_for(target, e.page_size) - pages_for(n, e.page_size)
         return need + reserve <= e.free_pages
 
@@ -547,9 +567,9 @@ class _SliceDriver:
         turn (the tool's tokens and the model's answer)."""
         e = self.engine
         if r.waiting is not None or r.append is not None or not e.is_decoding(r.slot):
-            return e.pages_to_grow(r.slot, self.s.reserve)
+            return e.pages_to_grow(r.slot, self.reserve)
         grown = e.slot_length(r.slot) - r.turn_start
-        return e.pages_to_grow(r.slot, max(0, self.s.reserve - grown))
+        return e.pages_to_grow(r.slot, max(0, self.reserve - grown))
 
     def _admit(self) -> bool:
         """Admit queued episodes (whole groups of one prompt where they fit) while pages and
