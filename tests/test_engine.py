@@ -189,6 +189,55 @@ def test_preemption_refills_and_extend_equal_full_forward_argmax(model):
             assert abs(lp - ref[pos - 1, tok]) < 1e-4
 
 
+def _sampled_at(episodes, temperature):
+    for ep in episodes:
+        ep.sampling = SamplingParams(temperature=temperature, max_new_tokens=ep.turn_len,
+                                     seed=ep.sampling.seed)
+    return episodes
+
+
+@pytest.mark.parametrize("kv_pages,temperature", [(None, 0.0), (10, 1.0)])
+def test_partial_rollouts_paused_and_continued_equal_uninterrupted_ones(model, kv_pages,
+                                                                         temperature):
+    """Partial rollouts: runs with a budget of 5 sampled tokens each pause the rollouts that
+    reach it and the next run continues them (re-prefill), until all finish; with unchanged
+    weights every conversation and log-prob equals that of one uninterrupted run, greedy and
+    sampled at T = 1 (the RNG stream continues; with a tight pool the runs also preempt). No run samples more than budget + decode_steps - 1
+    tokens of one rollout, and each run leaves the pool whole."""
+    budget, steps = 5, 4
+    eng = _engine(model, **({"kv_pages": kv_pages} if kv_pages else {}))
+    sched = RolloutScheduler([eng], max_rollout_len=MAX_LEN, admit_reserve_tokens=0,
+                             decode_steps=steps)
+    eps, carried, runs = _sampled_at(_episodes(0), temperature), [], 0
+    new = eps
+    while new or carried:
+        before = {id(r): r.n_sampled for r in carried}
+        stats = sched.run(new, token_budget=budget, carried=carried)
+        for r in stats.paused:
+            assert r.n_sampled - before.get(id(r), 0) <= budget + steps - 1
+        assert eng.pages.num_free == eng.num_pages
+        new, carried, runs = [], stats.paused, runs + 1
+        assert runs < 50, "partial rollouts did not finish"
+    assert runs > 3  # the budget really paused them (turns of 4-8 tokens, 3 turns)
+    roomy = _sampled_at(_episodes(0), temperature)
+    RolloutScheduler([_engine(model)], max_rollout_len=MAX_LEN).run(roomy)
+    for a, b in zip(eps, roomy):
+        assert a.done == a.turns and a.convo == b.convo
+        np.testing.assert_allclose([x[2] for x in a.sampled], [x[2] for x in b.sampled], atol=1e-5)
+
+
+def test_partial_rollout_arguments_are_checked(model):
+    sched = RolloutScheduler([_engine(model)], max_rollout_len=MAX_LEN)
+    with pytest.raises(ValueError, match="token_budget"):
+        sched.run(_episodes(0), token_budget=-1)
+    stats = sched.run(_episodes(1)[:2], token_budget=3)
+    assert stats.paused and stats.as_dict()["paused"] == len(stats.paused)
+    live = stats.paused[0]
+    live.waiting = concurrent.futures.Future()  # not something a run pauses
+    with pytest.raises(ValueError, match="carried rollouts"):
+        sched.run([], carried=[live])
+
+
 def test_shared_prompt_samples_equal_unshared_ones(model):
     """P prompts x n samples: one prefill per prompt, full prompt pages shared, the partial
     last page copied; every sample decodes exactly as if started alone."""

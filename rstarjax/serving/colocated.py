@@ -35,7 +35,7 @@ class ServingConfig:
     admit_reserve_fraction: float = 0.125
     # start each rollout run with no reserve (admit what the pool holds) and double it, from one
     # page up to admit_reserve_fraction, at each preemption (serving.scheduler.adaptive_growth)
-    adaptive_reserve: bool = False
+    adaptive_reserve: bool = True
     decode_steps: int = 16  # decode steps per device call (one host sync each)
     prefill_chunk: int = 2048  # longest feed per forward row; longer ones go in chunks
     # Serving slices (docs/serving.md "Serving slices"): devices per slice, its weights split

@@ -20,6 +20,13 @@ and it is parked with its tokens and log-probs, then resumed (its conversation r
 its RNG stream continued) before any new rollout is admitted. With ``adaptive_reserve`` a
 slice starts with no reserve and doubles it at each preemption (``adaptive_growth``).
 
+Partial rollouts (Kimi k1.5, arXiv 2501.12599, §2.6.2): ``run(..., token_budget=B)`` pauses a
+rollout once it has sampled B tokens in this run (checked between decode calls, so at most
+B + decode_steps - 1): its pages return to the pool and it comes back in
+``ScheduleStats.paused``, tokens, log-probs and RNG position kept. ``run(..., carried=paused)``
+continues them first, by the re-prefill of a preempted rollout, under the weights the engines
+hold then; with unchanged weights the tokens are those of an uninterrupted run.
+
 Two assignment policies:
 
 - ``"dynamic"`` (the paper's): one shared queue; a slice pulls new rollouts whenever its pages
@@ -148,6 +155,7 @@ class SliceStats:
     prefill_tokens: int = 0
     preemptions: int = 0
     reserve_tokens: int = 0  # the adaptive growth reserve at the run's end (0 if never raised)
+    paused: list = dataclasses.field(default_factory=list)  # rollouts out of token budget
     timeline: list[StepRecord] = dataclasses.field(default_factory=list)
 
     @property
@@ -175,6 +183,12 @@ class ScheduleStats:
     slices: list[SliceStats]
 
     @property
+    def paused(self) -> list:
+        """Rollouts this run paused at its token budget (each ``.episode``): pass them to the
+        next ``run(..., carried=...)``."""
+        return [r for s in self.slices for r in s.paused]
+
+    @property
     def busy_fraction(self) -> list[float]:
         return [s.busy_s / self.makespan_s if self.makespan_s > 0 else 0.0 for s in self.slices]
 
@@ -194,6 +208,7 @@ class ScheduleStats:
             "generated_tokens": total("generated_tokens"),
             "preemptions": total("preemptions"),
             "reserve_tokens_max": float(max(s.reserve_tokens for s in self.slices)),
+            "paused": float(sum(len(s.paused) for s in self.slices)),
             "max_pages_in_use": float(max(s.max_pages_in_use for s in self.slices)),
             "mean_live": float(sum(s.mean_live for s in self.slices)),
             "mean_live_while_queued": float(sum(s.mean_live_while_queued
@@ -218,6 +233,7 @@ class _Rollout:
     append: tuple[list[int], int] | None = None  # ready tool ids + budget, not yet appended
     budget: int = 0  # tokens it may sample after the pending one (kept while parked)
     turn_start: int = 0  # cache length when its current turn started (prompt or tool turn in)
+    run_start: int = 0  # n_sampled when the current run took it up (partial rollouts' budget)
 
 
 class _Source:
@@ -283,8 +299,16 @@ class RolloutScheduler:
         self.tool_timeout_s = float(tool_timeout_s)
         self.timeout_s = float(timeout_s)
 
-    def run(self, episodes: Sequence[Episode]) -> ScheduleStats:
-        """Run every episode to completion (their own objects collect the results)."""
+    def run(self, episodes: Sequence[Episode], *, token_budget: int = 0,
+            carried: Sequence["_Rollout"] = ()) -> ScheduleStats:
+        """Run every episode to completion (their own objects collect the results), or with
+        ``token_budget`` > 0 until it has sampled that many tokens in this run (it is then
+        paused and returned in ``ScheduleStats.paused``). ``carried``: rollouts a previous run
+        paused, continued before any new episode is admitted."""
+        if token_budget < 0:
+            raise ValueError(f"token_budget must be >= 0 (0 = no budget), got {token_budget}")
+        if any(r.slot is not None or r.waiting is not None or r.append is not None for r in carried):
+            raise ValueError("carried rollouts must be ones a run paused (ScheduleStats.paused)")
         for ep in episodes:
             if len(ep.prompt_ids) >= self.max_rollout_len:
                 raise ValueError(f"prompt of {len(ep.prompt_ids)} tokens leaves no room in the "
@@ -299,13 +323,14 @@ class RolloutScheduler:
             bounds = np.linspace(0, len(episodes), n + 1).round().astype(int)
             sources = [_Source(episodes[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
         stats = [SliceStats() for _ in range(n)]
+        carry = [list(carried[i::n]) for i in range(n)]  # any slice can re-prefill a paused one
         errors: list[BaseException] = []
         stop = threading.Event()
         deadline = time.monotonic() + self.timeout_s
         t0 = time.perf_counter()
         threads = [threading.Thread(target=self._guarded, daemon=True, name=f"slice-{i}",
-                                    args=(e, src, st, stop, deadline, t0, errors))
-                   for i, (e, src, st) in enumerate(zip(self.engines, sources, stats))]
+                                    args=(e, src, st, stop, deadline, t0, errors, token_budget, c))
+                   for i, (e, src, st, c) in enumerate(zip(self.engines, sources, stats, carry))]
         for t in threads:
             t.start()
         for t in threads:
@@ -318,9 +343,10 @@ class RolloutScheduler:
             raise TimeoutError(f"rollouts did not finish within {self.timeout_s} s")
         return ScheduleStats(makespan, stats)
 
-    def _guarded(self, engine, source, stats, stop, deadline, t0, errors):
+    def _guarded(self, engine, source, stats, stop, deadline, t0, errors, token_budget, carried):
         try:
-            _SliceDriver(self, engine, source, stats, stop, deadline, t0).run()
+            _SliceDriver(self, engine, source, stats, stop, deadline, t0, token_budget,
+                         carried).run()
         except BaseException as e:  # surfaced by run(); stop the other slices too
             errors.append(e)
             stop.set()
@@ -331,12 +357,18 @@ class _SliceDriver:
     new ones, decode; block on tool futures when nothing can decode."""
 
     def __init__(self, sched: RolloutScheduler, engine: Engine, source: _Source,
-                 stats: SliceStats, stop: threading.Event, deadline: float, t0: float):
+                 stats: SliceStats, stop: threading.Event, deadline: float, t0: float,
+                 token_budget: int = 0, carried: Sequence[_Rollout] = ()):
         self.s, self.engine, self.source, self.stats = sched, engine, source, stats
         self.stop, self.deadline, self.t0 = stop, deadline, t0
+        self.token_budget = int(token_budget)
         self.live: dict[int, _Rollout] = {}  # slot -> rollout holding pages
-        self.parked: list[_Rollout] = []  # preempted, oldest first
         self.seq = itertools.count()
+        # preempted (or paused by an earlier run), oldest first: carried ones older than any new
+        self.parked: list[_Rollout] = []
+        for r in carried:
+            r.seq, r.run_start = next(self.seq), r.n_sampled
+            self.parked.append(r)
         self.reserve = 0 if sched.adaptive_reserve else sched.reserve  # growth reserve, tokens
         self.state = None
         self.params = None
@@ -360,6 +392,8 @@ class _SliceDriver:
                 progressed = self._settle_tools()
                 progressed |= self._resume_parked()
                 progressed |= self._admit()
+                if self.token_budget:
+                    self._pause_over_budget()
                 if any(e.is_decoding(s) for s in self.live):
                     self._decode()
                     continue
@@ -410,6 +444,18 @@ class _SliceDriver:
         if self.s.adaptive_reserve:
             self.reserve = adaptive_growth(self.reserve, self.engine.page_size, self.s.reserve)
             self.stats.reserve_tokens = self.reserve
+
+    def _pause_over_budget(self) -> None:
+        """Partial rollouts: a decoding rollout that sampled ``token_budget`` tokens in this
+        run leaves it, its pages freed (it resumes in a later run by re-prefill)."""
+        for r in list(self.live.values()):
+            if (self.engine.is_decoding(r.slot) and r.waiting is None and r.append is None
+                    and r.n_sampled - r.run_start >= self.token_budget):
+                r.budget = self.engine.slot_info(r.slot).budget
+                self.engine.free_resource(r.slot)
+                del self.live[r.slot]
+                r.slot = None
+                self.stats.paused.append(r)
 
     def _youngest(self, exclude=()) -> _Rollout | None:
         cands = [r for r in self.live.values() if r not in exclude]
