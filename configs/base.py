@@ -96,7 +96,7 @@ def get_config(arg=None):
     # preempts the youngest when the pool runs out (it resumes by re-prefill, tokens kept).
     c.serving.admit_reserve_fraction = 0.125
     # Start each rollout run with no reserve (admit what the pool holds now) and double it at
-    # each preemption, from one page up to admit_reserve_fraction (docs/serving.md "Admission")
+    # each preemption, from one page up to admit_reserve_fraction (docs/serving.md "Admission by free pages")
     c.serving.adaptive_reserve = True
     c.serving.decode_steps = 16  # decode steps per device call (one host sync each)
     c.serving.prefill_chunk = 2048  # longest feed per forward row; longer ones go in chunks
