@@ -433,11 +433,7 @@ class _SliceDriver:
 
     def _preempt(self, r: _Rollout) -> None:
         """Free ``r``'s pages; it resumes later from its history (tokens and log-probs kept)."""
-        info = self.engine.slot_info(r.slot)
-        r.budget = info.budget
-        self.engine.free_resource(r.slot)
-        del self.live[r.slot]
-        r.slot = None
+        self._unload(r)
         self.parked.append(r)
         self.parked.sort(key=lambda x: x.seq)
         self.stats.preemptions += 1
@@ -445,16 +441,21 @@ class _SliceDriver:
             self.reserve = adaptive_growth(self.reserve, self.engine.page_size, self.s.reserve)
             self.stats.reserve_tokens = self.reserve
 
+    def _unload(self, r: _Rollout) -> None:
+        """Take a live rollout off its slot and give its pages back, keeping what a resume by
+        re-prefill needs (its remaining budget; history, tokens and RNG position are on ``r``)."""
+        r.budget = self.engine.slot_info(r.slot).budget
+        self.engine.free_resource(r.slot)
+        del self.live[r.slot]
+        r.slot = None
+
     def _pause_over_budget(self) -> None:
         """Partial rollouts: a decoding rollout that sampled ``token_budget`` tokens in this
         run leaves it, its pages freed (it resumes in a later run by re-prefill)."""
         for r in list(self.live.values()):
             if (self.engine.is_decoding(r.slot) and r.waiting is None and r.append is None
                     and r.n_sampled - r.run_start >= self.token_budget):
-                r.budget = self.engine.slot_info(r.slot).budget
-                self.engine.free_resource(r.slot)
-                del self.live[r.slot]
-                r.slot = None
+                self._unload(r)
                 self.stats.paused.append(r)
 
     def _youngest(self, exclude=()) -> _Rollout | None:
