@@ -178,7 +178,7 @@ def logged_keys() -> set[str]:
 
     from rstarjax.rl import loss as loss_lib
     from rstarjax.rl import metrics as M
-    from rstarjax.serving.scheduler import ScheduleStats, SliceStats
+    from rstarjax.serving.schedule_stats import ScheduleStats, SliceStats
     from test_trainer import _traj
 
     keys = set()

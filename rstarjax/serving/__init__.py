@@ -9,7 +9,8 @@ from rstarjax.serving.jetstream_contract import JetStreamContractEngine, Prefix,
 from rstarjax.serving.pages import OutOfPages, PagePool, SlotTable
 from rstarjax.serving.programs import DecodeState, DoneReason
 from rstarjax.serving.sampling import SamplingParams
-from rstarjax.serving.scheduler import RolloutScheduler, ScheduleStats, capacity_for
+from rstarjax.serving.schedule_stats import ScheduleStats
+from rstarjax.serving.scheduler import RolloutScheduler, capacity_for
 from rstarjax.serving.sizing import KVPlan, plan_kv
 from rstarjax.serving.slices import slice_meshes
 from rstarjax.serving.start_plan import StartRequest

@@ -57,6 +57,7 @@ from rstarjax.models.kv_cache import pages_for
 from rstarjax.serving.engine import Engine
 from rstarjax.serving.programs import DoneReason
 from rstarjax.serving.sampling import SamplingParams
+from rstarjax.serving.schedule_stats import ScheduleStats, SliceStats, StepRecord
 from rstarjax.serving.start_plan import StartRequest
 
 POLICIES = ("dynamic", "static")
@@ -125,97 +126,6 @@ def adaptive_growth(reserve: int, page_size: int, cap: int) -> int:
     reserve in a few preemptions (multiplicative increase, as TCP's congestion window shrinks
     on a loss, mirrored)."""
     return min(int(cap), max(int(page_size), 2 * int(reserve)))
-
-
-@dataclasses.dataclass
-class StepRecord:
-    """One decode call of a slice."""
-
-    t: float  # seconds since the run started
-    steps: int  # decode steps the call ran
-    pages_in_use: int
-    live: int  # rollouts holding pages (decoding or waiting on a tool)
-    decoding: int
-    waiting: int  # admitted, waiting on a tool
-    parked: int  # preempted, waiting to resume
-    queued: int  # rollouts not yet admitted (this slice's source)
-    preemptions: int  # so far in this run
-
-
-@dataclasses.dataclass
-class SliceStats:
-    busy_s: float = 0.0  # inside engine programs
-    decode_s: float = 0.0  # of which in decode calls (the rest: prefill and extend feeds)
-    episodes: int = 0
-    decode_steps: int = 0  # steps run by decode calls (the slice's makespan in steps)
-    decode_calls: int = 0
-    host_syncs: int = 0
-    generated_tokens: int = 0  # tokens sampled by decode steps (prefill first tokens excluded)
-    tool_wait_s: float = 0.0  # summed over tool calls: dispatch -> ids ready
-    prefill_tokens: int = 0
-    preemptions: int = 0
-    reserve_tokens: int = 0  # the adaptive growth reserve at the run's end (0 if never raised)
-    paused: list = dataclasses.field(default_factory=list)  # rollouts out of token budget
-    timeline: list[StepRecord] = dataclasses.field(default_factory=list)
-
-    @property
-    def max_pages_in_use(self) -> int:
-        return max((r.pages_in_use for r in self.timeline), default=0)
-
-    @property
-    def mean_live(self) -> float:
-        """Rollouts holding pages, averaged over decode steps."""
-        steps = sum(r.steps for r in self.timeline)
-        return sum(r.live * r.steps for r in self.timeline) / steps if steps else 0.0
-
-    @property
-    def mean_live_while_queued(self) -> float:
-        """Rollouts holding pages, averaged over the decode steps taken while more rollouts
-        waited to be admitted: how many the slice holds at once when work is available."""
-        busy = [r for r in self.timeline if r.queued]
-        steps = sum(r.steps for r in busy)
-        return sum(r.live * r.steps for r in busy) / steps if steps else 0.0
-
-
-@dataclasses.dataclass
-class ScheduleStats:
-    makespan_s: float
-    slices: list[SliceStats]
-
-    @property
-    def paused(self) -> list:
-        """Rollouts this run paused at its token budget (each ``.episode``): pass them to the
-        next ``run(..., carried=...)``."""
-        return [r for s in self.slices for r in s.paused]
-
-    @property
-    def busy_fraction(self) -> list[float]:
-        return [s.busy_s / self.makespan_s if self.makespan_s > 0 else 0.0 for s in self.slices]
-
-    def as_dict(self) -> dict[str, float]:
-        total = lambda name: float(sum(getattr(s, name) for s in self.slices))  # noqa: E731
-        return {
-            "makespan_s": self.makespan_s,
-            "busy_fraction_mean": float(np.mean(self.busy_fraction)),
-            "decode_s": total("decode_s"),
-            "prefill_s": total("busy_s") - total("decode_s"),
-            "tool_wait_s": total("tool_wait_s"),
-            "decode_steps": total("decode_steps"),
-            "max_slice_steps": float(max(s.decode_steps for s in self.slices)),
-            "prefill_tokens": total("prefill_tokens"),
-            "decode_calls": total("decode_calls"),
-            "host_syncs": total("host_syncs"),
-            "generated_tokens": total("generated_tokens"),
-            "preemptions": total("preemptions"),
-            "reserve_tokens_max": float(max(s.reserve_tokens for s in self.slices)),
-            "paused": float(sum(len(s.paused) for s in self.slices)),
-            "max_pages_in_use": float(max(s.max_pages_in_use for s in self.slices)),
-            "mean_live": float(sum(s.mean_live for s in self.slices)),
-            "mean_live_while_queued": float(sum(s.mean_live_while_queued
-                                                for s in self.slices)),
-            "max_live": float(sum(max((r.live for r in s.timeline), default=0)
-                                  for s in self.slices)),
-        }
 
 
 @dataclasses.dataclass(eq=False)  # identity: rollouts go in sets and lists by object
