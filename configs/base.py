@@ -78,6 +78,9 @@ def get_config(arg=None):
     c.rl.dynamic_sampling_max_rounds = 3  # ... in at most this many rollout rounds per step, the first included
     c.rl.overlong_filter = False  # DAPO: truncated rollouts get no loss; the paper found it harmful (§4.3.1)
     c.rl.length_penalty_coef = 0.0  # Kimi k1.5 length reward added to the answer reward
+    # Kimi k1.5 partial rollouts (docs/training.md): at most this many tokens per rollout per step;
+    # unfinished ones continue in the next step under the new weights. 0 = off (the paper's loop)
+    c.rl.partial_rollout_tokens = 0
 
     # ---- reward (rstarjax/recipes/config.py RewardConfig) ------------------------------------------
     c.reward = ml_collections.ConfigDict()

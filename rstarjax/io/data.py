@@ -412,6 +412,17 @@ class RowBatchIterator:
             raise StopIteration
         return batch
 
+    def take(self, n: int) -> list:
+        """The next ``n`` rows (fewer where finite data ends; [] once it has), whatever the batch
+        size: partial rollouts start only as many prompts as completed groups made room for."""
+        rows = []
+        for _ in range(max(0, int(n))):
+            try:
+                rows.append(next(self._rows))
+            except StopIteration:
+                break
+        return rows
+
     def get_state(self) -> dict:
         return {"rows": int(self._rows.get_state()["next_index"])}
 

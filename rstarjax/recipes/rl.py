@@ -26,6 +26,7 @@ from rstarjax.io.metrics_log import MetricsWriter
 from rstarjax.models import lora
 from rstarjax.recipes import build, lora_base, preemption
 from rstarjax.recipes.config import RunConfig, wandb_init_args
+from rstarjax.rl.partial import PartialRollouts
 from rstarjax.rl.step import rl_step
 from rstarjax.rl.trainer import Trainer, TrainState
 from rstarjax.rl.trajectory import RolloutFn
@@ -339,15 +340,32 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
                     "data_seed": data_seed, "stage_total_steps": run.total_steps, **export_meta,
                     **({"lora_base": meta["lora_base"]} if "lora_base" in meta else {})}
 
-    def save(step: int, data_state) -> bool:
+    def save(step: int, finished) -> bool:
+        data_state, pending = finished
         return ckpt.save(step, trainer.state, {
             "step": step, "rng": ckpt_lib.key_to_json(base_key), "data_state": data_state, **stage_record,
             **({"reference": reference} if reference else {}),
+            **({"partial_records": pending} if partial is not None else {}),
         })
 
-    def guarded_rollouts(*args, **kwargs):  # the part of a step that a stop signal may abandon
-        with guard.rollouts():
-            return rollout_fn(*args, **kwargs)
+    def guarded(fn):  # the part of a step that a stop signal may abandon
+        def call(*args, **kwargs):
+            with guard.rollouts():
+                return fn(*args, **kwargs)
+        return call
+
+    guarded_rollouts, partial = guarded(rollout_fn), None
+    # the prompts whose groups were in flight at the checkpoint resumed: they start again first
+    restart = list(meta.get("partial_records") or []) if meta.get("resumed") else []
+    if run.rl.partial_rollout_tokens:
+        if not hasattr(rollout_fn, "partial"):
+            raise ValueError("--config.rl.partial_rollout_tokens needs a rollout function that can pause "
+                             "rollouts (agent_loop.ColocatedRollouts.partial); this one cannot")
+        partial = PartialRollouts(guarded(rollout_fn.partial), run.rl.partial_rollout_tokens,
+                                  run.rl.prompts_per_step // jax.process_count())
+        if restart:
+            log.info("resumed with %d prompts whose rollouts were in flight at step %d: they start again "
+                     "from their prompts (their unfinished rollouts were never trained)", len(restart), trainer.step)
 
     is_main = jax.process_index() == 0
     start = trainer.step
@@ -359,11 +377,14 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
               "nothing to train (raise --config.total_steps to train on)", flush=True)
     bar = tqdm.tqdm(total=run.total_steps, initial=start, disable=not (is_main and run.logging.progress_bar),
                     desc="rl", dynamic_ncols=True)
-    rejected_in_a_row = 0
+    rejected_in_a_row, attempts = 0, 0  # attempts: rollout rounds since the last update
+    round_times = {}  # partial rollouts: the times of rounds that completed no group yet
     nonfinite = NonFiniteStreak(run.trainer.max_nonfinite_steps)
-    # the data position after the last finished step: what a checkpoint of that step records
-    # (batches drawn since, by a rejected or an abandoned step, are drawn again on resume)
-    finished_data = data_iter.get_state()
+    # the data position after the last finished step, and (partial rollouts) the prompts then in
+    # flight: what a checkpoint of that step records (batches drawn since, by a rejected or an
+    # abandoned step, are drawn again on resume)
+    finished_data = (data_iter.get_state(), list(restart))
+    restarted = len(restart)
     stop_signal, data_ran_out = 0, False
     try:
         while trainer.step < run.total_steps:
@@ -372,27 +393,40 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
                 break
             step = trainer.step
             compiled_before = compile_cache.compile_seconds()
-            try:
-                records = next(data_iter)
-            except StopIteration:  # finite data (data.num_epochs) is used up
-                data_ran_out = True
-                break
+            if partial is None:
+                try:
+                    records = next(data_iter)
+                except StopIteration:  # finite data (data.num_epochs) is used up
+                    data_ran_out = True
+                    break
+            else:  # as many new prompts as completed groups made room for
+                records, restart = restart[:partial.room], restart[partial.room:]
+                records += data_iter.take(partial.room - len(records))
+                if not records and not partial.groups:
+                    data_ran_out = True
+                    break
             # one seed per (step, process), derived from the run key: same rollouts after a resume,
             # independent samples on every process (and for each batch drawn again at this step)
             step_key = jax.random.fold_in(base_key, step)
-            if rejected_in_a_row:
-                step_key = jax.random.fold_in(step_key, rejected_in_a_row)
+            if attempts:
+                step_key = jax.random.fold_in(step_key, attempts)
             step_key = jax.random.fold_in(step_key, jax.process_index())
             seed = int(jax.random.randint(step_key, (), 0, 2**31 - 1))
             # dynamic sampling refills from the same iterator, so its checkpointed state covers
             # every prompt a step consumed
             try:
-                metrics = rl_step(trainer, guarded_rollouts, records, run.rl, run.loss, seed,
+                metrics = rl_step(trainer, partial or guarded_rollouts, records, run.rl, run.loss, seed,
                                   more_records=lambda: next(data_iter), before_update=before_update,
                                   serving_dtype=serving_dtype)
             except preemption.StepAbandoned:  # the train state is still that of the last finished step
                 stop_signal = guard.request.signum
                 break
+            attempts += 1
+            if trainer.step == step and partial is not None and not metrics.get("partial/groups_completed"):
+                # no group has finished all its rollouts yet: the next round goes on with them (its
+                # time counts in the step that trains them)
+                round_times = add_times(round_times, metrics)
+                continue
             if trainer.step == step:  # every group was rejected: no update, as the official trainer
                 rejected_in_a_row += 1
                 log.warning("step %d: no group of the batch is left to train on (rejected %.0f%%, %d infra-short); "
@@ -406,8 +440,12 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
                         "data and the rollout metrics, or set --config.rl.reject_equal_reward=False")
                 continue
             metrics["filter/rejected_batches"] = float(rejected_in_a_row)
-            rejected_in_a_row = 0
-            finished_data = data_iter.get_state()
+            rejected_in_a_row, attempts = 0, 0
+            if partial is not None:
+                metrics["partial/restarted_groups"], restarted = float(restarted), 0
+                metrics["partial/rounds"] = float(attempts)
+                metrics, round_times = add_times(metrics, round_times), {}
+            finished_data = (data_iter.get_state(), [] if partial is None else partial.pending_records() + restart)
             t_handoff = time.perf_counter()
             if on_update is not None:
                 on_update(trainer)
@@ -441,6 +479,21 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
         bar.close()
         writer.close()
     return trainer
+
+
+# the per-round figures that add up over the rounds of one partial-rollout step
+ROUND_SUMS = ("timing/rollout_generated_tokens", "timing/rollout_decode_steps", "timing/rollout_prefill_tokens",
+              "timing/rollout_decode_calls", "timing/rollout_preemptions")
+
+
+def add_times(metrics: dict, times: dict) -> dict:
+    """``metrics`` with the seconds (``time/*``, ``timing/*_s``) and the counts of ``ROUND_SUMS``
+    of ``times`` added to its own: the rounds of one partial-rollout step are one step's work."""
+    out = dict(metrics)
+    for k, v in times.items():
+        if k.startswith("time/") or (k.startswith("timing/") and k.endswith("_s")) or k in ROUND_SUMS:
+            out[k] = out.get(k, 0.0) + float(v)
+    return out
 
 
 def _save_last(step: int, start: int, save, data_state, ckpt) -> bool:

@@ -135,6 +135,7 @@ class RolloutRequest:
     group_id: int = 0
     sampling: SamplingParams = SamplingParams()
     policy_version: int = 0
+    sample_index: int = 0  # which of its group's rollouts (``Trajectory.sample_index``)
     # Teacher-forced model tokens (all turns concatenated): a scripted policy for tests and
     # benchmarks. The engine still runs the model and reports each forced token's log-prob.
     script: Sequence[int] | None = None
@@ -171,7 +172,8 @@ class AgentEpisode:
         self.sampling = dataclasses.replace(request.sampling, stop_ids=stops.all,
                                             max_new_tokens=config.max_response_len)
         self.traj = Trajectory(prompt_ids=np.asarray(self.prompt_ids, np.int32), segments=[],
-                               group_id=request.group_id, policy_version=request.policy_version)
+                               group_id=request.group_id, policy_version=request.policy_version,
+                               sample_index=request.sample_index)
         self.model_text = ""
         self.verify_future: concurrent.futures.Future | None = None
         self.verify_submitted = 0.0  # monotonic time the verification was submitted
@@ -225,6 +227,14 @@ class AgentEpisode:
 
     def on_abort(self, why: str) -> None:
         self._infra_error(why)
+
+    def continue_under(self, version: int, sampled: int) -> None:
+        """A paused rollout goes on under policy ``version`` from its ``sampled``-th model token
+        (the scheduler's ``n_sampled`` when it paused): recorded in ``traj.version_starts``."""
+        t = self.traj
+        current = t.version_starts[-1][1] if t.version_starts else t.policy_version
+        if int(version) != current:
+            t.version_starts.append((int(sampled), int(version)))
 
     # ---- internals ----------------------------------------------------------------------------
     def _infra_error(self, why: str) -> None:
@@ -355,41 +365,70 @@ def _collect_rewards(episodes: Sequence[AgentEpisode], rollouts_end: float) -> d
     return counts
 
 
+def _scheduler_for(scheduler_or_engines, requests: Sequence[RolloutRequest], config: AgentConfig):
+    """A given scheduler as is; engines given directly get a dynamic scheduler with
+    ``max_rollout_len`` = the longest prompt + ``max_response_len`` (capped to the slot size)."""
+    if hasattr(scheduler_or_engines, "run"):  # a RolloutScheduler (or one with its interface)
+        return scheduler_or_engines
+    engines = ([scheduler_or_engines] if isinstance(scheduler_or_engines, Engine)
+               else list(scheduler_or_engines))
+    longest = max((len(r.prompt_ids) for r in requests), default=1)
+    return RolloutScheduler(
+        engines, max_rollout_len=min(engines[0].max_len, longest + config.max_response_len),
+        policy="dynamic", tool_timeout_s=config.tool_wait_s, timeout_s=config.rollout_timeout_s)
+
+
 def run_rollouts(scheduler_or_engines: RolloutScheduler | Engine | Sequence[Engine], tokenizer,
                  executor, requests: Sequence[RolloutRequest], config: AgentConfig = AgentConfig(),
                  fmt: ChatFormat = RSTAR2) -> tuple[list[Trajectory], dict[str, float]]:
     """Run every request to a ``Trajectory`` (same order) with its reward; plus timings.
 
-    Engines given directly get a dynamic scheduler with ``max_rollout_len`` = the longest
-    prompt + ``max_response_len`` (capped to the slot size)."""
+    Engines given directly get a dynamic scheduler (``_scheduler_for``)."""
     stops = StopIds.from_tokenizer(tokenizer, fmt)
-    if hasattr(scheduler_or_engines, "run"):  # a RolloutScheduler (or one with its interface)
-        scheduler = scheduler_or_engines
-    else:
-        engines = ([scheduler_or_engines] if isinstance(scheduler_or_engines, Engine)
-                   else list(scheduler_or_engines))
-        longest = max((len(r.prompt_ids) for r in requests), default=1)
-        scheduler = RolloutScheduler(
-            engines, max_rollout_len=min(engines[0].max_len, longest + config.max_response_len),
-            policy="dynamic", tool_timeout_s=config.tool_wait_s,
-            timeout_s=config.rollout_timeout_s)
+    scheduler = _scheduler_for(scheduler_or_engines, requests, config)
     episodes = [AgentEpisode(r, tokenizer, executor, config, stops, fmt) for r in requests]
+    _, timings = run_episodes(scheduler, episodes)
+    return [ep.traj for ep in episodes], timings
+
+
+def run_episodes(scheduler, episodes: Sequence[AgentEpisode], *, token_budget: int = 0,
+                 carried: Sequence = ()) -> tuple[list, dict[str, float]]:
+    """Drive ``episodes`` and ``carried`` (rollouts an earlier run paused, each ``.episode`` an
+    ``AgentEpisode``) through ``scheduler``: to the end, or with ``token_budget`` > 0 until each
+    has sampled that many tokens in this run (partial rollouts). Every episode that finished
+    gets its reward. Returns the rollouts paused at the budget (the next run's ``carried``) and
+    this run's timings."""
+    touched = list(episodes) + [r.episode for r in carried]
+    tool_wait_before = sum(ep.tool_wait_s for ep in touched)
+    retries_before = sum(ep.infra_retries for ep in touched)
     t0 = time.perf_counter()
-    stats = scheduler.run(episodes)
+    budgeted = {"token_budget": token_budget, "carried": carried} if token_budget or carried else {}
+    stats = scheduler.run(episodes, **budgeted)
     t1 = time.perf_counter()
-    verify = _collect_rewards(episodes, rollouts_end=time.monotonic())
+    finished = [ep for ep in touched if ep.done]
+    verify = _collect_rewards(finished, rollouts_end=time.monotonic())
     timings = {f"timing/rollout_{k}": v for k, v in stats.as_dict().items()}
     timings.update({
         "timing/rollout_s": t1 - t0,
         "timing/verify_wait_s": time.perf_counter() - t1,
-        "timing/tool_exec_wait_s": float(sum(ep.tool_wait_s for ep in episodes)),
+        "timing/tool_exec_wait_s": float(sum(ep.tool_wait_s for ep in touched) - tool_wait_before),
         "rollout/verify_timeouts": float(verify["verify_timeouts"]),
         "rollout/verify_infra_errors": float(verify["verify_infra_errors"]),
-        "rollout/infra_retries": float(sum(ep.infra_retries for ep in episodes)),
+        "rollout/infra_retries": float(sum(ep.infra_retries for ep in touched) - retries_before),
         # episodes ended by the infrastructure (excluded from training by the trainer)
-        "rollout/infra_errors": float(sum(ep.traj.finish == FinishReason.ERROR for ep in episodes)),
+        "rollout/infra_errors": float(sum(ep.traj.finish == FinishReason.ERROR for ep in finished)),
     })
-    return [ep.traj for ep in episodes], timings
+    return list(getattr(stats, "paused", ())), timings
+
+
+@dataclasses.dataclass
+class RolloutRound:
+    """One budgeted rollout run (``ColocatedRollouts.partial``): the trajectories that finished in
+    it (new requests' and carried ones'), the rollouts it paused, its timings."""
+
+    finished: list[Trajectory]
+    paused: list
+    timings: dict[str, float]
 
 
 class ColocatedRollouts:
@@ -430,18 +469,44 @@ class ColocatedRollouts:
         """Free the engines' serving copies and KV pools (``ColocatedEngines.release_memory``)."""
         self.serving.release_memory()
 
-    def __call__(self, records, n_per_prompt: int, seed: int, policy_version: int,
-                 sampling: SamplingParams | None = None):
-        """``sampling`` overrides the configured one for this call (e.g. greedy evaluation)."""
+    def requests(self, records, n_per_prompt: int, seed: int, policy_version: int,
+                 sampling: SamplingParams | None = None, group_ids: Sequence[int] | None = None
+                 ) -> list[RolloutRequest]:
+        """``n_per_prompt`` requests per record, seeded from ``seed`` and the record's position;
+        ``group_ids`` (default the positions) label each record's group."""
         sampling = sampling or self.sampling
+        group_ids = range(len(records)) if group_ids is None else list(group_ids)
         requests = []
-        for g, rec in enumerate(records):
+        for g, (rec, gid) in enumerate(zip(records, group_ids, strict=True)):
             prompt = encode_prompt(self.tokenizer, rec["problem"], self.fmt)
             if len(prompt) > self.max_prompt_len:
                 raise ValueError(f"prompt of record {g} has {len(prompt)} tokens > "
                                  f"max_prompt_len {self.max_prompt_len}")
             for j in range(n_per_prompt):
                 sp = dataclasses.replace(sampling, seed=(seed * 1_000_003 + g * n_per_prompt + j) % (2**31 - 1))
-                requests.append(RolloutRequest(prompt, str(rec["answer"]), g, sp, policy_version))
+                requests.append(RolloutRequest(prompt, str(rec["answer"]), int(gid), sp, policy_version,
+                                               sample_index=j))
+        return requests
+
+    def __call__(self, records, n_per_prompt: int, seed: int, policy_version: int,
+                 sampling: SamplingParams | None = None):
+        """``sampling`` overrides the configured one for this call (e.g. greedy evaluation)."""
+        requests = self.requests(records, n_per_prompt, seed, policy_version, sampling)
         return run_rollouts(self.scheduler, self.tokenizer, self.executor, requests,
                             self.agent_config, fmt=self.fmt)
+
+    def partial(self, records, n_per_prompt: int, seed: int, policy_version: int, *, token_budget: int,
+                carried: Sequence = (), group_ids: Sequence[int] | None = None) -> RolloutRound:
+        """Partial rollouts (Kimi k1.5 §2.6.2): continue ``carried`` (an earlier round's
+        ``paused``) under ``policy_version``, start the requests of ``records`` (labelled
+        ``group_ids``), and pause every rollout that samples ``token_budget`` tokens in this
+        round. The carried rollouts are re-prefilled under the weights served now; their tokens
+        from here on carry the new version (``Trajectory.version_starts``)."""
+        stops = StopIds.from_tokenizer(self.tokenizer, self.fmt)
+        episodes = [AgentEpisode(r, self.tokenizer, self.executor, self.agent_config, stops, self.fmt)
+                    for r in self.requests(records, n_per_prompt, seed, policy_version, group_ids=group_ids)]
+        for r in carried:
+            r.episode.continue_under(policy_version, r.n_sampled)
+        paused, timings = run_episodes(self.scheduler, episodes, token_budget=token_budget, carried=carried)
+        finished = [ep.traj for ep in list(episodes) + [r.episode for r in carried] if ep.done]
+        return RolloutRound(finished, paused, timings)

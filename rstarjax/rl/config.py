@@ -55,6 +55,10 @@ class RLConfig:
     # DAPO overlong filtering: truncated rollouts get loss mask 0 (the paper found it harmful, §4.3.1)
     overlong_filter: bool = False
     length_penalty_coef: float = 0.0  # Kimi k1.5 length reward (advantages.kimi_length_reward); 0 = off
+    # Kimi k1.5 partial rollouts (rl.partial): the most tokens one rollout samples in one step; one
+    # that has not finished by then is paused and continued in the next step under the new
+    # weights, and a group is trained once all its rollouts finished. 0 = off (the paper's loop)
+    partial_rollout_tokens: int = 0
 
     def __post_init__(self):
         floors = self.roc_min_negatives + self.roc_min_positives
@@ -82,6 +86,11 @@ class RLConfig:
             (isinstance(workers, int) and workers >= 0,
              f"num_tool_workers={workers!r} must be an integer >= 0 (0 = one per host core)"),
             (self.length_penalty_coef >= 0, f"length_penalty_coef={self.length_penalty_coef} must be >= 0"),
+            (isinstance(self.partial_rollout_tokens, int) and self.partial_rollout_tokens >= 0,
+             f"partial_rollout_tokens={self.partial_rollout_tokens!r} must be an integer >= 0 (0 = off)"),
+            (not (self.partial_rollout_tokens and self.dynamic_sampling),
+             "partial_rollout_tokens and dynamic_sampling do not combine: a partial step trains the groups "
+             "that completed, a dynamic-sampling step refills until it holds its quota; turn one off"),
         ]
         try:  # the rollout layer's own rules on the values it takes from this section
             self.agent(), self.sampling()

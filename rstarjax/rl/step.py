@@ -21,6 +21,7 @@ from rstarjax.rl import loss as loss_lib
 from rstarjax.rl import metrics as metrics_lib
 from rstarjax.rl.batch import TrainBatch, build_train_batch
 from rstarjax.rl.config import RLConfig
+from rstarjax.rl.partial import PartialRollouts, fresh_token_mask, policy_lag_metrics
 from rstarjax.rl.selection import informative_groups, select_groups, selection_metrics
 from rstarjax.rl.trainer import Trainer
 from rstarjax.rl.trajectory import RolloutFn, trajectories_of
@@ -82,7 +83,7 @@ def _empty_train_batch(num_rows: int, seq_len: int) -> TrainBatch:
                       old_logprobs=z.copy(), advantages=z.copy(), rollout_logprobs=z.copy())
 
 
-def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfig, loss_cfg: loss_lib.LossConfig,
+def rl_step(trainer: Trainer, rollout_fn: RolloutFn | PartialRollouts, records: list, cfg: RLConfig, loss_cfg: loss_lib.LossConfig,
             seed: int, more_records: Callable[[], list] | None = None,
             before_update: Callable[[], None] | None = None,
             serving_dtype: str | None = None) -> dict[str, float]:
@@ -121,8 +122,14 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
     sampler and trainer log-probs differ by more than ``metrics.logprob_gap_threshold`` of it
     (``train/logprob_gap_tokens_over``), and in a float32 run warn with the step and the
     affected trajectories' prompts when any does (docs/metrics.md).
+
+    Partial rollouts (``rl.partial_rollout_tokens``; ``rollout_fn`` a ``rl.partial.PartialRollouts``):
+    ``records`` are the prompts this step starts (at most its ``room``); the step trains the
+    groups that completed in it, new or carried, padded to ``groups_per_update`` groups. The
+    log-prob gap is measured on the tokens the current policy sampled (``fresh_token_mask``).
     """
-    quota = len(records)
+    partial = rollout_fn if isinstance(rollout_fn, PartialRollouts) else None
+    quota = partial.groups_per_update if partial is not None else len(records)
     num_rows = quota * cfg.group_size
     estimator = loss_cfg.advantage_estimator
     gap_threshold = None if serving_dtype is None else metrics_lib.logprob_gap_threshold(serving_dtype)
@@ -131,8 +138,12 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
     all_trajs, all_kept, groups, extras, selections = [], [], [], [], []
     dropped, rounds, offset, batch_records = 0, 0, 0, records
     while True:
-        out = rollout_fn(batch_records, cfg.rollouts_per_prompt, _round_seed(seed, rounds), trainer.step)
-        trajs, extra = trajectories_of(out), (out[1] if isinstance(out, tuple) else {})
+        if partial is None:
+            out = rollout_fn(batch_records, cfg.rollouts_per_prompt, _round_seed(seed, rounds), trainer.step)
+            trajs, extra = trajectories_of(out), (out[1] if isinstance(out, tuple) else {})
+        else:  # the groups that completed, whenever they started
+            batch_records, trajs, extra = partial.collect(batch_records, cfg.rollouts_per_prompt, seed,
+                                                          trainer.step)
         selection = select_groups(trajs, len(batch_records), cfg, _round_seed(seed, rounds))
         selections.append(selection)
         all_records += list(batch_records)
@@ -166,7 +177,12 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
                                           overlong_filter=cfg.overlong_filter)
     else:
         batch, layout = _empty_train_batch(num_rows, cfg.seq_len), None
-    metrics = {}
+    metrics, gap_mask = {}, None
+    if partial is not None:
+        metrics.update(policy_lag_metrics(train_trajs, trainer.step))
+        if layout is not None:
+            gap_mask = fresh_token_mask(train_trajs, layout.placements, [len(t.prompt_ids) for t in train_trajs],
+                                        trainer.step, num_rows, cfg.seq_len)
     metrics.update(metrics_lib.rollout_metrics(all_trajs, prefix="rollout_all/"))
     metrics.update(metrics_lib.group_metrics(all_trajs, prefix="rollout_all/"))
     metrics.update(metrics_lib.rollout_metrics(train_trajs or all_kept, prefix="rollout/"))
@@ -189,7 +205,7 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn, records: list, cfg: RLConfi
         if estimator == "dr_grpo":  # Dr. GRPO's constant: the configured sequences of one update x max length
             rows_per_update = num_rows * jax.process_count() // trainer.cfg.mini_batches
             denom = loss_lib.dr_grpo_denominator(rows_per_update, cfg.max_response_len)
-        metrics.update(trainer.train(batch, denom=denom, gap_threshold=gap_threshold))
+        metrics.update(trainer.train(batch, denom=denom, gap_threshold=gap_threshold, gap_mask=gap_mask))
         over = int(metrics.get("train/logprob_gap_tokens_over", 0))
         if over and serving_dtype is not None and metrics_lib.is_float32(serving_dtype):
             hit = [] if layout is None else metrics_lib.trajectories_at(

@@ -416,11 +416,13 @@ class Trainer:
         Single process: the full batch. Multi-process: each process passes *its own* rows (its
         data shard); the global batch is their concatenation in process order.
         """
-        arrays = batch_to_dict(batch)
+        return {k: self._put_rows(v) for k, v in batch_to_dict(batch).items()}
+
+    def _put_rows(self, rows) -> jax.Array:
+        """One [rows, L] host array (this process's rows) -> a global array sharded as the batch."""
         if jax.process_count() == 1:
-            return {k: jax.device_put(np.asarray(v), self.batch_sharding) for k, v in arrays.items()}
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
-                for k, v in arrays.items()}
+            return jax.device_put(np.asarray(rows), self.batch_sharding)
+        return jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(rows))
 
     def arrange_rows(self, arrays: Mapping[str, np.ndarray], mini_batches: int = 1,
                      whole_batch: bool = False) -> dict[str, np.ndarray]:
@@ -463,8 +465,8 @@ class Trainer:
             self.state, metrics = self.step_fn(rows, micro_loss, skip)(self.state, batch, denom_arr)
         return metrics
 
-    def train(self, batch, denom: float | None = None,
-              gap_threshold: float | None = None) -> dict[str, float]:
+    def train(self, batch, denom: float | None = None, gap_threshold: float | None = None,
+              gap_mask: np.ndarray | None = None) -> dict[str, float]:
         """The RL update: old log-probs (optionally recomputed), then ``mini_batches`` optimizer
         updates of eq. 6.
 
@@ -473,17 +475,24 @@ class Trainer:
         token count of each mini-batch (eq. 6). ``gap_threshold`` (with
         ``recompute_old_logprobs``): count the trained tokens whose sampler and trainer
         log-probs differ by more than this (``train/logprob_gap_tokens_over``, global) and keep
-        where the first of this process's rows are in ``logprob_gap_outliers``.
+        where the first of this process's rows are in ``logprob_gap_outliers``. ``gap_mask`` (host
+        [rows, L], this process's rows): measure the gap there instead of on every trained token
+        (partial rollouts: the tokens the current policy sampled).
         """
         self.logprob_gap_outliers = np.zeros((0, 2), np.int64)
         order = None  # the caller's row of each row put on the mesh (None: the same order)
+        if gap_mask is not None and _is_global(batch):
+            raise ValueError("gap_mask needs the batch as host arrays (it is put on the mesh with them)")
         if not _is_global(batch):
             arrays = batch_to_dict(batch)
             if self.cfg.skip_padding:
                 order = self.row_order(arrays, self.cfg.mini_batches)
                 arrays = {k: np.asarray(v)[order] for k, v in arrays.items()}
+            if gap_mask is not None:  # in the same row order, laid out as the loss mask
+                gap_mask = self._put_rows(np.asarray(gap_mask, np.float32)[slice(None) if order is None else order])
             batch = self.put_batch(arrays)
         batch = {k: batch[k] for k in BATCH_KEYS}
+        measured = batch["loss_mask"] if gap_mask is None else gap_mask
         metrics: dict[str, float] = {}
         t0 = time.perf_counter()
         if self.cfg.recompute_old_logprobs:
@@ -491,7 +500,7 @@ class Trainer:
             metrics["time/old_logprobs"] = time.perf_counter() - t0
             threshold = np.inf if gap_threshold is None else float(gap_threshold)
             gap, positions = _gap_on_device(batch["rollout_logprobs"], recomputed,
-                                            batch["loss_mask"], threshold, self.replicated)
+                                            measured, threshold, self.replicated)
             if gap_threshold is None:  # no threshold, no count
                 gap.pop("train/logprob_gap_tokens_over")
             metrics.update(gap)

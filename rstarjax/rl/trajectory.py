@@ -73,7 +73,12 @@ class Trajectory:
     finish: FinishReason = FinishReason.ERROR
     reward: float = 0.0
     group_id: int = 0
-    policy_version: int = 0
+    sample_index: int = 0  # which of its group's rollouts (request order)
+    policy_version: int = 0  # the policy that sampled its first token
+    # partial rollouts (rl.partial_rollout_tokens): (model tokens sampled before, version) from
+    # where a later policy sampled it on, one per resume under new weights; empty: every token
+    # is ``policy_version``'s
+    version_starts: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     response_text: str = ""  # decoded model + tool text, for logs and verification
     error: str = ""  # with Finish.ERROR: which part of the infrastructure failed, and how
 
@@ -104,6 +109,23 @@ class Trajectory:
     @property
     def num_model_tokens(self) -> int:
         return int(sum(len(s.ids) for s in self.segments if s.kind == SegmentKind.MODEL))
+
+    @property
+    def model_token_versions(self) -> np.ndarray:
+        """int32[num_model_tokens]: the policy version that sampled each model token, in order
+        (``policy_version``, then each ``version_starts`` entry from its token on)."""
+        out = np.full(self.num_model_tokens, self.policy_version, np.int32)
+        for first, version in self.version_starts:
+            out[first:] = version
+        return out
+
+    @property
+    def token_versions(self) -> np.ndarray:
+        """int32 aligned with ``response_ids``: each model token's policy version, -1 on tool
+        tokens."""
+        out = np.full(len(self.response_ids), -1, np.int32)
+        out[self.loss_mask > 0] = self.model_token_versions
+        return out
 
     @property
     def truncated(self) -> bool:

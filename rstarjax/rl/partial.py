@@ -1,0 +1,139 @@
+"""Partial rollouts in the RL loop (Kimi k1.5, arXiv 2501.12599, §2.6.2; ``rl.partial_rollout_tokens``).
+
+Each step's rollouts run with a token budget: a rollout that samples that many tokens in the
+step without finishing is paused (``serving.scheduler``: its pages go back to the pool; its
+tokens, log-probs and RNG position are kept) and continued in the next step, re-prefilled under
+the weights trained since. Long tails then stop setting the step time: the step ends when every
+rollout has finished or spent its budget.
+
+A prompt's group is trained once all its rollouts have finished, so RoC and the advantages
+always see whole groups (``PartialRollouts.collect``). The groups in flight never exceed one
+step's prompts: a step starts only as many new prompts as completed groups made room for, so
+the update's batch keeps its configured shape (a step with fewer complete groups pads, as a
+step with rejected groups does).
+
+Every model token keeps the policy version that sampled it (``Trajectory.version_starts``).
+Its sampler log-prob is that policy's: the behaviour policy of the off-policy correction
+(``loss.tis_cap``'s truncated importance weight), while the trainer's old log-probs are
+recomputed at the update (``trainer.recompute_old_logprobs``). The sampler/trainer log-prob gap
+alarm counts only the tokens of the policy being trained (``fresh_token_mask``): the others
+differ by design.
+
+Checkpoints: the records of groups in flight are saved with the step and start again from their
+prompts on resume; their unfinished rollouts, never trained, are dropped (counted in
+``partial/restarted_groups``). No rollout is trained twice.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from rstarjax.rl.trajectory import Trajectory
+
+
+@dataclasses.dataclass
+class GroupInFlight:
+    """One prompt's rollouts while some are still decoding."""
+
+    record: Mapping
+    size: int  # rollouts per prompt
+    finished: list[Trajectory] = dataclasses.field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.finished) == self.size
+
+
+@dataclasses.dataclass
+class PartialRollouts:
+    """The rollout side of an RL stage with partial rollouts: the groups in flight and the paused
+    rollouts between steps.
+
+    ``round_fn``: ``ColocatedRollouts.partial`` (or one with its signature: records, rollouts
+    per prompt, seed, policy version, keyword ``token_budget``, ``carried``, ``group_ids`` ->
+    ``agent_loop.RolloutRound``). ``groups_per_update``: this process's prompts per step."""
+
+    round_fn: Callable
+    token_budget: int
+    groups_per_update: int
+    groups: dict[int, GroupInFlight] = dataclasses.field(default_factory=dict)
+    paused: list = dataclasses.field(default_factory=list)
+    next_key: int = 0
+
+    def __post_init__(self):
+        if self.token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
+        if self.groups_per_update < 1:
+            raise ValueError(f"groups_per_update must be >= 1, got {self.groups_per_update}")
+
+    @property
+    def room(self) -> int:
+        """New prompts the next step may start: the groups in flight stay within one step's."""
+        return max(0, self.groups_per_update - len(self.groups))
+
+    def pending_records(self) -> list:
+        """The records of the groups in flight, oldest first: what a checkpoint keeps (they
+        start again from their prompts on resume)."""
+        return [self.groups[k].record for k in sorted(self.groups)]
+
+    def collect(self, records: Sequence[Mapping], rollouts_per_prompt: int, seed: int, version: int
+                ) -> tuple[list, list[Trajectory], dict[str, float]]:
+        """One step's rollouts: start ``records`` (at most ``room``), continue the paused ones
+        under policy ``version``, and return the groups that completed, oldest first: their
+        records, their trajectories (``group_id`` = the position of the record, each group in
+        sample order) and the round's figures."""
+        if len(records) > self.room:
+            raise ValueError(f"{len(records)} new prompts but room for {self.room} "
+                             f"({len(self.groups)} groups in flight of {self.groups_per_update})")
+        keys = list(range(self.next_key, self.next_key + len(records)))
+        self.next_key += len(records)
+        for key, record in zip(keys, records):
+            self.groups[key] = GroupInFlight(record, rollouts_per_prompt)
+        carried = len(self.paused)
+        rnd = self.round_fn(list(records), rollouts_per_prompt, seed, version,
+                            token_budget=self.token_budget, carried=self.paused, group_ids=keys)
+        self.paused = list(rnd.paused)
+        for traj in rnd.finished:
+            self.groups[int(traj.group_id)].finished.append(traj)
+        done = [k for k in sorted(self.groups) if self.groups[k].complete]
+        out_records, trajs = [], []
+        for position, key in enumerate(done):
+            group = self.groups.pop(key)
+            out_records.append(group.record)
+            members = sorted(group.finished, key=lambda t: t.sample_index)
+            trajs += [dataclasses.replace(t, group_id=position) for t in members]
+        figures = dict(rnd.timings)
+        figures.update({"partial/groups_started": float(len(records)),
+                        "partial/groups_completed": float(len(done)),
+                        "partial/groups_in_flight": float(len(self.groups)),
+                        "partial/rollouts_carried": float(carried),
+                        "partial/rollouts_paused": float(len(self.paused))})
+        return out_records, trajs, figures
+
+
+def policy_lag_metrics(trajectories: Sequence[Trajectory], version: int) -> dict[str, float]:
+    """How many updates behind ``version`` (the policy being trained) the trained model tokens
+    were sampled: the maximum and the token mean, and the share of tokens sampled by an older
+    policy."""
+    versions = [t.model_token_versions for t in trajectories]
+    lags = version - np.concatenate(versions) if versions else np.zeros(0, np.int32)
+    if not lags.size:
+        return {"partial/policy_lag_max": 0.0, "partial/policy_lag_mean": 0.0, "partial/stale_token_frac": 0.0}
+    return {"partial/policy_lag_max": float(lags.max()), "partial/policy_lag_mean": float(lags.mean()),
+            "partial/stale_token_frac": float(np.mean(lags > 0))}
+
+
+def fresh_token_mask(trajectories: Sequence[Trajectory], placements: Sequence, prompt_lengths: Sequence[int],
+                     version: int, num_rows: int, seq_len: int) -> np.ndarray:
+    """float32[num_rows, seq_len]: 1 on the model tokens that policy ``version`` sampled, where
+    ``batch.build_train_batch`` placed them (``placements``; a truncated response is cut the same
+    way). The sampler/trainer log-prob gap is measured there only."""
+    mask = np.zeros((num_rows, seq_len), np.float32)
+    for traj, place, prompt_len in zip(trajectories, placements, prompt_lengths):
+        fresh = (traj.token_versions == version).astype(np.float32)
+        room = place.length - prompt_len
+        first = place.start + prompt_len
+        mask[place.row, first:first + room] = fresh[:room]
+    return mask
