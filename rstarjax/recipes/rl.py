@@ -399,10 +399,10 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
                 except StopIteration:  # finite data (data.num_epochs) is used up
                     data_ran_out = True
                     break
-            else:  # as many new prompts as completed groups made room for
+            else:  # a step's new prompts, fewer while complete groups wait for an update
                 records, restart = restart[:partial.room], restart[partial.room:]
                 records += data_iter.take(partial.room - len(records))
-                if not records and not partial.groups:
+                if not records and not partial.groups and not partial.ready:
                     data_ran_out = True
                     break
             # one seed per (step, process), derived from the run key: same rollouts after a resume,
@@ -422,7 +422,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
                 stop_signal = guard.request.signum
                 break
             attempts += 1
-            if trainer.step == step and partial is not None and not metrics.get("partial/groups_completed"):
+            if trainer.step == step and partial is not None and not metrics.get("partial/groups_trained"):
                 # no group has finished all its rollouts yet: the next round goes on with them (its
                 # time counts in the step that trains them)
                 round_times = add_times(round_times, metrics)
@@ -440,11 +440,11 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
                         "data and the rollout metrics, or set --config.rl.reject_equal_reward=False")
                 continue
             metrics["filter/rejected_batches"] = float(rejected_in_a_row)
-            rejected_in_a_row, attempts = 0, 0
             if partial is not None:
                 metrics["partial/restarted_groups"], restarted = float(restarted), 0
                 metrics["partial/rounds"] = float(attempts)
                 metrics, round_times = add_times(metrics, round_times), {}
+            rejected_in_a_row, attempts = 0, 0
             finished_data = (data_iter.get_state(), [] if partial is None else partial.pending_records() + restart)
             t_handoff = time.perf_counter()
             if on_update is not None:

@@ -7,10 +7,13 @@ the weights trained since. Long tails then stop setting the step time: the step 
 rollout has finished or spent its budget.
 
 A prompt's group is trained once all its rollouts have finished, so RoC and the advantages
-always see whole groups (``PartialRollouts.collect``). The groups in flight never exceed one
-step's prompts: a step starts only as many new prompts as completed groups made room for, so
-the update's batch keeps its configured shape (a step with fewer complete groups pads, as a
-step with rejected groups does).
+always see whole groups (``PartialRollouts.collect``). Each step starts a step's worth of new
+prompts (as Kimi k1.5 does), so in the steady state as many groups finish as start, and trains
+at most one step's groups, oldest first: the update keeps its configured shape (a step with
+fewer complete groups pads, as a step with rejected groups does). Complete groups beyond that
+wait for the next step, and while they do, fewer new prompts start (``room``): the queue stays
+under one step's groups. A group finishes within ceil(max_response_len / budget) rounds (every
+unfinished rollout samples its budget each round), which bounds the groups in flight.
 
 Every model token keeps the policy version that sampled it (``Trajectory.version_starts``).
 Its sampler log-prob is that policy's: the behaviour policy of the off-policy correction
@@ -58,7 +61,8 @@ class PartialRollouts:
     round_fn: Callable
     token_budget: int
     groups_per_update: int
-    groups: dict[int, GroupInFlight] = dataclasses.field(default_factory=dict)
+    groups: dict[int, GroupInFlight] = dataclasses.field(default_factory=dict)  # decoding
+    ready: list[GroupInFlight] = dataclasses.field(default_factory=list)  # complete, not yet trained
     paused: list = dataclasses.field(default_factory=list)
     next_key: int = 0
 
@@ -70,23 +74,24 @@ class PartialRollouts:
 
     @property
     def room(self) -> int:
-        """New prompts the next step may start: the groups in flight stay within one step's."""
-        return max(0, self.groups_per_update - len(self.groups))
+        """New prompts the next step starts: one step's, less the complete groups still waiting
+        for an update."""
+        return max(0, self.groups_per_update - len(self.ready))
 
     def pending_records(self) -> list:
-        """The records of the groups in flight, oldest first: what a checkpoint keeps (they
-        start again from their prompts on resume)."""
-        return [self.groups[k].record for k in sorted(self.groups)]
+        """The records of the groups not yet trained (waiting, then decoding, oldest first):
+        what a checkpoint keeps (they start again from their prompts on resume)."""
+        return [g.record for g in self.ready] + [self.groups[k].record for k in sorted(self.groups)]
 
     def collect(self, records: Sequence[Mapping], rollouts_per_prompt: int, seed: int, version: int
                 ) -> tuple[list, list[Trajectory], dict[str, float]]:
         """One step's rollouts: start ``records`` (at most ``room``), continue the paused ones
-        under policy ``version``, and return the groups that completed, oldest first: their
-        records, their trajectories (``group_id`` = the position of the record, each group in
-        sample order) and the round's figures."""
+        under policy ``version``, and return at most ``groups_per_update`` complete groups, first
+        complete first trained (a round's own in the order they started): their records, their trajectories (``group_id`` = the position of the
+        record, each group in sample order) and the round's figures."""
         if len(records) > self.room:
             raise ValueError(f"{len(records)} new prompts but room for {self.room} "
-                             f"({len(self.groups)} groups in flight of {self.groups_per_update})")
+                             f"({len(self.ready)} complete groups wait, of {self.groups_per_update} per step)")
         keys = list(range(self.next_key, self.next_key + len(records)))
         self.next_key += len(records)
         for key, record in zip(keys, records):
@@ -98,15 +103,18 @@ class PartialRollouts:
         for traj in rnd.finished:
             self.groups[int(traj.group_id)].finished.append(traj)
         done = [k for k in sorted(self.groups) if self.groups[k].complete]
+        self.ready += [self.groups.pop(k) for k in done]
+        trained, self.ready = self.ready[:self.groups_per_update], self.ready[self.groups_per_update:]
         out_records, trajs = [], []
-        for position, key in enumerate(done):
-            group = self.groups.pop(key)
+        for position, group in enumerate(trained):
             out_records.append(group.record)
             members = sorted(group.finished, key=lambda t: t.sample_index)
             trajs += [dataclasses.replace(t, group_id=position) for t in members]
         figures = dict(rnd.timings)
         figures.update({"partial/groups_started": float(len(records)),
                         "partial/groups_completed": float(len(done)),
+                        "partial/groups_trained": float(len(trained)),
+                        "partial/groups_waiting": float(len(self.ready)),
                         "partial/groups_in_flight": float(len(self.groups)),
                         "partial/rollouts_carried": float(carried),
                         "partial/rollouts_paused": float(len(self.paused))})

@@ -124,8 +124,8 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | PartialRollouts, records: 
     affected trajectories' prompts when any does (docs/metrics.md).
 
     Partial rollouts (``rl.partial_rollout_tokens``; ``rollout_fn`` a ``rl.partial.PartialRollouts``):
-    ``records`` are the prompts this step starts (at most its ``room``); the step trains the
-    groups that completed in it, new or carried, padded to ``groups_per_update`` groups. The
+    ``records`` are the prompts this step starts (at most its ``room``); the step trains at most
+    ``groups_per_update`` complete groups, new or carried, oldest first, padded to that many. The
     log-prob gap is measured on the tokens the current policy sampled (``fresh_token_mask``).
     """
     partial = rollout_fn if isinstance(rollout_fn, PartialRollouts) else None
