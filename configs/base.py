@@ -81,6 +81,7 @@ def get_config(arg=None):
     # Kimi k1.5 partial rollouts (docs/training.md): at most this many tokens per rollout per step;
     # unfinished ones continue in the next step under the new weights. 0 = off (the paper's loop)
     c.rl.partial_rollout_tokens = 0
+    c.rl.partial_reprefill = False  # True: re-prefill paused rollouts under the new weights; False: keep their KV
 
     # ---- reward (rstarjax/recipes/config.py RewardConfig) ------------------------------------------
     c.reward = ml_collections.ConfigDict()

@@ -196,29 +196,35 @@ def _sampled_at(episodes, temperature):
     return episodes
 
 
-@pytest.mark.parametrize("kv_pages,temperature", [(None, 0.0), (10, 1.0)])
+@pytest.mark.parametrize("kv_pages,temperature,keep_kv", [
+    (None, 0.0, False), (10, 1.0, False), (None, 1.0, True), (10, 0.0, True)])
 def test_partial_rollouts_paused_and_continued_equal_uninterrupted_ones(model, kv_pages,
-                                                                         temperature):
+                                                                         temperature, keep_kv):
     """Partial rollouts: runs with a budget of 5 sampled tokens each pause the rollouts that
-    reach it and the next run continues them (re-prefill), until all finish; with unchanged
-    weights every conversation and log-prob equals that of one uninterrupted run, greedy and
-    sampled at T = 1 (the RNG stream continues; with a tight pool the runs also preempt). No run samples more than budget + decode_steps - 1
-    tokens of one rollout, and each run leaves the pool whole."""
+    reach it and the next run continues them (re-prefilled, or with ``keep_kv`` decoding on in
+    the slots that kept their KV), until all finish; with unchanged weights every conversation
+    and log-prob equals that of one uninterrupted run, greedy and sampled at T = 1 (the RNG
+    stream continues; with a tight pool the runs also preempt, and held rollouts give their
+    pages back). No run samples more than budget + decode_steps - 1 tokens of one rollout, and
+    each run leaves the pool whole but for the pages the held rollouts keep."""
     budget, steps = 5, 4
     eng = _engine(model, **({"kv_pages": kv_pages} if kv_pages else {}))
     sched = RolloutScheduler([eng], max_rollout_len=MAX_LEN, admit_reserve_tokens=0,
                              decode_steps=steps)
-    eps, carried, runs = _sampled_at(_episodes(0), temperature), [], 0
+    eps, carried, runs, held = _sampled_at(_episodes(0), temperature), [], 0, 0
     new = eps
     while new or carried:
         before = {id(r): r.n_sampled for r in carried}
-        stats = sched.run(new, token_budget=budget, carried=carried)
+        stats = sched.run(new, token_budget=budget, carried=carried, keep_kv=keep_kv)
         for r in stats.paused:
             assert r.n_sampled - before.get(id(r), 0) <= budget + steps - 1
-        assert eng.pages.num_free == eng.num_pages
+        kept = [r.slot for r in stats.paused if r.held_by is not None]
+        held += len(kept)
+        assert eng.pages.num_free == eng.num_pages - sum(len(eng.slot_pages(s)) for s in kept)
         new, carried, runs = [], stats.paused, runs + 1
         assert runs < 50, "partial rollouts did not finish"
     assert runs > 3  # the budget really paused them (turns of 4-8 tokens, 3 turns)
+    assert (held > 0) == keep_kv
     roomy = _sampled_at(_episodes(0), temperature)
     RolloutScheduler([_engine(model)], max_rollout_len=MAX_LEN).run(roomy)
     for a, b in zip(eps, roomy):

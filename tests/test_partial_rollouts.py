@@ -49,7 +49,7 @@ class PausingRollouts:
     def __call__(self, records, n, seed, version):  # the synchronous contract (unused with partial)
         raise AssertionError("partial rollouts must call .partial")
 
-    def partial(self, records, n, seed, version, *, token_budget, carried=(), group_ids=None):
+    def partial(self, records, n, seed, version, *, token_budget, carried=(), group_ids=None, keep_kv=True):
         group_ids = range(len(records)) if group_ids is None else group_ids
         live = list(carried)
         for rec, gid in zip(records, group_ids):
@@ -149,6 +149,8 @@ def test_policy_lag_and_the_fresh_token_mask_by_hand():
 # ---- the agent loop across pauses: real engine, real tools, a scripted policy --------------------
 @pytest.mark.slow  # ~40 s on 2 shared cores (compiles + sandboxed tool calls)
 def test_agent_rollouts_paused_every_few_tokens_equal_uninterrupted_ones():
+    """Paused rollouts keep their KV (the default) and decode on from it; the tool calls, the
+    rewards and every token and log-prob are those of an uninterrupted run."""
     from rstarjax.env import CodeExecutor
     from rstarjax.models.chat_template import COMPACT, encode_prompt
     from rstarjax.models.config import ModelConfig
@@ -179,12 +181,12 @@ def test_agent_rollouts_paused_every_few_tokens_equal_uninterrupted_ones():
         whole, _ = run_rollouts(sched, tok, executor, requests(True), config, fmt=COMPACT)
         stops = StopIds.from_tokenizer(tok, COMPACT)
         episodes = [AgentEpisode(r, tok, executor, config, stops, COMPACT) for r in requests(True)]
-        paused, _ = run_episodes(sched, episodes, token_budget=7)
+        paused, _ = run_episodes(sched, episodes, token_budget=7, keep_kv=True)
         rounds = 1
         while paused:
             for r in paused:  # a new "version" each round: recorded, weights unchanged
                 r.episode.continue_under(rounds, r.n_sampled)
-            paused, _ = run_episodes(sched, [], token_budget=7, carried=paused)
+            paused, _ = run_episodes(sched, [], token_budget=7, carried=paused, keep_kv=True)
             rounds += 1
             assert rounds < 200
     assert rounds > 3  # the scripted turns are tens of tokens: paused many times

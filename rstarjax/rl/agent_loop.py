@@ -392,17 +392,18 @@ def run_rollouts(scheduler_or_engines: RolloutScheduler | Engine | Sequence[Engi
 
 
 def run_episodes(scheduler, episodes: Sequence[AgentEpisode], *, token_budget: int = 0,
-                 carried: Sequence = ()) -> tuple[list, dict[str, float]]:
+                 carried: Sequence = (), keep_kv: bool = False) -> tuple[list, dict[str, float]]:
     """Drive ``episodes`` and ``carried`` (rollouts an earlier run paused, each ``.episode`` an
     ``AgentEpisode``) through ``scheduler``: to the end, or with ``token_budget`` > 0 until each
-    has sampled that many tokens in this run (partial rollouts). Every episode that finished
-    gets its reward. Returns the rollouts paused at the budget (the next run's ``carried``) and
+    has sampled that many tokens in this run (partial rollouts; ``keep_kv``: the paused ones
+    keep their KV pages, ``RolloutScheduler.run``). Every episode that finished gets its reward. Returns the rollouts paused at the budget (the next run's ``carried``) and
     this run's timings."""
     touched = list(episodes) + [r.episode for r in carried]
     tool_wait_before = sum(ep.tool_wait_s for ep in touched)
     retries_before = sum(ep.infra_retries for ep in touched)
     t0 = time.perf_counter()
-    budgeted = {"token_budget": token_budget, "carried": carried} if token_budget or carried else {}
+    budgeted = ({"token_budget": token_budget, "carried": carried, "keep_kv": keep_kv}
+                if token_budget or carried else {})
     stats = scheduler.run(episodes, **budgeted)
     t1 = time.perf_counter()
     finished = [ep for ep in touched if ep.done]
@@ -496,17 +497,22 @@ class ColocatedRollouts:
                             self.agent_config, fmt=self.fmt)
 
     def partial(self, records, n_per_prompt: int, seed: int, policy_version: int, *, token_budget: int,
-                carried: Sequence = (), group_ids: Sequence[int] | None = None) -> RolloutRound:
+                carried: Sequence = (), group_ids: Sequence[int] | None = None,
+                keep_kv: bool = True) -> RolloutRound:
         """Partial rollouts (Kimi k1.5 §2.6.2): continue ``carried`` (an earlier round's
         ``paused``) under ``policy_version``, start the requests of ``records`` (labelled
         ``group_ids``), and pause every rollout that samples ``token_budget`` tokens in this
-        round. The carried rollouts are re-prefilled under the weights served now; their tokens
-        from here on carry the new version (``Trajectory.version_starts``)."""
+        round. The carried rollouts decode on from the KV they kept (``keep_kv``, as slime and
+        SkyRL do: the KV of their earlier tokens is the older weights'), or are re-prefilled
+        under the weights served now (``keep_kv=False``; also whenever their pages were
+        needed, e.g. ``serving.release_during_update``); their tokens from here on carry the
+        new version (``Trajectory.version_starts``)."""
         stops = StopIds.from_tokenizer(self.tokenizer, self.fmt)
         episodes = [AgentEpisode(r, self.tokenizer, self.executor, self.agent_config, stops, self.fmt)
                     for r in self.requests(records, n_per_prompt, seed, policy_version, group_ids=group_ids)]
         for r in carried:
             r.episode.continue_under(policy_version, r.n_sampled)
-        paused, timings = run_episodes(self.scheduler, episodes, token_budget=token_budget, carried=carried)
+        paused, timings = run_episodes(self.scheduler, episodes, token_budget=token_budget, carried=carried,
+                                       keep_kv=keep_kv)
         finished = [ep.traj for ep in list(episodes) + [r.episode for r in carried] if ep.done]
         return RolloutRound(finished, paused, timings)

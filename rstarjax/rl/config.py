@@ -59,6 +59,9 @@ class RLConfig:
     # that has not finished by then is paused and continued in the next step under the new
     # weights, and a group is trained once all its rollouts finished. 0 = off (the paper's loop)
     partial_rollout_tokens: int = 0
+    # True: a paused rollout is re-prefilled under the new weights; False (as slime and SkyRL): it
+    # decodes on from the KV it kept, computed by the weights that sampled its earlier tokens
+    partial_reprefill: bool = False
 
     def __post_init__(self):
         floors = self.roc_min_negatives + self.roc_min_positives
@@ -88,6 +91,8 @@ class RLConfig:
             (self.length_penalty_coef >= 0, f"length_penalty_coef={self.length_penalty_coef} must be >= 0"),
             (isinstance(self.partial_rollout_tokens, int) and self.partial_rollout_tokens >= 0,
              f"partial_rollout_tokens={self.partial_rollout_tokens!r} must be an integer >= 0 (0 = off)"),
+            (isinstance(self.partial_reprefill, bool),
+             f"partial_reprefill={self.partial_reprefill!r} must be True or False"),
             (not (self.partial_rollout_tokens and self.dynamic_sampling),
              "partial_rollout_tokens and dynamic_sampling do not combine: a partial step trains the groups "
              "that completed, a dynamic-sampling step refills until it holds its quota; turn one off"),

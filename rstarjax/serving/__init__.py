@@ -4,7 +4,8 @@ the weight hand-off, sizing, sampling, the rollout scheduler (the one drive loop
 slices and their config, and batch completion (``generate``)."""
 from rstarjax.serving.colocated import ColocatedEngines, ServingConfig
 from rstarjax.serving.completions import Completion, generate
-from rstarjax.serving.engine import DecodeBlock, Engine, SlotToken
+from rstarjax.serving.engine import Engine
+from rstarjax.serving.programs import DecodeBlock, SlotToken
 from rstarjax.serving.jetstream_contract import JetStreamContractEngine, Prefix, ResultTokens
 from rstarjax.serving.pages import OutOfPages, PagePool, SlotTable
 from rstarjax.serving.programs import DecodeState, DoneReason

@@ -40,61 +40,14 @@ from rstarjax.serving.handoff import (ServingLayout, require_process_local, serv
                                       update_engines)
 from rstarjax.serving.pages import OutOfPages, PagePool, SlotInfo, SlotTable
 from rstarjax.serving.placement import Placement, delete_arrays
-from rstarjax.serving.programs import (MAX_STOP_IDS, DecodeState, DoneReason, decode_program,
-                                       empty_decode_state, feed_program, insert_program,
-                                       sample_program, stop_row)
+from rstarjax.serving.programs import (MAX_STOP_IDS, DecodeBlock, DecodeState, DoneReason, FeedRow,
+                                       FeedSample, SlotToken, decode_program, empty_decode_state,
+                                       feed_program, insert_program, sample_program, stop_row)
 from rstarjax.serving.sampling import SamplingParams
 from rstarjax.serving.sizing import plan_kv
 from rstarjax.serving.start_plan import StartGroup, StartRequest, plan_start, start_cost
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # rows per feed call, padded up to one of these
-
-
-@dataclasses.dataclass
-class DecodeBlock:
-    """Host copy of one ``decode`` call: ``steps`` rows of per-slot results."""
-
-    tokens: np.ndarray  # int32[steps, B]
-    logprobs: np.ndarray  # f32[steps, B]
-    valid: np.ndarray  # bool[steps, B]
-    done: np.ndarray  # int32[steps, B]
-    lengths: np.ndarray  # int32[B] after the call
-
-    @property
-    def steps(self) -> int:
-        return self.tokens.shape[0]
-
-
-@dataclasses.dataclass
-class SlotToken:
-    """A token sampled after a prefill or ``extend``."""
-
-    token: int
-    logprob: float
-    done: DoneReason
-
-
-@dataclasses.dataclass
-class FeedSample:
-    """A token to sample from a fed row's last logits, for a slot (or a detached prefix)."""
-
-    slot: int  # -1: not bound to a slot (JetStream prefill)
-    sampling: SamplingParams
-    counter: int
-    budget: int
-    forced: int
-    length: int = 0  # tokens in the cache after the feed
-    copy: tuple[int, int] | None = None  # (source, destination) page copied before insert
-
-
-@dataclasses.dataclass
-class FeedRow:
-    """Tokens to feed into pages (``Engine._run_rows``), then the samples they serve."""
-
-    pages: list[int]  # pages the row writes into (a slot's list or a detached prefix's)
-    start: int  # tokens already in them
-    tokens: np.ndarray  # to feed
-    samples: list[FeedSample]
 
 
 def default_buckets(max_len: int, min_bucket: int = 16) -> tuple[int, ...]:
@@ -207,6 +160,7 @@ class Engine:
         self.max_prefill_tokens = max(int(max_prefill_tokens), self.buckets[-1])
         self.pages = PagePool(self.num_pages, self.page_size)
         self.slots = SlotTable(self.pages, self.num_slots, self.table_width, self.max_len)
+        self.held: set[int] = set()  # slots of partial rollouts paused with their KV (``hold``)
         self._k, self._v = self._new_pool()
         # Counters (read by the scheduler and benchmarks).
         self.busy_seconds = 0.0  # inside engine programs, host syncs included
@@ -217,13 +171,40 @@ class Engine:
         self.generated_tokens = 0  # tokens sampled by decode steps
 
     # ---- slots and their decode state ------------------------------------------------------
-    def init_decode_state(self) -> DecodeState:
-        """Fresh decode state; every slot free and every page returned to the pool."""
+    def init_decode_state(self, keep: Sequence[int] = ()) -> DecodeState:
+        """Fresh decode state; every slot free and every page returned to the pool, except the
+        held slots in ``keep`` (partial rollouts paused with their KV, ``hold``), which stay
+        idle with their pages, pending token and RNG position."""
         if self.memory_released:
             raise RuntimeError("the engine was released (serving.release_during_update): "
                                "update_params before serving again")
-        self.slots.reset()
-        return self.placement.put(empty_decode_state(self.num_slots))
+        if not set(keep) <= self.held:
+            raise ValueError(f"slots {sorted(set(keep) - self.held)} are not held (hold them before keeping them)")
+        self.slots.reset(keep)
+        self.held = set(keep)
+        state = self.placement.put(empty_decode_state(self.num_slots))
+        return self._insert(state, list(keep), [], []) if keep else state
+
+    def hold(self, state: DecodeState, slot: int) -> DecodeState:
+        """Stop ``slot`` decoding and keep its pages, pending token and RNG position: a partial
+        rollout paused with its KV. ``resume`` continues it, in this decode state or in a later
+        one (``init_decode_state(keep=...)``)."""
+        info = self.slots[slot]
+        if info is None or not info.active:
+            raise ValueError(f"slot {slot} is not decoding")
+        info.active = False
+        self.held.add(slot)
+        return self._insert(state, [slot], [], [])
+
+    def resume(self, state: DecodeState, slots: Sequence[int]) -> DecodeState:
+        """Held ``slots`` decode on from their pending token, on the KV they hold (written by
+        whatever weights were served then)."""
+        for slot in slots:
+            if slot not in self.held:
+                raise ValueError(f"slot {slot} is not held")
+            self.held.discard(slot)
+            self.slots[slot].active = True
+        return self._insert(state, list(slots), [], []) if slots else state
 
     def bucket_for(self, n: int) -> int:
         for b in self.buckets:
@@ -235,6 +216,7 @@ class Engine:
         """Release ``slot`` and its pages. The slot stops decoding at the next call (a
         preempted, still active slot too)."""
         self.slots.free(slot)
+        self.held.discard(slot)
 
     # ---- multi-turn and batched additions --------------------------------------------------
     def extend(self, params, decode_state: DecodeState, slot: int, tokens: Sequence[int], *,
@@ -426,7 +408,11 @@ class Engine:
     def release_memory(self) -> None:
         """Free the serving copy and the KV pool (``serving.release_during_update``: room for
         the train step on the same devices, docs/serving.md "Memory plan"); the next
-        ``update_params`` makes both again. Every slot must be free."""
+        ``update_params`` makes both again. Held slots (partial rollouts paused with their KV)
+        give their pages back (they are re-prefilled when continued); every other slot must be
+        free."""
+        for slot in sorted(self.held):
+            self.free_resource(slot)
         if self.live_slots():
             raise ValueError(f"release_memory: slots {self.live_slots()} still hold requests")
         delete_arrays((self.params, self._k, self._v))
@@ -472,6 +458,11 @@ class Engine:
         if info is None:
             raise ValueError(f"slot {slot} holds no request")
         return dataclasses.replace(info, pages=list(info.pages))
+
+    def is_held(self, slot: int) -> bool:
+        """Whether ``slot`` still holds a rollout paused with its KV (``hold``): a decode state
+        made since without keeping it freed it."""
+        return slot in self.held
 
     def is_decoding(self, slot: int) -> bool:
         info = self.slots[slot]

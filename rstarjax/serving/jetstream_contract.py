@@ -16,7 +16,8 @@ from typing import Sequence
 import numpy as np
 
 from rstarjax.models.kv_cache import pages_for
-from rstarjax.serving.engine import Engine, FeedRow, FeedSample
+from rstarjax.serving.engine import Engine
+from rstarjax.serving.programs import FeedRow, FeedSample
 from rstarjax.serving.programs import DecodeState, DoneReason, stop_row
 from rstarjax.serving.sampling import SamplingParams
 

@@ -150,8 +150,13 @@ class SlotTable:
         self.table = np.full((self.num_slots, int(width)), NO_PAGE, np.int32)
         self._slots: list[SlotInfo | None] = [None] * self.num_slots
 
-    def reset(self) -> None:
-        """Every slot free and every page of the pool returned."""
+    def reset(self, keep: Sequence[int] = ()) -> None:
+        """Every slot free and every page of the pool returned, except the slots in ``keep``
+        (with their pages)."""
+        if keep:
+            for slot in set(range(self.num_slots)) - set(keep):
+                self.free(slot)
+            return
         self.pool.reset()
         self.table[:] = NO_PAGE
         self._slots = [None] * self.num_slots

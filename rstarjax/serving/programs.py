@@ -69,6 +69,55 @@ class DecodeState:
 
 
 
+# ---- what the host reads back from the programs, and what it feeds them ----------------------
+
+@dataclasses.dataclass
+class DecodeBlock:
+    """Host copy of one ``decode`` call: ``steps`` rows of per-slot results."""
+
+    tokens: np.ndarray  # int32[steps, B]
+    logprobs: np.ndarray  # f32[steps, B]
+    valid: np.ndarray  # bool[steps, B]
+    done: np.ndarray  # int32[steps, B]
+    lengths: np.ndarray  # int32[B] after the call
+
+    @property
+    def steps(self) -> int:
+        return self.tokens.shape[0]
+
+
+@dataclasses.dataclass
+class SlotToken:
+    """A token sampled after a prefill or ``extend``."""
+
+    token: int
+    logprob: float
+    done: DoneReason
+
+
+@dataclasses.dataclass
+class FeedSample:
+    """A token to sample from a fed row's last logits, for a slot (or a detached prefix)."""
+
+    slot: int  # -1: not bound to a slot (JetStream prefill)
+    sampling: SamplingParams
+    counter: int
+    budget: int
+    forced: int
+    length: int = 0  # tokens in the cache after the feed
+    copy: tuple[int, int] | None = None  # (source, destination) page copied before insert
+
+
+@dataclasses.dataclass
+class FeedRow:
+    """Tokens to feed into pages (``Engine._run_rows``), then the samples they serve."""
+
+    pages: list[int]  # pages the row writes into (a slot's list or a detached prefix's)
+    start: int  # tokens already in them
+    tokens: np.ndarray  # to feed
+    samples: list[FeedSample]
+
+
 def empty_decode_state(num_slots: int) -> DecodeState:
     """Every slot free (host-side zeros; the engine places them)."""
     b = num_slots

@@ -144,6 +144,7 @@ class _Rollout:
     budget: int = 0  # tokens it may sample after the pending one (kept while parked)
     turn_start: int = 0  # cache length when its current turn started (prompt or tool turn in)
     run_start: int = 0  # n_sampled when the current run took it up (partial rollouts' budget)
+    held_by: int | None = None  # paused with its KV kept: the index of the engine holding its slot
 
 
 class _Source:
@@ -210,14 +211,18 @@ class RolloutScheduler:
         self.timeout_s = float(timeout_s)
 
     def run(self, episodes: Sequence[Episode], *, token_budget: int = 0,
-            carried: Sequence["_Rollout"] = ()) -> ScheduleStats:
+            carried: Sequence["_Rollout"] = (), keep_kv: bool = False) -> ScheduleStats:
         """Run every episode to completion (their own objects collect the results), or with
         ``token_budget`` > 0 until it has sampled that many tokens in this run (it is then
         paused and returned in ``ScheduleStats.paused``). ``carried``: rollouts a previous run
-        paused, continued before any new episode is admitted."""
+        paused, continued before any new episode is admitted. ``keep_kv``: a paused rollout
+        keeps its slot and KV pages (``Engine.hold``) and the next run decodes on from them;
+        else, or when a run needs the pages for progress, it gives them back and is
+        re-prefilled."""
         if token_budget < 0:
             raise ValueError(f"token_budget must be >= 0 (0 = no budget), got {token_budget}")
-        if any(r.slot is not None or r.waiting is not None or r.append is not None for r in carried):
+        if any((r.slot is not None and r.held_by is None) or r.waiting is not None or r.append is not None
+               for r in carried):
             raise ValueError("carried rollouts must be ones a run paused (ScheduleStats.paused)")
         for ep in episodes:
             if len(ep.prompt_ids) >= self.max_rollout_len:
@@ -233,13 +238,16 @@ class RolloutScheduler:
             bounds = np.linspace(0, len(episodes), n + 1).round().astype(int)
             sources = [_Source(episodes[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
         stats = [SliceStats() for _ in range(n)]
-        carry = [list(carried[i::n]) for i in range(n)]  # any slice can re-prefill a paused one
+        # a held rollout goes back to the slice holding its pages; any slice can re-prefill one
+        loose = [r for r in carried if r.held_by is None]
+        carry = [[r for r in carried if r.held_by == i] + loose[i::n] for i in range(n)]
         errors: list[BaseException] = []
         stop = threading.Event()
         deadline = time.monotonic() + self.timeout_s
         t0 = time.perf_counter()
         threads = [threading.Thread(target=self._guarded, daemon=True, name=f"slice-{i}",
-                                    args=(e, src, st, stop, deadline, t0, errors, token_budget, c))
+                                    args=(e, i, src, st, stop, deadline, t0, errors, token_budget, c,
+                                          keep_kv))
                    for i, (e, src, st, c) in enumerate(zip(self.engines, sources, stats, carry))]
         for t in threads:
             t.start()
@@ -253,10 +261,11 @@ class RolloutScheduler:
             raise TimeoutError(f"rollouts did not finish within {self.timeout_s} s")
         return ScheduleStats(makespan, stats)
 
-    def _guarded(self, engine, source, stats, stop, deadline, t0, errors, token_budget, carried):
+    def _guarded(self, engine, index, source, stats, stop, deadline, t0, errors, token_budget, carried,
+                 keep_kv):
         try:
             _SliceDriver(self, engine, source, stats, stop, deadline, t0, token_budget,
-                         carried).run()
+                         carried, index=index, keep_kv=keep_kv).run()
         except BaseException as e:  # surfaced by run(); stop the other slices too
             errors.append(e)
             stop.set()
@@ -268,17 +277,24 @@ class _SliceDriver:
 
     def __init__(self, sched: RolloutScheduler, engine: Engine, source: _Source,
                  stats: SliceStats, stop: threading.Event, deadline: float, t0: float,
-                 token_budget: int = 0, carried: Sequence[_Rollout] = ()):
+                 token_budget: int = 0, carried: Sequence[_Rollout] = (), index: int = 0,
+                 keep_kv: bool = False):
         self.s, self.engine, self.source, self.stats = sched, engine, source, stats
         self.stop, self.deadline, self.t0 = stop, deadline, t0
         self.token_budget = int(token_budget)
+        self.index, self.keep_kv = index, bool(keep_kv)
         self.live: dict[int, _Rollout] = {}  # slot -> rollout holding pages
         self.seq = itertools.count()
         # preempted (or paused by an earlier run), oldest first: carried ones older than any new
         self.parked: list[_Rollout] = []
+        # held rollouts decode on in their slots; one whose slot a run without it freed since
+        # (e.g. an evaluation on the same engines) is re-prefilled instead
+        self.held = [r for r in carried if r.held_by is not None and engine.is_held(r.slot)]
         for r in carried:
             r.seq, r.run_start = next(self.seq), r.n_sampled
-            self.parked.append(r)
+            if r not in self.held:
+                r.slot, r.held_by = None, None
+                self.parked.append(r)
         self.reserve = 0 if sched.adaptive_reserve else sched.reserve  # growth reserve, tokens
         self.state = None
         self.params = None
@@ -292,9 +308,13 @@ class _SliceDriver:
 
     def run(self) -> None:
         e = self.engine
-        self.state = e.init_decode_state()
+        self.state = e.init_decode_state(keep=[r.slot for r in self.held])
+        for r in self.held:
+            r.held_by = None
+            self.live[r.slot] = r
         before = (e.busy_seconds, e.prefill_tokens, e.host_syncs)
         try:
+            self.state = e.resume(self.state, [r.slot for r in self.held])
             while not self.stop.is_set():
                 if time.monotonic() > self.deadline:
                     raise TimeoutError("rollout slice passed its deadline")
@@ -310,6 +330,8 @@ class _SliceDriver:
                 if not self.live and not self.parked and len(self.source) == 0:
                     break
                 if not self._wait_for_tools() and not progressed:
+                    if self._drop_held_kv():
+                        continue
                     raise RuntimeError(
                         f"rollout slice stalled: {len(self.live)} live, {len(self.parked)} "
                         f"parked, {len(self.source)} queued, {e.free_pages} free pages")
@@ -361,12 +383,30 @@ class _SliceDriver:
 
     def _pause_over_budget(self) -> None:
         """Partial rollouts: a decoding rollout that sampled ``token_budget`` tokens in this
-        run leaves it, its pages freed (it resumes in a later run by re-prefill)."""
+        run leaves it: held in its slot with its KV (``keep_kv``; a later run decodes on from
+        it) or with its pages freed (a later run re-prefills it)."""
         for r in list(self.live.values()):
             if (self.engine.is_decoding(r.slot) and r.waiting is None and r.append is None
                     and r.n_sampled - r.run_start >= self.token_budget):
-                self._unload(r)
+                if self.keep_kv:
+                    r.budget = self.engine.slot_info(r.slot).budget  # for a re-prefill if it must be
+                    self.state = self.engine.hold(self.state, r.slot)
+                    del self.live[r.slot]
+                    r.held_by = self.index
+                else:
+                    self._unload(r)
                 self.stats.paused.append(r)
+
+    def _drop_held_kv(self) -> bool:
+        """A run that cannot progress while paused rollouts hold pages takes them back from the
+        youngest (it is re-prefilled when continued). False when none holds any."""
+        held = [r for r in self.stats.paused if r.held_by is not None]
+        if not held:
+            return False
+        r = max(held, key=lambda x: x.seq)
+        self.engine.free_resource(r.slot)
+        r.slot, r.held_by = None, None
+        return True
 
     def _youngest(self, exclude=()) -> _Rollout | None:
         cands = [r for r in self.live.values() if r not in exclude]
@@ -444,6 +484,8 @@ class _SliceDriver:
         """Preempt the youngest live rollouts outside ``keep`` until ``need()`` pages are free;
         False when only ``keep`` is left and it still does not fit."""
         while need() > self.engine.free_pages:
+            if self._drop_held_kv():  # paused rollouts give their pages back first
+                continue
             victim = self._youngest(exclude=keep)
             if victim is None or victim.seq < max(r.seq for r in keep):
                 return False  # never preempt an older rollout for a younger one
@@ -586,7 +628,8 @@ class _SliceDriver:
                 steps //= 2
             if need(steps) <= e.free_pages:
                 break
-            self._preempt(self._youngest())
+            if not self._drop_held_kv():  # paused rollouts give their pages back first
+                self._preempt(self._youngest())
         decoding = [s for s in self.live if e.is_decoding(s)]
         if not decoding:
             return
