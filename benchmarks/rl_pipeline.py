@@ -1,0 +1,205 @@
+"""RL pipeline benchmark: trained tokens per second of wall time of the whole RL loop, one JSON line.
+
+Each arm is ``recipes.rl.run_rl`` as a user runs it: rollouts on the paged engine through the
+scheduler with real sandboxed tool calls and the real verifier, RoC, the update, the weight
+hand-off. Only the policy is scripted (teacher-forced): every (problem, sample) has a fixed
+heavy-tailed multi-turn script, the serving benchmark's shape (a problem's difficulty scales all
+its samples' turn lengths and tool calls; turn lengths log-normal; tool calls run real code that
+sleeps a log-normal time), and half of a group's samples answer right, so every group trains. The
+engine still runs the model on every token, so rollout time is real decode time.
+
+Figures, measured over the steps after ``--warmup`` (their compiles excluded) as trained tokens
+(``train/trained_tokens``) over the wall time between the step logs:
+
+- ``partial_speedup``: ``rl.partial_rollout_tokens=--budget`` vs 0 (the paper's synchronous
+  loop), same model, data, seed and placement (colocated); issue #33's target is >= 1.3x.
+- ``policy_lag_max`` / ``policy_lag_mean``: of the partial arm's trained tokens.
+- ``async_speedup``: null until the bounded-staleness loop exists (issue #33 item 2).
+
+``--repeat N`` alternates the arms N times; each figure is the median, ``spread`` its [min, max].
+
+    python benchmarks/rl_pipeline.py [--quick] [--repeat 3] [--budget 128] [--steps 6]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--quick", action="store_true", help="fewer prompts and shorter scripts")
+ap.add_argument("--smoke", action="store_true", help="seconds-sized: one measured step per arm, short "
+                                                   "scripts (tests/test_rl_pipeline.py; its figures mean nothing)")
+ap.add_argument("--repeat", type=int, default=0, help="alternating rounds (default 1 quick, 3)")
+ap.add_argument("--budget", type=int, default=0, help="partial arm's tokens per rollout per step "
+                                                    "(default 192 quick, 256)")
+ap.add_argument("--steps", type=int, default=0, help="measured steps per arm (default 4 quick, 6)")
+ap.add_argument("--warmup", type=int, default=3, help="steps per arm before the measured ones (their compiles, and the partial arm filling its pipeline)")
+args = ap.parse_args()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from rstarjax.env import CodeExecutor  # noqa: E402
+from rstarjax.io import compile_cache  # noqa: E402
+from rstarjax.models.chat_template import COMPACT  # noqa: E402
+from rstarjax.models.config import ModelConfig  # noqa: E402
+from rstarjax.models.qwen3 import Qwen3  # noqa: E402
+from rstarjax.recipes import build  # noqa: E402
+from rstarjax.recipes.config import parse  # noqa: E402
+from rstarjax.recipes.rl import run_rl  # noqa: E402
+from rstarjax.rl.agent_loop import ColocatedRollouts  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "configs"))
+import base  # noqa: E402
+
+TOOL = "execute_python_code_with_standard_io"
+QUICK = args.quick or args.smoke
+REPEAT = args.repeat or (1 if QUICK else 3)
+BUDGET = args.budget or (16 if args.smoke else 192 if QUICK else 256)
+STEPS = args.steps or (1 if args.smoke else 6 if QUICK else 8)
+WARMUP = 1 if args.smoke else args.warmup
+PROMPTS, GROUP = (2, 2) if args.smoke else (4, 4) if QUICK else (8, 4)  # per step; 2G rollouts per prompt
+MAX_RESPONSE = 256 if args.smoke else 1024 if QUICK else 1536
+LONGEST_TURN = 32 if args.smoke else 160 if QUICK else 240
+
+
+def script_for(tok, problem_id: int, sample: int) -> list[int]:
+    """The teacher-forced tokens of sample ``sample`` of problem ``problem_id``: 1-5 turns, every
+    turn but the last ending in a real tool call, the last in an answer (right for even samples)."""
+    difficulty = np.random.default_rng([problem_id]).lognormal(0.0, 0.6)
+    rng = np.random.default_rng([problem_id, sample])
+    filler = tok.encode(" think")[0]
+    calls = min(int(rng.geometric(min(0.9, 0.45 / difficulty))) - 1, 1 if args.smoke else 4)
+    turns = []
+    for k in range(calls + 1):
+        mu = (3.0 if QUICK else 3.4) + np.log(difficulty)
+        length = int(np.clip(rng.lognormal(mu, 0.9), 4, LONGEST_TURN))
+        if k < calls:
+            sleep = float(np.clip(rng.lognormal(-2.5, 1.0), 0.01, 0.5))
+            code = f"import time\ntime.sleep({sleep:.3f})\nprint({problem_id}*{k})"
+            turns += [filler] * length + tok.encode(
+                '<tool_call>\n{"name": "' + TOOL + '", "arguments": ' + json.dumps({"code": code, "input": ""})
+                + "}\n</tool_call>")
+        else:
+            answer = 42 if sample % 2 == 0 else 41
+            turns += [filler] * length + tok.encode(f"<answer>\\boxed{{{answer}}}</answer><|im_end|>")
+    return turns
+
+
+class ScriptedRollouts(ColocatedRollouts):
+    """The recipe's rollouts (engines, scheduler, code pool, verifier) with scripted policies."""
+
+    def requests(self, records, n_per_prompt, seed, policy_version, sampling=None, group_ids=None):
+        reqs = super().requests(records, n_per_prompt, seed, policy_version, sampling, group_ids)
+        for i, req in enumerate(reqs):
+            problem_id = int(records[i // n_per_prompt]["problem"].split()[2].split("*")[0])
+            req.script = script_for(self.tokenizer, problem_id, req.sample_index)
+        return reqs
+
+
+def stage_config(workdir: str, budget: int):
+    c = base.get_config()
+    c.total_steps = WARMUP + STEPS
+    c.seed = 0
+    c.model.preset = "tiny"
+    c.model.random_init = True
+    c.model.dtype = "float32"
+    c.model.remat_policy = "none"
+    c.model.tokenizer_num_regular_tokens = 486
+    c.data.train_path = os.path.join(workdir, "train.jsonl")
+    c.rl.prompts_per_step = PROMPTS
+    c.rl.group_size = GROUP
+    c.rl.oversample = 2 * GROUP
+    c.rl.max_prompt_len = 192  # the compact prompt is 162 tokens in the small vocabulary
+    c.rl.max_response_len = MAX_RESPONSE
+    c.rl.max_turns = 8
+    c.rl.chat_format = "compact"
+    c.rl.partial_rollout_tokens = budget
+    c.trainer.micro_batch_size = 0
+    c.mesh.fsdp, c.mesh.data = 1, 1
+    # the pool holds a step's rollouts at once with room for the carried ones (the regime of a
+    # GPU's pool, sized by rStar2-Agent §3.2's K): what is left to gain is the tail
+    c.serving.num_slots = 64
+    c.serving.kv_pages = 64 * (MAX_RESPONSE + 256) // 16
+    c.checkpoint.every_steps = 1000  # no checkpoint inside the measured steps
+    c.checkpoint.async_save = False
+    c.logging.progress_bar = False
+    c.logging.tensorboard = False
+    return parse(c)
+
+
+def run_arm(budget: int, executor, cache_dir: str) -> dict:
+    workdir = tempfile.mkdtemp(prefix=f"rl_pipeline_{budget}_")
+    with open(os.path.join(workdir, "train.jsonl"), "w") as f:
+        for i in range(400):
+            f.write(json.dumps({"problem": f"What is {i}*7?", "answer": "42"}) + "\n")
+    run = stage_config(workdir, budget)
+    tok = build.tokenizer(run.model)
+    # the serving benchmark's model: on 2 cores its update takes a fraction of the rollout time,
+    # as at the paper's scale (docs/training.md's projection: 264 s of 1,164)
+    model = Qwen3(ModelConfig.preset("tiny", dtype=jnp.float32, vocab_size=512, hidden_size=128,
+                                     intermediate_size=256), rngs=nnx.Rngs(0))
+    rollouts = ScriptedRollouts(model, tokenizer=tok, executor=executor, agent=run.agent(),
+                                sampling=run.rl.sampling(), max_prompt_len=run.rl.max_prompt_len, fmt=COMPACT,
+                                serving=run.serving)
+    compile_cache.enable_persistent_cache(cache_dir)
+    t0 = time.perf_counter()
+    run_rl(run, workdir, rollout_fn=rollouts, model=model,
+           on_update=lambda tr: rollouts.update_params(tr.model()))
+    wall = time.perf_counter() - t0
+    with open(os.path.join(workdir, "logs", "metrics.jsonl")) as f:
+        logged = [json.loads(line) for line in f]
+    measured = logged[WARMUP:]
+    span = measured[-1]["wall_time"] - logged[WARMUP - 1]["wall_time"]
+    tokens = sum(m["train/trained_tokens"] for m in measured)
+    out = {"trained_tokens_per_s": tokens / span, "measured_s": span, "trained_tokens": tokens,
+           "steps": len(measured), "wall_s": wall,
+           "rollout_s_mean": statistics.mean(m.get("timing/rollout_s", 0.0) for m in measured),
+           "update_s_mean": statistics.mean(m.get("time/update", 0.0) for m in measured),
+           "mean_live": statistics.mean(m.get("timing/rollout_mean_live", 0.0) for m in measured)}
+    total = {k: sum(m.get(f"timing/rollout_{k}", 0.0) for m in measured)
+             for k in ("decode_s", "decode_steps", "generated_tokens", "prefill_s", "makespan_s")}
+    out.update({"train_s_mean": statistics.mean(m.get("time/update", 0.0) + m.get("time/old_logprobs", 0.0)
+                                                for m in measured),
+                "decode_us_per_token": 1e6 * total["decode_s"] / max(1.0, total["generated_tokens"]),
+                "tokens_per_decode_step": total["generated_tokens"] / max(1.0, total["decode_steps"]),
+                "prefill_s_mean": total["prefill_s"] / len(measured),
+                "groups_trained_mean": statistics.mean(m.get("partial/groups_trained", PROMPTS) for m in measured)})
+    if budget:
+        out["policy_lag_max"] = max(m.get("partial/policy_lag_max", 0.0) for m in measured)
+        out["policy_lag_mean"] = statistics.mean(m.get("partial/policy_lag_mean", 0.0) for m in measured)
+        out["rounds_per_step"] = statistics.mean(m.get("partial/rounds", 1.0) for m in measured)
+    return out
+
+
+def main():
+    cache_dir = tempfile.mkdtemp(prefix="rl_pipeline_cache_")
+    runs = {"sync": [], "partial": []}
+    with CodeExecutor(num_workers=2) as executor:
+        for _ in range(REPEAT):
+            runs["sync"].append(run_arm(0, executor, cache_dir))
+            runs["partial"].append(run_arm(BUDGET, executor, cache_dir))
+    ratios = [p["trained_tokens_per_s"] / s["trained_tokens_per_s"] for s, p in zip(runs["sync"], runs["partial"])]
+    median = {arm: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items()}
+    print(json.dumps({
+        "benchmark": "rl_pipeline", "quick": QUICK, "repeat": REPEAT, "budget": BUDGET,
+        "prompts_per_step": PROMPTS, "rollouts_per_step": PROMPTS * 2 * GROUP, "measured_steps": STEPS,
+        "partial_speedup": statistics.median(ratios), "spread": {"partial_speedup": [min(ratios), max(ratios)]},
+        "policy_lag_max": median["partial"]["policy_lag_max"],
+        "policy_lag_mean": median["partial"]["policy_lag_mean"],
+        "async_speedup": None,  # the bounded-staleness loop is not built yet (issue #33 item 2)
+        "sync": median["sync"], "partial": median["partial"],
+    }))
+
+
+if __name__ == "__main__":
+    main()
