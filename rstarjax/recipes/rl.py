@@ -28,7 +28,7 @@ from rstarjax.models import lora
 from rstarjax.recipes import build, lora_base, preemption
 from rstarjax.recipes.config import RunConfig, wandb_init_args
 from rstarjax.rl.partial import PartialRollouts
-from rstarjax.rl.step import rl_step
+from rstarjax.rl.step import any_process, rl_step
 from rstarjax.rl.trainer import Trainer, TrainState
 from rstarjax.rl.trajectory import RolloutFn
 
@@ -404,7 +404,9 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
             else:  # a step's new prompts, fewer while complete groups wait for an update
                 records, restart = restart[:partial.room], restart[partial.room:]
                 records += data_iter.take(partial.room - len(records))
-                if not records and not partial.groups and not partial.ready:
+                # every process stops together, once none has a prompt left to roll out or train
+                # (one that has none joins the others' updates with padding rows)
+                if not any_process(bool(records or partial.groups or partial.ready)):
                     data_ran_out = True
                     break
             # one seed per (step, process), derived from the run key: same rollouts after a resume,

@@ -31,7 +31,7 @@ PAD_ID = 0  # value of padding tokens; never attended to (segment 0) nor trained
 log = logging.getLogger(__name__)
 
 
-def _any_process(flag: bool) -> bool:
+def any_process(flag: bool) -> bool:
     """True if ``flag`` is True on any process: the refill decision is global, so every process
     runs the same number of rollout rounds and consumes the same number of prompts (the data
     iterators stay in lockstep)."""
@@ -162,7 +162,7 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | PartialRollouts, records: 
         dropped += len(batch_records) - len(informative)  # rejected, short or uninformative
         groups += informative
         short = len(groups) < quota
-        if rounds >= cfg.dynamic_sampling_max_rounds or more_records is None or not _any_process(short):
+        if rounds >= cfg.dynamic_sampling_max_rounds or more_records is None or not any_process(short):
             break
         try:
             batch_records = more_records()
