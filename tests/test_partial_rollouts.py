@@ -10,7 +10,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +20,6 @@ from rstarjax.rl.agent_loop import RolloutRound
 from rstarjax.rl.partial import PartialRollouts, fresh_token_mask, policy_lag_metrics
 from rstarjax.rl.trajectory import FinishReason, Segment, SegmentKind, Trajectory
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---- a stand-in engine that pauses: each rollout has a fixed length, sampled budget by budget -----
@@ -206,29 +204,16 @@ def test_agent_rollouts_paused_every_few_tokens_equal_uninterrupted_ones():
 
 # ---- the RL stage: a checkpoint with rollouts in flight ------------------------------------------
 def _stage_config(workdir, total_steps):
-    sys.path.insert(0, os.path.join(ROOT, "configs"))
-    import base
+    from test_checkpoint import worker_config  # the tiny stage the SIGKILL-resume test runs
 
-    c = base.get_config()
-    c.total_steps = total_steps
-    c.model.preset = "tiny"
-    c.model.random_init = True
-    c.model.dtype = "float32"
-    c.model.remat_policy = "none"
-    c.data.train_path = os.path.join(workdir, "train.jsonl")
+    c = worker_config(workdir, total_steps)
     c.data.num_epochs = 1
-    c.rl.prompts_per_step = 2
-    c.rl.group_size = 2
-    c.rl.oversample = 4
-    c.rl.max_prompt_len = 8
     c.rl.max_response_len = 16
     c.rl.partial_rollout_tokens = 4
     c.trainer.micro_batch_size = 0
     c.mesh.fsdp, c.mesh.data = 1, 1
     c.logging.tensorboard = False
-    c.checkpoint.every_steps = 1
     c.checkpoint.async_save = False
-    c.logging.progress_bar = False
     return c
 
 
