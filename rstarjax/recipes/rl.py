@@ -364,7 +364,8 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
                              "rollouts (agent_loop.ColocatedRollouts.partial); this one cannot")
         round_fn = functools.partial(rollout_fn.partial, keep_kv=not run.rl.partial_reprefill)
         partial = PartialRollouts(guarded(round_fn), run.rl.partial_rollout_tokens,
-                                  run.rl.prompts_per_step // jax.process_count())
+                                  run.rl.prompts_per_step // jax.process_count(),
+                                  keeps_kv=not run.rl.partial_reprefill)
         if restart:
             log.info("resumed with %d prompts whose rollouts were in flight at step %d: they start again "
                      "from their prompts (their unfinished rollouts were never trained)", len(restart), trainer.step)

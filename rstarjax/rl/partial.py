@@ -61,6 +61,9 @@ class PartialRollouts:
     round_fn: Callable
     token_budget: int
     groups_per_update: int
+    # carried rollouts decode on from the KV older weights wrote (``round_fn``'s keep_kv): then no
+    # token of theirs is exactly the current policy's, and the gap alarm leaves them out
+    keeps_kv: bool = True
     groups: dict[int, GroupInFlight] = dataclasses.field(default_factory=dict)  # decoding
     ready: list[GroupInFlight] = dataclasses.field(default_factory=list)  # complete, not yet trained
     paused: list = dataclasses.field(default_factory=list)
@@ -134,13 +137,17 @@ def policy_lag_metrics(trajectories: Sequence[Trajectory], version: int) -> dict
 
 
 def fresh_token_mask(trajectories: Sequence[Trajectory], placements: Sequence, prompt_lengths: Sequence[int],
-                     version: int, num_rows: int, seq_len: int) -> np.ndarray:
-    """float32[num_rows, seq_len]: 1 on the model tokens that policy ``version`` sampled, where
-    ``batch.build_train_batch`` placed them (``placements``; a truncated response is cut the same
-    way). The sampler/trainer log-prob gap is measured there only."""
+                     version: int, num_rows: int, seq_len: int, kept_kv: bool = True) -> np.ndarray:
+    """float32[num_rows, seq_len]: 1 on the model tokens that policy ``version`` sampled on a
+    context it computed, where ``batch.build_train_batch`` placed them (``placements``; a
+    truncated response is cut the same way). The sampler/trainer log-prob gap is measured there
+    only. ``kept_kv``: a rollout continued across an update attended to KV older weights wrote,
+    so none of its tokens counts; re-prefilled, its tokens from the resume on do."""
     mask = np.zeros((num_rows, seq_len), np.float32)
     for traj, place, prompt_len in zip(trajectories, placements, prompt_lengths):
         fresh = (traj.token_versions == version).astype(np.float32)
+        if kept_kv and (traj.policy_version != version or traj.version_starts):
+            fresh[:] = 0.0
         room = place.length - prompt_len
         first = place.start + prompt_len
         mask[place.row, first:first + room] = fresh[:room]
