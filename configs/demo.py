@@ -77,7 +77,7 @@ def get_config(arg=None):
     c.sft.min_lr_ratio = 0.1
     c.sft.weight_decay = 0.01
     c.sft.grad_clip_norm = 1.0
-    # one trace (<= 331 tokens) per row. 336 makes an SFT step 1.3-1.4x faster on 2 cores (the
+    # one trace (<= 345 tokens) per row. 336 makes an SFT step 1.3-1.4x faster on 2 cores (the
     # same traces, the same loss), but its one idle run learnt nothing in RL (55.5 % -> 55.5 %,
     # README "Demo"); 384 is the row of the measured 75 % -> 100 % run
     c.sft.seq_len = 384
@@ -133,9 +133,10 @@ def get_config(arg=None):
         # 4x less often than its data shows (docs/demo.md), and its groups stopped mixing
         c.rl.temperature = 1.0
         c.demo.num_sft_problems = 11000  # 500 SFT steps, as measured (docs/demo.md)
-        c.rl.max_response_len = 512  # a recovered counting response is 476 tokens (2 calls + traceback)
-        # the longest recovery trace is 629 tokens; at 640 two clean traces share a row
-        c.sft.seq_len = 640
+        c.rl.max_response_len = 512  # a recovered counting response is 489 tokens (2 calls + traceback)
+        # the longest recovery trace is 642 tokens (counting, whose programs bind n, a, b on their
+        # first two lines); at 656 a clean counting trace shares a row with another kind's
+        c.sft.seq_len = 656
     if arg in ("lora", "lora_ci"):
         # The RL stage trains rank-16 LoRA adapters on the SFT policy (which SFT trains fully),
         # its weights frozen in bf16 (docs/lora.md). The adapters start at zero and move the

@@ -101,14 +101,20 @@ def _count_divisible_once(rng: random.Random) -> DemoTask:
     b = rng.choice([k for k in range(11, 41) if k % a and a % k])  # neither divides the other
     lcm = a * b // _gcd(a, b)
     answer = n // a + n // b - n // lcm  # inclusion-exclusion; the trace's code counts directly
+    # The operands are bound on the program's first two lines, in the question's order, and the
+    # loop uses the names: each operand is then copied from the question at the same token offset
+    # (87-88 tokens, demo vocabulary; modpow's are 87/88/87). Written inline in the loop, the two
+    # divisors sat 102 and 108 tokens after their source and the SFT policy copied them at 81 % /
+    # 69 % per digit (benchmarks/demo_copying.py, docs/demo.md 2026-11-26).
+    head = f"n = {n}\na, b = {a}, {b}\n"
     return DemoTask(
         "count_divisible",
         f"How many integers from 1 to {n} are divisible by {a} or {b}?",
         str(answer),
-        f"print(sum(1 for k in range(1, {n} + 1) if k % {a} == 0 or k % {b} == 0))",
+        head + "print(sum(1 for k in range(1, n + 1) if k % a == 0 or k % b == 0))",
         "Count them in Python.",
         # TypeError: object of type 'generator' has no len()
-        buggy_code=f"print(len(k for k in range(1, {n} + 1) if k % {a} == 0 or k % {b} == 0))",
+        buggy_code=head + "print(len(k for k in range(1, n + 1) if k % a == 0 or k % b == 0))",
     )
 
 
