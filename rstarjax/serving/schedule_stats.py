@@ -66,8 +66,9 @@ class ScheduleStats:
 
     @property
     def paused(self) -> list:
-        """Rollouts this run paused at its token budget (each ``.episode``): pass them to the
-        next ``run(..., carried=...)``."""
+        """Rollouts this run paused at its token budget (each with its ``.episode`` and
+        ``.n_sampled``, the tokens it sampled so far; ``.held_by`` set while its slot keeps its
+        KV): pass them to the next ``run(..., carried=...)``."""
         return [r for s in self.slices for r in s.paused]
 
     @property
