@@ -136,7 +136,7 @@ def test_policy_lag_and_the_fresh_token_mask_by_hand():
     from rstarjax.rl.batch import build_train_batch
 
     batch, layout = build_train_batch([a, b], [1.0, -1.0], seq_len=12, pad_id=0, num_rows=3)
-    mask = fresh_token_mask([a, b], layout.placements, [2, 2], 6, 3, 12, kept_kv=False)
+    mask = fresh_token_mask([a, b], layout.placements, 6, 3, 12, kept_kv=False)
     expect = np.zeros((3, 12), np.float32)
     expect[0, 2 + 6] = 1  # a's last model token (prompt 2 + response position 6)
     expect[1, 2:4] = 1  # b's two tokens
@@ -144,7 +144,7 @@ def test_policy_lag_and_the_fresh_token_mask_by_hand():
     assert np.all(mask <= batch.loss_mask)  # only trained tokens
     # a continued on KV that versions 4 and 5 wrote: none of its tokens is exactly version 6's
     expect[0] = 0
-    np.testing.assert_array_equal(fresh_token_mask([a, b], layout.placements, [2, 2], 6, 3, 12), expect)
+    np.testing.assert_array_equal(fresh_token_mask([a, b], layout.placements, 6, 3, 12), expect)
 
 
 # ---- the agent loop across pauses: real engine, real tools, a scripted policy --------------------

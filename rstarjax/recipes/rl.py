@@ -8,7 +8,6 @@ its own order (``stage_data_seed``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import time
@@ -362,8 +361,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
         if not hasattr(rollout_fn, "partial"):
             raise ValueError("--config.rl.partial_rollout_tokens needs a rollout function that can pause "
                              "rollouts (agent_loop.ColocatedRollouts.partial); this one cannot")
-        round_fn = functools.partial(rollout_fn.partial, keep_kv=not run.rl.partial_reprefill)
-        partial = PartialRollouts(guarded(round_fn), run.rl.partial_rollout_tokens,
+        partial = PartialRollouts(guarded(rollout_fn.partial), run.rl.partial_rollout_tokens,
                                   run.rl.prompts_per_step // jax.process_count(),
                                   keeps_kv=not run.rl.partial_reprefill)
         if restart:

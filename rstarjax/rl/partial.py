@@ -1,9 +1,9 @@
 """Partial rollouts in the RL loop (Kimi k1.5, arXiv 2501.12599, §2.6.2; ``rl.partial_rollout_tokens``).
 
 Each step's rollouts run with a token budget: a rollout that samples that many tokens in the
-step without finishing is paused (``serving.scheduler``: its pages go back to the pool; its
-tokens, log-probs and RNG position are kept) and continued in the next step, re-prefilled under
-the weights trained since. Long tails then stop setting the step time: the step ends when every
+step without finishing is paused (``serving.scheduler``: its tokens, log-probs and RNG position
+are kept) and continued in the next step under the weights trained since, decoding on from the
+KV it kept (``keeps_kv``, the default) or re-prefilled. Long tails then stop setting the step time: the step ends when every
 rollout has finished or spent its budget.
 
 A prompt's group is trained once all its rollouts have finished, so RoC and the advantages
@@ -19,8 +19,8 @@ Every model token keeps the policy version that sampled it (``Trajectory.version
 Its sampler log-prob is that policy's: the behaviour policy of the off-policy correction
 (``loss.tis_cap``'s truncated importance weight), while the trainer's old log-probs are
 recomputed at the update (``trainer.recompute_old_logprobs``). The sampler/trainer log-prob gap
-alarm counts only the tokens of the policy being trained (``fresh_token_mask``): the others
-differ by design.
+alarm counts only the tokens the policy being trained sampled on a context it computed
+(``fresh_token_mask``): the others differ by design.
 
 Checkpoints: the records of groups in flight are saved with the step and start again from their
 prompts on resume; their unfinished rollouts, never trained, are dropped (counted in
@@ -55,14 +55,16 @@ class PartialRollouts:
     rollouts between steps.
 
     ``round_fn``: ``ColocatedRollouts.partial`` (or one with its signature: records, rollouts
-    per prompt, seed, policy version, keyword ``token_budget``, ``carried``, ``group_ids`` ->
-    ``agent_loop.RolloutRound``). ``groups_per_update``: this process's prompts per step."""
+    per prompt, seed, policy version, keyword ``token_budget``, ``carried``, ``group_ids``,
+    ``keep_kv`` -> ``agent_loop.RolloutRound``). ``groups_per_update``: this process's prompts
+    per step."""
 
     round_fn: Callable
     token_budget: int
     groups_per_update: int
-    # carried rollouts decode on from the KV older weights wrote (``round_fn``'s keep_kv): then no
-    # token of theirs is exactly the current policy's, and the gap alarm leaves them out
+    # paused rollouts keep their KV (passed to ``round_fn`` as ``keep_kv``; False: re-prefilled):
+    # a carried one then decodes on from KV older weights wrote, so no token of its is exactly the
+    # current policy's, and the gap alarm leaves it out
     keeps_kv: bool = True
     groups: dict[int, GroupInFlight] = dataclasses.field(default_factory=dict)  # decoding
     ready: list[GroupInFlight] = dataclasses.field(default_factory=list)  # complete, not yet trained
@@ -101,7 +103,8 @@ class PartialRollouts:
             self.groups[key] = GroupInFlight(record, rollouts_per_prompt)
         carried = len(self.paused)
         rnd = self.round_fn(list(records), rollouts_per_prompt, seed, version,
-                            token_budget=self.token_budget, carried=self.paused, group_ids=keys)
+                            token_budget=self.token_budget, carried=self.paused, group_ids=keys,
+                            keep_kv=self.keeps_kv)
         self.paused = list(rnd.paused)
         for traj in rnd.finished:
             self.groups[int(traj.group_id)].finished.append(traj)
@@ -136,15 +139,16 @@ def policy_lag_metrics(trajectories: Sequence[Trajectory], version: int) -> dict
             "partial/stale_token_frac": float(np.mean(lags > 0))}
 
 
-def fresh_token_mask(trajectories: Sequence[Trajectory], placements: Sequence, prompt_lengths: Sequence[int],
-                     version: int, num_rows: int, seq_len: int, kept_kv: bool = True) -> np.ndarray:
+def fresh_token_mask(trajectories: Sequence[Trajectory], placements: Sequence, version: int,
+                     num_rows: int, seq_len: int, kept_kv: bool = True) -> np.ndarray:
     """float32[num_rows, seq_len]: 1 on the model tokens that policy ``version`` sampled on a
     context it computed, where ``batch.build_train_batch`` placed them (``placements``; a
     truncated response is cut the same way). The sampler/trainer log-prob gap is measured there
     only. ``kept_kv``: a rollout continued across an update attended to KV older weights wrote,
     so none of its tokens counts; re-prefilled, its tokens from the resume on do."""
     mask = np.zeros((num_rows, seq_len), np.float32)
-    for traj, place, prompt_len in zip(trajectories, placements, prompt_lengths):
+    for traj, place in zip(trajectories, placements):
+        prompt_len = len(traj.prompt_ids)
         fresh = (traj.token_versions == version).astype(np.float32)
         if kept_kv and (traj.policy_version != version or traj.version_starts):
             fresh[:] = 0.0

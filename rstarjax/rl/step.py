@@ -181,8 +181,8 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | PartialRollouts, records: 
     if partial is not None:
         metrics.update(policy_lag_metrics(train_trajs, trainer.step))
         if layout is not None:
-            gap_mask = fresh_token_mask(train_trajs, layout.placements, [len(t.prompt_ids) for t in train_trajs],
-                                        trainer.step, num_rows, cfg.seq_len, kept_kv=partial.keeps_kv)
+            gap_mask = fresh_token_mask(train_trajs, layout.placements, trainer.step, num_rows, cfg.seq_len,
+                                        kept_kv=partial.keeps_kv)
     metrics.update(metrics_lib.rollout_metrics(all_trajs, prefix="rollout_all/"))
     metrics.update(metrics_lib.group_metrics(all_trajs, prefix="rollout_all/"))
     metrics.update(metrics_lib.rollout_metrics(train_trajs or all_kept, prefix="rollout/"))
