@@ -72,7 +72,7 @@ def get_config(arg=None):
     # §4.3 / the official run script: drop groups whose rollouts all earned the same reward (no
     # gradient) before RoC, without refilling; False keeps them with zero advantage
     c.rl.reject_equal_reward = True
-    c.rl.max_rejected_batches = 20  # consecutive batches left with no group to train: stop with an error
+    c.rl.max_rejected_batches = 20  # consecutive batches with no group to train: stop (cleanly if all solved)
     # Options of peer frameworks for what is trained on, off by default (rstarjax/rl/step.py):
     c.rl.dynamic_sampling = False  # DAPO: drop zero-variance groups, refill from the data ...
     c.rl.dynamic_sampling_max_rounds = 3  # ... in at most this many rollout rounds per step, the first included

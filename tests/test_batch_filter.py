@@ -269,3 +269,20 @@ def test_the_loop_skips_fully_rejected_batches_and_stops_when_nothing_is_left(tm
     with pytest.raises(RuntimeError, match="3 rollout batches in a row left no group to train on"):
         run_rl(parse(run_config(str(other), 2, max_rejected_batches=3)), str(other),
                            rollout_fn=scripted(REWARDS.get))
+
+
+def test_a_policy_that_answers_every_rollout_right_ends_the_stage_cleanly(tmp_path, monkeypatch, capsys):
+    """A streak of batches rejected only because every group was all-correct is a solved data set,
+    not a failure: the stage saves its last step, says why it stopped, and returns (the demo then
+    evaluates). One all-wrong group in the streak keeps the error (test above)."""
+    monkeypatch.setattr(build, "mesh", lambda c: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    workdir = str(tmp_path)
+    with open(os.path.join(workdir, "train.jsonl"), "w") as f:
+        for p in range(2, 10):  # one trained batch {2, 3}, then only all-correct groups
+            f.write(json.dumps({"problem": f"problem {p}", "answer": str(p)}) + "\n")
+    cfg = parse(run_config(workdir, 5, max_rejected_batches=3))
+    tr = run_rl(cfg, workdir, rollout_fn=scripted(lambda p: REWARDS.get(p, [1] * 2 * G)))
+    assert tr.step == 1
+    assert "answered every rollout right in 3 batches in a row at step 1" in capsys.readouterr().out
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    assert sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit()) == [1]

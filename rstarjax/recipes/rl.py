@@ -379,6 +379,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
     bar = tqdm.tqdm(total=run.total_steps, initial=start, disable=not (is_main and run.logging.progress_bar),
                     desc="rl", dynamic_ncols=True)
     rejected_in_a_row, attempts = 0, 0  # attempts: rollout rounds since the last update
+    solved_in_a_row = 0  # of those rejected batches, the last ones whose every group was all-correct
     round_times = {}  # partial rollouts: the times of rounds that completed no group yet
     nonfinite = NonFiniteStreak(run.trainer.max_nonfinite_steps)
     # the data position after the last finished step, and (partial rollouts) the prompts then in
@@ -386,7 +387,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
     # abandoned step, are drawn again on resume)
     finished_data = (data_iter.get_state(), list(restart))
     restarted = len(restart)
-    stop_signal, data_ran_out = 0, False
+    stop_signal, data_ran_out, solved = 0, False, False
     try:
         while trainer.step < run.total_steps:
             stop_signal = guard.stop_signal(trainer.step)
@@ -435,7 +436,12 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
                 log.warning("step %d: no group of the batch is left to train on (rejected %.0f%%, %d infra-short); "
                             "drawing the next batch", step + 1, 100 * metrics.get("filter/rejected_frac", 0.0),
                             metrics.get("filter/infra_short_groups", 0))
+                solved_in_a_row = solved_in_a_row + 1 if only_solved_groups_rejected(metrics) else 0
                 if rejected_in_a_row >= run.rl.max_rejected_batches:
+                    # nothing left to learn here, on every process: not a failure
+                    if not any_process(solved_in_a_row < rejected_in_a_row):
+                        solved = True
+                        break
                     raise RuntimeError(
                         f"{rejected_in_a_row} rollout batches in a row left no group to train on at step {step + 1} "
                         "(every group's rewards were equal, or its rollouts hit infrastructure errors): the "
@@ -447,7 +453,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
                 metrics["partial/restarted_groups"], restarted = float(restarted), 0
                 metrics["partial/rounds"] = float(attempts)
                 metrics, round_times = add_times(metrics, round_times), {}
-            rejected_in_a_row, attempts = 0, 0
+            rejected_in_a_row, solved_in_a_row, attempts = 0, 0, 0
             finished_data = (data_iter.get_state(), [] if partial is None else partial.pending_records() + restart)
             t_handoff = time.perf_counter()
             if on_update is not None:
@@ -472,9 +478,10 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
         if stop_signal:
             saved = _save_last(trainer.step, start, save, finished_data, ckpt)
             raise preemption.Interrupted(stop_signal, trainer.step, saved, guard.abandoned)
-        if data_ran_out:
+        if data_ran_out or solved:
             saved = _save_last(trainer.step, start, save, finished_data, ckpt)
-            message = data_ran_out_message(run, len(problems), trainer.step, start, saved)
+            message = (solved_message if solved else data_ran_out_message)(
+                run, len(problems), trainer.step, start, saved)
             log.info("%s", message)
             if is_main:
                 print(f"rstarjax: {message}", flush=True)
@@ -506,6 +513,23 @@ def _save_last(step: int, start: int, save, data_state, ckpt) -> bool:
         save(step, data_state)
     ckpt.wait()
     return step in ckpt.all_steps()
+
+
+def only_solved_groups_rejected(metrics: dict) -> bool:
+    """Whether a batch that trained no group lost every group to all-correct rewards: none was
+    all-wrong or short of rollouts by an infrastructure error (``selection_metrics``)."""
+    return (metrics.get("filter/rejected_all_correct_frac", 0.0) > 0
+            and metrics.get("filter/rejected_all_wrong_frac", 0.0) == 0
+            and not metrics.get("filter/infra_short_groups", 0))
+
+
+def solved_message(run: RunConfig, num_problems: int, step: int, start: int, saved: bool) -> str:
+    """Why a stage stopped early when its policy answered every rollout of its last batches right."""
+    return (f"the policy answered every rollout right in {run.rl.max_rejected_batches} batches in a row at step "
+            f"{step} (before total_steps={run.total_steps}): equal rewards carry no advantage, so there is nothing "
+            f"left to learn from these {num_problems} problems. {step - start} steps ran in this run. "
+            + (f"Step {step} is saved. " if saved else "No step was trained, nothing saved. ")
+            + "Train on harder problems (the recipe's stage 3 filters them) to go on.")
 
 
 def data_ran_out_message(run: RunConfig, num_problems: int, step: int, start: int, saved: bool) -> str:
