@@ -414,3 +414,30 @@ def test_demo_lora_ci_trains_adapters_from_the_sft_checkpoint(demo_ci_run, tmp_p
     # sampler/trainer log-prob gap is float noise at every step (a bf16 merge gave ~1e-2)
     metrics = [json_lib.loads(l) for l in (workdir / "rl" / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == c.total_steps and all(m["train/logprob_gap_max"] < 1e-3 for m in metrics)
+
+
+def test_engine_serves_a_lora_policy_merged_inside_its_one_handoff_program(monkeypatch):
+    """An engine serving the plain base (the SFT policy, as the demo builds it) takes the LoRA
+    policy itself: its serving copy holds W + (alpha/r) A B (checked against the float64 merge by
+    hand), made by the hand-off's own program (the separate merge program is never called, and
+    the program compiles once for every later update), and a model of another shape is refused."""
+    from rstarjax.serving import handoff
+    from rstarjax.serving.engine import Engine
+
+    base = plain_model()
+    engine = Engine(base, max_len=32, num_slots=2, page_size=8, buckets=(16, 32), decode_steps=4)
+    policy = randomize_b(lora_lib.attach(base, RANK, ALPHA, seed=1))
+    monkeypatch.setattr(lora_lib, "merger", lambda *a, **k: pytest.fail("a separate merge program ran"))
+    compiled = handoff._staging_jit.cache_info().misses
+    engine.update_params(policy)
+    want = by_hand_weights(policy)
+    for i, layer in enumerate(engine.params.layers):
+        for name, w in want.items():
+            np.testing.assert_allclose(np.asarray(layer[name], np.float64), w[i], rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(engine.params.layers[0]["q_proj"]) - np.asarray(base.layers.q_proj[...][0])).max() > 1e-3
+    engine.update_params(randomize_b(policy, seed=1))  # the next update: same program
+    np.testing.assert_allclose(np.asarray(engine.params.layers[1]["down_proj"], np.float64),
+                               by_hand_weights(policy)["down_proj"][1], rtol=1e-6, atol=1e-6)
+    assert handoff._staging_jit.cache_info().misses - compiled <= 1
+    with pytest.raises(ValueError, match="serving copy .* differs"):
+        engine.update_params(plain_model(intermediate_size=2 * base.config.intermediate_size))

@@ -28,7 +28,7 @@ from rstarjax.models.attention import choose_implementation, packed_attention, s
 from rstarjax.models.config import ModelConfig
 from rstarjax.models.kv_cache import PagedKVCache
 from rstarjax.models.logprobs import token_logprobs_from_hidden
-from rstarjax.models.lora import adapter_names, init_adapters, lora_delta
+from rstarjax.models.lora import adapter_names, init_adapters, lora_delta, merged_weight
 from rstarjax.models.paged_attention import (paged_attention_reference, paged_decode_attention,
                                              ragged_decode_attention, write_kv_pages)
 from rstarjax.models.sharding import constrain
@@ -309,8 +309,8 @@ def serving_config(cfg: ModelConfig, dtype=None) -> ModelConfig:
     """``cfg`` as the serving forward uses it: compute in ``dtype`` (default: ``cfg.dtype``),
     layers unrolled, no remat; the fields that can be lists (token ids) dropped so the config
     hashes (it is a static argument of the engine's jitted programs)."""
-    return cfg.replace(dtype=jnp.dtype(dtype or cfg.dtype), scan_layers=False,
-                       remat_policy="none", bos_token_id=None, eos_token_id=None)
+    return cfg.replace(dtype=jnp.dtype(dtype or cfg.dtype), scan_layers=False, remat_policy="none",
+                       bos_token_id=None, eos_token_id=None, lora_rank=0)  # served merged: no adapters
 
 
 def serving_weights(model: "Qwen3", dtype, untie_head: bool = False) -> ServingWeights:
@@ -319,17 +319,27 @@ def serving_weights(model: "Qwen3", dtype, untie_head: bool = False) -> ServingW
     ``untie_head``: give a tied model its own ``[hidden, vocab]`` output matrix (a transposed
     copy of the embedding). XLA:CPU multiplies by a transposed matrix several times slower
     (it repacks it every call: most of a small model's decode step); GPUs and TPUs do not
-    need the extra copy."""
+    need the extra copy.
+
+    A LoRA model is served merged: each adapted weight is ``W + (alpha / r) A B``
+    (``lora.merged_weight``, computed in float32, stored once in ``dtype``), so under jit the
+    merge and the cast are one program, with no merged copy of the model in between."""
     dtype = jnp.dtype(dtype)
     stacked = model.layers.stacked()
-    layers = tuple({name: (a[i] if name in _UNCAST else a[i].astype(dtype))
+    cfg = model.config
+    for target in cfg.lora_targets if cfg.lora_rank else ():
+        a, b = (stacked.pop(name) for name in adapter_names(target))
+        stacked[target] = merged_weight(stacked[target].astype(dtype), a, b, cfg.lora_scale)
+    # norms as a plain model stores them (``param_dtype``: a LoRA base's bf16 norms, exactly)
+    norm = lambda x: x.astype(cfg.param_dtype)  # noqa: E731
+    layers = tuple({name: (norm(a[i]) if name in _UNCAST else a[i].astype(dtype))
                     for name, a in stacked.items()}
-                   for i in range(model.config.num_hidden_layers))
+                   for i in range(cfg.num_hidden_layers))
     embed = model.embed[...].astype(dtype)
     head = None if model.lm_head is None else model.lm_head[...].astype(dtype)
     if head is None and untie_head:
         head = embed.T
-    return ServingWeights(embed=embed, final_norm=model.final_norm[...], lm_head=head,
+    return ServingWeights(embed=embed, final_norm=norm(model.final_norm[...]), lm_head=head,
                           layers=layers)
 
 

@@ -302,12 +302,12 @@ def run_demo(run: RunConfig, workdir: str) -> dict[str, Any]:
         rl_dir = os.path.join(workdir, "rl")
         t0 = time.time()
         trainer = run_rl(rl_run_for_demo(run, setup.rl_path), rl_dir, rollout_fn=rollouts, model=policy,
-                         on_update=lambda tr: rollouts.update_params(tr.model()),
+                         on_update=lambda tr: rollouts.update_params(tr.served_model()),
                          model_source=sft_source(sft_summary, workdir))
         rl_seconds = time.time() - t0
         _say(f"RL: {trainer.step} GRPO-{'RoC' if run.rl.roc else 'plain'} steps ({rl_seconds:.0f}s)")
 
-        rollouts.update_params(trainer.model())
+        rollouts.update_params(trainer.served_model())
         rl_acc, rl_trajs, rl_breakdown = evaluate(rollouts, data["eval_rows"], "after RL", trainer.step)
     finally:
         executor.close()

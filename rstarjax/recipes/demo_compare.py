@@ -162,8 +162,8 @@ def run_compare(run: RunConfig, workdir: str) -> dict[str, Any]:
             arm_dir = os.path.join(workdir, f"rl_{name}")
             trainer = run_rl(demo.rl_run_for_demo(arm_config(run, roc), setup.rl_path), arm_dir,
                              rollout_fn=rollouts, model=_fresh_model(graphdef, sft_state),
-                             on_update=lambda tr: rollouts.update_params(tr.model()))
-            rollouts.update_params(trainer.model())
+                             on_update=lambda tr: rollouts.update_params(tr.served_model()))
+            rollouts.update_params(trainer.served_model())
             acc, _, breakdown = demo.evaluate(rollouts, eval_rows, f"after {name}", trainer.step)
             curves = read_curves(os.path.join(arm_dir, "logs", "metrics.jsonl"))
             arms[name] = arm_summary(curves, acc, breakdown, time.time() - t0, trainer.step)

@@ -569,10 +569,17 @@ class Trainer:
     def model(self) -> nnx.Module:
         """The policy as a plain ``Qwen3``: a module over the current params (no copy), or with
         LoRA the adapters merged into a new copy of the weights, on the devices in one jitted
-        program (``models.lora.merged_model``): what the rollouts serve and the HF export writes."""
+        program (``models.lora.merged_model``): what the HF export writes and SFT hands on."""
         if self.lora:
             return lora_lib.merged_model(self.lora_model(), self.mesh)
         return nnx.merge(self.graphdef, self.state.params, self.frozen)
+
+    def served_model(self) -> nnx.Module:
+        """The policy as the rollouts' engines take it (``update_params``), with no copy: with
+        LoRA the unmerged adapters and base, which the weight hand-off merges and casts into
+        the serving copy in its one program (``models.qwen3.serving_weights``); no merged copy
+        of the model is ever made for serving."""
+        return self.lora_model()
 
     def lora_model(self) -> nnx.Module:
         """The module over the current params and the frozen base (no copy): with LoRA the

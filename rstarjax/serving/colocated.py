@@ -13,7 +13,7 @@ from flax import nnx
 
 from rstarjax.models.config import DTYPES
 from rstarjax.serving.engine import Engine
-from rstarjax.serving.handoff import ProcessHandoff, update_engines
+from rstarjax.serving.handoff import ProcessHandoff, stage_copies
 from rstarjax.serving.scheduler import RolloutScheduler
 from rstarjax.serving.slices import slice_meshes
 from rstarjax.validation import one_of, require
@@ -127,12 +127,25 @@ class ColocatedEngines:
         return self.engine.dtype.name
 
     def update_params(self, model_or_state) -> None:
-        """Serve new weights (an NNX module or its state); the engine makes its serving copy once, here."""
-        state = model_or_state if not isinstance(model_or_state, nnx.Module) else nnx.split(
-            model_or_state)[1]
+        """Serve new weights (an NNX module, e.g. a LoRA policy over the served base, or the served
+        model's state); the engines make their serving copies once, here."""
+        self.serve_staged(self.stage_params(model_or_state))
+
+    def stage_params(self, model_or_state) -> list:
+        """The engines' serving copies of new weights (as ``update_params`` takes them), made now
+        (one hand-off program for the host's slices) and served by ``serve_staged``."""
+        graphdef, state = (None, model_or_state) if not isinstance(model_or_state, nnx.Module) else nnx.split(
+            model_or_state)
         if self.handoff is not None:  # the one cross-process step of rollout, once per update
             state = self.handoff(state)
-        update_engines(self.engines, state)  # one hand-off program for the host's slices
+        return stage_copies(self.engines, state, graphdef)
+
+    @staticmethod
+    def serve_staged(staged: list) -> None:
+        """Serve what ``stage_params`` made (between scheduler runs: a run reads the engines'
+        weights at every iteration)."""
+        for engine, weights in staged:
+            engine.serve(weights)
 
     def release_memory(self) -> None:
         """Free every engine's serving copy and KV pool until the next ``update_params``

@@ -37,7 +37,7 @@ from rstarjax.models.paged_attention import (DECODE_IMPLEMENTATIONS, RAGGED_CHUN
                                              split_kv_axis)
 from rstarjax.models.qwen3 import ServingWeights, serving_config
 from rstarjax.serving.handoff import (ServingLayout, require_process_local, serving_copies,
-                                      update_engines)
+                                      serving_shapes, update_engines)
 from rstarjax.serving.pages import OutOfPages, PagePool, SlotInfo, SlotTable
 from rstarjax.serving.placement import Placement, delete_arrays
 from rstarjax.serving.programs import (MAX_STOP_IDS, DecodeBlock, DecodeState, DoneReason, FeedRow,
@@ -113,7 +113,8 @@ class Engine:
         self.placement.lay_out(model.config, self.graphdef, state, self.dtype, untie_head)
         # What the weight hand-off needs to know of this engine (serving.handoff).
         self.layout = ServingLayout(self.graphdef, jax.tree.structure(state), self.dtype,
-                                    untie_head, self.placement.weights_target)
+                                    untie_head, self.placement.weights_target,
+                                    serving_shapes(self.graphdef, state, self.dtype, untie_head))
         [self.params] = serving_copies(self.graphdef, state, [self.layout.target],
                                        dtype=self.dtype, untie_head=untie_head)
         # Bumped by every update: the prefix registry offers only pages of the current weights.
@@ -392,10 +393,15 @@ class Engine:
 
     # ---- weights and memory ----------------------------------------------------------------
     def update_params(self, new_params) -> None:
-        """Serve new weights: an ``nnx.split`` state of the served model's structure, copied
-        once into the serving dtype and layout (``handoff.serving_copies``; several slices at
-        once: ``handoff.update_engines``). A released engine gets its KV pool back."""
-        update_engines([self], new_params)
+        """Serve new weights: an ``nnx.split`` state of the served model's structure, or a
+        module whose serving copy has the served one's shapes (a LoRA policy over the served
+        base), copied once into the serving dtype and layout (``handoff.serving_copies``;
+        several slices at once: ``handoff.update_engines``). A released engine gets its KV
+        pool back."""
+        if isinstance(new_params, nnx.Module):
+            update_engines([self], *reversed(nnx.split(new_params)))
+        else:
+            update_engines([self], new_params)
 
     def serve(self, weights: ServingWeights) -> None:
         """Take a hand-off's serving copy (made for ``self.layout``); make the pool again after

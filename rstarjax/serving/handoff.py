@@ -48,13 +48,16 @@ Target = ServingWeights | jax.Device | None
 @dataclasses.dataclass(frozen=True)
 class ServingLayout:
     """What the hand-off needs to know of an engine (``Engine.layout``): the served model's
-    structure, the serving dtype, whether the head is untied (CPU), and where the copy goes."""
+    structure, the serving dtype, whether the head is untied (CPU), where the copy goes, and
+    the shapes of the copy it serves (any model whose copy has them may be handed to it: a
+    LoRA policy over the served base, whose adapters the hand-off merges)."""
 
     graphdef: object  # nnx.GraphDef of the served model
     structure: object  # jax tree structure of its ``nnx.split`` state
     dtype: jnp.dtype
     untie_head: bool
     target: Target
+    copy_shapes: object  # ``ServingWeights`` of jax.ShapeDtypeStruct
 
     @property
     def program_key(self) -> tuple:
@@ -139,22 +142,44 @@ def serving_copies(graphdef, state, targets: Sequence[Target], *, dtype,
     return out
 
 
-def update_engines(engines: Sequence[Served], state) -> None:
-    """Hand ``state`` (an ``nnx.split`` state of the served model) to ``engines`` (e.g. every
-    slice of a host): one ``serving_copies`` for those that share a model and a dtype, so
-    colocated slices cost one program per update, not one per slice. A released engine
+def update_engines(engines: Sequence[Served], state, graphdef=None) -> None:
+    """Hand ``state`` (an ``nnx.split`` state: of the served model, or of ``graphdef``'s model
+    when given, e.g. the LoRA policy over the served base) to ``engines`` (e.g. every slice of
+    a host): ``stage_copies``, then each engine serves its copy. A released engine
     (``Engine.release_memory``) gets its KV pool back."""
+    for engine, weights in stage_copies(engines, state, graphdef):
+        engine.serve(weights)
+
+
+def stage_copies(engines: Sequence[Served], state, graphdef=None) -> list[tuple[Served, ServingWeights]]:
+    """Each engine's serving copy of ``state`` (as ``update_engines`` takes it), made now and
+    served later (``Engine.serve``: asynchronous rollouts install it between rounds): one
+    ``serving_copies`` for those that share a model and a dtype, so colocated slices cost one
+    program per update, not one per slice; with adapters, the merge is part of that program
+    (``models.qwen3.serving_weights``). The copies own their buffers."""
     groups: dict[tuple, list[Served]] = {}
     for e in engines:
-        if jax.tree.structure(state) != e.layout.structure:
+        if graphdef is None and jax.tree.structure(state) != e.layout.structure:
             raise ValueError("update_params: the new state's tree structure differs from the "
                              "served model's")
-        groups.setdefault(e.layout.program_key, []).append(e)
+        key = e.layout.program_key if graphdef is None else (graphdef, e.layout.dtype, e.layout.untie_head)
+        if graphdef is not None and not _same_shapes(serving_shapes(graphdef, state, *key[1:]),
+                                                     e.layout.copy_shapes):
+            raise ValueError("update_params: the new model's serving copy (its architecture, shapes or "
+                             "dtypes) differs from the one this engine serves")
+        groups.setdefault(key, []).append(e)
+    staged = []
     for (graphdef, dtype, untie), group in groups.items():
         copies = serving_copies(graphdef, state, [e.layout.target for e in group],
                                 dtype=dtype, untie_head=untie)
-        for e, weights in zip(group, copies):
-            e.serve(weights)
+        staged += zip(group, copies)
+    return staged
+
+
+def _same_shapes(a, b) -> bool:
+    """Whether two trees of arrays (or their ShapeDtypeStructs) have one structure, shapes and dtypes."""
+    spec = lambda tree: [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]  # noqa: E731
+    return jax.tree.structure(a) == jax.tree.structure(b) and spec(a) == spec(b)
 
 
 def _is_sharding(x) -> bool:
