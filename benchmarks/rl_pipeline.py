@@ -14,7 +14,13 @@ Figures, measured over the steps after ``--warmup`` (their compiles excluded) as
 - ``partial_speedup``: ``rl.partial_rollout_tokens=--budget`` vs 0 (the paper's synchronous
   loop), same model, data, seed and placement (colocated); issue #33's target is >= 1.3x.
 - ``policy_lag_max`` / ``policy_lag_mean``: of the partial arm's trained tokens.
-- ``async_speedup``: null until the bounded-staleness loop exists (issue #33 item 2).
+- ``async_colocated_speedup``: ``rl.max_staleness=1`` (a rollout thread samples the next step
+  while the update runs, on the same devices) vs the synchronous loop; ``async_policy_lag_max``
+  its trained tokens' largest lag (<= 1 by construction).
+- ``trainer_wait_frac`` / ``rollout_idle_frac`` per arm: the share of the measured wall time the
+  update side waited for rollouts, and the time no rollout ran.
+- ``async_speedup``: null until the disaggregated placement exists (issue #33 item 3): its
+  target compares two device groups, which one process on shared cores is not.
 
 ``--repeat N`` alternates the arms N times; each figure is the median, ``spread`` its [min, max].
 
@@ -106,7 +112,7 @@ class ScriptedRollouts(ColocatedRollouts):
         return reqs
 
 
-def stage_config(workdir: str, budget: int):
+def stage_config(workdir: str, budget: int, staleness: int = 0):
     c = base.get_config()
     c.total_steps = WARMUP + STEPS
     c.seed = 0
@@ -124,6 +130,9 @@ def stage_config(workdir: str, budget: int):
     c.rl.max_turns = 8
     c.rl.chat_format = "compact"
     c.rl.partial_rollout_tokens = budget
+    c.rl.max_staleness = staleness
+    if staleness:
+        c.loss.tis_cap = 2.0  # its off-policy correction (free when nothing is stale)
     c.trainer.micro_batch_size = 0
     c.mesh.fsdp, c.mesh.data = 1, 1
     # the pool holds a step's rollouts at once with room for the carried ones (the regime of a
@@ -137,12 +146,12 @@ def stage_config(workdir: str, budget: int):
     return parse(c)
 
 
-def run_arm(budget: int, executor, cache_dir: str) -> dict:
-    workdir = tempfile.mkdtemp(prefix=f"rl_pipeline_{budget}_")
+def run_arm(budget: int, executor, cache_dir: str, staleness: int = 0) -> dict:
+    workdir = tempfile.mkdtemp(prefix=f"rl_pipeline_{budget}_{staleness}_")
     with open(os.path.join(workdir, "train.jsonl"), "w") as f:
         for i in range(400):
             f.write(json.dumps({"problem": f"What is {i}*7?", "answer": "42"}) + "\n")
-    run = stage_config(workdir, budget)
+    run = stage_config(workdir, budget, staleness)
     tok = build.tokenizer(run.model)
     # the serving benchmark's model: on 2 cores its update takes a fraction of the rollout time,
     # as at the paper's scale (docs/training.md's projection: 264 s of 1,164)
@@ -154,7 +163,7 @@ def run_arm(budget: int, executor, cache_dir: str) -> dict:
     compile_cache.enable_persistent_cache(cache_dir)
     t0 = time.perf_counter()
     run_rl(run, workdir, rollout_fn=rollouts, model=model,
-           on_update=lambda tr: rollouts.update_params(tr.model()))
+           on_update=lambda tr: rollouts.update_params(tr.served_model()))
     wall = time.perf_counter() - t0
     with open(os.path.join(workdir, "logs", "metrics.jsonl")) as f:
         logged = [json.loads(line) for line in f]
@@ -174,6 +183,12 @@ def run_arm(budget: int, executor, cache_dir: str) -> dict:
                 "tokens_per_decode_step": total["generated_tokens"] / max(1.0, total["decode_steps"]),
                 "prefill_s_mean": total["prefill_s"] / len(measured),
                 "groups_trained_mean": statistics.mean(m.get("partial/groups_trained", PROMPTS) for m in measured)})
+    waits = sum(m.get("async/rollout_wait_s" if staleness else "time/rollout", 0.0) for m in measured)
+    out["trainer_wait_frac"] = waits / span
+    out["rollout_idle_frac"] = max(0.0, 1.0 - total["makespan_s"] / span)
+    if staleness:
+        out["policy_lag_max"] = max(m.get("async/policy_lag_max", 0.0) for m in measured)
+        out["policy_lag_mean"] = statistics.mean(m.get("async/policy_lag_mean", 0.0) for m in measured)
     if budget:
         out["policy_lag_max"] = max(m.get("partial/policy_lag_max", 0.0) for m in measured)
         out["policy_lag_mean"] = statistics.mean(m.get("partial/policy_lag_mean", 0.0) for m in measured)
@@ -183,21 +198,30 @@ def run_arm(budget: int, executor, cache_dir: str) -> dict:
 
 def main():
     cache_dir = tempfile.mkdtemp(prefix="rl_pipeline_cache_")
-    runs = {"sync": [], "partial": []}
+    runs = {"sync": [], "partial": [], "async": []}
     with CodeExecutor(num_workers=2) as executor:
         for _ in range(REPEAT):
             runs["sync"].append(run_arm(0, executor, cache_dir))
             runs["partial"].append(run_arm(BUDGET, executor, cache_dir))
-    ratios = [p["trained_tokens_per_s"] / s["trained_tokens_per_s"] for s, p in zip(runs["sync"], runs["partial"])]
+            runs["async"].append(run_arm(0, executor, cache_dir, staleness=1))
+
+    def speedups(arm):
+        return [a["trained_tokens_per_s"] / s["trained_tokens_per_s"] for s, a in zip(runs["sync"], runs[arm])]
+
+    ratios, async_ratios = speedups("partial"), speedups("async")
     median = {arm: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items()}
     print(json.dumps({
         "benchmark": "rl_pipeline", "quick": QUICK, "repeat": REPEAT, "budget": BUDGET,
         "prompts_per_step": PROMPTS, "rollouts_per_step": PROMPTS * 2 * GROUP, "measured_steps": STEPS,
-        "partial_speedup": statistics.median(ratios), "spread": {"partial_speedup": [min(ratios), max(ratios)]},
+        "partial_speedup": statistics.median(ratios),
+        "async_colocated_speedup": statistics.median(async_ratios),
+        "spread": {"partial_speedup": [min(ratios), max(ratios)],
+                   "async_colocated_speedup": [min(async_ratios), max(async_ratios)]},
         "policy_lag_max": median["partial"]["policy_lag_max"],
         "policy_lag_mean": median["partial"]["policy_lag_mean"],
-        "async_speedup": None,  # the bounded-staleness loop is not built yet (issue #33 item 2)
-        "sync": median["sync"], "partial": median["partial"],
+        "async_policy_lag_max": max(r["policy_lag_max"] for r in runs["async"]),
+        "async_speedup": None,  # disaggregated placement is not built yet (issue #33 item 3)
+        "sync": median["sync"], "partial": median["partial"], "async": median["async"],
     }))
 
 

@@ -82,6 +82,7 @@ def get_config(arg=None):
     # unfinished ones continue in the next step under the new weights. 0 = off (the paper's loop)
     c.rl.partial_rollout_tokens = 0
     c.rl.partial_reprefill = False  # True: re-prefill paused rollouts under the new weights; False: keep their KV
+    c.rl.max_staleness = 0  # > 0: roll out the next steps during the update, at most this many versions behind
 
     # ---- reward (rstarjax/recipes/config.py RewardConfig) ------------------------------------------
     c.reward = ml_collections.ConfigDict()

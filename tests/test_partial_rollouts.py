@@ -244,7 +244,7 @@ def test_a_checkpoint_with_rollouts_in_flight_resumes_without_training_any_twice
     # samples that finished before a group did are kept in flight; the group is what counts
     groups_done_a = {p for p in started_a
                      if sum(q == p for r in first.rounds for q, _ in r["finished"]) == 4}
-    pending = [r["problem"] for r in meta["partial_records"]]
+    pending = [r["problem"] for r in meta["in_flight_records"]]
     # the checkpoint keeps every prompt not trained: those decoding, and complete ones waiting
     assert set(p for p in started_a if p not in groups_done_a) <= set(pending) <= set(started_a)
     assert in_flight  # the lengths leave some group in flight at step 3

@@ -470,6 +470,14 @@ def _run_rules(run: RunConfig) -> list[str]:
             errs.append(f"--config.loss.decoupled_cap={run.loss.decoupled_cap} needs "
                         "--config.trainer.recompute_old_logprobs=True: decoupled PPO's proximal policy is the "
                         "trainer's recomputed log-probs (without them it equals the behaviour policy)")
+        if rl.max_staleness and run.loss.tis_cap is None and run.loss.decoupled_cap is None:
+            errs.append(f"--config.rl.max_staleness={rl.max_staleness} trains on rollouts that older policies "
+                        "sampled: give it an off-policy correction, --config.loss.decoupled_cap (decoupled PPO, "
+                        "e.g. 5.0) or --config.loss.tis_cap (truncated importance sampling)")
+        if rl.max_staleness and run.serving.release_during_update:
+            errs.append("--config.serving.release_during_update=True frees the engines' memory for the update, "
+                        f"while --config.rl.max_staleness={rl.max_staleness} keeps them rolling out during it: "
+                        "turn one off")
         rows = rl.prompts_per_step * rl.group_size
         if rows % tr.mini_batches:
             errs.append(f"--config.trainer.mini_batches={tr.mini_batches} must divide the {rows} rows per step "

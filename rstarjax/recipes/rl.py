@@ -27,6 +27,7 @@ from rstarjax.models import lora
 from rstarjax.recipes import build, lora_base, preemption
 from rstarjax.recipes.config import RunConfig, wandb_init_args
 from rstarjax.rl.partial import PartialRollouts
+from rstarjax.rl.staleness import AsyncRollouts
 from rstarjax.rl.step import any_process, rl_step
 from rstarjax.rl.trainer import Trainer, TrainState
 from rstarjax.rl.trajectory import RolloutFn
@@ -301,9 +302,9 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
             meta = initial_state(trainer, ckpt, run, base_record)
             if rollout_fn is None:
                 executor = build.executor(run.rl.num_tool_workers)
-                rollouts = build.rollouts(trainer.model(), tokenizer, executor, run.agent(), run.rl.sampling(),
+                rollouts = build.rollouts(trainer.served_model(), tokenizer, executor, run.agent(), run.rl.sampling(),
                                           run.rl.max_prompt_len, run.rl.chat_format, run.serving)
-                rollout_fn, on_update = rollouts, lambda tr: rollouts.update_params(tr.model())
+                rollout_fn, on_update = rollouts, lambda tr: rollouts.update_params(tr.served_model())
                 if run.serving.release_during_update:  # freed before each update, made again by on_update
                     before_update = rollouts.release_memory
             # the dtype the engine serves in sets the log-prob gap alarm's threshold (None: a rollout
@@ -345,7 +346,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
         return ckpt.save(step, trainer.state, {
             "step": step, "rng": ckpt_lib.key_to_json(base_key), "data_state": data_state, **stage_record,
             **({"reference": reference} if reference else {}),
-            **({"partial_records": pending} if partial is not None else {}),
+            **({"in_flight_records": pending} if partial is not None or source is not None else {}),
         })
 
     def guarded(fn):  # the part of a step that a stop signal may abandon
@@ -354,9 +355,11 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
                 return fn(*args, **kwargs)
         return call
 
-    guarded_rollouts, partial = guarded(rollout_fn), None
+    guarded_rollouts, partial, source = guarded(rollout_fn), None, None
     # the prompts whose groups were in flight at the checkpoint resumed: they start again first
-    restart = list(meta.get("partial_records") or []) if meta.get("resumed") else []
+    # ("partial_records": the key's name in earlier checkpoints)
+    in_flight = meta.get("in_flight_records", meta.get("partial_records"))
+    restart = list(in_flight or []) if meta.get("resumed") else []
     if run.rl.partial_rollout_tokens:
         if not hasattr(rollout_fn, "partial"):
             raise ValueError("--config.rl.partial_rollout_tokens needs a rollout function that can pause "
@@ -388,6 +391,8 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
     finished_data = (data_iter.get_state(), list(restart))
     restarted = len(restart)
     stop_signal, data_ran_out, solved = 0, False, False
+    if run.rl.max_staleness and trainer.step < run.total_steps:
+        source, restart = start_async_rollouts(run, rollout_fn, data_iter, base_key, trainer.step, restart), []
     try:
         while trainer.step < run.total_steps:
             stop_signal = guard.stop_signal(trainer.step)
@@ -395,7 +400,13 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
                 break
             step = trainer.step
             compiled_before = compile_cache.compile_seconds()
-            if partial is None:
+            if source is not None:  # the oldest round the rollout thread finished
+                rnd, waited = source.next_round()
+                if rnd is None:
+                    data_ran_out = True
+                    break
+                records, round_output = rnd.records, rnd.output
+            elif partial is None:
                 try:
                     records = next(data_iter)
                 except StopIteration:  # finite data (data.num_epochs) is used up
@@ -419,13 +430,19 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
             # dynamic sampling refills from the same iterator, so its checkpointed state covers
             # every prompt a step consumed
             try:
-                metrics = rl_step(trainer, partial or guarded_rollouts, records, run.rl, run.loss, seed,
+                step_rollouts = (partial or guarded_rollouts) if source is None else (
+                    lambda *_, out=round_output: out)  # noqa: E731 (the round is already rolled out)
+                metrics = rl_step(trainer, step_rollouts, records, run.rl, run.loss, seed,
                                   more_records=lambda: next(data_iter), before_update=before_update,
-                                  serving_dtype=serving_dtype)
+                                  serving_dtype=serving_dtype, stale_rollouts=source is not None)
             except preemption.StepAbandoned:  # the train state is still that of the last finished step
                 stop_signal = guard.request.signum
                 break
             attempts += 1
+            if source is not None:
+                metrics.update(waited)
+                if trainer.step == step:  # no update: the rollout thread goes on with the weights it has
+                    source.publish(None, trainer.step, run.total_steps - trainer.step)
             if trainer.step == step and partial is not None and not metrics.get("partial/groups_trained"):
                 # no group has finished all its rollouts yet: the next round goes on with them (its
                 # time counts in the step that trains them)
@@ -454,9 +471,15 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
                 metrics["partial/rounds"] = float(attempts)
                 metrics, round_times = add_times(metrics, round_times), {}
             rejected_in_a_row, solved_in_a_row, attempts = 0, 0, 0
-            finished_data = (data_iter.get_state(), [] if partial is None else partial.pending_records() + restart)
+            if source is not None:
+                finished_data = source.snapshot(data_iter.get_state)
+            else:
+                finished_data = (data_iter.get_state(), [] if partial is None else partial.pending_records() + restart)
             t_handoff = time.perf_counter()
-            if on_update is not None:
+            if source is not None:  # the serving copy now (the next update overwrites the params)
+                source.publish(rollout_fn.stage_params(trainer.served_model()), trainer.step,
+                               run.total_steps - trainer.step)
+            elif on_update is not None:
                 on_update(trainer)
             metrics["time/handoff"] = time.perf_counter() - t_handoff
             new_step = trainer.step
@@ -486,9 +509,37 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
             if is_main:
                 print(f"rstarjax: {message}", flush=True)
     finally:
+        if source is not None:
+            source.close()
         bar.close()
         writer.close()
     return trainer
+
+
+def start_async_rollouts(run: RunConfig, rollout_fn, data_iter, base_key, step: int, restart: list
+                         ) -> AsyncRollouts:
+    """The rollout thread of ``rl.max_staleness`` (``rl.staleness``), from global step ``step``;
+    ``restart``: the prompts in flight at the checkpoint resumed (rolled out first)."""
+    if jax.process_count() > 1:
+        raise ValueError("--config.rl.max_staleness runs on one process for now: each process's rollout thread "
+                         "would have to agree with the others on every round; set it to 0 for a multi-host run")
+    if not (hasattr(rollout_fn, "stage_params") and hasattr(rollout_fn, "serve_staged")):
+        raise ValueError("--config.rl.max_staleness needs a rollout function whose weights can be staged and "
+                         "installed between rounds (agent_loop.ColocatedRollouts); this one cannot")
+    # the rounds' seeds: derived from the run key and the step the thread started at (a resumed
+    # run samples new rounds), never equal to a synchronous step's
+    thread_key = jax.random.fold_in(jax.random.fold_in(base_key, 2**31 - 1), step)  # no step is 2**31 - 1
+
+    def seed_of(index: int) -> int:
+        return int(jax.random.randint(jax.random.fold_in(thread_key, index), (), 0, 2**31 - 1))
+
+    if restart:
+        log.info("resumed with %d prompts whose rollouts were in flight at step %d: they start again from "
+                 "their prompts (their rollouts were never trained)", len(restart), step)
+    return AsyncRollouts(rollout_fn, data_iter.take, rollout_fn.serve_staged, seed_of, run.rl.max_staleness,
+                         run.rl.prompts_per_step, run.rl.rollouts_per_prompt, version=step,
+                         remaining=run.total_steps - step, restart=list(restart),
+                         wait_s=2 * run.rl.agent().rollout_timeout_s + 60)
 
 
 # the per-round figures that add up over the rounds of one partial-rollout step

@@ -466,6 +466,14 @@ class ColocatedRollouts:
         """Serve new weights (``ColocatedEngines.update_params``)."""
         self.serving.update_params(model_or_state)
 
+    def stage_params(self, model_or_state) -> list:
+        """New weights' serving copies, made now, served by ``serve_staged`` (``ColocatedEngines``)."""
+        return self.serving.stage_params(model_or_state)
+
+    def serve_staged(self, staged: list) -> None:
+        """Serve what ``stage_params`` made, between rollout rounds (``ColocatedEngines``)."""
+        self.serving.serve_staged(staged)
+
     def release_memory(self) -> None:
         """Free the engines' serving copies and KV pools (``ColocatedEngines.release_memory``)."""
         self.serving.release_memory()

@@ -62,6 +62,10 @@ class RLConfig:
     # True: a paused rollout is re-prefilled under the new weights; False (as slime and SkyRL): it
     # decodes on from the KV it kept, computed by the weights that sampled its earlier tokens
     partial_reprefill: bool = False
+    # bounded-staleness asynchronous rollouts (rl.staleness): a rollout thread samples the next
+    # steps while the update runs, and no rollout is trained more than max_staleness policy
+    # versions after the one that sampled it. 0 = off (the paper's synchronous loop)
+    max_staleness: int = 0
 
     def __post_init__(self):
         floors = self.roc_min_negatives + self.roc_min_positives
@@ -93,6 +97,11 @@ class RLConfig:
              f"partial_rollout_tokens={self.partial_rollout_tokens!r} must be an integer >= 0 (0 = off)"),
             (isinstance(self.partial_reprefill, bool),
              f"partial_reprefill={self.partial_reprefill!r} must be True or False"),
+            (isinstance(self.max_staleness, int) and self.max_staleness >= 0,
+             f"max_staleness={self.max_staleness!r} must be an integer >= 0 (0 = the synchronous loop)"),
+            (not (self.max_staleness and (self.partial_rollout_tokens or self.dynamic_sampling)),
+             "max_staleness does not combine with partial_rollout_tokens or dynamic_sampling yet: each "
+             "asynchronous round is one step's prompts, rolled out whole under one policy version"),
             (not (self.partial_rollout_tokens and self.dynamic_sampling),
              "partial_rollout_tokens and dynamic_sampling do not combine: a partial step trains the groups "
              "that completed, a dynamic-sampling step refills until it holds its quota; turn one off"),

@@ -127,16 +127,17 @@ class PartialRollouts:
         return out_records, trajs, figures
 
 
-def policy_lag_metrics(trajectories: Sequence[Trajectory], version: int) -> dict[str, float]:
+def policy_lag_metrics(trajectories: Sequence[Trajectory], version: int, prefix: str = "partial/"
+                       ) -> dict[str, float]:
     """How many updates behind ``version`` (the policy being trained) the trained model tokens
     were sampled: the maximum and the token mean, and the share of tokens sampled by an older
-    policy."""
+    policy (under ``prefix``: ``partial/`` or, asynchronous rollouts, ``async/``)."""
     versions = [t.model_token_versions for t in trajectories]
     lags = version - np.concatenate(versions) if versions else np.zeros(0, np.int32)
     if not lags.size:
-        return {"partial/policy_lag_max": 0.0, "partial/policy_lag_mean": 0.0, "partial/stale_token_frac": 0.0}
-    return {"partial/policy_lag_max": float(lags.max()), "partial/policy_lag_mean": float(lags.mean()),
-            "partial/stale_token_frac": float(np.mean(lags > 0))}
+        lags = np.zeros(1, np.int32)
+    return {f"{prefix}policy_lag_max": float(lags.max()), f"{prefix}policy_lag_mean": float(lags.mean()),
+            f"{prefix}stale_token_frac": float(np.mean(lags > 0))}
 
 
 def fresh_token_mask(trajectories: Sequence[Trajectory], placements: Sequence, version: int,

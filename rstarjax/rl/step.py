@@ -86,7 +86,7 @@ def _empty_train_batch(num_rows: int, seq_len: int) -> TrainBatch:
 def rl_step(trainer: Trainer, rollout_fn: RolloutFn | PartialRollouts, records: list, cfg: RLConfig, loss_cfg: loss_lib.LossConfig,
             seed: int, more_records: Callable[[], list] | None = None,
             before_update: Callable[[], None] | None = None,
-            serving_dtype: str | None = None) -> dict[str, float]:
+            serving_dtype: str | None = None, stale_rollouts: bool = False) -> dict[str, float]:
     """One GRPO-RoC step on this process's prompts: rollouts (2G each) -> batch filter (rollouts
     ended by infrastructure errors excluded, equal-reward groups rejected) -> RoC keeps G ->
     advantages (``loss_cfg.advantage_estimator``, eq. 7) -> TrainBatch -> update. Returns host
@@ -127,6 +127,10 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | PartialRollouts, records: 
     ``records`` are the prompts this step starts (at most its ``room``); the step trains at most
     ``groups_per_update`` complete groups, new or carried, oldest first, padded to that many. The
     log-prob gap is measured on the tokens the current policy sampled (``fresh_token_mask``).
+
+    ``stale_rollouts`` (asynchronous rollouts, ``rl.staleness``): ``rollout_fn`` returns a round an
+    older policy may have sampled; the step reports its lag (``async/policy_lag_*``) and measures
+    the log-prob gap on the current policy's tokens only.
     """
     partial = rollout_fn if isinstance(rollout_fn, PartialRollouts) else None
     quota = partial.groups_per_update if partial is not None else len(records)
@@ -178,11 +182,11 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | PartialRollouts, records: 
     else:
         batch, layout = _empty_train_batch(num_rows, cfg.seq_len), None
     metrics, gap_mask = {}, None
-    if partial is not None:
-        metrics.update(policy_lag_metrics(train_trajs, trainer.step))
+    if partial is not None or stale_rollouts:
+        metrics.update(policy_lag_metrics(train_trajs, trainer.step, "partial/" if partial is not None else "async/"))
         if layout is not None:
             gap_mask = fresh_token_mask(train_trajs, layout.placements, trainer.step, num_rows, cfg.seq_len,
-                                        kept_kv=partial.keeps_kv)
+                                        kept_kv=partial is not None and partial.keeps_kv)
     metrics.update(metrics_lib.rollout_metrics(all_trajs, prefix="rollout_all/"))
     metrics.update(metrics_lib.group_metrics(all_trajs, prefix="rollout_all/"))
     metrics.update(metrics_lib.rollout_metrics(train_trajs or all_kept, prefix="rollout/"))

@@ -1,0 +1,219 @@
+"""Bounded-staleness asynchronous rollouts (``rl.staleness``, ``rl.max_staleness``).
+
+The admission rule against hand cases, the staleness bound under random timings (a property
+test over many schedules), failures and the end of the data, and the RL stage around it: every
+trained round within k versions, the gap alarm on fresh tokens only, and a checkpoint taken
+with a round in flight that resumes without training any prompt twice.
+"""
+import json
+import os
+import random
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from rstarjax.rl.staleness import AsyncRollouts, may_start
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def test_admission_by_hand():
+    # k = 0 is the synchronous loop: a round starts only when the trainer is idle and took every earlier one
+    assert may_start(0, 0, False, 0)
+    assert not may_start(1, 1, True, 0) and may_start(1, 1, False, 0)
+    assert not may_start(2, 1, False, 0)
+    # k = 1: the next round may overlap the update of the last one taken, no further
+    assert may_start(1, 1, True, 1) and not may_start(2, 1, True, 1)
+    assert may_start(2, 1, False, 1) and not may_start(3, 1, False, 1)
+    # k = 3: up to three rounds ahead of an idle trainer
+    assert may_start(4, 1, False, 3) and not may_start(4, 1, True, 3)
+
+
+def _source(rollout_fn, data, k, remaining, **kw):
+    it = iter(data)
+
+    def draw(n):
+        return [x for _, x in zip(range(n), it)]
+
+    installed = []
+    src = AsyncRollouts(rollout_fn, draw, installed.append, seed_of=lambda i: 1000 + i, max_staleness=k,
+                        prompts_per_round=2, rollouts_per_prompt=1, version=0, remaining=remaining, **kw)
+    return src, installed
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("seed", range(4))
+def test_no_round_is_trained_more_than_k_versions_after_its_sampler_under_random_timings(k, seed):
+    """Random rollout and update times, random rejected rounds (no update): every round the trainer
+    takes was sampled at most k versions before the version it is trained from, each prompt is
+    rolled out once and in order, the rounds install the newest published weights, and no round
+    starts that no update would take."""
+    rng = random.Random(seed * 10 + k)
+    lock = threading.Lock()
+    delays = [rng.choice([0.0, 0.001, 0.004]) for _ in range(200)]
+
+    def rollout_fn(records, n, s, version):
+        with lock:
+            time.sleep(delays[s % 200])
+        return {"records": records, "version": version, "seed": s}
+
+    total = 25
+    src, installed = _source(rollout_fn, range(1000), k, remaining=total)
+    version, lags, taken = 0, [], []
+    try:
+        while version < total:
+            rnd, waited = src.next_round()
+            assert waited["async/rollout_wait_s"] >= 0
+            assert rnd.output["version"] == rnd.version and rnd.output["seed"] == 1000 + rnd.index
+            lags.append(version - rnd.version)
+            taken += rnd.records
+            time.sleep(rng.choice([0.0, 0.002, 0.006]))  # the update
+            if rng.random() < 0.25:  # every group rejected: no update
+                src.publish(None, version, total - version)
+            else:
+                version += 1
+                src.publish(f"weights v{version}", version, total - version)
+        time.sleep(0.02)
+        assert src.started == src.consumed  # nothing rolled out that no update takes
+    finally:
+        src.close()
+    assert max(lags) <= k and min(lags) >= 0
+    assert max(lags) >= 1  # the rounds did overlap the updates
+    assert taken == list(range(len(taken)))
+    versions = [int(w.rsplit("v", 1)[1]) for w in installed]
+    assert versions == sorted(set(versions))  # newer weights each time, never an older one
+
+
+def test_a_failing_rollout_is_raised_in_the_trainers_thread_and_the_end_of_data_ends_the_stage():
+    def failing(records, n, s, version):
+        raise OSError("sandbox pool died")
+
+    src, _ = _source(failing, range(10), 1, remaining=5)
+    with pytest.raises(RuntimeError, match="the rollout thread failed: OSError"):
+        src.next_round()
+    src.close()
+
+    src, _ = _source(lambda r, n, s, v: r, range(3), 2, remaining=10)
+    got = []
+    while True:
+        rnd, _ = src.next_round()
+        if rnd is None:
+            break
+        got.append(rnd.records)
+        src.publish(None, 0, 10)
+    src.close()
+    assert got == [[0, 1], [2]]
+
+
+# ---- the RL stage ----------------------------------------------------------------------------
+class StagedRollouts:
+    """``ColocatedRollouts``' asynchronous contract without an engine: trajectories from
+    test_checkpoint's deterministic stand-in, the weights staged and installed as tags; logs the
+    prompts and version of every round. ``fail_at``: the round whose rollouts raise."""
+
+    def __init__(self, trainer_ref, fail_at=None):
+        self.trainer_ref, self.fail_at = trainer_ref, fail_at
+        self.rounds, self.served = [], None
+
+    def __call__(self, records, n, seed, version):
+        from test_checkpoint import fake_rollout_fn
+
+        assert self.served is None or version == self.served  # the version the thread installed
+        self.rounds.append(([r["problem"] for r in records], version))
+        if self.fail_at is not None and len(self.rounds) - 1 == self.fail_at:
+            raise OSError("the code pool died")
+        time.sleep(0.05)
+        return fake_rollout_fn(records, n, seed, version)
+
+    def stage_params(self, model):
+        return self.trainer_ref[0].step  # the version whose weights these are
+
+    def serve_staged(self, version):
+        self.served = version
+
+
+def _async_config(workdir, total_steps):
+    from test_checkpoint import worker_config
+
+    c = worker_config(workdir, total_steps)
+    c.rl.max_staleness = 1
+    c.loss.tis_cap = 2.0
+    c.mesh.fsdp, c.mesh.data = 1, 1
+    c.logging.tensorboard = False
+    c.checkpoint.async_save = False
+    return c
+
+
+def _trainer_spy(monkeypatch, ref):
+    from rstarjax.rl import trainer as trainer_lib
+
+    init = trainer_lib.Trainer.__init__
+
+    def spy(self, *a, **kw):
+        init(self, *a, **kw)
+        ref[:] = [self]
+
+    monkeypatch.setattr(trainer_lib.Trainer, "__init__", spy)
+
+
+def test_the_stage_trains_rounds_within_k_and_resumes_without_training_a_prompt_twice(tmp_path, monkeypatch):
+    import jax
+
+    from rstarjax.io.checkpoint import read_checkpoint_meta
+    from rstarjax.models import sharding as sharding_lib
+    from rstarjax.recipes import build
+    from rstarjax.recipes.config import parse
+    from rstarjax.recipes.rl import run_rl
+
+    from test_checkpoint import write_data
+
+    monkeypatch.setattr(build, "mesh", lambda c: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    workdir = str(tmp_path)
+    write_data(workdir, n=40)
+    ref = []
+    _trainer_spy(monkeypatch, ref)
+    first = StagedRollouts(ref, fail_at=3)  # rounds 0-2 train steps 1-3; round 3 is in flight at step 3
+    with pytest.raises(RuntimeError, match="the rollout thread failed: OSError"):
+        run_rl(parse(_async_config(workdir, 6)), workdir, rollout_fn=first)
+    step, meta = read_checkpoint_meta(os.path.join(workdir, "checkpoints"))
+    assert step == 3
+    assert [v for _, v in first.rounds] == [0, 0, 1, 2]  # each round overlapped the previous update
+    pending = [r["problem"] for r in meta["in_flight_records"]]
+    assert pending == first.rounds[3][0]  # drawn, never trained
+    trained_a = {p for problems, _ in first.rounds[:3] for p in problems}
+
+    second = StagedRollouts(ref)
+    trainer = run_rl(parse(_async_config(workdir, 6)), workdir, rollout_fn=second)
+    assert trainer.step == 6
+    assert second.rounds[0][0] == pending  # the prompts in flight start again, first
+    assert not {p for problems, _ in second.rounds for p in problems} & trained_a
+    assert len(second.rounds) == 3  # no round started that no update took
+    with open(os.path.join(workdir, "logs", "metrics.jsonl")) as f:
+        logged = [json.loads(line) for line in f]
+    lags = [m["async/policy_lag_max"] for m in logged]
+    assert len(lags) == 6 and max(lags) == 1.0 and min(lags) == 0.0
+    assert all(m["async/rollout_wait_s"] >= 0 for m in logged)
+    assert np.isfinite([m["train/loss"] for m in logged]).all()
+
+
+def test_config_refuses_staleness_without_a_correction_or_with_released_memory(tmp_path):
+    from rstarjax.recipes.config import ConfigError, parse
+
+    from test_checkpoint import write_data
+
+    write_data(str(tmp_path))
+    c = _async_config(str(tmp_path), 2)
+    c.loss.tis_cap = None
+    with pytest.raises(ConfigError, match="off-policy correction"):
+        parse(c)
+    c = _async_config(str(tmp_path), 2)
+    c.serving.release_during_update = True
+    with pytest.raises(ConfigError, match="release_during_update"):
+        parse(c)
+    c = _async_config(str(tmp_path), 2)
+    c.rl.partial_rollout_tokens = 8
+    with pytest.raises(ConfigError, match="max_staleness does not combine"):
+        parse(c)
