@@ -19,8 +19,13 @@ Figures, measured over the steps after ``--warmup`` (their compiles excluded) as
   its trained tokens' largest lag (<= 1 by construction).
 - ``trainer_wait_frac`` / ``rollout_idle_frac`` per arm: the share of the measured wall time the
   update side waited for rollouts, and the time no rollout ran.
-- ``async_speedup``: null until the disaggregated placement exists (issue #33 item 3): its
-  target compares two device groups, which one process on shared cores is not.
+- ``async_speedup``: disaggregated with ``rl.max_staleness=1`` vs disaggregated synchronous
+  (issue #33's target >= 1.5x): two CPU devices in one process
+  (``--xla_force_host_platform_device_count=2``), the trainer's mesh on one, the rollout slice
+  on the other (``serving.placement='disaggregated'``, ``rollout_devices=1``). The analog of two
+  device groups the issue names is two processes pinned to one core each; here the two devices
+  share the process's two cores (XLA:CPU's thread pool is per process), so the synchronous arm's
+  phases may use both cores each. These arms run in a subprocess (the others need one device).
 
 ``--repeat N`` alternates the arms N times; each figure is the median, ``spread`` its [min, max].
 
@@ -32,6 +37,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,9 +50,12 @@ ap.add_argument("--repeat", type=int, default=0, help="alternating rounds (defau
 ap.add_argument("--budget", type=int, default=0, help="partial arm's tokens per rollout per step "
                                                     "(default 192 quick, 256)")
 ap.add_argument("--steps", type=int, default=0, help="measured steps per arm (default 4 quick, 6)")
+ap.add_argument("--arm", default="", help=argparse.SUPPRESS)  # internal: one disaggregated arm, JSON out
 ap.add_argument("--warmup", type=int, default=3, help="steps per arm before the measured ones (their compiles, and the partial arm filling its pipeline)")
 args = ap.parse_args()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if args.arm:  # a disaggregated arm: the trainer on one device, the rollout slice on the other
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
@@ -112,7 +121,7 @@ class ScriptedRollouts(ColocatedRollouts):
         return reqs
 
 
-def stage_config(workdir: str, budget: int, staleness: int = 0):
+def stage_config(workdir: str, budget: int, staleness: int = 0, disaggregated: bool = False):
     c = base.get_config()
     c.total_steps = WARMUP + STEPS
     c.seed = 0
@@ -131,6 +140,8 @@ def stage_config(workdir: str, budget: int, staleness: int = 0):
     c.rl.chat_format = "compact"
     c.rl.partial_rollout_tokens = budget
     c.rl.max_staleness = staleness
+    if disaggregated:
+        c.serving.placement, c.serving.rollout_devices = "disaggregated", 1
     if staleness:
         c.loss.tis_cap = 2.0  # its off-policy correction (free when nothing is stale)
     c.trainer.micro_batch_size = 0
@@ -146,12 +157,12 @@ def stage_config(workdir: str, budget: int, staleness: int = 0):
     return parse(c)
 
 
-def run_arm(budget: int, executor, cache_dir: str, staleness: int = 0) -> dict:
-    workdir = tempfile.mkdtemp(prefix=f"rl_pipeline_{budget}_{staleness}_")
+def run_arm(budget: int, executor, cache_dir: str, staleness: int = 0, disaggregated: bool = False) -> dict:
+    workdir = tempfile.mkdtemp(prefix=f"rl_pipeline_{budget}_{staleness}_{int(disaggregated)}_")
     with open(os.path.join(workdir, "train.jsonl"), "w") as f:
         for i in range(400):
             f.write(json.dumps({"problem": f"What is {i}*7?", "answer": "42"}) + "\n")
-    run = stage_config(workdir, budget, staleness)
+    run = stage_config(workdir, budget, staleness, disaggregated)
     tok = build.tokenizer(run.model)
     # the serving benchmark's model: on 2 cores its update takes a fraction of the rollout time,
     # as at the paper's scale (docs/training.md's projection: 264 s of 1,164)
@@ -196,32 +207,60 @@ def run_arm(budget: int, executor, cache_dir: str, staleness: int = 0) -> dict:
     return out
 
 
+DISAGGREGATED = {"disaggregated_sync": 0, "disaggregated_async": 1}  # arm -> rl.max_staleness
+
+
+def run_disaggregated(arm: str, cache_dir: str) -> dict:
+    """One disaggregated arm in a subprocess with two CPU devices; its ``run_arm`` result."""
+    flags = [f for f in sys.argv[1:] if f in ("--quick", "--smoke")]
+    for name in ("budget", "steps", "warmup"):
+        if getattr(args, name):
+            flags += [f"--{name}", str(getattr(args, name))]
+    env = {**os.environ, "RL_PIPELINE_CACHE": cache_dir}
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--arm", arm, *flags], env=env,
+                         capture_output=True, text=True, timeout=3600)
+    if out.returncode:
+        raise RuntimeError(f"the {arm} arm failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main():
+    if args.arm:
+        with CodeExecutor(num_workers=2) as executor:
+            print(json.dumps(run_arm(0, executor, os.environ["RL_PIPELINE_CACHE"], DISAGGREGATED[args.arm],
+                                     disaggregated=True)))
+        return
     cache_dir = tempfile.mkdtemp(prefix="rl_pipeline_cache_")
-    runs = {"sync": [], "partial": [], "async": []}
+    runs = {"sync": [], "partial": [], "async": [], **{arm: [] for arm in DISAGGREGATED}}
     with CodeExecutor(num_workers=2) as executor:
         for _ in range(REPEAT):
             runs["sync"].append(run_arm(0, executor, cache_dir))
             runs["partial"].append(run_arm(BUDGET, executor, cache_dir))
             runs["async"].append(run_arm(0, executor, cache_dir, staleness=1))
+            for arm in DISAGGREGATED:
+                runs[arm].append(run_disaggregated(arm, cache_dir))
 
     def speedups(arm):
         return [a["trained_tokens_per_s"] / s["trained_tokens_per_s"] for s, a in zip(runs["sync"], runs[arm])]
 
     ratios, async_ratios = speedups("partial"), speedups("async")
+    disaggregated = [a["trained_tokens_per_s"] / s["trained_tokens_per_s"]
+                     for s, a in zip(runs["disaggregated_sync"], runs["disaggregated_async"])]
     median = {arm: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items()}
     print(json.dumps({
         "benchmark": "rl_pipeline", "quick": QUICK, "repeat": REPEAT, "budget": BUDGET,
         "prompts_per_step": PROMPTS, "rollouts_per_step": PROMPTS * 2 * GROUP, "measured_steps": STEPS,
         "partial_speedup": statistics.median(ratios),
         "async_colocated_speedup": statistics.median(async_ratios),
+        "async_speedup": statistics.median(disaggregated),
         "spread": {"partial_speedup": [min(ratios), max(ratios)],
-                   "async_colocated_speedup": [min(async_ratios), max(async_ratios)]},
+                   "async_colocated_speedup": [min(async_ratios), max(async_ratios)],
+                   "async_speedup": [min(disaggregated), max(disaggregated)]},
         "policy_lag_max": median["partial"]["policy_lag_max"],
         "policy_lag_mean": median["partial"]["policy_lag_mean"],
-        "async_policy_lag_max": max(r["policy_lag_max"] for r in runs["async"]),
-        "async_speedup": None,  # disaggregated placement is not built yet (issue #33 item 3)
-        "sync": median["sync"], "partial": median["partial"], "async": median["async"],
+        "async_policy_lag_max": max(r["policy_lag_max"] for r in runs["async"] + runs["disaggregated_async"]),
+        **median,
     }))
 
 

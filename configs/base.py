@@ -112,6 +112,10 @@ def get_config(arg=None):
     # free the serving copy and the KV pool before each train step, make them again at the
     # weight hand-off after it (docs/serving.md "Memory plan"): room for the update
     c.serving.release_during_update = False
+    # "disaggregated": rollout slices on the last serving.rollout_devices devices, the trainer on the
+    # others (docs/training.md "Placement"); "colocated": rollouts on the trainer's devices
+    c.serving.placement = "colocated"
+    c.serving.rollout_devices = 0
 
     # ---- policy loss (eq. 6; rstarjax/rl/loss.py) ---------------------------------------------
     c.loss = ml_collections.ConfigDict()

@@ -226,3 +226,33 @@ def test_profile_rstar2_official(tmp_path):
     c.reward.mode = "whole"
     with pytest.raises(ConfigError, match="--config.reward.mode"):
         parse(c)
+
+
+@pytest.mark.parametrize("placement, rollout_devices, fsdp, num_devices, message", [
+    ("disaggregated", 0, -1, 8, "placement='disaggregated' needs rollout_devices >= 1"),
+    ("colocated", 2, -1, 8, "placement='disaggregated' needs rollout_devices >= 1"),
+    ("spread", 0, -1, 8, "placement"),
+    ("disaggregated", 8, -1, 8, "rollout_devices=8 must leave the trainer some of the 8 devices"),
+    ("disaggregated", 2, 8, 8, "does not fit the 6 devices the rollout slices leave"),
+])
+def test_disaggregated_placement_must_leave_the_trainer_its_devices(tmp_path, placement, rollout_devices, fsdp,
+                                                                    num_devices, message):
+    c = good_config(tmp_path)
+    c.serving.placement, c.serving.rollout_devices, c.mesh.fsdp = placement, rollout_devices, fsdp
+    with pytest.raises(ConfigError, match=message):
+        parse(c, num_devices=num_devices)
+
+
+def test_disaggregated_placement_takes_the_trainers_mesh_from_the_devices_it_leaves(tmp_path):
+    c = good_config(tmp_path)
+    c.serving.placement, c.serving.rollout_devices, c.mesh.fsdp = "disaggregated", 4, -1
+    c.rl.prompts_per_step, c.rl.group_size, c.trainer.micro_batch_size = 4, 16, 4
+    run = parse(c, num_devices=8)  # fsdp = -1 resolves to the 4 devices the rollouts leave
+    assert run.serving.trainer_devices_of(range(8)) == [0, 1, 2, 3]
+    assert run.serving.rollout_devices_of(range(8)) == [4, 5, 6, 7]
+    import demo
+
+    c = demo.get_config()
+    c.serving.placement, c.serving.rollout_devices = "disaggregated", 1
+    with pytest.raises(ConfigError, match="is for RL stages"):
+        parse(c)

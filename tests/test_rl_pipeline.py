@@ -1,4 +1,4 @@
-"""benchmarks/rl_pipeline.py --smoke end to end: every arm runs the real RL stage (engine,
+"""benchmarks/rl_pipeline.py --smoke end to end: every arm (colocated and disaggregated) runs the real RL stage (engine,
 scheduler, code pool, verifier, RoC, update, hand-off) and it prints the JSON line docs/training.md
 reads. Only counts are asserted, never speeds: figures come from idle-machine runs."""
 import json
@@ -9,12 +9,15 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARMS = ("sync", "partial", "async", "disaggregated_sync", "disaggregated_async")
 KEYS = ("partial_speedup", "policy_lag_max", "policy_lag_mean", "async_speedup", "async_colocated_speedup",
-        "async_policy_lag_max", "sync", "partial", "async")
+        "async_policy_lag_max", *ARMS)
 
 
-@pytest.mark.slow  # ~2 min on 2 cores: three short RL stages
+@pytest.mark.slow  # ~4 min on 2 cores: five short RL stages
 def test_smoke_run_trains_every_arm_and_the_partial_and_async_ones_carry_rollouts_across_updates():
+    """Every arm: synchronous, partial, asynchronous colocated, and disaggregated (trainer and
+    rollout slice on their own CPU devices) synchronous and asynchronous."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("XLA_FLAGS", None)  # one device: the benchmark's mesh
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "rl_pipeline.py"), "--smoke"],
@@ -22,7 +25,7 @@ def test_smoke_run_trains_every_arm_and_the_partial_and_async_ones_carry_rollout
     assert out.returncode == 0, out.stderr[-3000:]
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert not [k for k in KEYS if k not in line]
-    for arm in ("sync", "partial", "async"):
+    for arm in ARMS:
         assert line[arm]["trained_tokens"] > 0 and line[arm]["steps"] == 1
     # a 16-token budget pauses the scripted rollouts (tens of tokens): some trained tokens were
     # sampled by the policy before the last update
@@ -30,4 +33,4 @@ def test_smoke_run_trains_every_arm_and_the_partial_and_async_ones_carry_rollout
     # the rollout thread sampled a round under the weights before the update that trained it,
     # never two updates before
     assert line["async_policy_lag_max"] == 1
-    assert line["async_speedup"] is None  # disaggregated placement not built: never a made-up figure
+    assert line["disaggregated_async"]["policy_lag_max"] == 1 and line["async_speedup"] > 0

@@ -309,3 +309,38 @@ def test_rl_step_releases_serving_memory_during_the_update_and_samples_the_same(
     assert all(kept_during[0]) and freed_during == [[0, 0]]
     [(dropped, engine_bytes)] = freed
     assert engine_bytes > 0 and dropped >= engine_bytes
+
+
+def test_disaggregated_rollouts_serve_on_their_own_devices_from_the_trainers_mesh(model, monkeypatch):
+    """``serving.placement='disaggregated'``: the trainer's mesh takes the first devices, the
+    rollout slices the last ``rollout_devices``; every serving weight and KV page lies on the
+    rollout devices only, and a hand-off from the trainer's FSDP state lands there, equal to the
+    host cast, without a host round trip."""
+    from rstarjax.recipes import build
+    from rstarjax.recipes.config import MeshConfig
+    from rstarjax.serving.colocated import ColocatedEngines, ServingConfig
+
+    serving = ServingConfig(placement="disaggregated", rollout_devices=4, tensor_parallel=2, slices_per_host=0,
+                            num_slots=2, page_size=8, kv_pages=16)
+    devices = jax.devices()
+    trainer_mesh = build.mesh(MeshConfig(data=1, fsdp=-1, tensor=1), serving)
+    assert set(trainer_mesh.devices.flat) == set(devices[:4])
+    _, state = nnx.split(model)
+    state = jax.device_put(state, state_shardings(state, trainer_mesh))
+    engines = ColocatedEngines(nnx.merge(nnx.graphdef(model), state), serving=serving, max_len=MAX_LEN,
+                               vocab_limit=None, tool_timeout_s=10.0, timeout_s=60.0)
+    assert len(engines.engines) == 2  # two TP-2 slices on the four rollout devices
+    rollout = set(devices[4:])
+    for engine in engines.engines:
+        held = {d for x in jax.tree.leaves((engine.params, engine._k, engine._v)) for d in x.sharding.device_set}
+        assert held <= rollout and set(engine.mesh.devices.flat) <= rollout
+    new = _model(seed=5)
+    new_state = jax.device_put(nnx.split(new)[1], state_shardings(state, trainer_mesh))
+    want = _reference(new, untie_head=True)
+    with monkeypatch.context() as m:
+        _refuse_host_copies(m)
+        engines.update_params(new_state)
+    for engine in engines.engines:
+        for x, ref in zip(jax.tree.leaves(engine.params), jax.tree.leaves(want), strict=True):
+            assert x.sharding.device_set <= set(engine.mesh.devices.flat)
+            np.testing.assert_array_equal(np.asarray(x).astype(np.float32), ref.astype(np.float32))

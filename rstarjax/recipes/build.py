@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
@@ -22,8 +23,11 @@ from rstarjax.serving.colocated import ServingConfig
 from rstarjax.serving.sampling import SamplingParams
 
 
-def mesh(cfg: MeshConfig) -> Mesh:
-    return make_mesh(cfg.data, cfg.fsdp, cfg.tensor)
+def mesh(cfg: MeshConfig, serving: ServingConfig | None = None) -> Mesh:
+    """The trainer's mesh: over every device, or (``serving.placement='disaggregated'``) over
+    those the rollout slices leave."""
+    devices = None if serving is None or not serving.disaggregated else serving.trainer_devices_of(jax.devices())
+    return make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=devices)
 
 
 def tokenizer(src: ModelSource) -> Tokenizer:

@@ -485,6 +485,8 @@ def _run_rules(run: RunConfig) -> list[str]:
         elif (rows // tr.mini_batches) % (tr.micro_batch_size or rows // tr.mini_batches):
             errs.append(f"--config.trainer.micro_batch_size={tr.micro_batch_size} must divide the mini-batch of "
                         f"{rows // tr.mini_batches} rows (prompts_per_step * group_size / mini_batches)")
+    if run.serving.disaggregated and mode != "rl":
+        errs.append(f"--config.serving.placement='disaggregated' is for RL stages (mode='rl'), not mode={mode!r}")
     if mode == "rl" and (ck.reset_optimizer or ck.update_reference) and not ck.init_from:
         errs.append("stage-3 options (checkpoint.reset_optimizer / update_reference) need "
                     "--config.checkpoint.init_from=STAGE2_WORKDIR/checkpoints")
@@ -509,9 +511,16 @@ def _run_rules(run: RunConfig) -> list[str]:
 
 def device_rules(run: RunConfig, num_devices: int, num_processes: int = 1) -> list[str]:
     """The rules the devices and processes put on the mesh and the batch sizes."""
+    sv = run.serving
+    if sv.disaggregated:
+        if num_processes > 1 or sv.rollout_devices >= num_devices:
+            return [f"--config.serving.rollout_devices={sv.rollout_devices} must leave the trainer some of the "
+                    f"{num_devices} devices of its one process (disaggregated placement runs on one process)"]
+        num_devices -= sv.rollout_devices  # the trainer's mesh takes the others
     sizes = run.mesh.resolved(num_devices)
     if sizes is None:
-        return [f"mesh (data, fsdp, tensor)={list(run.mesh.sizes)} does not fit the {num_devices} devices present: "
+        return [f"mesh (data, fsdp, tensor)={list(run.mesh.sizes)} does not fit the {num_devices} devices "
+                f"{'the rollout slices leave' if sv.disaggregated else 'present'}: "
                 f"make data*fsdp*tensor == {num_devices}, e.g. --config.mesh.fsdp=-1"]
     errs = []
     if run.mode in RL_MODES:
@@ -524,12 +533,13 @@ def device_rules(run: RunConfig, num_devices: int, num_processes: int = 1) -> li
         if mbs % dp:
             errs.append(f"--config.trainer.micro_batch_size={mbs} must be a multiple of data*fsdp={dp} "
                         "(each device takes an equal share of every micro-batch)")
-    sv, local = run.serving, num_devices // max(num_processes, 1)
+    local = sv.rollout_devices if sv.disaggregated else num_devices // max(num_processes, 1)
+    where = "given to rollouts (serving.rollout_devices)" if sv.disaggregated else "of each process"
     if sv.tensor_parallel > local:
-        errs.append(f"--config.serving.tensor_parallel={sv.tensor_parallel} exceeds the {local} devices of "
-                    "each process (a serving slice stays on one host)")
+        errs.append(f"--config.serving.tensor_parallel={sv.tensor_parallel} exceeds the {local} devices {where} "
+                    "(a serving slice stays on one host)")
     elif sv.tensor_parallel and sv.slices_per_host * sv.tensor_parallel > local:
         errs.append(f"--config.serving.slices_per_host={sv.slices_per_host} slices of tensor_parallel="
-                    f"{sv.tensor_parallel} devices need {sv.slices_per_host * sv.tensor_parallel}, each "
-                    f"process has {local}: lower it, or 0 = as many as fit")
+                    f"{sv.tensor_parallel} devices need {sv.slices_per_host * sv.tensor_parallel}, there are "
+                    f"{local} {where}: lower it, or 0 = as many as fit")
     return errs

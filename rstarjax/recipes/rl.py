@@ -280,7 +280,7 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
         tokenizer = build.tokenizer(run.model)
         # the data first: its bad and over-long rows are reported before minutes of model loading
         records, _ = build.problems(run.data.train_path, run.rl, tokenizer if rollout_fn is None else None)
-        mesh = build.mesh(run.mesh)
+        mesh = build.mesh(run.mesh, run.serving)
         ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), run.checkpoint)
         executor, before_update = None, None
         try:

@@ -649,9 +649,11 @@ def _gap_on_device(sampled, recomputed, mask, threshold: float = np.inf, replica
     ``MAX_GAP_OUTLIERS`` of those ([n, 2])."""
     s_abs, s_max, s_kl, n, over, positions = jax.device_get(
         _gap_sums(sampled, recomputed, mask, jnp.float32(threshold), out_sharding=replicated))
-    n = max(float(n), 1.0)
+    measured, n = float(n), max(float(n), 1.0)
+    # how many tokens were measured: with partial or asynchronous rollouts only fresh ones are,
+    # and a step with none reports gaps of 0 that say nothing
     metrics = {"train/logprob_gap_abs": float(s_abs) / n, "train/logprob_gap_max": float(s_max),
-               "train/logprob_gap_kl": float(s_kl) / n,
+               "train/logprob_gap_kl": float(s_kl) / n, "train/logprob_gap_tokens": measured,
                "train/logprob_gap_tokens_over": float(over)}
     return metrics, np.asarray(positions)[np.asarray(positions)[:, 0] >= 0]
 

@@ -19,6 +19,9 @@ from rstarjax.serving.slices import slice_meshes
 from rstarjax.validation import one_of, require
 
 
+PLACEMENTS = ("colocated", "disaggregated")
+
+
 @dataclasses.dataclass(frozen=True)
 class ServingConfig:
     """The ``serving`` section: the rollout engine's KV page pool, decode batch and admission
@@ -46,6 +49,10 @@ class ServingConfig:
     # Free the serving copy and the KV pool before each train step and make them again at the
     # hand-off after it (docs/serving.md "Memory plan"): room for the update on the same devices
     release_during_update: bool = False
+    # Where rollouts run (docs/training.md "Placement"): "colocated" on the trainer's devices, or
+    # "disaggregated" on the last rollout_devices local devices, the trainer's mesh on the others
+    placement: str = "colocated"
+    rollout_devices: int = 0
 
     def __post_init__(self):
         at_least_one = [(getattr(self, n) >= 1, f"{n}={getattr(self, n)} must be >= 1")
@@ -67,6 +74,13 @@ class ServingConfig:
                  f"adaptive_reserve={self.adaptive_reserve!r} must be True or False"),
                 (isinstance(self.release_during_update, bool),
                  f"release_during_update={self.release_during_update!r} must be True or False"),
+                one_of("placement", self.placement, PLACEMENTS),
+                ((self.placement == "disaggregated") == (self.rollout_devices >= 1),
+                 f"rollout_devices={self.rollout_devices}: placement='disaggregated' needs rollout_devices >= 1 "
+                 "(the devices its rollout slices take), and only it takes any"),
+                (not (self.placement == "disaggregated" and self.release_during_update),
+                 "release_during_update frees memory on the trainer's devices for the update; "
+                 "disaggregated rollouts hold none there: turn it off"),
                 one_of("dtype", self.dtype, ("", *DTYPES)))
 
     def engine_options(self, max_len: int, num_slots: int | None = None) -> dict:
@@ -77,11 +91,29 @@ class ServingConfig:
                     num_slots=int(num_slots or self.num_slots), dtype=self.dtype or None,
                     decode_steps=int(self.decode_steps), prefill_chunk=int(self.prefill_chunk))
 
+    @property
+    def disaggregated(self) -> bool:
+        return self.placement == "disaggregated"
+
+    def rollout_devices_of(self, devices) -> list:
+        """The devices rollouts run on, of ``devices`` (this process's): all of them colocated,
+        the last ``rollout_devices`` disaggregated."""
+        devices = list(devices)
+        return devices[-self.rollout_devices:] if self.disaggregated else devices
+
+    def trainer_devices_of(self, devices) -> list:
+        """The devices the trainer's mesh takes, of ``devices``: all of them colocated, the
+        others than ``rollout_devices_of`` disaggregated."""
+        devices = list(devices)
+        return devices[:-self.rollout_devices] if self.disaggregated else devices
+
     def slices(self, devices) -> list:
-        """The serving meshes over ``devices`` (this process's local devices); [] when
-        ``tensor_parallel`` is 0 (one engine over the trainer's arrays)."""
+        """The serving meshes over ``devices`` (this process's local devices; disaggregated: the
+        rollout devices among them); [] when ``tensor_parallel`` is 0 (one engine over the
+        trainer's arrays; disaggregated: one slice over all the rollout devices)."""
+        devices = self.rollout_devices_of(devices)
         if not self.tensor_parallel:
-            return []
+            return [] if not self.disaggregated else slice_meshes(devices, tensor_parallel=len(devices))
         return slice_meshes(devices, tensor_parallel=self.tensor_parallel,
                             num_slices=self.slices_per_host)
 
@@ -93,7 +125,8 @@ class ServingConfig:
 class ColocatedEngines:
     """One ``Engine`` per serving slice of this process (``serving.slices``; none configured:
     one engine over the model's arrays as they are, or in a multi-process run over all local
-    devices), sized from ``serving`` for rollouts of up to ``max_len`` tokens, and the
+    devices; ``serving.placement='disaggregated'``: slices on the rollout devices only, the
+    name notwithstanding, each taking its copy device to device), sized from ``serving`` for rollouts of up to ``max_len`` tokens, and the
     ``RolloutScheduler`` over them (``tool_timeout_s``: its wait on a tool's answer;
     ``timeout_s``: the bound on one ``run``)."""
 
@@ -105,6 +138,9 @@ class ColocatedEngines:
         # Multi-process: the engines serve this process's own copy (serving.handoff), never the
         # trainer's global arrays; no slices configured = one slice over all local devices.
         self.handoff = None
+        if serving.disaggregated and jax.process_count() > 1:
+            raise ValueError("--config.serving.placement='disaggregated' runs on one process for now: set it "
+                             "to 'colocated' for a multi-host run")
         if jax.process_count() > 1:
             graphdef, state = nnx.split(model)
             self.handoff = ProcessHandoff(state)

@@ -127,6 +127,7 @@ def serving_copies(graphdef, state, targets: Sequence[Target], *, dtype,
         staged = _staging_program(graphdef, dtype, untie_head, named(mesh, specs))(state)
         for i in group:
             out[i] = _take_row(staged, targets[i], rows[i])
+    remote: dict[int, ServingWeights] = {}  # staged for other device groups, by slice size
     for i, target in enumerate(targets):
         if out[i] is not None:
             continue
@@ -136,6 +137,21 @@ def serving_copies(graphdef, state, targets: Sequence[Target], *, dtype,
             out[i] = to_serving(graphdef, jax.device_put(state, target), dtype, untie_head)
         else:
             mesh = jax.tree.leaves(target, is_leaf=_is_sharding)[0].mesh
+            devices, size = _sorted_devices(state), mesh.size
+            if devices and len(devices) % size == 0:
+                # another device group (disaggregated rollouts): the staging program casts the
+                # state into the slice's layout on every row of ``size`` of the state's own
+                # devices, then each shard of the first row is copied device to device to the
+                # slice (equal per-device slices: jax copies buffers, where a reshard across
+                # device groups would go through the host): the serving dtype's bytes only
+                specs = jax.tree.map(lambda sh: sh.spec, target, is_leaf=_is_sharding)
+                if size not in remote:
+                    rows_mesh = device_mesh(np.array(devices).reshape(-1, size), ("data", "tensor"))
+                    staged = _staging_program(graphdef, dtype, untie_head, named(rows_mesh, specs))(state)
+                    first = named(device_mesh(np.array(devices[:size]), ("tensor",)), specs)
+                    remote[size] = _take_row(staged, first, None)
+                out[i] = jax.device_put(remote[size], target)
+                continue
             placed = jax.device_put(state, state_shardings(state, mesh))
             out[i] = jax.jit(serving_fn, static_argnums=(0, 2, 3), out_shardings=target)(
                 graphdef, placed, dtype, untie_head)
@@ -187,9 +203,10 @@ def _is_sharding(x) -> bool:
 
 
 def _sorted_devices(state) -> list[jax.Device]:
+    """The devices ``state``'s arrays lie on, by id ([] for a state on the host)."""
     devices = set()
     for x in jax.tree.leaves(state):
-        devices |= x.sharding.device_set
+        devices |= x.sharding.device_set if isinstance(x, jax.Array) else set()
     return sorted(devices, key=lambda d: d.id)
 
 
