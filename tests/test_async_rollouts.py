@@ -136,14 +136,11 @@ class StagedRollouts:
 
 
 def _async_config(workdir, total_steps):
-    from test_checkpoint import worker_config
+    from test_checkpoint import in_process_config
 
-    c = worker_config(workdir, total_steps)
+    c = in_process_config(workdir, total_steps)
     c.rl.max_staleness = 1
     c.loss.tis_cap = 2.0
-    c.mesh.fsdp, c.mesh.data = 1, 1
-    c.logging.tensorboard = False
-    c.checkpoint.async_save = False
     return c
 
 

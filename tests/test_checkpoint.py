@@ -72,6 +72,16 @@ def worker_config(workdir, total_steps):
     return c
 
 
+def in_process_config(workdir, total_steps):
+    """``worker_config`` for a stage run inside the test process: a one-device mesh, no
+    TensorBoard, checkpoints written before the step returns."""
+    c = worker_config(workdir, total_steps)
+    c.mesh.fsdp, c.mesh.data = 1, 1
+    c.logging.tensorboard = False
+    c.checkpoint.async_save = False
+    return c
+
+
 def worker(workdir, total_steps):
     import jax
     from rstarjax.recipes.config import parse

@@ -207,16 +207,13 @@ def test_agent_rollouts_paused_every_few_tokens_equal_uninterrupted_ones():
 
 # ---- the RL stage: a checkpoint with rollouts in flight ------------------------------------------
 def _stage_config(workdir, total_steps):
-    from test_checkpoint import worker_config  # the tiny stage the SIGKILL-resume test runs
+    from test_checkpoint import in_process_config  # the tiny stage the SIGKILL-resume test runs
 
-    c = worker_config(workdir, total_steps)
+    c = in_process_config(workdir, total_steps)
     c.data.num_epochs = 1
     c.rl.max_response_len = 16
     c.rl.partial_rollout_tokens = 4
     c.trainer.micro_batch_size = 0
-    c.mesh.fsdp, c.mesh.data = 1, 1
-    c.logging.tensorboard = False
-    c.checkpoint.async_save = False
     return c
 
 
