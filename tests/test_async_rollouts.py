@@ -167,7 +167,7 @@ def test_the_stage_trains_rounds_within_k_and_resumes_without_training_a_prompt_
 
     from test_checkpoint import write_data
 
-    monkeypatch.setattr(build, "mesh", lambda c: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     workdir = str(tmp_path)
     write_data(workdir, n=40)
     ref = []

@@ -251,7 +251,7 @@ def run_config(workdir, total_steps, **rl):
 def test_the_loop_skips_fully_rejected_batches_and_stops_when_nothing_is_left(tmp_path, monkeypatch):
     """A batch with no group left is not a step: the loop draws the next one (the official trainer
     does the same), and fails with a clear error past ``max_rejected_batches`` in a row."""
-    monkeypatch.setattr(build, "mesh", lambda c: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     workdir = str(tmp_path)
     with open(os.path.join(workdir, "train.jsonl"), "w") as f:
         for p in (0, 1, 0, 2, 1, 0, 3, 2):  # batches: {0, 1} rejected, {0, 2} trained, {1, 0}, {3, 2}
@@ -275,7 +275,7 @@ def test_a_policy_that_answers_every_rollout_right_ends_the_stage_cleanly(tmp_pa
     """A streak of batches rejected only because every group was all-correct is a solved data set,
     not a failure: the stage saves its last step, says why it stopped, and returns (the demo then
     evaluates). One all-wrong group in the streak keeps the error (test above)."""
-    monkeypatch.setattr(build, "mesh", lambda c: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     workdir = str(tmp_path)
     with open(os.path.join(workdir, "train.jsonl"), "w") as f:
         for p in range(2, 10):  # one trained batch {2, 3}, then only all-correct groups

@@ -300,7 +300,7 @@ def test_rl_stage_with_lora_from_sft_checkpoint_resumes_exactly(tmp_path, monkey
     from test_checkpoint import fake_rollout_fn
     from test_stages import _save_trained, _scripted_config, _trainer
 
-    monkeypatch.setattr(build, "mesh", lambda c: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     with open(tmp_path / "train.jsonl", "w") as f:
         for i in range(8):
             f.write(json_lib.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n")

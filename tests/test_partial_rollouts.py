@@ -226,7 +226,7 @@ def test_a_checkpoint_with_rollouts_in_flight_resumes_without_training_any_twice
     from rstarjax.recipes.rl import run_rl
     from rstarjax.io.checkpoint import read_checkpoint_meta
 
-    monkeypatch.setattr(build, "mesh", lambda c: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     workdir = str(tmp_path)
     with open(os.path.join(workdir, "train.jsonl"), "w") as f:
         for i in range(40):

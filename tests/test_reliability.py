@@ -125,7 +125,7 @@ def one_device(monkeypatch):
     from rstarjax.models import sharding as sharding_lib
     from rstarjax.recipes import build
 
-    monkeypatch.setattr(build, "mesh", lambda c: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
 
 
 def test_a_diverging_run_stops_naming_step_and_quantity_and_saves_only_finite_params(tmp_path, one_device):

@@ -219,7 +219,7 @@ def test_scripted_chain_steps_warmup_data_order_and_served_weights(tmp_path, mon
     from rstarjax.recipes.rl import run_rl
     from test_checkpoint import fake_rollout_fn
 
-    monkeypatch.setattr(build, "mesh", lambda c: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     with open(tmp_path / "train.jsonl", "w") as f:
         for i in range(8):
             f.write(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n")

@@ -131,7 +131,7 @@ def test_offline_wandb_logs_what_tensorboard_logs_plus_the_config(tmp_path, monk
         monkeypatch.setenv(var, str(tmp_path / "wandb_home" / sub))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setattr(build, "mesh", lambda c: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     with open(tmp_path / "train.jsonl", "w") as f:
         for i in range(8):
             f.write(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n")
