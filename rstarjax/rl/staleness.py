@@ -21,7 +21,7 @@ two serving copies for a moment, and their KV pool stays allocated during the up
 (``serving.release_during_update`` does not combine with this).
 
 **Checkpoints.** A checkpoint records the data position after every round drawn so far and the
-prompts of the rounds drawn but not trained (``pending_records``). On resume those start again
+prompts of the rounds drawn but not trained (``snapshot``). On resume those start again
 from their prompts, first; their rollouts were never trained, so none is trained twice.
 """
 from __future__ import annotations
@@ -174,20 +174,16 @@ class AsyncRollouts:
             self.remaining = remaining
             self.cond.notify_all()
 
-    def pending_records(self) -> list:
-        """The prompts drawn but not yet trained (rounds in start order, then those still to
-        restart): what a checkpoint keeps."""
-        with self.cond:
-            return [r for rnd in self.rounds for r in rnd.records] + list(self.restart)
-
     def snapshot(self, data_state: Callable[[], object]) -> tuple[object, list]:
-        """``(data_state(), pending_records())`` taken together, while no round is drawn."""
+        """What a checkpoint keeps, taken together while no round is drawn: ``data_state()``
+        and the prompts drawn but not yet trained (rounds in start order, then those still to
+        restart)."""
         with self.cond:
             return data_state(), [r for rnd in self.rounds for r in rnd.records] + list(self.restart)
 
     def close(self) -> None:
         """Stop starting rounds and wait for the running one (bounded by ``wait_s``); its
-        rollouts are not trained (``pending_records`` still has its prompts)."""
+        rollouts are not trained (``snapshot`` still lists its prompts)."""
         with self.cond:
             self.stopping = True
             self.cond.notify_all()

@@ -174,13 +174,15 @@ def stage_copies(engines: Sequence[Served], state, graphdef=None) -> list[tuple[
     program per update, not one per slice; with adapters, the merge is part of that program
     (``models.qwen3.serving_weights``). The copies own their buffers."""
     groups: dict[tuple, list[Served]] = {}
+    copy_shapes: dict[tuple, object] = {}  # traced once per program key, not once per engine
     for e in engines:
         if graphdef is None and jax.tree.structure(state) != e.layout.structure:
             raise ValueError("update_params: the new state's tree structure differs from the "
                              "served model's")
         key = e.layout.program_key if graphdef is None else (graphdef, e.layout.dtype, e.layout.untie_head)
-        if graphdef is not None and not _same_shapes(serving_shapes(graphdef, state, *key[1:]),
-                                                     e.layout.copy_shapes):
+        if graphdef is not None and key not in copy_shapes:
+            copy_shapes[key] = serving_shapes(graphdef, state, *key[1:])
+        if graphdef is not None and not _same_shapes(copy_shapes[key], e.layout.copy_shapes):
             raise ValueError("update_params: the new model's serving copy (its architecture, shapes or "
                              "dtypes) differs from the one this engine serves")
         groups.setdefault(key, []).append(e)
