@@ -20,7 +20,9 @@ CPU (``--device cpu``):
     allocation (equal contiguous chunks, as verl splits a batch) without turn sync and with
     lock-step turns (verl v0.2), and static allocation that launches every request at once
     and evicts on overflow (no growth reserve: rStar2-Agent §3.2's SGLang case). Wall-clock
-    and, since the 2 slices share 2 CPU cores, the busiest slice's decode steps.
+    and, since the 2 slices share 2 CPU cores, the busiest slice's decode steps. The decode
+    slices' idle fraction with the code pool's staged dispatch (tool calls before reward
+    verifications, SkyRL-Agent §3.2's pipeline dispatcher) and with one FIFO lane.
 (5) prefill tokens spent by ``extend`` vs re-prefilling the conversation at every turn.
 
 GPU (``--device gpu``): decode tokens/s and the fraction of the HBM roofline ((weight bytes +
@@ -288,14 +290,15 @@ def bench_rollouts(quick: bool) -> tuple[list[dict], list[dict]]:
                                 admit_reserve_tokens=reserve, adaptive_reserve=adaptive,
                                 tool_timeout_s=60)
 
-    with CodeExecutor(num_workers=2) as ex:
+    # the pool's dispatch: tool calls before verifications (ours), and one FIFO lane (baseline)
+    with CodeExecutor(num_workers=2) as ex, CodeExecutor(num_workers=2, dispatch="fifo") as ex_fifo:
 
-        def run(s, engines):
+        def run(s, engines, pool=ex):
             for e in engines:
                 e.prefill_tokens = 0
                 if hasattr(e, "occupied_slot_steps"):
                     e.occupied_slot_steps = e.generate_calls = 0
-            trajs, timings = run_rollouts(s, tok, ex, heavy_tailed_workload(tok, n, 0, quick),
+            trajs, timings = run_rollouts(s, tok, pool, heavy_tailed_workload(tok, n, 0, quick),
                                           cfg_a)
             return trajs, timings, sum(e.prefill_tokens for e in engines)
 
@@ -317,6 +320,9 @@ def bench_rollouts(quick: bool) -> tuple[list[dict], list[dict]]:
             # launched at once (no KV-aware admission: a prompt that fits starts), a rollout
             # evicted and recomputed when the pages run out.
             r["static_launch_all"] = run(sched("static", False, reserve=0, adaptive=False), paged)[1]
+            # SkyRL-Agent §3.2's question: how idle the decode slices are without the staged
+            # dispatch (the same scheduler; the pool serves calls in arrival order)
+            r["fifo_trajs"], r["fifo_dispatch"], _ = run(sched(), paged, pool=ex_fifo)
             return r
 
         # One untimed round first: every arm compiles the programs of this workload's shapes
@@ -358,6 +364,16 @@ def bench_rollouts(quick: bool) -> tuple[list[dict], list[dict]]:
             "makespan_steps_dense_engine": d["timing/rollout_max_slice_steps"],
             "makespan_steps_static_async": y["static_async"]["timing/rollout_max_slice_steps"],
             "busy_fraction_paged": t["timing/rollout_busy_fraction_mean"],
+            # the decode slices' idle share of the makespan, and the part of it with nothing
+            # to decode but tool calls to wait for: staged dispatch vs one FIFO lane
+            "decode_idle_frac": t["timing/rollout_idle_fraction_mean"],
+            "decode_idle_frac_fifo_dispatch": y["fifo_dispatch"]["timing/rollout_idle_fraction_mean"],
+            "tool_blocked_frac": t["timing/rollout_tool_blocked_fraction_mean"],
+            "tool_blocked_frac_fifo_dispatch": y["fifo_dispatch"]["timing/rollout_tool_blocked_fraction_mean"],
+            "makespan_speedup_vs_fifo_dispatch": ms(y["fifo_dispatch"]) / ms(t),
+            "fifo_dispatch_same_tokens": float(all(
+                p.response_ids.tolist() == q.response_ids.tolist() and p.reward == q.reward
+                for p, q in zip(x["trajs"], y["fifo_trajs"]))),
             "busy_fraction_dense_engine": d["timing/rollout_busy_fraction_mean"],
             "rollout_host_syncs_per_token": t["timing/rollout_host_syncs"]
             / max(1, t["timing/rollout_generated_tokens"]),

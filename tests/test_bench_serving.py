@@ -14,7 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEYS = ("paged_concurrency_ratio", "prompt_prefill_reduction", "host_syncs_per_token",
         "makespan_speedup_vs_dense_engine", "makespan_speedup_vs_static_async",
         "makespan_speedup_vs_static_sync", "makespan_speedup_vs_static_launch_all",
-        "decode_speedup_vs_hf", "prefill_token_ratio", "static_split_imbalance")
+        "decode_speedup_vs_hf", "prefill_token_ratio", "static_split_imbalance",
+        "decode_idle_frac", "decode_idle_frac_fifo_dispatch", "makespan_speedup_vs_fifo_dispatch")
 
 
 @pytest.mark.slow  # ~100 s on 2 cores
@@ -32,6 +33,8 @@ def test_quick_cpu_run_prints_every_figure_and_its_checks_hold():
     assert line["decode_greedy_match_dense_engine"] == 1.0
     assert line["prompt_prefill_same_tokens"] == 1.0
     assert line["rollouts_same_tokens_as_dense_engine"] == 1.0
+    assert line["fifo_dispatch_same_tokens"] == 1.0  # the dispatch order changes no rollout
+    assert 0.0 <= line["tool_blocked_frac"] <= line["decode_idle_frac"] <= 1.0
     assert line["reward_mean"] == 1.0 and line["tool_calls"] > 0
     # Counts (not timings): one prefill per prompt, not per sample; a host sync per decode
     # call of several steps; more rollouts live in the same KV memory while others wait.

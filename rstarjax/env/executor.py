@@ -90,7 +90,8 @@ class ExecutorConfig:
     inflight_per_worker: int = 0  # calls handed to a worker at once; 0 -> 2 * slots_per_worker
     batch_size: int = 64  # paper §3.1: send workers group up to 64 calls
     flush_s: float = 0.0  # wait this long for a fuller batch; 0: send what is queued now (see docs)
-    max_queue: int = 100_000  # central queue bound, per tier (backpressure beyond it)
+    max_queue: int = 100_000  # central queue bound, per tier and stage (backpressure beyond it)
+    dispatch: str = "staged"  # job_queue.DISPATCHES: tool calls before verifications, or "fifo"
     submit_timeout: float = 60.0  # how long submit() blocks on a full queue before answering "overloaded"
     queue_timeout: float = 900.0  # a call not dispatched within this is answered with an error
     default_timeout: float = 10.0  # per-call wall-clock limit
@@ -248,7 +249,8 @@ class CodeExecutor:
         self._cgroups: cgroups.CgroupTree | None = None
         # Flat worker numbering: heavy workers first, then lean ones (the index picks sandbox uids).
         self._worker_tier = [HEAVY] * config.num_workers + [LEAN] * lean
-        self._queues = {HEAVY: JobQueue(config.max_queue), LEAN: JobQueue(config.max_queue)}
+        self._queues = {HEAVY: JobQueue(config.max_queue, config.dispatch),
+                        LEAN: JobQueue(config.max_queue, config.dispatch)}
         # One lock for the workers' state. `_cv` announces changes anyone may wait for (deaths,
         # replacements, drained workers); `_capacity[i]` wakes only send thread i when its worker
         # frees capacity: with one shared condition every result woke every send thread.

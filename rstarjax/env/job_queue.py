@@ -1,6 +1,7 @@
 """The trainer-side queue of the code pool (docs/code_env.md): a call as a ``Job`` from
 ``CodeExecutor.submit`` until its future is resolved, and the bounded central ``JobQueue``
-that the executor's send threads take batches from (one per zygote tier)."""
+that the executor's send threads take batches from (one per zygote tier), tool calls
+before reward verifications."""
 from __future__ import annotations
 
 import collections
@@ -31,70 +32,104 @@ class Job:
         return {"id": self.id, "op": self.op, "timeout": self.timeout, **self.payload}
 
 
-class JobQueue:
-    """Bounded FIFO with batch get, expiry and close; every wait has a timeout."""
+# ``JobQueue`` dispatch orders (``ExecutorConfig.dispatch``)
+DISPATCHES = ("staged", "fifo")
+# "staged": the pipeline stages' lanes, in the order a send thread serves them
+STAGE_LANES = ("exec", "verify")
 
-    def __init__(self, maxsize: int):
+
+class JobQueue:
+    """Bounded queue with batch get, expiry and close; every wait has a timeout.
+
+    ``dispatch="staged"`` (the default; SkyRL-Agent's pipeline dispatcher, "SkyRL-Agent:
+    Efficient RL Training for Multi-turn LLM Agent", arXiv 2511.16108, §3.2) keeps one bounded
+    lane per pipeline stage, tool execution before reward verification: a rollout waiting on
+    its tool call holds its KV pages and a decode slot, while a verification is read only
+    when the batch ends, so a burst of finished rollouts never queues ahead of (or, by filling
+    the bound, blocks the submission of) the tool calls of those still running. Within a lane,
+    first in first out. ``"fifo"``: one lane for both, as before (the benchmark's baseline)."""
+
+    def __init__(self, maxsize: int, dispatch: str = "staged"):
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
         self.maxsize = maxsize
-        self.items: collections.deque[Job] = collections.deque()
+        self.dispatch = dispatch
+        names = STAGE_LANES if dispatch == "staged" else ("all",)
+        self.lanes: dict[str, collections.deque[Job]] = {n: collections.deque() for n in names}
         self.cv = threading.Condition()
         self.closed = False
 
+    def lane_of(self, job: Job) -> collections.deque[Job]:
+        return self.lanes[job.op if self.dispatch == "staged" else "all"]
+
     def __len__(self) -> int:
-        return len(self.items)
+        return sum(len(lane) for lane in self.lanes.values())
 
     def put(self, job: Job, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
+        lane = self.lane_of(job)
         with self.cv:
-            while len(self.items) >= self.maxsize and not self.closed:
+            while len(lane) >= self.maxsize and not self.closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self.cv.wait(left)
             if self.closed:
                 return False
-            self.items.append(job)
+            lane.append(job)
             self.cv.notify_all()
             return True
+
+    def _take(self, n: int) -> list[Job]:
+        batch = []
+        for lane in self.lanes.values():  # in stage order
+            while lane and len(batch) < n:
+                batch.append(lane.popleft())
+        return batch
 
     def get_batch(self, max_n: int, flush_s: float, timeout: float) -> list[Job]:
         deadline = time.monotonic() + timeout
         with self.cv:
-            while not self.items and not self.closed:
+            while not len(self) and not self.closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return []
                 self.cv.wait(left)
             flush_at = time.monotonic() + flush_s
-            while len(self.items) < max_n and not self.closed:
+            while len(self) < max_n and not self.closed:
                 left = flush_at - time.monotonic()
                 if left <= 0:
                     break
                 self.cv.wait(left)
-            batch = [self.items.popleft() for _ in range(min(max_n, len(self.items)))]
+            batch = self._take(max_n)
             self.cv.notify_all()
             return batch
 
     def put_front(self, jobs: list[Job]) -> None:
         with self.cv:
-            self.items.extendleft(reversed(jobs))
+            for job in reversed(jobs):
+                self.lane_of(job).appendleft(job)
             self.cv.notify_all()
 
     def expire(self, older_than: float) -> list[Job]:
+        gone = []
         with self.cv:
-            if not self.items or self.items[0].t_submit >= older_than:
-                return []
-            keep, gone = collections.deque(), []
-            for job in self.items:
-                (gone if job.t_submit < older_than else keep).append(job)
-            self.items = keep
-            self.cv.notify_all()
+            for name, lane in self.lanes.items():
+                if not lane or lane[0].t_submit >= older_than:
+                    continue
+                keep = collections.deque()
+                for job in lane:
+                    (gone if job.t_submit < older_than else keep).append(job)
+                self.lanes[name] = keep
+            if gone:
+                self.cv.notify_all()
             return gone
 
     def close(self) -> list[Job]:
         with self.cv:
             self.closed = True
-            rest = list(self.items)
-            self.items.clear()
+            rest = [job for lane in self.lanes.values() for job in lane]
+            for lane in self.lanes.values():
+                lane.clear()
             self.cv.notify_all()
             return rest

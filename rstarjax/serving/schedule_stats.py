@@ -34,6 +34,7 @@ class SliceStats:
     host_syncs: int = 0
     generated_tokens: int = 0  # tokens sampled by decode steps (prefill first tokens excluded)
     tool_wait_s: float = 0.0  # summed over tool calls: dispatch -> ids ready
+    tool_blocked_s: float = 0.0  # the slice had nothing to decode and waited on tool calls
     prefill_tokens: int = 0
     preemptions: int = 0
     reserve_tokens: int = 0  # the adaptive growth reserve at the run's end (0 if never raised)
@@ -75,6 +76,11 @@ class ScheduleStats:
     def busy_fraction(self) -> list[float]:
         return [s.busy_s / self.makespan_s if self.makespan_s > 0 else 0.0 for s in self.slices]
 
+    @property
+    def tool_blocked_fraction(self) -> list[float]:
+        """Per slice, the share of the run it could decode nothing and waited on tool calls."""
+        return [s.tool_blocked_s / self.makespan_s if self.makespan_s > 0 else 0.0 for s in self.slices]
+
     def as_dict(self) -> dict[str, float]:
         total = lambda name: float(sum(getattr(s, name) for s in self.slices))  # noqa: E731
         return {
@@ -83,6 +89,10 @@ class ScheduleStats:
             "decode_s": total("decode_s"),
             "prefill_s": total("busy_s") - total("decode_s"),
             "tool_wait_s": total("tool_wait_s"),
+            # the decode slices' idle share of the run (no engine program running), and the part
+            # of it spent with nothing to decode but tool calls to wait for
+            "idle_fraction_mean": 1.0 - float(np.mean(self.busy_fraction)),
+            "tool_blocked_fraction_mean": float(np.mean(self.tool_blocked_fraction)),
             "decode_steps": total("decode_steps"),
             "max_slice_steps": float(max(s.decode_steps for s in self.slices)),
             "prefill_tokens": total("prefill_tokens"),

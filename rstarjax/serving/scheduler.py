@@ -671,6 +671,8 @@ class _SliceDriver:
         now = time.monotonic()
         nearest = min(r.wait_since + self.s.tool_timeout_s for r in outstanding)
         timeout = max(0.0, min(nearest, self.deadline) - now) + 1e-3
+        t0 = time.perf_counter()
         concurrent.futures.wait([r.waiting for r in outstanding], timeout=timeout,
                                 return_when=concurrent.futures.FIRST_COMPLETED)
+        self.stats.tool_blocked_s += time.perf_counter() - t0
         return True
