@@ -243,6 +243,25 @@ def test_disaggregated_placement_must_leave_the_trainer_its_devices(tmp_path, pl
         parse(c, num_devices=num_devices)
 
 
+@pytest.mark.parametrize("processes, rollout_devices, tensor_parallel", [(3, 4, 0), (2, 2, 0), (2, 4, 2)])
+def test_disaggregated_placement_across_processes_is_one_trainer_and_one_rollout_process(
+        tmp_path, processes, rollout_devices, tensor_parallel):
+    c = good_config(tmp_path)
+    c.serving.placement, c.serving.rollout_devices, c.mesh.fsdp = "disaggregated", rollout_devices, -1
+    c.serving.tensor_parallel = tensor_parallel
+    with pytest.raises(ConfigError, match="across processes runs 2 processes"):
+        parse(c, num_devices=4 * processes, num_processes=processes)
+
+
+def test_a_disaggregated_two_process_run_sizes_the_trainer_by_its_one_process(tmp_path):
+    c = good_config(tmp_path)
+    c.serving.placement, c.serving.rollout_devices, c.mesh.fsdp = "disaggregated", 4, -1
+    c.rl.prompts_per_step, c.rl.group_size, c.trainer.micro_batch_size = 3, 16, 4
+    # 3 prompts per step need not split over 2 processes: only process 0 trains
+    run = parse(c, num_devices=8, num_processes=2)
+    assert run.serving.trainer_devices_of(range(8)) == [0, 1, 2, 3]
+
+
 def test_disaggregated_placement_takes_the_trainers_mesh_from_the_devices_it_leaves(tmp_path):
     c = good_config(tmp_path)
     c.serving.placement, c.serving.rollout_devices, c.mesh.fsdp = "disaggregated", 4, -1

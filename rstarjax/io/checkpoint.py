@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from rstarjax import processes
 from rstarjax.validation import require
 
 log = logging.getLogger(__name__)
@@ -145,11 +146,17 @@ class Checkpointer:
     def __init__(self, directory: str, cfg: CheckpointConfig = CheckpointConfig()):
         self.directory = os.path.abspath(directory)
         self.cfg = cfg
+        # a trainer with rollout processes apart (rstarjax.processes): its barriers span it alone
+        self._alone = alone = processes.training_count() < jax.process_count()
+        if alone:  # orbax creates the directory only with every process at its barrier
+            os.makedirs(self.directory, exist_ok=True)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep,
             save_interval_steps=1,  # the decision is ours (should_save), orbax just writes
             enable_async_checkpointing=cfg.async_save,
-            create=True,
+            create=not alone,
+            **({"multiprocessing_options": ocp.options.MultiprocessingOptions(
+                primary_host=0, active_processes=set(range(processes.training_count())))} if alone else {}),
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         self._writing: int | None = None  # the step of the async save in flight
@@ -169,6 +176,8 @@ class Checkpointer:
         if not all_finite(state):
             raise NonFiniteState(f"checkpoint {step} not written to {self.directory}: the train state holds "
                                  "inf or nan values")
+        if self._alone:  # orbax refuses arrays of one process in a multi-process run: their host copy
+            state = jax.device_get(state)  # (restored into the trainer's shardings as any other)
         try:  # an async save's error surfaces here, at the next save (or in wait / close)
             saved = self._manager.save(
                 step,
@@ -267,7 +276,7 @@ class Checkpointer:
             targets.append(target)
             if jax.process_index() == 0:
                 os.rename(self.step_dir(step), target)
-        if jax.process_count() > 1:
+        if processes.training_count() > 1:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("rstarjax: unreadable checkpoints set aside")

@@ -34,6 +34,8 @@ import grain
 import jax
 import numpy as np
 
+from rstarjax import processes
+
 log = logging.getLogger(__name__)
 
 _PROBLEM_KEYS = ("problem", "Problem", "question", "Question")
@@ -360,14 +362,15 @@ def make_dataset(
     """Batches (lists of dicts) of ``records``: host shard -> shuffle (per epoch) -> repeat,
     then ``batch_size`` rows at a time (``RowBatches``).
 
-    ``num_epochs=None`` repeats forever. process_index/count default to jax.process_index/count.
+    ``num_epochs=None`` repeats forever. process_index/count default to jax.process_index and the training processes'
+    count (``rstarjax.processes``).
     ``iter(ds)`` gives an iterator with get_state()/set_state() for checkpoints, which count rows.
     """
     if batch_size <= 0:
         raise ValueError("batch_size must be > 0")
     if process_index is None or process_count is None:
         process_index = jax.process_index() if process_index is None else process_index
-        process_count = jax.process_count() if process_count is None else process_count
+        process_count = processes.training_count() if process_count is None else process_count
     ds = grain.MapDataset.source(records)[host_shard(len(records), process_index, process_count, even_shards)]
     if len(ds) == 0:
         raise ValueError(f"host {process_index}/{process_count} got no records out of {len(records)}")

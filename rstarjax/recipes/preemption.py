@@ -29,6 +29,8 @@ import time
 
 import numpy as np
 
+from rstarjax import processes
+
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -161,7 +163,7 @@ class SignalGuard:
         import jax
 
         mine = self.request.signum if self.request is not None else 0
-        if jax.process_count() == 1:
+        if processes.training_count() == 1:
             return mine
         from jax.experimental import multihost_utils
 

@@ -19,6 +19,7 @@ import numpy as np
 import tqdm
 from flax import nnx
 
+from rstarjax import processes
 from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
 from rstarjax.io import data as data_lib
@@ -26,7 +27,9 @@ from rstarjax.io.metrics_log import MetricsWriter
 from rstarjax.models import lora
 from rstarjax.recipes import build, lora_base, preemption
 from rstarjax.recipes.config import RunConfig, wandb_init_args
+from rstarjax.recipes.rollout_process import is_rollout_process, serve_rollouts
 from rstarjax.rl.partial import PartialRollouts
+from rstarjax.rl.remote import RemoteRollouts
 from rstarjax.rl.staleness import AsyncRollouts
 from rstarjax.rl.step import any_process, rl_step
 from rstarjax.rl.trainer import Trainer, TrainState
@@ -48,7 +51,7 @@ def stage_data_seed(seed: int, stage_start_step: int) -> int:
 def problem_batches(run: RunConfig, seed: int, records: list[dict]):
     """grain iterator over this process's share of ``records``, ``prompts_per_step`` per step
     (repeats when ``data.num_epochs == 0``), shuffled with ``seed``."""
-    per_process = run.rl.prompts_per_step // jax.process_count()
+    per_process = run.rl.prompts_per_step // processes.training_count()
     return data_lib.make_dataset(records, per_process, seed=seed, num_epochs=run.data.num_epochs or None,
                                  shuffle=run.data.shuffle)
 
@@ -260,9 +263,11 @@ def device_memory_metrics() -> dict[str, float]:
 
 
 def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, model: nnx.Module | None = None,
-           on_update: Callable[[Trainer], None] | None = None, model_source: dict | None = None) -> Trainer:
+           on_update: Callable[[Trainer], None] | None = None, model_source: dict | None = None) -> Trainer | None:
     """``mode=rl``: GRPO-RoC updates until the global step reaches ``run.total_steps``, resumable
-    from ``workdir``; the stage hand-off rules are ``initial_state``'s.
+    from ``workdir``; the stage hand-off rules are ``initial_state``'s. In a disaggregated
+    2-process run, process 0 trains (``rstarjax.processes``: alone) and process 1 serves its
+    rollouts (``recipes.rollout_process``; it returns None).
 
     ``rollout_fn`` defaults to the agent loop on a colocated serving engine; ``on_update`` is
     called once the starting state is in place (so the very first rollouts sample the restored
@@ -275,6 +280,21 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
     record (e.g. ``{"source": "checkpoint", "path": SFT_CKPT_DIR, "step": N}``): with LoRA it is
     the base record the checkpoints carry, so a resume and ``rstarjax.export`` can rebuild it.
     """
+    if is_rollout_process(run):  # process 1 of a disaggregated 2-process run: it only rolls out
+        serve_rollouts(run)
+        return None
+    if run.serving.disaggregated and jax.process_count() > 1 and rollout_fn is None:  # process 0 trains alone
+        remote = RemoteRollouts(wait_s=2 * run.rl.agent().rollout_timeout_s + 60)
+        try:  # the rollout process stops with this one, whatever ends it
+            with processes.training_alone():
+                return _run_rl(run, workdir, remote, model, lambda tr: remote.update_params(tr.served_model()),
+                               model_source)
+        finally:
+            remote.close()
+    return _run_rl(run, workdir, rollout_fn, model, on_update, model_source)
+
+
+def _run_rl(run: RunConfig, workdir: str, rollout_fn, model, on_update, model_source) -> Trainer:
     guard = preemption.SignalGuard(run.checkpoint.preemption_grace_s, can_abandon=jax.process_count() == 1)
     with guard:  # from here on a signal is a request to stop, answered within the grace period
         tokenizer = build.tokenizer(run.model)
@@ -365,7 +385,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
             raise ValueError("--config.rl.partial_rollout_tokens needs a rollout function that can pause "
                              "rollouts (agent_loop.ColocatedRollouts.partial); this one cannot")
         partial = PartialRollouts(guarded(rollout_fn.partial), run.rl.partial_rollout_tokens,
-                                  run.rl.prompts_per_step // jax.process_count(),
+                                  run.rl.prompts_per_step // processes.training_count(),
                                   keeps_kv=not run.rl.partial_reprefill)
         if restart:
             log.info("resumed with %d prompts whose rollouts were in flight at step %d: they start again "
@@ -520,7 +540,7 @@ def start_async_rollouts(run: RunConfig, rollout_fn, data_iter, base_key, step: 
                          ) -> AsyncRollouts:
     """The rollout thread of ``rl.max_staleness`` (``rl.staleness``), from global step ``step``;
     ``restart``: the prompts in flight at the checkpoint resumed (rolled out first)."""
-    if jax.process_count() > 1:
+    if processes.training_count() > 1:
         raise ValueError("--config.rl.max_staleness runs on one process for now: each process's rollout thread "
                          "would have to agree with the others on every round; set it to 0 for a multi-host run")
     if not (hasattr(rollout_fn, "stage_params") and hasattr(rollout_fn, "serve_staged")):

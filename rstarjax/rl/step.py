@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from rstarjax import processes
 from rstarjax.rl import advantages as adv_lib
 from rstarjax.rl import loss as loss_lib
 from rstarjax.rl import metrics as metrics_lib
@@ -35,7 +36,7 @@ def any_process(flag: bool) -> bool:
     """True if ``flag`` is True on any process: the refill decision is global, so every process
     runs the same number of rollout rounds and consumes the same number of prompts (the data
     iterators stay in lockstep)."""
-    if jax.process_count() == 1:
+    if processes.training_count() == 1:
         return flag
     return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
 
@@ -44,7 +45,7 @@ def _update_anywhere(has_rows: bool, num_rows: int) -> bool:
     """Whether any process has a group to train on, after checking that every process brings the
     same number of rows (the global batch is their concatenation, split evenly over the
     devices). One small all-gather, outside rollout."""
-    if jax.process_count() == 1:
+    if processes.training_count() == 1:
         return has_rows
     got = multihost_utils.process_allgather(np.asarray([has_rows, num_rows], np.int64))
     rows = got[:, 1].tolist()
@@ -207,7 +208,7 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | PartialRollouts, records: 
             before_update()
         denom = None
         if estimator == "dr_grpo":  # Dr. GRPO's constant: the configured sequences of one update x max length
-            rows_per_update = num_rows * jax.process_count() // trainer.cfg.mini_batches
+            rows_per_update = num_rows * processes.training_count() // trainer.cfg.mini_batches
             denom = loss_lib.dr_grpo_denominator(rows_per_update, cfg.max_response_len)
         metrics.update(trainer.train(batch, denom=denom, gap_threshold=gap_threshold, gap_mask=gap_mask))
         over = int(metrics.get("train/logprob_gap_tokens_over", 0))

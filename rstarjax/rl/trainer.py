@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from rstarjax import processes
 from rstarjax.models import lora as lora_lib
 from rstarjax.models import sharding as sharding_lib
 from rstarjax.rl import loss as loss_lib
@@ -420,7 +421,7 @@ class Trainer:
 
     def _put_rows(self, rows) -> jax.Array:
         """One [rows, L] host array (this process's rows) -> a global array sharded as the batch."""
-        if jax.process_count() == 1:
+        if processes.training_count() == 1:
             return jax.device_put(np.asarray(rows), self.batch_sharding)
         return jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(rows))
 
@@ -437,7 +438,7 @@ class Trainer:
                   whole_batch: bool = False) -> np.ndarray:
         """The permutation ``arrange_rows`` applies: its row i is the caller's row ``order[i]``."""
         local = np.shape(arrays["tokens"])[0]
-        rows = local if whole_batch else local * jax.process_count()
+        rows = local if whole_batch else local * processes.training_count()
         offset = 0 if whole_batch else jax.process_index() * local
         if rows % mini_batches:
             raise ValueError(f"batch of {rows} rows does not split into mini_batches={mini_batches}")
@@ -505,7 +506,7 @@ class Trainer:
                 gap.pop("train/logprob_gap_tokens_over")
             metrics.update(gap)
             self.logprob_gap_outliers = _local_positions(
-                positions, batch["tokens"].shape[0] // jax.process_count(), order)
+                positions, batch["tokens"].shape[0] // processes.training_count(), order)
             batch["old_logprobs"] = recomputed
         if self._kl:
             if self.ref_params is None:

@@ -13,7 +13,7 @@ from flax import nnx
 
 from rstarjax.models.config import DTYPES
 from rstarjax.serving.engine import Engine
-from rstarjax.serving.handoff import ProcessHandoff, stage_copies
+from rstarjax.serving.handoff import ProcessHandoff, require_process_local, stage_copies
 from rstarjax.serving.scheduler import RolloutScheduler
 from rstarjax.serving.slices import slice_meshes
 from rstarjax.validation import one_of, require
@@ -139,9 +139,9 @@ class ColocatedEngines:
         # trainer's global arrays; no slices configured = one slice over all local devices.
         self.handoff = None
         if serving.disaggregated and jax.process_count() > 1:
-            raise ValueError("--config.serving.placement='disaggregated' runs on one process for now: set it "
-                             "to 'colocated' for a multi-host run")
-        if jax.process_count() > 1:
+            # a rollout process (recipes.rollout_process): its own model, weights from the trainer's
+            require_process_local(nnx.state(model), "the model of a rollout process")
+        elif jax.process_count() > 1:
             graphdef, state = nnx.split(model)
             self.handoff = ProcessHandoff(state)
             model = nnx.merge(graphdef, self.handoff(state))

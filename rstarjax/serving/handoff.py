@@ -144,18 +144,74 @@ def serving_copies(graphdef, state, targets: Sequence[Target], *, dtype,
                 # devices, then each shard of the first row is copied device to device to the
                 # slice (equal per-device slices: jax copies buffers, where a reshard across
                 # device groups would go through the host): the serving dtype's bytes only
-                specs = jax.tree.map(lambda sh: sh.spec, target, is_leaf=_is_sharding)
                 if size not in remote:
-                    rows_mesh = device_mesh(np.array(devices).reshape(-1, size), ("data", "tensor"))
-                    staged = _staging_program(graphdef, dtype, untie_head, named(rows_mesh, specs))(state)
-                    first = named(device_mesh(np.array(devices[:size]), ("tensor",)), specs)
-                    remote[size] = _take_row(staged, first, None)
+                    specs = jax.tree.map(lambda sh: sh.spec, target, is_leaf=_is_sharding)
+                    remote[size] = stage_in_layout(graphdef, state, specs, size, dtype=dtype, untie_head=untie_head)
                 out[i] = jax.device_put(remote[size], target)
                 continue
             placed = jax.device_put(state, state_shardings(state, mesh))
             out[i] = jax.jit(serving_fn, static_argnums=(0, 2, 3), out_shardings=target)(
                 graphdef, placed, dtype, untie_head)
     return out
+
+
+def stage_in_layout(graphdef, state, specs, size: int, *, dtype, untie_head: bool = False) -> ServingWeights:
+    """The serving copy of ``state`` in the layout of a slice of ``size`` devices on a ``tensor``
+    axis (``specs``: its PartitionSpecs), on the first ``size`` of the state's own devices: the
+    staging program casts the state into that layout on every row of ``size`` of its devices
+    (one program, no host copy), and the first row's buffers are kept (no copy). What another
+    device group's slice then takes device to device: in this process (``serving_copies``) or
+    in a rollout process (``copy_to_receiver``)."""
+    devices = _sorted_devices(state)
+    if not devices or len(devices) % size:
+        raise ValueError(f"a slice of {size} devices does not tile the state's {len(devices)} devices")
+    rows_mesh = device_mesh(np.array(devices).reshape(-1, size), ("data", "tensor"))
+    staged = _staging_program(graphdef, jnp.dtype(dtype), untie_head, named(rows_mesh, specs))(state)
+    first = named(device_mesh(np.array(devices[:size]), ("tensor",)), specs)
+    return _take_row(staged, first, None)
+
+
+def pair_mesh(sender: Mesh, receiver: Mesh) -> Mesh:
+    """The mesh ``(process, *axes)`` whose row 0 is ``sender``'s devices and row 1 ``receiver``'s
+    (two meshes of one shape and axis names, in two processes): ``copy_to_receiver`` runs on it."""
+    if sender.devices.shape != receiver.devices.shape or sender.axis_names != receiver.axis_names:
+        raise ValueError(f"the sender's mesh {dict(sender.shape)} and the receiver's {dict(receiver.shape)} "
+                         "differ: a shard-to-shard copy needs one layout on both sides")
+    return Mesh(np.stack([sender.devices, receiver.devices]), (PROCESS_AXIS, *sender.axis_names))
+
+
+def copy_to_receiver(tree, pair: Mesh):
+    """The weights of ``pair``'s row 0 (the sender process) copied to its row 1 (the receiver
+    process), device to device in ONE compiled program: a collective both processes call at
+    the same point. Each passes its own ``tree`` of arrays laid over its row of ``pair`` (the
+    sender its new serving copy, ``stage_in_layout``; the receiver the copy it serves, which
+    gives the shapes) and gets the sender's values as arrays on its own devices, in the
+    layout it passed. Each device sends or receives exactly its own shard: the serving
+    dtype's bytes cross once, never through the host."""
+    def lift(x):  # this process's shards as its row of a [2, *shape] array over the pair
+        sharding = NamedSharding(pair, PartitionSpec(PROCESS_AXIS, *x.sharding.spec))
+        shards = {s.device: s.data for s in x.addressable_shards}
+        shape = (2, *x.shape)
+        return jax.make_array_from_single_device_arrays(
+            shape, sharding, [shards[d].reshape(1, *shards[d].shape)
+                              for d in sharding.addressable_devices_indices_map(shape)])
+
+    def lower(g, x):  # the row back as an array in the layout passed
+        shards = {s.device: s.data for s in g.addressable_shards}
+        return jax.make_array_from_single_device_arrays(
+            x.shape, x.sharding, [shards[d].reshape(shards[d].shape[1:])
+                                  for d in x.sharding.addressable_devices_indices_map(x.shape)])
+
+    lifted = jax.tree.map(lift, tree)
+    leaves, treedef = jax.tree.flatten(jax.tree.map(lambda g: g.sharding, lifted), is_leaf=_is_sharding)
+    return jax.tree.map(lower, _first_row_program(tuple(leaves), treedef)(lifted), tree)
+
+
+@functools.lru_cache(maxsize=16)
+def _first_row_program(shardings, treedef):
+    """Every row of each ``[2, ...]`` leaf set to row 0 (XLA lowers it to a collective permute)."""
+    return jax.jit(lambda t: jax.tree.map(lambda g: jnp.broadcast_to(g[:1], g.shape), t),
+                   out_shardings=jax.tree.unflatten(treedef, shardings))
 
 
 def update_engines(engines: Sequence[Served], state, graphdef=None) -> None:

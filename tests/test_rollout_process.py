@@ -1,0 +1,211 @@
+"""Disaggregated placement across processes (``serving.placement='disaggregated'`` in a 2-process
+run, ``rl.remote``): process 0 trains on its CPU device, process 1 rolls out on its own (the
+real paged engine, scheduler, code pool and verifier; jax.distributed with gloo collectives,
+localhost coordinator). The policy is scripted (teacher-forced tokens, half of each group
+right), so the rollouts are the same in any placement while the engine still computes every
+log-prob from the weights it was handed.
+
+The run must train exactly as the same stage on one process with two devices (trainer on one,
+the rollout slice on the other): the same parameters, synchronous and with ``rl.max_staleness=1``
+(each round one version behind); and the weights reach the rollout process device to device,
+not through the host. This file doubles as the worker:
+``python tests/test_rollout_process.py PORT PROCESS_ID WORKDIR STALENESS`` (PORT 0: one process).
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 3
+WAIT_S = 300  # one 2-process run; past it the workers are killed and the test fails
+TOOL = "execute_python_code_with_standard_io"
+
+
+def write_data(workdir):
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "train.jsonl"), "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"problem": f"What is {i}*7?", "answer": "42"}) + "\n")
+
+
+def stage_config(workdir, staleness: int):
+    sys.path.insert(0, os.path.join(ROOT, "configs"))
+    import base
+
+    from rstarjax.recipes.config import parse
+
+    c = base.get_config()
+    c.total_steps, c.seed = STEPS, 0
+    c.model.preset, c.model.random_init, c.model.dtype = "tiny", True, "float32"
+    c.model.remat_policy = "none"
+    c.model.tokenizer_num_regular_tokens = 486
+    c.data.train_path = os.path.join(workdir, "train.jsonl")
+    c.rl.prompts_per_step, c.rl.group_size, c.rl.oversample = 2, 2, 4
+    c.rl.max_prompt_len, c.rl.max_response_len, c.rl.max_turns = 192, 256, 4
+    c.rl.chat_format = "compact"
+    c.rl.max_staleness = staleness
+    if staleness:
+        c.loss.decoupled_cap = 5.0
+    c.serving.placement, c.serving.rollout_devices = "disaggregated", 1
+    c.serving.num_slots, c.serving.kv_pages = 8, 8 * (256 + 192) // 16
+    c.trainer.micro_batch_size = 0
+    c.mesh.fsdp, c.mesh.data = 1, 1
+    c.checkpoint.every_steps, c.checkpoint.async_save = 1000, False
+    c.logging.progress_bar = c.logging.tensorboard = False
+    return parse(c)
+
+
+def tiny_model():
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from rstarjax.models.config import ModelConfig
+    from rstarjax.models.qwen3 import Qwen3
+
+    return Qwen3(ModelConfig.preset("tiny", dtype=jnp.float32, vocab_size=512, hidden_size=64,
+                                    intermediate_size=128, num_hidden_layers=1), rngs=nnx.Rngs(0))
+
+
+def scripted_rollouts(run, executor, model):
+    """The recipe's rollouts with a scripted policy: one real tool call, then an answer (right
+    for even samples)."""
+    from rstarjax.models.chat_template import COMPACT
+    from rstarjax.recipes import build
+    from rstarjax.rl.agent_loop import ColocatedRollouts
+
+    class Scripted(ColocatedRollouts):
+        def requests(self, records, n_per_prompt, seed, policy_version, sampling=None, group_ids=None):
+            reqs = super().requests(records, n_per_prompt, seed, policy_version, sampling, group_ids)
+            for i, req in enumerate(reqs):
+                k = int(records[i // n_per_prompt]["problem"].split()[2].split("*")[0])
+                think = self.tokenizer.encode(" think")[0]
+                answer = 42 if req.sample_index % 2 == 0 else 41
+                req.script = ([think] * (4 + k % 5) + self.tokenizer.encode(
+                    '<tool_call>\n{"name": "' + TOOL + '", "arguments": {"code": "print(' + str(k) + ')", '
+                    '"input": ""}}\n</tool_call>') + [think] * 3
+                    + self.tokenizer.encode(f"<answer>\\boxed{{{answer}}}</answer><|im_end|>"))
+            return reqs
+
+    return Scripted(model, tokenizer=build.tokenizer(run.model), executor=executor, agent=run.agent(),
+                    sampling=run.rl.sampling(), max_prompt_len=run.rl.max_prompt_len, fmt=COMPACT,
+                    serving=run.serving)
+
+
+def worker(port: int, pid: int, workdir: str, staleness: int):
+    import jax
+
+    if port:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid,
+                                   initialization_timeout=120)
+    from rstarjax.env import CodeExecutor
+    from rstarjax.recipes.rl import run_rl
+    from rstarjax.rl import remote
+
+    run = stage_config(workdir, staleness)
+    model = tiny_model()
+    if port and pid == 1:  # the rollout process: serve the trainer's rounds until it stops
+        with CodeExecutor(num_workers=1) as executor:
+            rounds = remote.serve_remote(scripted_rollouts(run, executor, model), wait_s=WAIT_S)
+        with open(os.path.join(workdir, "rollout_process.json"), "w") as f:
+            json.dump({"rounds": rounds}, f)
+        return
+    host_copies = []
+    if port:  # the weights must not go through the host on their way to the rollout process
+        import jax._src.array as array_mod
+
+        real_value, handing_off = array_mod.ArrayImpl._value, threading.local()
+        array_mod.ArrayImpl._value = property(  # noted on the thread of a hand-off only
+            lambda self: (getattr(handing_off, "on", False) and host_copies.append(self.shape))
+            or real_value.fget(self))
+
+        def watched(method):
+            def call(*args):
+                handing_off.on = True
+                try:
+                    return method(*args)
+                finally:
+                    handing_off.on = False
+            return call
+
+        for name in ("stage_params", "serve_staged"):
+            setattr(remote.RemoteRollouts, name, watched(getattr(remote.RemoteRollouts, name)))
+        tr = run_rl(run, workdir, model=model)
+        array_mod.ArrayImpl._value = real_value
+    else:  # the same stage on one process: the trainer on device 0, the rollout slice on device 1
+        with CodeExecutor(num_workers=1) as executor:
+            rollouts = scripted_rollouts(run, executor, model)
+            tr = run_rl(run, workdir, rollout_fn=rollouts, model=model,
+                        on_update=lambda t: rollouts.update_params(t.served_model()))
+    np.savez(os.path.join(workdir, "params.npz"), *[np.asarray(x) for x in jax.tree.leaves(tr.state.params)])
+    with open(os.path.join(workdir, "host_copies.json"), "w") as f:
+        json.dump({"host_copies": host_copies}, f)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def launch(port, pid, workdir, staleness, devices):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), str(port), str(pid), workdir,
+                             str(staleness)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(procs):
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=WAIT_S)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+
+
+def metrics_of(workdir):
+    with open(os.path.join(workdir, "logs", "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow  # ~2 x 100 s on 2 cores
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_rollout_process_apart_trains_as_one_process_with_two_devices(tmp_path, staleness):
+    two, one = str(tmp_path / "two"), str(tmp_path / "one")
+    for d in (two, one):
+        write_data(d)
+    port = free_port()
+    finish([launch(port, i, two, staleness, devices=1) for i in range(2)])
+    finish([launch(0, 0, one, staleness, devices=2)])
+
+    got, want = np.load(os.path.join(two, "params.npz")), np.load(os.path.join(one, "params.npz"))
+    assert len(got.files) == len(want.files) > 0
+    for k in want.files:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+    m2, m1 = metrics_of(two), metrics_of(one)
+    assert [m["step"] for m in m2] == list(range(1, STEPS + 1))
+    for a, b in zip(m2, m1):  # the same rollouts, the same rewards, the same update
+        for key in ("rollout/reward_mean", "train/trained_tokens", "train/loss", "train/grad_norm"):
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-4, atol=1e-6, err_msg=key)
+        # the rollout process served the weights the trainer had (checked on fresh rounds)
+        assert a.get("train/logprob_gap_max", 0.0) < 1e-4
+    if staleness:  # every round after the first sampled one version behind the update that took it
+        assert [m["async/policy_lag_max"] for m in m2] == [0.0] + [1.0] * (STEPS - 1)
+    with open(os.path.join(two, "rollout_process.json")) as f:
+        assert json.load(f)["rounds"] >= STEPS  # and it stopped when the trainer did
+    with open(os.path.join(two, "host_copies.json")) as f:
+        assert json.load(f)["host_copies"] == []
+
+
+if __name__ == "__main__":
+    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
