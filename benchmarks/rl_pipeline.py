@@ -20,12 +20,12 @@ Figures, measured over the steps after ``--warmup`` (their compiles excluded) as
 - ``trainer_wait_frac`` / ``rollout_idle_frac`` per arm: the share of the measured wall time the
   update side waited for rollouts, and the time no rollout ran.
 - ``async_speedup``: disaggregated with ``rl.max_staleness=1`` vs disaggregated synchronous
-  (issue #33's target >= 1.5x): two CPU devices in one process
-  (``--xla_force_host_platform_device_count=2``), the trainer's mesh on one, the rollout slice
-  on the other (``serving.placement='disaggregated'``, ``rollout_devices=1``). The analog of two
-  device groups the issue names is two processes pinned to one core each; here the two devices
-  share the process's two cores (XLA:CPU's thread pool is per process), so the synchronous arm's
-  phases may use both cores each. These arms run in a subprocess (the others need one device).
+  (issue #33's target >= 1.5x), as the issue's analog of two device groups: two processes
+  (jax.distributed, gloo), each pinned to one core (``taskset``) with one CPU device. Process 0
+  trains, process 1 rolls out (``serving.placement='disaggregated'``, ``rollout_devices=1``:
+  ``rl.remote``), the weights handed over device to device after each update.
+  ``async_speedup_one_process``: the same two arms in one process with two CPU devices, where
+  the two sides share both cores (XLA:CPU's thread pool is per process).
 
 ``--repeat N`` alternates the arms N times; each figure is the median, ``spread`` its [min, max].
 
@@ -51,11 +51,14 @@ ap.add_argument("--budget", type=int, default=0, help="partial arm's tokens per 
                                                     "(default 192 quick, 256)")
 ap.add_argument("--steps", type=int, default=0, help="measured steps per arm (default 4 quick, 6)")
 ap.add_argument("--arm", default="", help=argparse.SUPPRESS)  # internal: one disaggregated arm, JSON out
+ap.add_argument("--process", type=int, default=-1, help=argparse.SUPPRESS)  # internal: a 2-process arm's
+ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)  # process and coordinator port
 ap.add_argument("--warmup", type=int, default=3, help="steps per arm before the measured ones (their compiles, and the partial arm filling its pipeline)")
 args = ap.parse_args()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if args.arm:  # a disaggregated arm: the trainer on one device, the rollout slice on the other
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    devices = 1 if args.process >= 0 else 2  # in two processes: one device each
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
@@ -157,24 +160,43 @@ def stage_config(workdir: str, budget: int, staleness: int = 0, disaggregated: b
     return parse(c)
 
 
-def run_arm(budget: int, executor, cache_dir: str, staleness: int = 0, disaggregated: bool = False) -> dict:
-    workdir = tempfile.mkdtemp(prefix=f"rl_pipeline_{budget}_{staleness}_{int(disaggregated)}_")
+def bench_model():
+    """The serving benchmark's model: on 2 cores its update takes a fraction of the rollout time,
+    as at the paper's scale (docs/training.md's projection: 264 s of 1,164)."""
+    return Qwen3(ModelConfig.preset("tiny", dtype=jnp.float32, vocab_size=512, hidden_size=128,
+                                    intermediate_size=256), rngs=nnx.Rngs(0))
+
+
+def scripted_rollouts(run, executor, model) -> ScriptedRollouts:
+    return ScriptedRollouts(model, tokenizer=build.tokenizer(run.model), executor=executor, agent=run.agent(),
+                            sampling=run.rl.sampling(), max_prompt_len=run.rl.max_prompt_len, fmt=COMPACT,
+                            serving=run.serving)
+
+
+def arm_workdir(prefix: str) -> str:
+    """A fresh workdir holding the arm's problems."""
+    workdir = tempfile.mkdtemp(prefix=prefix)
     with open(os.path.join(workdir, "train.jsonl"), "w") as f:
         for i in range(400):
             f.write(json.dumps({"problem": f"What is {i}*7?", "answer": "42"}) + "\n")
+    return workdir
+
+
+def run_arm(budget: int, executor, cache_dir: str, staleness: int = 0, disaggregated: bool = False,
+            remote: bool = False) -> dict:
+    """One arm's figures; ``remote``: this is the trainer process of a 2-process arm (its
+    rollouts in the other process, ``rl.remote``)."""
+    workdir = arm_workdir(f"rl_pipeline_{budget}_{staleness}_{int(disaggregated)}_")
     run = stage_config(workdir, budget, staleness, disaggregated)
-    tok = build.tokenizer(run.model)
-    # the serving benchmark's model: on 2 cores its update takes a fraction of the rollout time,
-    # as at the paper's scale (docs/training.md's projection: 264 s of 1,164)
-    model = Qwen3(ModelConfig.preset("tiny", dtype=jnp.float32, vocab_size=512, hidden_size=128,
-                                     intermediate_size=256), rngs=nnx.Rngs(0))
-    rollouts = ScriptedRollouts(model, tokenizer=tok, executor=executor, agent=run.agent(),
-                                sampling=run.rl.sampling(), max_prompt_len=run.rl.max_prompt_len, fmt=COMPACT,
-                                serving=run.serving)
+    model = bench_model()
     compile_cache.enable_persistent_cache(cache_dir)
     t0 = time.perf_counter()
-    run_rl(run, workdir, rollout_fn=rollouts, model=model,
-           on_update=lambda tr: rollouts.update_params(tr.served_model()))
+    if remote:
+        run_rl(run, workdir, model=model)
+    else:
+        rollouts = scripted_rollouts(run, executor, model)
+        run_rl(run, workdir, rollout_fn=rollouts, model=model,
+               on_update=lambda tr: rollouts.update_params(tr.served_model()))
     wall = time.perf_counter() - t0
     with open(os.path.join(workdir, "logs", "metrics.jsonl")) as f:
         logged = [json.loads(line) for line in f]
@@ -207,59 +229,126 @@ def run_arm(budget: int, executor, cache_dir: str, staleness: int = 0, disaggreg
     return out
 
 
-DISAGGREGATED = {"disaggregated_sync": 0, "disaggregated_async": 1}  # arm -> rl.max_staleness
+DISAGGREGATED = {"disaggregated_sync": 0, "disaggregated_async": 1}  # arm -> rl.max_staleness (one process)
+PROCESSES = {"processes_sync": 0, "processes_async": 1}  # the same in two processes, a core each
 
 
-def run_disaggregated(arm: str, cache_dir: str) -> dict:
-    """One disaggregated arm in a subprocess with two CPU devices; its ``run_arm`` result."""
+def arm_flags() -> list[str]:
     flags = [f for f in sys.argv[1:] if f in ("--quick", "--smoke")]
     for name in ("budget", "steps", "warmup"):
         if getattr(args, name):
             flags += [f"--{name}", str(getattr(args, name))]
+    return flags
+
+
+def run_disaggregated(arm: str, cache_dir: str) -> dict:
+    """One disaggregated arm in a subprocess with two CPU devices; its ``run_arm`` result."""
     env = {**os.environ, "RL_PIPELINE_CACHE": cache_dir}
     env.pop("XLA_FLAGS", None)
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--arm", arm, *flags], env=env,
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--arm", arm, *arm_flags()], env=env,
                          capture_output=True, text=True, timeout=3600)
     if out.returncode:
         raise RuntimeError(f"the {arm} arm failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def pinned() -> bool:
+    """Whether each process of a 2-process arm gets its own core (``taskset``, >= 2 cores)."""
+    import shutil
+
+    return shutil.which("taskset") is not None and len(os.sched_getaffinity(0)) >= 2
+
+
+def run_processes(arm: str, cache_dir: str) -> dict:
+    """One 2-process arm: the trainer process's ``run_arm`` result, with ``pinned``."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    cores = sorted(os.sched_getaffinity(0))
+    env = {**os.environ, "RL_PIPELINE_CACHE": cache_dir}
+    env.pop("XLA_FLAGS", None)
+    procs = []
+    for pid in (0, 1):
+        pin = ["taskset", "-c", str(cores[pid])] if pinned() else []
+        procs.append(subprocess.Popen([*pin, sys.executable, os.path.abspath(__file__), "--arm", arm,
+                                       "--process", str(pid), "--port", str(port), *arm_flags()], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=3600) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs):
+        if p.returncode:
+            raise RuntimeError(f"the {arm} arm failed:\n{err[-3000:]}")
+    return {**json.loads(outs[0][0].strip().splitlines()[-1]), "pinned": float(pinned())}
+
+
+def process_arm() -> None:
+    """This process's side of a 2-process arm: process 0 trains, process 1 rolls out."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"localhost:{args.port}", num_processes=2,
+                               process_id=args.process, initialization_timeout=300)
+    from rstarjax.rl.remote import serve_remote
+
+    cache_dir, staleness = os.environ["RL_PIPELINE_CACHE"], PROCESSES[args.arm]
+    if args.process == 0:
+        print(json.dumps(run_arm(0, None, cache_dir, staleness, disaggregated=True, remote=True)))
+        return
+    compile_cache.enable_persistent_cache(cache_dir)
+    with CodeExecutor(num_workers=2) as executor:
+        run = stage_config(arm_workdir("rl_pipeline_rollout_process_"), 0, staleness, disaggregated=True)
+        serve_remote(scripted_rollouts(run, executor, bench_model()), wait_s=3600)
+
+
 def main():
+    if args.arm in PROCESSES:
+        process_arm()
+        return
     if args.arm:
         with CodeExecutor(num_workers=2) as executor:
             print(json.dumps(run_arm(0, executor, os.environ["RL_PIPELINE_CACHE"], DISAGGREGATED[args.arm],
                                      disaggregated=True)))
         return
     cache_dir = tempfile.mkdtemp(prefix="rl_pipeline_cache_")
-    runs = {"sync": [], "partial": [], "async": [], **{arm: [] for arm in DISAGGREGATED}}
+    runs = {"sync": [], "partial": [], "async": [], **{arm: [] for arm in (*DISAGGREGATED, *PROCESSES)}}
     with CodeExecutor(num_workers=2) as executor:
         for _ in range(REPEAT):
             runs["sync"].append(run_arm(0, executor, cache_dir))
             runs["partial"].append(run_arm(BUDGET, executor, cache_dir))
             runs["async"].append(run_arm(0, executor, cache_dir, staleness=1))
-            for arm in DISAGGREGATED:
+            for arm in () if args.smoke else DISAGGREGATED:  # the smoke run: the 2-process ones only
                 runs[arm].append(run_disaggregated(arm, cache_dir))
+            for arm in PROCESSES:  # the code pool above idles meanwhile
+                runs[arm].append(run_processes(arm, cache_dir))
 
-    def speedups(arm):
-        return [a["trained_tokens_per_s"] / s["trained_tokens_per_s"] for s, a in zip(runs["sync"], runs[arm])]
+    def speedups(arm, base="sync"):
+        return [a["trained_tokens_per_s"] / s["trained_tokens_per_s"] for s, a in zip(runs[base], runs[arm])]
 
     ratios, async_ratios = speedups("partial"), speedups("async")
-    disaggregated = [a["trained_tokens_per_s"] / s["trained_tokens_per_s"]
-                     for s, a in zip(runs["disaggregated_sync"], runs["disaggregated_async"])]
-    median = {arm: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items()}
+    one_process = speedups("disaggregated_async", "disaggregated_sync") or [float("nan")]
+    disaggregated = speedups("processes_async", "processes_sync")
+    median = {arm: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items() if rs}
     print(json.dumps({
         "benchmark": "rl_pipeline", "quick": QUICK, "repeat": REPEAT, "budget": BUDGET,
         "prompts_per_step": PROMPTS, "rollouts_per_step": PROMPTS * 2 * GROUP, "measured_steps": STEPS,
         "partial_speedup": statistics.median(ratios),
         "async_colocated_speedup": statistics.median(async_ratios),
         "async_speedup": statistics.median(disaggregated),
+        "async_speedup_one_process": statistics.median(one_process),
+        "processes_pinned": median["processes_sync"]["pinned"],
         "spread": {"partial_speedup": [min(ratios), max(ratios)],
                    "async_colocated_speedup": [min(async_ratios), max(async_ratios)],
-                   "async_speedup": [min(disaggregated), max(disaggregated)]},
+                   "async_speedup": [min(disaggregated), max(disaggregated)],
+                   "async_speedup_one_process": [min(one_process), max(one_process)]},
         "policy_lag_max": median["partial"]["policy_lag_max"],
         "policy_lag_mean": median["partial"]["policy_lag_mean"],
-        "async_policy_lag_max": max(r["policy_lag_max"] for r in runs["async"] + runs["disaggregated_async"]),
+        "async_policy_lag_max": max(r["policy_lag_max"] for r in runs["async"] + runs["disaggregated_async"]
+                                    + runs["processes_async"]),
         **median,
     }))
 

@@ -114,8 +114,12 @@ class RemoteRollouts:
             if kind == "error":
                 raise RuntimeError(f"the rollout process failed to start:\n{layout}")
             self._layout = layout
-            self.slice = _mesh_of(**layout["mesh"])
         return self._layout
+
+    @property
+    def slice(self) -> Mesh:
+        """The rollout process's serving slice (its devices, in the global device list)."""
+        return _mesh_of(**self.layout["mesh"])
 
     @property
     def serving_dtype(self) -> str:
@@ -139,7 +143,6 @@ class RemoteRollouts:
     def serve_staged(self, staged) -> None:
         """Send ``stage_params``' copy to the rollout process (a collective with it)."""
         sender = jax.tree.leaves(staged)[0].sharding.mesh
-        self.layout  # noqa: B018 - the slice's mesh, once the rollout process has said it
         self.requests.send("weights", _describe(sender))
         copy_to_receiver(staged, pair_mesh(sender, self.slice))
 
