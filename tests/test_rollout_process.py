@@ -5,11 +5,12 @@ localhost coordinator). The policy is scripted (teacher-forced tokens, half of e
 right), so the rollouts are the same in any placement while the engine still computes every
 log-prob from the weights it was handed.
 
-The run must train exactly as the same stage on one process with two devices (trainer on one,
-the rollout slice on the other): the same parameters, synchronous and with ``rl.max_staleness=1``
-(each round one version behind); and the weights reach the rollout process device to device,
-not through the host. This file doubles as the worker:
-``python tests/test_rollout_process.py PORT PROCESS_ID WORKDIR STALENESS`` (PORT 0: one process).
+The run must train exactly as the same stage on one process with both device groups (trainer on
+one, the rollout slice on the other): the same parameters, synchronous and with
+``rl.max_staleness=1`` (each round one version behind); and the weights reach the rollout
+process device to device, not through the host. This file doubles as the worker:
+``python tests/test_rollout_process.py PORT PROCESS_ID WORKDIR STALENESS DEVICES`` (PORT 0: one
+process with 2 x DEVICES devices).
 """
 import json
 import os
@@ -34,7 +35,7 @@ def write_data(workdir):
             f.write(json.dumps({"problem": f"What is {i}*7?", "answer": "42"}) + "\n")
 
 
-def stage_config(workdir, staleness: int):
+def stage_config(workdir, staleness: int, devices: int):
     sys.path.insert(0, os.path.join(ROOT, "configs"))
     import base
 
@@ -52,10 +53,10 @@ def stage_config(workdir, staleness: int):
     c.rl.max_staleness = staleness
     if staleness:
         c.loss.decoupled_cap = 5.0
-    c.serving.placement, c.serving.rollout_devices = "disaggregated", 1
+    c.serving.placement, c.serving.rollout_devices = "disaggregated", devices
     c.serving.num_slots, c.serving.kv_pages = 8, 8 * (256 + 192) // 16
     c.trainer.micro_batch_size = 0
-    c.mesh.fsdp, c.mesh.data = 1, 1
+    c.mesh.fsdp, c.mesh.data = devices, 1
     c.checkpoint.every_steps, c.checkpoint.async_save = 1000, False
     c.logging.progress_bar = c.logging.tensorboard = False
     return parse(c)
@@ -97,7 +98,7 @@ def scripted_rollouts(run, executor, model):
                     serving=run.serving)
 
 
-def worker(port: int, pid: int, workdir: str, staleness: int):
+def worker(port: int, pid: int, workdir: str, staleness: int, devices: int):
     import jax
 
     if port:
@@ -108,7 +109,7 @@ def worker(port: int, pid: int, workdir: str, staleness: int):
     from rstarjax.recipes.rl import run_rl
     from rstarjax.rl import remote
 
-    run = stage_config(workdir, staleness)
+    run = stage_config(workdir, staleness, devices)
     model = tiny_model()
     if port and pid == 1:  # the rollout process: serve the trainer's rounds until it stops
         with CodeExecutor(num_workers=1) as executor:
@@ -154,11 +155,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(port, pid, workdir, staleness, devices):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+def launch(port, pid, workdir, staleness, devices, per_process):
+    """One worker with ``per_process`` CPU devices; ``devices``: each side's (trainer, rollouts)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={per_process}",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), str(port), str(pid), workdir,
-                             str(staleness)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             str(staleness), str(devices)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def finish(procs):
@@ -179,14 +182,16 @@ def metrics_of(workdir):
 
 
 @pytest.mark.slow  # ~2 x 100 s on 2 cores
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_a_rollout_process_apart_trains_as_one_process_with_two_devices(tmp_path, staleness):
+@pytest.mark.parametrize("staleness, devices", [(0, 1), (1, 2)])
+def test_a_rollout_process_apart_trains_as_one_process_with_two_device_groups(tmp_path, staleness, devices):
+    """``devices`` per side: 2 shards every weight over the trainer's FSDP mesh and the rollout
+    process's TP-2 slice, each shard copied to its own device."""
     two, one = str(tmp_path / "two"), str(tmp_path / "one")
     for d in (two, one):
         write_data(d)
     port = free_port()
-    finish([launch(port, i, two, staleness, devices=1) for i in range(2)])
-    finish([launch(0, 0, one, staleness, devices=2)])
+    finish([launch(port, i, two, staleness, devices, per_process=devices) for i in range(2)])
+    finish([launch(0, 0, one, staleness, devices, per_process=2 * devices)])
 
     got, want = np.load(os.path.join(two, "params.npz")), np.load(os.path.join(one, "params.npz"))
     assert len(got.files) == len(want.files) > 0
@@ -208,4 +213,4 @@ def test_a_rollout_process_apart_trains_as_one_process_with_two_devices(tmp_path
 
 
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
+    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
