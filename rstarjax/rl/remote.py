@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from rstarjax.serving.handoff import copy_to_receiver, pair_mesh, stage_in_layout
+from rstarjax.serving.handoff import copy_to_receiver, mesh_of, pair_mesh, specs_of, stage_in_layout
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +167,9 @@ def serve_remote(rollouts, wait_s: float) -> int:
         raise ValueError(f"a rollout process serves one slice over its devices, not {len(rollouts.engines)}: "
                          "set --config.serving.tensor_parallel to 0 or to its device count")
     engine = rollouts.engines[0]
-    target = engine.layout.target
-    slice_mesh = jax.tree.leaves(target, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0].mesh
+    slice_mesh = mesh_of(engine.layout.target)
     replies.send("hello", {
-        "specs": jax.tree.map(lambda s: s.spec, target, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)),
+        "specs": specs_of(engine.layout.target),
         "dtype": engine.layout.dtype.name, "untie_head": engine.layout.untie_head,
         "serving_dtype": rollouts.serving_dtype, "mesh": _describe(slice_mesh)})
     rounds = 0

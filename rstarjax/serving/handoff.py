@@ -123,7 +123,7 @@ def serving_copies(graphdef, state, targets: Sequence[Target], *, dtype,
         specs = (jax.tree.map(lambda _: PartitionSpec(), serving_shapes(graphdef, state, dtype,
                                                                         untie_head))
                  if isinstance(target, jax.Device) else
-                 jax.tree.map(lambda s: s.spec, target, is_leaf=_is_sharding))
+                 specs_of(target))
         staged = _staging_program(graphdef, dtype, untie_head, named(mesh, specs))(state)
         for i in group:
             out[i] = _take_row(staged, targets[i], rows[i])
@@ -136,7 +136,7 @@ def serving_copies(graphdef, state, targets: Sequence[Target], *, dtype,
         elif isinstance(target, jax.Device):
             out[i] = to_serving(graphdef, jax.device_put(state, target), dtype, untie_head)
         else:
-            mesh = jax.tree.leaves(target, is_leaf=_is_sharding)[0].mesh
+            mesh = mesh_of(target)
             devices, size = _sorted_devices(state), mesh.size
             if devices and len(devices) % size == 0:
                 # another device group (disaggregated rollouts): the staging program casts the
@@ -145,7 +145,7 @@ def serving_copies(graphdef, state, targets: Sequence[Target], *, dtype,
                 # slice (equal per-device slices: jax copies buffers, where a reshard across
                 # device groups would go through the host): the serving dtype's bytes only
                 if size not in remote:
-                    specs = jax.tree.map(lambda sh: sh.spec, target, is_leaf=_is_sharding)
+                    specs = specs_of(target)
                     remote[size] = stage_in_layout(graphdef, state, specs, size, dtype=dtype, untie_head=untie_head)
                 out[i] = jax.device_put(remote[size], target)
                 continue
@@ -260,6 +260,16 @@ def _is_sharding(x) -> bool:
     return isinstance(x, jax.sharding.Sharding)
 
 
+def specs_of(target: ServingWeights):
+    """A slice's layout (``ServingLayout.target``, a tree of NamedShardings) as PartitionSpecs."""
+    return jax.tree.map(lambda sh: sh.spec, target, is_leaf=_is_sharding)
+
+
+def mesh_of(target: ServingWeights) -> Mesh:
+    """The mesh a slice's layout lies on."""
+    return jax.tree.leaves(target, is_leaf=_is_sharding)[0].mesh
+
+
 def _sorted_devices(state) -> list[jax.Device]:
     """The devices ``state``'s arrays lie on, by id ([] for a state on the host)."""
     devices = set()
@@ -282,7 +292,7 @@ def _staging_rows(state, targets) -> list[tuple[jax.Device, ...] | None]:
         elif target is None:
             row = None
         else:
-            mesh = jax.tree.leaves(target, is_leaf=_is_sharding)[0].mesh
+            mesh = mesh_of(target)
             row = tuple(mesh.devices.flat)
         if row is not None and len(devices) % len(row) == 0:
             t = len(row)
