@@ -9,7 +9,14 @@ width alone (``models/paged_attention.py``); this measures what each choice cost
 shapes that matter: a batch of rows (``--batches``) whose contexts are ``--contexts`` tokens
 (each row's length drawn within +-10 %), pages scattered over the pool as a long run leaves
 them. Per config: the median time of the whole call (the kernel and its split-combining
-epilogue), live KV GB/s, and the largest output difference from the default config's.
+epilogue), live KV GB/s, and the largest output difference from a float32 gather-and-softmax
+reference.
+
+``--arms`` adds cuDNN's paged attention (jax's private ``jax._src.cudnn`` binding, GPU only) on the
+same pages in its own layout ([pages, kv heads, page size, head dim]): ``cudnn`` with one query
+position per row and all query heads, ``cudnn_packed`` with the query heads that share a kv head
+as that head's query positions (one K/V read per kv head, the flash-decoding packing). Its binding
+needs the pool to hold exactly rows x page-table columns pages, so every arm's pool does.
 """
 from __future__ import annotations
 
@@ -34,6 +41,8 @@ ap.add_argument("--k-splits", default="1,2,4,8,16")
 ap.add_argument("--warps", default="4,8")
 ap.add_argument("--stages", default="2")
 ap.add_argument("--iters", type=int, default=20)
+ap.add_argument("--arms", default="triton", help="comma-separated: triton (the knob sweep), "
+                "cudnn, cudnn_packed")
 ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting configs after this")
 ap.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke run)")
 ap.add_argument("--interpret", action="store_true")
@@ -56,16 +65,49 @@ if args.tiny:
 def inputs(batch: int, context: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     pages_per_row = args.width
-    num_pages = batch * pages_per_row + 1
+    num_pages = batch * pages_per_row  # cuDNN's binding checks pool pages == rows x columns
     shape = (args.kv_heads, num_pages, args.page_size, args.head_dim)
     k = jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
-    table = rng.permutation(num_pages)[: batch * pages_per_row].reshape(batch, pages_per_row)
+    table = rng.permutation(num_pages).reshape(batch, pages_per_row)
     lengths = rng.integers(int(0.9 * context), int(1.1 * context) + 1, batch)
     lengths = np.minimum(lengths, pages_per_row * args.page_size)
     q = jnp.asarray(rng.standard_normal((batch, args.q_heads, args.head_dim), np.float32),
                     jnp.bfloat16)
     return q, k, v, jnp.asarray(table, jnp.int32), jnp.asarray(lengths, jnp.int32)
+
+
+def reference(q, k, v, table, lengths):
+    """Float32 decode attention over the rows' pages, unscaled logits as the kernel takes them."""
+    group = q.shape[1] // k.shape[0]
+    keys = jnp.moveaxis(k[:, table], 0, 3).reshape(q.shape[0], -1, k.shape[0], k.shape[-1])
+    values = jnp.moveaxis(v[:, table], 0, 3).reshape(keys.shape)
+    keys = jnp.repeat(keys.astype(jnp.float32), group, axis=2)  # [rows, positions, q heads, dim]
+    values = jnp.repeat(values.astype(jnp.float32), group, axis=2)
+    logits = jnp.einsum("bhd,bshd->bhs", q.astype(jnp.float32), keys)
+    live = jnp.arange(keys.shape[1])[None, None, :] < lengths[:, None, None]
+    weights = jax.nn.softmax(jnp.where(live, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bhs,bshd->bhd", weights, values)
+
+
+def cudnn_arm(packed: bool):
+    """cuDNN's paged attention as a function of the Triton kernel's inputs plus K/V already in
+    cuDNN's page layout ([pages, kv heads, page size, head dim], made once outside the timing)."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, paged_attention
+
+    def call(q, k_pages, v_pages, table, lengths):
+        rows, q_heads, dim = q.shape
+        kv_heads = k_pages.shape[1]
+        positions = q_heads // kv_heads if packed else 1
+        heads = kv_heads if packed else q_heads
+        query = q.reshape(rows, heads, positions, dim)  # BNTH; q head h reads kv head h // group
+        page_table = table[:, None, :, None]
+        out = paged_attention(query, k_pages, v_pages,
+                              jnp.full((rows,), positions, jnp.int32), lengths,
+                              page_table, page_table, scale=1.0,
+                              mask_type=MaskType.PADDING, qkv_layout="BNTH")
+        return out.reshape(rows, q_heads, dim)
+    return jax.jit(call)
 
 
 def engine_default(width: int) -> tuple[int, int]:
@@ -86,36 +128,45 @@ def timed(fn, *a) -> float:
 def main():
     t_start = time.perf_counter()
     kv_bytes_token = 2 * args.kv_heads * args.head_dim * 2  # K and V, bf16, one layer
+    arms = args.arms.split(",")
     default = engine_default(args.width)
     configs = [(*default, PALLAS_GPU_BLOCKING.num_warps, PALLAS_GPU_BLOCKING.num_stages)]
     for per, ks, w, st in itertools.product(*(map(int, s.split(",")) for s in
                                               (args.per_block, args.k_splits, args.warps, args.stages))):
         if args.width % (per * ks) == 0 and (per, ks, w, st) not in configs:
             configs.append((per, ks, w, st))
+    if "triton" not in arms:
+        configs = configs[:1]  # the engine's choice stays as the baseline
     best = {}
     for batch, context in itertools.product(map(int, args.batches.split(",")),
                                             map(int, args.contexts.split(","))):
         q, k, v, table, lengths = inputs(batch, context)
         live = float(jnp.sum(lengths)) * kv_bytes_token
-        ref = None
-        for per, ks, w, st in configs:
+        expected = jax.jit(reference)(q, k, v, table, lengths)
+        trials = [(dict(arm="triton", per_block=per, k_splits=ks, warps=w, stages=st,
+                        default=(per, ks, w, st) == configs[0]),
+                   lambda per=per, ks=ks, w=w, st=st: jax.jit(
+                       lambda q, k, v, t, n: kernel.paged_attention(
+                           q, k, v, t, n, block_h=16, pages_per_compute_block=per, k_splits=ks,
+                           num_warps=w, num_stages=st, interpret=args.interpret)), (k, v))
+                  for per, ks, w, st in configs]
+        for arm in ("cudnn", "cudnn_packed"):
+            if arm in arms:
+                pages = (jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1))
+                trials.append((dict(arm=arm), lambda arm=arm: cudnn_arm(arm == "cudnn_packed"), pages))
+        for fields, make, (kk, vv) in trials:
             if time.perf_counter() - t_start > args.budget_s:
                 break
-            fn = jax.jit(lambda q, k, v, t, n, per=per, ks=ks, w=w, st=st: kernel.paged_attention(
-                q, k, v, t, n, block_h=16, pages_per_compute_block=per, k_splits=ks,
-                num_warps=w, num_stages=st, interpret=args.interpret))
-            row = {"batch": batch, "context": context, "q_heads": args.q_heads,
-                   "per_block": per, "k_splits": ks, "warps": w, "stages": st,
-                   "default": (per, ks, w, st) == configs[0]}
+            row = {"batch": batch, "context": context, "q_heads": args.q_heads, **fields}
             try:
-                out = fn(q, k, v, table, lengths)
-                ref = out if ref is None else ref
-                row["max_diff_vs_default"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) -
-                                                                   ref.astype(jnp.float32))))
-                s = timed(fn, q, k, v, table, lengths)
+                fn = make()
+                out = fn(q, kk, vv, table, lengths)
+                row["max_diff_vs_reference"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) -
+                                                                     expected)))
+                s = timed(fn, q, kk, vv, table, lengths)
                 row.update(us=round(1e6 * s, 1), gbps=round(live / s / 1e9, 1))
             except Exception as exc:  # noqa: BLE001  (a config the kernel refuses is a result)
-                row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             print(json.dumps(row), flush=True)
             key = (batch, context)
             if "us" in row and (key not in best or row["us"] < best[key]["us"]):

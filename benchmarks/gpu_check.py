@@ -24,7 +24,8 @@ out of time costs only itself):
 ``--shape tiny`` runs the same parts at the ``tiny`` model shape with small sizes, so a test
 keeps this script working between lent sessions. Output (``--out``, default ``$OUT`` when set):
 ``gpu_check.json`` (every part's full result), ``gpu_check.log`` (every part's output),
-``main_metrics.jsonl`` (the main job's metrics log) and ``traces.tar`` (the traces, for
+``main_metrics.jsonl`` (the main job's metrics log) and ``traces.tar`` (the traces, continued in
+``traces_2.tar``... past 15 MiB; for
 ``benchmarks/profile_summary.py``). One JSON line per part is printed as it ends, and a summary
 table last.
 """
@@ -77,13 +78,13 @@ SHAPES = {
                  train_batches=(1, 4), train_repeats=3,
                  timeouts={"env": 60, "main": 220, "serving_qwen3-1.7b": 70,
                            "serving_qwen3-8b": 80, "train_1x8k": 60, "train_4x8k": 70,
-                           "blocking": 75, "remat": 75}),
+                           "blocking": 75, "remat": 75, "kernels": 100}),
     "tiny": Shape(model="tiny", tokenizer_regular_tokens=4000, prompts=2, samples=4, group=2,
                   response_len=48, prompt_len=1024, micro_batch=0, steps=2,
                   serving_presets=("tiny",), serving_batches="4", serving_quick=True,
                   train_preset="tiny", train_seq=256, train_batches=(1,), train_repeats=1,
                   timeouts={"env": 60, "main": 400, "serving_tiny": 200, "train_1x256": 200,
-                            "blocking": 200, "remat": 200}),
+                            "blocking": 200, "remat": 200, "kernels": 200}),
 }
 
 PAGE_SIZE = 16  # configs/base.py serving.page_size
@@ -319,6 +320,25 @@ def part_serving(shape: Shape, preset: str, name: str, log, env, trace_dir: str,
     return benchmark_result(name, argv, shape.timeouts.get(name, shape.timeouts["blocking"]), log, env)
 
 
+def part_kernels(shape: Shape, args, log, env) -> dict:
+    """The paged-attention kernels alone at decode shapes (benchmarks/decode_kernel_sweep.py):
+    the engine's Triton blocking, the ``--blockings`` ones, and cuDNN's paged attention, each
+    checked against a float32 reference. Its rows, not one line: several arms per shape."""
+    argv = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"),
+            "--arms", "triton,cudnn,cudnn_packed", "--budget-s", str(0.7 * shape.timeouts["kernels"])]
+    if shape.model == "tiny":
+        argv += ["--tiny", "--interpret", "--iters", "1"]
+    else:
+        per, splits, warps = zip(*(spec.split(",")[:3] for spec in args.blockings.split(";") if spec))
+        argv += ["--per-block", ",".join(per), "--k-splits", ",".join(splits),
+                 "--warps", ",".join(warps), "--contexts", "560,4096"]
+    code, out = run_part("kernels", argv, shape.timeouts["kernels"], log, env)
+    if code != 0:
+        raise RuntimeError(f"exit {code}: {tail(out)}")
+    rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    return {"rows": [r for r in rows if not r.get("best")]}
+
+
 def part_train(shape: Shape, batch: int, name: str, log, env, trace_dir: str,
                remat: str = "full") -> dict:
     argv = [sys.executable, os.path.join(HERE, "bench_trainer.py"), "--preset", shape.train_preset,
@@ -364,6 +384,12 @@ def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
                 rows.append((f"decode {key}{arm}", f"{v:,.0f} tok/s, {serving.result.get(f'{key}_step_ms')} "
                                               f"ms/step" + (f", {100 * frac:.1f} % of HBM roofline"
                                                             if frac else "")))
+    kernels = results.get("kernels")
+    for r in (kernels.result.get("rows", []) if kernels is not None else []):
+        arm = r["arm"] + (f" {r['per_block']},{r['k_splits']},{r['warps']}" if r["arm"] == "triton" else "")
+        rows.append((f"kernel b{r['batch']} ctx{r['context']} {arm}",
+                     f"{r['us']} us, {r['gbps']} GB/s, max diff {r['max_diff_vs_reference']:.3g}"
+                     if "us" in r else f"error: {r.get('error', '')[:120]}"))
     for name, part in results.items():
         if name.startswith(("train_", "remat_")) and part.ok:
             r = part.result
@@ -381,15 +407,29 @@ def print_table(rows: list[tuple[str, str]]) -> None:
     print("-" * 100, flush=True)
 
 
-def pack_traces(trace_dir: str, dest: str) -> list[str]:
-    """Every trace and xplane under ``trace_dir`` into one tar (a lent device returns at most
-    8 files); names relative to ``trace_dir``."""
+TAR_LIMIT = 15 * 2**20  # a lent device returns files of at most 16 MiB
+
+
+def pack_traces(trace_dir: str, dest: str, limit: int = TAR_LIMIT) -> list[str]:
+    """Every trace and xplane under ``trace_dir`` into ``dest`` (a lent device returns at most 8
+    files), continued in ``dest`` with ``_2``, ``_3``... before the extension when one tar would
+    pass ``limit`` bytes; names relative to ``trace_dir``."""
     names = sorted(os.path.relpath(os.path.join(d, n), trace_dir)
                    for d, _, files in os.walk(trace_dir) for n in files
                    if n.endswith((".json.gz", ".xplane.pb")))
-    with tarfile.open(dest, "w") as tar:
-        for n in names:
-            tar.add(os.path.join(trace_dir, n), arcname=n)
+    volumes, size = [[]], 0
+    for n in names:
+        bytes_ = os.path.getsize(os.path.join(trace_dir, n))
+        if volumes[-1] and size + bytes_ > limit:
+            volumes.append([])
+            size = 0
+        volumes[-1].append(n)
+        size += bytes_
+    stem, ext = os.path.splitext(dest)
+    for i, volume in enumerate(volumes):
+        with tarfile.open(dest if i == 0 else f"{stem}_{i + 1}{ext}", "w") as tar:
+            for n in volume:
+                tar.add(os.path.join(trace_dir, n), arcname=n)
     return names
 
 
@@ -400,10 +440,14 @@ def parse_args(argv=None):
                     help="where the JSON, the log and the traces go (default $OUT; else none kept)")
     ap.add_argument("--parts", default="env,main,serving,train",
                     help="comma-separated subset of env,main,serving,train and the optional "
-                         "blocking (the first serving preset with each --blockings spec) and "
-                         "remat (the train parts with --remat-policy)")
+                         "blocking (the first serving preset with each --blockings spec), "
+                         "kernels (the paged-attention kernels alone: Triton with the engine's "
+                         "and the --blockings blocking, cuDNN) and remat (the train parts with "
+                         "--remat-policy)")
     ap.add_argument("--blockings", default="4,8,4,2;8,4,4,2",
                     help="';'-separated --pallas-blocking specs of benchmarks/serving.py")
+    ap.add_argument("--serving-presets", default="",
+                    help="comma-separated subset of the shape's serving presets (default: all)")
     ap.add_argument("--remat-policy", default="dots", help="the remat part's ModelConfig.remat_policy")
     ap.add_argument("--commit", default="", help="the commit measured (recorded in the output)")
     return ap.parse_args(argv)
@@ -427,7 +471,7 @@ def main(argv=None) -> int:
         env.pop("XLA_FLAGS", None)  # one device, as a one-GPU machine
     plan = [("env", lambda log: part_env(shape, args, log, env))]
     plan.append(("main", lambda log: part_main(shape, args, log, env, scratch)))
-    for preset in shape.serving_presets:
+    for preset in (args.serving_presets.split(",") if args.serving_presets else shape.serving_presets):
         name = f"serving_{preset}"
         plan.append((name, lambda log, p=preset, n=name: part_serving(shape, p, n, log, env, trace_dir)))
     for b in shape.train_batches:
@@ -438,10 +482,11 @@ def main(argv=None) -> int:
         name = f"blocking_{spec.replace(',', '-')}"
         plan.append((name, lambda log, sp=spec, n=name: part_serving(
             shape, shape.serving_presets[0], n, log, env, os.path.join(trace_dir, n), blocking=sp)))
+    plan.append(("kernels", lambda log: part_kernels(shape, args, log, env)))
     for b in shape.train_batches:
         name = f"remat_{args.remat_policy}_{b}x"
-        plan.append((name, lambda log, b=b, n=name: part_train(shape, b, n, log, env, trace_dir,
-                                                                remat=args.remat_policy)))
+        plan.append((name, lambda log, b=b, n=name: part_train(
+            shape, b, n, log, env, os.path.join(trace_dir, n), remat=args.remat_policy)))
     results: dict[str, PartResult] = {}
     with open(os.path.join(out_dir, "gpu_check.log"), "a") as log:
         for name, fn in plan:
