@@ -4,7 +4,9 @@ Each hostile case must: return a clean result within its timeout + 1 s, leave th
 the next call, leave no sandbox process alive and no file outside the sandbox.
 """
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -405,3 +407,23 @@ def test_fallback_without_namespaces_or_uid_drop_still_cleans_up():
                 alive = f.read().rsplit(")", 1)[1].split()[0] != "Z"
         assert not alive, "the double-forked grandchild survived its call"
         assert ex.run("print(2)").text == "2\n"
+
+
+def test_the_trainers_pythonpath_reaches_the_zygote(monkeypatch):
+    """Packages installed through PYTHONPATH (pip --target, a cluster's modules) are importable in
+    the zygote and its sandboxes although their environment is scrubbed and /tmp is covered there;
+    a relative entry means what it means to the trainer (the zygote runs in /)."""
+    site = tempfile.mkdtemp(prefix="rj-site-", dir="/tmp")
+    try:
+        os.chmod(site, 0o755)  # as pip --target leaves it: readable by the sandboxes' user
+        with open(os.path.join(site, "pythonpath_marker.py"), "w") as f:
+            f.write("VALUE = 41 + 1\n")
+        os.chmod(os.path.join(site, "pythonpath_marker.py"), 0o644)
+        monkeypatch.chdir("/tmp")
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.basename(site),
+                                                          os.environ.get("PYTHONPATH", "")]))
+        with CodeExecutor(config=ExecutorConfig(num_workers=1, slots_per_worker=1)) as executor:
+            r = executor.run("import pythonpath_marker\nprint(pythonpath_marker.VALUE)")
+        assert r.text.strip() == "42", r.text
+    finally:
+        shutil.rmtree(site)

@@ -132,6 +132,7 @@ class _Zygote:
             "preload": tier,
             "worker_realtime": config.worker_realtime,
             "huge_pages": config.huge_pages,
+            "import_paths": [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p],
         }
         env = dict(SAFE_ENV, HOME="/", PYTHONDONTWRITEBYTECODE="1")
         self.proc = subprocess.Popen(
@@ -153,7 +154,8 @@ class _Zygote:
             raise RuntimeError(f"code-environment zygote did not start: {exc}") from exc
         if not msg:
             code = self.proc.wait(5)
-            raise RuntimeError(f"code-environment zygote exited during startup (status {code})")
+            raise RuntimeError(f"code-environment zygote exited during startup (status {code}); "
+                               "its traceback is on this process's stderr")
         ready = json.loads(msg)
         self.isolation = ready["isolation"]
         self.sock.settimeout(30.0)

@@ -145,6 +145,9 @@ def zygote_main(argv: list[str]) -> None:
     isolation.set_process_name("rj-zygote")
     if not forker.supported():
         raise RuntimeError(f"the code environment supports x86_64 and aarch64 Linux, not {os.uname().machine}")
+    # The trainer's PYTHONPATH entries (the environment is scrubbed, so they come in the config):
+    # packages installed there (pip --target, a cluster's module system) preload here too.
+    sys.path[1:1] = [p for p in config.get("import_paths", []) if p not in sys.path]
     info = isolation.setup_zygote(config)
     preload(config.get("preload", "heavy"))
     if "jax" in sys.modules:  # pragma: no cover - guarded by a test
