@@ -76,7 +76,7 @@ SHAPES = {
                  serving_presets=("qwen3-1.7b", "qwen3-8b"), serving_batches="64,256",
                  serving_quick=False, train_preset="qwen3-1.7b", train_seq=8192,
                  train_batches=(1, 4), train_repeats=3,
-                 timeouts={"env": 60, "main": 220, "serving_qwen3-1.7b": 70,
+                 timeouts={"env": 60, "main": 330, "serving_qwen3-1.7b": 70,
                            "serving_qwen3-8b": 80, "train_1x8k": 60, "train_4x8k": 70,
                            "blocking": 75, "remat": 75, "kernels": 100}),
     "tiny": Shape(model="tiny", tokenizer_regular_tokens=4000, prompts=2, samples=4, group=2,

@@ -183,10 +183,10 @@ class PallasGpuBlocking:
     """How the Triton paged-attention kernel cuts its work. A row's page-table columns are
     split into ``k_splits`` partitions (combined afterwards, flash-decoding style), each read
     ``pages_per_block`` pages per iteration; the values are upper bounds, reduced to divisors
-    of the table width. The defaults are jax's (8 warps, 2 stages); on an H200 the kernel alone
-    ran 1.19x faster at 64 rows x 4,096 tokens with (4, 8, 4 warps) and within noise at 560
-    tokens (``benchmarks/decode_kernel_sweep.py``, docs/serving.md), not yet measured inside
-    the engine, so the defaults stay until it is."""
+    of the table width. The defaults are jax's (8 warps, 2 stages). On an H200 (4, 8, 4 warps)
+    decoded 1.07x faster at 64 rows and 1.19x at 256 inside the engine, one run each, while the
+    kernel alone was 1.19x faster at 64 rows x 4,096 tokens one day and 0.88x the next
+    (docs/serving.md): the defaults stay until an alternating run inside the engine settles it."""
     pages_per_block: int = 8
     max_k_splits: int = 16
     num_warps: int = 8
