@@ -291,6 +291,7 @@ def process_arm() -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_enable_recoverability", True)  # as rstarjax.main does for this layout
     jax.distributed.initialize(coordinator_address=f"localhost:{args.port}", num_processes=2,
                                process_id=args.process, initialization_timeout=300)
     from rstarjax.rl.remote import serve_remote

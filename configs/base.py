@@ -171,6 +171,7 @@ def get_config(arg=None):
     c.distributed.coordinator_address = ""  # host:port of process 0
     c.distributed.auto = False  # True: jax.distributed.initialize() finds the cluster itself
     c.distributed.timeout_s = 300
+    c.distributed.silence_s = 120.0  # a rollout process whose heartbeat stops this long counts as dead
 
     # ---- checkpoints -----------------------------------------------------------------------------
     c.checkpoint = ml_collections.ConfigDict()

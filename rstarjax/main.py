@@ -24,6 +24,7 @@ from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
 from rstarjax.recipes import demo, demo_compare, evaluate, preemption, rl, sft, stage3_filter
 from rstarjax.recipes.config import MODES, RENAMED, DistributedConfig, RunConfig, device_rules, parse
+from rstarjax.rl.trajectory import RolloutsFailed
 from rstarjax.validation import ConfigError
 
 # config.mode -> the recipe that runs it: (typed config, workdir) -> its result
@@ -38,10 +39,14 @@ RECIPES: dict[str, Callable[[RunConfig, str], object]] = {
 assert set(RECIPES) == set(MODES), "every mode recipes/config.py validates has a recipe here"
 
 
-def init_distributed(cfg: DistributedConfig) -> None:
-    """jax.distributed for multi-process runs (before any other JAX call)."""
+def init_distributed(cfg: DistributedConfig, rollout_process: bool = False) -> None:
+    """jax.distributed for multi-process runs (before any other JAX call). ``rollout_process``:
+    the run's process 1 only rolls out (disaggregated placement across processes), so its death
+    must not abort the trainer process, which then saves what it finished (``rl.remote``)."""
     if cfg.num_processes <= 1 and not cfg.auto:
         return
+    if rollout_process:
+        jax.config.update("jax_enable_recoverability", True)
     if cfg.auto:
         jax.distributed.initialize()
     else:
@@ -53,7 +58,7 @@ def run(config, workdir: str, explicit=frozenset()) -> None:
     """Parse and check the config, set up JAX, and run the mode's recipe. ``explicit``: the
     dotted keys the command line set (they win over ``config.profile``'s)."""
     typed = parse(config, explicit=explicit)  # static checks first: fail before touching devices
-    init_distributed(typed.distributed)
+    init_distributed(typed.distributed, rollout_process=typed.serving.disaggregated)
     errors = device_rules(typed, jax.device_count(), jax.process_count())
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
@@ -65,7 +70,8 @@ def run(config, workdir: str, explicit=frozenset()) -> None:
 def run_to_exit_status(config, workdir: str, explicit=frozenset()) -> int:
     """``run`` as the command line does: the process's exit status (2: a configuration error,
     printed; 128 + the signal: stopped by SIGTERM / SIGINT after saving, recipes/preemption.py;
-    1: a checkpoint could not be written, e.g. a full disk, said in one line)."""
+    1: a checkpoint could not be written, e.g. a full disk, or the rollouts' infrastructure
+    failed, e.g. the rollout process died, after saving the last finished step; in one line)."""
     try:
         run(config, workdir, explicit)
     except ConfigError as e:
@@ -76,6 +82,9 @@ def run_to_exit_status(config, workdir: str, explicit=frozenset()) -> int:
         return e.exit_status
     except ckpt_lib.CheckpointWriteError as e:  # e.g. a full disk: the cause in one line, not a traceback
         print(f"rstarjax: {e}", file=sys.stderr, flush=True)
+        return 1
+    except RolloutsFailed as e:  # e.g. the rollout process died: what happened and what was saved
+        print("rstarjax: " + "\n".join([str(e), *getattr(e, "__notes__", [])]), file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -62,6 +62,7 @@ def test_valid_config_passes(tmp_path):
     (lambda c: setattr(c, "mode", "dance"), "mode='dance' is unknown"),
     (lambda c: (setattr(c.loss, "decoupled_cap", 5.0), setattr(c.trainer, "recompute_old_logprobs", False)),
      "decoupled_cap=5.0 needs --config.trainer.recompute_old_logprobs=True"),
+    (lambda c: setattr(c.distributed, "silence_s", 3.0), "silence_s=3.0 must be >= 10"),
 ])
 def test_inconsistent_values_fail_with_a_fix(tmp_path, change, message):
     c = good_config(tmp_path)

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 3
+STEPS = int(os.environ.get("RJ_STEPS", 3))  # the death test runs longer
 WAIT_S = 300  # one 2-process run; past it the workers are killed and the test fails
 TOOL = "execute_python_code_with_standard_io"
 
@@ -58,6 +58,7 @@ def stage_config(workdir, staleness: int, devices: int):
     c.trainer.micro_batch_size = 0
     c.mesh.fsdp, c.mesh.data = devices, 1
     c.checkpoint.every_steps, c.checkpoint.async_save = 1000, False
+    c.distributed.silence_s = float(os.environ.get("RJ_SILENCE_S", 120))
     c.logging.progress_bar = c.logging.tensorboard = False
     return parse(c)
 
@@ -103,6 +104,7 @@ def worker(port: int, pid: int, workdir: str, staleness: int, devices: int):
 
     if port:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.config.update("jax_enable_recoverability", True)  # as rstarjax.main does for this layout
         jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid,
                                    initialization_timeout=120)
     from rstarjax.env import CodeExecutor
@@ -155,9 +157,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(port, pid, workdir, staleness, devices, per_process):
+def launch(port, pid, workdir, staleness, devices, per_process, **env_vars):
     """One worker with ``per_process`` CPU devices; ``devices``: each side's (trainer, rollouts)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={per_process}",
+    env = dict(os.environ, **env_vars, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={per_process}",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), str(port), str(pid), workdir,
                              str(staleness), str(devices)], env=env, stdout=subprocess.PIPE,
@@ -214,3 +216,36 @@ def test_a_rollout_process_apart_trains_as_one_process_with_two_device_groups(tm
 
 if __name__ == "__main__":
     worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+
+
+@pytest.mark.slow  # ~70 s on 2 cores
+def test_the_trainer_saves_what_it_finished_when_the_rollout_process_dies(tmp_path):
+    """SIGKILL the rollout process after two steps: the trainer process is not aborted by the
+    coordination service, notices the silent heartbeat within its bound, saves its last finished
+    step and exits with an error that says so (no hang, nothing finished lost)."""
+    import time
+
+    workdir = str(tmp_path)
+    write_data(workdir)
+    port, env = free_port(), dict(RJ_STEPS="50", RJ_SILENCE_S="10")
+    trainer, rollout = [launch(port, i, workdir, 0, 1, 1, **env) for i in range(2)]
+    try:
+        log, t0 = os.path.join(workdir, "logs", "metrics.jsonl"), time.monotonic()
+        while not (os.path.exists(log) and len(metrics_of(workdir)) >= 2):
+            assert time.monotonic() - t0 < WAIT_S and trainer.poll() is None, trainer.communicate()[0][-3000:]
+            time.sleep(0.2)
+        rollout.kill()
+        t_kill = time.monotonic()
+        out = trainer.communicate(timeout=120)[0]
+        waited = time.monotonic() - t_kill
+    finally:
+        trainer.kill()
+        rollout.kill()
+    assert trainer.returncode == 1, out[-4000:]
+    assert "RolloutProcessDied" in out and "beat no heartbeat" in out, out[-4000:]
+    steps = [m["step"] for m in metrics_of(workdir)]
+    assert f"step {steps[-1]} is saved in {workdir}" in out, out[-4000:]
+    # silence_s 10 s, looked at every 5 s: well within a minute, nowhere near a round's wait
+    assert waited < 60, waited
+    saved = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
+    assert saved == [steps[-1]] and steps == list(range(1, steps[-1] + 1)), (saved, steps)

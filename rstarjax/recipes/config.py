@@ -175,6 +175,9 @@ class DistributedConfig:
     coordinator_address: str = ""  # host:port of process 0
     auto: bool = False  # True: jax.distributed.initialize() finds the cluster itself
     timeout_s: int = 300
+    # disaggregated placement across processes: how long the rollout process's heartbeat may stop
+    # before the trainer process counts it as dead, saves its last finished step and stops
+    silence_s: float = 120.0
 
     def __post_init__(self):
         n, i, address = self.num_processes, self.process_id, self.coordinator_address
@@ -186,7 +189,8 @@ class DistributedConfig:
                  "(TPU pods, SLURM, Open MPI): drop num_processes / process_id / coordinator_address"),
                 (n <= 1 or self.auto or (bool(host) and port.isdigit()),
                  f"coordinator_address={address!r}: with num_processes={n} give process 0's HOST:PORT"),
-                (self.timeout_s >= 1, f"timeout_s={self.timeout_s} must be >= 1"))
+                (self.timeout_s >= 1, f"timeout_s={self.timeout_s} must be >= 1"),
+                (self.silence_s >= 10, f"silence_s={self.silence_s} must be >= 10 (the heartbeat beats every 2 s)"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ from rstarjax.rl.remote import RemoteRollouts
 from rstarjax.rl.staleness import AsyncRollouts
 from rstarjax.rl.step import any_process, rl_step
 from rstarjax.rl.trainer import Trainer, TrainState
-from rstarjax.rl.trajectory import RolloutFn
+from rstarjax.rl.trajectory import RolloutFn, RolloutsFailed
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +284,8 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
         serve_rollouts(run)
         return None
     if run.serving.disaggregated and jax.process_count() > 1 and rollout_fn is None:  # process 0 trains alone
-        remote = RemoteRollouts(wait_s=2 * run.rl.agent().rollout_timeout_s + 60)
+        remote = RemoteRollouts(wait_s=2 * run.rl.agent().rollout_timeout_s + 60,
+                                silence_s=run.distributed.silence_s)
         try:  # the rollout process stops with this one, whatever ends it
             with processes.training_alone():
                 return _run_rl(run, workdir, remote, model, lambda tr: remote.update_params(tr.served_model()),
@@ -528,6 +529,11 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
             log.info("%s", message)
             if is_main:
                 print(f"rstarjax: {message}", flush=True)
+    except RolloutsFailed as failure:  # the rollouts' infrastructure, not the model: keep what finished
+        saved = processes.training_count() == 1 and _save_last(trainer.step, start, save, finished_data, ckpt)
+        failure.add_note(f"step {trainer.step} is saved in {workdir}: the same command resumes from it" if saved
+                         else f"no step finished in this run since step {start}: nothing new to save")
+        raise
     finally:
         if source is not None:
             source.close()

@@ -17,12 +17,20 @@ the same shard. The rollout process installs it between rounds, where the coloca
 
 Every wait is bounded: a process that dies or stops answering leaves the other a
 ``TimeoutError`` naming what it waited for; a failing round comes back to the trainer as a
-``RuntimeError`` with the rollout process's traceback.
+``RuntimeError`` with the rollout process's traceback. The rollout process also beats a
+heartbeat key every ``HEARTBEAT_S`` from a thread of its own, so the trainer process learns of
+its death within ``silence_s`` (``RolloutProcessDied``), not after a whole round's wait. The
+run starts ``jax.distributed`` recoverable for this layout (``main.init_distributed``), so
+that the coordination service does not abort the trainer process when the rollout process's
+heartbeats stop: the trainer then saves the steps it finished (``recipes.rl``) and exits
+with the error.
 """
 from __future__ import annotations
 
 import logging
 import pickle
+import threading
+import time
 import traceback
 
 import jax
@@ -30,13 +38,21 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from rstarjax.rl.trajectory import RolloutsFailed
 from rstarjax.serving.handoff import copy_to_receiver, mesh_of, pair_mesh, specs_of, stage_in_layout
 
 log = logging.getLogger(__name__)
 
 REQUESTS = "rstarjax/rollout_process/requests"  # trainer -> rollout process
 REPLIES = "rstarjax/rollout_process/replies"  # rollout process -> trainer
+ALIVE = "rstarjax/rollout_process/alive"  # the rollout process's heartbeat: a counter
 CHUNK_BYTES = 4 << 20  # one key's value at most
+HEARTBEAT_S = 2.0  # how often the rollout process beats
+POLL_S = 5.0  # how long the trainer waits for a message between two looks at the heartbeat
+
+
+class RolloutProcessDied(RolloutsFailed):
+    """The rollout process stopped beating its heartbeat: it died, or hangs with its GIL held."""
 
 
 def _client():
@@ -65,22 +81,77 @@ class Mailbox:
             self.client.key_value_set_bytes(f"{self.name}/{n}/{i}", chunk)
         self.client.key_value_set(f"{self.name}/{n}", str(len(chunks)))
 
-    def receive(self, wait_s: float, what: str) -> tuple[str, object]:
-        """The next message, waiting at most ``wait_s`` for it (``what``: for the error)."""
-        n = self.received
-        try:
-            count = int(self.client.blocking_key_value_get(f"{self.name}/{n}", int(wait_s * 1000)))
-        except Exception as e:  # noqa: BLE001 - the client raises XlaRuntimeError(DEADLINE_EXCEEDED)
-            if "DEADLINE" not in str(e).upper():
-                raise
-            raise TimeoutError(f"waited {wait_s:g} s for {what} ({self.name} #{n}): the other process "
-                               "died or stopped answering") from None
+    def receive(self, wait_s: float, what: str, peer: "Heartbeats | None" = None) -> tuple[str, object]:
+        """The next message, waiting at most ``wait_s`` for it (``what``: for the error); with
+        ``peer``, only as long as the other process's heartbeat goes on."""
+        n, deadline = self.received, time.monotonic() + wait_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                count = int(self.client.blocking_key_value_get(
+                    f"{self.name}/{n}", max(1, int(1000 * min(left, POLL_S if peer else left)))))
+                break
+            except Exception as e:  # noqa: BLE001 - the client raises XlaRuntimeError(DEADLINE_EXCEEDED)
+                if "DEADLINE" not in str(e).upper():
+                    raise
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"waited {wait_s:g} s for {what} ({self.name} #{n}): the other process "
+                                   "died or stopped answering") from None
+            if peer is not None:
+                peer.check(what)
         data = b"".join(self.client.blocking_key_value_get_bytes(f"{self.name}/{n}/{i}", 60_000)
                         for i in range(count))
         for key in [f"{self.name}/{n}/{i}" for i in range(count)] + [f"{self.name}/{n}"]:
             self.client.key_value_delete(key)
         self.received += 1
         return pickle.loads(data)
+
+
+class Heartbeats:
+    """The trainer process's view of the rollout process's heartbeat (``beat`` there)."""
+
+    def __init__(self, silence_s: float, client=None, clock=time.monotonic):
+        self.silence_s, self.clock = float(silence_s), clock
+        self.client = client if client is not None else _client()
+        self.last, self.seen_at = None, clock()
+
+    def check(self, what: str) -> None:
+        """Raise ``RolloutProcessDied`` when no beat came for ``silence_s``."""
+        dead = self.silent(what)
+        if dead:
+            raise RolloutProcessDied(dead)
+
+    def silent(self, what: str) -> str:
+        """Why the rollout process counts as dead, or "" while it beats (or has not begun to)."""
+        try:
+            beat = self.client.key_value_try_get(ALIVE)
+        except Exception:  # noqa: BLE001 - NOT_FOUND before the first beat
+            beat = None
+        now = self.clock()
+        if beat is None and self.last is None:
+            return ""  # not started yet: the start has its own bound (``hello_wait_s``)
+        if beat != self.last:
+            self.last, self.seen_at = beat, now
+        elif now - self.seen_at > self.silence_s:
+            return (f"the rollout process (process 1) beat no heartbeat for {now - self.seen_at:.0f} s when the "
+                    f"trainer process came to {what}: it died (see its log) or hangs")
+        return ""
+
+
+def beat(stop: threading.Event, client=None, every_s: float = HEARTBEAT_S) -> threading.Thread:
+    """The rollout process's heartbeat: a daemon thread that bumps ``ALIVE`` every ``every_s``
+    until ``stop`` is set."""
+    client = client if client is not None else _client()
+
+    def run():
+        count = 0
+        while not stop.is_set():
+            count += 1
+            client.key_value_set(ALIVE, str(count), allow_overwrite=True)
+            stop.wait(every_s)
+    thread = threading.Thread(target=run, name="rollout-process-heartbeat", daemon=True)
+    thread.start()
+    return thread
 
 
 def _mesh_of(devices: list[int], shape: tuple, axes: tuple) -> Mesh:
@@ -97,22 +168,25 @@ class RemoteRollouts:
     the rollout process; new weights go there with ``update_params``, or ``stage_params`` now
     and ``serve_staged`` between rounds (``rl.max_staleness``), as with colocated engines."""
 
-    def __init__(self, wait_s: float, hello_wait_s: float = 900.0):
+    def __init__(self, wait_s: float, hello_wait_s: float = 900.0, silence_s: float = 120.0):
         """``wait_s``: the longest one round may take; ``hello_wait_s``: the rollout process's
-        start (its model, engine and code pool)."""
+        start (its model, engine and code pool); ``silence_s``: the longest its heartbeat may
+        stop before it counts as dead."""
         self.wait_s, self.hello_wait_s = float(wait_s), float(hello_wait_s)
         self.requests, self.replies = Mailbox(REQUESTS), Mailbox(REPLIES)
+        self.peer = Heartbeats(silence_s, self.requests.client)
         self._layout = None
         self.closed = False
+        self.lost = ""  # why the rollout process is gone, found at a hand-off: raised at the next round
 
     @property
     def layout(self) -> dict:
         """What the rollout process serves (its first message, read when first needed: the
         trainer loads its model meanwhile)."""
         if self._layout is None:
-            kind, layout = self.replies.receive(self.hello_wait_s, "the rollout process to start")
+            kind, layout = self._receive(self.hello_wait_s, "the rollout process to start")
             if kind == "error":
-                raise RuntimeError(f"the rollout process failed to start:\n{layout}")
+                raise RolloutsFailed(f"the rollout process failed to start:\n{layout}")
             self._layout = layout
         return self._layout
 
@@ -125,11 +199,22 @@ class RemoteRollouts:
     def serving_dtype(self) -> str:
         return self.layout["serving_dtype"]
 
+    def _receive(self, wait_s: float, what: str):
+        try:
+            return self.replies.receive(wait_s, what, self.peer)
+        except RolloutProcessDied as e:
+            self.lost = str(e)
+            raise
+        except TimeoutError as e:
+            raise RolloutsFailed(str(e)) from None
+
     def __call__(self, records, n_per_prompt: int, seed: int, policy_version: int):
+        if self.lost:
+            raise RolloutProcessDied(self.lost)
         self.requests.send("rollout", (list(records), int(n_per_prompt), int(seed), int(policy_version)))
-        kind, out = self.replies.receive(self.wait_s, "a round of rollouts")
+        kind, out = self._receive(self.wait_s, "a round of rollouts")
         if kind == "error":
-            raise RuntimeError(f"the rollout process failed a round:\n{out}")
+            raise RolloutsFailed(f"the rollout process failed a round:\n{out}")
         return out
 
     def stage_params(self, model: nnx.Module):
@@ -142,6 +227,11 @@ class RemoteRollouts:
 
     def serve_staged(self, staged) -> None:
         """Send ``stage_params``' copy to the rollout process (a collective with it)."""
+        # a collective with a dead process would never end; the step that made these weights
+        # is finished, so the loss is raised at the next round, after the loop recorded the step
+        self.lost = self.lost or self.peer.silent("the weights' copy")
+        if self.lost:
+            return
         sender = jax.tree.leaves(staged)[0].sharding.mesh
         self.requests.send("weights", _describe(sender))
         copy_to_receiver(staged, pair_mesh(sender, self.slice))
@@ -149,11 +239,28 @@ class RemoteRollouts:
     def update_params(self, model: nnx.Module) -> None:
         self.serve_staged(self.stage_params(model))
 
-    def close(self) -> None:
-        """Tell the rollout process to stop (once)."""
-        if not self.closed:
-            self.closed = True
-            self.requests.send("stop")
+    def close(self, wait_s: float = 120.0) -> None:
+        """Tell the rollout process to stop (once) and wait, at most ``wait_s``, until it has
+        left the coordination service: this process hosts the service, and a recoverable one
+        (``main.init_distributed``) does not hold its exit for the others."""
+        if self.closed:
+            return
+        self.closed = True
+        self.requests.send("stop")
+        # (a service that is not recoverable holds every process's exit at a barrier itself)
+        if jax.config.jax_enable_recoverability and not (self.lost or self.peer.silent("the stop")):
+            _wait_until_gone(self.requests.client, wait_s)
+
+
+def _wait_until_gone(client, wait_s: float) -> None:
+    """Block until process 1 has shut its coordination client down (or died), ``wait_s`` at
+    most: ``get_live_nodes`` returns once every listed process called it or left."""
+    thread = threading.Thread(target=lambda: client.get_live_nodes([0, 1]), name="await-rollout-exit",
+                              daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    if thread.is_alive():
+        log.warning("the rollout process did not leave within %g s of the stop", wait_s)
 
 
 def serve_remote(rollouts, wait_s: float) -> int:
@@ -162,6 +269,15 @@ def serve_remote(rollouts, wait_s: float) -> int:
     the rounds served. ``wait_s``: the longest to wait for the next request (an update, a
     checkpoint and an evaluation may come between two)."""
     requests, replies = Mailbox(REQUESTS), Mailbox(REPLIES)
+    stop = threading.Event()
+    beat(stop, requests.client)
+    try:
+        return _serve(rollouts, wait_s, requests, replies)
+    finally:
+        stop.set()
+
+
+def _serve(rollouts, wait_s: float, requests: Mailbox, replies: Mailbox) -> int:
     if len(rollouts.engines) != 1:
         replies.send("error", f"a rollout process serves one slice, this one has {len(rollouts.engines)}")
         raise ValueError(f"a rollout process serves one slice over its devices, not {len(rollouts.engines)}: "
@@ -187,3 +303,4 @@ def serve_remote(rollouts, wait_s: float) -> int:
             raise
         replies.send("round", out)
         rounds += 1
+

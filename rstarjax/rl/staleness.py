@@ -32,6 +32,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from rstarjax.rl.trajectory import RolloutsFailed
+
 log = logging.getLogger(__name__)
 
 
@@ -155,8 +157,9 @@ class AsyncRollouts:
                     waited = time.perf_counter() - t0
                     return rnd, {"async/rollout_wait_s": waited, "async/rounds_ready": float(ready + 1),
                                  "async/rounds_in_flight": float(len(self.rounds) - ready)}
-                if self.error is not None:
-                    raise RuntimeError(f"the rollout thread failed: {self.error!r}") from self.error
+                if self.error is not None:  # the rollouts' infrastructure stays recognisable as such
+                    failed = RolloutsFailed if isinstance(self.error, RolloutsFailed) else RuntimeError
+                    raise failed(f"the rollout thread failed: {self.error!r}") from self.error
                 if self.exhausted and not self.rounds:
                     return None, {"async/rollout_wait_s": time.perf_counter() - t0}
                 if time.perf_counter() - t0 > self.wait_s:

@@ -144,6 +144,12 @@ class Trajectory:
 RolloutFn = Callable[[list, int, int, int], Union[list, tuple[list, Mapping[str, Any]]]]
 
 
+class RolloutsFailed(RuntimeError):
+    """A ``RolloutFn`` could not produce its round for a reason of the infrastructure, not of the
+    model (a rollout process that died or stopped answering): the RL loop saves the last step it
+    finished and stops with this error."""
+
+
 def trajectories_of(rollout_output) -> list:
     """The trajectories of a ``RolloutFn``'s answer (with or without its figures)."""
     return list(rollout_output[0] if isinstance(rollout_output, tuple) else rollout_output)
