@@ -51,6 +51,7 @@ def stage_config(workdir, staleness: int, devices: int):
     c.rl.max_prompt_len, c.rl.max_response_len, c.rl.max_turns = 192, 256, 4
     c.rl.chat_format = "compact"
     c.rl.max_staleness = staleness
+    c.rl.partial_rollout_tokens = int(os.environ.get("RJ_PARTIAL", 0))  # the partial-rollout case
     if staleness:
         c.loss.decoupled_cap = 5.0
     c.serving.placement, c.serving.rollout_devices = "disaggregated", devices
@@ -183,17 +184,20 @@ def metrics_of(workdir):
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.slow  # ~2 x 100 s on 2 cores
-@pytest.mark.parametrize("staleness, devices", [(0, 1), (1, 2)])
-def test_a_rollout_process_apart_trains_as_one_process_with_two_device_groups(tmp_path, staleness, devices):
+@pytest.mark.slow  # ~3 x 80 s on 2 cores
+@pytest.mark.parametrize("staleness, devices, partial", [(0, 1, 0), (1, 2, 0), (0, 1, 20)])
+def test_a_rollout_process_apart_trains_as_one_process_with_two_device_groups(tmp_path, staleness, devices,
+                                                                             partial):
     """``devices`` per side: 2 shards every weight over the trainer's FSDP mesh and the rollout
-    process's TP-2 slice, each shard copied to its own device."""
+    process's TP-2 slice, each shard copied to its own device. ``partial``: partial rollouts of
+    at most that many tokens per round, the paused ones (and their KV) kept in the rollout
+    process between steps."""
     two, one = str(tmp_path / "two"), str(tmp_path / "one")
     for d in (two, one):
         write_data(d)
-    port = free_port()
-    finish([launch(port, i, two, staleness, devices, per_process=devices) for i in range(2)])
-    finish([launch(0, 0, one, staleness, devices, per_process=2 * devices)])
+    port, env = free_port(), dict(RJ_PARTIAL=str(partial))
+    finish([launch(port, i, two, staleness, devices, per_process=devices, **env) for i in range(2)])
+    finish([launch(0, 0, one, staleness, devices, per_process=2 * devices, **env)])
 
     got, want = np.load(os.path.join(two, "params.npz")), np.load(os.path.join(one, "params.npz"))
     assert len(got.files) == len(want.files) > 0
@@ -208,6 +212,10 @@ def test_a_rollout_process_apart_trains_as_one_process_with_two_device_groups(tm
         assert a.get("train/logprob_gap_max", 0.0) < 1e-4
     if staleness:  # every round after the first sampled one version behind the update that took it
         assert [m["async/policy_lag_max"] for m in m2] == [0.0] + [1.0] * (STEPS - 1)
+    if partial:  # rollouts were paused in the rollout process and trained steps later
+        assert max(m["partial/rollouts_paused"] for m in m2) > 0 and max(m["partial/policy_lag_max"] for m in m2) >= 1
+        for a, b in zip(m2, m1):
+            assert a["partial/rollouts_carried"] == b["partial/rollouts_carried"]
     with open(os.path.join(two, "rollout_process.json")) as f:
         assert json.load(f)["rounds"] >= STEPS  # and it stopped when the trainer did
     with open(os.path.join(two, "host_copies.json")) as f:

@@ -3,8 +3,9 @@
 
 Process 0 trains on its devices; process 1 rolls out on all of its own, one serving slice,
 with its own code pool (``recipes.rollout_process``). The trainer process drives it through
-``RemoteRollouts``, a ``RolloutFn`` like the colocated one, so the RL loop (synchronous, or
-with ``rl.max_staleness`` its rollout thread) is unchanged; the rollout process answers in
+``RemoteRollouts``, a ``RolloutFn`` like the colocated one, so the RL loop (synchronous, with
+``rl.max_staleness`` its rollout thread, or with partial rollouts ``RemoteRollouts.partial``,
+the paused rollouts kept in the rollout process) is unchanged; the rollout process answers in
 ``serve_remote``. Rewards are computed where the rollouts run.
 
 **Messages** (a round's prompts, its trajectories, "new weights follow", "stop") go through
@@ -38,6 +39,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from rstarjax.rl.agent_loop import RolloutRound
 from rstarjax.rl.trajectory import RolloutsFailed
 from rstarjax.serving.handoff import copy_to_receiver, mesh_of, pair_mesh, specs_of, stage_in_layout
 
@@ -217,6 +219,23 @@ class RemoteRollouts:
             raise RolloutsFailed(f"the rollout process failed a round:\n{out}")
         return out
 
+    def partial(self, records, n_per_prompt: int, seed: int, policy_version: int, *, token_budget: int,
+                carried=(), group_ids=None, keep_kv: bool = True) -> RolloutRound:
+        """``ColocatedRollouts.partial`` in the rollout process: its paused rollouts (their KV
+        in its pool) stay there, and ``carried`` / ``RolloutRound.paused`` here are their ids."""
+        if self.lost:
+            raise RolloutProcessDied(self.lost)
+        self.requests.send("partial", {
+            "records": list(records), "n_per_prompt": int(n_per_prompt), "seed": int(seed),
+            "policy_version": int(policy_version), "token_budget": int(token_budget),
+            "carried": [int(i) for i in carried], "keep_kv": bool(keep_kv),
+            "group_ids": None if group_ids is None else [int(g) for g in group_ids]})
+        kind, out = self._receive(self.wait_s, "a round of partial rollouts")
+        if kind == "error":
+            raise RolloutsFailed(f"the rollout process failed a round:\n{out}")
+        finished, paused, timings = out
+        return RolloutRound(finished, paused, timings)
+
     def stage_params(self, model: nnx.Module):
         """The serving copy of ``model`` in the slice's layout, on this process's devices."""
         if not isinstance(model, nnx.Module):
@@ -288,7 +307,7 @@ def _serve(rollouts, wait_s: float, requests: Mailbox, replies: Mailbox) -> int:
         "specs": specs_of(engine.layout.target),
         "dtype": engine.layout.dtype.name, "untie_head": engine.layout.untie_head,
         "serving_dtype": rollouts.serving_dtype, "mesh": _describe(slice_mesh)})
-    rounds = 0
+    rounds, paused = 0, PausedRollouts()
     while True:
         kind, payload = requests.receive(wait_s, "the trainer process's next request")
         if kind == "stop":
@@ -297,10 +316,32 @@ def _serve(rollouts, wait_s: float, requests: Mailbox, replies: Mailbox) -> int:
             engine.serve(copy_to_receiver(engine.params, pair_mesh(_mesh_of(**payload), slice_mesh)))
             continue
         try:
-            out = rollouts(*payload)
+            out = rollouts(*payload) if kind == "rollout" else paused.round(rollouts, **payload)
         except Exception:  # the trainer raises it; this process stops too
             replies.send("error", traceback.format_exc())
             raise
         replies.send("round", out)
         rounds += 1
 
+
+class PausedRollouts:
+    """The rollout process's paused rollouts between partial rounds, by the ids the trainer
+    process holds for them (their episodes and KV pages never leave this process)."""
+
+    def __init__(self):
+        self.by_id, self.next_id = {}, 0
+
+    def round(self, rollouts, *, records, n_per_prompt, seed, policy_version, token_budget, carried,
+              group_ids, keep_kv) -> tuple[list, list[int], dict]:
+        """One ``rollouts.partial`` round continuing the paused rollouts ``carried`` names:
+        (finished trajectories, the ids of the rollouts it paused, timings)."""
+        unknown = [i for i in carried if i not in self.by_id]
+        if unknown:
+            raise KeyError(f"paused rollouts {unknown} are not in this rollout process (it was restarted?)")
+        rnd = rollouts.partial(records, n_per_prompt, seed, policy_version, token_budget=token_budget,
+                               carried=[self.by_id.pop(i) for i in carried], group_ids=group_ids,
+                               keep_kv=keep_kv)
+        ids = list(range(self.next_id, self.next_id + len(rnd.paused)))
+        self.next_id += len(ids)
+        self.by_id.update(zip(ids, rnd.paused))
+        return rnd.finished, ids, rnd.timings
