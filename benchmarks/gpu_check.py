@@ -448,7 +448,8 @@ def parse_args(argv=None):
                     help="';'-separated --pallas-blocking specs of benchmarks/serving.py")
     ap.add_argument("--serving-presets", default="",
                     help="comma-separated subset of the shape's serving presets (default: all)")
-    ap.add_argument("--remat-policy", default="dots", help="the remat part's ModelConfig.remat_policy")
+    ap.add_argument("--remat-policy", default="dots_attention,attention",
+                    help="the remat parts' ModelConfig.remat_policy, comma-separated (each one's train parts)")
     ap.add_argument("--commit", default="", help="the commit measured (recorded in the output)")
     return ap.parse_args(argv)
 
@@ -483,10 +484,11 @@ def main(argv=None) -> int:
         plan.append((name, lambda log, sp=spec, n=name: part_serving(
             shape, shape.serving_presets[0], n, log, env, os.path.join(trace_dir, n), blocking=sp)))
     plan.append(("kernels", lambda log: part_kernels(shape, args, log, env)))
-    for b in shape.train_batches:
-        name = f"remat_{args.remat_policy}_{b}x"
-        plan.append((name, lambda log, b=b, n=name: part_train(
-            shape, b, n, log, env, os.path.join(trace_dir, n), remat=args.remat_policy)))
+    for policy in args.remat_policy.split(","):
+        for b in shape.train_batches:
+            name = f"remat_{policy}_{b}x"
+            plan.append((name, lambda log, b=b, n=name, p=policy: part_train(
+                shape, b, n, log, env, os.path.join(trace_dir, n), remat=p)))
     results: dict[str, PartResult] = {}
     with open(os.path.join(out_dir, "gpu_check.log"), "a") as log:
         for name, fn in plan:

@@ -82,12 +82,13 @@ def test_config_errors_name_the_field():
 def test_scan_equals_unrolled_loop_values_and_grads(tiny):
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 512, (2, 12)), jnp.int32)
     unrolled = Qwen3(TINY32.replace(scan_layers=False), rngs=nnx.Rngs(0))
-    remat = Qwen3(TINY32.replace(remat_policy="dots"), rngs=nnx.Rngs(0))
+    remats = [Qwen3(TINY32.replace(remat_policy=p), rngs=nnx.Rngs(0))
+              for p in ("dots", "attention", "dots_attention")]
 
     def loss(model):
         return jnp.mean(jax.nn.log_softmax(model(tokens))[..., 7])
 
-    grads = [nnx.jit(nnx.grad(loss))(m) for m in (tiny, unrolled, remat)]
+    grads = [nnx.jit(nnx.grad(loss))(m) for m in (tiny, unrolled, *remats)]
     np.testing.assert_allclose(_jit_forward(tiny)(tokens), _jit_forward(unrolled)(tokens),
                                atol=1e-5)
     for g in grads[1:]:
@@ -197,3 +198,43 @@ def test_kv_cache_init_validates():
     assert c.k.shape == (2, 3, 8, 2, 16) and c.k.dtype == jnp.bfloat16
     assert c.lengths.dtype == jnp.int32
     assert len(jax.tree.leaves(c)) == 3  # a pytree: passes through jit
+
+
+def _count_primitive(jaxpr, name: str) -> int:
+    """Equations of primitive ``name`` in ``jaxpr`` and every jaxpr nested in its equations."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == name
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    count += _count_primitive(sub, name)
+    return count
+
+
+@pytest.mark.parametrize("policy, forwards", [("dots", 2), ("full", 2), ("dots_attention", 1),
+                                              ("attention", 1)])
+def test_the_attention_policies_run_cudnns_forward_once(monkeypatch, policy, forwards):
+    """Under ``dots`` (and ``full``) remat the backward pass runs cuDNN's attention forward again
+    (a cuDNN call is not a dot; an H200 profile showed 56 forward calls for 28 layers); the
+    ``*attention`` policies keep its results. Traced with jax's cuDNN binding, its version checks
+    stubbed: nothing is compiled, so no GPU is needed to count the calls."""
+    import jax._src.cudnn.fused_attention_stablehlo as cudnn
+
+    from rstarjax.models.attention import cudnn_attention
+    from rstarjax.models.qwen3 import REMAT
+
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(cudnn, "check_compute_capability", lambda *a, **k: True)
+
+    def layer(x, w):
+        q = (x @ w).reshape(1, 128, 2, 64)
+        out = cudnn_attention(q, q, q, jnp.ones((1, 128), jnp.int32), max_segments=4)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    x = jnp.ones((128, 128), jnp.bfloat16)
+    grad = jax.grad(jax.checkpoint(layer, policy=REMAT[policy], prevent_cse=False))
+    jaxpr = jax.make_jaxpr(grad)(x, x).jaxpr
+    assert _count_primitive(jaxpr, "dot_product_attention_fwd_wrapper") == forwards
+    assert _count_primitive(jaxpr, "dot_product_attention_bwd_wrapper") == 1

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 # Architectures whose weights and semantics this module reproduces exactly.
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "attention", "dots_attention")
 DTYPES = ("float32", "bfloat16", "float16")  # the compute dtypes a config may name
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 # Training/scoring attention over packed rows (models/attention.py).
@@ -43,7 +43,9 @@ class ModelConfig:
     # ---- ours ---------------------------------------------------------------------------
     dtype: Any = jnp.bfloat16  # compute dtype of activations/matmuls (logits are always f32)
     param_dtype: Any = jnp.float32  # storage dtype of parameters
-    remat_policy: str = "none"  # none | full | dots | dots_no_batch (per decoder layer)
+    # per decoder layer: none | full | dots | dots_no_batch | attention (full, the attention
+    # kernel's output and softmax statistics kept) | dots_attention (dots, likewise)
+    remat_policy: str = "none"
     scan_layers: bool = True  # lax.scan over the stacked layers (fast compile) vs unrolled
     attention_impl: str | None = None  # jax.nn.dot_product_attention implementation
     # Training/scoring forward (models/attention.py): auto = splash on TPU, the Pallas flash kernel

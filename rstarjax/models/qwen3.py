@@ -72,13 +72,34 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                                         implementation=implementation)
 
 
+# The primitives whose outputs are a fused attention kernel's forward results (its output and
+# softmax statistics, what its backward reads): cuDNN's (jax's binding) and the Pallas kernels'.
+# A cuDNN call is not a dot, so ``dots`` recomputes it in the backward pass: on an H200 that is
+# 16 ms of a 308 ms Qwen3-1.7B step at 8K tokens (docs/training.md, "On a GPU").
+ATTENTION_KERNELS = frozenset({"dot_product_attention_fwd_wrapper", "pallas_call"})
+
+
+def saves_attention(prim, *_, **__) -> bool:
+    """Remat policy: keep what the attention kernels return, recompute everything else."""
+    return prim.name in ATTENTION_KERNELS
+
+
+def saves_dots_and_attention(prim, *args, **params) -> bool:
+    """Remat policy: ``checkpoint_dots`` and what the attention kernels return."""
+    return saves_attention(prim) or jax.checkpoint_policies.checkpoint_dots(prim, *args, **params)
+
+
+REMAT = {"full": None,
+         "dots": jax.checkpoint_policies.checkpoint_dots,
+         "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+         "attention": saves_attention,
+         "dots_attention": saves_dots_and_attention}
+
+
 def _remat(fn: Callable, policy: str) -> Callable:
     if policy == "none":
         return fn
-    policies = {"full": None,
-                "dots": jax.checkpoint_policies.checkpoint_dots,
-                "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-    return jax.checkpoint(fn, policy=policies[policy], prevent_cse=False)
+    return jax.checkpoint(fn, policy=REMAT[policy], prevent_cse=False)
 
 
 def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, sin: jax.Array, cos: jax.Array,
