@@ -78,7 +78,7 @@ SHAPES = {
                  train_batches=(1, 4), train_repeats=3,
                  timeouts={"env": 60, "main": 330, "serving_qwen3-1.7b": 70,
                            "serving_qwen3-8b": 80, "train_1x8k": 60, "train_4x8k": 70,
-                           "blocking": 75, "remat": 75, "kernels": 100}),
+                           "blocking": 75, "remat": 75, "kernels": 150}),
     "tiny": Shape(model="tiny", tokenizer_regular_tokens=4000, prompts=2, samples=4, group=2,
                   response_len=48, prompt_len=1024, micro_batch=0, steps=2,
                   serving_presets=("tiny",), serving_batches="4", serving_quick=True,
@@ -325,13 +325,13 @@ def part_kernels(shape: Shape, args, log, env) -> dict:
     the engine's Triton blocking, the ``--blockings`` ones, and cuDNN's paged attention, each
     checked against a float32 reference. Its rows, not one line: several arms per shape."""
     argv = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"),
-            "--arms", "triton,cudnn,cudnn_packed", "--budget-s", str(0.7 * shape.timeouts["kernels"])]
+            "--arms", "triton,cudnn,cudnn_packed", "--budget-s", str(0.75 * shape.timeouts["kernels"])]
     if shape.model == "tiny":
         argv += ["--tiny", "--interpret", "--iters", "1"]
     else:
         per, splits, warps = zip(*(spec.split(",")[:3] for spec in args.blockings.split(";") if spec))
         argv += ["--per-block", ",".join(per), "--k-splits", ",".join(splits),
-                 "--warps", ",".join(warps), "--contexts", "560,4096"]
+                 "--warps", ",".join(warps), "--contexts", "560,4096", "--page-sizes", "16,64"]
     code, out = run_part("kernels", argv, shape.timeouts["kernels"], log, env)
     if code != 0:
         raise RuntimeError(f"exit {code}: {tail(out)}")
@@ -387,7 +387,7 @@ def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
     kernels = results.get("kernels")
     for r in (kernels.result.get("rows", []) if kernels is not None else []):
         arm = r["arm"] + (f" {r['per_block']},{r['k_splits']},{r['warps']}" if r["arm"] == "triton" else "")
-        rows.append((f"kernel b{r['batch']} ctx{r['context']} {arm}",
+        rows.append((f"kernel b{r['batch']} ctx{r['context']} page{r['page_size']} {arm}",
                      f"{r['us']} us, {r['gbps']} GB/s, max diff {r['max_diff_vs_reference']:.3g}"
                      if "us" in r else f"error: {r.get('error', '')[:120]}"))
     for name, part in results.items():
@@ -445,7 +445,8 @@ def parse_args(argv=None):
                          "and the --blockings blocking, cuDNN) and remat (the train parts with "
                          "--remat-policy)")
     ap.add_argument("--blockings", default="4,8,4,2;8,4,4,2",
-                    help="';'-separated --pallas-blocking specs of benchmarks/serving.py")
+                    help="';'-separated --pallas-blocking specs of benchmarks/serving.py; repeat them "
+                         "to alternate (the engine's own is 8,16,8,2)")
     ap.add_argument("--serving-presets", default="",
                     help="comma-separated subset of the shape's serving presets (default: all)")
     ap.add_argument("--remat-policy", default="dots_attention,attention",
@@ -479,8 +480,9 @@ def main(argv=None) -> int:
         seq = f"{shape.train_seq // 1024}k" if shape.train_seq % 1024 == 0 else str(shape.train_seq)
         name = f"train_{b}x{seq}"
         plan.append((name, lambda log, b=b, n=name: part_train(shape, b, n, log, env, trace_dir)))
-    for spec in args.blockings.split(";") if args.blockings else []:
-        name = f"blocking_{spec.replace(',', '-')}"
+    specs = [spec for spec in args.blockings.split(";") if spec]
+    for i, spec in enumerate(specs):  # a spec given again (alternating runs) gets its own part
+        name = f"blocking_{spec.replace(',', '-')}" + (f"_{specs[:i].count(spec) + 1}" if spec in specs[:i] else "")
         plan.append((name, lambda log, sp=spec, n=name: part_serving(
             shape, shape.serving_presets[0], n, log, env, os.path.join(trace_dir, n), blocking=sp)))
     plan.append(("kernels", lambda log: part_kernels(shape, args, log, env)))
