@@ -530,9 +530,11 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
             if is_main:
                 print(f"rstarjax: {message}", flush=True)
     except RolloutsFailed as failure:  # the rollouts' infrastructure, not the model: keep what finished
-        saved = processes.training_count() == 1 and _save_last(trainer.step, start, save, finished_data, ckpt)
+        alone = processes.training_count() == 1  # (several would have to save together)
+        saved = alone and _save_last(trainer.step, start, save, finished_data, ckpt)
         failure.add_note(f"step {trainer.step} is saved in {workdir}: the same command resumes from it" if saved
-                         else f"no step finished in this run since step {start}: nothing new to save")
+                         else f"no step finished in this run since step {start}: nothing new to save"
+                         if trainer.step == start else f"step {trainer.step} was not saved (several processes train)")
         raise
     finally:
         if source is not None:

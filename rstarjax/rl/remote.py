@@ -16,9 +16,10 @@ each update the trainer process casts its state into the slice's layout on its o
 compiled program in which each trainer device sends its shard to the rollout device that holds
 the same shard. The rollout process installs it between rounds, where the colocated loop does.
 
-Every wait is bounded: a process that dies or stops answering leaves the other a
-``TimeoutError`` naming what it waited for; a failing round comes back to the trainer as a
-``RuntimeError`` with the rollout process's traceback. The rollout process also beats a
+Every wait is bounded: a process that dies or stops answering leaves the other an error
+naming what it waited for (on the trainer's side ``trajectory.RolloutsFailed``, which the RL
+loop answers by saving its last finished step); a failing round comes back to the trainer as
+one too, with the rollout process's traceback. The rollout process also beats a
 heartbeat key every ``HEARTBEAT_S`` from a thread of its own, so the trainer process learns of
 its death within ``silence_s`` (``RolloutProcessDied``), not after a whole round's wait. The
 run starts ``jax.distributed`` recoverable for this layout (``main.init_distributed``), so
@@ -83,7 +84,7 @@ class Mailbox:
             self.client.key_value_set_bytes(f"{self.name}/{n}/{i}", chunk)
         self.client.key_value_set(f"{self.name}/{n}", str(len(chunks)))
 
-    def receive(self, wait_s: float, what: str, peer: "Heartbeats | None" = None) -> tuple[str, object]:
+    def receive(self, wait_s: float, what: str, peer: Heartbeats | None = None) -> tuple[str, object]:
         """The next message, waiting at most ``wait_s`` for it (``what``: for the error); with
         ``peer``, only as long as the other process's heartbeat goes on."""
         n, deadline = self.received, time.monotonic() + wait_s
