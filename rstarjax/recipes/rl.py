@@ -284,8 +284,7 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
         serve_rollouts(run)
         return None
     if run.serving.disaggregated and jax.process_count() > 1 and rollout_fn is None:  # process 0 trains alone
-        remote = RemoteRollouts(wait_s=2 * run.rl.agent().rollout_timeout_s + 60,
-                                silence_s=run.distributed.silence_s)
+        remote = RemoteRollouts(wait_s=round_wait_s(run), silence_s=run.distributed.silence_s)
         try:  # the rollout process stops with this one, whatever ends it
             with processes.training_alone():
                 return _run_rl(run, workdir, remote, model, lambda tr: remote.update_params(tr.served_model()),
@@ -530,11 +529,14 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
             if is_main:
                 print(f"rstarjax: {message}", flush=True)
     except RolloutsFailed as failure:  # the rollouts' infrastructure, not the model: keep what finished
-        alone = processes.training_count() == 1  # (several would have to save together)
-        saved = alone and _save_last(trainer.step, start, save, finished_data, ckpt)
-        failure.add_note(f"step {trainer.step} is saved in {workdir}: the same command resumes from it" if saved
-                         else f"no step finished in this run since step {start}: nothing new to save"
-                         if trainer.step == start else f"step {trainer.step} was not saved (several processes train)")
+        if trainer.step == start:
+            failure.add_note(f"no step finished in this run since step {start}: nothing new to save")
+        elif processes.training_count() > 1:  # several would have to save together
+            failure.add_note(f"step {trainer.step} was not saved (several processes train)")
+        elif _save_last(trainer.step, start, save, finished_data, ckpt):
+            failure.add_note(f"step {trainer.step} is saved in {workdir}: the same command resumes from it")
+        else:
+            failure.add_note(f"step {trainer.step} could not be saved in {workdir}")
         raise
     finally:
         if source is not None:
@@ -567,7 +569,7 @@ def start_async_rollouts(run: RunConfig, rollout_fn, data_iter, base_key, step: 
     return AsyncRollouts(rollout_fn, data_iter.take, rollout_fn.serve_staged, seed_of, run.rl.max_staleness,
                          run.rl.prompts_per_step, run.rl.rollouts_per_prompt, version=step,
                          remaining=run.total_steps - step, restart=list(restart),
-                         wait_s=2 * run.rl.agent().rollout_timeout_s + 60)
+                         wait_s=round_wait_s(run))
 
 
 # the per-round figures that add up over the rounds of one partial-rollout step
@@ -583,6 +585,12 @@ def add_times(metrics: dict, times: dict) -> dict:
         if k.startswith("time/") or (k.startswith("timing/") and k.endswith("_s")) or k in ROUND_SUMS:
             out[k] = out.get(k, 0.0) + float(v)
     return out
+
+
+def round_wait_s(run: RunConfig) -> float:
+    """The longest the trainer waits for one round of rollouts: twice the bound the rollouts
+    themselves enforce (``rl.rollout_timeout_s``), so that bound fires first and names itself."""
+    return 2 * run.rl.agent().rollout_timeout_s + 60
 
 
 def _save_last(step: int, start: int, save, data_state, ckpt) -> bool:

@@ -157,7 +157,7 @@ def beat(stop: threading.Event, client=None, every_s: float = HEARTBEAT_S) -> th
     return thread
 
 
-def _mesh_of(devices: list[int], shape: tuple, axes: tuple) -> Mesh:
+def _mesh_from(devices: list[int], shape: tuple, axes: tuple) -> Mesh:
     by_id = {d.id: d for d in jax.devices()}
     return Mesh(np.array([by_id[i] for i in devices], dtype=object).reshape(shape), axes)
 
@@ -196,7 +196,7 @@ class RemoteRollouts:
     @property
     def slice(self) -> Mesh:
         """The rollout process's serving slice (its devices, in the global device list)."""
-        return _mesh_of(**self.layout["mesh"])
+        return _mesh_from(**self.layout["mesh"])
 
     @property
     def serving_dtype(self) -> str:
@@ -314,7 +314,7 @@ def _serve(rollouts, wait_s: float, requests: Mailbox, replies: Mailbox) -> int:
         if kind == "stop":
             return rounds
         if kind == "weights":  # between rounds: the next one samples the new policy
-            engine.serve(copy_to_receiver(engine.params, pair_mesh(_mesh_of(**payload), slice_mesh)))
+            engine.serve(copy_to_receiver(engine.params, pair_mesh(_mesh_from(**payload), slice_mesh)))
             continue
         try:
             out = rollouts(*payload) if kind == "rollout" else paused.round(rollouts, **payload)
