@@ -17,6 +17,9 @@ Figures, measured over the steps after ``--warmup`` (their compiles excluded) as
 - ``async_colocated_speedup``: ``rl.max_staleness=1`` (a rollout thread samples the next step
   while the update runs, on the same devices) vs the synchronous loop; ``async_policy_lag_max``
   its trained tokens' largest lag (<= 1 by construction).
+- ``async_partial_speedup``: both, ``rl.max_staleness=1`` with ``--budget``, vs the synchronous
+  loop; ``async_partial_policy_lag_max`` may exceed 1: a paused rollout's earlier tokens are one
+  version older per round between (``rl.staleness.lag_bound``).
 - ``trainer_wait_frac`` / ``rollout_idle_frac`` per arm: the share of the measured wall time the
   update side waited for rollouts, and the time no rollout ran.
 - ``async_speedup``: disaggregated with ``rl.max_staleness=1`` vs disaggregated synchronous
@@ -219,12 +222,11 @@ def run_arm(budget: int, executor, cache_dir: str, staleness: int = 0, disaggreg
     waits = sum(m.get("async/rollout_wait_s" if staleness else "time/rollout", 0.0) for m in measured)
     out["trainer_wait_frac"] = waits / span
     out["rollout_idle_frac"] = max(0.0, 1.0 - total["makespan_s"] / span)
-    if staleness:
-        out["policy_lag_max"] = max(m.get("async/policy_lag_max", 0.0) for m in measured)
-        out["policy_lag_mean"] = statistics.mean(m.get("async/policy_lag_mean", 0.0) for m in measured)
+    if staleness or budget:  # the lag of the trained tokens (asynchronous: every token's, paused ones too)
+        prefix = "async/" if staleness else "partial/"
+        out["policy_lag_max"] = max(m.get(f"{prefix}policy_lag_max", 0.0) for m in measured)
+        out["policy_lag_mean"] = statistics.mean(m.get(f"{prefix}policy_lag_mean", 0.0) for m in measured)
     if budget:
-        out["policy_lag_max"] = max(m.get("partial/policy_lag_max", 0.0) for m in measured)
-        out["policy_lag_mean"] = statistics.mean(m.get("partial/policy_lag_mean", 0.0) for m in measured)
         out["rounds_per_step"] = statistics.mean(m.get("partial/rounds", 1.0) for m in measured)
     return out
 
@@ -316,12 +318,14 @@ def main():
                                      disaggregated=True)))
         return
     cache_dir = tempfile.mkdtemp(prefix="rl_pipeline_cache_")
-    runs = {"sync": [], "partial": [], "async": [], **{arm: [] for arm in (*DISAGGREGATED, *PROCESSES)}}
+    runs = {"sync": [], "partial": [], "async": [], "async_partial": [],
+            **{arm: [] for arm in (*DISAGGREGATED, *PROCESSES)}}
     with CodeExecutor(num_workers=2) as executor:
         for _ in range(REPEAT):
             runs["sync"].append(run_arm(0, executor, cache_dir))
             runs["partial"].append(run_arm(BUDGET, executor, cache_dir))
             runs["async"].append(run_arm(0, executor, cache_dir, staleness=1))
+            runs["async_partial"].append(run_arm(BUDGET, executor, cache_dir, staleness=1))
             for arm in () if args.smoke else DISAGGREGATED:  # the smoke run: the 2-process ones only
                 runs[arm].append(run_disaggregated(arm, cache_dir))
             for arm in PROCESSES:  # the code pool above idles meanwhile
@@ -330,7 +334,7 @@ def main():
     def speedups(arm, base="sync"):
         return [a["trained_tokens_per_s"] / s["trained_tokens_per_s"] for s, a in zip(runs[base], runs[arm])]
 
-    ratios, async_ratios = speedups("partial"), speedups("async")
+    ratios, async_ratios, both = speedups("partial"), speedups("async"), speedups("async_partial")
     one_process = speedups("disaggregated_async", "disaggregated_sync") or [float("nan")]
     disaggregated = speedups("processes_async", "processes_sync")
     median = {arm: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items() if rs}
@@ -339,17 +343,21 @@ def main():
         "prompts_per_step": PROMPTS, "rollouts_per_step": PROMPTS * 2 * GROUP, "measured_steps": STEPS,
         "partial_speedup": statistics.median(ratios),
         "async_colocated_speedup": statistics.median(async_ratios),
+        "async_partial_speedup": statistics.median(both),
         "async_speedup": statistics.median(disaggregated),
         "async_speedup_one_process": statistics.median(one_process),
         "processes_pinned": median["processes_sync"]["pinned"],
         "spread": {"partial_speedup": [min(ratios), max(ratios)],
                    "async_colocated_speedup": [min(async_ratios), max(async_ratios)],
+                   "async_partial_speedup": [min(both), max(both)],
                    "async_speedup": [min(disaggregated), max(disaggregated)],
                    "async_speedup_one_process": [min(one_process), max(one_process)]},
         "policy_lag_max": median["partial"]["policy_lag_max"],
         "policy_lag_mean": median["partial"]["policy_lag_mean"],
         "async_policy_lag_max": max(r["policy_lag_max"] for r in runs["async"] + runs["disaggregated_async"]
                                     + runs["processes_async"]),
+        # both on: paused tokens may lag beyond k (staleness.lag_bound)
+        "async_partial_policy_lag_max": max(r["policy_lag_max"] for r in runs["async_partial"]),
         **median,
     }))
 

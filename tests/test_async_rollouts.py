@@ -15,7 +15,8 @@ import time
 import numpy as np
 import pytest
 
-from rstarjax.rl.staleness import AsyncRollouts, may_start
+from rstarjax.rl.partial import CollectedRound, PartialRollouts
+from rstarjax.rl.staleness import AsyncRollouts, lag_bound, may_start
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -32,6 +33,13 @@ def test_admission_by_hand():
     assert may_start(4, 1, False, 3) and not may_start(4, 1, True, 3)
 
 
+def test_lag_bound_by_hand():
+    assert lag_bound(1, 5, 5) == 1  # a round's own tokens: the admission bound
+    assert lag_bound(2, 3, 6) == 5  # a paused rollout's tokens three rounds earlier
+    with pytest.raises(ValueError, match="earlier round"):
+        lag_bound(1, 4, 3)
+
+
 def _source(rollout_fn, data, k, remaining, **kw):
     it = iter(data)
 
@@ -39,8 +47,9 @@ def _source(rollout_fn, data, k, remaining, **kw):
         return [x for _, x in zip(range(n), it)]
 
     installed = []
+    kw = {"prompts_per_round": 2, "rollouts_per_prompt": 1, **kw}
     src = AsyncRollouts(rollout_fn, draw, installed.append, seed_of=lambda i: 1000 + i, max_staleness=k,
-                        prompts_per_round=2, rollouts_per_prompt=1, version=0, remaining=remaining, **kw)
+                        version=0, remaining=remaining, **kw)
     return src, installed
 
 
@@ -106,6 +115,72 @@ def test_a_failing_rollout_is_raised_in_the_trainers_thread_and_the_end_of_data_
         src.publish(None, 0, 10)
     src.close()
     assert got == [[0, 1], [2]]
+
+
+class RoundLoggingPauser:
+    """``test_partial_rollouts.PausingRollouts`` that notes the round (from its seed, ``1000 +
+    index``) each rollout started in, and sleeps a random while per round."""
+
+    def __init__(self, rng, budget, longest=14):
+        from test_partial_rollouts import PausingRollouts
+
+        self.inner, self.rng, self.budget = PausingRollouts(longest=longest), rng, budget
+        self.started_in = {}  # problem -> round index
+
+    def partial(self, records, n, seed, version, **kw):
+        assert kw["token_budget"] == self.budget
+        for r in records:
+            self.started_in[r["problem"]] = seed - 1000
+        time.sleep(self.rng.choice([0.0, 0.001, 0.004]))
+        return self.inner.partial(records, n, seed, version, **kw)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("seed", range(3))
+def test_partial_rounds_on_the_thread_train_whole_groups_once_within_the_lag_bound(k, seed):
+    """Partial rollouts on the rollout thread, random timings and rejections: each group is
+    trained once, whole, with the round that completed it; every token is at most
+    ``lag_bound(k, round that sampled it, round that trains it)`` versions old, and the paused
+    ones do get older than k; every prompt drawn is trained or kept for a checkpoint, never both."""
+    rng = random.Random(seed * 10 + k)
+    budget = 4
+    fake = RoundLoggingPauser(rng, budget)
+    partial = PartialRollouts(fake.partial, token_budget=budget, groups_per_update=2)
+    records = [{"problem": f"p{i}", "answer": "1"} for i in range(1000)]
+    total = 20
+    src, _ = _source(None, records, k, remaining=total, partial=partial, rollouts_per_prompt=4)
+    version, trained, over_k = 0, [], False
+    try:
+        while version < total:
+            rnd, _ = src.next_round()
+            out = rnd.output
+            assert isinstance(out, CollectedRound) and out.groups_per_update == 2
+            got_records, trajs, figures = out.collect([], 4, 0, version)
+            assert got_records == rnd.records and figures["partial/groups_trained"] == len(got_records) <= 2
+            for g, rec in enumerate(got_records):
+                members = [t for t in trajs if t.group_id == g]
+                assert [t.sample_index for t in members] == [0, 1, 2, 3]
+                trained.append(rec["problem"])
+                for t in members:
+                    sampled_in = fake.started_in[rec["problem"]] + np.arange(t.num_model_tokens) // budget
+                    lags = version - t.model_token_versions
+                    bounds = [lag_bound(k, int(j), rnd.index) for j in sampled_in]
+                    assert np.all(lags <= bounds) and np.all(lags >= 0)
+                    over_k |= bool(lags.max() > k)
+            time.sleep(rng.choice([0.0, 0.002, 0.006]))  # the update
+            if not got_records or rng.random() < 0.2:  # nothing complete, or every group rejected
+                src.publish(None, version, total - version)
+            else:
+                version += 1
+                src.publish(f"weights v{version}", version, total - version)
+        _, pending = src.snapshot(lambda: None)
+    finally:
+        src.close()
+    assert len(trained) == len(set(trained)) >= 20  # no group trained twice
+    assert over_k  # paused tokens lag beyond k: the bound's second term is needed
+    drawn = {p for p in fake.started_in}
+    assert drawn == set(trained) | {r["problem"] for r in pending}  # every drawn prompt: trained or kept
+    assert not set(trained) & {r["problem"] for r in pending}
 
 
 # ---- the RL stage ----------------------------------------------------------------------------
@@ -196,6 +271,75 @@ def test_the_stage_trains_rounds_within_k_and_resumes_without_training_a_prompt_
     assert np.isfinite([m["train/loss"] for m in logged]).all()
 
 
+class StagedPausingRollouts(StagedRollouts):
+    """``StagedRollouts`` whose rounds are partial ones (``test_partial_rollouts.PausingRollouts``);
+    logs each round's new prompts and version, and its finished (problem, sample) pairs."""
+
+    def __init__(self, trainer_ref, fail_at=None):
+        from test_partial_rollouts import PausingRollouts
+
+        super().__init__(trainer_ref, fail_at)
+        self.pauser = PausingRollouts(longest=14)
+
+    def partial(self, records, n, seed, version, **kw):
+        assert self.served is None or version == self.served
+        self.rounds.append(([r["problem"] for r in records], version))
+        if self.fail_at is not None and len(self.rounds) - 1 == self.fail_at:
+            raise OSError("the code pool died")
+        time.sleep(0.05)
+        return self.pauser.partial(records, n, seed, version, **kw)
+
+
+def test_partial_rollouts_on_the_thread_resume_without_training_a_group_twice(tmp_path, monkeypatch):
+    import jax
+
+    from rstarjax.io.checkpoint import read_checkpoint_meta
+    from rstarjax.models import sharding as sharding_lib
+    from rstarjax.recipes import build
+    from rstarjax.recipes.config import parse
+    from rstarjax.recipes.rl import run_rl
+
+    from test_checkpoint import write_data
+
+    monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    workdir = str(tmp_path)
+    write_data(workdir, n=60)
+
+    def config(total_steps):
+        c = _async_config(workdir, total_steps)
+        c.rl.max_response_len, c.rl.partial_rollout_tokens = 16, 4
+        c.trainer.micro_batch_size = 0
+        return c
+
+    ref = []
+    _trainer_spy(monkeypatch, ref)
+    first = StagedPausingRollouts(ref, fail_at=5)
+    with pytest.raises(RuntimeError, match="the rollout thread failed: OSError"):
+        run_rl(parse(config(8)), workdir, rollout_fn=first)
+    step, meta = read_checkpoint_meta(os.path.join(workdir, "checkpoints"))
+    assert step >= 1
+    pending = [r["problem"] for r in meta["in_flight_records"]]
+    trained_a = {p for problems, _ in first.rounds for p in problems} - set(pending)
+    assert pending and trained_a
+    with open(os.path.join(workdir, "logs", "metrics.jsonl")) as f:
+        logged_a = [json.loads(line) for line in f]
+    assert len(logged_a) == step
+
+    second = StagedPausingRollouts(ref)
+    trainer = run_rl(parse(config(step + 3)), workdir, rollout_fn=second)
+    assert trainer.step == step + 3
+    started_b = [p for problems, _ in second.rounds for p in problems]
+    assert started_b[:len(pending)] == pending  # the groups not trained start again, first
+    assert not set(started_b) & trained_a  # no group trained before the stop is rolled out again
+    with open(os.path.join(workdir, "logs", "metrics.jsonl")) as f:
+        logged = [json.loads(line) for line in f]
+    assert [m["step"] for m in logged] == list(range(1, step + 4))
+    assert logged[step]["partial/restarted_groups"] == len(pending)
+    assert max(m["async/policy_lag_max"] for m in logged) >= 2  # paused tokens: older than k = 1
+    assert all(m["partial/groups_trained"] >= 1 for m in logged)
+    assert np.isfinite([m["train/loss"] for m in logged]).all()
+
+
 def test_config_refuses_staleness_without_a_correction_or_with_released_memory(tmp_path):
     from rstarjax.recipes.config import ConfigError, parse
 
@@ -211,6 +355,6 @@ def test_config_refuses_staleness_without_a_correction_or_with_released_memory(t
     with pytest.raises(ConfigError, match="release_during_update"):
         parse(c)
     c = _async_config(str(tmp_path), 2)
-    c.rl.partial_rollout_tokens = 8
-    with pytest.raises(ConfigError, match="max_staleness does not combine"):
+    c.rl.dynamic_sampling = True
+    with pytest.raises(ConfigError, match="max_staleness does not combine with dynamic_sampling"):
         parse(c)

@@ -10,14 +10,15 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARMS = ("sync", "partial", "async", "processes_sync", "processes_async")
+ARMS = ("sync", "partial", "async", "async_partial", "processes_sync", "processes_async")
 KEYS = ("partial_speedup", "policy_lag_max", "policy_lag_mean", "async_speedup", "async_colocated_speedup",
-        "async_policy_lag_max", *ARMS)
+        "async_policy_lag_max", "async_partial_speedup", "async_partial_policy_lag_max", *ARMS)
 
 
-@pytest.mark.slow  # ~4 min on 2 cores: five short RL stages
+@pytest.mark.slow  # ~4.5 min on 2 cores: six short RL stages
 def test_smoke_run_trains_every_arm_and_the_partial_and_async_ones_carry_rollouts_across_updates():
-    """Every arm: synchronous, partial, asynchronous colocated, and disaggregated (a trainer
+    """Every arm: synchronous, partial, asynchronous colocated (alone and with partial
+    rollouts), and disaggregated (a trainer
     process and a rollout process, each on its own CPU device and core) synchronous and
     asynchronous. (The one-process disaggregated arms run outside the smoke run only.)"""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -35,5 +36,6 @@ def test_smoke_run_trains_every_arm_and_the_partial_and_async_ones_carry_rollout
     # the rollout thread sampled a round under the weights before the update that trained it,
     # never two updates before
     assert line["async_policy_lag_max"] == 1
+    assert line["async_partial_policy_lag_max"] >= 1 and line["async_partial"]["rounds_per_step"] >= 1
     assert line["processes_async"]["policy_lag_max"] == 1 and line["async_speedup"] > 0
     assert "disaggregated_sync" not in line

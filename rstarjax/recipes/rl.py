@@ -28,7 +28,7 @@ from rstarjax.models import lora
 from rstarjax.recipes import build, lora_base, preemption
 from rstarjax.recipes.config import RunConfig, wandb_init_args
 from rstarjax.recipes.rollout_process import is_rollout_process, serve_rollouts
-from rstarjax.rl.partial import PartialRollouts
+from rstarjax.rl.partial import CollectedRound, PartialRollouts
 from rstarjax.rl.remote import RemoteRollouts
 from rstarjax.rl.staleness import AsyncRollouts
 from rstarjax.rl.step import any_process, rl_step
@@ -384,10 +384,12 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
         if not hasattr(rollout_fn, "partial"):
             raise ValueError("--config.rl.partial_rollout_tokens needs a rollout function that can pause "
                              "rollouts (agent_loop.ColocatedRollouts.partial); this one cannot")
-        partial = PartialRollouts(guarded(rollout_fn.partial), run.rl.partial_rollout_tokens,
+        # on the rollout thread of rl.max_staleness, no stop signal abandons a round: it is not trained
+        round_fn = rollout_fn.partial if run.rl.max_staleness else guarded(rollout_fn.partial)
+        partial = PartialRollouts(round_fn, run.rl.partial_rollout_tokens,
                                   run.rl.prompts_per_step // processes.training_count(),
                                   keeps_kv=not run.rl.partial_reprefill)
-        if restart:
+        if restart and not run.rl.max_staleness:  # (the rollout thread says it)
             log.info("resumed with %d prompts whose rollouts were in flight at step %d: they start again "
                      "from their prompts (their unfinished rollouts were never trained)", len(restart), trainer.step)
 
@@ -411,8 +413,9 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
     finished_data = (data_iter.get_state(), list(restart))
     restarted = len(restart)
     stop_signal, data_ran_out, solved = 0, False, False
-    if run.rl.max_staleness and trainer.step < run.total_steps:
-        source, restart = start_async_rollouts(run, rollout_fn, data_iter, base_key, trainer.step, restart), []
+    if run.rl.max_staleness and trainer.step < run.total_steps:  # (with partial: its rounds run on the thread)
+        source = start_async_rollouts(run, rollout_fn, data_iter, base_key, trainer.step, restart, partial)
+        restart = []
     try:
         while trainer.step < run.total_steps:
             stop_signal = guard.stop_signal(trainer.step)
@@ -450,8 +453,12 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
             # dynamic sampling refills from the same iterator, so its checkpointed state covers
             # every prompt a step consumed
             try:
-                step_rollouts = (partial or guarded_rollouts) if source is None else (
-                    lambda *_, out=round_output: out)  # noqa: E731 (the round is already rolled out)
+                if source is None:
+                    step_rollouts = partial or guarded_rollouts
+                elif isinstance(round_output, CollectedRound):
+                    step_rollouts = round_output
+                else:  # the round is already rolled out
+                    step_rollouts = lambda *_, out=round_output: out  # noqa: E731
                 metrics = rl_step(trainer, step_rollouts, records, run.rl, run.loss, seed,
                                   more_records=lambda: next(data_iter), before_update=before_update,
                                   serving_dtype=serving_dtype, stale_rollouts=source is not None)
@@ -546,10 +553,11 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
     return trainer
 
 
-def start_async_rollouts(run: RunConfig, rollout_fn, data_iter, base_key, step: int, restart: list
-                         ) -> AsyncRollouts:
+def start_async_rollouts(run: RunConfig, rollout_fn, data_iter, base_key, step: int, restart: list,
+                         partial: PartialRollouts | None = None) -> AsyncRollouts:
     """The rollout thread of ``rl.max_staleness`` (``rl.staleness``), from global step ``step``;
-    ``restart``: the prompts in flight at the checkpoint resumed (rolled out first)."""
+    ``restart``: the prompts in flight at the checkpoint resumed (rolled out first); ``partial``:
+    each round is one of its rounds (partial rollouts)."""
     if processes.training_count() > 1:
         raise ValueError("--config.rl.max_staleness runs on one process for now: each process's rollout thread "
                          "would have to agree with the others on every round; set it to 0 for a multi-host run")
@@ -569,7 +577,7 @@ def start_async_rollouts(run: RunConfig, rollout_fn, data_iter, base_key, step: 
     return AsyncRollouts(rollout_fn, data_iter.take, rollout_fn.serve_staged, seed_of, run.rl.max_staleness,
                          run.rl.prompts_per_step, run.rl.rollouts_per_prompt, version=step,
                          remaining=run.total_steps - step, restart=list(restart),
-                         wait_s=round_wait_s(run))
+                         wait_s=round_wait_s(run), partial=partial)
 
 
 # the per-round figures that add up over the rounds of one partial-rollout step

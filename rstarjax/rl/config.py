@@ -64,7 +64,8 @@ class RLConfig:
     partial_reprefill: bool = False
     # bounded-staleness asynchronous rollouts (rl.staleness): a rollout thread samples the next
     # steps while the update runs, and no rollout is trained more than max_staleness policy
-    # versions after the one that sampled it. 0 = off (the paper's synchronous loop)
+    # versions after the one that sampled it (with partial rollouts: its last round's tokens; a
+    # paused rollout's earlier ones at most one version more per round between). 0 = off (the paper's loop)
     max_staleness: int = 0
 
     def __post_init__(self):
@@ -99,9 +100,9 @@ class RLConfig:
              f"partial_reprefill={self.partial_reprefill!r} must be True or False"),
             (isinstance(self.max_staleness, int) and self.max_staleness >= 0,
              f"max_staleness={self.max_staleness!r} must be an integer >= 0 (0 = the synchronous loop)"),
-            (not (self.max_staleness and (self.partial_rollout_tokens or self.dynamic_sampling)),
-             "max_staleness does not combine with partial_rollout_tokens or dynamic_sampling yet: each "
-             "asynchronous round is one step's prompts, rolled out whole under one policy version"),
+            (not (self.max_staleness and self.dynamic_sampling),
+             "max_staleness does not combine with dynamic_sampling yet: a dynamic-sampling step refills "
+             "from the data until it holds its quota, while the rollout thread draws each round ahead"),
             (not (self.partial_rollout_tokens and self.dynamic_sampling),
              "partial_rollout_tokens and dynamic_sampling do not combine: a partial step trains the groups "
              "that completed, a dynamic-sampling step refills until it holds its quota; turn one off"),

@@ -93,7 +93,14 @@ class PartialRollouts:
         """One step's rollouts: start ``records`` (at most ``room``), continue the paused ones
         under policy ``version``, and return at most ``groups_per_update`` complete groups, first
         complete first trained (a round's own in the order they started): their records, their trajectories (``group_id`` = the position of the
-        record, each group in sample order) and the round's figures."""
+        record, each group in sample order) and the round's figures. ``begin``, ``roll`` and
+        ``finish`` in turn (a rollout thread runs ``roll`` outside its lock)."""
+        keys = self.begin(records, rollouts_per_prompt)
+        return self.finish(self.roll(records, keys, rollouts_per_prompt, seed, version), len(records))
+
+    def begin(self, records: Sequence[Mapping], rollouts_per_prompt: int) -> list[int]:
+        """Register ``records`` as groups in flight (from now on ``pending_records`` lists them);
+        their keys, for ``roll``."""
         if len(records) > self.room:
             raise ValueError(f"{len(records)} new prompts but room for {self.room} "
                              f"({len(self.ready)} complete groups wait, of {self.groups_per_update} per step)")
@@ -101,10 +108,19 @@ class PartialRollouts:
         self.next_key += len(records)
         for key, record in zip(keys, records):
             self.groups[key] = GroupInFlight(record, rollouts_per_prompt)
+        return keys
+
+    def roll(self, records: Sequence[Mapping], keys: Sequence[int], rollouts_per_prompt: int, seed: int,
+             version: int):
+        """The round itself: ``records`` (registered as ``keys``) start, the paused rollouts go on,
+        each for at most ``token_budget`` tokens under policy ``version``. Changes no state here."""
+        return self.round_fn(list(records), rollouts_per_prompt, seed, version, token_budget=self.token_budget,
+                             carried=self.paused, group_ids=list(keys), keep_kv=self.keeps_kv)
+
+    def finish(self, rnd, started: int) -> tuple[list, list[Trajectory], dict[str, float]]:
+        """Book round ``rnd`` (``roll``'s ``RolloutRound``, which started ``started`` new prompts)
+        and return what ``collect`` does."""
         carried = len(self.paused)
-        rnd = self.round_fn(list(records), rollouts_per_prompt, seed, version,
-                            token_budget=self.token_budget, carried=self.paused, group_ids=keys,
-                            keep_kv=self.keeps_kv)
         self.paused = list(rnd.paused)
         for traj in rnd.finished:
             self.groups[int(traj.group_id)].finished.append(traj)
@@ -117,7 +133,7 @@ class PartialRollouts:
             members = sorted(group.finished, key=lambda t: t.sample_index)
             trajs += [dataclasses.replace(t, group_id=position) for t in members]
         figures = dict(rnd.timings)
-        figures.update({"partial/groups_started": float(len(records)),
+        figures.update({"partial/groups_started": float(started),
                         "partial/groups_completed": float(len(done)),
                         "partial/groups_trained": float(len(trained)),
                         "partial/groups_waiting": float(len(self.ready)),
@@ -125,6 +141,28 @@ class PartialRollouts:
                         "partial/rollouts_carried": float(carried),
                         "partial/rollouts_paused": float(len(self.paused))})
         return out_records, trajs, figures
+
+    @property
+    def busy(self) -> bool:
+        """Whether a group is still decoding or waiting for an update."""
+        return bool(self.groups or self.ready)
+
+
+@dataclasses.dataclass
+class CollectedRound:
+    """A round of partial rollouts that a rollout thread already ran (``rl.max_staleness`` with
+    partial rollouts): what ``PartialRollouts.collect`` returned, handed to ``rl_step`` in its
+    place (``collect`` gives it back)."""
+
+    records: list
+    trajectories: list[Trajectory]
+    figures: dict[str, float]
+    groups_per_update: int
+    keeps_kv: bool
+
+    def collect(self, records, rollouts_per_prompt, seed, version):
+        del records, rollouts_per_prompt, seed, version  # rolled out already
+        return self.records, self.trajectories, self.figures
 
 
 def policy_lag_metrics(trajectories: Sequence[Trajectory], version: int, prefix: str = "partial/"

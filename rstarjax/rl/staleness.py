@@ -20,8 +20,20 @@ program, before the next update may overwrite its parameters) and hands it over 
 two serving copies for a moment, and their KV pool stays allocated during the update
 (``serving.release_during_update`` does not combine with this).
 
+**With partial rollouts** (``rl.partial_rollout_tokens``, ``rl.partial``) each round is one
+``PartialRollouts`` round: it starts as many new prompts as there is ``room``, continues the
+paused rollouts under the round's version, and hands the groups it completed to the trainer.
+Admission is unchanged, so the tokens a round samples are trained at most k versions later;
+a paused rollout's earlier tokens are older by the rounds between: a token sampled in round j
+and trained with round i is at most k + (i - j) versions old (``lag_bound``). The rounds a
+group spans are at most ceil(max_response_len / partial_rollout_tokens), and the decoupled or
+truncated importance weight corrects each token against its own sampler's log-prob. The lag
+is reported (``async/policy_lag_max``), not capped: capping it would throw away unfinished
+long rollouts, the ones partial rollouts exist to finish.
+
 **Checkpoints.** A checkpoint records the data position after every round drawn so far and the
-prompts of the rounds drawn but not trained (``snapshot``). On resume those start again
+prompts of the rounds drawn but not trained (``snapshot``; with partial rollouts, the finished
+rounds' complete groups and every group still decoding or waiting). On resume those start again
 from their prompts, first; their rollouts were never trained, so none is trained twice.
 """
 from __future__ import annotations
@@ -32,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from rstarjax.rl.partial import CollectedRound, PartialRollouts
 from rstarjax.rl.trajectory import RolloutsFailed
 
 log = logging.getLogger(__name__)
@@ -51,6 +64,22 @@ def may_start(index: int, consumed: int, busy: bool, max_staleness: int) -> bool
     return index - consumed + int(busy) <= max_staleness
 
 
+def lag_bound(max_staleness: int, sampled_round: int, trained_round: int) -> int:
+    """The most policy versions a token sampled in round ``sampled_round`` is behind the policy
+    that trains it with round ``trained_round`` (>= ``sampled_round``; they differ only for a
+    paused rollout's earlier tokens, with partial rollouts).
+
+    Proof: let r(t) be the rejected rounds (no update) among the first t the trainer took, and
+    the stage start at version 0. Round i is trained from version i - r(i). Round j started when
+    ``may_start`` allowed it, j - consumed + busy <= k, so at least t = j - k rounds were taken
+    and published, and it sampled with version t - r(t) or newer (t - r(t) never decreases in
+    t). The lag is at most i - r(i) - (j - k - r(j - k)) <= k + i - j, as r never decreases.
+    With i = j it is ``may_start``'s bound k."""
+    if trained_round < sampled_round:
+        raise ValueError(f"round {sampled_round} cannot be trained with the earlier round {trained_round}")
+    return max_staleness + trained_round - sampled_round
+
+
 @dataclasses.dataclass
 class Round:
     """One step's prompts and their rollouts, sampled by policy ``version``."""
@@ -67,7 +96,8 @@ class Round:
 class AsyncRollouts:
     """The rollout thread of a bounded-staleness stage and what the trainer's thread asks of it.
 
-    ``rollout_fn(records, rollouts_per_prompt, seed, version)``: as in the synchronous loop.
+    ``rollout_fn(records, rollouts_per_prompt, seed, version)``: as in the synchronous loop (or
+    ``partial``: each round is one of its rounds).
     ``draw(n)``: the next at most ``n`` prompts of the data (fewer or none at its end).
     ``install(weights)``: serve weights ``publish`` was given (between rounds, on this thread).
     ``seed_of(index)``: round ``index``'s sampling seed. ``remaining``: updates still to make
@@ -85,6 +115,9 @@ class AsyncRollouts:
     remaining: int
     restart: list = dataclasses.field(default_factory=list)  # prompts in flight at the checkpoint
     wait_s: float = 3600.0
+    # partial rollouts: each round is one of its rounds (``rollout_fn`` is then unused); a round's
+    # output is a ``CollectedRound`` and its ``records`` those of the groups it completed
+    partial: PartialRollouts | None = None
 
     def __post_init__(self):
         if self.max_staleness < 1:
@@ -107,9 +140,23 @@ class AsyncRollouts:
                 and may_start(self.started, self.consumed, self.busy, self.max_staleness))
 
     def _next_records(self) -> list:
-        n = self.prompts_per_round
+        n = self.prompts_per_round if self.partial is None else self.partial.room
         records, self.restart = self.restart[:n], self.restart[n:]
         return records + list(self.draw(n - len(records))) if len(records) < n else records
+
+    def _roll_out(self, rnd: Round, records: list, keys: list | None) -> object:
+        seed = self.seed_of(rnd.index)
+        if self.partial is None:
+            return self.rollout_fn(records, self.rollouts_per_prompt, seed, rnd.version)
+        return self.partial.roll(records, keys, self.rollouts_per_prompt, seed, rnd.version)
+
+    def _book(self, rnd: Round, out: object, started: int) -> None:
+        """Under the lock: round ``rnd`` finished with ``out``."""
+        if self.partial is not None:  # the groups it completed are the round's records from now on
+            records, trajs, figures = self.partial.finish(out, started)
+            out = CollectedRound(records, trajs, figures, self.partial.groups_per_update, self.partial.keeps_kv)
+            rnd.records = records
+        rnd.output, rnd.done, rnd.ready_at = out, True, time.perf_counter()
 
     def _produce(self) -> None:
         try:
@@ -124,16 +171,17 @@ class AsyncRollouts:
                         self.pending_weights = None
                         self.install(weights)
                     records = self._next_records()
-                    if not records:
+                    if not records and not (self.partial is not None and self.partial.busy):
                         self.exhausted = True
                         self.cond.notify_all()
                         return
+                    keys = None if self.partial is None else self.partial.begin(records, self.rollouts_per_prompt)
                     rnd = Round(self.started, records, self.version)
                     self.rounds.append(rnd)
                     self.started += 1
-                out = self.rollout_fn(records, self.rollouts_per_prompt, self.seed_of(rnd.index), rnd.version)
+                out = self._roll_out(rnd, records, keys)
                 with self.cond:
-                    rnd.output, rnd.done, rnd.ready_at = out, True, time.perf_counter()
+                    self._book(rnd, out, len(records))
                     self.cond.notify_all()
         except BaseException as e:  # handed to the trainer's thread, which raises it
             with self.cond:
@@ -180,9 +228,13 @@ class AsyncRollouts:
     def snapshot(self, data_state: Callable[[], object]) -> tuple[object, list]:
         """What a checkpoint keeps, taken together while no round is drawn: ``data_state()``
         and the prompts drawn but not yet trained (rounds in start order, then those still to
-        restart)."""
+        restart; with partial rollouts the finished rounds' complete groups, then every group still
+        decoding or waiting)."""
         with self.cond:
-            return data_state(), [r for rnd in self.rounds for r in rnd.records] + list(self.restart)
+            if self.partial is None:
+                return data_state(), [r for rnd in self.rounds for r in rnd.records] + list(self.restart)
+            done = [r for rnd in self.rounds if rnd.done for r in rnd.records]
+            return data_state(), done + self.partial.pending_records() + list(self.restart)
 
     def close(self) -> None:
         """Stop starting rounds and wait for the running one (bounded by ``wait_s``); its

@@ -22,7 +22,7 @@ from rstarjax.rl import loss as loss_lib
 from rstarjax.rl import metrics as metrics_lib
 from rstarjax.rl.batch import TrainBatch, build_train_batch
 from rstarjax.rl.config import RLConfig
-from rstarjax.rl.partial import PartialRollouts, fresh_token_mask, policy_lag_metrics
+from rstarjax.rl.partial import CollectedRound, PartialRollouts, fresh_token_mask, policy_lag_metrics
 from rstarjax.rl.selection import informative_groups, select_groups, selection_metrics
 from rstarjax.rl.trainer import Trainer
 from rstarjax.rl.trajectory import RolloutFn, trajectories_of
@@ -84,7 +84,7 @@ def _empty_train_batch(num_rows: int, seq_len: int) -> TrainBatch:
                       old_logprobs=z.copy(), advantages=z.copy(), rollout_logprobs=z.copy())
 
 
-def rl_step(trainer: Trainer, rollout_fn: RolloutFn | PartialRollouts, records: list, cfg: RLConfig, loss_cfg: loss_lib.LossConfig,
+def rl_step(trainer: Trainer, rollout_fn: RolloutFn | PartialRollouts | CollectedRound, records: list, cfg: RLConfig, loss_cfg: loss_lib.LossConfig,
             seed: int, more_records: Callable[[], list] | None = None,
             before_update: Callable[[], None] | None = None,
             serving_dtype: str | None = None, stale_rollouts: bool = False) -> dict[str, float]:
@@ -128,12 +128,14 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | PartialRollouts, records: 
     ``records`` are the prompts this step starts (at most its ``room``); the step trains at most
     ``groups_per_update`` complete groups, new or carried, oldest first, padded to that many. The
     log-prob gap is measured on the tokens the current policy sampled (``fresh_token_mask``).
+    A ``rl.partial.CollectedRound`` (partial rollouts a rollout thread ran) is one such step's
+    rollouts, already collected.
 
     ``stale_rollouts`` (asynchronous rollouts, ``rl.staleness``): ``rollout_fn`` returns a round an
     older policy may have sampled; the step reports its lag (``async/policy_lag_*``) and measures
     the log-prob gap on the current policy's tokens only.
     """
-    partial = rollout_fn if isinstance(rollout_fn, PartialRollouts) else None
+    partial = rollout_fn if isinstance(rollout_fn, (PartialRollouts, CollectedRound)) else None
     quota = partial.groups_per_update if partial is not None else len(records)
     num_rows = quota * cfg.group_size
     estimator = loss_cfg.advantage_estimator
@@ -184,7 +186,7 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | PartialRollouts, records: 
         batch, layout = _empty_train_batch(num_rows, cfg.seq_len), None
     metrics, gap_mask = {}, None
     if partial is not None or stale_rollouts:
-        metrics.update(policy_lag_metrics(train_trajs, trainer.step, "partial/" if partial is not None else "async/"))
+        metrics.update(policy_lag_metrics(train_trajs, trainer.step, "async/" if stale_rollouts else "partial/"))
         if layout is not None:
             gap_mask = fresh_token_mask(train_trajs, layout.placements, trainer.step, num_rows, cfg.seq_len,
                                         kept_kv=partial is not None and partial.keeps_kv)
