@@ -32,7 +32,7 @@ Figures, measured over the steps after ``--warmup`` (their compiles excluded) as
 
 ``--repeat N`` alternates the arms N times; each figure is the median, ``spread`` its [min, max].
 
-    python benchmarks/rl_pipeline.py [--quick] [--repeat 3] [--budget 128] [--steps 6]
+    python benchmarks/rl_pipeline.py [--quick] [--repeat 3] [--budget 128] [--steps 6] [--arms async,async_partial]
 """
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ ap.add_argument("--repeat", type=int, default=0, help="alternating rounds (defau
 ap.add_argument("--budget", type=int, default=0, help="partial arm's tokens per rollout per step "
                                                     "(default 192 quick, 256)")
 ap.add_argument("--steps", type=int, default=0, help="measured steps per arm (default 4 quick, 6)")
+ap.add_argument("--arms", default="", help="comma-separated arms to run (default all; 'sync' always runs, "
+                                         "the baseline): partial, async, async_partial, disaggregated, processes")
 ap.add_argument("--arm", default="", help=argparse.SUPPRESS)  # internal: one disaggregated arm, JSON out
 ap.add_argument("--process", type=int, default=-1, help=argparse.SUPPRESS)  # internal: a 2-process arm's
 ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)  # process and coordinator port
@@ -318,48 +320,60 @@ def main():
                                      disaggregated=True)))
         return
     cache_dir = tempfile.mkdtemp(prefix="rl_pipeline_cache_")
+    wanted = selected_arms(args.arms)
     runs = {"sync": [], "partial": [], "async": [], "async_partial": [],
             **{arm: [] for arm in (*DISAGGREGATED, *PROCESSES)}}
+    colocated = {"partial": (BUDGET, 0), "async": (0, 1), "async_partial": (BUDGET, 1)}  # (budget, staleness)
     with CodeExecutor(num_workers=2) as executor:
         for _ in range(REPEAT):
             runs["sync"].append(run_arm(0, executor, cache_dir))
-            runs["partial"].append(run_arm(BUDGET, executor, cache_dir))
-            runs["async"].append(run_arm(0, executor, cache_dir, staleness=1))
-            runs["async_partial"].append(run_arm(BUDGET, executor, cache_dir, staleness=1))
-            for arm in () if args.smoke else DISAGGREGATED:  # the smoke run: the 2-process ones only
-                runs[arm].append(run_disaggregated(arm, cache_dir))
-            for arm in PROCESSES:  # the code pool above idles meanwhile
-                runs[arm].append(run_processes(arm, cache_dir))
+            for arm, (budget, staleness) in colocated.items():
+                if arm in wanted:
+                    runs[arm].append(run_arm(budget, executor, cache_dir, staleness=staleness))
+            if "disaggregated" in wanted and not args.smoke:  # the smoke run: the 2-process ones only
+                for arm in DISAGGREGATED:
+                    runs[arm].append(run_disaggregated(arm, cache_dir))
+            if "processes" in wanted:
+                for arm in PROCESSES:  # the code pool above idles meanwhile
+                    runs[arm].append(run_processes(arm, cache_dir))
+    print(json.dumps(summary(runs)))
 
+
+def selected_arms(names: str) -> set[str]:
+    """The arms ``--arms`` names (all when empty); an unknown name is an error."""
+    every = {"partial", "async", "async_partial", "disaggregated", "processes"}
+    wanted = {n.strip() for n in names.split(",") if n.strip() and n.strip() != "sync"} if names else every
+    if wanted - every:
+        raise SystemExit(f"unknown arms {sorted(wanted - every)}: choose among {sorted(every)}")
+    return wanted
+
+
+def summary(runs: dict) -> dict:
+    """The JSON line: each speedup's median and [min, max] over the alternating rounds (None
+    where an arm did not run), the lags, and every arm's median figures."""
     def speedups(arm, base="sync"):
         return [a["trained_tokens_per_s"] / s["trained_tokens_per_s"] for s, a in zip(runs[base], runs[arm])]
 
-    ratios, async_ratios, both = speedups("partial"), speedups("async"), speedups("async_partial")
-    one_process = speedups("disaggregated_async", "disaggregated_sync") or [float("nan")]
-    disaggregated = speedups("processes_async", "processes_sync")
+    pairs = {"partial_speedup": ("partial", "sync"), "async_colocated_speedup": ("async", "sync"),
+             "async_partial_speedup": ("async_partial", "sync"),
+             "async_speedup": ("processes_async", "processes_sync"),
+             "async_speedup_one_process": ("disaggregated_async", "disaggregated_sync")}
+    ratios = {name: speedups(arm, base) for name, (arm, base) in pairs.items()}
     median = {arm: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items() if rs}
-    print(json.dumps({
+    async_runs = runs["async"] + runs["disaggregated_async"] + runs["processes_async"]
+    return {
         "benchmark": "rl_pipeline", "quick": QUICK, "repeat": REPEAT, "budget": BUDGET,
         "prompts_per_step": PROMPTS, "rollouts_per_step": PROMPTS * 2 * GROUP, "measured_steps": STEPS,
-        "partial_speedup": statistics.median(ratios),
-        "async_colocated_speedup": statistics.median(async_ratios),
-        "async_partial_speedup": statistics.median(both),
-        "async_speedup": statistics.median(disaggregated),
-        "async_speedup_one_process": statistics.median(one_process),
-        "processes_pinned": median["processes_sync"]["pinned"],
-        "spread": {"partial_speedup": [min(ratios), max(ratios)],
-                   "async_colocated_speedup": [min(async_ratios), max(async_ratios)],
-                   "async_partial_speedup": [min(both), max(both)],
-                   "async_speedup": [min(disaggregated), max(disaggregated)],
-                   "async_speedup_one_process": [min(one_process), max(one_process)]},
-        "policy_lag_max": median["partial"]["policy_lag_max"],
-        "policy_lag_mean": median["partial"]["policy_lag_mean"],
-        "async_policy_lag_max": max(r["policy_lag_max"] for r in runs["async"] + runs["disaggregated_async"]
-                                    + runs["processes_async"]),
+        **{name: statistics.median(r) if r else None for name, r in ratios.items()},
+        "processes_pinned": median["processes_sync"]["pinned"] if "processes_sync" in median else None,
+        "spread": {name: [min(r), max(r)] for name, r in ratios.items() if r},
+        "policy_lag_max": median["partial"]["policy_lag_max"] if "partial" in median else None,
+        "policy_lag_mean": median["partial"]["policy_lag_mean"] if "partial" in median else None,
+        "async_policy_lag_max": max((r["policy_lag_max"] for r in async_runs), default=None),
         # both on: paused tokens may lag beyond k (staleness.lag_bound)
-        "async_partial_policy_lag_max": max(r["policy_lag_max"] for r in runs["async_partial"]),
+        "async_partial_policy_lag_max": max((r["policy_lag_max"] for r in runs["async_partial"]), default=None),
         **median,
-    }))
+    }
 
 
 if __name__ == "__main__":

@@ -39,3 +39,10 @@ def test_smoke_run_trains_every_arm_and_the_partial_and_async_ones_carry_rollout
     assert line["async_partial_policy_lag_max"] >= 1 and line["async_partial"]["rounds_per_step"] >= 1
     assert line["processes_async"]["policy_lag_max"] == 1 and line["async_speedup"] > 0
     assert "disaggregated_sync" not in line
+
+
+def test_an_unknown_arm_is_refused_before_anything_runs():
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "rl_pipeline.py"), "--smoke",
+                          "--arms", "async,asynch"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode != 0 and "unknown arms ['asynch']" in out.stderr
