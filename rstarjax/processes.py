@@ -11,8 +11,11 @@ that never joins it. ``training_count`` is what the training path asks instead o
 from __future__ import annotations
 
 import contextlib
+import json
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 _alone = False  # set by ``training_alone`` around a disaggregated trainer process
 
@@ -31,3 +34,15 @@ def training_alone():
         yield
     finally:
         _alone = before
+
+
+def gather_json(obj) -> list:
+    """``obj`` (anything ``json`` writes) from every process, in process order: a collective, so
+    every process calls it at the same point. For per-process state a checkpoint keeps (written
+    by process 0 alone)."""
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.asarray([data.size], np.int64)).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    rows = multihost_utils.process_allgather(padded).reshape(len(sizes), -1)
+    return [json.loads(bytes(row[:int(n)])) for row, n in zip(rows, sizes)]

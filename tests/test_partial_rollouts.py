@@ -10,6 +10,9 @@ import dataclasses
 import hashlib
 import json
 import os
+import socket
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -260,3 +263,102 @@ def test_a_checkpoint_with_rollouts_in_flight_resumes_without_training_any_twice
     assert resumed and resumed[-1]["partial/restarted_groups"] == float(len(restarted))
     assert all(m["partial/policy_lag_max"] >= 0 for m in logged if "partial/policy_lag_max" in m)
     assert max(m["partial/policy_lag_max"] for m in logged) >= 1  # carried across an update
+
+
+def test_own_share_reads_this_processes_entry_or_the_runs():
+    from rstarjax.recipes.rl import own_share
+
+    shares = [{"data_state": {"rows": 5}, "in_flight_records": [{"problem": "a"}]},
+              {"data_state": {"rows": 7}, "in_flight_records": []}]
+    meta = {"data_state": {"rows": 5}, "in_flight_records": [{"problem": "a"}], "process_shares": shares}
+    assert own_share(meta, 2, 1) == ({"rows": 7}, [])
+    assert own_share(meta, 2, 0) == ({"rows": 5}, [{"problem": "a"}])
+    with pytest.raises(ValueError, match="num_processes=2"):
+        own_share(meta, 4, 1)
+    assert own_share({"data_state": {"rows": 3}, "partial_records": [1]}, 4, 3) == ({"rows": 3}, [1])
+    assert own_share({}, 1, 0) == (None, None)
+
+
+# ---- two training processes: each keeps its own data position and prompts in flight ------------
+def two_process_worker(workdir: str, port: int, pid: int, total_steps: int):
+    """Process ``pid`` of a 2-process partial-rollout stage (one CPU device each, gloo); writes
+    the rounds its rollout function saw to ``rounds-PID-STEPS.json``."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid,
+                               initialization_timeout=120)
+    from rstarjax.recipes.config import parse
+    from rstarjax.recipes.rl import run_rl
+
+    c = _stage_config(workdir, total_steps)
+    c.mesh.fsdp = -1  # over both processes' devices
+    fake = PausingRollouts(longest=14)
+    run_rl(parse(c), workdir, rollout_fn=fake)
+    with open(os.path.join(workdir, f"rounds-{pid}-{total_steps}.json"), "w") as f:
+        json.dump(fake.rounds, f)
+
+
+def _run_two_processes(workdir: str, total_steps: int):
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+               PYTHONPATH=root + os.pathsep + os.path.dirname(os.path.abspath(__file__)) + os.pathsep
+               + os.environ.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), workdir, str(port), str(pid),
+                               str(total_steps)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for pid in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [o[-3000:] for o in outs]
+    rounds = []
+    for pid in range(2):
+        with open(os.path.join(workdir, f"rounds-{pid}-{total_steps}.json")) as f:
+            rounds.append(json.load(f))
+    return rounds
+
+
+@pytest.mark.slow  # two 2-process stages, ~30 s each on 2 cores
+def test_each_training_process_resumes_its_own_prompts_in_flight(tmp_path):
+    """With partial rollouts every process draws as many prompts as its complete groups leave
+    room for, so data positions and prompts in flight differ between processes. The checkpoint
+    (written by process 0) keeps each process's; on resume each starts its own again, first,
+    and no process rolls out a group trained before the stop."""
+    from rstarjax.io.checkpoint import read_checkpoint_meta
+
+    workdir = str(tmp_path)
+    with open(os.path.join(workdir, "train.jsonl"), "w") as f:
+        for i in range(80):
+            f.write(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n")
+    first = _run_two_processes(workdir, 3)
+    step, meta = read_checkpoint_meta(os.path.join(workdir, "checkpoints"))
+    assert step == 3
+    second = _run_two_processes(workdir, 6)
+    starts = [{p for r in runs[pid] for p, j in r["started"] if j == 0} for runs in (first, second)
+              for pid in range(2)]
+    # each process rolls out its own prompts only, before and after the resume (with process 0's
+    # prompts in flight restarted everywhere, process 1 would roll out process 0's)
+    assert not (starts[0] | starts[2]) & (starts[1] | starts[3])
+    shares = meta["process_shares"]
+    assert len(shares) == 2
+    pending = [[r["problem"] for r in share["in_flight_records"]] for share in shares]
+    assert pending[0] and pending[1] and not set(pending[0]) & set(pending[1])
+    for pid in range(2):
+        started_a = [p for r in first[pid] for p, j in r["started"] if j == 0]
+        trained_a = set(started_a) - set(pending[pid])
+        started_b = [p for r in second[pid] for p, j in r["started"] if j == 0]
+        assert started_b[:len(pending[pid])] == pending[pid]  # its own prompts in flight, first
+        assert not set(started_b) & trained_a
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
+    two_process_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

@@ -351,8 +351,9 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
     stage_start = int(meta.get("stage_start_step", 0))
     data_seed = int(meta.get("data_seed", stage_data_seed(run.seed, stage_start)))
     data_iter = iter(problem_batches(run, data_seed, problems))
-    if meta.get("resumed") and meta.get("data_state") is not None:
-        data_iter.set_state(meta["data_state"])
+    resumed_state, in_flight = own_share(meta, processes.training_count(), jax.process_index())
+    if meta.get("resumed") and resumed_state is not None:
+        data_iter.set_state(resumed_state)
     base_key = ckpt_lib.key_from_json(meta["rng"]) if "rng" in meta else jax.random.key(run.seed)
     if on_update is not None:
         on_update(trainer)  # the engine serves the restored policy from the first rollout on
@@ -363,10 +364,16 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
 
     def save(step: int, finished) -> bool:
         data_state, pending = finished
+        # with partial rollouts each training process draws as many prompts as its own complete
+        # groups leave room for: its data position and prompts in flight are its own, and the
+        # meta (written by process 0) keeps every process's (a collective: all of them save)
+        shares = processes.gather_json({"data_state": data_state, "in_flight_records": pending}) if (
+            partial is not None and processes.training_count() > 1) else None
         return ckpt.save(step, trainer.state, {
             "step": step, "rng": ckpt_lib.key_to_json(base_key), "data_state": data_state, **stage_record,
             **({"reference": reference} if reference else {}),
             **({"in_flight_records": pending} if partial is not None or source is not None else {}),
+            **({"process_shares": shares} if shares else {}),
         })
 
     def guarded(fn):  # the part of a step that a stop signal may abandon
@@ -377,8 +384,6 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
 
     guarded_rollouts, partial, source = guarded(rollout_fn), None, None
     # the prompts whose groups were in flight at the checkpoint resumed: they start again first
-    # ("partial_records": the key's name in earlier checkpoints)
-    in_flight = meta.get("in_flight_records", meta.get("partial_records"))
     restart = list(in_flight or []) if meta.get("resumed") else []
     if run.rl.partial_rollout_tokens:
         if not hasattr(rollout_fn, "partial"):
@@ -551,6 +556,21 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
         bar.close()
         writer.close()
     return trainer
+
+
+def own_share(meta: dict, count: int, index: int) -> tuple[object, list | None]:
+    """This training process's data position and prompts in flight in a checkpoint's ``meta``
+    (process ``index`` of ``count``): its own entry of ``process_shares`` where the run kept one
+    per process (partial rollouts on several processes), else the run's (``in_flight_records``;
+    ``partial_records`` in earlier checkpoints)."""
+    shares = meta.get("process_shares")
+    if shares is None:
+        return meta.get("data_state"), meta.get("in_flight_records", meta.get("partial_records"))
+    if len(shares) != count:
+        raise ValueError(f"the checkpoint was written by {len(shares)} training processes with partial rollouts, "
+                         f"each with its own data position and prompts in flight; this run has {count}: "
+                         f"resume with --config.distributed.num_processes={len(shares)}")
+    return shares[index]["data_state"], shares[index]["in_flight_records"]
 
 
 def start_async_rollouts(run: RunConfig, rollout_fn, data_iter, base_key, step: int, restart: list,
