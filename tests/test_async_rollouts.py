@@ -8,6 +8,8 @@ with a round in flight that resumes without training any prompt twice.
 import json
 import os
 import random
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -340,6 +342,101 @@ def test_partial_rollouts_on_the_thread_resume_without_training_a_group_twice(tm
     assert np.isfinite([m["train/loss"] for m in logged]).all()
 
 
+def two_process_worker(workdir: str, port: int, pid: int, total_steps: int, fail_at: int):
+    """Process ``pid`` of a 2-process colocated stage with ``max_staleness=1`` and partial
+    rollouts (one CPU device each, gloo); round ``fail_at`` fails on both (-1: none). Writes the
+    rounds its rollout function saw to ``rounds-PID-STEPS.json``; exits 3 on the failure."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid,
+                               initialization_timeout=120)
+    from rstarjax.recipes.config import parse
+    from rstarjax.recipes.rl import run_rl
+    from rstarjax.rl import trainer as trainer_lib
+
+    ref = []
+    init = trainer_lib.Trainer.__init__
+
+    def spy(self, *a, **kw):
+        init(self, *a, **kw)
+        ref[:] = [self]
+
+    trainer_lib.Trainer.__init__ = spy
+    c = _async_config(workdir, total_steps)
+    c.rl.max_response_len, c.rl.partial_rollout_tokens = 16, 4
+    c.trainer.micro_batch_size = 0
+    c.mesh.fsdp = -1  # over both processes' devices
+    fake = StagedPausingRollouts(ref, fail_at=None if fail_at < 0 else fail_at)
+    status = 0
+    try:
+        run_rl(parse(c), workdir, rollout_fn=fake)
+    except RuntimeError as e:
+        if "the rollout thread failed" not in str(e):
+            raise
+        status = 3
+    with open(os.path.join(workdir, f"rounds-{pid}-{total_steps}.json"), "w") as f:
+        json.dump(fake.rounds, f)
+    sys.exit(status)
+
+
+def _run_two_processes(workdir: str, total_steps: int, fail_at: int, status: int):
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), workdir, str(port), str(pid),
+                               str(total_steps), str(fail_at)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for pid in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [status, status], [o[-3000:] for o in outs]
+    rounds = []
+    for pid in range(2):
+        with open(os.path.join(workdir, f"rounds-{pid}-{total_steps}.json")) as f:
+            rounds.append([problems for problems, _ in json.load(f)])
+    return rounds
+
+
+@pytest.mark.slow  # two 2-process stages, ~30 s each on 2 cores
+def test_two_training_processes_roll_out_asynchronously_and_resume_their_own_rounds(tmp_path):
+    """``max_staleness=1`` with partial rollouts on two training processes, each with its own
+    rollout thread and data share: both fail at the same round, and the checkpoint keeps each
+    process's prompts drawn but not trained; on resume each process rolls its own out again,
+    first, and no process rolls out a prompt trained before the stop, or one of the other's."""
+    from rstarjax.io.checkpoint import read_checkpoint_meta
+
+    from test_checkpoint import write_data
+
+    workdir = str(tmp_path)
+    write_data(workdir, n=80)
+    first = _run_two_processes(workdir, 8, fail_at=5, status=3)
+    step, meta = read_checkpoint_meta(os.path.join(workdir, "checkpoints"))
+    assert step >= 1
+    second = _run_two_processes(workdir, step + 3, fail_at=-1, status=0)
+    starts = [{p for problems in runs[pid] for p in problems} for runs in (first, second) for pid in range(2)]
+    assert not (starts[0] | starts[2]) & (starts[1] | starts[3])  # each process its own prompts
+    pending = [[r["problem"] for r in share["in_flight_records"]] for share in meta["process_shares"]]
+    for pid in range(2):
+        trained_a = {p for problems in first[pid] for p in problems} - set(pending[pid])
+        started_b = [p for problems in second[pid] for p in problems]
+        assert pending[pid] and started_b[:len(pending[pid])] == pending[pid]
+        assert not set(started_b) & trained_a
+    with open(os.path.join(workdir, "logs", "metrics.jsonl")) as f:
+        logged = [json.loads(line) for line in f]
+    assert [m["step"] for m in logged] == list(range(1, step + 4))
+    assert max(m["async/policy_lag_max"] for m in logged) >= 1
+    assert np.isfinite([m["train/loss"] for m in logged]).all()
+
+
 def test_config_refuses_staleness_without_a_correction_or_with_released_memory(tmp_path):
     from rstarjax.recipes.config import ConfigError, parse
 
@@ -358,3 +455,7 @@ def test_config_refuses_staleness_without_a_correction_or_with_released_memory(t
     c.rl.dynamic_sampling = True
     with pytest.raises(ConfigError, match="max_staleness does not combine with dynamic_sampling"):
         parse(c)
+
+
+if __name__ == "__main__":
+    two_process_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))

@@ -367,8 +367,9 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
         # with partial rollouts each training process draws as many prompts as its own complete
         # groups leave room for: its data position and prompts in flight are its own, and the
         # meta (written by process 0) keeps every process's (a collective: all of them save)
+        # (so does the rollout thread of rl.max_staleness: each process's rounds are its own)
         shares = processes.gather_json({"data_state": data_state, "in_flight_records": pending}) if (
-            partial is not None and processes.training_count() > 1) else None
+            (partial is not None or source is not None) and processes.training_count() > 1) else None
         return ckpt.save(step, trainer.state, {
             "step": step, "rng": ckpt_lib.key_to_json(base_key), "data_state": data_state, **stage_record,
             **({"reference": reference} if reference else {}),
@@ -430,7 +431,9 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
             compiled_before = compile_cache.compile_seconds()
             if source is not None:  # the oldest round the rollout thread finished
                 rnd, waited = source.next_round()
-                if rnd is None:
+                # every process stops together, once one has no round left (with equal data
+                # shares all run out at the same round; a round drawn but not trained is kept)
+                if any_process(rnd is None):
                     data_ran_out = True
                     break
                 records, round_output = rnd.records, rnd.output
@@ -561,7 +564,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
 def own_share(meta: dict, count: int, index: int) -> tuple[object, list | None]:
     """This training process's data position and prompts in flight in a checkpoint's ``meta``
     (process ``index`` of ``count``): its own entry of ``process_shares`` where the run kept one
-    per process (partial rollouts on several processes), else the run's (``in_flight_records``;
+    per process (partial or asynchronous rollouts on several processes), else the run's (``in_flight_records``;
     ``partial_records`` in earlier checkpoints)."""
     shares = meta.get("process_shares")
     if shares is None:
@@ -578,15 +581,14 @@ def start_async_rollouts(run: RunConfig, rollout_fn, data_iter, base_key, step: 
     """The rollout thread of ``rl.max_staleness`` (``rl.staleness``), from global step ``step``;
     ``restart``: the prompts in flight at the checkpoint resumed (rolled out first); ``partial``:
     each round is one of its rounds (partial rollouts)."""
-    if processes.training_count() > 1:
-        raise ValueError("--config.rl.max_staleness runs on one process for now: each process's rollout thread "
-                         "would have to agree with the others on every round; set it to 0 for a multi-host run")
     if not (hasattr(rollout_fn, "stage_params") and hasattr(rollout_fn, "serve_staged")):
         raise ValueError("--config.rl.max_staleness needs a rollout function whose weights can be staged and "
                          "installed between rounds (agent_loop.ColocatedRollouts); this one cannot")
     # the rounds' seeds: derived from the run key and the step the thread started at (a resumed
-    # run samples new rounds), never equal to a synchronous step's
+    # run samples new rounds), never equal to a synchronous step's; independent on every process
     thread_key = jax.random.fold_in(jax.random.fold_in(base_key, 2**31 - 1), step)  # no step is 2**31 - 1
+    if processes.training_count() > 1:
+        thread_key = jax.random.fold_in(thread_key, jax.process_index())
 
     def seed_of(index: int) -> int:
         return int(jax.random.randint(jax.random.fold_in(thread_key, index), (), 0, 2**31 - 1))
@@ -595,7 +597,8 @@ def start_async_rollouts(run: RunConfig, rollout_fn, data_iter, base_key, step: 
         log.info("resumed with %d prompts whose rollouts were in flight at step %d: they start again from "
                  "their prompts (their rollouts were never trained)", len(restart), step)
     return AsyncRollouts(rollout_fn, data_iter.take, rollout_fn.serve_staged, seed_of, run.rl.max_staleness,
-                         run.rl.prompts_per_step, run.rl.rollouts_per_prompt, version=step,
+                         run.rl.prompts_per_step // processes.training_count(), run.rl.rollouts_per_prompt,
+                         version=step,
                          remaining=run.total_steps - step, restart=list(restart),
                          wait_s=round_wait_s(run), partial=partial)
 
