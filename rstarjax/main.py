@@ -41,8 +41,8 @@ assert set(RECIPES) == set(MODES), "every mode recipes/config.py validates has a
 
 def init_distributed(cfg: DistributedConfig, rollout_process: bool = False) -> None:
     """jax.distributed for multi-process runs (before any other JAX call). ``rollout_process``:
-    the run's process 1 only rolls out (disaggregated placement across processes), so its death
-    must not abort the trainer process, which then saves what it finished (``rl.remote``)."""
+    the run's processes other than 0 only roll out (disaggregated placement across processes),
+    so a death among them must not abort the trainer process, which then saves what it finished (``rl.remote``)."""
     if cfg.num_processes <= 1 and not cfg.auto:
         return
     if rollout_process:

@@ -1,8 +1,8 @@
 """Which processes train (imports only jax, so every layer may use it).
 
 Every process of a run trains, except under disaggregated placement across processes
-(``serving.placement='disaggregated'`` in a 2-process run, docs/training.md "Placement"):
-process 0 then trains alone and process 1 only rolls out (``recipes.rollout_process``). The
+(``serving.placement='disaggregated'`` in a multi-process run, docs/training.md "Placement"):
+process 0 then trains alone and the others only roll out (``recipes.rollout_process``). The
 trainer's collectives, its data share, its batch rows and its checkpoint barriers must then
 span process 0 alone: a program or a barrier over every process would wait forever on one
 that never joins it. ``training_count`` is what the training path asks instead of

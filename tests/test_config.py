@@ -244,14 +244,16 @@ def test_disaggregated_placement_must_leave_the_trainer_its_devices(tmp_path, pl
         parse(c, num_devices=num_devices)
 
 
-@pytest.mark.parametrize("processes, rollout_devices, tensor_parallel", [(3, 4, 0), (2, 2, 0), (2, 4, 2)])
-def test_disaggregated_placement_across_processes_is_one_trainer_and_one_rollout_process(
+@pytest.mark.parametrize("processes, rollout_devices, tensor_parallel", [(3, 2, 0), (2, 2, 0), (2, 4, 2)])
+def test_disaggregated_placement_across_processes_rolls_out_on_whole_processes(
         tmp_path, processes, rollout_devices, tensor_parallel):
     c = good_config(tmp_path)
     c.serving.placement, c.serving.rollout_devices, c.mesh.fsdp = "disaggregated", rollout_devices, -1
     c.serving.tensor_parallel = tensor_parallel
-    with pytest.raises(ConfigError, match="across processes runs 2 processes"):
+    with pytest.raises(ConfigError, match="every other process rolls out on all of its own as one slice"):
         parse(c, num_devices=4 * processes, num_processes=processes)
+    c.serving.rollout_devices, c.serving.tensor_parallel = 4, 0  # process 0 trains, the others roll out
+    parse(c, num_devices=4 * processes, num_processes=processes)
 
 
 def test_a_disaggregated_two_process_run_sizes_the_trainer_by_its_one_process(tmp_path):

@@ -3,6 +3,7 @@ service's client has the same five calls); the two-process runs are tests/test_r
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from rstarjax.rl import remote
@@ -72,7 +73,7 @@ def test_the_heartbeat_counts_silence_only_after_it_began():
     clock.now = 1000.0
     assert peer.silent("x") == ""  # no beat yet: the start has its own bound
     for beat in range(1, 4):
-        client.key_value_set(remote.ALIVE, str(beat), allow_overwrite=True)
+        client.key_value_set(remote.keys_of(1)[2], str(beat), allow_overwrite=True)
         clock.now += 25
         assert peer.silent("x") == ""
     clock.now += 29
@@ -107,11 +108,56 @@ def test_a_hand_off_to_a_dead_process_is_raised_at_the_next_round(monkeypatch):
     client, clock = FakeClient(), Clock()
     monkeypatch.setattr(remote, "_client", lambda: client)
     rollouts = remote.RemoteRollouts(wait_s=60, silence_s=30)
-    rollouts.peer.clock = clock
-    client.key_value_set(remote.ALIVE, "1", allow_overwrite=True)
-    assert rollouts.peer.silent("x") == ""
+    rollouts.peers[0].beats.clock = clock
+    client.key_value_set(remote.keys_of(1)[2], "1", allow_overwrite=True)
+    assert rollouts.peers[0].beats.silent("x") == ""
     clock.now += 31
     assert rollouts.serve_staged(staged=None) is None  # nothing sent, no collective started
     assert not any(k.startswith(remote.REQUESTS) for k in client.store)
     with pytest.raises(remote.RolloutProcessDied, match="the weights' copy"):
         rollouts([{"problem": "p"}], 2, 0, 1)
+
+
+def test_a_round_splits_evenly_over_the_rollout_processes_and_merges_back():
+    assert remote.split_evenly(5, 2) == [(0, 3), (3, 5)]
+    assert remote.split_evenly(1, 3) == [(0, 1), (1, 1), (1, 1)]
+    assert remote.peer_seed(11, 0) == 11 and len({remote.peer_seed(11, k) for k in range(4)}) == 4
+    merged = remote.merge_figures([
+        {"timing/rollout_s": 2.0, "timing/rollout_generated_tokens": 10, "timing/rollout_max_live": 3,
+         "timing/rollout_idle_fraction_mean": 0.2, "note": "x"},
+        {"timing/rollout_s": 3.0, "timing/rollout_generated_tokens": 5, "timing/rollout_max_live": 2,
+         "timing/rollout_idle_fraction_mean": 0.4}])
+    assert merged == {"timing/rollout_s": 3.0, "timing/rollout_generated_tokens": 15.0,
+                      "timing/rollout_max_live": 3.0, "timing/rollout_idle_fraction_mean": pytest.approx(0.3)}
+
+
+def test_each_rollout_process_gets_its_share_and_group_ids_come_back_in_round_positions(monkeypatch):
+    """Two rollout processes, answered in memory: the first gets groups 0-1, the second group 2;
+    the trajectories come back labelled by their position in the round, and a paused rollout's
+    (process, id) goes back to its own process."""
+    from rstarjax.rl.trajectory import Trajectory
+
+    client = FakeClient()
+    monkeypatch.setattr(remote, "_client", lambda: client)
+    rollouts = remote.RemoteRollouts(wait_s=5, silence_s=30, processes=(1, 2))
+    inboxes = {p: remote.Mailbox(remote.keys_of(p)[0], client) for p in (1, 2)}
+    outboxes = {p: remote.Mailbox(remote.keys_of(p)[1], client) for p in (1, 2)}
+    for p in (1, 2):  # the answers, queued before the round (the mailbox keeps them in order)
+        n = 2 if p == 1 else 1
+        trajs = [Trajectory(prompt_ids=np.asarray([p]), segments=[], group_id=g) for g in range(n)]
+        outboxes[p].send("round", (trajs, {"timing/rollout_s": float(p)}))
+    records = [{"problem": str(i)} for i in range(3)]
+    trajs, figures = rollouts(records, 1, 5, 0)
+    assert [(int(t.prompt_ids[0]), t.group_id) for t in trajs] == [(1, 0), (1, 1), (2, 2)]
+    assert figures == {"timing/rollout_s": 2.0}
+    asked = {p: inboxes[p].receive(1, "a request") for p in (1, 2)}
+    assert asked[1][1][0] == records[:2] and asked[2][1][0] == records[2:]
+    assert asked[1][1][2] == 5 and asked[2][1][2] != 5  # distinct seeds per share
+
+    outboxes[1].send("round", ([], [7], {}))
+    outboxes[2].send("round", ([], [0, 1], {}))
+    rnd = rollouts.partial(records[:2], 1, 5, 1, token_budget=4, carried=[(1, 3)], group_ids=[10, 11])
+    assert rnd.paused == [(0, 7), (1, 0), (1, 1)]
+    asked = {p: inboxes[p].receive(1, "a request")[1] for p in (1, 2)}
+    assert asked[1]["records"] == records[:1] and asked[1]["group_ids"] == [10] and asked[1]["carried"] == []
+    assert asked[2]["records"] == records[1:2] and asked[2]["group_ids"] == [11] and asked[2]["carried"] == [3]

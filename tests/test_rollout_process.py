@@ -35,7 +35,14 @@ def write_data(workdir):
             f.write(json.dumps({"problem": f"What is {i}*7?", "answer": "42"}) + "\n")
 
 
-def stage_config(workdir, staleness: int, devices: int):
+def rollout_processes() -> int:
+    """How many rollout processes the case runs (``RJ_ROLLOUT_PROCS``, default 1)."""
+    return int(os.environ.get("RJ_ROLLOUT_PROCS", 1))
+
+
+def stage_config(workdir, staleness: int, devices: int, reference: bool = False):
+    """``reference``: the same stage on one process, the rollout devices of every rollout
+    process there as slices of ``devices`` each."""
     sys.path.insert(0, os.path.join(ROOT, "configs"))
     import base
 
@@ -52,9 +59,16 @@ def stage_config(workdir, staleness: int, devices: int):
     c.rl.chat_format = "compact"
     c.rl.max_staleness = staleness
     c.rl.partial_rollout_tokens = int(os.environ.get("RJ_PARTIAL", 0))  # the partial-rollout case
+    if c.rl.partial_rollout_tokens:
+        # one token per decode call: a rollout pauses at exactly its budget. With k > 1 it pauses
+        # within k - 1 tokens past it, where the calls (shared with rollouts whose tool timing
+        # varies) happen to end, and the two runs compared here could pause at other tokens
+        c.serving.decode_steps = 1
     if staleness:
         c.loss.decoupled_cap = 5.0
     c.serving.placement, c.serving.rollout_devices = "disaggregated", devices
+    if reference and rollout_processes() > 1:
+        c.serving.rollout_devices, c.serving.tensor_parallel = devices * rollout_processes(), devices
     c.serving.num_slots, c.serving.kv_pages = 8, 8 * (256 + 192) // 16
     c.trainer.micro_batch_size = 0
     c.mesh.fsdp, c.mesh.data = devices, 1
@@ -106,18 +120,18 @@ def worker(port: int, pid: int, workdir: str, staleness: int, devices: int):
     if port:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.config.update("jax_enable_recoverability", True)  # as rstarjax.main does for this layout
-        jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid,
-                                   initialization_timeout=120)
+        jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=1 + rollout_processes(),
+                                   process_id=pid, initialization_timeout=120)
     from rstarjax.env import CodeExecutor
     from rstarjax.recipes.rl import run_rl
     from rstarjax.rl import remote
 
-    run = stage_config(workdir, staleness, devices)
+    run = stage_config(workdir, staleness, devices, reference=not port)
     model = tiny_model()
-    if port and pid == 1:  # the rollout process: serve the trainer's rounds until it stops
+    if port and pid >= 1:  # a rollout process: serve the trainer's rounds until it stops
         with CodeExecutor(num_workers=1) as executor:
             rounds = remote.serve_remote(scripted_rollouts(run, executor, model), wait_s=WAIT_S)
-        with open(os.path.join(workdir, "rollout_process.json"), "w") as f:
+        with open(os.path.join(workdir, f"rollout_process-{pid}.json"), "w") as f:
             json.dump({"rounds": rounds}, f)
         return
     host_copies = []
@@ -218,9 +232,37 @@ def test_a_rollout_process_apart_trains_as_one_process_with_two_device_groups(tm
         assert max(m["partial/rollouts_paused"] for m in m2) > 0 and max(m[lag] for m in m2) >= 1
         for a, b in zip(m2, m1):
             assert a["partial/rollouts_carried"] == b["partial/rollouts_carried"]
-    with open(os.path.join(two, "rollout_process.json")) as f:
+    with open(os.path.join(two, "rollout_process-1.json")) as f:
         assert json.load(f)["rounds"] >= STEPS  # and it stopped when the trainer did
     with open(os.path.join(two, "host_copies.json")) as f:
+        assert json.load(f)["host_copies"] == []
+
+
+@pytest.mark.slow  # ~60 s on 2 cores
+def test_two_rollout_processes_share_each_round_as_two_slices_do_in_one_process(tmp_path):
+    """A trainer process and two rollout processes (one CPU device each): every round is split
+    by prompt groups over the two, each paused rollout goes on where it started, the weights
+    reach both after every update, and the stage trains as on one process whose two rollout
+    slices share the rounds, with ``max_staleness=1`` and partial rollouts on."""
+    many, one = str(tmp_path / "many"), str(tmp_path / "one")
+    for d in (many, one):
+        write_data(d)
+    env, port = dict(RJ_PARTIAL="20", RJ_ROLLOUT_PROCS="2"), free_port()
+    finish([launch(port, i, many, 1, 1, per_process=1, **env) for i in range(3)])
+    finish([launch(0, 0, one, 1, 1, per_process=3, **env)])
+    got, want = np.load(os.path.join(many, "params.npz")), np.load(os.path.join(one, "params.npz"))
+    for k in want.files:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+    m3, m1 = metrics_of(many), metrics_of(one)
+    assert [m["step"] for m in m3] == list(range(1, STEPS + 1))
+    for a, b in zip(m3, m1):
+        for key in ("rollout/reward_mean", "train/trained_tokens", "train/loss", "partial/rollouts_carried"):
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-4, atol=1e-6, err_msg=key)
+    assert max(m["partial/rollouts_paused"] for m in m3) > 0
+    for pid in (1, 2):  # both served rounds, and stopped when the trainer did
+        with open(os.path.join(many, f"rollout_process-{pid}.json")) as f:
+            assert json.load(f)["rounds"] >= 1
+    with open(os.path.join(many, "host_copies.json")) as f:
         assert json.load(f)["host_copies"] == []
 
 

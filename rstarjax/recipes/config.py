@@ -516,14 +516,13 @@ def _run_rules(run: RunConfig) -> list[str]:
 def device_rules(run: RunConfig, num_devices: int, num_processes: int = 1) -> list[str]:
     """The rules the devices and processes put on the mesh and the batch sizes."""
     sv = run.serving
-    if sv.disaggregated and num_processes > 1:  # process 0 trains, process 1 rolls out (rl.remote)
+    if sv.disaggregated and num_processes > 1:  # process 0 trains, the others roll out (rl.remote)
         per = num_devices // num_processes
-        if num_processes != 2 or sv.rollout_devices != per or sv.tensor_parallel not in (0, per):
-            return [f"--config.serving.placement='disaggregated' across processes runs 2 processes: process 0 "
-                    f"trains on its {per} devices, process 1 rolls out on all of its own as one slice "
+        if sv.rollout_devices != per or sv.tensor_parallel not in (0, per):
+            return [f"--config.serving.placement='disaggregated' across processes: process 0 trains on its "
+                    f"{per} devices, every other process rolls out on all of its own as one slice "
                     f"(--config.serving.rollout_devices={per}, --config.serving.tensor_parallel=0); got "
-                    f"{num_processes} processes, rollout_devices={sv.rollout_devices}, "
-                    f"tensor_parallel={sv.tensor_parallel}"]
+                    f"rollout_devices={sv.rollout_devices}, tensor_parallel={sv.tensor_parallel}"]
         num_processes = 1  # the processes that train
     elif sv.disaggregated and sv.rollout_devices >= num_devices:
         return [f"--config.serving.rollout_devices={sv.rollout_devices} must leave the trainer some of the "

@@ -266,8 +266,8 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
            on_update: Callable[[Trainer], None] | None = None, model_source: dict | None = None) -> Trainer | None:
     """``mode=rl``: GRPO-RoC updates until the global step reaches ``run.total_steps``, resumable
     from ``workdir``; the stage hand-off rules are ``initial_state``'s. In a disaggregated
-    2-process run, process 0 trains (``rstarjax.processes``: alone) and process 1 serves its
-    rollouts (``recipes.rollout_process``; it returns None).
+    multi-process run, process 0 trains (``rstarjax.processes``: alone) and every other process
+    serves a share of its rollouts (``recipes.rollout_process``; it returns None).
 
     ``rollout_fn`` defaults to the agent loop on a colocated serving engine; ``on_update`` is
     called once the starting state is in place (so the very first rollouts sample the restored
@@ -280,11 +280,12 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
     record (e.g. ``{"source": "checkpoint", "path": SFT_CKPT_DIR, "step": N}``): with LoRA it is
     the base record the checkpoints carry, so a resume and ``rstarjax.export`` can rebuild it.
     """
-    if is_rollout_process(run):  # process 1 of a disaggregated 2-process run: it only rolls out
+    if is_rollout_process(run):  # a process other than 0 of a disaggregated multi-process run: it only rolls out
         serve_rollouts(run)
         return None
     if run.serving.disaggregated and jax.process_count() > 1 and rollout_fn is None:  # process 0 trains alone
-        remote = RemoteRollouts(wait_s=round_wait_s(run), silence_s=run.distributed.silence_s)
+        remote = RemoteRollouts(wait_s=round_wait_s(run), silence_s=run.distributed.silence_s,
+                                processes=tuple(range(1, jax.process_count())))
         try:  # the rollout process stops with this one, whatever ends it
             with processes.training_alone():
                 return _run_rl(run, workdir, remote, model, lambda tr: remote.update_params(tr.served_model()),

@@ -1,6 +1,6 @@
-"""The rollout process of a disaggregated 2-process RL run (``serving.placement='disaggregated'``
-across processes; docs/training.md "Placement"): process 1 builds the serving engine over all
-its devices (one slice) and its own code pool, and answers the trainer process
+"""A rollout process of a disaggregated multi-process RL run (``serving.placement='disaggregated'``
+across processes; docs/training.md "Placement"): every process but 0 builds the serving engine
+over all its devices (one slice) and its own code pool, and answers the trainer process
 (``rl.remote.serve_remote``) until it says stop. It reads no data and writes no checkpoint:
 prompts and weights come from the trainer process, which holds the run's state.
 """
@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 def is_rollout_process(run: RunConfig) -> bool:
-    """Whether this process only rolls out: process 1 of a disaggregated 2-process run."""
+    """Whether this process only rolls out: any but process 0 of a disaggregated multi-process run."""
     return run.serving.disaggregated and jax.process_count() > 1 and jax.process_index() != 0
 
 

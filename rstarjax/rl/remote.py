@@ -1,20 +1,23 @@
-"""Rollouts in a process apart from the trainer's (``serving.placement='disaggregated'`` in a
-2-process run; docs/training.md "Placement").
+"""Rollouts in processes apart from the trainer's (``serving.placement='disaggregated'`` in a
+multi-process run; docs/training.md "Placement").
 
-Process 0 trains on its devices; process 1 rolls out on all of its own, one serving slice,
-with its own code pool (``recipes.rollout_process``). The trainer process drives it through
-``RemoteRollouts``, a ``RolloutFn`` like the colocated one, so the RL loop (synchronous, with
+Process 0 trains on its devices; every other process rolls out on all of its own, one serving
+slice, with its own code pool (``recipes.rollout_process``). The trainer process drives them
+through ``RemoteRollouts``, a ``RolloutFn`` like the colocated one that splits each round by
+prompt groups over the rollout processes, so the RL loop (synchronous, with
 ``rl.max_staleness`` its rollout thread, or with partial rollouts ``RemoteRollouts.partial``,
-the paused rollouts kept in the rollout process) is unchanged; the rollout process answers in
-``serve_remote``. Rewards are computed where the rollouts run.
+each paused rollout kept in the process that started it) is unchanged; each rollout process
+answers in ``serve_remote``, under its own keys (``keys_of``). Rewards are computed where the
+rollouts run.
 
 **Messages** (a round's prompts, its trajectories, "new weights follow", "stop") go through
 the key-value store of the coordination service that ``jax.distributed`` starts, pickled, in
 order, each direction under its own numbered keys (``Mailbox``). **Weights never do**: after
 each update the trainer process casts its state into the slice's layout on its own devices
-(``handoff.stage_in_layout``) and both processes run ``handoff.copy_to_receiver``, one
-compiled program in which each trainer device sends its shard to the rollout device that holds
-the same shard. The rollout process installs it between rounds, where the colocated loop does.
+(``handoff.stage_in_layout``) and runs ``handoff.copy_to_receiver`` with each rollout process
+in turn, one compiled program per pair in which each trainer device sends its shard to the
+rollout device that holds the same shard. A rollout process installs it between rounds, where
+the colocated loop does.
 
 Every wait is bounded: a process that dies or stops answering leaves the other an error
 naming what it waited for (on the trainer's side ``trajectory.RolloutsFailed``, which the RL
@@ -29,6 +32,7 @@ with the error.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 import threading
@@ -46,16 +50,21 @@ from rstarjax.serving.handoff import copy_to_receiver, mesh_of, pair_mesh, specs
 
 log = logging.getLogger(__name__)
 
-REQUESTS = "rstarjax/rollout_process/requests"  # trainer -> rollout process
-REPLIES = "rstarjax/rollout_process/replies"  # rollout process -> trainer
-ALIVE = "rstarjax/rollout_process/alive"  # the rollout process's heartbeat: a counter
+REQUESTS = "rstarjax/rollout_process/requests"  # trainer -> rollout process (then "/PROCESS")
+REPLIES = "rstarjax/rollout_process/replies"  # rollout process -> trainer (then "/PROCESS")
+ALIVE = "rstarjax/rollout_process/alive"  # a rollout process's heartbeat: a counter (then "/PROCESS")
 CHUNK_BYTES = 4 << 20  # one key's value at most
 HEARTBEAT_S = 2.0  # how often the rollout process beats
 POLL_S = 5.0  # how long the trainer waits for a message between two looks at the heartbeat
 
 
 class RolloutProcessDied(RolloutsFailed):
-    """The rollout process stopped beating its heartbeat: it died, or hangs with its GIL held."""
+    """A rollout process stopped beating its heartbeat: it died, or hangs with its GIL held."""
+
+
+def keys_of(process: int) -> tuple[str, str, str]:
+    """Rollout process ``process``'s request and reply mailboxes and its heartbeat key."""
+    return f"{REQUESTS}/{process}", f"{REPLIES}/{process}", f"{ALIVE}/{process}"
 
 
 def _client():
@@ -111,10 +120,11 @@ class Mailbox:
 
 
 class Heartbeats:
-    """The trainer process's view of the rollout process's heartbeat (``beat`` there)."""
+    """The trainer process's view of rollout process ``process``'s heartbeat (``beat`` there)."""
 
-    def __init__(self, silence_s: float, client=None, clock=time.monotonic):
-        self.silence_s, self.clock = float(silence_s), clock
+    def __init__(self, silence_s: float, client=None, clock=time.monotonic, process: int = 1):
+        self.silence_s, self.clock, self.process = float(silence_s), clock, process
+        self.key = keys_of(process)[2]
         self.client = client if client is not None else _client()
         self.last, self.seen_at = None, clock()
 
@@ -127,7 +137,7 @@ class Heartbeats:
     def silent(self, what: str) -> str:
         """Why the rollout process counts as dead, or "" while it beats (or has not begun to)."""
         try:
-            beat = self.client.key_value_try_get(ALIVE)
+            beat = self.client.key_value_try_get(self.key)
         except Exception:  # noqa: BLE001 - NOT_FOUND before the first beat
             beat = None
         now = self.clock()
@@ -136,21 +146,22 @@ class Heartbeats:
         if beat != self.last:
             self.last, self.seen_at = beat, now
         elif now - self.seen_at > self.silence_s:
-            return (f"the rollout process (process 1) beat no heartbeat for {now - self.seen_at:.0f} s when the "
+            return (f"the rollout process (process {self.process}) beat no heartbeat for {now - self.seen_at:.0f} s when the "
                     f"trainer process came to {what}: it died (see its log) or hangs")
         return ""
 
 
-def beat(stop: threading.Event, client=None, every_s: float = HEARTBEAT_S) -> threading.Thread:
-    """The rollout process's heartbeat: a daemon thread that bumps ``ALIVE`` every ``every_s``
-    until ``stop`` is set."""
+def beat(stop: threading.Event, client=None, every_s: float = HEARTBEAT_S, process: int = 1) -> threading.Thread:
+    """Rollout process ``process``'s heartbeat: a daemon thread that bumps its key
+    (``keys_of``) every ``every_s`` until ``stop`` is set."""
     client = client if client is not None else _client()
+    key = keys_of(process)[2]
 
     def run():
         count = 0
         while not stop.is_set():
             count += 1
-            client.key_value_set(ALIVE, str(count), allow_overwrite=True)
+            client.key_value_set(key, str(count), allow_overwrite=True)
             stop.wait(every_s)
     thread = threading.Thread(target=run, name="rollout-process-heartbeat", daemon=True)
     thread.start()
@@ -166,79 +177,142 @@ def _describe(mesh: Mesh) -> dict:
     return {"devices": [d.id for d in mesh.devices.flat], "shape": mesh.devices.shape, "axes": mesh.axis_names}
 
 
-class RemoteRollouts:
-    """The trainer process's ``RolloutFn`` (``trajectory.RolloutFn``): each call is one round in
-    the rollout process; new weights go there with ``update_params``, or ``stage_params`` now
-    and ``serve_staged`` between rounds (``rl.max_staleness``), as with colocated engines."""
+@dataclasses.dataclass
+class Peer:
+    """One rollout process as the trainer process sees it: its mailboxes, its heartbeat, what it
+    serves (its first message) and why it is gone ("" while it is not)."""
 
-    def __init__(self, wait_s: float, hello_wait_s: float = 900.0, silence_s: float = 120.0):
-        """``wait_s``: the longest one round may take; ``hello_wait_s``: the rollout process's
-        start (its model, engine and code pool); ``silence_s``: the longest its heartbeat may
-        stop before it counts as dead."""
-        self.wait_s, self.hello_wait_s = float(wait_s), float(hello_wait_s)
-        self.requests, self.replies = Mailbox(REQUESTS), Mailbox(REPLIES)
-        self.peer = Heartbeats(silence_s, self.requests.client)
-        self._layout = None
-        self.closed = False
-        self.lost = ""  # why the rollout process is gone, found at a hand-off: raised at the next round
-
-    @property
-    def layout(self) -> dict:
-        """What the rollout process serves (its first message, read when first needed: the
-        trainer loads its model meanwhile)."""
-        if self._layout is None:
-            kind, layout = self._receive(self.hello_wait_s, "the rollout process to start")
-            if kind == "error":
-                raise RolloutsFailed(f"the rollout process failed to start:\n{layout}")
-            self._layout = layout
-        return self._layout
+    process: int
+    requests: Mailbox
+    replies: Mailbox
+    beats: Heartbeats
+    layout: dict | None = None
+    lost: str = ""
 
     @property
     def slice(self) -> Mesh:
-        """The rollout process's serving slice (its devices, in the global device list)."""
+        """Its serving slice (its devices, in the global device list)."""
         return _mesh_from(**self.layout["mesh"])
+
+
+class RemoteRollouts:
+    """The trainer process's ``RolloutFn`` (``trajectory.RolloutFn``): each call is one round,
+    split by prompt groups over the rollout processes (``processes``: 1 .. R); new weights go
+    to each with ``update_params``, or ``stage_params`` now and ``serve_staged`` between rounds
+    (``rl.max_staleness``), as with colocated engines."""
+
+    def __init__(self, wait_s: float, hello_wait_s: float = 900.0, silence_s: float = 120.0,
+                 processes: tuple[int, ...] = (1,)):
+        """``wait_s``: the longest one round may take; ``hello_wait_s``: a rollout process's
+        start (its model, engine and code pool); ``silence_s``: the longest its heartbeat may
+        stop before it counts as dead."""
+        if not processes:
+            raise ValueError("RemoteRollouts needs at least one rollout process")
+        self.wait_s, self.hello_wait_s = float(wait_s), float(hello_wait_s)
+        client = _client()
+        self.peers = []
+        for process in processes:
+            requests, replies, _ = keys_of(process)
+            self.peers.append(Peer(process, Mailbox(requests, client), Mailbox(replies, client),
+                                   Heartbeats(silence_s, client, process=process)))
+        self.client = client
+        self.closed = False
+
+    @property
+    def lost(self) -> str:
+        """Why a rollout process is gone (found at a hand-off: raised at the next round), or ""."""
+        return "; ".join(p.lost for p in self.peers if p.lost)
+
+    @property
+    def layout(self) -> dict:
+        """What the rollout processes serve (each one's first message, read when first needed:
+        the trainer loads its model meanwhile); one layout, or an error naming the difference."""
+        for peer in self.peers:
+            if peer.layout is None:
+                kind, layout = self._receive(peer, self.hello_wait_s, "the rollout process to start")
+                if kind == "error":
+                    raise RolloutsFailed(f"rollout process {peer.process} failed to start:\n{layout}")
+                peer.layout = layout
+        first = self.peers[0].layout
+        for peer in self.peers[1:]:
+            differ = [k for k in ("specs", "dtype", "untie_head", "serving_dtype") if peer.layout[k] != first[k]]
+            if differ or peer.layout["mesh"]["shape"] != first["mesh"]["shape"]:
+                raise RolloutsFailed(f"rollout processes {self.peers[0].process} and {peer.process} serve different "
+                                     f"layouts ({differ or 'mesh'}): give every rollout process the same devices")
+        return first
+
+    @property
+    def slice(self) -> Mesh:
+        """The first rollout process's serving slice (every one has its shape)."""
+        self.layout
+        return self.peers[0].slice
 
     @property
     def serving_dtype(self) -> str:
         return self.layout["serving_dtype"]
 
-    def _receive(self, wait_s: float, what: str):
+    def _receive(self, peer: Peer, wait_s: float, what: str):
         try:
-            return self.replies.receive(wait_s, what, self.peer)
+            return peer.replies.receive(wait_s, what, peer.beats)
         except RolloutProcessDied as e:
-            self.lost = str(e)
+            peer.lost = str(e)
             raise
         except TimeoutError as e:
-            raise RolloutsFailed(str(e)) from None
+            raise RolloutsFailed(f"rollout process {peer.process}: {e}") from None
 
-    def __call__(self, records, n_per_prompt: int, seed: int, policy_version: int):
+    def _round(self, kind: str, payloads: dict[int, object], what: str) -> dict[int, object]:
+        """Send each peer (by index) its part of a round, then collect every reply."""
         if self.lost:
             raise RolloutProcessDied(self.lost)
-        self.requests.send("rollout", (list(records), int(n_per_prompt), int(seed), int(policy_version)))
-        kind, out = self._receive(self.wait_s, "a round of rollouts")
-        if kind == "error":
-            raise RolloutsFailed(f"the rollout process failed a round:\n{out}")
+        for k, payload in payloads.items():
+            self.peers[k].requests.send(kind, payload)
+        out = {}
+        for k in payloads:
+            got, reply = self._receive(self.peers[k], self.wait_s, what)
+            if got == "error":
+                raise RolloutsFailed(f"rollout process {self.peers[k].process} failed a round:\n{reply}")
+            out[k] = reply
         return out
+
+    def __call__(self, records, n_per_prompt: int, seed: int, policy_version: int):
+        records = list(records)
+        parts = split_evenly(len(records), len(self.peers))
+        replies = self._round("rollout", {
+            k: (records[a:b], int(n_per_prompt), peer_seed(seed, k), int(policy_version))
+            for k, (a, b) in enumerate(parts) if b > a}, "a round of rollouts")
+        trajs, figures = [], []
+        for k, (trajectories, timings) in replies.items():
+            offset = parts[k][0]  # group ids: positions in the chunk -> in the round
+            trajs += [dataclasses.replace(t, group_id=int(t.group_id) + offset) for t in trajectories]
+            figures.append(timings)
+        return trajs, merge_figures(figures)
 
     def partial(self, records, n_per_prompt: int, seed: int, policy_version: int, *, token_budget: int,
                 carried=(), group_ids=None, keep_kv: bool = True) -> RolloutRound:
-        """``ColocatedRollouts.partial`` in the rollout process: its paused rollouts (their KV
-        in its pool) stay there, and ``carried`` / ``RolloutRound.paused`` here are their ids."""
-        if self.lost:
-            raise RolloutProcessDied(self.lost)
-        self.requests.send("partial", {
-            "records": list(records), "n_per_prompt": int(n_per_prompt), "seed": int(seed),
-            "policy_version": int(policy_version), "token_budget": int(token_budget),
-            "carried": [int(i) for i in carried], "keep_kv": bool(keep_kv),
-            "group_ids": None if group_ids is None else [int(g) for g in group_ids]})
-        kind, out = self._receive(self.wait_s, "a round of partial rollouts")
-        if kind == "error":
-            raise RolloutsFailed(f"the rollout process failed a round:\n{out}")
-        finished, paused, timings = out
-        return RolloutRound(finished, paused, timings)
+        """``ColocatedRollouts.partial`` over the rollout processes: a paused rollout (its KV in
+        its process's pool) stays where it started, and ``carried`` / ``RolloutRound.paused``
+        here are (peer, id) pairs; the new records are split evenly over the processes."""
+        records = list(records)
+        group_ids = list(range(len(records))) if group_ids is None else [int(g) for g in group_ids]
+        parts = split_evenly(len(records), len(self.peers))
+        payloads = {}
+        for k, (a, b) in enumerate(parts):
+            mine = [int(i) for peer, i in carried if peer == k]
+            if b > a or mine:
+                payloads[k] = {"records": records[a:b], "n_per_prompt": int(n_per_prompt),
+                               "seed": peer_seed(seed, k), "policy_version": int(policy_version),
+                               "token_budget": int(token_budget), "carried": mine, "keep_kv": bool(keep_kv),
+                               "group_ids": group_ids[a:b]}
+        replies = self._round("partial", payloads, "a round of partial rollouts")
+        finished, paused, figures = [], [], []
+        for k, (done, ids, timings) in replies.items():
+            finished += done
+            paused += [(k, int(i)) for i in ids]
+            figures.append(timings)
+        return RolloutRound(finished, paused, merge_figures(figures))
 
     def stage_params(self, model: nnx.Module):
-        """The serving copy of ``model`` in the slice's layout, on this process's devices."""
+        """The serving copy of ``model`` in the slices' layout, on this process's devices."""
         if not isinstance(model, nnx.Module):
             raise TypeError("RemoteRollouts takes a model (an nnx.Module), not a state")
         graphdef, state = nnx.split(model)
@@ -246,41 +320,81 @@ class RemoteRollouts:
                                dtype=self.layout["dtype"], untie_head=self.layout["untie_head"])
 
     def serve_staged(self, staged) -> None:
-        """Send ``stage_params``' copy to the rollout process (a collective with it)."""
+        """Send ``stage_params``' copy to every rollout process (a collective with each, in turn)."""
         # a collective with a dead process would never end; the step that made these weights
         # is finished, so the loss is raised at the next round, after the loop recorded the step
-        self.lost = self.lost or self.peer.silent("the weights' copy")
+        for peer in self.peers:
+            peer.lost = peer.lost or peer.beats.silent("the weights' copy")
         if self.lost:
             return
         sender = jax.tree.leaves(staged)[0].sharding.mesh
-        self.requests.send("weights", _describe(sender))
-        copy_to_receiver(staged, pair_mesh(sender, self.slice))
+        for peer in self.peers:
+            peer.requests.send("weights", _describe(sender))
+            copy_to_receiver(staged, pair_mesh(sender, peer.slice))
 
     def update_params(self, model: nnx.Module) -> None:
         self.serve_staged(self.stage_params(model))
 
     def close(self, wait_s: float = 120.0) -> None:
-        """Tell the rollout process to stop (once) and wait, at most ``wait_s``, until it has
-        left the coordination service: this process hosts the service, and a recoverable one
-        (``main.init_distributed``) does not hold its exit for the others."""
+        """Tell every rollout process to stop (once) and wait, at most ``wait_s``, until they
+        have left the coordination service: this process hosts the service, and a recoverable
+        one (``main.init_distributed``) does not hold its exit for the others."""
         if self.closed:
             return
         self.closed = True
-        self.requests.send("stop")
+        for peer in self.peers:
+            peer.requests.send("stop")
         # (a service that is not recoverable holds every process's exit at a barrier itself)
-        if jax.config.jax_enable_recoverability and not (self.lost or self.peer.silent("the stop")):
-            _wait_until_gone(self.requests.client, wait_s)
+        alive = [p for p in self.peers if not (p.lost or p.beats.silent("the stop"))]
+        if jax.config.jax_enable_recoverability and len(alive) == len(self.peers):
+            _wait_until_gone(self.client, wait_s, [0] + [p.process for p in self.peers])
 
 
-def _wait_until_gone(client, wait_s: float) -> None:
-    """Block until process 1 has shut its coordination client down (or died), ``wait_s`` at
-    most: ``get_live_nodes`` returns once every listed process called it or left."""
-    thread = threading.Thread(target=lambda: client.get_live_nodes([0, 1]), name="await-rollout-exit",
+def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous [start, stop) ranges over ``n`` items, sizes differing by at most one
+    (the first ones larger): a round's prompt groups over the rollout processes."""
+    size, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for k in range(parts):
+        stop = start + size + (k < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def peer_seed(seed: int, k: int) -> int:
+    """The sampling seed of the ``k``-th rollout process's share of a round: the round's own for
+    the first (one rollout process samples as before), distinct for the others (each numbers
+    its share's prompts from 0)."""
+    return int(seed) if k == 0 else (int(seed) * 1_000_003 + 7_919 * k) % (2**31 - 1)
+
+
+def merge_figures(figures: list[dict]) -> dict:
+    """One round's figures from each rollout process's share: seconds and maxima the largest
+    (the shares ran at once), means and fractions averaged, counts summed."""
+    out = {}
+    for key in dict.fromkeys(k for f in figures for k in f):
+        values = [float(f[key]) for f in figures if key in f and isinstance(f[key], (int, float, np.number))]
+        if not values:
+            continue
+        if key.endswith("_s") or "max" in key:
+            out[key] = max(values)
+        elif "mean" in key or "fraction" in key:
+            out[key] = sum(values) / len(values)
+        else:
+            out[key] = sum(values)
+    return out
+
+
+def _wait_until_gone(client, wait_s: float, processes: list[int]) -> None:
+    """Block until every rollout process has shut its coordination client down (or died),
+    ``wait_s`` at most: ``get_live_nodes`` returns once every listed process called it or left."""
+    thread = threading.Thread(target=lambda: client.get_live_nodes(processes), name="await-rollout-exit",
                               daemon=True)
     thread.start()
     thread.join(wait_s)
     if thread.is_alive():
-        log.warning("the rollout process did not leave within %g s of the stop", wait_s)
+        log.warning("the rollout processes did not leave within %g s of the stop", wait_s)
 
 
 def serve_remote(rollouts, wait_s: float) -> int:
@@ -288,9 +402,10 @@ def serve_remote(rollouts, wait_s: float) -> int:
     ``ColocatedRollouts`` over this process's devices, one slice) until it says stop. Returns
     the rounds served. ``wait_s``: the longest to wait for the next request (an update, a
     checkpoint and an evaluation may come between two)."""
-    requests, replies = Mailbox(REQUESTS), Mailbox(REPLIES)
+    me = jax.process_index()
+    requests, replies = (Mailbox(key) for key in keys_of(me)[:2])
     stop = threading.Event()
-    beat(stop, requests.client)
+    beat(stop, requests.client, process=me)
     try:
         return _serve(rollouts, wait_s, requests, replies)
     finally:
