@@ -10,8 +10,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import jax.numpy as jnp
@@ -300,25 +298,11 @@ def two_process_worker(workdir: str, port: int, pid: int, total_steps: int):
 
 
 def _run_two_processes(workdir: str, total_steps: int):
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        port = sock.getsockname()[1]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-               PYTHONPATH=root + os.pathsep + os.path.dirname(os.path.abspath(__file__)) + os.pathsep
-               + os.environ.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), workdir, str(port), str(pid),
-                               str(total_steps)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for pid in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0], [o[-3000:] for o in outs]
+    from process_support import free_port, run_processes
+
+    port = free_port()
+    done = run_processes(os.path.abspath(__file__), [[workdir, port, pid, total_steps] for pid in range(2)])
+    assert [code for code, _ in done] == [0, 0], [out[-3000:] for _, out in done]
     rounds = []
     for pid in range(2):
         with open(os.path.join(workdir, f"rounds-{pid}-{total_steps}.json")) as f:
