@@ -280,7 +280,7 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
     record (e.g. ``{"source": "checkpoint", "path": SFT_CKPT_DIR, "step": N}``): with LoRA it is
     the base record the checkpoints carry, so a resume and ``rstarjax.export`` can rebuild it.
     """
-    if is_rollout_process(run):  # a process other than 0 of a disaggregated multi-process run: it only rolls out
+    if is_rollout_process(run):  # not process 0 of a disaggregated multi-process run: it only rolls out
         serve_rollouts(run)
         return None
     if run.serving.disaggregated and jax.process_count() > 1 and rollout_fn is None:  # process 0 trains alone
@@ -565,13 +565,14 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
 def own_share(meta: dict, count: int, index: int) -> tuple[object, list | None]:
     """This training process's data position and prompts in flight in a checkpoint's ``meta``
     (process ``index`` of ``count``): its own entry of ``process_shares`` where the run kept one
-    per process (partial or asynchronous rollouts on several processes), else the run's (``in_flight_records``;
-    ``partial_records`` in earlier checkpoints)."""
+    per process (partial or asynchronous rollouts on several processes), else the run's
+    (``in_flight_records``; ``partial_records`` in earlier checkpoints)."""
     shares = meta.get("process_shares")
     if shares is None:
         return meta.get("data_state"), meta.get("in_flight_records", meta.get("partial_records"))
     if len(shares) != count:
-        raise ValueError(f"the checkpoint was written by {len(shares)} training processes with partial rollouts, "
+        raise ValueError(f"the checkpoint was written by {len(shares)} training processes with partial or "
+                         f"asynchronous rollouts, "
                          f"each with its own data position and prompts in flight; this run has {count}: "
                          f"resume with --config.distributed.num_processes={len(shares)}")
     return shares[index]["data_state"], shares[index]["in_flight_records"]
