@@ -244,8 +244,7 @@ class RemoteRollouts:
     @property
     def slice(self) -> Mesh:
         """The first rollout process's serving slice (every one has its shape)."""
-        self.layout
-        return self.peers[0].slice
+        return _mesh_from(**self.layout["mesh"])
 
     @property
     def serving_dtype(self) -> str:
