@@ -23,9 +23,7 @@ slice starts with no reserve and doubles it at each preemption (``adaptive_growt
 Partial rollouts (Kimi k1.5, arXiv 2501.12599, §2.6.2): ``run(..., token_budget=B)`` pauses a
 rollout once it has sampled B tokens in this run (checked between decode calls, so at most
 B + decode_steps - 1): its pages return to the pool and it comes back in
-``ScheduleStats.paused``, tokens, log-probs and RNG position kept. One that spent its budget
-and waits on a tool call is paused too, its call still out: the run does not wait for it, and a
-later run appends the response by re-prefill (never sampling past the bound in this one). ``run(..., carried=paused)``
+``ScheduleStats.paused``, tokens, log-probs and RNG position kept. ``run(..., carried=paused)``
 continues them first, by the re-prefill of a preempted rollout, under the weights the engines
 hold then; with unchanged weights the tokens are those of an uninterrupted run.
 
@@ -223,8 +221,8 @@ class RolloutScheduler:
         re-prefilled."""
         if token_budget < 0:
             raise ValueError(f"token_budget must be >= 0 (0 = no budget), got {token_budget}")
-        # (a paused rollout may still have a tool call out: ``_pause_over_budget``)
-        if any((r.slot is not None and r.held_by is None) or r.append is not None for r in carried):
+        if any((r.slot is not None and r.held_by is None) or r.waiting is not None or r.append is not None
+               for r in carried):
             raise ValueError("carried rollouts must be ones a run paused (ScheduleStats.paused)")
         for ep in episodes:
             if len(ep.prompt_ids) >= self.max_rollout_len:
@@ -386,16 +384,10 @@ class _SliceDriver:
     def _pause_over_budget(self) -> None:
         """Partial rollouts: a decoding rollout that sampled ``token_budget`` tokens in this
         run leaves it: held in its slot with its KV (``keep_kv``; a later run decodes on from
-        it) or with its pages freed (a later run re-prefills it). One waiting on a tool call
-        leaves with its pages freed and its call out (a later run re-prefills it with the
-        response): appending the response now would sample past the budget."""
+        it) or with its pages freed (a later run re-prefills it)."""
         for r in list(self.live.values()):
-            if r.append is not None or r.n_sampled - r.run_start < self.token_budget:
-                continue
-            if r.waiting is not None:  # its call is out: a later run appends the response (re-prefill)
-                self._unload(r)
-                self.stats.paused.append(r)
-            elif self.engine.is_decoding(r.slot):
+            if (self.engine.is_decoding(r.slot) and r.waiting is None and r.append is None
+                    and r.n_sampled - r.run_start >= self.token_budget):
                 if self.keep_kv:
                     r.budget = self.engine.slot_info(r.slot).budget  # for a re-prefill if it must be
                     self.state = self.engine.hold(self.state, r.slot)
