@@ -205,7 +205,7 @@ def test_partial_rollouts_paused_and_continued_equal_uninterrupted_ones(model, k
     the slots that kept their KV), until all finish; with unchanged weights every conversation
     and log-prob equals that of one uninterrupted run, greedy and sampled at T = 1 (the RNG
     stream continues; with a tight pool the runs also preempt, and held rollouts give their
-    pages back). No run samples more than budget + decode_steps - 1 tokens of one rollout, and
+    pages back). No run samples more than budget + decode_steps tokens of one rollout, and
     each run leaves the pool whole but for the pages the held rollouts keep."""
     budget, steps = 5, 4
     eng = _engine(model, **({"kv_pages": kv_pages} if kv_pages else {}))
@@ -217,7 +217,9 @@ def test_partial_rollouts_paused_and_continued_equal_uninterrupted_ones(model, k
         before = {id(r): r.n_sampled for r in carried}
         stats = sched.run(new, token_budget=budget, carried=carried, keep_kv=keep_kv)
         for r in stats.paused:
-            assert r.n_sampled - before.get(id(r), 0) <= budget + steps - 1
+            # budget + steps - 1 from the decode calls, and one more when a tool response
+            # arrives after the budget was spent (its first token is sampled as it is appended)
+            assert r.n_sampled - before.get(id(r), 0) <= budget + steps
         kept = [r.slot for r in stats.paused if r.held_by is not None]
         held += len(kept)
         assert eng.pages.num_free == eng.num_pages - sum(len(eng.slot_pages(s)) for s in kept)

@@ -22,7 +22,8 @@ slice starts with no reserve and doubles it at each preemption (``adaptive_growt
 
 Partial rollouts (Kimi k1.5, arXiv 2501.12599, §2.6.2): ``run(..., token_budget=B)`` pauses a
 rollout once it has sampled B tokens in this run (checked between decode calls, so at most
-B + decode_steps - 1): its pages return to the pool and it comes back in
+B + decode_steps - 1, and one more when a tool response arrives after B was spent: appending it
+samples the response's first token): its pages return to the pool and it comes back in
 ``ScheduleStats.paused``, tokens, log-probs and RNG position kept. ``run(..., carried=paused)``
 continues them first, by the re-prefill of a preempted rollout, under the weights the engines
 hold then; with unchanged weights the tokens are those of an uninterrupted run.
