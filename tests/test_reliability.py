@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -670,7 +671,10 @@ def test_a_resumed_writer_keeps_each_step_once_in_every_log(tmp_path, monkeypatc
         from test_wandb import read_wandb_run
 
         runs = sorted(glob.glob(os.path.join(logdir, "wandb", "offline-run-*")))
-        assert len(runs) == 2 and len({r.rsplit("-", 1)[1] for r in runs}) == 1  # one W&B run, resumed
+        # offline-run-DATE_TIME-ID, and "-1" after it when both started within one second
+        ids = {re.fullmatch(r"offline-run-\d{8}_\d{6}-([a-z0-9]+)(?:-\d+)?", os.path.basename(r)).group(1)
+               for r in runs}
+        assert len(runs) == 2 and len(ids) == 1  # one W&B run, resumed
         first, second = (read_wandb_run(r)[1] for r in runs)
         assert sorted(first) == [1, 2, 3, 4, 5] and sorted(second) == [6, 7]
 
