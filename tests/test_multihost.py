@@ -6,12 +6,13 @@ as the worker:
 ``python tests/test_multihost.py PORT PROCESS_ID OUT.npz``.
 """
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from process_support import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -69,11 +70,6 @@ def worker(port: int, pid: int, out: str):
                  **{f"p{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(params))})
     jax.distributed.shutdown()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ earn a real reward. This file doubles as the worker:
 import concurrent.futures
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ import zlib
 
 import numpy as np
 import pytest
+
+from process_support import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 2
@@ -162,11 +163,6 @@ def test_handoff_in_one_process_keeps_the_values_in_the_local_layout():
     for b, w in zip(jax.tree.leaves(handoff(one)), want, strict=True):
         assert b.sharding.is_equivalent_to(w, b.ndim)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def replay_reference(runs):

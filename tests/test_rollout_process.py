@@ -14,13 +14,14 @@ process with 2 x DEVICES devices).
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 
 import numpy as np
 import pytest
+
+from process_support import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = int(os.environ.get("RJ_STEPS", 3))  # the death test runs longer
@@ -165,11 +166,6 @@ def worker(port: int, pid: int, workdir: str, staleness: int, devices: int):
     with open(os.path.join(workdir, "host_copies.json"), "w") as f:
         json.dump({"host_copies": host_copies}, f)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def launch(port, pid, workdir, staleness, devices, per_process, **env_vars):
