@@ -37,7 +37,8 @@ def make_engine(model, slots=2, **kw):
 
 class ScriptEpisode:
     """Turns of fixed tokens (each ends with STOP); between turns a 'tool' that answers
-    ``tool_ids`` after ``tool_delay`` seconds (a timer thread) or never (``None``)."""
+    ``tool_ids`` after ``tool_delay`` seconds (a timer thread), never (``None``) or already
+    answered when the turn ends (``"now"``: no thread, so a run's schedule is deterministic)."""
 
     def __init__(self, turn_lengths, tool_delay=0.0, tool_ids=(5, 6)):
         self.prompt_ids = [1, 2]
@@ -59,7 +60,9 @@ class ScriptEpisode:
         if self.turns_left == 0 or reason != DoneReason.STOP:
             return Finish()
         fut = concurrent.futures.Future()
-        if self.tool_delay is not None:
+        if self.tool_delay == "now":
+            fut.set_result(self.tool_ids)
+        elif self.tool_delay is not None:
             def answer():
                 self.tool_returned_at = time.monotonic()
                 fut.set_result(self.tool_ids)
@@ -117,10 +120,12 @@ def test_adaptive_reserve_admits_what_the_pool_holds_until_a_preemption(model):
     no reserve, and adaptively starting from no reserve: a pool that never overflows (a
     24 pages: 4 rollouts of 5 pages, 3 of L) admits as many at once as with no reserve; the tight 12-page pool preempts,
     and each preemption doubles the slice's reserve from one page (8 tokens) towards L, so it
-    preempts fewer times than with no reserve at all, and every episode finishes exactly."""
+    preempts no more often than with no reserve at all, and every episode finishes exactly.
+    Tools answer at once: with timer threads, under load, the preemption counts depended on
+    when each answer arrived."""
     def run(kv_pages, **kw):
         eng = make_engine(model, slots=4, kv_pages=kv_pages)
-        eps = [ScriptEpisode([10, 20], tool_delay=0.05) for _ in range(5)]
+        eps = [ScriptEpisode([10, 20], tool_delay="now") for _ in range(5)]
         stats = RolloutScheduler([eng], max_rollout_len=MAX_LEN, decode_steps=4, **kw).run(eps)
         assert all(e.received == e.script for e in eps)
         assert eng.pages.num_free == kv_pages
