@@ -116,6 +116,9 @@ def get_config(arg=None):
     # others (docs/training.md "Placement"); "colocated": rollouts on the trainer's devices
     c.serving.placement = "colocated"
     c.serving.rollout_devices = 0
+    # disaggregated across processes: processes 0 .. trainer_processes - 1 train, the others
+    # roll out, each driven by one of them (docs/training.md "Placement")
+    c.serving.trainer_processes = 1
 
     # ---- policy loss (eq. 6; rstarjax/rl/loss.py) ---------------------------------------------
     c.loss = ml_collections.ConfigDict()

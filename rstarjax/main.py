@@ -24,6 +24,7 @@ from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
 from rstarjax.recipes import demo, demo_compare, evaluate, preemption, rl, sft, stage3_filter
 from rstarjax.recipes.config import MODES, RENAMED, DistributedConfig, RunConfig, device_rules, parse
+from rstarjax.rl import remote
 from rstarjax.rl.trajectory import RolloutsFailed
 from rstarjax.validation import ConfigError
 
@@ -39,26 +40,30 @@ RECIPES: dict[str, Callable[[RunConfig, str], object]] = {
 assert set(RECIPES) == set(MODES), "every mode recipes/config.py validates has a recipe here"
 
 
-def init_distributed(cfg: DistributedConfig, rollout_process: bool = False) -> None:
-    """jax.distributed for multi-process runs (before any other JAX call). ``rollout_process``:
-    the run's processes other than 0 only roll out (disaggregated placement across processes),
-    so a death among them must not abort the trainer process, which then saves what it finished (``rl.remote``)."""
+def init_distributed(cfg: DistributedConfig, trainer_processes: int = 0) -> None:
+    """jax.distributed for multi-process runs (before any other JAX call). ``trainer_processes``
+    > 0: disaggregated placement across processes, where the processes past that many only roll
+    out, so a death among them must not abort the training processes, which then save what they
+    finished (``rl.remote``): the service is made recoverable, and process 0, which hosts it,
+    leaves after the other training processes (``remote.leave_last``)."""
     if cfg.num_processes <= 1 and not cfg.auto:
         return
-    if rollout_process:
+    if trainer_processes:
         jax.config.update("jax_enable_recoverability", True)
     if cfg.auto:
         jax.distributed.initialize()
     else:
         jax.distributed.initialize(coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes,
                                    process_id=cfg.process_id, initialization_timeout=cfg.timeout_s)
+    if trainer_processes:
+        remote.leave_last(trainer_processes)
 
 
 def run(config, workdir: str, explicit=frozenset()) -> None:
     """Parse and check the config, set up JAX, and run the mode's recipe. ``explicit``: the
     dotted keys the command line set (they win over ``config.profile``'s)."""
     typed = parse(config, explicit=explicit)  # static checks first: fail before touching devices
-    init_distributed(typed.distributed, rollout_process=typed.serving.disaggregated)
+    init_distributed(typed.distributed, typed.serving.trainer_processes if typed.serving.disaggregated else 0)
     errors = device_rules(typed, jax.device_count(), jax.process_count())
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))

@@ -2,38 +2,77 @@
 
 Every process of a run trains, except under disaggregated placement across processes
 (``serving.placement='disaggregated'`` in a multi-process run, docs/training.md "Placement"):
-process 0 then trains alone and the others only roll out (``recipes.rollout_process``). The
-trainer's collectives, its data share, its batch rows and its checkpoint barriers must then
-span process 0 alone: a program or a barrier over every process would wait forever on one
-that never joins it. ``training_count`` is what the training path asks instead of
-``jax.process_count()``.
+processes 0 .. ``serving.trainer_processes`` - 1 then train and the others only roll out
+(``recipes.rollout_process``), each driven by one trainer (``rollout_processes_of``). The
+trainer's collectives, its data shares, its batch rows and its checkpoint barriers must then
+span the training processes alone: a program or a barrier over every process would wait
+forever on one that never joins it. ``training_count`` is what the training path asks instead
+of ``jax.process_count()``, and ``allgather`` is its gather.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-_alone = False  # set by ``training_alone`` around a disaggregated trainer process
+_count: int | None = None  # set by ``training_processes`` around a disaggregated trainer process
 
 
 def training_count() -> int:
     """How many processes train (they are processes 0 .. count - 1)."""
-    return 1 if _alone else jax.process_count()
+    return jax.process_count() if _count is None else _count
 
 
 @contextlib.contextmanager
-def training_alone():
-    """Within: this process trains alone (the other processes only roll out)."""
-    global _alone
-    before, _alone = _alone, True
+def training_processes(count: int):
+    """Within: processes 0 .. ``count`` - 1 train (the others only roll out)."""
+    global _count
+    if not 1 <= count <= jax.process_count():
+        raise ValueError(f"{count} training processes: there are {jax.process_count()} processes")
+    before, _count = _count, int(count)
     try:
         yield
     finally:
-        _alone = before
+        _count = before
+
+
+def rollout_processes_of(trainer: int, trainers: int, total: int) -> tuple[int, ...]:
+    """The rollout processes (``trainers`` .. ``total`` - 1) that training process ``trainer``
+    drives: every ``trainers``-th, so each trainer has as many as the others when ``trainers``
+    divides their number (``recipes.config.device_rules`` requires it)."""
+    return tuple(range(trainers + trainer, total, trainers))
+
+
+def allgather(x) -> np.ndarray:
+    """``x`` (a small host array, the same shape everywhere) from every training process,
+    stacked in process order: a collective of the training processes alone (a rollout process
+    never joins it; ``multihost_utils.process_allgather`` would wait for it forever)."""
+    x = np.asarray(x)
+    count = training_count()
+    if count == jax.process_count():
+        return np.asarray(multihost_utils.process_allgather(x)).reshape(count, *x.shape)
+    firsts = [jax.local_devices(process_index=p)[0] for p in range(count)]
+    mesh = Mesh(np.array(firsts), ("process",))
+    rows = jax.make_array_from_process_local_data(NamedSharding(mesh, PartitionSpec("process")), x[None])
+    return np.asarray(_replicated(mesh)(rows).addressable_data(0))
+
+
+@functools.lru_cache(maxsize=4)
+def _replicated(mesh: Mesh):
+    return jax.jit(lambda rows: rows, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def barrier(name: str) -> None:
+    """Wait until every training process reaches the barrier ``name``."""
+    if training_count() == jax.process_count():
+        multihost_utils.sync_global_devices(name)
+    else:  # a gather of nothing is a barrier of the training processes alone
+        allgather(np.zeros((), np.int32))
 
 
 def gather_json(obj) -> list:
@@ -41,8 +80,8 @@ def gather_json(obj) -> list:
     every process calls it at the same point. For per-process state a checkpoint keeps (written
     by process 0 alone)."""
     data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-    sizes = multihost_utils.process_allgather(np.asarray([data.size], np.int64)).reshape(-1)
+    sizes = allgather(np.asarray([data.size], np.int64)).reshape(-1)
     padded = np.zeros(int(sizes.max()), np.uint8)
     padded[:data.size] = data
-    rows = multihost_utils.process_allgather(padded).reshape(len(sizes), -1)
+    rows = allgather(padded).reshape(len(sizes), -1)
     return [json.loads(bytes(row[:int(n)])) for row, n in zip(rows, sizes)]

@@ -265,6 +265,37 @@ def test_a_disaggregated_two_process_run_sizes_the_trainer_by_its_one_process(tm
     assert run.serving.trainer_devices_of(range(8)) == [0, 1, 2, 3]
 
 
+def test_several_training_processes_each_drive_as_many_rollout_processes(tmp_path):
+    """``serving.trainer_processes``: processes 0 .. T - 1 train over all their devices together
+    (the mesh, the batch and the prompts split over them), the others roll out, as many for
+    each trainer."""
+    c = good_config(tmp_path)
+    c.serving.placement, c.serving.rollout_devices, c.mesh.fsdp = "disaggregated", 4, 8
+    c.serving.trainer_processes = 2
+    c.rl.prompts_per_step, c.rl.group_size, c.trainer.micro_batch_size = 4, 16, 8
+    parse(c, num_devices=16, num_processes=4)  # 2 train on 8 devices, 2 roll out
+    parse(c, num_devices=24, num_processes=6)  # 2 rollout processes for each trainer
+    for processes, message in ((5, "the 3 left must be a positive multiple of 2"),
+                               (2, "the 0 left must be a positive multiple of 2")):
+        with pytest.raises(ConfigError, match=message):
+            parse(c, num_devices=4 * processes, num_processes=processes)
+    c.mesh.fsdp = 16
+    with pytest.raises(ConfigError, match="does not fit the 8 devices"):
+        parse(c, num_devices=16, num_processes=4)
+    c.mesh.fsdp, c.rl.prompts_per_step = 8, 3
+    with pytest.raises(ConfigError, match="prompts_per_step=3 must be a positive multiple of the 2 processes"):
+        parse(c, num_devices=16, num_processes=4)
+    c.rl.prompts_per_step, c.serving.trainer_processes = 4, 1  # one trainer: its own 4 devices only
+    with pytest.raises(ConfigError, match="does not fit the 4 devices"):
+        parse(c, num_devices=12, num_processes=3)
+    with pytest.raises(ConfigError, match="needs a multi-process run"):
+        c.serving.trainer_processes = 2
+        parse(c, num_devices=8)
+    c.serving.placement, c.serving.rollout_devices = "colocated", 0
+    with pytest.raises(ConfigError, match="only placement='disaggregated' sets processes apart"):
+        parse(c, num_devices=16, num_processes=4)
+
+
 def test_disaggregated_placement_takes_the_trainers_mesh_from_the_devices_it_leaves(tmp_path):
     c = good_config(tmp_path)
     c.serving.placement, c.serving.rollout_devices, c.mesh.fsdp = "disaggregated", 4, -1

@@ -116,7 +116,8 @@ def test_every_launch_command_in_the_docs_validates(user_paths, monkeypatch):
         run = check(argv, devices, processes)
         assert run.model.hf_path == user_paths["MODEL"] and run.data.train_path == user_paths["DATA"]
     ids = [check(a, d, p).distributed.process_id for d, p, a in launches if "--config.distributed.process_id" in " ".join(a)]
-    assert sorted(ids) == [0, 0, 1, 1, 2, 3]  # the four GPU hosts, the training and the rollout host
+    # the four GPU hosts, the training and the rollout host, two training and two rollout hosts
+    assert sorted(ids) == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
 
 
 def test_the_documented_check_output_is_what_the_checker_prints(user_paths, monkeypatch, capsys):

@@ -41,6 +41,17 @@ def rollout_processes() -> int:
     return int(os.environ.get("RJ_ROLLOUT_PROCS", 1))
 
 
+def trainer_processes() -> int:
+    """How many processes train (``RJ_TRAINER_PROCS``, default 1): processes 0 .. that - 1."""
+    return int(os.environ.get("RJ_TRAINER_PROCS", 1))
+
+
+def colocated() -> bool:
+    """``RJ_COLOCATED=1``: the reference of several training processes, each rolling out on its
+    own device as a colocated multi-process run does (no rollout processes)."""
+    return os.environ.get("RJ_COLOCATED") == "1"
+
+
 def stage_config(workdir, staleness: int, devices: int, reference: bool = False):
     """``reference``: the same stage on one process, the rollout devices of every rollout
     process there as slices of ``devices`` each."""
@@ -68,11 +79,14 @@ def stage_config(workdir, staleness: int, devices: int, reference: bool = False)
     if staleness:
         c.loss.decoupled_cap = 5.0
     c.serving.placement, c.serving.rollout_devices = "disaggregated", devices
+    c.serving.trainer_processes = trainer_processes()
     if reference and rollout_processes() > 1:
         c.serving.rollout_devices, c.serving.tensor_parallel = devices * rollout_processes(), devices
+    if colocated():
+        c.serving.placement, c.serving.rollout_devices, c.serving.trainer_processes = "colocated", 0, 1
     c.serving.num_slots, c.serving.kv_pages = 8, 8 * (256 + 192) // 16
     c.trainer.micro_batch_size = 0
-    c.mesh.fsdp, c.mesh.data = devices, 1
+    c.mesh.fsdp, c.mesh.data = devices * trainer_processes(), 1
     c.checkpoint.every_steps, c.checkpoint.async_save = 1000, False
     c.distributed.silence_s = float(os.environ.get("RJ_SILENCE_S", 120))
     c.logging.progress_bar = c.logging.tensorboard = False
@@ -120,23 +134,29 @@ def worker(port: int, pid: int, workdir: str, staleness: int, devices: int):
 
     if port:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.config.update("jax_enable_recoverability", True)  # as rstarjax.main does for this layout
-        jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=1 + rollout_processes(),
+        if not colocated():  # as rstarjax.main.init_distributed does for this layout
+            jax.config.update("jax_enable_recoverability", True)
+        processes = trainer_processes() + (0 if colocated() else rollout_processes())
+        jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=processes,
                                    process_id=pid, initialization_timeout=120)
+        if not colocated():
+            from rstarjax.rl import remote
+
+            remote.leave_last(trainer_processes())
     from rstarjax.env import CodeExecutor
     from rstarjax.recipes.rl import run_rl
     from rstarjax.rl import remote
 
     run = stage_config(workdir, staleness, devices, reference=not port)
     model = tiny_model()
-    if port and pid >= 1:  # a rollout process: serve the trainer's rounds until it stops
+    if port and pid >= trainer_processes() and not colocated():  # a rollout process: serve its trainer's rounds
         with CodeExecutor(num_workers=1) as executor:
             rounds = remote.serve_remote(scripted_rollouts(run, executor, model), wait_s=WAIT_S)
         with open(os.path.join(workdir, f"rollout_process-{pid}.json"), "w") as f:
             json.dump({"rounds": rounds}, f)
         return
     host_copies = []
-    if port:  # the weights must not go through the host on their way to the rollout process
+    if port and not colocated():  # the weights must not go through the host on their way to the rollout process
         import jax._src.array as array_mod
 
         real_value, handing_off = array_mod.ArrayImpl._value, threading.local()
@@ -157,14 +177,26 @@ def worker(port: int, pid: int, workdir: str, staleness: int, devices: int):
             setattr(remote.RemoteRollouts, name, watched(getattr(remote.RemoteRollouts, name)))
         tr = run_rl(run, workdir, model=model)
         array_mod.ArrayImpl._value = real_value
-    else:  # the same stage on one process: the trainer on device 0, the rollout slice on device 1
+    else:  # the same stage on one process (the trainer on device 0, the rollout slice on device 1),
+        # or colocated on each training process's own device
         with CodeExecutor(num_workers=1) as executor:
             rollouts = scripted_rollouts(run, executor, model)
             tr = run_rl(run, workdir, rollout_fn=rollouts, model=model,
                         on_update=lambda t: rollouts.update_params(t.served_model()))
-    np.savez(os.path.join(workdir, "params.npz"), *[np.asarray(x) for x in jax.tree.leaves(tr.state.params)])
-    with open(os.path.join(workdir, "host_copies.json"), "w") as f:
+    params = host_copy(tr)  # (a program of every training process)
+    if pid == 0:
+        np.savez(os.path.join(workdir, "params.npz"), *params)
+    with open(os.path.join(workdir, f"host_copies-{pid}.json"), "w") as f:
         json.dump({"host_copies": host_copies}, f)
+
+
+def host_copy(trainer) -> list:
+    """The trainer's parameters as host arrays (gathered over the training processes' mesh)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    whole = jax.jit(lambda t: t, out_shardings=NamedSharding(trainer.mesh, PartitionSpec()))(trainer.state.params)
+    return [np.asarray(x.addressable_data(0)) for x in jax.tree.leaves(whole)]
 
 
 
@@ -230,7 +262,7 @@ def test_a_rollout_process_apart_trains_as_one_process_with_two_device_groups(tm
             assert a["partial/rollouts_carried"] == b["partial/rollouts_carried"]
     with open(os.path.join(two, "rollout_process-1.json")) as f:
         assert json.load(f)["rounds"] >= STEPS  # and it stopped when the trainer did
-    with open(os.path.join(two, "host_copies.json")) as f:
+    with open(os.path.join(two, "host_copies-0.json")) as f:
         assert json.load(f)["host_copies"] == []
 
 
@@ -258,41 +290,87 @@ def test_two_rollout_processes_share_each_round_as_two_slices_do_in_one_process(
     for pid in (1, 2):  # both served rounds, and stopped when the trainer did
         with open(os.path.join(many, f"rollout_process-{pid}.json")) as f:
             assert json.load(f)["rounds"] >= 1
-    with open(os.path.join(many, "host_copies.json")) as f:
+    with open(os.path.join(many, "host_copies-0.json")) as f:
         assert json.load(f)["host_copies"] == []
+
+
+@pytest.mark.slow  # ~90 s on 2 cores
+def test_two_training_processes_each_drive_their_own_rollout_process(tmp_path):
+    """``serving.trainer_processes=2``: processes 0 and 1 train together (one update over both
+    their devices, each its own data share) and each drives the rollout process of its own
+    (2 and 3): their rounds, their paused rollouts and their weights, each copied from the
+    trainer's own devices. It trains as the two training processes do colocated, each
+    rolling out its own share on its own device, with ``max_staleness=1`` and partial
+    rollouts on."""
+    apart, colocated_dir = str(tmp_path / "apart"), str(tmp_path / "colocated")
+    for d in (apart, colocated_dir):
+        write_data(d)
+    env = dict(RJ_PARTIAL="20", RJ_TRAINER_PROCS="2", RJ_ROLLOUT_PROCS="2")
+    port = free_port()
+    finish([launch(port, i, apart, 1, 1, per_process=1, **env) for i in range(4)])
+    port = free_port()
+    finish([launch(port, i, colocated_dir, 1, 1, per_process=1, RJ_COLOCATED="1", **env) for i in range(2)])
+    got, want = np.load(os.path.join(apart, "params.npz")), np.load(os.path.join(colocated_dir, "params.npz"))
+    assert len(got.files) == len(want.files) > 0
+    for k in want.files:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+    m4, m2 = metrics_of(apart), metrics_of(colocated_dir)
+    assert [m["step"] for m in m4] == list(range(1, STEPS + 1))
+    for a, b in zip(m4, m2):
+        for key in ("rollout/reward_mean", "train/trained_tokens", "train/loss", "partial/rollouts_carried"):
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-4, atol=1e-6, err_msg=key)
+    assert max(m["partial/rollouts_paused"] for m in m4) > 0
+    for pid in (2, 3):  # each served its trainer's rounds, and stopped when it did
+        with open(os.path.join(apart, f"rollout_process-{pid}.json")) as f:
+            assert json.load(f)["rounds"] >= 1
+    for pid in (0, 1):
+        with open(os.path.join(apart, f"host_copies-{pid}.json")) as f:
+            assert json.load(f)["host_copies"] == []
 
 
 if __name__ == "__main__":
     worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
 
 
-@pytest.mark.slow  # ~70 s on 2 cores
-def test_the_trainer_saves_what_it_finished_when_the_rollout_process_dies(tmp_path):
-    """SIGKILL the rollout process after two steps: the trainer process is not aborted by the
+@pytest.mark.slow  # ~70 s and ~100 s on 2 cores
+@pytest.mark.parametrize("trainers", [1, 2])
+def test_the_trainer_saves_what_it_finished_when_the_rollout_process_dies(tmp_path, trainers):
+    """SIGKILL a rollout process after two steps: its trainer process is not aborted by the
     coordination service, notices the silent heartbeat within its bound, saves its last finished
-    step and exits with an error that says so (no hang, nothing finished lost)."""
+    step and exits with an error that says so (no hang, nothing finished lost). With two
+    training processes (each driving one rollout process, the last one killed) both learn of it
+    at the same step and save it together, and the other rollout process is stopped."""
     import time
 
     workdir = str(tmp_path)
     write_data(workdir)
-    port, env = free_port(), dict(RJ_STEPS="50", RJ_SILENCE_S="10")
-    trainer, rollout = [launch(port, i, workdir, 0, 1, 1, **env) for i in range(2)]
+    env = dict(RJ_STEPS="50", RJ_SILENCE_S="10", RJ_TRAINER_PROCS=str(trainers), RJ_ROLLOUT_PROCS=str(trainers))
+    port = free_port()
+    procs = [launch(port, i, workdir, 0, 1, 1, **env) for i in range(2 * trainers)]
+    first, dying = procs[0], procs[-1]
     try:
         log, t0 = os.path.join(workdir, "logs", "metrics.jsonl"), time.monotonic()
         while not (os.path.exists(log) and len(metrics_of(workdir)) >= 2):
-            assert time.monotonic() - t0 < WAIT_S and trainer.poll() is None, trainer.communicate()[0][-3000:]
+            assert time.monotonic() - t0 < WAIT_S and first.poll() is None, first.communicate()[0][-3000:]
             time.sleep(0.2)
-        rollout.kill()
+        dying.kill()
         t_kill = time.monotonic()
-        out = trainer.communicate(timeout=120)[0]
+        outs = [p.communicate(timeout=120)[0] for p in procs[:-1]]
         waited = time.monotonic() - t_kill
     finally:
-        trainer.kill()
-        rollout.kill()
-    assert trainer.returncode == 1, out[-4000:]
-    assert "RolloutProcessDied" in out and "beat no heartbeat" in out, out[-4000:]
+        for p in procs:
+            p.kill()
+    trainer_outs = outs[:trainers]
+    for p, out in zip(procs, trainer_outs):
+        assert p.returncode == 1, out[-4000:]
+    owner = trainer_outs[-1]  # the trainer of the killed rollout process
+    assert "RolloutProcessDied" in owner and "beat no heartbeat" in owner, owner[-4000:]
+    if trainers > 1:
+        assert "the rollouts of training process 1 failed" in trainer_outs[0], trainer_outs[0][-4000:]
+        assert procs[trainers].returncode == 0, outs[trainers][-4000:]  # its own rollout process: stopped
     steps = [m["step"] for m in metrics_of(workdir)]
-    assert f"step {steps[-1]} is saved in {workdir}" in out, out[-4000:]
+    for out in trainer_outs:
+        assert f"step {steps[-1]} is saved in {workdir}" in out, out[-4000:]
     # silence_s 10 s, looked at every 5 s: well within a minute, nowhere near a round's wait
     assert waited < 60, waited
     saved = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())

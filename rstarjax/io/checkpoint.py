@@ -176,8 +176,8 @@ class Checkpointer:
         if not all_finite(state):
             raise NonFiniteState(f"checkpoint {step} not written to {self.directory}: the train state holds "
                                  "inf or nan values")
-        if self._alone:  # orbax refuses arrays of one process in a multi-process run: their host copy
-            state = jax.device_get(state)  # (restored into the trainer's shardings as any other)
+        if self._alone and processes.training_count() == 1:  # orbax refuses arrays of one process in a
+            state = jax.device_get(state)  # multi-process run: their host copy (restored as any other)
         try:  # an async save's error surfaces here, at the next save (or in wait / close)
             saved = self._manager.save(
                 step,
@@ -277,9 +277,7 @@ class Checkpointer:
             if jax.process_index() == 0:
                 os.rename(self.step_dir(step), target)
         if processes.training_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("rstarjax: unreadable checkpoints set aside")
+            processes.barrier("rstarjax: unreadable checkpoints set aside")
         self._manager.reload()
         return targets
 

@@ -26,11 +26,11 @@ from rstarjax.serving.sampling import SamplingParams
 def mesh(cfg: MeshConfig, serving: ServingConfig | None = None) -> Mesh:
     """The trainer's mesh: over every device, or (``serving.placement='disaggregated'``) over
     those the rollout slices leave: in one process its last ``rollout_devices``; across
-    processes every other process's, so process 0's own."""
+    processes the rollout processes', so the training processes' own."""
     if serving is None or not serving.disaggregated:
         devices = None
     elif jax.process_count() > 1:
-        devices = jax.local_devices(process_index=0)
+        devices = [d for d in jax.devices() if d.process_index < serving.trainer_processes]
     else:
         devices = serving.trainer_devices_of(jax.devices())
     return make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=devices)

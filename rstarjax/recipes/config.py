@@ -516,18 +516,26 @@ def _run_rules(run: RunConfig) -> list[str]:
 def device_rules(run: RunConfig, num_devices: int, num_processes: int = 1) -> list[str]:
     """The rules the devices and processes put on the mesh and the batch sizes."""
     sv = run.serving
-    if sv.disaggregated and num_processes > 1:  # process 0 trains, the others roll out (rl.remote)
-        per = num_devices // num_processes
+    across = sv.disaggregated and num_processes > 1
+    if across:  # processes 0 .. T - 1 train, the others roll out (rl.remote)
+        per, trainers = num_devices // num_processes, sv.trainer_processes
         if sv.rollout_devices != per or sv.tensor_parallel not in (0, per):
-            return [f"--config.serving.placement='disaggregated' across processes: process 0 trains on its "
-                    f"{per} devices, every other process rolls out on all of its own as one slice "
+            return [f"--config.serving.placement='disaggregated' across processes: the training processes train "
+                    f"on their {per} devices each, every other process rolls out on all of its own as one slice "
                     f"(--config.serving.rollout_devices={per}, --config.serving.tensor_parallel=0); got "
                     f"rollout_devices={sv.rollout_devices}, tensor_parallel={sv.tensor_parallel}"]
-        num_processes = 1  # the processes that train
+        if trainers >= num_processes or (num_processes - trainers) % trainers:
+            return [f"--config.serving.trainer_processes={trainers} of {num_processes} processes: each training "
+                    f"process drives as many rollout processes as the others, so the {num_processes - trainers} "
+                    f"left must be a positive multiple of {trainers}"]
+        num_devices, num_processes = trainers * per, trainers  # the trainer's mesh spans the training processes
+    elif sv.trainer_processes > 1:
+        return [f"--config.serving.trainer_processes={sv.trainer_processes} needs a multi-process run with "
+                "placement='disaggregated' (processes apart for rollouts); this run has one process"]
     elif sv.disaggregated and sv.rollout_devices >= num_devices:
         return [f"--config.serving.rollout_devices={sv.rollout_devices} must leave the trainer some of the "
                 f"{num_devices} devices of its process"]
-    if sv.disaggregated:
+    if sv.disaggregated and not across:
         num_devices -= sv.rollout_devices  # the trainer's mesh takes the others
     sizes = run.mesh.resolved(num_devices)
     if sizes is None:

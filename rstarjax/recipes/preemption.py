@@ -159,12 +159,8 @@ class SignalGuard:
             self._in_rollouts = False
 
     def stop_signal(self, step: int) -> int:
-        """At a step boundary: the signal to stop on (0: go on), agreed by every process."""
-        import jax
-
+        """At a step boundary: the signal to stop on (0: go on), agreed by every training process."""
         mine = self.request.signum if self.request is not None else 0
         if processes.training_count() == 1:
             return mine
-        from jax.experimental import multihost_utils
-
-        return agreed_stop(multihost_utils.process_allgather(np.asarray([mine, step], np.int64)))
+        return agreed_stop(processes.allgather(np.asarray([mine, step], np.int64)))

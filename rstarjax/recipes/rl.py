@@ -266,8 +266,9 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
            on_update: Callable[[Trainer], None] | None = None, model_source: dict | None = None) -> Trainer | None:
     """``mode=rl``: GRPO-RoC updates until the global step reaches ``run.total_steps``, resumable
     from ``workdir``; the stage hand-off rules are ``initial_state``'s. In a disaggregated
-    multi-process run, process 0 trains (``rstarjax.processes``: alone) and every other process
-    serves a share of its rollouts (``recipes.rollout_process``; it returns None).
+    multi-process run, processes 0 .. ``serving.trainer_processes`` - 1 train (``rstarjax.processes``)
+    and every other process serves a share of one trainer's rollouts (``recipes.rollout_process``;
+    it returns None).
 
     ``rollout_fn`` defaults to the agent loop on a colocated serving engine; ``on_update`` is
     called once the starting state is in place (so the very first rollouts sample the restored
@@ -280,14 +281,16 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
     record (e.g. ``{"source": "checkpoint", "path": SFT_CKPT_DIR, "step": N}``): with LoRA it is
     the base record the checkpoints carry, so a resume and ``rstarjax.export`` can rebuild it.
     """
-    if is_rollout_process(run):  # not process 0 of a disaggregated multi-process run: it only rolls out
+    if is_rollout_process(run):  # past the training processes of a disaggregated run: it only rolls out
         serve_rollouts(run)
         return None
-    if run.serving.disaggregated and jax.process_count() > 1 and rollout_fn is None:  # process 0 trains alone
+    if run.serving.disaggregated and jax.process_count() > 1 and rollout_fn is None:  # the training processes
+        trainers = run.serving.trainer_processes
         remote = RemoteRollouts(wait_s=round_wait_s(run), silence_s=run.distributed.silence_s,
-                                processes=tuple(range(1, jax.process_count())))
-        try:  # the rollout process stops with this one, whatever ends it
-            with processes.training_alone():
+                                processes=processes.rollout_processes_of(jax.process_index(), trainers,
+                                                                          jax.process_count()))
+        try:  # its rollout processes stop with this one, whatever ends it
+            with processes.training_processes(trainers):
                 return _run_rl(run, workdir, remote, model, lambda tr: remote.update_params(tr.served_model()),
                                model_source)
         finally:
@@ -378,11 +381,11 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
             **({"process_shares": shares} if shares else {}),
         })
 
-    def guarded(fn):  # the part of a step that a stop signal may abandon
+    def guarded(fn):  # the part of a step that a stop signal may abandon; its failure, every process's
         def call(*args, **kwargs):
             with guard.rollouts():
                 return fn(*args, **kwargs)
-        return call
+        return failing_together(call)
 
     guarded_rollouts, partial, source = guarded(rollout_fn), None, None
     # the prompts whose groups were in flight at the checkpoint resumed: they start again first
@@ -431,7 +434,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
             step = trainer.step
             compiled_before = compile_cache.compile_seconds()
             if source is not None:  # the oldest round the rollout thread finished
-                rnd, waited = source.next_round()
+                rnd, waited = failing_together(source.next_round)()
                 # every process stops together, once one has no round left (with equal data
                 # shares all run out at the same round; a round drawn but not trained is kept)
                 if any_process(rnd is None):
@@ -547,8 +550,6 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
     except RolloutsFailed as failure:  # the rollouts' infrastructure, not the model: keep what finished
         if trainer.step == start:
             failure.add_note(f"no step finished in this run since step {start}: nothing new to save")
-        elif processes.training_count() > 1:  # several would have to save together
-            failure.add_note(f"step {trainer.step} was not saved (several processes train)")
         elif _save_last(trainer.step, start, save, finished_data, ckpt):
             failure.add_note(f"step {trainer.step} is saved in {workdir}: the same command resumes from it")
         else:
@@ -624,6 +625,30 @@ def round_wait_s(run: RunConfig) -> float:
     """The longest the trainer waits for one round of rollouts: twice the bound the rollouts
     themselves enforce (``rl.rollout_timeout_s``), so that bound fires first and names itself."""
     return 2 * run.rl.agent().rollout_timeout_s + 60
+
+
+def failing_together(fn: Callable) -> Callable:
+    """``fn`` (a call that yields rollouts) that raises ``RolloutsFailed`` on every training
+    process when it raised it on one: after each call they agree in one small gather. A process
+    whose rollouts failed then never leaves the others waiting in the update's collectives, and
+    all of them reach the failure handler at the same step, where they save it together."""
+    if processes.training_count() == 1:
+        return fn
+
+    def call(*args, **kwargs):
+        failure = None
+        try:
+            out = fn(*args, **kwargs)
+        except RolloutsFailed as e:
+            failure, out = e, None
+        failed = np.flatnonzero(processes.allgather(np.asarray(failure is not None, np.int32))).tolist()
+        if failure is not None:
+            raise failure
+        if failed:
+            raise RolloutsFailed(f"the rollouts of training process{'es' if len(failed) > 1 else ''} "
+                                 f"{', '.join(map(str, failed))} failed (its log says why)")
+        return out
+    return call
 
 
 def _save_last(step: int, start: int, save, data_state, ckpt) -> bool:

@@ -1,8 +1,9 @@
 """A rollout process of a disaggregated multi-process RL run (``serving.placement='disaggregated'``
-across processes; docs/training.md "Placement"): every process but 0 builds the serving engine
-over all its devices (one slice) and its own code pool, and answers the trainer process
-(``rl.remote.serve_remote``) until it says stop. It reads no data and writes no checkpoint:
-prompts and weights come from the trainer process, which holds the run's state.
+across processes; docs/training.md "Placement"): every process past the training ones builds
+the serving engine over all its devices (one slice) and its own code pool, and answers the
+training process that drives it (``processes.rollout_processes_of``; ``rl.remote.serve_remote``)
+until it says stop. It reads no data and writes no checkpoint: prompts and weights come from
+its trainer process, and the training processes hold the run's state.
 """
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ log = logging.getLogger(__name__)
 
 
 def is_rollout_process(run: RunConfig) -> bool:
-    """Whether this process only rolls out: any but process 0 of a disaggregated multi-process run."""
-    return run.serving.disaggregated and jax.process_count() > 1 and jax.process_index() != 0
+    """Whether this process only rolls out: any past the training processes (0 ..
+    ``serving.trainer_processes`` - 1) of a disaggregated multi-process run."""
+    return (run.serving.disaggregated and jax.process_count() > 1
+            and jax.process_index() >= run.serving.trainer_processes)
 
 
 def serve_rollouts(run: RunConfig) -> int:

@@ -1,20 +1,22 @@
 """Rollouts in processes apart from the trainer's (``serving.placement='disaggregated'`` in a
 multi-process run; docs/training.md "Placement").
 
-Process 0 trains on its devices; every other process rolls out on all of its own, one serving
-slice, with its own code pool (``recipes.rollout_process``). The trainer process drives them
-through ``RemoteRollouts``, a ``RolloutFn`` like the colocated one that splits each round by
-prompt groups over the rollout processes, so the RL loop (synchronous, with
-``rl.max_staleness`` its rollout thread, or with partial rollouts ``RemoteRollouts.partial``,
-each paused rollout kept in the process that started it) is unchanged; each rollout process
-answers in ``serve_remote``, under its own keys (``keys_of``). Rewards are computed where the
-rollouts run.
+Processes 0 .. ``serving.trainer_processes`` - 1 train on their devices; every other process
+rolls out on all of its own, one serving slice, with its own code pool
+(``recipes.rollout_process``). Each training process drives its own rollout processes
+(``processes.rollout_processes_of``) through ``RemoteRollouts``, a ``RolloutFn`` like the
+colocated one that splits each of its rounds (its data share) by prompt groups over them, so
+the RL loop (synchronous, with ``rl.max_staleness`` its rollout thread, or with partial
+rollouts ``RemoteRollouts.partial``, each paused rollout kept in the process that started it)
+is unchanged; each rollout process answers in ``serve_remote``, under its own keys
+(``keys_of``). Rewards are computed where the rollouts run.
 
 **Messages** (a round's prompts, its trajectories, "new weights follow", "stop") go through
 the key-value store of the coordination service that ``jax.distributed`` starts, pickled, in
 order, each direction under its own numbered keys (``Mailbox``). **Weights never do**: after
-each update the trainer process casts its state into the slice's layout on its own devices
-(``handoff.stage_in_layout``) and runs ``handoff.copy_to_receiver`` with each rollout process
+each update the training processes cast their state into the slice's layout on their own
+devices (``handoff.stage_in_layout``, one program over all of them: each keeps a whole copy on
+its own devices) and each runs ``handoff.copy_to_receiver`` with each of its rollout processes
 in turn, one compiled program per pair in which each trainer device sends its shard to the
 rollout device that holds the same shard. A rollout process installs it between rounds, where
 the colocated loop does.
@@ -32,6 +34,7 @@ with the error.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import pickle
@@ -336,17 +339,20 @@ class RemoteRollouts:
 
     def close(self, wait_s: float = 120.0) -> None:
         """Tell every rollout process to stop (once) and wait, at most ``wait_s``, until they
-        have left the coordination service: this process hosts the service, and a recoverable
-        one (``main.init_distributed``) does not hold its exit for the others."""
+        have left the coordination service: process 0 hosts the service, and a recoverable one
+        (``main.init_distributed``) does not hold its exit for the others (nor for the other
+        training processes: ``leave_last``)."""
         if self.closed:
             return
         self.closed = True
         for peer in self.peers:
             peer.requests.send("stop")
         # (a service that is not recoverable holds every process's exit at a barrier itself)
+        if not jax.config.jax_enable_recoverability:
+            return
         alive = [p for p in self.peers if not (p.lost or p.beats.silent("the stop"))]
-        if jax.config.jax_enable_recoverability and len(alive) == len(self.peers):
-            _wait_until_gone(self.client, wait_s, [0] + [p.process for p in self.peers])
+        if len(alive) == len(self.peers):
+            _wait_until_gone(self.client, wait_s, [jax.process_index()] + [p.process for p in self.peers])
 
 
 def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
@@ -385,15 +391,24 @@ def merge_figures(figures: list[dict]) -> dict:
     return out
 
 
-def _wait_until_gone(client, wait_s: float, processes: list[int]) -> None:
-    """Block until every rollout process has shut its coordination client down (or died),
+def leave_last(trainers: int, wait_s: float = 300.0) -> None:
+    """On process 0 of a recoverable run (``main.init_distributed``), which hosts the
+    coordination service: at exit, wait (``wait_s`` at most) until the other training processes
+    (1 .. ``trainers`` - 1) have left it. A recoverable service does not hold their exits at its
+    own shutdown barrier, and a service that ends before a process has left aborts that one."""
+    if trainers > 1 and jax.process_index() == 0:
+        atexit.register(lambda: _wait_until_gone(_client(), wait_s, list(range(trainers)), "training"))
+
+
+def _wait_until_gone(client, wait_s: float, processes: list[int], who: str = "rollout") -> None:
+    """Block until every other listed process has shut its coordination client down (or died),
     ``wait_s`` at most: ``get_live_nodes`` returns once every listed process called it or left."""
     thread = threading.Thread(target=lambda: client.get_live_nodes(processes), name="await-rollout-exit",
                               daemon=True)
     thread.start()
     thread.join(wait_s)
     if thread.is_alive():
-        log.warning("the rollout processes did not leave within %g s of the stop", wait_s)
+        log.warning("the %s processes did not leave within %g s of the stop", who, wait_s)
 
 
 def serve_remote(rollouts, wait_s: float) -> int:

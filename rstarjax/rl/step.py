@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from rstarjax import processes
 from rstarjax.rl import advantages as adv_lib
@@ -38,7 +37,7 @@ def any_process(flag: bool) -> bool:
     iterators stay in lockstep)."""
     if processes.training_count() == 1:
         return flag
-    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
+    return bool(np.any(processes.allgather(np.asarray(flag, np.int32))))
 
 
 def _update_anywhere(has_rows: bool, num_rows: int) -> bool:
@@ -47,7 +46,7 @@ def _update_anywhere(has_rows: bool, num_rows: int) -> bool:
     devices). One small all-gather, outside rollout."""
     if processes.training_count() == 1:
         return has_rows
-    got = multihost_utils.process_allgather(np.asarray([has_rows, num_rows], np.int64))
+    got = processes.allgather(np.asarray([has_rows, num_rows], np.int64))
     rows = got[:, 1].tolist()
     if len(set(rows)) > 1:
         raise ValueError(f"processes bring different row counts {rows} to the update: every process "

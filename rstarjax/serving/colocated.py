@@ -53,6 +53,9 @@ class ServingConfig:
     # "disaggregated" on the last rollout_devices local devices, the trainer's mesh on the others
     placement: str = "colocated"
     rollout_devices: int = 0
+    # disaggregated across processes: processes 0 .. trainer_processes - 1 train, every other
+    # process rolls out on all of its devices (rstarjax.processes.rollout_processes_of)
+    trainer_processes: int = 1
 
     def __post_init__(self):
         at_least_one = [(getattr(self, n) >= 1, f"{n}={getattr(self, n)} must be >= 1")
@@ -78,6 +81,10 @@ class ServingConfig:
                 ((self.placement == "disaggregated") == (self.rollout_devices >= 1),
                  f"rollout_devices={self.rollout_devices}: placement='disaggregated' needs rollout_devices >= 1 "
                  "(the devices its rollout slices take), and only it takes any"),
+                (self.trainer_processes >= 1, f"trainer_processes={self.trainer_processes} must be >= 1"),
+                (self.placement == "disaggregated" or self.trainer_processes == 1,
+                 f"trainer_processes={self.trainer_processes}: only placement='disaggregated' sets processes "
+                 "apart for rollouts (colocated, every process trains)"),
                 (not (self.placement == "disaggregated" and self.release_during_update),
                  "release_during_update frees memory on the trainer's devices for the update; "
                  "disaggregated rollouts hold none there: turn it off"),

@@ -157,17 +157,23 @@ def serving_copies(graphdef, state, targets: Sequence[Target], *, dtype,
 
 def stage_in_layout(graphdef, state, specs, size: int, *, dtype, untie_head: bool = False) -> ServingWeights:
     """The serving copy of ``state`` in the layout of a slice of ``size`` devices on a ``tensor``
-    axis (``specs``: its PartitionSpecs), on the first ``size`` of the state's own devices: the
-    staging program casts the state into that layout on every row of ``size`` of its devices
-    (one program, no host copy), and the first row's buffers are kept (no copy). What another
-    device group's slice then takes device to device: in this process (``serving_copies``) or
-    in a rollout process (``copy_to_receiver``)."""
+    axis (``specs``: its PartitionSpecs), on the first ``size`` of the state's own devices that
+    this process holds: the staging program casts the state into that layout on every row of
+    ``size`` of its devices (one program, no host copy; a collective of every process the state
+    spans), and this process's first row's buffers are kept (no copy). What another device
+    group's slice then takes device to device: in this process (``serving_copies``) or in a
+    rollout process (``copy_to_receiver``), from each training process its own."""
     devices = _sorted_devices(state)
     if not devices or len(devices) % size:
         raise ValueError(f"a slice of {size} devices does not tile the state's {len(devices)} devices")
-    rows_mesh = device_mesh(np.array(devices).reshape(-1, size), ("data", "tensor"))
+    rows = np.array(devices).reshape(-1, size)
+    mine = [row for row in rows if all(d.process_index == jax.process_index() for d in row)]
+    if not mine:
+        raise ValueError(f"no {size} consecutive devices of the state lie on process {jax.process_index()}: "
+                         "each training process needs a whole rollout slice's worth of devices")
+    rows_mesh = device_mesh(rows, ("data", "tensor"))
     staged = _staging_program(graphdef, jnp.dtype(dtype), untie_head, named(rows_mesh, specs))(state)
-    first = named(device_mesh(np.array(devices[:size]), ("tensor",)), specs)
+    first = named(device_mesh(np.array(mine[0]), ("tensor",)), specs)
     return _take_row(staged, first, None)
 
 
