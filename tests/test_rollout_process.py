@@ -339,7 +339,8 @@ def test_the_trainer_saves_what_it_finished_when_the_rollout_process_dies(tmp_pa
     coordination service, notices the silent heartbeat within its bound, saves its last finished
     step and exits with an error that says so (no hang, nothing finished lost). With two
     training processes (each driving one rollout process, the last one killed) both learn of it
-    at the same step and save it together, and the other rollout process is stopped."""
+    at the same step and save it together, and the other rollout process is stopped; the same
+    four processes started again resume from that step (their checkpoint written by both)."""
     import time
 
     workdir = str(tmp_path)
@@ -375,3 +376,8 @@ def test_the_trainer_saves_what_it_finished_when_the_rollout_process_dies(tmp_pa
     assert waited < 60, waited
     saved = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
     assert saved == [steps[-1]] and steps == list(range(1, steps[-1] + 1)), (saved, steps)
+    if trainers > 1:
+        env["RJ_STEPS"] = str(steps[-1] + 2)
+        port = free_port()
+        finish([launch(port, i, workdir, 0, 1, 1, **env) for i in range(2 * trainers)])
+        assert [m["step"] for m in metrics_of(workdir)] == list(range(1, steps[-1] + 3))
