@@ -48,6 +48,11 @@ def rollout_processes_of(trainer: int, trainers: int, total: int) -> tuple[int, 
     return tuple(range(trainers + trainer, total, trainers))
 
 
+def trainer_of(rollout: int, trainers: int) -> int:
+    """The training process that drives rollout process ``rollout`` (``rollout_processes_of``)."""
+    return (rollout - trainers) % trainers
+
+
 def allgather(x) -> np.ndarray:
     """``x`` (a small host array, the same shape everywhere) from every training process,
     stacked in process order: a collective of the training processes alone (a rollout process

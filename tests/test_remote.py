@@ -96,10 +96,49 @@ def test_a_wait_ends_when_the_heartbeat_stops_not_at_its_bound(monkeypatch):
         inbox.receive(0.4, "a round", peer)
     stop.set()
     thread.join(1)
+    client.key_value_set(remote.keys_of(1)[2], "killed", allow_overwrite=True)  # not DONE: never beats again
     t0 = time.monotonic()
     with pytest.raises(remote.RolloutProcessDied, match="while|came to a round"):
         inbox.receive(60, "a round", peer)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_training_process_watches_the_others_and_a_rollout_process_its_trainer(monkeypatch):
+    """Several training processes: each watches the others' heartbeats (a dead one leaves it
+    in a collective nothing in Python can end, so ``on_death`` exits), and a rollout process
+    stops waiting for requests once its trainer's heartbeat stops; a heartbeat that ended on
+    purpose (``DONE``) is not a death."""
+    monkeypatch.setattr(remote, "POLL_S", 0.05)
+    client, deaths = FakeClient(), []
+    key = remote.keys_of(1)[2]
+    client.key_value_set(key, "1", allow_overwrite=True)  # then silent: killed
+    trainer = remote.Heartbeats(silence_s=0.3, client=client, process=1, role="training process",
+                                watcher="training process")
+    stop = threading.Event()
+    thread = remote.watch([trainer], stop, deaths.append, every_s=0.05)
+    thread.join(5)
+    assert not thread.is_alive() and len(deaths) == 1
+    assert "the training process (process 1) beat no heartbeat" in deaths[0]
+    inbox = remote.Mailbox("requests", client)
+    watched = remote.Heartbeats(silence_s=0.3, client=client, process=1, role="training process",
+                                watcher="rollout process", error=remote.TrainerProcessDied)
+    t0 = time.monotonic()
+    with pytest.raises(remote.TrainerProcessDied, match="came to the next request"):
+        inbox.receive(60, "the next request", watched)
+    assert time.monotonic() - t0 < 5
+    client.key_value_set(key, remote.DONE, allow_overwrite=True)  # closed: never a death
+    done = remote.Heartbeats(silence_s=0.0, client=client, process=1)
+    assert done.silent("x") == "" and done.silent("x") == ""
+
+
+def test_a_stopped_heartbeat_says_done():
+    client, stop = FakeClient(), threading.Event()
+    thread = remote.beat(stop, client, every_s=0.01, process=3)
+    time.sleep(0.05)
+    assert int(client.store[remote.keys_of(3)[2]]) >= 1
+    stop.set()
+    thread.join(1)
+    assert client.store[remote.keys_of(3)[2]] == remote.DONE
 
 
 def test_a_hand_off_to_a_dead_process_is_raised_at_the_next_round(monkeypatch):

@@ -151,7 +151,9 @@ def worker(port: int, pid: int, workdir: str, staleness: int, devices: int):
     model = tiny_model()
     if port and pid >= trainer_processes() and not colocated():  # a rollout process: serve its trainer's rounds
         with CodeExecutor(num_workers=1) as executor:
-            rounds = remote.serve_remote(scripted_rollouts(run, executor, model), wait_s=WAIT_S)
+            rounds = remote.serve_remote(scripted_rollouts(run, executor, model), wait_s=WAIT_S,
+                                         trainer=(pid - trainer_processes()) % trainer_processes(),
+                                         silence_s=run.distributed.silence_s)
         with open(os.path.join(workdir, f"rollout_process-{pid}.json"), "w") as f:
             json.dump({"rounds": rounds}, f)
         return
@@ -278,20 +280,30 @@ def test_two_rollout_processes_share_each_round_as_two_slices_do_in_one_process(
     env, port = dict(RJ_PARTIAL="20", RJ_ROLLOUT_PROCS="2"), free_port()
     finish([launch(port, i, many, 1, 1, per_process=1, **env) for i in range(3)])
     finish([launch(0, 0, one, 1, 1, per_process=3, **env)])
-    got, want = np.load(os.path.join(many, "params.npz")), np.load(os.path.join(one, "params.npz"))
+    assert_trains_as(many, one, trainers=(0,), rollout_processes=(1, 2))
+
+
+def assert_trains_as(got_dir, want_dir, trainers, rollout_processes):
+    """The partial-rollout stage in ``got_dir`` trained as the one in ``want_dir``: the same
+    parameters, rewards, trained tokens, losses and carried rollouts, some rollouts paused; every
+    rollout process served rounds and stopped with its trainer, and no training process copied
+    weights through its host."""
+    got, want = np.load(os.path.join(got_dir, "params.npz")), np.load(os.path.join(want_dir, "params.npz"))
+    assert len(got.files) == len(want.files) > 0
     for k in want.files:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
-    m3, m1 = metrics_of(many), metrics_of(one)
-    assert [m["step"] for m in m3] == list(range(1, STEPS + 1))
-    for a, b in zip(m3, m1):
+    m_got, m_want = metrics_of(got_dir), metrics_of(want_dir)
+    assert [m["step"] for m in m_got] == list(range(1, STEPS + 1))
+    for a, b in zip(m_got, m_want):
         for key in ("rollout/reward_mean", "train/trained_tokens", "train/loss", "partial/rollouts_carried"):
             np.testing.assert_allclose(a[key], b[key], rtol=1e-4, atol=1e-6, err_msg=key)
-    assert max(m["partial/rollouts_paused"] for m in m3) > 0
-    for pid in (1, 2):  # both served rounds, and stopped when the trainer did
-        with open(os.path.join(many, f"rollout_process-{pid}.json")) as f:
+    assert max(m["partial/rollouts_paused"] for m in m_got) > 0
+    for pid in rollout_processes:
+        with open(os.path.join(got_dir, f"rollout_process-{pid}.json")) as f:
             assert json.load(f)["rounds"] >= 1
-    with open(os.path.join(many, "host_copies-0.json")) as f:
-        assert json.load(f)["host_copies"] == []
+    for pid in trainers:
+        with open(os.path.join(got_dir, f"host_copies-{pid}.json")) as f:
+            assert json.load(f)["host_copies"] == []
 
 
 @pytest.mark.slow  # ~90 s on 2 cores
@@ -310,22 +322,7 @@ def test_two_training_processes_each_drive_their_own_rollout_process(tmp_path):
     finish([launch(port, i, apart, 1, 1, per_process=1, **env) for i in range(4)])
     port = free_port()
     finish([launch(port, i, colocated_dir, 1, 1, per_process=1, RJ_COLOCATED="1", **env) for i in range(2)])
-    got, want = np.load(os.path.join(apart, "params.npz")), np.load(os.path.join(colocated_dir, "params.npz"))
-    assert len(got.files) == len(want.files) > 0
-    for k in want.files:
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
-    m4, m2 = metrics_of(apart), metrics_of(colocated_dir)
-    assert [m["step"] for m in m4] == list(range(1, STEPS + 1))
-    for a, b in zip(m4, m2):
-        for key in ("rollout/reward_mean", "train/trained_tokens", "train/loss", "partial/rollouts_carried"):
-            np.testing.assert_allclose(a[key], b[key], rtol=1e-4, atol=1e-6, err_msg=key)
-    assert max(m["partial/rollouts_paused"] for m in m4) > 0
-    for pid in (2, 3):  # each served its trainer's rounds, and stopped when it did
-        with open(os.path.join(apart, f"rollout_process-{pid}.json")) as f:
-            assert json.load(f)["rounds"] >= 1
-    for pid in (0, 1):
-        with open(os.path.join(apart, f"host_copies-{pid}.json")) as f:
-            assert json.load(f)["host_copies"] == []
+    assert_trains_as(apart, colocated_dir, trainers=(0, 1), rollout_processes=(2, 3))
 
 
 if __name__ == "__main__":

@@ -288,7 +288,8 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
         trainers = run.serving.trainer_processes
         remote = RemoteRollouts(wait_s=round_wait_s(run), silence_s=run.distributed.silence_s,
                                 processes=processes.rollout_processes_of(jax.process_index(), trainers,
-                                                                          jax.process_count()))
+                                                                          jax.process_count()),
+                                trainers=trainers)
         try:  # its rollout processes stop with this one, whatever ends it
             with processes.training_processes(trainers):
                 return _run_rl(run, workdir, remote, model, lambda tr: remote.update_params(tr.served_model()),

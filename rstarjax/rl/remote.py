@@ -37,7 +37,9 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import os
 import pickle
+import sys
 import threading
 import time
 import traceback
@@ -55,7 +57,8 @@ log = logging.getLogger(__name__)
 
 REQUESTS = "rstarjax/rollout_process/requests"  # trainer -> rollout process (then "/PROCESS")
 REPLIES = "rstarjax/rollout_process/replies"  # rollout process -> trainer (then "/PROCESS")
-ALIVE = "rstarjax/rollout_process/alive"  # a rollout process's heartbeat: a counter (then "/PROCESS")
+ALIVE = "rstarjax/rollout_process/alive"  # a process's heartbeat: a counter (then "/PROCESS")
+DONE = "done"  # a heartbeat key's value once its process stopped beating on purpose
 CHUNK_BYTES = 4 << 20  # one key's value at most
 HEARTBEAT_S = 2.0  # how often the rollout process beats
 POLL_S = 5.0  # how long the trainer waits for a message between two looks at the heartbeat
@@ -122,41 +125,51 @@ class Mailbox:
         return pickle.loads(data)
 
 
-class Heartbeats:
-    """The trainer process's view of rollout process ``process``'s heartbeat (``beat`` there)."""
+class TrainerProcessDied(RuntimeError):
+    """A training process stopped beating its heartbeat (seen by a rollout process it drives)."""
 
-    def __init__(self, silence_s: float, client=None, clock=time.monotonic, process: int = 1):
+
+class Heartbeats:
+    """One process's view of process ``process``'s heartbeat (``beat`` there): the trainer's of
+    a rollout process (the defaults), a rollout process's of its trainer, a trainer's of
+    another (``role``: the watched one's, ``watcher``: the watching one's, for the message)."""
+
+    def __init__(self, silence_s: float, client=None, clock=time.monotonic, process: int = 1,
+                 role: str = "rollout process", watcher: str = "trainer process", error=RolloutProcessDied):
         self.silence_s, self.clock, self.process = float(silence_s), clock, process
+        self.role, self.watcher, self.error = role, watcher, error
         self.key = keys_of(process)[2]
         self.client = client if client is not None else _client()
         self.last, self.seen_at = None, clock()
 
     def check(self, what: str) -> None:
-        """Raise ``RolloutProcessDied`` when no beat came for ``silence_s``."""
+        """Raise ``error`` (``RolloutProcessDied``) when no beat came for ``silence_s``."""
         dead = self.silent(what)
         if dead:
-            raise RolloutProcessDied(dead)
+            raise self.error(dead)
 
     def silent(self, what: str) -> str:
-        """Why the rollout process counts as dead, or "" while it beats (or has not begun to)."""
+        """Why the process counts as dead, or "" while it beats (or has not begun to, or has
+        stopped beating on purpose: ``DONE``)."""
         try:
             beat = self.client.key_value_try_get(self.key)
         except Exception:  # noqa: BLE001 - NOT_FOUND before the first beat
             beat = None
         now = self.clock()
-        if beat is None and self.last is None:
-            return ""  # not started yet: the start has its own bound (``hello_wait_s``)
+        if (beat is None and self.last is None) or beat == DONE:
+            return ""  # not started yet (the start has its own bound: ``hello_wait_s``), or done
         if beat != self.last:
             self.last, self.seen_at = beat, now
         elif now - self.seen_at > self.silence_s:
-            return (f"the rollout process (process {self.process}) beat no heartbeat for {now - self.seen_at:.0f} s when the "
-                    f"trainer process came to {what}: it died (see its log) or hangs")
+            return (f"the {self.role} (process {self.process}) beat no heartbeat for {now - self.seen_at:.0f} s when the "
+                    f"{self.watcher} came to {what}: it died (see its log) or hangs")
         return ""
 
 
 def beat(stop: threading.Event, client=None, every_s: float = HEARTBEAT_S, process: int = 1) -> threading.Thread:
-    """Rollout process ``process``'s heartbeat: a daemon thread that bumps its key
-    (``keys_of``) every ``every_s`` until ``stop`` is set."""
+    """Process ``process``'s heartbeat: a daemon thread that bumps its key (``keys_of``) every
+    ``every_s`` until ``stop`` is set, then writes ``DONE`` there (a process that ends its part
+    normally is not mistaken for a dead one)."""
     client = client if client is not None else _client()
     key = keys_of(process)[2]
 
@@ -166,9 +179,33 @@ def beat(stop: threading.Event, client=None, every_s: float = HEARTBEAT_S, proce
             count += 1
             client.key_value_set(key, str(count), allow_overwrite=True)
             stop.wait(every_s)
-    thread = threading.Thread(target=run, name="rollout-process-heartbeat", daemon=True)
+        client.key_value_set(key, DONE, allow_overwrite=True)
+    thread = threading.Thread(target=run, name=f"heartbeat-{process}", daemon=True)
     thread.start()
     return thread
+
+
+def watch(peers: list[Heartbeats], stop: threading.Event, on_death, every_s: float = POLL_S) -> threading.Thread:
+    """A daemon thread that looks at ``peers`` every ``every_s`` until ``stop`` is set and calls
+    ``on_death(why)`` once when one has gone silent."""
+    def run():
+        while not stop.wait(every_s):
+            why = next((w for w in (p.silent("its watch") for p in peers) if w), "")
+            if why:
+                on_death(why)
+                return
+    thread = threading.Thread(target=run, name="heartbeat-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def exit_on_death(why: str) -> None:
+    """A training process whose peer training process died: it waits in a collective with it
+    that nothing in Python can end, so it exits with the reason (status 1)."""
+    log.error("%s; this process waits on it in a collective and exits", why)
+    print(f"rstarjax: {why}; this training process waits on it in a collective and exits (status 1)",
+          file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _mesh_from(devices: list[int], shape: tuple, axes: tuple) -> Mesh:
@@ -205,10 +242,12 @@ class RemoteRollouts:
     (``rl.max_staleness``), as with colocated engines."""
 
     def __init__(self, wait_s: float, hello_wait_s: float = 900.0, silence_s: float = 120.0,
-                 processes: tuple[int, ...] = (1,)):
+                 processes: tuple[int, ...] = (1,), trainers: int = 1, on_trainer_death=None):
         """``wait_s``: the longest one round may take; ``hello_wait_s``: a rollout process's
-        start (its model, engine and code pool); ``silence_s``: the longest its heartbeat may
-        stop before it counts as dead."""
+        start (its model, engine and code pool); ``silence_s``: the longest a heartbeat may stop
+        before its process counts as dead. This process beats its own (its rollout processes
+        watch it); with ``trainers`` > 1 it watches the other training processes' too and calls
+        ``on_trainer_death`` (default ``exit_on_death``) when one goes silent."""
         if not processes:
             raise ValueError("RemoteRollouts needs at least one rollout process")
         self.wait_s, self.hello_wait_s = float(wait_s), float(hello_wait_s)
@@ -220,6 +259,12 @@ class RemoteRollouts:
                                    Heartbeats(silence_s, client, process=process)))
         self.client = client
         self.closed = False
+        me, self._stop_beating = jax.process_index(), threading.Event()
+        beat(self._stop_beating, client, process=me)
+        others = [Heartbeats(silence_s, client, process=t, role="training process", watcher="training process")
+                  for t in range(trainers) if t != me]
+        if others:
+            watch(others, self._stop_beating, on_trainer_death or exit_on_death)
 
     @property
     def lost(self) -> str:
@@ -347,6 +392,7 @@ class RemoteRollouts:
         self.closed = True
         for peer in self.peers:
             peer.requests.send("stop")
+        self._stop_beating.set()  # (done: neither its rollout processes nor the other trainers wait on it)
         # (a service that is not recoverable holds every process's exit at a barrier itself)
         if not jax.config.jax_enable_recoverability:
             return
@@ -411,22 +457,26 @@ def _wait_until_gone(client, wait_s: float, processes: list[int], who: str = "ro
         log.warning("the %s processes did not leave within %g s of the stop", who, wait_s)
 
 
-def serve_remote(rollouts, wait_s: float) -> int:
-    """The rollout process's loop: answer the trainer process's requests with ``rollouts`` (a
-    ``ColocatedRollouts`` over this process's devices, one slice) until it says stop. Returns
-    the rounds served. ``wait_s``: the longest to wait for the next request (an update, a
-    checkpoint and an evaluation may come between two)."""
+def serve_remote(rollouts, wait_s: float, trainer: int = 0, silence_s: float | None = None) -> int:
+    """The rollout process's loop: answer the requests of training process ``trainer`` with
+    ``rollouts`` (a ``ColocatedRollouts`` over this process's devices, one slice) until it says
+    stop. Returns the rounds served. ``wait_s``: the longest to wait for the next request (an
+    update, a checkpoint and an evaluation may come between two); ``silence_s``: with it, the
+    wait also ends (``TrainerProcessDied``) once the trainer's heartbeat has stopped that long."""
     me = jax.process_index()
     requests, replies = (Mailbox(key) for key in keys_of(me)[:2])
     stop = threading.Event()
     beat(stop, requests.client, process=me)
+    trainer_beats = None if silence_s is None else Heartbeats(
+        silence_s, requests.client, process=trainer, role="training process", watcher="rollout process",
+        error=TrainerProcessDied)
     try:
-        return _serve(rollouts, wait_s, requests, replies)
+        return _serve(rollouts, wait_s, requests, replies, trainer_beats)
     finally:
         stop.set()
 
 
-def _serve(rollouts, wait_s: float, requests: Mailbox, replies: Mailbox) -> int:
+def _serve(rollouts, wait_s: float, requests: Mailbox, replies: Mailbox, trainer_beats=None) -> int:
     if len(rollouts.engines) != 1:
         replies.send("error", f"a rollout process serves one slice, this one has {len(rollouts.engines)}")
         raise ValueError(f"a rollout process serves one slice over its devices, not {len(rollouts.engines)}: "
@@ -439,7 +489,7 @@ def _serve(rollouts, wait_s: float, requests: Mailbox, replies: Mailbox) -> int:
         "serving_dtype": rollouts.serving_dtype, "mesh": _describe(slice_mesh)})
     rounds, paused = 0, PausedRollouts()
     while True:
-        kind, payload = requests.receive(wait_s, "the trainer process's next request")
+        kind, payload = requests.receive(wait_s, "the trainer process's next request", trainer_beats)
         if kind == "stop":
             return rounds
         if kind == "weights":  # between rounds: the next one samples the new policy
