@@ -81,9 +81,9 @@ def barrier(name: str) -> None:
 
 
 def gather_json(obj) -> list:
-    """``obj`` (anything ``json`` writes) from every process, in process order: a collective, so
-    every process calls it at the same point. For per-process state a checkpoint keeps (written
-    by process 0 alone)."""
+    """``obj`` (anything ``json`` writes) from every training process, in process order: a
+    collective, so every one calls it at the same point. For per-process state a checkpoint
+    keeps (its meta written by process 0 alone)."""
     data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
     sizes = allgather(np.asarray([data.size], np.int64)).reshape(-1)
     padded = np.zeros(int(sizes.max()), np.uint8)
