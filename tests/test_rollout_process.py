@@ -244,10 +244,7 @@ def test_a_rollout_process_apart_trains_as_one_process_with_two_device_groups(tm
     finish([launch(port, i, two, staleness, devices, per_process=devices, **env) for i in range(2)])
     finish([launch(0, 0, one, staleness, devices, per_process=2 * devices, **env)])
 
-    got, want = np.load(os.path.join(two, "params.npz")), np.load(os.path.join(one, "params.npz"))
-    assert len(got.files) == len(want.files) > 0
-    for k in want.files:
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+    assert_same_params(two, one)
     m2, m1 = metrics_of(two), metrics_of(one)
     assert [m["step"] for m in m2] == list(range(1, STEPS + 1))
     for a, b in zip(m2, m1):  # the same rollouts, the same rewards, the same update
@@ -283,15 +280,20 @@ def test_two_rollout_processes_share_each_round_as_two_slices_do_in_one_process(
     assert_trains_as(many, one, trainers=(0,), rollout_processes=(1, 2))
 
 
+def assert_same_params(got_dir, want_dir):
+    """The two runs' final parameters (``params.npz``) agree to float noise."""
+    got, want = np.load(os.path.join(got_dir, "params.npz")), np.load(os.path.join(want_dir, "params.npz"))
+    assert len(got.files) == len(want.files) > 0
+    for k in want.files:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
 def assert_trains_as(got_dir, want_dir, trainers, rollout_processes):
     """The partial-rollout stage in ``got_dir`` trained as the one in ``want_dir``: the same
     parameters, rewards, trained tokens, losses and carried rollouts, some rollouts paused; every
     rollout process served rounds and stopped with its trainer, and no training process copied
     weights through its host."""
-    got, want = np.load(os.path.join(got_dir, "params.npz")), np.load(os.path.join(want_dir, "params.npz"))
-    assert len(got.files) == len(want.files) > 0
-    for k in want.files:
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+    assert_same_params(got_dir, want_dir)
     m_got, m_want = metrics_of(got_dir), metrics_of(want_dir)
     assert [m["step"] for m in m_got] == list(range(1, STEPS + 1))
     for a, b in zip(m_got, m_want):
