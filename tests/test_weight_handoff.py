@@ -24,7 +24,7 @@ from rstarjax.models.qwen3 import Qwen3, serving_weight_specs
 from rstarjax.models.sharding import make_mesh, state_shardings
 from rstarjax.serving import Engine, SamplingParams, StartRequest
 from rstarjax.serving import handoff
-from rstarjax.serving.programs import decode_program
+from rstarjax.serving.programs import decode_program, feed_program, insert_program, sample_program
 from rstarjax.serving.slices import slice_meshes
 
 MAX_LEN = 48
@@ -190,6 +190,30 @@ def _engine_bytes(engine: Engine) -> int:
     """Bytes of the engine's live device arrays (serving copy and KV pool)."""
     arrays = jax.tree.leaves((engine.params, engine._k, engine._v))
     return sum(x.nbytes for x in arrays if not x.is_deleted())
+
+
+ENGINE_PROGRAMS = (feed_program, sample_program, insert_program, decode_program)
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_colocated_engine_compiles_nothing_again_after_a_handoff(model, devices):
+    """A colocated engine (neither a device nor a slice) serves the trainer's arrays on the
+    trainer's mesh. Its pool and decode state are made in the layout its programs return
+    them in, so a second round after the hand-off, as the next RL step runs it, traces and
+    compiles no program again. A pool made on one device outside the mesh compiled the
+    prefill a second time on step 2 (15 s for Qwen3-1.7B on an H200, 2026-11-27)."""
+    mesh = make_mesh(1, -1, 1, devices=jax.devices()[:devices])
+    _, state = nnx.split(model)
+    trained = nnx.merge(nnx.graphdef(model), jax.device_put(state, state_shardings(state, mesh)))
+    engine = Engine(trained, max_len=MAX_LEN, num_slots=2, page_size=8, buckets=(16, 48),
+                    decode_steps=4)
+    first = _rollouts(engine)
+    compiled = [f._cache_size() for f in ENGINE_PROGRAMS]
+    _, update = nnx.split(_model(seed=3))
+    handoff.update_engines([engine], jax.device_put(update, state_shardings(update, mesh)))
+    assert _rollouts(engine) != first  # the new weights are served
+    assert [f._cache_size() for f in ENGINE_PROGRAMS] == compiled
+    assert engine._k[0].sharding.mesh.devices.size == devices
 
 
 def test_release_frees_serving_copy_and_pool_and_handoff_restores_them(model):

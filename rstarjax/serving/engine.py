@@ -117,6 +117,7 @@ class Engine:
                                     serving_shapes(self.graphdef, state, self.dtype, untie_head))
         [self.params] = serving_copies(self.graphdef, state, [self.layout.target],
                                        dtype=self.dtype, untie_head=untie_head)
+        self.placement.follow(self.params)
         # Bumped by every update: the prefix registry offers only pages of the current weights.
         self.params_version = 0
         self.plan = plan_kv(model.config, max_len=self.max_len, page_size=page_size,

@@ -37,6 +37,9 @@ class Placement:
         self.tensor_parallel = 1 if mesh is None else int(mesh.shape["tensor"])
         self.weights_target: Target = device  # where the hand-off puts the serving copy
         self.kv_sharding: NamedSharding | None = None  # the pool's layout on a slice
+        # Neither device nor slice: the mesh the given model's arrays live on, replicated
+        # (``follow``); None where they are on one device without a mesh.
+        self.home: NamedSharding | None = None
 
     @property
     def first_device(self) -> jax.Device:
@@ -55,10 +58,24 @@ class Placement:
         self.kv_sharding = NamedSharding(self.mesh, pool_spec(model_config,
                                                               self.tensor_parallel))
 
+    def follow(self, weights) -> None:
+        """An engine on neither a device nor a slice runs its programs where its serving copy
+        lives: on the trainer's mesh when the model came from there (colocated). Its programs
+        return the pool and the decode state replicated on that mesh, so those are made there
+        too: made on one device outside the mesh, they had another type, and the first
+        programs compiled a second time for the arrays they returned (the prefill again on
+        the next RL step: 15 s for Qwen3-1.7B on an H200)."""
+        if self.mesh is not None or self.device is not None:
+            return
+        sharding = jax.tree.leaves(weights)[0].sharding
+        if isinstance(sharding, NamedSharding):
+            self.home = NamedSharding(sharding.mesh, PartitionSpec())
+
     def new_pool(self, model_config: ModelConfig, num_pages: int, page_size: int, dtype):
         """A zero KV pool (k, v) on the engine's devices."""
-        if self.mesh is not None:  # made in place, split by kv head (never whole on one device)
-            pool = tuple([self.kv_sharding] * model_config.num_hidden_layers)
+        layout = self.kv_sharding if self.mesh is not None else self.home
+        if layout is not None:  # made in place (on a slice split by kv head, never whole on one device)
+            pool = tuple([layout] * model_config.num_hidden_layers)
             return jax.jit(lambda: PagedKVCache.init_pool(model_config, num_pages, page_size,
                                                           dtype),
                            out_shardings=(pool, pool))()
@@ -67,9 +84,12 @@ class Placement:
             return PagedKVCache.init_pool(model_config, num_pages, page_size, dtype)
 
     def put(self, tree):
-        """``tree`` (e.g. a fresh decode state) on the engine's devices, replicated on a slice."""
+        """``tree`` (e.g. a fresh decode state) on the engine's devices, replicated on a slice
+        or on the mesh the engine follows."""
         if self.mesh is not None:
             return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
+        if self.home is not None:
+            return jax.device_put(tree, self.home)
         return tree if self.device is None else jax.device_put(tree, self.device)
 
     def free_kv_bytes(self) -> int | None:
