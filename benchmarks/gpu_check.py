@@ -444,9 +444,9 @@ def parse_args(argv=None):
                          "kernels (the paged-attention kernels alone: Triton with the engine's "
                          "and the --blockings blocking, cuDNN) and remat (the train parts with "
                          "--remat-policy)")
-    ap.add_argument("--blockings", default="4,8,4,2;8,4,4,2",
+    ap.add_argument("--blockings", default="8,16,8,2;4,8,4,2",
                     help="';'-separated --pallas-blocking specs of benchmarks/serving.py; repeat them "
-                         "to alternate (the engine's own is 8,16,8,2)")
+                         "to alternate (the engine's own is 4,8,4,2, jax's defaults 8,16,8,2)")
     ap.add_argument("--serving-presets", default="",
                     help="comma-separated subset of the shape's serving presets (default: all)")
     ap.add_argument("--remat-policy", default="dots_attention,attention",

@@ -155,11 +155,12 @@ def _decode_case(seed, b=3, n=32, kh=2, h=128, num_pages=40, page=16, width=8):
 
 
 @pytest.mark.slow  # the Pallas interpreter: a few seconds
-@pytest.mark.parametrize("blocking", [None, (4, 8, 4, 2), (2, 2, 4, 1)],
+@pytest.mark.parametrize("blocking", [None, (8, 16, 8, 2), (2, 2, 4, 1)],
                          ids=["default", "4x8_4warps", "2x2_1stage"])
 def test_pallas_gpu_paged_attention_interpreted_equals_reference(blocking, monkeypatch):
-    """jax's defaults and the blockings benchmarks/serving.py --pallas-blocking compares: a
-    blocking changes how rows are cut, never what they attend to."""
+    """The engine's blocking, jax's defaults and a small one (benchmarks/serving.py
+    --pallas-blocking compares them): a blocking changes how rows are cut, never what they
+    attend to."""
     from rstarjax.models import paged_attention
 
     if blocking is not None:
@@ -176,11 +177,12 @@ def test_pallas_gpu_blocking_divides_the_table():
     from rstarjax.models.paged_attention import PallasGpuBlocking
 
     for width in (8, 56, 288, 904):
-        for blocking in (PallasGpuBlocking(), PallasGpuBlocking(4, 8, 4, 2), PallasGpuBlocking(16, 4)):
+        for blocking in (PallasGpuBlocking(), PallasGpuBlocking(8, 16, 8, 2), PallasGpuBlocking(16, 4)):
             per, splits = blocking.for_width(width)
             assert width % (per * splits) == 0
             assert per <= blocking.pages_per_block and splits <= blocking.max_k_splits
-    assert PallasGpuBlocking().for_width(288) == (8, 12)  # the stage-1 main job on the H200
+    assert PallasGpuBlocking().for_width(288) == (4, 8)  # the stage-1 main job on the H200
+    assert PallasGpuBlocking(8, 16, 8, 2).for_width(288) == (8, 12)  # jax's defaults
 
 
 @pytest.mark.slow  # the Mosaic interpreter: a few seconds

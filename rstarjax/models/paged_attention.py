@@ -183,13 +183,13 @@ class PallasGpuBlocking:
     """How the Triton paged-attention kernel cuts its work. A row's page-table columns are
     split into ``k_splits`` partitions (combined afterwards, flash-decoding style), each read
     ``pages_per_block`` pages per iteration; the values are upper bounds, reduced to divisors
-    of the table width. The defaults are jax's (8 warps, 2 stages). On an H200 (4, 8, 4 warps)
-    decoded 1.07x faster at 64 rows and 1.19x at 256 inside the engine, one run each, while the
-    kernel alone was 1.19x faster at 64 rows x 4,096 tokens one day and 0.88x the next
-    (docs/serving.md): the defaults stay until an alternating run inside the engine settles it."""
-    pages_per_block: int = 8
-    max_k_splits: int = 16
-    num_warps: int = 8
+    of the table width. jax's defaults are (8, 16, 8 warps, 2 stages); ours read fewer pages
+    per iteration with fewer warps. On an H200 inside the engine (Qwen3-1.7B, docs/serving.md)
+    they decoded faster in both runs there were, on two machines: 1.07x and 1.08x at 64 rows,
+    1.19x and 1.18x at 256 rows (each the median of 16 calls of 16 steps)."""
+    pages_per_block: int = 4
+    max_k_splits: int = 8
+    num_warps: int = 4
     num_stages: int = 2
 
     def for_width(self, width: int) -> tuple[int, int]:
