@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rstarjax.models.config import ModelConfig
+from rstarjax.models.sharding import state_shardings
 
 # A projection's logical axes (models/qwen3.py, DecoderLayers): (input features, output features).
 PROJECTION_AXES = {"q_proj": ("embed", "q_heads"), "k_proj": ("embed", "kv_heads"),
@@ -127,7 +128,6 @@ def merger(cfg: ModelConfig, mesh=None, dtype=None):
     """The jitted ``merge_lora`` for ``cfg``'s LoRA model, ``(state) -> plain state`` (built once
     per config, mesh and dtype: the hand-off of every update reuses the compiled program). With
     ``mesh`` the result lies on the base's logical-axis shardings."""
-    from rstarjax.models.sharding import state_shardings
     shardings = None if mesh is None else state_shardings(_abstract_base(cfg, dtype)[1], mesh)
     return jax.jit(functools.partial(merge_lora, scale=cfg.lora_scale, targets=cfg.lora_targets,
                                      dtype=dtype), out_shardings=shardings)
@@ -156,8 +156,7 @@ def attach(model, rank: int, alpha: float, targets: tuple[str, ...] | None = Non
     an SFT policy): the weights cast to bfloat16 and frozen, fresh adapters (B = 0, so it
     computes what ``model`` computes with bf16 weights). With ``mesh`` everything is placed on
     its logical-axis sharding."""
-    from rstarjax.models.qwen3 import Qwen3
-    from rstarjax.models.sharding import state_shardings
+    from rstarjax.models.qwen3 import Qwen3  # the cycle again (qwen3.py imports lora.py)
     base = model.config
     if base.lora_rank:
         raise ValueError(f"model already has LoRA adapters (lora_rank={base.lora_rank})")
