@@ -14,14 +14,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def worker_env(devices: int, **extra) -> dict:
+    """The environment of a worker process: ``devices`` CPU devices, the repository and the
+    tests on its path, and the test process's XLA optimisation level (tests/conftest.py):
+    workers run a few steps, so compiling less saves more than it costs (a two-trainer rollout
+    test: 166 -> 122 CPU s), and the runs a test compares are compiled alike."""
+    level = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if f.startswith("--xla_backend_optimization_level")]
+    return dict(os.environ, **extra, JAX_PLATFORMS="cpu",
+                XLA_FLAGS=" ".join([f"--xla_force_host_platform_device_count={devices}", *level]),
+                PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))
+
+
 def run_processes(script: str, argvs: list[list[str]], devices: int = 1, timeout: float = 300.0
                   ) -> list[tuple[int, str]]:
     """``script`` started once per argument list, each process with ``devices`` CPU devices and
     the repository and the tests on its path; waits for all, killing any left after
     ``timeout`` s. Each one's (return code, output)."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, script, *map(str, argv)], env=env, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, script, *map(str, argv)], env=worker_env(devices), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for argv in argvs]
     outs = []
     try:

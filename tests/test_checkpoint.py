@@ -16,6 +16,8 @@ import time
 import numpy as np
 import pytest
 
+from process_support import worker_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
 
@@ -100,8 +102,7 @@ def write_data(workdir, n=7):
 
 
 def launch(workdir, steps, slow=None):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = worker_env(2)
     if slow:
         env["WORKER_SLOW"] = str(slow)
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), workdir, str(steps)], env=env,

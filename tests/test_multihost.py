@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from process_support import free_port
+from process_support import free_port, worker_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -79,8 +79,7 @@ def test_two_processes_match_one_process(tmp_path):
     from rstarjax.models import sharding as sharding_lib
 
     port, out = free_port(), str(tmp_path / "multi.npz")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = worker_env(2)
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(port), str(i), out], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     # the 1-process reference on the whole batch while the workers run

@@ -21,9 +21,8 @@ import zlib
 import numpy as np
 import pytest
 
-from process_support import free_port
+from process_support import free_port, worker_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 2
 PROCESSES = 2
 PROMPTS_PER_PROCESS = 2
@@ -195,8 +194,7 @@ def replay_reference(runs):
 @pytest.mark.slow
 def test_two_processes_roll_out_per_host_and_update_as_one(tmp_path):
     port = free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = worker_env(4)
     logs = [tmp_path / f"process{i}.log" for i in range(PROCESSES)]
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(port), str(i), str(tmp_path)],
                               env=env, stdout=open(logs[i], "w"), stderr=subprocess.STDOUT)

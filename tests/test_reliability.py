@@ -24,6 +24,8 @@ import time
 import numpy as np
 import pytest
 
+from process_support import worker_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -197,8 +199,7 @@ def _launch(workdir, inputs, slow_stop=0.0, **overrides):
     directory), output in WORKDIR/out-N.log; returns (process, log path)."""
     tmp = os.path.join(workdir, "tmp")
     os.makedirs(tmp, exist_ok=True)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu", TMPDIR=tmp,
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = worker_env(1, TMPDIR=tmp)
     if slow_stop:
         env["SLOW_STOP"] = str(slow_stop)
     n = len([f for f in os.listdir(workdir) if f.startswith("out-")])
@@ -373,8 +374,7 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_pat
     with socket.socket() as sock:
         sock.bind(("localhost", 0))
         port = sock.getsockname()[1]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               WORKER_SLOW="0.3", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = worker_env(2, WORKER_SLOW="0.3")
     outs = [os.path.join(workdir, f"process-{i}.log") for i in range(2)]
     procs = []
     for i in range(2):

@@ -21,7 +21,7 @@ import threading
 import numpy as np
 import pytest
 
-from process_support import free_port
+from process_support import free_port, worker_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = int(os.environ.get("RJ_STEPS", 3))  # the death test runs longer
@@ -204,8 +204,7 @@ def host_copy(trainer) -> list:
 
 def launch(port, pid, workdir, staleness, devices, per_process, **env_vars):
     """One worker with ``per_process`` CPU devices; ``devices``: each side's (trainer, rollouts)."""
-    env = dict(os.environ, **env_vars, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={per_process}",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = worker_env(per_process, **env_vars)
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), str(port), str(pid), workdir,
                              str(staleness), str(devices)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
