@@ -20,6 +20,8 @@ import sys
 import numpy as np
 import pytest
 
+from process_support import worker_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -450,8 +452,7 @@ def test_the_readme_recipe_chained_at_tiny_size(tmp_path):
     """SFT -> stage 1 -> stage 2 -> filter -> stage 3 -> export -> eval with the shipped configs:
     every stage trains its configured steps (global 1-2, 3, 4), and the first rollout of each RL
     stage is sampled from the previous stage's final weights (not the base model's)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = worker_env(1)
     r = subprocess.run([sys.executable, os.path.abspath(__file__), "chain", str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-5000:])
