@@ -79,3 +79,16 @@ def test_lora_plan_counts_the_adapters_frozen_base_and_serving_copy():
     assert plan["frozen_gb"] == pytest.approx(cfg.num_params * 2 / 1e9, abs=0.01)
     assert plan["serving_copy_gb"] == pytest.approx(cfg.num_params * 2 / 1e9, abs=0.01)
     assert plan["mesh"] == "t4" and plan["usable_gb"] == pytest.approx(15.2) and plan["fits"]
+
+
+def test_optimizer_guard_benchmark_runs_and_both_guards_agree():
+    """benchmarks/optimizer_guard.py at a tiny size: its JSON line, and the branch (the trainer's
+    guard) gives the parameters and moments the elementwise select did."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "optimizer_guard.py"),
+                          "--params-m", "0.02", "--repeats", "1", "--steps", "1"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    assert line["same_params_and_moments"] is True
+    assert line["branch_step_ms"] > 0 and line["select_step_ms"] > 0

@@ -162,10 +162,14 @@ def forward_logprobs(graphdef, rest, params, batch: Mapping[str, jax.Array], com
                                 temperature=temperature)
 
 
-def keep_unless_finite(finite: jax.Array, new, old):
-    """``new`` where the scalar ``finite`` is true, else ``old`` (two pytrees of one structure);
-    an elementwise select that XLA fuses into the update, no host round trip."""
-    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+def keep_unless_finite(finite: jax.Array, new: Callable[[], Any], old):
+    """``new()`` where the scalar ``finite`` is true, else ``old`` (pytrees of one structure),
+    on the device, no host round trip. A branch (``lax.cond``), not an elementwise select: the
+    update norm that ``finite`` needs is known only once every update is computed, so a select
+    cannot fuse into the update: it read the new and the old parameters and moments once more
+    (on the H200 profile of a Qwen3-1.7B step, ~10 of the optimizer's 22 ms were in fusions
+    named for it). ``benchmarks/optimizer_guard.py`` compares the two."""
+    return jax.lax.cond(finite, new, lambda: old)
 
 
 def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, micro_loss: loss_lib.MicroLoss,
@@ -241,8 +245,9 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, mic
         # LR schedule, stay as they were) but the step still counts, so the host loop's clock
         # (metrics, checkpoints, data order, RNG) runs on and it decides when to stop.
         finite = jnp.isfinite(loss + grad_norm + update_norm)
-        params, opt_state = keep_unless_finite(finite, (optax.apply_updates(state.params, updates), opt_state),
-                                               (state.params, state.opt_state))
+        params, opt_state = keep_unless_finite(
+            finite, lambda: (optax.apply_updates(state.params, updates), opt_state),
+            (state.params, state.opt_state))
         # Loss metrics that are token sums over ``denom`` add up exactly across micro-steps.
         metrics = dict(metrics)
         metrics.update(loss=loss, grad_norm=grad_norm, update_norm=update_norm, tokens=denom,
