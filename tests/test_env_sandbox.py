@@ -427,3 +427,39 @@ def test_the_trainers_pythonpath_reaches_the_zygote(monkeypatch):
         assert r.text.strip() == "42", r.text
     finally:
         shutil.rmtree(site)
+
+
+def test_a_probe_child_stuck_in_its_start_is_killed_and_the_probe_tried_again(monkeypatch):
+    """The zygote's namespace probe clones a throwaway child that exits at once. One hung in
+    its start-up in a CI run (a lock copied from a thread still ending), and the zygote waited
+    for it forever. Now a child still running after the probe's timeout is killed and reaped,
+    the probe is tried once more, and the zygote goes on either way."""
+    from rstarjax.env import forker
+
+    started = []
+
+    def stuck_clone(flags, tid_offset, sibling=True):
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+        started.append(pid)
+        return pid
+
+    monkeypatch.setattr(forker, "clone", stuck_clone)
+    t0 = time.monotonic()
+    assert forker.probe_clone_flags(0, None, timeout_s=0.5) is False
+    assert len(started) == 2 and time.monotonic() - t0 < 5
+    for pid in started:  # killed and reaped: no process, not even a zombie
+        assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_the_tid_probe_waits_until_its_thread_has_ended():
+    from rstarjax.env import forker
+
+    seen = {}
+    thread = threading.Thread(target=lambda: seen.setdefault("tid", threading.get_native_id()))
+    thread.start()
+    thread.join()
+    forker.wait_thread_gone(thread.native_id)
+    assert not os.path.exists(f"/proc/self/task/{seen['tid']}")

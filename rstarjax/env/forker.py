@@ -34,6 +34,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 
 from rstarjax.env import cgroups, isolation, sandbox, seccomp
 from rstarjax.env.isolation import CLONE_NEWNS, CLONE_NEWPID
@@ -83,8 +84,33 @@ def probe_tid_offset() -> int | None:
     thread = threading.Thread(target=lambda: found.setdefault("thread", candidates()))
     thread.start()
     thread.join()
+    wait_thread_gone(thread.native_id)
     both = candidates() & found.get("thread", set())
     return both.pop() if len(both) == 1 else None
+
+
+def wait_thread_gone(tid: int | None, timeout_s: float = 2.0) -> None:
+    """Until the OS thread ``tid`` of this process has ended (``join`` returns before it has:
+    the thread still runs glibc's exit, which takes allocator locks). A raw ``clone`` while
+    it runs copies a held lock into the child, whose first allocation then waits forever: a
+    zygote's probe child hung so once, in a CI run."""
+    deadline = time.monotonic() + timeout_s
+    while tid is not None and os.path.exists(f"/proc/self/task/{tid}") and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def exited_ok(pid: int, timeout_s: float) -> bool | None:
+    """Wait for child ``pid``: whether it exited with status 0, or None when it was still
+    running after ``timeout_s`` (then it is killed and reaped)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status) == 0
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
 
 
 def clone_flags(host: dict) -> int:
@@ -124,16 +150,21 @@ def supported() -> bool:
     return platform.machine() in CLONE_SYSCALL
 
 
-def probe_clone_flags(flags: int, tid_offset: int | None) -> bool:
-    """Can this process clone a child into these namespaces? (A throwaway child.)"""
-    try:
-        pid = clone(flags, tid_offset, sibling=False)
-    except OSError:
-        return False
-    if pid == 0:
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 0
+def probe_clone_flags(flags: int, tid_offset: int | None, timeout_s: float = 10.0) -> bool:
+    """Can this process clone a child into these namespaces? (A throwaway child, which exits at
+    once; one that has not within ``timeout_s`` is killed and the probe tried once more, so a
+    child stuck in its start-up can neither hang the zygote nor outlive it.)"""
+    for _ in range(2):
+        try:
+            pid = clone(flags, tid_offset, sibling=False)
+        except OSError:
+            return False
+        if pid == 0:
+            os._exit(0)
+        ok = exited_ok(pid, timeout_s)
+        if ok is not None:
+            return ok
+    return False
 
 
 def serve(ctl: socket.socket, worker_pid: int, confinement: "sandbox.Confinement", limits: "sandbox.SandboxLimits",
