@@ -92,8 +92,8 @@ def probe_tid_offset() -> int | None:
 def wait_thread_gone(tid: int | None, timeout_s: float = 2.0) -> None:
     """Until the OS thread ``tid`` of this process has ended (``join`` returns before it has:
     the thread still runs glibc's exit, which takes allocator locks). A raw ``clone`` while
-    it runs copies a held lock into the child, whose first allocation then waits forever: a
-    zygote's probe child hung so once, in a CI run."""
+    it runs can copy a held lock into the child, whose first allocation then waits forever:
+    the likely cause of a zygote probe child that hung in its start-up once, in a CI run."""
     deadline = time.monotonic() + timeout_s
     while tid is not None and os.path.exists(f"/proc/self/task/{tid}") and time.monotonic() < deadline:
         time.sleep(0.001)
