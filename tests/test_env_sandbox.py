@@ -438,11 +438,8 @@ def test_a_probe_child_stuck_in_its_start_is_killed_and_the_probe_tried_again(mo
 
     started = []
 
-    def stuck_clone(flags, tid_offset, sibling=True):
-        pid = os.fork()
-        if pid == 0:
-            time.sleep(60)
-            os._exit(0)
+    def stuck_clone(flags, tid_offset, sibling=True):  # a child of ours that does not exit
+        pid = os.posix_spawn(shutil.which("sleep"), ["sleep", "60"], {})
         started.append(pid)
         return pid
 
