@@ -1,5 +1,5 @@
 """The optimizer step with its non-finite guard: a branch (``rl/trainer.py``
-``keep_unless_finite``, ``lax.cond``) against the elementwise select it replaced, both around
+``guarded_update``, ``lax.cond``) against the elementwise select it replaced, both around
 the trainer's AdamW with gradient clipping (``rl/optim.py``) on the same float32 parameters.
 
     python benchmarks/optimizer_guard.py [--params-m 100] [--arrays 4] [--repeats 3]
@@ -26,28 +26,18 @@ import numpy as np
 import optax
 
 from rstarjax.rl.optim import adamw
-from rstarjax.rl.trainer import keep_unless_finite
-
-
-def guarded_update(optimizer, params, opt_state, grads):
-    """What the train step computes after the gradients: the update, the norms the guard
-    reads, and the finite flag."""
-    grad_norm = optax.global_norm(grads)
-    updates, new_state = optimizer.update(grads, opt_state, params)
-    finite = jnp.isfinite(grad_norm + optax.global_norm(updates))
-    return updates, new_state, finite
+from rstarjax.rl.trainer import guarded_update
 
 
 def make_steps(optimizer):
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def branch(params, opt_state, grads):
-        updates, new_state, finite = guarded_update(optimizer, params, opt_state, grads)
-        return keep_unless_finite(finite, lambda: (optax.apply_updates(params, updates), new_state),
-                                  (params, opt_state))
+    def branch(params, opt_state, grads):  # the train step's own
+        return guarded_update(optimizer, params, opt_state, grads, 0.0)[:2]
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def select(params, opt_state, grads):  # the guard before: one more pass over both trees
-        updates, new_state, finite = guarded_update(optimizer, params, opt_state, grads)
+        updates, new_state = optimizer.update(grads, opt_state, params)
+        finite = jnp.isfinite(optax.global_norm(grads) + optax.global_norm(updates))
         new = (optax.apply_updates(params, updates), new_state)
         return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, (params, opt_state))
 

@@ -143,6 +143,7 @@ def worker(port: int, pid: int, workdir: str, staleness: int, devices: int):
             from rstarjax.rl import remote
 
             remote.leave_last(trainer_processes())
+    from rstarjax.processes import trainer_of
     from rstarjax.env import CodeExecutor
     from rstarjax.recipes.rl import run_rl
     from rstarjax.rl import remote
@@ -152,7 +153,7 @@ def worker(port: int, pid: int, workdir: str, staleness: int, devices: int):
     if port and pid >= trainer_processes() and not colocated():  # a rollout process: serve its trainer's rounds
         with CodeExecutor(num_workers=1) as executor:
             rounds = remote.serve_remote(scripted_rollouts(run, executor, model), wait_s=WAIT_S,
-                                         trainer=(pid - trainer_processes()) % trainer_processes(),
+                                         trainer=trainer_of(pid, trainer_processes()),
                                          silence_s=run.distributed.silence_s)
         with open(os.path.join(workdir, f"rollout_process-{pid}.json"), "w") as f:
             json.dump({"rounds": rounds}, f)

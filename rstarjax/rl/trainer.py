@@ -172,6 +172,22 @@ def keep_unless_finite(finite: jax.Array, new: Callable[[], Any], old):
     return jax.lax.cond(finite, new, lambda: old)
 
 
+def guarded_update(optimizer: optax.GradientTransformation, params, opt_state, grads, loss):
+    """One optimizer update with its non-finite guard -> (params, opt_state, grad_norm,
+    update_norm, finite). One scalar says whether the update is usable: inf or nan in the loss
+    or either norm makes their sum non-finite. A non-finite update is skipped (params and
+    optimizer state, hence the LR schedule, stay as they were) but the step still counts, so
+    the host loop's clock (metrics, checkpoints, data order, RNG) runs on and it decides when
+    to stop."""
+    grad_norm = optax.global_norm(grads)
+    updates, new_state = optimizer.update(grads, opt_state, params)
+    update_norm = optax.global_norm(updates)
+    finite = jnp.isfinite(loss + grad_norm + update_norm)
+    params, opt_state = keep_unless_finite(
+        finite, lambda: (optax.apply_updates(params, updates), new_state), (params, opt_state))
+    return params, opt_state, grad_norm, update_norm, finite
+
+
 def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, micro_loss: loss_lib.MicroLoss,
                     num_micro: int, compute_dtype=None, micro_sharding: NamedSharding | None = None,
                     skip_padding: bool = False, temperature: float = 1.0):
@@ -237,17 +253,8 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, mic
                 init)
         else:
             (grads, loss, metrics), _ = jax.lax.scan(lambda c, m: (accumulate(c, m), None), init, micros)
-        grad_norm = optax.global_norm(grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        update_norm = optax.global_norm(updates)
-        # One scalar says whether the update is usable: inf or nan in any of the three makes the
-        # sum non-finite. A non-finite update is skipped (params and optimizer state, hence the
-        # LR schedule, stay as they were) but the step still counts, so the host loop's clock
-        # (metrics, checkpoints, data order, RNG) runs on and it decides when to stop.
-        finite = jnp.isfinite(loss + grad_norm + update_norm)
-        params, opt_state = keep_unless_finite(
-            finite, lambda: (optax.apply_updates(state.params, updates), opt_state),
-            (state.params, state.opt_state))
+        params, opt_state, grad_norm, update_norm, finite = guarded_update(
+            optimizer, state.params, state.opt_state, grads, loss)
         # Loss metrics that are token sums over ``denom`` add up exactly across micro-steps.
         metrics = dict(metrics)
         metrics.update(loss=loss, grad_norm=grad_norm, update_norm=update_norm, tokens=denom,
