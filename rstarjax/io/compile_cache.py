@@ -5,6 +5,9 @@ engine's prefill and decode per bucket); on one H200 the first two RL steps of a
 spent most of their "prefill" seconds compiling (docs/launch.md "One GPU"). The persistent cache
 lets the next stage, a resumed run or a rerun load them instead; ``compile_seconds`` lets each
 step report what compiling cost it (``time/compile``), so it is not mistaken for slow serving.
+In a multi-process run jax writes the cache from process 0 only: a rollout process of the
+disaggregated placement compiles its engine programs again at every start (docs/launch.md,
+"What every multi-process run needs").
 """
 from __future__ import annotations
 
