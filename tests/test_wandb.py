@@ -83,7 +83,13 @@ def wandb_records(path):
 
 
 def read_wandb_run(run_dir):
-    """(run record, {step: {key: value}}) of an offline W&B run directory."""
+    """(run record, {step: {key: value}}) of an offline W&B run directory. W&B's service process
+    writes the run file, and may still hold its last records when ``finish()`` has returned (a
+    CI run read a resumed run's file with none of its steps): ``wandb.teardown()`` first waits
+    for the service to close every run it writes."""
+    import wandb
+
+    wandb.teardown()
     [path] = glob.glob(os.path.join(run_dir, "*.wandb"))
     run, history = None, {}
     for r in wandb_records(path):
