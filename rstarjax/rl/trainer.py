@@ -162,29 +162,25 @@ def forward_logprobs(graphdef, rest, params, batch: Mapping[str, jax.Array], com
                                 temperature=temperature)
 
 
-def keep_unless_finite(finite: jax.Array, new: Callable[[], Any], old):
-    """``new()`` where the scalar ``finite`` is true, else ``old`` (pytrees of one structure),
-    on the device, no host round trip. A branch (``lax.cond``), not an elementwise select: the
-    update norm that ``finite`` needs is known only once every update is computed, so a select
-    cannot fuse into the update: it read the new and the old parameters and moments once more
-    (on the H200 profile of a Qwen3-1.7B step, ~10 of the optimizer's 22 ms were in fusions
-    named for it). ``benchmarks/optimizer_guard.py`` compares the two."""
-    return jax.lax.cond(finite, new, lambda: old)
-
-
 def guarded_update(optimizer: optax.GradientTransformation, params, opt_state, grads, loss):
     """One optimizer update with its non-finite guard -> (params, opt_state, grad_norm,
     update_norm, finite). One scalar says whether the update is usable: inf or nan in the loss
     or either norm makes their sum non-finite. A non-finite update is skipped (params and
     optimizer state, hence the LR schedule, stay as they were) but the step still counts, so
     the host loop's clock (metrics, checkpoints, data order, RNG) runs on and it decides when
-    to stop."""
+    to stop.
+
+    The choice is a branch (``lax.cond``), on the device, not an elementwise select: the update
+    norm that ``finite`` needs is known only once every update is computed, so a select cannot
+    fuse into the update and reads the new and the old parameters and moments once more (on the
+    H200 profile of a Qwen3-1.7B step, ~10 of the optimizer's 22 ms were in fusions named for
+    it). ``benchmarks/optimizer_guard.py`` compares the two."""
     grad_norm = optax.global_norm(grads)
     updates, new_state = optimizer.update(grads, opt_state, params)
     update_norm = optax.global_norm(updates)
     finite = jnp.isfinite(loss + grad_norm + update_norm)
-    params, opt_state = keep_unless_finite(
-        finite, lambda: (optax.apply_updates(params, updates), new_state), (params, opt_state))
+    params, opt_state = jax.lax.cond(
+        finite, lambda: (optax.apply_updates(params, updates), new_state), lambda: (params, opt_state))
     return params, opt_state, grad_norm, update_norm, finite
 
 
