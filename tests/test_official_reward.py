@@ -74,3 +74,35 @@ def test_match_answer_cuts_in_the_official_order():
     assert match_answer("42 is the answer") == "42"
     with pytest.raises(TypeError):
         official_score(None, "1")
+
+
+# The PRIME grader's symbolic_equal as shipped (issue #50): every comparison in it sits inside
+# ``with timeout_limit(...)``, which upstream is a decorator only, so the branch always returns
+# False. Pairs only that branch could call equal: numbers written as Python / sympy expressions.
+SYMBOLIC_ONLY = [("2**5", "32"), ("5!", "120"), ("2*3", "6"), ("sqrt(16)", "4"), ("1+1", "2"),
+                 ("10!/8!", "90"), ("x+x", "2*x"), ("7*8", "56")]
+
+
+def test_the_stand_in_timeout_limit_is_a_decorator_only_as_upstream():
+    from fixtures.rstar2_official._no_timeout import timeout_limit
+
+    assert timeout_limit(seconds=1)(len)("ab") == 2
+    with pytest.raises(TypeError):
+        with timeout_limit(seconds=1):
+            pass
+
+
+@pytest.mark.parametrize("prediction, reference", SYMBOLIC_ONLY)
+def test_math_equal_equals_the_official_grader_where_only_symbolic_equal_could_match(prediction, reference):
+    from fixtures.rstar2_official.prime_math import grader as official_grader
+    from rstarjax.env.official_reward import math_equal
+
+    assert official_grader.symbolic_equal(prediction, reference, 1e-4) is False
+    assert math_equal(prediction, reference) == official_grader.math_equal(prediction, reference) is False
+
+
+@pytest.mark.parametrize("response, gold", [("\\boxed{2**5}", "32"), ("\\boxed{5!}", "120"), ("so x = 2**5", "32")])
+def test_official_score_scores_the_dead_branch_as_shipped(response, gold):
+    """``2**5`` scores 0 in the official reward (math-verify does not read ``**`` in a box either);
+    ``5!`` scores 1 only because math-verify reads the factorial."""
+    assert official_score(response, gold) == bool(official_compute_score(response, gold))

@@ -4,7 +4,8 @@ microsoft/rStar, ``rstar2_agent/reward/compute_score.py``, which scores the WHOL
 
 1. the PRIME grader (verl ``verl/utils/reward_score/prime_math``: ``compute_score``, which pulls
    an answer out of the text with ``match_answer`` and compares it with ``grade_answer`` (PRM800K's
-   normalisation + sympy) and then ``math_equal`` (numeric / symbolic)), and when that fails
+   normalisation + sympy) and then ``math_equal`` (numeric; its symbolic branch is dead as
+   shipped, see ``_symbolic_equal``), and when that fails
 2. math-verify (verl ``verl/utils/reward_score/math_verify.py``: the gold as ``\\boxed{gold}``,
    the prediction extracted from the whole text as an expression or LaTeX).
 
@@ -402,27 +403,16 @@ def _format_intervals(prediction: str) -> str:
 
 
 def _symbolic_equal(a: str, b: str, tolerance: float) -> bool:
-    """grader ``symbolic_equal``: parse each side (sympy expression, else LaTeX, else the string),
-    then simplify(a - b) == 0 or numerically close."""
-    from sympy import N, simplify
-    from sympy.parsing.latex import parse_latex
-    from sympy.parsing.sympy_parser import parse_expr
-
-    def parse(s):
-        for f in (parse_expr, parse_latex):
-            try:
-                return f(s)
-            except Exception:  # noqa: BLE001
-                continue
-        return s
-
-    a, b = parse(a), parse(b)
-    with contextlib.suppress(Exception):
-        if simplify(a - b) == 0:
-            return True
-    with contextlib.suppress(Exception):
-        if math.isclose(N(a), N(b), rel_tol=tolerance):
-            return True
+    """grader ``symbolic_equal`` AS SHIPPED: always False. The official code parses both sides and
+    tries ``simplify(a - b) == 0`` and a numeric ``isclose``, each inside
+    ``with timeout_limit(seconds=timeout):``; but verl's ``timeout_limit``
+    (``verl/utils/py_functional.py``) is only a decorator: ``timeout_limit(...)`` returns a plain
+    function, ``with`` on it raises TypeError before anything is compared, and each branch's
+    ``except Exception`` swallows it. So the released reward never judges two spellings equal here
+    (``2**5`` vs 32, ``5!`` vs 120 score 0 unless math-verify accepts them); tests/test_official_reward.py
+    runs the official grader with a decorator-only stand-in to show it. The paper's reward
+    (``verify.is_correct``, reward.mode=answer) compares with math-verify and is unaffected."""
+    del a, b, tolerance
     return False
 
 
