@@ -250,7 +250,7 @@ def run_config(workdir, total_steps, **rl):
 @pytest.mark.slow  # two run_rl calls, each compiling its step: ~25 s alone, a minute on shared cores
 def test_the_loop_skips_fully_rejected_batches_and_stops_when_nothing_is_left(tmp_path, monkeypatch):
     """A batch with no group left is not a step: the loop draws the next one (the official trainer
-    does the same), and fails with a clear error past ``max_rejected_batches`` in a row."""
+    does the same); past ``max_rejected_batches`` in a row the stage ends (the tests below)."""
     monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     workdir = str(tmp_path)
     with open(os.path.join(workdir, "train.jsonl"), "w") as f:
@@ -262,13 +262,40 @@ def test_the_loop_skips_fully_rejected_batches_and_stops_when_nothing_is_left(tm
     assert [r["step"] for r in recs] == [1, 2]
     assert [r["filter/rejected_batches"] for r in recs] == [1, 1]
 
-    other = tmp_path / "stuck"
-    other.mkdir()
-    with open(other / "train.jsonl", "w") as f:
+
+def _stuck_data(workdir):
+    with open(os.path.join(workdir, "train.jsonl"), "w") as f:  # problem 0 all-correct, 1 all-wrong
         f.write("".join(json.dumps({"problem": f"problem {p}", "answer": "0"}) + "\n" for p in (0, 1)))
-    with pytest.raises(RuntimeError, match="3 rollout batches in a row left no group to train on"):
-        run_rl(parse(run_config(str(other), 2, max_rejected_batches=3)), str(other),
-                           rollout_fn=scripted(REWARDS.get))
+
+
+def test_a_streak_of_equal_reward_groups_ends_the_stage_cleanly(tmp_path, monkeypatch, capsys):
+    """Batches whose groups were all-wrong or all-correct, none short of rollouts by an
+    infrastructure error, are the data and the policy, not a failure (issue 47): past
+    ``max_rejected_batches`` in a row the stage says which share was which and returns (the demo
+    then evaluates; ``rstarjax.main`` exits 0)."""
+    monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    workdir = str(tmp_path)
+    _stuck_data(workdir)
+    tr = run_rl(parse(run_config(workdir, 2, max_rejected_batches=3)), workdir, rollout_fn=scripted(REWARDS.get))
+    assert tr.step == 0
+    out = capsys.readouterr().out
+    assert "nothing left to learn at step 0" in out and "in 3 batches in a row" in out
+    assert "(50% all-wrong, 50% all-correct; no infrastructure error)" in out
+    assert "No step was trained, nothing saved." in out
+
+
+def test_a_streak_short_of_rollouts_by_infrastructure_errors_stops_the_run(tmp_path, monkeypatch):
+    """Only groups left short of rollouts by infrastructure errors point at a broken environment:
+    that streak stops the run with the error, never blamed on the data or the policy."""
+    monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    workdir = str(tmp_path)
+    _stuck_data(workdir)
+    from rstarjax.rl.trajectory import FinishReason as Finish
+
+    broken = scripted(REWARDS.get, finish_of=lambda p, j: Finish.ERROR if p == 1 else Finish.ANSWERED)
+    with pytest.raises(RuntimeError, match="3 rollout batches in a row left no group to train on at step 1, "
+                                           "with rollouts lost to infrastructure errors"):
+        run_rl(parse(run_config(workdir, 2, max_rejected_batches=3)), workdir, rollout_fn=broken)
 
 
 def test_a_policy_that_answers_every_rollout_right_ends_the_stage_cleanly(tmp_path, monkeypatch, capsys):

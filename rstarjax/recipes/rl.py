@@ -31,7 +31,7 @@ from rstarjax.recipes.rollout_process import is_rollout_process, serve_rollouts
 from rstarjax.rl.partial import CollectedRound, PartialRollouts
 from rstarjax.rl.remote import RemoteRollouts
 from rstarjax.rl.staleness import AsyncRollouts
-from rstarjax.rl.step import any_process, rl_step
+from rstarjax.rl.step import EmptyBatchStreak, any_process, rl_step
 from rstarjax.rl.trainer import Trainer, TrainState
 from rstarjax.rl.trajectory import RolloutFn, RolloutsFailed
 
@@ -414,8 +414,8 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
               "nothing to train (raise --config.total_steps to train on)", flush=True)
     bar = tqdm.tqdm(total=run.total_steps, initial=start, disable=not (is_main and run.logging.progress_bar),
                     desc="rl", dynamic_ncols=True)
-    rejected_in_a_row, attempts = 0, 0  # attempts: rollout rounds since the last update
-    solved_in_a_row = 0  # of those rejected batches, the last ones whose every group was all-correct
+    attempts = 0  # rollout rounds since the last update
+    empty = EmptyBatchStreak(run.rl.max_rejected_batches)  # batches in a row that trained no group
     round_times = {}  # partial rollouts: the times of rounds that completed no group yet
     nonfinite = NonFiniteStreak(run.trainer.max_nonfinite_steps)
     # the data position after the last finished step, and (partial rollouts) the prompts then in
@@ -489,28 +489,27 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
                 round_times = add_times(round_times, metrics)
                 continue
             if trainer.step == step:  # every group was rejected: no update, as the official trainer
-                rejected_in_a_row += 1
                 log.warning("step %d: no group of the batch is left to train on (rejected %.0f%%, %d infra-short); "
                             "drawing the next batch", step + 1, 100 * metrics.get("filter/rejected_frac", 0.0),
                             metrics.get("filter/infra_short_groups", 0))
-                solved_in_a_row = solved_in_a_row + 1 if only_solved_groups_rejected(metrics) else 0
-                if rejected_in_a_row >= run.rl.max_rejected_batches:
-                    # nothing left to learn here, on every process: not a failure
-                    if not any_process(solved_in_a_row < rejected_in_a_row):
+                if empty.observe(metrics):
+                    # equal rewards alone are the data and the policy: nothing left to learn, not a
+                    # failure; groups short of rollouts by infrastructure errors are the environment's
+                    if not any_process(empty.infra_failing):
                         solved = True
                         break
                     raise RuntimeError(
-                        f"{rejected_in_a_row} rollout batches in a row left no group to train on at step {step + 1} "
-                        "(every group's rewards were equal, or its rollouts hit infrastructure errors): the "
-                        "policy solves all or none of these problems, or the environment is failing. Check the "
-                        "data and the rollout metrics, or set --config.rl.reject_equal_reward=False")
+                        f"{empty.batches} rollout batches in a row left no group to train on at step {step + 1}, "
+                        f"with rollouts lost to infrastructure errors ({empty.shares()}): the environment is "
+                        "failing. Check the rollout metrics (filter/infra_trajectories) and the tool pool's log")
                 continue
-            metrics["filter/rejected_batches"] = float(rejected_in_a_row)
+            metrics["filter/rejected_batches"] = float(empty.batches)
             if partial is not None:
                 metrics["partial/restarted_groups"], restarted = float(restarted), 0
                 metrics["partial/rounds"] = float(attempts)
                 metrics, round_times = add_times(metrics, round_times), {}
-            rejected_in_a_row, solved_in_a_row, attempts = 0, 0, 0
+            attempts = 0
+            empty.reset()
             if source is not None:
                 finished_data = source.snapshot(data_iter.get_state)
             else:
@@ -543,8 +542,8 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
             raise preemption.Interrupted(stop_signal, trainer.step, saved, guard.abandoned)
         if data_ran_out or solved:
             saved = _save_last(trainer.step, start, save, finished_data, ckpt)
-            message = (solved_message if solved else data_ran_out_message)(
-                run, len(problems), trainer.step, start, saved)
+            message = (solved_message(run, len(problems), trainer.step, start, saved, empty) if solved
+                       else data_ran_out_message(run, len(problems), trainer.step, start, saved))
             log.info("%s", message)
             if is_main:
                 print(f"rstarjax: {message}", flush=True)
@@ -661,21 +660,24 @@ def _save_last(step: int, start: int, save, data_state, ckpt) -> bool:
     return step in ckpt.all_steps()
 
 
-def only_solved_groups_rejected(metrics: dict) -> bool:
-    """Whether a batch that trained no group lost every group to all-correct rewards: none was
-    all-wrong or short of rollouts by an infrastructure error (``selection_metrics``)."""
-    return (metrics.get("filter/rejected_all_correct_frac", 0.0) > 0
-            and metrics.get("filter/rejected_all_wrong_frac", 0.0) == 0
-            and not metrics.get("filter/infra_short_groups", 0))
-
-
-def solved_message(run: RunConfig, num_problems: int, step: int, start: int, saved: bool) -> str:
-    """Why a stage stopped early when its policy answered every rollout of its last batches right."""
-    return (f"the policy answered every rollout right in {run.rl.max_rejected_batches} batches in a row at step "
-            f"{step} (before total_steps={run.total_steps}): equal rewards carry no advantage, so there is nothing "
-            f"left to learn from these {num_problems} problems. {step - start} steps ran in this run. "
-            + (f"Step {step} is saved. " if saved else "No step was trained, nothing saved. ")
-            + "Train on harder problems (the recipe's stage 3 filters them) to go on.")
+def solved_message(run: RunConfig, num_problems: int, step: int, start: int, saved: bool,
+                   streak: EmptyBatchStreak) -> str:
+    """Why a stage stopped early when ``rl.max_rejected_batches`` batches in a row had only
+    equal-reward groups (none short of rollouts by an infrastructure error): which share of them
+    the policy answered all wrong and all right, and what was saved."""
+    ended = (f"{step - start} steps ran in this run. "
+             + (f"Step {step} is saved. " if saved else "No step was trained, nothing saved. "))
+    if streak.all_correct_only:
+        return (f"the policy answered every rollout right in {streak.batches} batches in a row at step "
+                f"{step} (before total_steps={run.total_steps}): equal rewards carry no advantage, so there is "
+                f"nothing left to learn from these {num_problems} problems. " + ended
+                + "Train on harder problems (the recipe's stage 3 filters them) to go on.")
+    return (f"nothing left to learn at step {step} (before total_steps={run.total_steps}): in {streak.batches} "
+            f"batches in a row every group's rollouts got equal rewards ({streak.shares()}; no infrastructure "
+            f"error), which carry no advantage. " + ended
+            + "All-wrong groups are problems the policy never solves from these "
+            f"{num_problems}: check their answers (docs/data.md), or start from a stronger policy (more SFT); "
+            "all-correct ones are solved.")
 
 
 def data_ran_out_message(run: RunConfig, num_problems: int, step: int, start: int, saved: bool) -> str:

@@ -235,3 +235,57 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | PartialRollouts | Collecte
     if "timing/tool_exec_wait_s" in metrics:
         metrics["time/tools"] = float(metrics["timing/tool_exec_wait_s"])
     return metrics
+
+
+@dataclasses.dataclass
+class EmptyBatchStreak:
+    """Rollout batches in a row that left no group to train on (``rl_step`` ran no update), and
+    what their groups were, from each batch's ``filter/`` metrics (``selection_metrics``).
+
+    Such a streak has two causes that call for opposite answers. Groups whose rewards were all
+    equal (all-correct, all-wrong, or equal once RoC kept G) are the data and the policy: the
+    stage has nothing left to learn from what it draws and ends cleanly. Groups left short of
+    rollouts by infrastructure errors point at a broken environment (``infra_failing``): an
+    infrastructure failure is never blamed on the model."""
+
+    limit: int  # rl.max_rejected_batches
+    batches: int = 0
+    groups: float = 0.0
+    all_correct: float = 0.0
+    all_wrong: float = 0.0
+    infra_short: float = 0.0
+
+    def observe(self, metrics: Mapping[str, float]) -> bool:
+        """Count one batch that trained no group; whether the streak has reached ``limit``."""
+        groups = float(metrics.get("filter/groups", 0.0))
+        self.batches += 1
+        self.groups += groups
+        self.all_correct += groups * float(metrics.get("filter/rejected_all_correct_frac", 0.0))
+        self.all_wrong += groups * float(metrics.get("filter/rejected_all_wrong_frac", 0.0))
+        self.infra_short += float(metrics.get("filter/infra_short_groups", 0.0))
+        return self.batches >= self.limit
+
+    def reset(self) -> None:
+        """A batch trained: the streak is over."""
+        self.batches, self.groups, self.all_correct, self.all_wrong, self.infra_short = 0, 0.0, 0.0, 0.0, 0.0
+
+    @property
+    def infra_failing(self) -> bool:
+        """Whether infrastructure errors left a group of the streak short of rollouts."""
+        return self.infra_short > 0
+
+    @property
+    def all_correct_only(self) -> bool:
+        """Whether every rejected group of the streak was all-correct (the policy solved them)."""
+        return self.all_correct > 0 and self.all_wrong == 0 and not self.infra_failing
+
+    def shares(self) -> str:
+        """The groups of the streak by kind, in percent: "70% all-wrong, 30% all-correct"."""
+        total = max(self.groups, 1.0)
+        other = max(self.groups - self.all_wrong - self.all_correct - self.infra_short, 0.0)
+        parts = [f"{100 * self.all_wrong / total:.0f}% all-wrong", f"{100 * self.all_correct / total:.0f}% all-correct"]
+        if other:
+            parts.append(f"{100 * other / total:.0f}% equal once RoC kept G")
+        if self.infra_short:
+            parts.append(f"{100 * self.infra_short / total:.0f}% short of rollouts by infrastructure errors")
+        return ", ".join(parts)
