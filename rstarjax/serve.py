@@ -17,11 +17,14 @@ Who may connect (``server_credentials``): by default only this machine, over loo
 local server credentials: a client on another address fails the handshake; a client here
 connects as before, with an insecure channel or ``grpc.local_channel_credentials()``).
 ``--expose`` with ``--tls_cert`` / ``--tls_key`` (and optionally ``--tls_client_ca``, which
-requires client certificates) serves other machines, over TLS only.
+requires client certificates) serves other machines, over TLS only. The same holds for
+JetStream's Prometheus metrics server (``--prometheus_port``, ``metrics_server_options``): on
+loopback by default, over HTTPS with the same certificates with ``--expose``.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -75,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop_ids", default="",
                    help="comma-separated stop ids (default: <|im_end|>,<|endoftext|>)")
     p.add_argument("--threads", type=int, default=0, help="gRPC worker threads (default: JetStream's)")
-    p.add_argument("--prometheus_port", type=int, default=0, help="JetStream's metrics server (0: off)")
+    p.add_argument("--prometheus_port", type=int, default=0,
+                   help="JetStream's metrics server (0: off); loopback only unless --expose (then HTTPS)")
     p.add_argument("--log_level", default="WARNING",
                    help="root log level (JetStream's orchestrator sets DEBUG: a line per step)")
     return p
@@ -112,6 +116,20 @@ def server_credentials(args, grpc):
                                        require_client_auth=client_ca is not None)
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def metrics_server_options(args) -> dict:
+    """``prometheus_client.start_http_server``'s options for JetStream's metrics server (which,
+    left to itself, serves plain HTTP on every interface): loopback only by default, as the gRPC
+    port; with ``--expose`` every interface, over HTTPS with the gRPC port's certificate, key and
+    client CA (a client certificate required when one is given)."""
+    if not args.expose:
+        return {"addr": LOOPBACK}
+    return {"addr": "0.0.0.0", "certfile": args.tls_cert, "keyfile": args.tls_key,
+            "client_cafile": args.tls_client_ca, "client_auth_required": bool(args.tls_client_ca)}
+
+
 def load_policy(args):
     """(model, tokenizer, tokenizer path) from ``--hf_path`` or ``--checkpoint`` (the engine
     casts the weights to ``--dtype``)."""
@@ -143,10 +161,12 @@ def build_engine(args, model, tokenizer, tokenizer_path: str = ""):
 
 
 def start_server(adapter, port: int, threads: int = 0, prometheus_port: int = 0,
-                 log_level: str = "WARNING", credentials=None):
+                 log_level: str = "WARNING", credentials=None, metrics_options: dict | None = None):
     """JetStream's gRPC server and orchestrator on ``adapter`` (interleaved mode, one device);
     returns the running ``server_lib.JetStreamServer`` (``.stop()``, ``.wait_for_termination()``).
-    ``credentials``: gRPC server credentials (``server_credentials``); None = loopback only."""
+    ``credentials``: gRPC server credentials (``server_credentials``); None = loopback only.
+    ``metrics_options``: where the metrics server of ``prometheus_port`` listens
+    (``metrics_server_options``); None = loopback only."""
     import grpc
     from jetstream.core import config_lib, server_lib
 
@@ -163,6 +183,11 @@ def start_server(adapter, port: int, threads: int = 0, prometheus_port: int = 0,
     config = config_lib.ServerConfig(interleaved_slices=(f"{device.platform}=1",),
                                      interleaved_engine_create_fns=(lambda devices: adapter,))
     metrics = config_lib.MetricsServerConfig(port=prometheus_port) if prometheus_port else None
+    if metrics is not None:  # server_lib.run calls start_http_server(port): on every interface, plain HTTP
+        import prometheus_client  # a dependency of jetstream
+
+        server_lib.start_http_server = functools.partial(prometheus_client.start_http_server,
+                                                         **(metrics_options or {"addr": LOOPBACK}))
     return server_lib.run(port=port, config=config, devices=[device], credentials=credentials,
                           threads=threads or None, metrics_server_config=metrics)
 
@@ -186,12 +211,14 @@ def main(argv=None) -> int:
         print(f"serve failed: {e}", file=sys.stderr)
         return 2
     server = start_server(adapter, args.port, args.threads, args.prometheus_port, args.log_level,
-                          credentials=server_credentials(args, grpc))
+                          credentials=server_credentials(args, grpc), metrics_options=metrics_server_options(args))
     access = "tls, any address" if args.expose else "loopback only"
     print(json.dumps({"serving": args.hf_path or args.checkpoint, "port": args.port, "access": access,
                       "num_slots": adapter.max_concurrent_decodes,
                       "max_prefill_length": adapter.max_prefill_length,
-                      "max_len": adapter.engine.max_len}), flush=True)
+                      "max_len": adapter.engine.max_len,
+                      **({"prometheus": f"{metrics_server_options(args)['addr']}:{args.prometheus_port}"}
+                         if args.prometheus_port else {})}), flush=True)
     server.wait_for_termination()
     return 0
 

@@ -1,0 +1,85 @@
+"""``python -m rstarjax.serve --prometheus_port``: JetStream's metrics server listens where the gRPC
+port does (issue 47): loopback only unless ``--expose``, and then over HTTPS with the same
+certificates. JetStream itself is stood in for (it is an optional extra); the metrics server is
+prometheus_client's own, bound for real."""
+import socket
+import sys
+import types
+import urllib.request
+
+import pytest
+
+from rstarjax import serve
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _own_other_address():
+    """An address of this machine that is not loopback (None if none): the source address of a
+    route out (a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))
+            address = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def _start_with_fake_jetstream(monkeypatch, prometheus_port, metrics_options=None):
+    """``serve.start_server`` on a stand-in JetStream whose ``server_lib.run`` starts the metrics
+    server as JetStream 0.2.2's does (``start_http_server(port)``); returns what it started."""
+    started = {}
+
+    def run(**kw):
+        if kw["metrics_server_config"]:
+            started["metrics"] = server_lib.start_http_server(kw["metrics_server_config"]["port"])
+        return "server"
+
+    server_lib = types.SimpleNamespace(run=run, start_http_server=lambda port: pytest.fail("every interface"))
+    jetstream_core = types.SimpleNamespace(
+        config_lib=types.SimpleNamespace(ServerConfig=lambda **kw: kw, MetricsServerConfig=lambda **kw: kw),
+        server_lib=server_lib)
+    grpc = types.SimpleNamespace(local_server_credentials=lambda kind: ("local", kind),
+                                 LocalConnectionType=types.SimpleNamespace(LOCAL_TCP="local_tcp"))
+    monkeypatch.setitem(sys.modules, "grpc", grpc)
+    monkeypatch.setitem(sys.modules, "jetstream", types.ModuleType("jetstream"))
+    monkeypatch.setitem(sys.modules, "jetstream.core", jetstream_core)
+    monkeypatch.setitem(sys.modules, "rstarjax.serving.jetstream_engine",
+                        types.SimpleNamespace(patch_jetstream_for_current_jax=lambda: None))
+    device = types.SimpleNamespace(platform="cpu")
+    adapter = types.SimpleNamespace(mesh=types.SimpleNamespace(devices=types.SimpleNamespace(flat=[device])))
+    assert serve.start_server(adapter, 9000, prometheus_port=prometheus_port,
+                              metrics_options=metrics_options) == "server"
+    return started
+
+
+def test_the_metrics_port_admits_loopback_only_unless_exposed(monkeypatch, tmp_path):
+    pytest.importorskip("prometheus_client")
+    parse = serve.build_parser().parse_args
+    assert serve.metrics_server_options(parse(["--hf_path", "m", "--prometheus_port", "9100"])) == {
+        "addr": "127.0.0.1"}
+    tls = ["--expose", "--tls_cert", "c.pem", "--tls_key", "k.pem", "--tls_client_ca", "ca.pem"]
+    assert serve.metrics_server_options(parse(["--hf_path", "m", *tls])) == {
+        "addr": "0.0.0.0", "certfile": "c.pem", "keyfile": "k.pem", "client_cafile": "ca.pem",
+        "client_auth_required": True}
+
+    port = _free_port()
+    started = _start_with_fake_jetstream(monkeypatch, port)
+    server = started["metrics"][0] if isinstance(started["metrics"], tuple) else None
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert r.status == 200
+        other = _own_other_address()
+        if other is not None:  # the same port at another address of this machine: nobody listens
+            with socket.socket() as s:
+                s.settimeout(5)
+                assert s.connect_ex((other, port)) != 0
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
