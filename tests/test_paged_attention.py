@@ -276,3 +276,68 @@ def test_ragged_decode_over_live_pages_equals_reference():
             jnp.asarray(rows + [0] * pad), jnp.asarray(starts + [0] * pad), jnp.int32(listed),
             jnp.asarray(lengths), chunk=chunk)
         np.testing.assert_allclose(np.asarray(got), ref, atol=2e-5)
+
+
+# ---- our packed decode kernel (models/decode_kernel.py), interpreted, against the reference --
+
+def _packed_case(seed, n, kh=2, h=16, page=4, width=8, num_pages=40):
+    """Rows of length 1, exactly one page, one past a page boundary, several pages and a full
+    table; the last two rows share their first two pages (a shared prompt prefix)."""
+    rng = np.random.default_rng(seed)
+    lengths = [1, page, page + 1, 3 * page + 2, page * width]
+    k, v, table = _random_paged(rng, len(lengths), kh, h, num_pages, page, lengths, width)
+    table[4, :2] = table[3, :2]
+    # Entries past a row's live pages are valid ids of other rows' pages (the engine's table
+    # holds NO_PAGE there, clamped to 0): the kernel must mask them, not read them as its own.
+    table = np.where(table == NO_PAGE, table[4, -1], table)
+    q = rng.normal(size=(len(lengths), n, h)).astype(np.float32)
+    ref = paged_attention_reference(jnp.asarray(q)[:, None], jnp.asarray(k), jnp.asarray(v),
+                                    jnp.asarray(table),
+                                    jnp.asarray(lengths, jnp.int32)[:, None] - 1)[:, 0]
+    return q, k, v, table, np.asarray(lengths, np.int32), np.asarray(ref)
+
+
+@pytest.mark.parametrize("n, blocking", [(4, (4, 8, 1 << 20)), (4, (2, 8, 1)), (8, (1, 3, 1 << 20))],
+                         ids=["g2_4pages_splits", "g2_2pages_one_split", "g4_1page_3splits"])
+def test_packed_decode_kernel_interpreted_equals_reference(n, blocking):
+    """All query heads of a kv head in one block (GQA 2 and 4); several pages per iteration or
+    one; split-K over the live pages (short rows leave later splits empty) or one split
+    normalised in the kernel: each exactly the reference's attention."""
+    from rstarjax.models.decode_kernel import PackedBlocking, decode_attention_packed
+
+    q, k, v, table, lengths, ref = _packed_case(7, n)
+    got = decode_attention_packed(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                  jnp.asarray(table), jnp.asarray(lengths),
+                                  blocking=PackedBlocking(*blocking), interpret=True)
+    np.testing.assert_allclose(np.asarray(got), ref, atol=2e-6)
+
+
+def test_packed_blocking_splits_follow_the_batch():
+    """One split where rows x kv heads fill the GPU (no combine), more for small batches; the
+    pages per block always divide the table."""
+    from rstarjax.models.decode_kernel import PackedBlocking
+
+    blocking = PackedBlocking()
+    assert blocking.for_shape(256, 8, 288) == (4, 1)
+    assert blocking.for_shape(64, 8, 288) == (4, 2)
+    assert blocking.for_shape(32, 8, 288) == (4, 4)
+    assert blocking.for_shape(1, 8, 288) == (4, 8)
+    assert blocking.for_shape(4, 8, 6) == (3, 2)  # at most width / pages per block splits
+
+
+@pytest.mark.slow  # the Pallas interpreter over two layers: ~30 s
+def test_decode_through_the_packed_kernel_equals_reference_decode(tiny):
+    """The engine's whole paged forward with our kernel (interpreted) as its decode attention,
+    through ``paged_decode_attention``'s switch (NO_PAGE entries, lengths as the engine passes them)."""
+    cfg = serving_config(TINY32)
+    w = serving_weights(tiny, jnp.float32)
+    rng = np.random.default_rng(5)
+    k, v, table = _random_paged(rng, 2, 2, 16, 16, 16, [20, 33], 4)
+    k = tuple(jnp.asarray(k) for _ in range(2))
+    v = tuple(jnp.asarray(v) for _ in range(2))
+    cache = PagedKVCache(k, v, jnp.asarray(table), jnp.asarray([19, 32], jnp.int32))
+    tok = jnp.asarray([[3], [4]], jnp.int32)
+    ref, _ = paged_forward(cfg, w, tok, cache, jnp.ones(2, jnp.int32))
+    got, _ = paged_forward(cfg, w, tok, cache, jnp.ones(2, jnp.int32),
+                           decode_attention="pallas_gpu_packed", interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4)

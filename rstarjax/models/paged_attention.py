@@ -18,6 +18,9 @@
   not used and why: the GPU ``decode_attention`` reads contiguous per-row K/V, not pages; the
   TPU ``ragged_paged_attention`` needs K and V interleaved in one array and its interpret mode
   cannot run on CPU in this jax, so it could not be tested against the reference here).
+  ``pallas_gpu_packed`` is our own kernel (``decode_kernel.py``): all query heads of a kv head
+  in one block without padding, split-K over the live pages; chosen by name until a GPU
+  measures it against ``pallas_gpu`` (docs/serving.md, "Our decode kernel").
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import jax.numpy as jnp
 
 from rstarjax.models.kv_cache import NO_PAGE
 
-DECODE_IMPLEMENTATIONS = ("reference", "ragged", "pallas_gpu", "pallas_tpu")
+DECODE_IMPLEMENTATIONS = ("reference", "ragged", "pallas_gpu", "pallas_gpu_packed", "pallas_tpu")
 QUERY_BLOCK = 256  # queries per block in the reference: bounds the [T, context] logits buffer
 RAGGED_CHUNK = 64  # pages per iteration of the ragged decode attention
 RAGGED_LIST_STEP = 16  # a list of at most RAGGED_CHUNK pages is padded to a multiple of this
@@ -248,6 +251,13 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
             return tpu_kernel(scaled, k_pages, v_pages, lengths, table,
                               pages_per_compute_block=per_block)
+    if implementation == "pallas_gpu_packed":
+        from rstarjax.models import decode_kernel
+
+        # Unscaled q (the kernel scales in float32); lengths >= 1 and table entries valid ids.
+        return decode_kernel.decode_attention_packed(q, k_pages, v_pages, table, lengths,
+                                                     blocking=decode_kernel.PACKED_BLOCKING,
+                                                     interpret=interpret)
     raise ValueError(f"decode attention {implementation!r} not in {DECODE_IMPLEMENTATIONS}")
 
 

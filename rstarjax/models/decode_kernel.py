@@ -1,0 +1,162 @@
+"""Our paged decode-attention kernel (Pallas, lowered to Triton on NVIDIA/AMD GPUs).
+
+One query token per row over the row's pages in the pool (``kv_cache.PagedKVCache`` layout:
+K and V ``[kv heads, pages, page size, head dim]``). What it does differently from jax's
+``pallas.ops.gpu.paged_attention`` (the ``pallas_gpu`` path), each from the H200 profile of
+Qwen3-1.7B decode (docs/serving.md, "Our decode kernel"):
+
+- **GQA packing without padding.** A program holds all G query heads of one kv head (G = 2 for
+  Qwen3-1.7B, 4 for 8B) as a ``[G, head dim]`` block and reads that kv head's pages once.
+  jax's kernel feeds the tensor cores, whose smallest block is 16 rows, so it pads G to 16 and
+  writes 16-row split partials (8x the partial traffic at G = 2). Here the logits
+  ``q . k`` and ``p . v`` are broadcast multiply-reduce on the CUDA cores: decode reads each K/V
+  element once for G multiply-adds, far below the cores' rate, so the tensor cores buy nothing.
+- **Split-K over the live pages, not the table.** jax's kernel cuts the page-table *width*
+  into ``k_splits`` equal parts, so a 560-token row in a 4,608-token table sits entirely in
+  the first split and the others idle. Here split s of a row reads the s-th share of that
+  row's *live* pages (a multiple of ``pages_per_block``), so every split has work.
+- **Splits only where the grid needs them.** ``k_splits`` follows the batch: rows x kv heads
+  programs already fill the GPU at 256 rows (one split: the kernel normalises and writes the
+  output itself, no combine at all); fewer rows get more splits (a small combine in XLA).
+- **Page loads in flight.** ``pages_per_block`` pages are gathered per loop iteration and
+  Triton software-pipelines the loop over ``num_stages`` stages.
+
+``decode_attention_packed`` is exact against ``paged_attention.paged_attention_reference``
+(tests/test_paged_attention.py runs it in Pallas' interpreter on CPU).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+LOW = float(jnp.finfo(jnp.float32).min)  # running-max start: exp(LOW - any real max) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBlocking:
+    """How the packed kernel cuts its work (static: part of the compiled program).
+
+    ``pages_per_block``: pages gathered per loop iteration (upper bound; reduced to a divisor
+    of the table width). ``max_k_splits``: most flash-decoding splits of a row;
+    ``target_programs``: the splits are the fewest that make rows x kv heads x splits reach
+    it (an H100 has 132 SMs, an H200 too: ~8 programs each). ``num_warps``/``num_stages``:
+    Triton's launch and software-pipelining depth."""
+    pages_per_block: int = 4
+    max_k_splits: int = 8
+    target_programs: int = 1024
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def for_shape(self, rows: int, kv_heads: int, width: int) -> tuple[int, int]:
+        """(pages per block, k splits) for a batch of ``rows`` and a table ``width`` wide."""
+        per_block = max(d for d in range(1, self.pages_per_block + 1) if width % d == 0)
+        wanted = -(-self.target_programs // max(1, rows * kv_heads))
+        splits = max(1, min(self.max_k_splits, wanted, width // per_block))
+        return per_block, splits
+
+
+# Read when a decode program is traced (benchmarks/serving.py --packed-blocking sets it).
+PACKED_BLOCKING = PackedBlocking()
+
+
+def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, page_size: int,
+            per_block: int, k_splits: int, scale: float):
+    """Program (row b, kv head h, split s): online softmax over the split's share of the row's
+    live pages, ``per_block`` pages an iteration. Refs: lengths [1], table [W], q [G, H],
+    k/v [pages, S, H]; out: o [G, H] (one split: normalised, q's dtype) or o [G, H], m [G],
+    l [G] in float32 (several: combined by ``_combine``)."""
+    split = pl.program_id(2)
+    length = lengths_ref[0]
+    live_blocks = pl.cdiv(pl.cdiv(length, page_size), per_block)
+    share = pl.cdiv(live_blocks, k_splits)  # blocks per split
+    first = split * share
+    last = jnp.minimum(first + share, live_blocks)
+    q = q_ref[...].astype(jnp.float32) * scale  # [G, H]
+    g, h = q.shape
+    tokens = per_block * page_size
+
+    def body(i, carry):
+        o, m, l = carry  # [G, H], [G], [G] (float32)
+        start = i * per_block
+        ids = table_ref[pl.ds(start, per_block)]
+        k = k_ref[ids].reshape(tokens, h).astype(jnp.float32)
+        v = v_ref[ids].reshape(tokens, h).astype(jnp.float32)
+        logits = jnp.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, T]
+        pos = start * page_size + jnp.arange(tokens)
+        logits = jnp.where((pos < length)[None, :], logits, LOW)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(logits - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        o = o * alpha[:, None] + jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+        return o, m_new, l
+
+    init = (jnp.zeros((g, h), jnp.float32), jnp.full((g,), LOW, jnp.float32),
+            jnp.zeros((g,), jnp.float32))
+    o, m, l = jax.lax.fori_loop(first, last, body, init)
+    if k_splits == 1:
+        (o_ref,) = out_refs
+        o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        o_ref[...] = o
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+def _combine(o, m, l, dtype):
+    """Flash-decoding's last step: splits' partials [S, B, K, G, (H)] -> [B, K, G, H]."""
+    top = jnp.max(m, axis=0)
+    w = jnp.exp(m - top[None])  # an empty split: exp(LOW - top) == 0
+    total = jnp.sum(l * w, axis=0)
+    return (jnp.sum(o * w[..., None], axis=0) / total[..., None]).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("blocking", "interpret"))
+def decode_attention_packed(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                            page_table: jax.Array, lengths: jax.Array, *,
+                            blocking: PackedBlocking = PackedBlocking(),
+                            interpret: bool = False) -> jax.Array:
+    """q [B, N, H] (unscaled; scale ``H ** -0.5`` inside) over each row's first ``lengths[b]``
+    tokens (>= 1) of its pages ``page_table[b]`` (entries past the live ones are never read
+    for K/V a row does not own: the positions mask them; they must be valid page ids) ->
+    [B, N, H]. GQA: query head n reads kv head ``n // (N // K)``."""
+    from jax.experimental.pallas import triton as plgpu
+
+    b, n, h = q.shape
+    kh, _, page_size, _ = k_pages.shape
+    g = n // kh
+    width = page_table.shape[1]
+    per_block, k_splits = blocking.for_shape(b, kh, width)
+    kernel = functools.partial(_kernel, page_size=page_size, per_block=per_block,
+                               k_splits=k_splits, scale=h ** -0.5)
+    pool = pl.BlockSpec((None, *k_pages.shape[1:]), lambda r, j, s: (j, 0, 0, 0))
+    in_specs = [pl.BlockSpec((None, 1), lambda r, j, s: (r, 0)),  # lengths [B, 1]
+                pl.BlockSpec((None, width), lambda r, j, s: (r, 0)),  # the row's table
+                pl.BlockSpec((None, None, g, h), lambda r, j, s: (r, j, 0, 0)),  # q [B, K, G, H]
+                pool, pool]
+    if k_splits == 1:
+        out_specs = [pl.BlockSpec((None, None, g, h), lambda r, j, s: (r, j, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, kh, g, h), q.dtype)]
+    else:
+        part = (k_splits, b, kh, g)
+        out_specs = [pl.BlockSpec((None, None, None, g, h), lambda r, j, s: (s, r, j, 0, 0)),
+                     pl.BlockSpec((None, None, None, g), lambda r, j, s: (s, r, j, 0)),
+                     pl.BlockSpec((None, None, None, g), lambda r, j, s: (s, r, j, 0))]
+        out_shape = [jax.ShapeDtypeStruct((*part, h), jnp.float32),
+                     jax.ShapeDtypeStruct(part, jnp.float32),
+                     jax.ShapeDtypeStruct(part, jnp.float32)]
+    outs = pl.pallas_call(
+        kernel, grid=(b, kh, k_splits), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=blocking.num_warps,
+                                             num_stages=blocking.num_stages),
+        name=f"decode_packed_g{g}_p{per_block}_s{k_splits}",
+    )(lengths.astype(jnp.int32).reshape(b, 1), page_table.astype(jnp.int32),
+      q.reshape(b, kh, g, h), k_pages, v_pages)
+    out = outs[0] if k_splits == 1 else _combine(*outs, q.dtype)
+    return out.reshape(b, n, h)
