@@ -45,6 +45,9 @@ def get_config(arg=None):
     c.data.train_path = ""  # jsonl / json / parquet of problems (required; layouts: rstarjax/io/data.py)
     c.data.shuffle = True
     c.data.num_epochs = 0  # 0 = repeat forever
+    # "integer": train on integer answers only (rStar2-Agent §4.2, the default); "any": also every
+    # other answer the verifier can compare (docs/data.md)
+    c.data.answer_filter = "integer"
 
     # ---- rollouts / GRPO-RoC (§2.2.3, §4.3) -------------------------------------------------
     c.rl = ml_collections.ConfigDict()

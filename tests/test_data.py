@@ -154,3 +154,52 @@ def test_bad_arguments():
         make_dataset(records(4), batch_size=1, process_index=3, process_count=2)
     with pytest.raises(ValueError):
         make_dataset(records(4), batch_size=0, process_index=0, process_count=1)
+
+
+def test_answer_filter_integer_by_default_and_any_keeps_what_the_verifier_reads(tmp_path, caplog):
+    """data.answer_filter (issue 47): "integer" (rStar2-Agent §4.2, the default) skips the other
+    answers and says so in one warning line naming the setting that keeps them; "any" keeps every
+    answer math-verify can read (and the official verifier then scores it right), integers still
+    written canonically; an answer it cannot read is skipped and counted."""
+    from rstarjax.env.verify import is_correct
+
+    rows = [{"problem": "i", "answer": "1{,}000"}, {"problem": "f", "answer": "\\frac{1}{2}"},
+            {"problem": "s", "answer": "\\sqrt{3}"}, {"problem": "u", "answer": "\\frac{"}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with caplog.at_level("WARNING", logger="rstarjax.io.data"):
+        records, report = load_problems(path)
+    assert [(r["problem"], r["answer"]) for r in records] == [("i", "1000")]
+    lines = [r.getMessage() for r in caplog.records if "not an integer" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("dataset: 3 of 4 rows have an answer that is not an integer")
+    assert "--config.data.answer_filter=any" in lines[0]
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rstarjax.io.data"):
+        records, report = load_problems(path, answer_filter="any")
+    assert [(r["problem"], r["answer"]) for r in records] == [("i", "1000"), ("f", "\\frac{1}{2}"), ("s", "\\sqrt{3}")]
+    assert dict(report.skipped) == {"unverifiable_answer": 1}
+    assert not [r for r in caplog.records if "not an integer" in r.getMessage()]
+    assert is_correct("<answer>\\boxed{0.5}</answer>", records[1]["answer"])  # the verifier compares it
+    with pytest.raises(ValueError, match="answer_filter='fraction'"):
+        load_problems(path, answer_filter="fraction")
+
+
+def test_answer_filter_is_a_checked_data_setting(tmp_path):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
+    import base
+
+    from rstarjax.recipes.config import parse
+    from rstarjax.validation import ConfigError
+
+    c = base.get_config()
+    c.model.random_init, c.model.preset = True, "tiny"
+    c.data.train_path = write_jsonl(tmp_path / "d.jsonl", [{"problem": "p", "answer": "1"}])
+    assert parse(c).data.answer_filter == "integer"
+    c.data.answer_filter = "any"
+    assert parse(c).data.answer_filter == "any"
+    c.data.answer_filter = "all"
+    with pytest.raises(ConfigError, match=r"--config.data.answer_filter='all': choose one of \['any', 'integer'\]"):
+        parse(c)

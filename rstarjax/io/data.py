@@ -11,8 +11,9 @@ Files: ``.jsonl`` / ``.json`` (a list of rows or JSON lines) and ``.parquet`` (n
 Rows are read and normalised eagerly on the host (datasets here are ~10^4-10^5 problems): bad rows
 (a line that is not UTF-8 or not JSON, missing, empty or wrong-type fields, repeated problems) are
 skipped and COUNTED by reason in ``DataReport``, with their first rows (``FILE:ROW``);
-non-integer answers are filtered out when ``integer_only`` (rStar2-Agent §4.2), and integers past
-Python's int-string limit (4,300 digits), which the verifier could not read, are counted too.
+the answers kept are ``answer_filter``'s (``ANSWER_FILTERS``: "integer", rStar2-Agent §4.2's and the
+default, or "any" the verifier can compare), and integers past Python's int-string limit (4,300
+digits), which the verifier could not read, are counted too. docs/data.md is the user's guide.
 The pipeline is then: per-host shard (process_index::process_count) -> seeded shuffle, reshuffled
 every epoch -> repeat(num_epochs) -> batches of rows. Its iterator's ``get_state()`` /
 ``set_state()`` (a small dict: the position in rows) is what a checkpoint stores to resume exactly,
@@ -175,6 +176,14 @@ def normalize_row(row: Any) -> dict[str, str]:
 
 _INT_RE = re.compile(r"^[+-]?\d+(?:\.0+)?$")
 
+# data.answer_filter: which answers an RL run trains on (docs/data.md "Answers")
+#   "integer": integers only, written canonically (rStar2-Agent §4.2: equivalence of expressions is
+#              unreliable to verify); the paper's and the default
+#   "any":     integers (canonical) and every other answer the verifier can read (math-verify parses
+#              it: fractions, expressions, intervals, sets, ...); the rest are skipped and counted
+ANSWER_FILTERS = ("integer", "any")
+VERIFIER_PARSE_TIMEOUT_S = 5  # one gold answer's parse (math-verify's own alarm; main thread only)
+
 
 def integer_answer(answer: str) -> str | None:
     """The canonical integer string of an answer ("\\boxed{1{,}000}" -> "1000"), or None.
@@ -263,11 +272,21 @@ def read_rows(path: str) -> tuple[list[Any], collections.Counter]:
     return rows, bad
 
 
-def load_problems(paths: str | Iterable[str], integer_only: bool = True) -> tuple[list[dict[str, str]], DataReport]:
+def load_problems(paths: str | Iterable[str], integer_only: bool = True,
+                  answer_filter: str | None = None) -> tuple[list[dict[str, str]], DataReport]:
     """Normalised records from one or more files, and a report of everything dropped, with the
     rows (``FILE:ROW [why]``). A record's ``uid`` is ``FILE:ROW`` (``read_numbered_rows``'
     numbering). A problem seen before (in any of the files) is dropped as ``duplicate``, or as
-    ``duplicate_other_answer`` when its answer differs: the first row wins."""
+    ``duplicate_other_answer`` when its answer differs: the first row wins.
+
+    ``answer_filter`` (``ANSWER_FILTERS``; an RL run's ``data.answer_filter``) chooses the answers
+    kept; without it ``integer_only`` says ("integer", or every answer as written: evaluation).
+    Answers the filter drops are counted, and said in one warning line with the setting that
+    keeps them."""
+    if answer_filter is None:
+        answer_filter = "integer" if integer_only else ""
+    elif answer_filter not in ANSWER_FILTERS:
+        raise ValueError(f"answer_filter={answer_filter!r}: choose one of {list(ANSWER_FILTERS)}")
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     records: list[dict[str, str]] = []
@@ -279,7 +298,7 @@ def load_problems(paths: str | Iterable[str], integer_only: bool = True) -> tupl
             report.total += 1
             where = f"{source}:{number}"
             try:
-                rec = _checked_record(row, integer_only)
+                rec = _checked_record(row, answer_filter)
             except BadRow as e:
                 report.skip(e.reason, f"{where} [{e.detail}]" if e.detail else where)
                 continue
@@ -295,20 +314,50 @@ def load_problems(paths: str | Iterable[str], integer_only: bool = True) -> tupl
     report.kept = len(records)
     if report.num_skipped:
         log.warning("dataset %s", report)
+    dropped = report.skipped["non_integer_answer"]
+    if dropped:
+        log.warning("dataset: %d of %d rows have an answer that is not an integer and are skipped: RL trains on "
+                    "integer answers only, as rStar2-Agent (data.answer_filter='integer'); "
+                    "--config.data.answer_filter=any keeps every answer the verifier can compare (docs/data.md)",
+                    dropped, report.total)
     if not records:
         raise ValueError(f"no usable rows in {list(paths)} ({report})")
     return records, report
 
 
-def _checked_record(row: Any, integer_only: bool) -> dict[str, str]:
-    """``normalize_row``, then with ``integer_only`` the canonical integer answer; raises BadRow."""
+def verifier_can_read(answer: str) -> bool:
+    """Whether the verifier (math-verify, ``env.verify``) parses ``answer`` as a gold answer into
+    a mathematical object (not only its text, which it could match only character for
+    character): one it cannot read would score nearly every rollout 0. Bounded by math-verify's
+    own alarm where this is the main thread (a parse past ``VERIFIER_PARSE_TIMEOUT_S`` counts as
+    unreadable)."""
+    import threading
+
+    from math_verify import grader, parse, parser  # sympy-heavy: only for data.answer_filter='any'
+
+    parser.TIMEOUT_WARNING_SHOWN = grader.TIMEOUT_WARNING_SHOWN = True  # no once-per-process notice
+    main = threading.current_thread() is threading.main_thread()
+    try:
+        parsed = parse("\\boxed{" + answer + "}", parsing_timeout=VERIFIER_PARSE_TIMEOUT_S if main else None)
+    except Exception:  # noqa: BLE001 - math-verify's timeout, or a parser error: unreadable either way
+        return False
+    return any(not isinstance(p, str) for p in parsed)
+
+
+def _checked_record(row: Any, answer_filter: str) -> dict[str, str]:
+    """``normalize_row``, then the answer ``answer_filter`` keeps (integers canonical; "" keeps
+    every answer as written); raises BadRow."""
     if isinstance(row, BadRow):
         raise row
     rec = normalize_row(row)
-    if integer_only:
+    if answer_filter:
         canon = integer_answer(rec["answer"])
         if canon is None:
-            raise BadRow("non_integer_answer")
+            if answer_filter == "integer":
+                raise BadRow("non_integer_answer")
+            if not verifier_can_read(rec["answer"]):
+                raise BadRow("unverifiable_answer", "the verifier cannot parse it")
+            return rec
         limit = _int_max_digits()
         if limit and len(canon.lstrip("-")) > limit:  # the verifier's int() would refuse it
             raise BadRow("answer_too_long", f"{len(canon.lstrip('-'))} digits, Python's limit is {limit}")
@@ -443,8 +492,9 @@ def problem_dataset(
     seed: int = 0,
     num_epochs: int | None = 1,
     integer_only: bool = True,
+    answer_filter: str | None = None,
     **kwargs,
 ) -> tuple[RowBatches, DataReport]:
     """load_problems + make_dataset in one call."""
-    records, report = load_problems(paths, integer_only=integer_only)
+    records, report = load_problems(paths, integer_only=integer_only, answer_filter=answer_filter)
     return make_dataset(records, batch_size, seed=seed, num_epochs=num_epochs, **kwargs), report

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 from rstarjax.env.official_reward import REWARD_MODES
 from rstarjax.io.checkpoint import CheckpointConfig
+from rstarjax.io.data import ANSWER_FILTERS
 from rstarjax.models.chat_template import CHAT_FORMATS
 from rstarjax.models.config import DTYPES, LORA_TARGETS, PRESETS, REMAT_POLICIES
 from rstarjax.rl.agent_loop import AgentConfig
@@ -130,12 +131,16 @@ class ModelSource:
 class DataConfig:
     """The ``data`` section: the RL problems (``io.data``)."""
 
-    train_path: str = ""  # jsonl / json / parquet of {"problem", "answer"} rows
+    train_path: str = ""  # jsonl / json / parquet of {"problem", "answer"} rows (docs/data.md)
     shuffle: bool = True
     num_epochs: int = 0  # 0 = repeat forever
+    # the answers trained on (io.data.ANSWER_FILTERS): "integer" = rStar2-Agent §4.2's integers only
+    # (the default); "any" = also every other answer the verifier can compare
+    answer_filter: str = "integer"
 
     def __post_init__(self):
-        require((self.num_epochs >= 0, f"num_epochs={self.num_epochs} must be >= 0 (0 = repeat forever)"))
+        require((self.num_epochs >= 0, f"num_epochs={self.num_epochs} must be >= 0 (0 = repeat forever)"),
+                one_of("answer_filter", self.answer_filter, ANSWER_FILTERS))
 
 
 @dataclasses.dataclass(frozen=True)

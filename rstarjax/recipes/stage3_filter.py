@@ -83,7 +83,8 @@ def run_filter(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None
                                   "use one host with a larger serving mesh)")
     # with the engine's prompts (rollout_fn None), the over-long ones are skipped and counted too
     records, report = build.problems(run.data.train_path, run.rl,
-                                     build.tokenizer(run.model) if rollout_fn is None else None)
+                                     build.tokenizer(run.model) if rollout_fn is None else None,
+                                     run.data.answer_filter)
     executor = None
     if rollout_fn is None:
         mesh = build.mesh(run.mesh)
