@@ -210,4 +210,9 @@ def get_config(arg=None):
     c.filter.k = 8  # rollouts per problem with the latest policy
     c.filter.output_path = ""  # default: WORKDIR/filtered.jsonl
     c.filter.batch_prompts = 64
+
+    # ---- code sandbox (docs/code_env.md) ----------------------------------------------------------
+    c.env = ml_collections.ConfigDict()
+    # True: run where the sandbox cannot hide the host's files (datasets, answers) from model code
+    c.env.allow_unconfined = False
     return c

@@ -1,14 +1,21 @@
 """Kernel isolation: namespaces and mounts, for the zygote (once) and for each sandbox.
 
-Zygote-wide, set up once before anything is forked (`setup_zygote`):
+Zygote-wide, set up once before anything is forked (`setup_zygote`, then `confine_filesystem`
+once the preloaded libraries are imported):
 * a network namespace with only a down loopback: no TCP/UDP connection leaves it;
 * an IPC namespace: whatever System V or POSIX IPC object exists dies with the executor (model
   code cannot create any: see seccomp.py);
-* a mount namespace in which every host mount is read-only (except /proc, /sys, the cgroup
-  mounts and the device nodes), so no world-writable host directory (/var/tmp, /run/lock, ...)
-  can keep a file; /tmp and /var/tmp are covered by empty root-owned tmpfs (a checkout or
-  virtualenv below /tmp is bound back so that it stays importable), and the interpreter is made
-  readable where it lives in a closed home directory (`expose_python_tree`).
+* a mount namespace whose root is FRESH (`enter_fresh_root`, default-deny as nsjail and
+  bubblewrap set it up): an empty tmpfs, pivot_root'ed to, that shows read-only only what the
+  interpreter needs (the system's programs and shared libraries under /usr, the Python prefix
+  and the import paths, the few rstarjax.env files the zygote imported), a private /tmp,
+  /dev/shm and /proc, five device nodes, and the executor's own cgroup directories. Nothing
+  else of the host is there: not /data, /mnt, /opt, /srv, /home, /root, nor the checkout, nor
+  the rest of /tmp, wherever datasets, checkpoints or the checkout live. Where the kernel
+  refuses it, the older view: every host mount read-only, /tmp covered (`confine_host_view`),
+  reported as `fresh_root` False (RL then refuses to start, see `require_confined`).
+* Without root, an unprivileged user namespace first (as bubblewrap does) gives the zygote the
+  right to do all of the above (`enter_user_namespace`); sandboxes then drop every capability.
 
 Per sandbox, by the flags it is cloned with (see forker.py) and `mount_call_filesystems`:
 * a PID namespace (the sandbox is its PID 1: everything it starts dies with it) with its own
@@ -27,6 +34,7 @@ import sys
 import sysconfig
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
@@ -75,29 +83,238 @@ def mount(source: bytes | None, target: str, fstype: bytes | None, flags: int, d
 
 
 def setup_zygote(config: dict) -> dict:
-    """Cut the network, privatise and freeze the file system view; report what the kernel allowed."""
-    info = {"root": os.geteuid() == 0, "netns": False, "ipcns": False, "mountns": False, "private_tmp": False,
+    """Cut the network, privatise the mount namespace; report what the kernel allowed. The file
+    system view itself is confined later (`confine_filesystem`), once the zygote's imports are
+    done."""
+    info = {"isolate": bool(config.get("isolate", True)), "root": os.geteuid() == 0, "userns": False,
+            "netns": False, "ipcns": False, "mountns": False, "fresh_root": False, "private_tmp": False,
             "host_readonly": False}
     if not config.get("isolate", True):
         return info
+    if not info["root"]:
+        info["userns"] = enter_user_namespace()
     info["netns"] = libc_call("unshare", CLONE_NEWNET) == 0
     info["ipcns"] = libc_call("unshare", CLONE_NEWIPC) == 0
-    if not (info["root"] and libc_call("unshare", CLONE_NEWNS) == 0):
+    if not ((info["root"] or info["userns"]) and libc_call("unshare", CLONE_NEWNS) == 0):
         return info
-    info["mountns"] = True
-    if mount(b"none", "/", None, MS_REC | MS_PRIVATE) != 0:  # nothing we mount reaches the host
+    # nothing we mount reaches the host
+    info["mountns"] = mount(b"none", "/", None, MS_REC | MS_PRIVATE) == 0
+    return info
+
+
+def confine_filesystem(config: dict, info: dict) -> dict:
+    """The zygote's file system view, for itself and every process it forks: the fresh root, or
+    where the kernel refuses it, the host read-only with /tmp covered."""
+    if not info.get("mountns"):
         return info
+    try:
+        info["exposed"] = enter_fresh_root(config)
+        info["fresh_root"] = info["private_tmp"] = True
+    except OSError as exc:
+        info["fresh_root_refused"] = str(exc)
+        info.update(confine_host_view(config))
+    os.makedirs(config["workdir_root"], mode=0o755, exist_ok=True)  # each call mounts its own tmpfs here
+    info["host_readonly"] = make_host_readonly(keep_writable=KEEP_WRITABLE_PATHS if info["fresh_root"] else
+                                               (("/tmp",) if info["private_tmp"] else ()))
+    return info
+
+
+def confine_host_view(config: dict) -> dict:
+    """The fallback view (no fresh root): /tmp and /var/tmp covered by empty root-owned tmpfs (a
+    checkout or virtualenv below /tmp bound back so that it stays importable), the interpreter
+    made readable where it lives in a closed home directory."""
     ok = True
     for path, size in (("/tmp", config["tmp_bytes"]), ("/var/tmp", 1 << 20)):
         if os.path.isdir(path):
             keep = open_children_holding(path, code_roots())
             mounted = mount(b"tmpfs", path, b"tmpfs", MS_NOSUID | MS_NODEV, b"size=%d,mode=0755" % size) == 0
             ok &= mounted and bind_back(path, keep)
-    info["private_tmp"] = ok
-    info["exposed"] = expose_python_tree()
-    os.makedirs(config["workdir_root"], mode=0o755, exist_ok=True)  # each call mounts its own tmpfs here
-    info["host_readonly"] = make_host_readonly(keep_writable=("/tmp",) if ok else ())
-    return info
+    return {"private_tmp": ok, "exposed": expose_python_tree()}
+
+
+# --------------------------------------------------------------------------------------------
+# the fresh root (default-deny)
+
+# Programs and shared libraries (and the merged-/usr links to them): what `python` and the
+# programs a call may start (subprocess, sh) load. Datasets do not live here.
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")  # the dynamic loader's cache; time.localtime
+DEV_NODES = ("null", "zero", "full", "random", "urandom")
+DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+             "stderr": "/proc/self/fd/2"}
+# Writable in the fresh root (all else is read-only): the private /tmp (workers' per-call
+# directories where calls cannot mount their own), /dev/shm, the device nodes.
+KEEP_WRITABLE_PATHS = ("/tmp", "/dev/shm") + tuple(f"/dev/{n}" for n in DEV_NODES)
+MNT_DETACH = 2
+PIVOT_ROOT_SYSCALL = {"x86_64": 155, "aarch64": 41}
+
+
+def _within(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def checkout_root() -> str:
+    """The directory holding the rstarjax package (an editable install's checkout)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+
+
+def imported_package_files() -> list[str]:
+    """The rstarjax source files this process imported: all of the checkout a sandbox may see."""
+    package = os.path.join(checkout_root(), "rstarjax")
+    files = set()
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if (name == "rstarjax" or name.startswith("rstarjax.")) and path:
+            path = os.path.realpath(path)
+            if _within(path, package) and os.path.isfile(path):
+                files.add(path)
+    return sorted(files)
+
+
+def fresh_root_dirs(import_dirs: list[str]) -> list[str]:
+    """Host directories the fresh root shows read-only, outermost only: the system's programs and
+    libraries and the Python tree (`import_dirs`), but never a directory that holds the
+    checkout (an editable install or PYTHONPATH may point there: the checkout's data and
+    checkpoints must stay out; its imported files are shown one by one)."""
+    checkout = checkout_root()
+    wanted = set()
+    for path in list(SYSTEM_PATHS) + import_dirs:
+        if os.path.islink(path) and os.path.dirname(path) == "/":
+            continue  # a merged-/usr link, recreated as a link
+        if os.path.isdir(path):
+            for target in {os.path.abspath(path), os.path.realpath(path)}:
+                if not _within(checkout, target):
+                    wanted.add(target)
+    outer = []
+    for path in sorted(wanted):
+        if not any(_within(path, kept) for kept in outer):
+            outer.append(path)
+    return outer
+
+
+def _pivot_root(new_root: str, put_old: str) -> None:
+    rc = ctypes.CDLL(None, use_errno=True).syscall(ctypes.c_long(PIVOT_ROOT_SYSCALL[os.uname().machine]),
+                                                  new_root.encode(), put_old.encode())
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"pivot_root: {os.strerror(err)}")
+
+
+def _must(err: int, what: str) -> None:
+    if err:
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _bind(source: str, root: str, target: str, readonly: bool = True) -> None:
+    """Bind host `source` at `target` inside the root being built; read-only at once, so that a
+    later step can never create anything in a host directory."""
+    inside = root + target
+    if os.path.isdir(source):
+        os.makedirs(inside, mode=0o755, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(inside), mode=0o755, exist_ok=True)
+        os.close(os.open(inside, os.O_WRONLY | os.O_CREAT, 0o644))
+    _must(mount(source.encode(), inside, None, MS_BIND | MS_REC), f"bind {source}")
+    if readonly:
+        _must(mount(None, inside, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV),
+              f"read-only {source}")
+
+
+def enter_fresh_root(config: dict) -> list[str]:
+    """Build the default-deny root on a tmpfs mounted over the executor's (empty, private)
+    scratch directory, pivot_root into it and detach the host's root. Returns the host paths it
+    shows. Raises OSError when the kernel refuses a step (nothing is pivoted then)."""
+    root = os.path.realpath(config["workdir_root"])
+    _must(mount(b"tmpfs", root, b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755"), "tmpfs root")
+    try:
+        exposed = _populate_root(root, config)
+        os.mkdir(root + "/.old", 0o700)
+        _pivot_root(root, root + "/.old")
+    except BaseException:
+        libc_call("umount2", root.encode(), MNT_DETACH)
+        raise
+    os.chdir("/")
+    _must(libc_call("umount2", b"/.old", MNT_DETACH), "detach the host root")
+    os.rmdir("/.old")
+    return exposed
+
+
+def _populate_root(root: str, config: dict) -> list[str]:
+    for name in ("tmp", "proc", "dev", "dev/shm"):
+        os.makedirs(f"{root}/{name}", mode=0o755, exist_ok=True)
+    _must(mount(b"tmpfs", root + "/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, b"size=%d,mode=0755" % config["tmp_bytes"]),
+          "tmpfs /tmp")
+    _must(mount(b"tmpfs", root + "/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV,
+                b"size=%d,mode=1777" % config["tmp_bytes"]), "tmpfs /dev/shm")
+    if mount(b"proc", root + "/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC) != 0:
+        _bind("/proc", root, "/proc", readonly=False)  # a user namespace may not mount a fresh one
+    for node in DEV_NODES:
+        if os.path.exists(f"/dev/{node}"):
+            _bind(f"/dev/{node}", root, f"/dev/{node}", readonly=False)
+    for name, target in DEV_LINKS.items():
+        os.symlink(target, f"{root}/dev/{name}")
+    cgroup = config.get("cgroup") or {}
+    cgroup_dirs = set(cgroup.get("roots", [])) | {cgroup.get("memory_root"), cgroup.get("cpu_root")}
+    for directory in sorted(cgroup_dirs - {None}):
+        _bind(directory, root, directory, readonly=False)  # forkers join them, workers read them
+    for path in SYSTEM_PATHS:
+        if os.path.islink(path):
+            os.symlink(os.readlink(path), root + path)
+    exposed = fresh_root_dirs(python_tree())
+    for directory in exposed:
+        _bind(directory, root, directory)
+    checkout = checkout_root()
+    if any(_within(checkout, d) for d in exposed):  # e.g. a checkout inside the Python prefix
+        _must(mount(b"tmpfs", root + checkout, b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755"),
+              "cover the checkout")
+    files = imported_package_files() + [f for f in ETC_FILES if os.path.isfile(f)]
+    for path in files:
+        _bind(path, root, path)
+    return exposed + files
+
+
+def enter_user_namespace() -> bool:
+    """Without root: become the owner of a new user namespace (and so able to make the mount,
+    PID, network and IPC namespaces and the fresh root), mapping only our own uid and gid, as
+    bubblewrap does. False where the kernel or its policy refuses unprivileged user namespaces."""
+    uid, gid = os.getuid(), os.getgid()
+    if libc_call("unshare", CLONE_NEWUSER) != 0:
+        return False
+    try:
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    except OSError:
+        return False
+    return True
+
+
+UNCONFINED_FLAG = "--config.env.allow_unconfined=True"
+
+
+def confinement_gap(info: dict) -> str | None:
+    """Why model code could read host files here (None: it cannot), from what the zygote found
+    (CodeExecutor.isolation). Confined: the fresh root, and each call's /proc its own or shown
+    to an unprivileged uid of its own (a call running as the trainer's uid could otherwise reach
+    the host's root through /proc/<trainer>/root)."""
+    if not info.get("fresh_root"):
+        why = info.get("fresh_root_refused") or ("isolate=False" if not info.get("isolate", True) else
+                                                  "no mount namespace: neither root nor an unprivileged user "
+                                                  "namespace is allowed here")
+        return f"no private file system view ({why})"
+    if not (info.get("uid_drop") or (info.get("pidns") and info.get("call_mounts"))):
+        return "calls run as the trainer's user without a /proc of their own"
+    return None
+
+
+def require_confined(info: dict, allow_unconfined: bool) -> None:
+    """Refuse (RuntimeError, one line naming the flag) a code pool whose sandboxes could read the
+    host's files, datasets and gold answers included, unless the user allowed it."""
+    gap = confinement_gap(info)
+    if gap is not None and not allow_unconfined:
+        raise RuntimeError(f"the code sandbox cannot hide this host's files from model code ({gap}), so a policy "
+                           f"could read the data's answers; fix the host (root, or unprivileged user namespaces: "
+                           f"docs/code_env.md) or accept it with {UNCONFINED_FLAG}")
 
 
 def _mountinfo() -> list[tuple[str, str, set[str]]]:
@@ -138,10 +355,10 @@ def python_tree() -> list[str]:
 
 
 def code_roots() -> list[str]:
-    """Where the code the sandboxes run lives: the Python tree and rstarjax's own checkout
-    (an editable install is not on sys.path; its import hook points into the checkout)."""
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return python_tree() + [os.path.realpath(package_root)]
+    """Where the code the sandboxes run lives (the fallback view): the Python tree and
+    rstarjax's own checkout (an editable install is not on sys.path; its import hook points
+    into the checkout)."""
+    return python_tree() + [checkout_root()]
 
 
 def open_children_holding(mount_point: str, paths: list[str]) -> dict[str, int]:

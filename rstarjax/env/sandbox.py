@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import ctypes
 import dataclasses
 import fcntl
 import io
@@ -64,6 +65,7 @@ class Confinement:
     uid: int | None  # the slot's unprivileged uid; None: no uid drop here
     call_mounts: bool  # its own tmpfs for workdir and /dev/shm (it has its own mount namespace)
     own_proc: bool  # and a /proc of its own PID namespace
+    drop_caps: bool = False  # no uid drop, but capabilities (a user namespace's): drop them all
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,6 +107,17 @@ def drop_privileges(uid: int) -> None:
     os.setresuid(uid, uid, uid)
     if os.geteuid() != uid or os.getuid() != uid:  # pragma: no cover - kernel guarantees it
         os._exit(99)
+
+
+_CAP_HEADER = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+_NO_CAPS = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable x 2 words: all empty
+
+
+def drop_capabilities() -> None:
+    """Give up every capability (those the zygote's user namespace granted: with them model code
+    could mount over the fresh root). With no new privileges (seccomp.py) no exec regains any."""
+    if isolation.libc_call("capset", ctypes.byref(_CAP_HEADER), ctypes.byref(_NO_CAPS)) != 0:
+        os._exit(98)
 
 
 def set_parent_death_signal() -> None:
@@ -170,6 +183,8 @@ def confine_for_call(confinement: Confinement, limits: SandboxLimits, timeout_s:
         set_parent_death_signal()  # the uid change cleared it
         if worker_gone():
             os._exit(0)
+    elif confinement.drop_caps:
+        drop_capabilities()
     os.umask(0o077)
 
 

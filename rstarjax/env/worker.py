@@ -93,6 +93,7 @@ class Worker:
         self.slots = int(config["slots"])
         self.use_pidns = bool(host["pidns"])
         self.uid_drop = bool(host["uid_drop"])
+        self.drop_caps = bool(host.get("userns"))  # the zygote's user namespace gave us capabilities
         self.call_mounts = bool(host.get("call_mounts"))
         self.clone_flags = forker.clone_flags(host)
         self.tid_offset = host.get("tid_offset")
@@ -124,7 +125,7 @@ class Worker:
 
     def confinement(self, slot: int, workdir: str) -> Confinement:
         return Confinement(workdir=workdir, uid=self.slot_uid(slot), call_mounts=self.call_mounts,
-                           own_proc=self.call_mounts and self.use_pidns)
+                           own_proc=self.call_mounts and self.use_pidns, drop_caps=self.drop_caps)
 
     def start_forkers(self) -> None:
         """One forker per slot, forked now, while this process has read nothing."""

@@ -150,6 +150,9 @@ def zygote_main(argv: list[str]) -> None:
     sys.path[1:1] = [p for p in config.get("import_paths", []) if p not in sys.path]
     info = isolation.setup_zygote(config)
     preload(config.get("preload", "heavy"))
+    # After the imports: the fresh root shows the rstarjax files imported, and nothing else of
+    # the checkout.
+    info = isolation.confine_filesystem(config, info)
     if "jax" in sys.modules:  # pragma: no cover - guarded by a test
         raise RuntimeError("the zygote must not import jax")
     info = probe(config, info)

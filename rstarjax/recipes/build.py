@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rstarjax.env import CodeExecutor
+from rstarjax.env.isolation import require_confined
 from rstarjax.models import ModelConfig, Qwen3, load_hf, lora
 from rstarjax.io import data as data_lib
 from rstarjax.models.chat_template import chat_format, encode_prompt
@@ -21,6 +22,7 @@ from rstarjax.rl.agent_loop import AgentConfig, ColocatedRollouts
 from rstarjax.rl.config import RLConfig
 from rstarjax.serving.colocated import ServingConfig
 from rstarjax.serving.sampling import SamplingParams
+from rstarjax.validation import ConfigError
 
 
 def mesh(cfg: MeshConfig, serving: ServingConfig | None = None) -> Mesh:
@@ -123,9 +125,17 @@ def problems(train_path: str, rl: RLConfig, tok: Tokenizer | None,
     return records, report
 
 
-def executor(num_tool_workers: int) -> CodeExecutor:
-    """The started code executor a run's rollouts use (``rl.num_tool_workers``); close it after."""
-    return CodeExecutor(num_workers=tool_workers(num_tool_workers)).start()
+def executor(num_tool_workers: int, allow_unconfined: bool = False) -> CodeExecutor:
+    """The started code executor a run's rollouts use (``rl.num_tool_workers``); close it after.
+    ConfigError (one line, exit 2) where its sandboxes could read the host's files, the data's
+    answers included, unless ``env.allow_unconfined``."""
+    pool = CodeExecutor(num_workers=tool_workers(num_tool_workers)).start()
+    try:
+        require_confined(pool.isolation, allow_unconfined)
+    except RuntimeError as e:
+        pool.close()
+        raise ConfigError(str(e)) from None
+    return pool
 
 
 def rollouts(model, tok: Tokenizer, executor: CodeExecutor, agent: AgentConfig, sampling: SamplingParams,

@@ -144,6 +144,15 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    """The ``env`` section: the code sandbox (``rstarjax.env``, docs/code_env.md)."""
+
+    # True: run even where the sandbox cannot hide the host's files (datasets, gold answers)
+    # from model code (no root and no unprivileged user namespaces); False refuses to start
+    allow_unconfined: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """The ``mesh`` section: device mesh (data, fsdp, tensor); -1 = the rest of the devices."""
 
@@ -343,6 +352,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     filter: FilterConfig = dataclasses.field(default_factory=FilterConfig)
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     sft: SFTConfig | None = None  # the sections of configs/sft.py, eval.py, demo.py
     eval: EvalConfig | None = None
     demo: DemoConfig | None = None
@@ -361,7 +371,8 @@ class RunConfig:
 SECTIONS = {"model": ModelSource, "data": DataConfig, "rl": RLConfig, "reward": RewardConfig, "loss": LossConfig,
             "optim": OptimConfig,
             "trainer": TrainerConfig, "serving": ServingConfig, "mesh": MeshConfig, "distributed": DistributedConfig,
-            "checkpoint": CheckpointConfig, "logging": LoggingConfig, "filter": FilterConfig, "sft": SFTConfig,
+            "checkpoint": CheckpointConfig, "logging": LoggingConfig, "filter": FilterConfig, "env": EnvConfig,
+            "sft": SFTConfig,
             "eval": EvalConfig, "demo": DemoConfig}
 _TOP_LEVEL = ("mode", "seed", "profile", "total_steps", "compilation_cache_dir")
 

@@ -141,7 +141,7 @@ def demo_datasets(run: RunConfig) -> dict[str, list]:
     rl_rows = demo_tasks.make_dataset(d.num_rl_problems, "train", seed=run.seed + 1, kinds=kinds)
     eval_rows = demo_tasks.make_dataset(d.num_eval_problems, "test", seed=run.seed, kinds=kinds)
     if recover:
-        with build.executor(run.rl.num_tool_workers) as executor:
+        with build.executor(run.rl.num_tool_workers, run.env.allow_unconfined) as executor:
             traces = demo_tasks.make_sft_traces(sft_tasks, in_head_fraction=in_head, seed=run.seed,
                                                 recover_fraction=recover,
                                                 error_runner=demo_tasks.sandbox_error_runner(executor))
@@ -294,7 +294,7 @@ def run_demo(run: RunConfig, workdir: str) -> dict[str, Any]:
     data = setup.data
     policy, sft_summary = train_sft_policy(run, setup, workdir)
 
-    executor = build.executor(run.rl.num_tool_workers)
+    executor = build.executor(run.rl.num_tool_workers, run.env.allow_unconfined)
     try:
         rollouts = demo_rollouts(run, policy, setup, executor)
         sft_acc, sft_trajs, sft_breakdown = evaluate(rollouts, data["eval_rows"], "after SFT")

@@ -153,7 +153,7 @@ def run_compare(run: RunConfig, workdir: str) -> dict[str, Any]:
     eval_rows = setup.data["eval_rows"]
 
     arms: dict[str, dict[str, Any]] = {}
-    executor = build.executor(run.rl.num_tool_workers)
+    executor = build.executor(run.rl.num_tool_workers, run.env.allow_unconfined)
     try:
         rollouts = demo.demo_rollouts(run, policy, setup, executor)
         sft_acc, _, sft_breakdown = demo.evaluate(rollouts, eval_rows, "after SFT")

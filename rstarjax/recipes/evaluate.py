@@ -226,7 +226,7 @@ def run_eval(run: RunConfig, workdir: str) -> dict[str, dict[str, float]]:
     tokenizer = build.tokenizer(run.model)
     model = build.policy(run.model, mesh, run.seed, **build.vocabulary_of(tokenizer))
     t0 = time.time()
-    with build.executor(run.rl.num_tool_workers) as executor:
+    with build.executor(run.rl.num_tool_workers, run.env.allow_unconfined) as executor:
         rollouts = build.rollouts(model, tokenizer, executor, run.eval_agent(), e.sampling(), e.max_prompt_len,
                                   e.chat_format, run.serving, num_slots=e.num_slots)
         out = evaluate_records(datasets, per_problem(rollouts, run.seed), e.k, workdir)

@@ -327,7 +327,7 @@ def _run_rl(run: RunConfig, workdir: str, rollout_fn, model, on_update, model_so
                               logit_temperature=run.rl.temperature)  # what rollouts sample at
             meta = initial_state(trainer, ckpt, run, base_record)
             if rollout_fn is None:
-                executor = build.executor(run.rl.num_tool_workers)
+                executor = build.executor(run.rl.num_tool_workers, run.env.allow_unconfined)
                 rollouts = build.rollouts(trainer.served_model(), tokenizer, executor, run.agent(), run.rl.sampling(),
                                           run.rl.max_prompt_len, run.rl.chat_format, run.serving)
                 rollout_fn, on_update = rollouts, lambda tr: rollouts.update_params(tr.served_model())

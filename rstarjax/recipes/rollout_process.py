@@ -35,7 +35,7 @@ def serve_rollouts(run: RunConfig) -> int:
     # the engine's structure: the plain base model (a LoRA policy's adapters arrive merged in the
     # serving copy), its weights replaced by the trainer process's before the first round
     model = build.policy(dataclasses.replace(run.model, lora_rank=0), mesh, run.seed, read_weights=False)
-    executor = build.executor(run.rl.num_tool_workers)
+    executor = build.executor(run.rl.num_tool_workers, run.env.allow_unconfined)
     try:
         rollouts = build.rollouts(model, tokenizer, executor, run.agent(), run.rl.sampling(), run.rl.max_prompt_len,
                                   run.rl.chat_format, run.serving)

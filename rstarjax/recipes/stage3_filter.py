@@ -102,7 +102,7 @@ def run_filter(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None
                                                       ckpt_lib.abstract_like(params, shardings))
             model = nnx.merge(graphdef, params, rest)
             log.info("filtering with the policy of step %d from %s", step, run.checkpoint.init_from)
-        executor = build.executor(run.rl.num_tool_workers)
+        executor = build.executor(run.rl.num_tool_workers, run.env.allow_unconfined)
         rollout_fn = build.rollouts(model, build.tokenizer(run.model), executor, run.agent(), run.rl.sampling(),
                                     run.rl.max_prompt_len, run.rl.chat_format, run.serving)
     bar = tqdm.tqdm(total=len(records), desc="filter", disable=not run.logging.progress_bar)

@@ -1,0 +1,106 @@
+"""The engine's decode program lowers for every accelerator it may run on, here on CPU.
+
+``jax.export`` with ``platforms=[...]`` lowers a program for a platform this machine does not
+have: each decode attention the engine can pick is lowered inside the engine's real decode
+program (the while loop of forward, sampling and bookkeeping) for CUDA, ROCm and TPU, so a change
+that breaks one of them fails here, not on a lent GPU or a pod.
+
+What lowering checks, and what it cannot: for a Pallas kernel on CUDA/ROCm it runs Pallas'
+Triton lowering (block shapes, every op of the kernel body translated to Triton IR, which MLIR
+verifies) and for TPU the Mosaic lowering. The Triton IR is only compiled to PTX/AMDGCN when XLA
+compiles the program on the device itself (Triton's own passes: layouts, shared memory per
+``num_stages``, register allocation), and that needs the GPU: a kernel that lowers here can
+still fail there for too much shared memory, never for an op Pallas cannot lower.
+"""
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax import export
+
+from rstarjax.models.config import ModelConfig
+from rstarjax.models.paged_attention import default_decode_implementation
+from rstarjax.models.qwen3 import Qwen3
+from rstarjax.serving import engine as engine_module
+from rstarjax.serving.engine import Engine
+
+# head_dim 128 and 16-token pages: the shapes every kernel accepts (the TPU kernel wants 128).
+CFG = ModelConfig.preset("tiny", head_dim=128, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+# Pallas' GPU kernels are Triton custom calls, which jax.export refuses to serialize unless told
+# (no compatibility guarantee across jaxlib versions): the lowering is what is checked here.
+TRITON = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+TPU_KERNEL = export.DisabledSafetyCheck.custom_call("tpu_custom_call")
+
+
+class _Captured(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def decode_call():
+    """The arguments the engine passes its decode program (no request started: the program's
+    shapes are the same, and no prefill compiles)."""
+    model = Qwen3(CFG, rngs=nnx.Rngs(0))
+    engine = Engine(model, max_len=64, num_slots=4, page_size=16, kv_pages=24, decode_steps=2,
+                    dtype=jnp.bfloat16, decode_attention="pallas_gpu_packed")
+    state = engine.init_decode_state()
+    seen = {}
+
+    def capture(*args, **kwargs):
+        seen.update(args=args, kwargs=kwargs)
+        raise _Captured
+
+    real = engine_module.decode_program
+    engine_module.decode_program = capture
+    try:
+        with pytest.raises(_Captured):
+            engine.decode(engine.params, state)
+    finally:
+        engine_module.decode_program = real
+    return real, seen["args"], seen["kwargs"]
+
+
+def _lower(decode_call, platform, attention):
+    program, args, kwargs = decode_call
+    kwargs = {**kwargs, "attention": attention, "interpret": False}
+    exported = export.export(program, platforms=[platform], disabled_checks=[TRITON, TPU_KERNEL])(
+        *args, **kwargs)
+    return exported.mlir_module()
+
+
+@pytest.mark.parametrize("platform, attention", [
+    ("cuda", "pallas_gpu"), ("cuda", "pallas_gpu_packed"), ("cuda", "ragged"),
+    ("rocm", "auto"), ("rocm", "pallas_gpu_packed"),
+    ("tpu", "auto"), ("tpu", "ragged"),
+])
+def test_decode_program_lowers_for_the_platform(decode_call, platform, attention):
+    if attention == "auto":  # what the engine picks there for a bf16 pool of 16-token pages
+        attention = default_decode_implementation(platform, head_dim=128, page_size=16)
+    text = _lower(decode_call, platform, attention)
+    kernel = {"pallas_gpu": "__gpu$xla.gpu.triton", "pallas_gpu_packed": "__gpu$xla.gpu.triton",
+              "pallas_tpu": "tpu_custom_call"}.get(attention)
+    if kernel:  # the kernel itself is in the program, not a fallback
+        assert kernel in text, (platform, attention)
+
+
+def test_auto_picks_a_kernel_on_tpu_and_the_portable_path_on_rocm():
+    """The parametrized cases above lower what the engine picks: the Mosaic kernel on TPU."""
+    assert default_decode_implementation("tpu", head_dim=128, page_size=16) == "pallas_tpu"
+    assert default_decode_implementation("rocm", head_dim=128, page_size=16) == "ragged"
+
+
+@pytest.mark.parametrize("blocking", [(4, 8, 1024, 4, 3), (8, 8, 1, 8, 2), (2, 16, 1 << 20, 4, 4),
+                                      (1, 1, 1, 2, 1)])
+def test_packed_kernel_variants_lower_for_cuda_at_qwen3_shapes(blocking):
+    """Every blocking benchmarks/gpu_check.py's kernels2 part may run, at Qwen3-1.7B (16 q / 8 kv
+    heads) and 8B (32 / 8) decode shapes (256 rows, a 4,608-token table of 16-token pages)."""
+    from rstarjax.models.decode_kernel import PackedBlocking, decode_attention_packed
+
+    for q_heads in (16, 32):
+        args = (jax.ShapeDtypeStruct((256, q_heads, 128), jnp.bfloat16),
+                jax.ShapeDtypeStruct((8, 4096, 16, 128), jnp.bfloat16),
+                jax.ShapeDtypeStruct((8, 4096, 16, 128), jnp.bfloat16),
+                jax.ShapeDtypeStruct((256, 288), jnp.int32), jax.ShapeDtypeStruct((256,), jnp.int32))
+        fn = jax.jit(lambda *a: decode_attention_packed(*a, blocking=PackedBlocking(*blocking)))
+        text = export.export(fn, platforms=["cuda"], disabled_checks=[TRITON])(*args).mlir_module()
+        assert "__gpu$xla.gpu.triton" in text
