@@ -118,3 +118,166 @@ def plan_kv(cfg: ModelConfig, *, max_len: int, page_size: int = 16, kv_pages: in
     return KVPlan(page_size=int(page_size), num_pages=num_pages, num_slots=int(num_slots),
                   pages_per_rollout=per_rollout, page_bytes=int(page_bytes),
                   free_bytes=free_bytes, source=source)
+
+
+# ---- the memory plan of a colocated run on one device --------------------------------------------
+# Activation bytes of one update per trained token and per (layer x hidden unit), by remat policy.
+# Measured with XLA's memory analysis of the compiled train step (its peak less the float32
+# weights, AdamW moments and gradients, 16 bytes per parameter) at Qwen3-1.7B (28 layers x 2,048)
+# on rows of 8,192 tokens, bf16, jax 0.11.2 (docs/training.md "On a GPU"; docs/launch.md "One GPU"):
+# full 38.0 / 48.4 / 69.2 GB at 1 / 2 / 4 rows on an H100 (10.4 GB per row, 1.27 MB per token);
+# attention 77 GB and dots_attention 110 GB at 4 rows on an H200; dots 46.2 GB, none 76.4 GB at one
+# row on an H100. Other shapes scale by layers x hidden (predicted, not measured).
+ACTIVATION_BYTES = {"full": 22.1, "attention": 26.4, "dots": 39.8, "dots_attention": 44.0,
+                    "none": 104.3}
+ACTIVATION_BYTES["dots_no_batch"] = ACTIVATION_BYTES["dots"]  # not measured: taken as dots
+# Remat policies fastest first, by the update's MFU at 4 x 8K on an H200 (docs/launch.md):
+# dots_attention 45.4 %, attention 41.3 %, full 39.5 %.
+REMAT_BY_SPEED = ("dots_attention", "attention", "full")
+
+
+def lora_trained_params(cfg: ModelConfig, rank: int, targets=None) -> int:
+    """Parameters of rank-``rank`` LoRA adapters (A: in x r, B: r x out) on ``targets``."""
+    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * h, cfg.num_key_value_heads * h
+    widths = {"q_proj": d + q, "k_proj": d + kv, "v_proj": d + kv, "o_proj": q + d,
+              "gate_proj": d + f, "up_proj": d + f, "down_proj": f + d}
+    targets = tuple(targets or cfg.lora_targets)
+    return cfg.num_hidden_layers * rank * sum(widths[t] for t in targets)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes one device holds in a colocated RL step (the trainer's state, the engine's serving
+    copy and KV pool, the update's gradients and activations), and at which phase it peaks."""
+    params: int  # float32 master weights that train (LoRA: the adapters) + the frozen bf16 base
+    optimizer: int  # AdamW's two float32 moments of the trained weights
+    grads: int  # float32 gradients; two copies when micro-steps accumulate
+    activations: int  # the update's saved activations: micro rows x row length x per token
+    serving: int  # the engine's bf16 serving copy
+    kv_pool: int  # the engine's KV pages
+    released_in_update: bool  # serving.release_during_update: serving + pool freed for the update
+    device: int  # bytes the process may allocate (0: unknown)
+
+    @property
+    def state(self) -> int:
+        return self.params + self.optimizer
+
+    @property
+    def rollout_peak(self) -> int:
+        return self.state + self.serving + self.kv_pool
+
+    @property
+    def update_peak(self) -> int:
+        held = 0 if self.released_in_update else self.serving + self.kv_pool
+        return self.state + self.grads + self.activations + held
+
+    @property
+    def peak(self) -> int:
+        return max(self.rollout_peak, self.update_peak)
+
+    def as_dict(self) -> dict:
+        names = ("params", "optimizer", "grads", "activations", "serving", "kv_pool", "device")
+        out = {f"{n}_gb": round(getattr(self, n) / GB, 2) for n in names}
+        out.update(state_gb=round(self.state / GB, 2), rollout_peak_gb=round(self.rollout_peak / GB, 2),
+                   update_peak_gb=round(self.update_peak / GB, 2), peak_gb=round(self.peak / GB, 2),
+                   released_in_update=self.released_in_update)
+        return out
+
+
+def plan_memory(cfg: ModelConfig, *, rows: int, seq_len: int, micro_batch: int = 0,
+                remat_policy: str | None = None, lora_rank: int = 0, kv_pool_bytes: int = 0,
+                release_during_update: bool = False, device_bytes: int = 0) -> MemoryPlan:
+    """The memory plan of a colocated step on one device: ``rows`` trained rows of ``seq_len``
+    tokens, ``micro_batch`` rows per micro-step (0: all at once), ``kv_pool_bytes`` of KV pages.
+
+    Full fine-tuning keeps 16 bytes per parameter for the update (float32 weights, two AdamW
+    moments, gradients; 4 more for the accumulator when micro-steps accumulate); LoRA keeps the
+    base in bf16 (2 bytes) and 16 per adapter parameter. The serving copy is 2 bytes per
+    parameter. Activations: ``ACTIVATION_BYTES[remat]`` x layers x hidden per token of a
+    micro-step (measured at Qwen3-1.7B; other shapes predicted)."""
+    remat = remat_policy or cfg.remat_policy
+    if remat not in ACTIVATION_BYTES:
+        raise ValueError(f"remat_policy={remat!r}: the plan knows {sorted(ACTIVATION_BYTES)}")
+    micro = micro_batch or rows
+    if rows < 1 or seq_len < 1 or micro < 1 or rows % micro:
+        raise ValueError(f"need rows >= 1, seq_len >= 1 and a micro_batch that divides rows, "
+                         f"got rows={rows}, seq_len={seq_len}, micro_batch={micro_batch}")
+    total = cfg.num_params
+    if lora_rank:
+        trained = lora_trained_params(cfg, lora_rank)
+        params = 4 * trained + 2 * total
+    else:
+        trained = total
+        params = 4 * trained
+    grads = 4 * trained * (2 if micro < rows else 1)
+    per_token = ACTIVATION_BYTES[remat] * cfg.num_hidden_layers * cfg.hidden_size
+    return MemoryPlan(params=int(params), optimizer=int(8 * trained), grads=int(grads),
+                      activations=int(per_token * micro * seq_len), serving=int(2 * total),
+                      kv_pool=int(kv_pool_bytes), released_in_update=bool(release_during_update),
+                      device=int(device_bytes))
+
+
+@dataclasses.dataclass(frozen=True)
+class ColocatedChoice:
+    """What ``choose_colocated`` picked: the remat policy, the micro-batch, the KV pool, the
+    ``serving.kv_memory_fraction`` that gives that pool, and the plan; ``problems`` (each naming
+    the flag) when nothing fits."""
+    remat_policy: str
+    micro_batch: int
+    kv_pages: int
+    kv_memory_fraction: float
+    plan: MemoryPlan
+    problems: tuple[str, ...] = ()
+
+
+def choose_colocated(cfg: ModelConfig, *, rows: int, seq_len: int, device_bytes: int,
+                     min_pool_rollouts: int = 8, page_size: int = 16, lora_rank: int = 0,
+                     remat_policies=REMAT_BY_SPEED, micro_batches=None,
+                     release_during_update: bool = False, margin: float = 0.05) -> ColocatedChoice:
+    """The fastest remat policy (``remat_policies`` in order), then the largest micro-batch (a
+    divisor of ``rows``), whose update fits ``device_bytes`` less ``margin`` beside the serving
+    copy and a KV pool of at least ``min_pool_rollouts`` rollouts of ``seq_len`` tokens; the pool
+    gets the rest. The engine sizes its pool as ``kv_memory_fraction`` of the memory free after
+    the trainer's state and its serving copy; the fraction returned gives the chosen pool."""
+    usable = int(device_bytes * (1.0 - margin))
+    rollout_bytes = kv_bytes_per_token(cfg, jnp.bfloat16) * pages_for(seq_len, page_size) * page_size
+    page_bytes = kv_bytes_per_token(cfg, jnp.bfloat16) * page_size
+    micro_batches = micro_batches or sorted((m for m in range(1, rows + 1) if rows % m == 0), reverse=True)
+    for remat in remat_policies:
+        for micro in micro_batches:
+            bare = plan_memory(cfg, rows=rows, seq_len=seq_len, micro_batch=micro, remat_policy=remat,
+                               lora_rank=lora_rank, release_during_update=release_during_update,
+                               device_bytes=device_bytes)
+            room = usable - (bare.rollout_peak if release_during_update else bare.update_peak)
+            if release_during_update:  # the pool only has to fit beside the state and serving copy
+                fits = bare.update_peak <= usable and room >= min_pool_rollouts * rollout_bytes
+            else:
+                fits = room >= min_pool_rollouts * rollout_bytes
+            if not fits:
+                continue
+            pages = int(room // page_bytes)
+            plan = dataclasses.replace(bare, kv_pool=pages * page_bytes)
+            free_after_serving = device_bytes - bare.state - bare.serving
+            # half a page over: the engine's floor(fraction x free / page) is then exactly ``pages``
+            fraction = min(1.0, (pages + 0.5) * page_bytes / free_after_serving)
+            return ColocatedChoice(remat, micro, pages, fraction, plan)
+    smallest = plan_memory(cfg, rows=rows, seq_len=seq_len, micro_batch=1, remat_policy=remat_policies[-1],
+                           lora_rank=lora_rank, release_during_update=release_during_update,
+                           device_bytes=device_bytes)
+    need = smallest.update_peak + (0 if release_during_update else min_pool_rollouts * rollout_bytes)
+    fixes = []
+    if not lora_rank:
+        fixes.append("train LoRA adapters only (--config.model.lora_rank=16)")
+    if not release_during_update:
+        fixes.append("free the serving copy and the pool during the update "
+                     "(--config.serving.release_during_update=True)")
+    fixes.append(f"shorter rows (--config.rl.max_response_len, now {seq_len} tokens with the prompt)")
+    fixes.append("more devices (--config.mesh.fsdp)")
+    problem = (f"one micro-batch row (--config.trainer.micro_batch_size=1, "
+               f"--config.model.remat_policy={remat_policies[-1]}) needs {need / GB:.1f} GB with a pool of "
+               f"{min_pool_rollouts} rollouts, the device has {usable / GB:.1f} GB usable "
+               f"(state {smallest.state / GB:.1f}, gradients {smallest.grads / GB:.1f}, activations "
+               f"{smallest.activations / GB:.1f}, serving copy {smallest.serving / GB:.1f} GB): "
+               + "; or ".join(fixes))
+    return ColocatedChoice(remat_policies[-1], 1, 0, 0.0, smallest, (problem,))

@@ -1,0 +1,81 @@
+"""The colocated memory plan (serving.sizing.plan_memory / choose_colocated) against hand
+arithmetic on the tiny preset, and against what a GPU measured at Qwen3-1.7B."""
+import pytest
+
+from rstarjax.models.config import ModelConfig
+from rstarjax.serving.sizing import GB, choose_colocated, lora_trained_params, plan_memory
+
+TINY = ModelConfig.preset("tiny")
+# tiny: hidden 64, MLP 128, 4 query heads and 2 kv heads of 16, 2 layers, 512 tied tokens:
+# per layer q 64*64 + k, v 2*64*32 + o 64*64 + MLP 3*64*128 + norms 2*64 + 2*16 = 37,024;
+# 2 layers + embedding 512*64 + final norm 64
+TINY_PARAMS = 2 * 37_024 + 512 * 64 + 64  # 106,880
+
+
+def test_tiny_parameter_count_is_the_hand_count():
+    assert TINY.num_params == TINY_PARAMS
+
+
+def test_full_fine_tuning_plan_is_the_hand_arithmetic():
+    p = plan_memory(TINY, rows=4, seq_len=32, micro_batch=2, remat_policy="full", kv_pool_bytes=10_000)
+    assert p.params == 4 * TINY_PARAMS == 427_520  # float32 master weights
+    assert p.optimizer == 8 * TINY_PARAMS  # AdamW's two float32 moments
+    assert p.grads == 2 * 4 * TINY_PARAMS  # 2 micro-steps of 2 rows: the accumulator and one micro's
+    assert p.activations == int(22.1 * 2 * 64 * 2 * 32)  # bytes x layers x hidden x micro rows x tokens
+    assert p.serving == 2 * TINY_PARAMS  # the bf16 serving copy
+    assert p.rollout_peak == 427_520 + 855_040 + 213_760 + 10_000
+    assert p.update_peak == 427_520 + 855_040 + 855_040 + 181_043 + 213_760 + 10_000
+    assert p.peak == p.update_peak
+    # freed during the update: the update holds no serving copy and no pool
+    r = plan_memory(TINY, rows=4, seq_len=32, micro_batch=4, remat_policy="full", kv_pool_bytes=10_000,
+                    release_during_update=True)
+    assert r.grads == 4 * TINY_PARAMS  # one micro-step: no accumulator
+    assert r.update_peak == 427_520 + 855_040 + 427_520 + int(22.1 * 2 * 64 * 4 * 32)
+
+
+def test_lora_plan_is_the_hand_arithmetic():
+    # rank 4 on q, k, v, o, gate, up, down: r x (in + out) = 4 x (128 + 96 + 96 + 128 + 3 * 192) per layer
+    adapters = 2 * 4 * (128 + 96 + 96 + 128 + 192 + 192 + 192)
+    assert lora_trained_params(TINY, 4) == adapters == 8_192
+    p = plan_memory(TINY, rows=2, seq_len=16, remat_policy="attention", lora_rank=4)
+    assert p.params == 4 * adapters + 2 * TINY_PARAMS  # float32 adapters + the bf16 base
+    assert p.optimizer == 8 * adapters and p.grads == 4 * adapters
+    assert p.activations == int(26.4 * 2 * 64 * 2 * 16)
+
+
+def test_choose_colocated_takes_the_fastest_policy_that_fits_then_the_largest_micro_batch():
+    # tiny at 32 tokens: a rollout's KV is 2 pages x 16 tokens x 256 bytes = 8,192 bytes; a page 4,096
+    state_serving = 4 * TINY_PARAMS + 8 * TINY_PARAMS + 2 * TINY_PARAMS
+    grads = lambda micro: 4 * TINY_PARAMS * (2 if micro < 4 else 1)  # accumulating below 4 rows
+    act = lambda policy_bytes, micro: int(policy_bytes * 2 * 64 * micro * 32)
+    need = lambda policy_bytes, micro: state_serving + grads(micro) + act(policy_bytes, micro)
+    # room beside 8 rollouts of KV for attention (26.4) at one row, not for dots_attention (44.0)
+    device = int((need(26.4, 1) + 8 * 8192 + 100) / 0.95) + 1
+    usable = int(device * 0.95)
+    assert all(need(44.0, m) + 8 * 8192 > usable for m in (1, 2, 4))
+    c = choose_colocated(TINY, rows=4, seq_len=32, device_bytes=device, min_pool_rollouts=8)
+    # attention at 4 rows (one micro-step: no accumulator) needs less than at one row
+    assert need(26.4, 4) < need(26.4, 1)
+    assert not c.problems and (c.remat_policy, c.micro_batch) == ("attention", 4)
+    assert c.kv_pages == (usable - need(26.4, 4)) // 4096
+    assert c.plan.update_peak <= usable and c.plan.kv_pool == c.kv_pages * 4096
+    # the engine's pool: kv_memory_fraction of what the state and the serving copy leave
+    assert int(c.kv_memory_fraction * (device - state_serving)) // 4096 == c.kv_pages
+    # a device too small for one row of the slowest policy: refused, naming the flags
+    small = choose_colocated(TINY, rows=4, seq_len=32, device_bytes=state_serving)
+    assert small.problems and "--config.trainer.micro_batch_size" in small.problems[0]
+    assert "--config.serving.release_during_update=True" in small.problems[0]
+    assert "--config.model.lora_rank" in small.problems[0]
+
+
+def test_the_plan_matches_what_the_gpu_measured_at_qwen3_1_7b():
+    cfg = ModelConfig.preset("qwen3-1.7b")
+    # the checkpoint of the H200 run held 20.6 GB: float32 weights and AdamW's two moments
+    p = plan_memory(cfg, rows=16, seq_len=4608, micro_batch=8, remat_policy="full",
+                    kv_pool_bytes=int(17e9))
+    assert p.state / GB == pytest.approx(20.6, abs=0.1)
+    # the H200 main job (docs/launch.md, 2026-11-26): 16 trained rows of 4,608 tokens in 2 micro-steps
+    # of 8, a 17 GB pool, remat full: 100.7 GB at peak
+    assert p.peak / GB == pytest.approx(100.7, rel=0.05)
+    # full fine-tuning of 8B holds 16 bytes per parameter for the update: more than an 80 GB card
+    assert plan_memory(ModelConfig.preset("qwen3-8b"), rows=1, seq_len=1).update_peak > 80 * GB
