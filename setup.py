@@ -36,8 +36,11 @@ EXTRAS = {
     # pytest < 9.2: 9.2 derives node ids from a new field that pytest-xdist 3.8's loadgroup does not
     # set, so its groups were silently ignored (tests/conftest.py checks they hold).
     # peft: tests/test_lora.py loads an exported LoRA adapter with HF PEFT.
+    # grpcio: tests/test_reliability.py checks with real gRPC that the policy server's default
+    # credentials refuse a peer on another address; prometheus_client: tests/test_serve_metrics.py
+    # checks the metrics port admits loopback only (both skipped without them).
     "test": ["pytest<9.2", "pytest-xdist", "torch==2.13.0", "transformers", "tokenizers", "pyarrow", "wandb",
-             "nbclient", "ipykernel", "peft"],
+             "nbclient", "ipykernel", "peft", "grpcio", "prometheus_client"],
     "cuda": ["jax[cuda13]"],
     "cuda12": ["jax[cuda12]"],
     "rocm": ["jax[rocm7-local]"],  # needs a local ROCm 7 install (AMD MI300X); see README

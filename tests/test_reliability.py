@@ -577,10 +577,16 @@ def test_timeouts_that_would_break_every_rollout_are_refused_at_start(tmp_path, 
 
 
 def test_a_long_tool_limit_is_not_cut_short_by_the_schedulers_wait():
+    """The scheduler's wait on the code pool outlasts the tool's own limit with room for a
+    call's queueing, at every allowed limit, so a slow tool call ends as the tool's timeout
+    (the model's doing), never as an infrastructure wait; short limits keep the agent's default."""
+    from rstarjax.rl.agent_loop import AgentConfig
     from rstarjax.rl.config import RLConfig
 
-    assert RLConfig().agent().tool_wait_s == 60.0  # the default 5 s calls: as before
-    assert RLConfig(tool_timeout_s=600.0).agent().tool_wait_s == 1200.0
+    for limit in (0.5, 5.0, 45.0, 100.0, 600.0):
+        agent = RLConfig(tool_timeout_s=limit).agent()
+        assert agent.tool_timeout_s == limit
+        assert agent.tool_wait_s >= 2 * limit and agent.tool_wait_s >= AgentConfig().tool_wait_s
 
 
 def test_the_data_position_counts_rows_so_a_new_batch_size_skips_nothing():
