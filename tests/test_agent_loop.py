@@ -393,5 +393,5 @@ def test_official_layout_episodes(tok, engine, executor):
         assert tok.decode(tool[0].ids).endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n<reason>")
     assert (by["success"].finish, by["success"].reward, by["success"].tool_calls) == (FinishReason.ANSWERED, 1.0, 1)
     assert by["malformed"].tool_errors.parse == 1 and by["malformed"].reward == 0.0
-    assert "Tool call error" in by["malformed"].response_text
+    assert "Failed to decode tool call: " in by["malformed"].response_text  # the official text (issue #50)
     assert (by["printed"].finish, by["printed"].reward) == (FinishReason.NO_TOOL_CALL, 1.0)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from .code_judge import embedded_code
+
 HEAVY, LEAN = "heavy", "lean"
 
 # Cheap to import and preloaded in the lean zygote.
@@ -39,6 +41,11 @@ def imported_modules(line: str) -> list[str] | None:
 
 
 def choose_tier(code: str) -> str:
+    """The zygote for `code`; a code-judge wrapper (env/code_judge.wrap_program) goes where the
+    model's code inside it would go (its own imports are preloaded everywhere: sandbox.py's)."""
+    inner = embedded_code(code)
+    if inner is not None:
+        code = inner
     if any(token in code for token in _DYNAMIC):
         return HEAVY
     for line in code.splitlines():

@@ -15,6 +15,7 @@ import re
 # The protocol (tool name, tags) is defined once, in a module that imports nothing.
 from rstarjax.protocol import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_NAME, TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN
 
+from . import code_judge
 from .results import DISPLAY, ERROR, STDOUT, TIMEOUT, ExecResult
 
 DEFAULT_MAX_CHARS = 4096
@@ -24,9 +25,12 @@ _CALL_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_C
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
-    code: str
+    code: str  # the program the sandbox runs
     stdin: str = ""
     name: str = TOOL_NAME
+    # the sandbox's wall-clock limit for this call; None: the rollout's tool_timeout_s (the
+    # code-judge protocol's program stops itself at that limit and the sandbox kills 1 s later)
+    sandbox_timeout_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,9 +141,28 @@ def truncate_middle(text: str, max_chars: int) -> str:
 
 NO_OUTPUT = "(no output)"
 
+# ChatFormat.tool_protocol: what runs for a call and what the model reads back. "paper": the model's
+# code as it is, the responses below; "code_judge": the official rStar2-Agent environment
+# (env/code_judge.py: its wrapper's semantics, code-judge's response text, verl's truncation).
+PAPER, CODE_JUDGE = "paper", "code_judge"
+TOOL_PROTOCOLS = (PAPER, CODE_JUDGE)
 
-def format_tool_response(outcome, max_chars: int = DEFAULT_MAX_CHARS) -> str:
-    """The text that goes inside <tool_response>...</tool_response> for a result or a parse error."""
+
+def tool_result(result: ExecResult, protocol: str = PAPER) -> ExecResult:
+    """The sandbox's result as the protocol reports it (code_judge: ``code_judge.judge_result``)."""
+    return code_judge.judge_result(result) if protocol == CODE_JUDGE else result
+
+
+def format_tool_response(outcome, max_chars: int = DEFAULT_MAX_CHARS, protocol: str = PAPER) -> str:
+    """The text that goes inside <tool_response>...</tool_response> for a result or a parse error.
+    protocol="code_judge": a ToolCallError's message verbatim (the official loop's own texts, never
+    cut) and a ``tool_result`` text cut as verl cuts it (``code_judge.truncate``)."""
+    if protocol == CODE_JUDGE:
+        if isinstance(outcome, ToolCallError):
+            return outcome.message
+        if isinstance(outcome, ExecResult):
+            return code_judge.truncate(outcome.text, max_chars)
+        raise TypeError(f"expected ToolCallError or ExecResult, got {type(outcome).__name__}")
     if isinstance(outcome, ToolCallError):
         text = f"Tool call error: {outcome.message}"
     elif isinstance(outcome, ExecResult):

@@ -138,6 +138,9 @@ class ChatFormat:
     generation_prefill: str = ""
     system_intro: str = ""  # official_layout: the system text before the tools block
     tool_schemas: tuple = ()  # official_layout: the schemas of the tools block
+    # env.tools.TOOL_PROTOCOLS: which calls run and what the model reads back in <tool_response>:
+    # "paper" (our parser and responses) or "code_judge" (the official code's: env/code_judge.py)
+    tool_protocol: str = "paper"
 
     @property
     def stops_at_tool_call(self) -> bool:
@@ -152,7 +155,7 @@ RSTAR2_OFFICIAL = ChatFormat(
     system_prompt=OFFICIAL_SYSTEM_INTRO + tools_block([OFFICIAL_TOOL_SCHEMA]),
     user_prompt_prefix=OFFICIAL_USER_PROMPT_PREFIX, tool_names=(OFFICIAL_TOOL_NAME,), official_layout=True,
     generation_prefill=OFFICIAL_GENERATION_PREFILL, system_intro=OFFICIAL_SYSTEM_INTRO,
-    tool_schemas=(OFFICIAL_TOOL_SCHEMA,))
+    tool_schemas=(OFFICIAL_TOOL_SCHEMA,), tool_protocol="code_judge")
 # the names configs use (rl/sft/eval.chat_format)
 CHAT_FORMATS = {"rstar2": RSTAR2, "compact": COMPACT, "rstar2_official": RSTAR2_OFFICIAL}
 

@@ -19,9 +19,10 @@ from collections.abc import Mapping
 
 from rstarjax.env.official_reward import REWARD_MODES
 from rstarjax.io.checkpoint import CheckpointConfig
-from rstarjax.io.data import ANSWER_FILTERS
+from rstarjax.io.data import ANSWER_FILTERS, dataset_problems
 from rstarjax.models.chat_template import CHAT_FORMATS
 from rstarjax.models.config import DTYPES, LORA_TARGETS, PRESETS, REMAT_POLICIES
+from rstarjax.models.hf_check import model_dir_problems
 from rstarjax.rl.agent_loop import AgentConfig
 from rstarjax.rl.config import RLConfig
 from rstarjax.rl.loss import LossConfig
@@ -65,6 +66,9 @@ PROFILES: dict[str, dict[str, object]] = {
         "rl.roc_min_positives": 2, "rl.reject_equal_reward": True,
         # rstar2_agent_trainer.yaml multi_turn.max_assistant_turns; verl's max_tool_response_length
         "rl.max_turns": 5, "rl.max_tool_response_chars": 256,
+        # code-judge's time limit as the rStar README starts it (MAX_EXECUTION_TIME=4): the wrapped
+        # program stops itself then, the sandbox kills 1 s later (env/code_judge.py)
+        "rl.tool_timeout_s": 4.0,
         # verl's policy loss: dual clip with clip_ratio_c=3; its actor: token means per micro-batch
         "loss.dual_clip_c": 3.0, "loss.token_mean": "micro_batch",
         # examples/aime_eval.sh: verl's val_kwargs (greedy: temperature 0, top_p 1), n=16,
@@ -467,16 +471,26 @@ def _require_file(path: str, flag: str, what: str) -> list[str]:
     return []
 
 
+def _problems_file(path: str, flag: str, what: str) -> list[str]:
+    """``_require_file``, then what its first rows say (``io.data.dataset_problems``)."""
+    return _require_file(path, flag, what) or [f"{flag}={path!r} {p}" for p in dataset_problems(path)]
+
+
 def _run_rules(run: RunConfig) -> list[str]:
     """The rules a mode puts on several sections or on files."""
     errs: list[str] = []
     mode, m, ck = run.mode, run.model, run.checkpoint
     if mode in ("rl", "filter", "sft", "eval") and not m.random_init:
         errs += _require_file(m.hf_path, "--config.model.hf_path", "a HF model dir (config.json + *.safetensors)")
-        if m.hf_path and os.path.isdir(m.hf_path) and not os.path.exists(os.path.join(m.hf_path, "config.json")):
+        if m.hf_path and os.path.exists(m.hf_path) and not os.path.isdir(m.hf_path):
+            errs.append(f"--config.model.hf_path={m.hf_path!r} is a file: give the HF model's directory")
+        elif m.hf_path and os.path.isdir(m.hf_path) and not os.path.exists(os.path.join(m.hf_path, "config.json")):
             errs.append(f"--config.model.hf_path={m.hf_path!r} has no config.json")
+        elif m.hf_path and os.path.isdir(m.hf_path):  # its headers against its config, its tokenizer's size
+            errs += [f"--config.model.hf_path={m.hf_path!r}: {p}" for p in
+                     model_dir_problems(m.hf_path, m.tokenizer_path, m.tokenizer_num_regular_tokens)]
     if mode in ("rl", "filter"):
-        errs += _require_file(run.data.train_path, "--config.data.train_path", "a jsonl/parquet of problems")
+        errs += _problems_file(run.data.train_path, "--config.data.train_path", "a jsonl/parquet of problems")
         if ck.init_from and not os.path.isdir(ck.init_from):
             errs.append(f"--config.checkpoint.init_from={ck.init_from!r} is not a directory "
                         "(give the previous stage's WORKDIR/checkpoints)")
@@ -525,7 +539,7 @@ def _run_rules(run: RunConfig) -> list[str]:
         if not run.eval.path_list:
             errs.append("--config.eval.paths is empty: set --config.eval.paths=aime24.jsonl,math500.parquet")
         for path in run.eval.path_list:
-            errs += _require_file(path, "--config.eval.paths", "a benchmark jsonl/parquet")
+            errs += _problems_file(path, "--config.eval.paths", "a benchmark jsonl/parquet")
     return errs
 
 

@@ -61,7 +61,8 @@ import numpy as np
 from rstarjax.env import ToolCallError, classify_tool_error, format_tool_response, parse_tool_call
 from rstarjax.env.executor import ExecutorConfig
 from rstarjax.env.official_reward import REWARD_MODES
-from rstarjax.env.tools import parse_tool_calls
+from rstarjax.env import code_judge
+from rstarjax.env.tools import CODE_JUDGE, parse_tool_calls, tool_result
 from rstarjax.models.chat_template import RSTAR2, ChatFormat, encode_prompt, encode_tool_response_turn
 from rstarjax.protocol import ANSWER_OPEN, STOP_TOKENS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from rstarjax.rl.trajectory import FinishReason, Segment, SegmentKind, Trajectory
@@ -203,7 +204,7 @@ class AgentEpisode:
         if reason in (DoneReason.BUDGET, DoneReason.CONTEXT):
             return self._finish(FinishReason.MAX_LENGTH)
         if self.fmt.official_layout:
-            call = official_turn_call(text, self.fmt.tool_names)
+            call = official_turn_call(text, self.fmt.tool_names, self.fmt.tool_protocol, self.config.tool_timeout_s)
         elif ids[-1] == self.stops.tool_call_end:
             call = parse_tool_call(text, self.fmt.tool_names)
             call = ToolCallError("Tool call has no opening <tool_call> tag.") if call is None else call
@@ -276,7 +277,7 @@ class AgentEpisode:
         if out.done():  # the scheduler stopped waiting (cancelled): nothing to retry for
             return
         try:
-            fut = self.executor.submit(call.code, call.stdin, timeout=self.config.tool_timeout_s)
+            fut = self.executor.submit(call.code, call.stdin, timeout=call.sandbox_timeout_s or self.config.tool_timeout_s)
         except Exception as e:  # executor closed: infrastructure
             _settle(out, exc=InfrastructureError(f"code environment unavailable: {e!r}"))
             return
@@ -299,6 +300,7 @@ class AgentEpisode:
                 raise InfrastructureError(f"code environment failed {attempt + 1} time(s): {result.text[:300]}")
             with self._lock:
                 self.tool_wait_s += time.monotonic() - t0
+            result = tool_result(result, self.fmt.tool_protocol)
             self._count_error(result)
             _settle(out, result=self._tool_turn_ids(result))
         except BaseException as e:  # executor failure, or our own: the episode ends as ERROR
@@ -312,19 +314,23 @@ class AgentEpisode:
                 setattr(errs, kind, getattr(errs, kind) + 1)
 
     def _tool_turn_ids(self, outcome) -> list[int]:
-        text = format_tool_response(outcome, max_chars=self.config.max_tool_response_chars)
+        text = format_tool_response(outcome, max_chars=self.config.max_tool_response_chars,
+                                    protocol=self.fmt.tool_protocol)
         # an engine stopped at </tool_call> left the turn open; the official loop's turn ended
         # with the model's own <|im_end|>
         return encode_tool_response_turn(self.tokenizer, text, close_assistant_turn=self.fmt.stops_at_tool_call,
                                           fmt=self.fmt)
 
 
-def official_turn_call(text: str, tool_names: tuple[str, ...]):
+def official_turn_call(text: str, tool_names: tuple[str, ...], protocol: str = "paper", time_limit_s: float = 4.0):
     """The call the official loop runs after a turn (microsoft/rStar
     rstar2_agent/tools/tool_parser.py and rollout/rstar2_agent_loop.py): None unless the turn holds
     both "<tool_call>" and "</tool_call>" and at least one complete block; else the first block
     (verl's max_parallel_calls=1), parsed or, when malformed, a ToolCallError returned to the
-    model as its tool response."""
+    model as its tool response. protocol="code_judge" parses it as the official code does
+    (env/code_judge.official_turn_call: its errors, its wrapper program with time_limit_s)."""
+    if protocol == CODE_JUDGE:
+        return code_judge.official_turn_call(text, time_limit_s)
     if TOOL_CALL_OPEN not in text or TOOL_CALL_CLOSE not in text:
         return None
     calls = parse_tool_calls(text, tool_names)
