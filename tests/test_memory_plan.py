@@ -79,3 +79,37 @@ def test_the_plan_matches_what_the_gpu_measured_at_qwen3_1_7b():
     assert p.peak / GB == pytest.approx(100.7, rel=0.05)
     # full fine-tuning of 8B holds 16 bytes per parameter for the update: more than an 80 GB card
     assert plan_memory(ModelConfig.preset("qwen3-8b"), rows=1, seq_len=1).update_peak > 80 * GB
+
+
+def test_the_start_check_refuses_an_update_that_does_not_fit_naming_the_flags():
+    from rstarjax.serving.sizing import update_room_problems
+    # tiny, 4 rows of 32 tokens in one micro-step, remat full: gradients 4 x 106,880 bytes,
+    # activations 22.1 x 2 x 64 x 4 x 32, the serving copy 2 x 106,880, one rollout's KV 8,192
+    need = 4 * TINY_PARAMS + int(22.1 * 2 * 64 * 4 * 32) + 2 * TINY_PARAMS + 8192
+    kw = dict(rows=4, seq_len=32, micro_batch=4, remat_policy="full")
+    assert update_room_problems(TINY, free_bytes=int(need / 0.95) + 1, **kw) == []
+    [problem] = update_room_problems(TINY, free_bytes=int(need / 0.95) - 100, **kw)
+    assert "--config.trainer.micro_batch_size, now 4" in problem
+    assert "--config.serving.release_during_update=True" in problem and "--config.model.lora_rank=16" in problem
+    # freed during the update: only the gradients and the activations count
+    assert update_room_problems(TINY, free_bytes=int(need / 0.95) - 100, release_during_update=True, **kw) == []
+    assert update_room_problems(TINY, free_bytes=None, **kw) == []  # CPU: no statistics, no check
+
+
+def test_the_rl_stage_runs_the_start_check_on_one_device(monkeypatch):
+    from types import SimpleNamespace
+
+    from rstarjax.recipes import rl
+    from rstarjax.serving import sizing
+    from rstarjax.validation import ConfigError
+    run = SimpleNamespace(
+        rl=SimpleNamespace(prompts_per_step=2, group_size=2, max_prompt_len=16, max_response_len=16),
+        trainer=SimpleNamespace(mini_batches=1, micro_batch_size=0),
+        serving=SimpleNamespace(disaggregated=False, release_during_update=False, page_size=16))
+    model = SimpleNamespace(config=TINY.replace(remat_policy="full"))
+    monkeypatch.setattr(rl.jax, "device_count", lambda: 1)  # the tests run on 8 simulated devices
+    monkeypatch.setattr(sizing, "free_device_bytes", lambda device=None: 10_000)  # a device that is full
+    with pytest.raises(ConfigError, match="--config.serving.release_during_update=True"):
+        rl.check_update_room(run, model)
+    monkeypatch.setattr(sizing, "free_device_bytes", lambda device=None: 10**9)
+    rl.check_update_room(run, model)  # room enough: nothing raised

@@ -34,6 +34,8 @@ from rstarjax.rl.staleness import AsyncRollouts
 from rstarjax.rl.step import EmptyBatchStreak, any_process, rl_step
 from rstarjax.rl.trainer import Trainer, TrainState
 from rstarjax.rl.trajectory import RolloutFn, RolloutsFailed
+from rstarjax.serving import sizing
+from rstarjax.validation import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +252,22 @@ def setup_reference(trainer: Trainer, run: RunConfig, meta: dict) -> dict | None
 
 
 
+def check_update_room(run: RunConfig, model: nnx.Module) -> None:
+    """One device, colocated: ConfigError naming the flags when the memory left beside the trainer's
+    weights and AdamW moments cannot hold the update next to the engine (``serving.sizing.
+    update_room_problems``); nothing on CPU (no memory statistics) or on several devices."""
+    if jax.device_count() != 1 or run.serving.disaggregated:
+        return
+    rows = run.rl.prompts_per_step * run.rl.group_size // run.trainer.mini_batches
+    problems = sizing.update_room_problems(
+        model.config, rows=rows, seq_len=run.rl.max_prompt_len + run.rl.max_response_len,
+        micro_batch=run.trainer.micro_batch_size, free_bytes=sizing.free_device_bytes(),
+        lora_rank=model.config.lora_rank, release_during_update=run.serving.release_during_update,
+        page_size=run.serving.page_size)
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
 def device_memory_metrics() -> dict[str, float]:
     """Peak and current bytes in use on this process's busiest device, in GB (GPU/TPU; CPU
     devices keep no such statistics and give nothing)."""
@@ -327,6 +345,7 @@ def _run_rl(run: RunConfig, workdir: str, rollout_fn, model, on_update, model_so
                               logit_temperature=run.rl.temperature)  # what rollouts sample at
             meta = initial_state(trainer, ckpt, run, base_record)
             if rollout_fn is None:
+                check_update_room(run, model)  # before minutes of rollouts: the memory plan's start check
                 executor = build.executor(run.rl.num_tool_workers, run.env.allow_unconfined)
                 rollouts = build.rollouts(trainer.served_model(), tokenizer, executor, run.agent(), run.rl.sampling(),
                                           run.rl.max_prompt_len, run.rl.chat_format, run.serving)

@@ -281,3 +281,39 @@ def choose_colocated(cfg: ModelConfig, *, rows: int, seq_len: int, device_bytes:
                f"{smallest.activations / GB:.1f}, serving copy {smallest.serving / GB:.1f} GB): "
                + "; or ".join(fixes))
     return ColocatedChoice(remat_policies[-1], 1, 0, 0.0, smallest, (problem,))
+
+
+def update_room_problems(cfg: ModelConfig, *, rows: int, seq_len: int, micro_batch: int,
+                         free_bytes: int | None, remat_policy: str | None = None, lora_rank: int = 0,
+                         release_during_update: bool = False, page_size: int = 16,
+                         margin: float = 0.05) -> list[str]:
+    """The start check of a colocated run on one device, made once the trainer's weights and
+    AdamW moments are in place: what the step still needs (the update's gradients and
+    activations; unless ``release_during_update``, beside the serving copy and one
+    maximum-length rollout's KV) against ``free_bytes`` less ``margin``. One line naming the
+    flags when it does not fit; [] when it does or the free memory is unknown (CPU)."""
+    if free_bytes is None:
+        return []
+    p = plan_memory(cfg, rows=rows, seq_len=seq_len, micro_batch=micro_batch,
+                    remat_policy=remat_policy, lora_rank=lora_rank,
+                    release_during_update=release_during_update)
+    rollout = kv_bytes_per_token(cfg, jnp.bfloat16) * pages_for(seq_len, page_size) * page_size
+    held = 0 if release_during_update else p.serving + rollout
+    need = p.grads + p.activations + held
+    if need <= free_bytes * (1.0 - margin):
+        return []
+    micro = micro_batch or rows
+    fixes = [f"fewer rows per micro-step (--config.trainer.micro_batch_size, now {micro})"
+             if micro > 1 else "shorter rows (--config.rl.max_prompt_len / --config.rl.max_response_len)"]
+    if (remat_policy or cfg.remat_policy) != "full":
+        fixes.append(f"--config.model.remat_policy=full (now {remat_policy or cfg.remat_policy})")
+    if not release_during_update:
+        fixes.append("--config.serving.release_during_update=True")
+    if not lora_rank:
+        fixes.append("--config.model.lora_rank=16")
+    return [f"the update does not fit beside the weights and AdamW moments: it needs {need / GB:.1f} GB "
+            f"(gradients {p.grads / GB:.1f}, activations {p.activations / GB:.1f} for {micro} row(s) of "
+            f"{seq_len} tokens" + (f", serving copy {p.serving / GB:.1f}, one rollout's KV "
+                                   f"{rollout / GB:.1f}" if held else "")
+            + f"), the device has {free_bytes / GB:.1f} GB free (memory plan: serving/sizing.py); "
+            + "; or ".join(fixes)]
