@@ -146,6 +146,7 @@ DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc
 # directories where calls cannot mount their own), /dev/shm, the device nodes.
 KEEP_WRITABLE_PATHS = ("/tmp", "/dev/shm") + tuple(f"/dev/{n}" for n in DEV_NODES)
 MNT_DETACH = 2
+ROOT_BYTES = 8 << 20  # the root tmpfs: directories, device nodes, the copied files
 PIVOT_ROOT_SYSCALL = {"x86_64": 155, "aarch64": 41}
 
 
@@ -220,12 +221,32 @@ def _bind(source: str, root: str, target: str, readonly: bool = True) -> None:
               f"read-only {source}")
 
 
+def _copy(path: str, root: str) -> None:
+    """A copy of host file `path` at the same path in the root being built (a few small files:
+    copies keep the namespace's mount count, which every sandbox's clone and exit pay for, low)."""
+    os.makedirs(os.path.dirname(root + path), mode=0o755, exist_ok=True)
+    with open(path, "rb") as src, open(root + path, "wb") as dst:
+        dst.write(src.read())
+    os.chmod(root + path, 0o644)
+
+
+def _device(node: str, root: str) -> None:
+    """The device node `node` in the root being built: made anew where we may (root), else bound."""
+    st = os.stat(node)
+    try:
+        os.mknod(root + node, 0o666 | (st.st_mode & 0o170000), st.st_rdev)
+        os.chmod(root + node, 0o666)  # mknod applied our umask
+    except PermissionError:  # a user namespace may not make devices
+        _bind(node, root, node, readonly=False)
+
+
 def enter_fresh_root(config: dict) -> list[str]:
     """Build the default-deny root on a tmpfs mounted over the executor's (empty, private)
     scratch directory, pivot_root into it and detach the host's root. Returns the host paths it
     shows. Raises OSError when the kernel refuses a step (nothing is pivoted then)."""
     root = os.path.realpath(config["workdir_root"])
-    _must(mount(b"tmpfs", root, b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755"), "tmpfs root")
+    # not nodev: the device nodes live in it (made by root; nobody else can make one)
+    _must(mount(b"tmpfs", root, b"tmpfs", MS_NOSUID, b"size=%d,mode=0755" % ROOT_BYTES), "tmpfs root")
     try:
         exposed = _populate_root(root, config)
         os.mkdir(root + "/.old", 0o700)
@@ -250,7 +271,7 @@ def _populate_root(root: str, config: dict) -> list[str]:
         _bind("/proc", root, "/proc", readonly=False)  # a user namespace may not mount a fresh one
     for node in DEV_NODES:
         if os.path.exists(f"/dev/{node}"):
-            _bind(f"/dev/{node}", root, f"/dev/{node}", readonly=False)
+            _device(f"/dev/{node}", root)
     for name, target in DEV_LINKS.items():
         os.symlink(target, f"{root}/dev/{name}")
     cgroup = config.get("cgroup") or {}
@@ -269,7 +290,7 @@ def _populate_root(root: str, config: dict) -> list[str]:
               "cover the checkout")
     files = imported_package_files() + [f for f in ETC_FILES if os.path.isfile(f)]
     for path in files:
-        _bind(path, root, path)
+        _copy(path, root)
     return exposed + files
 
 
