@@ -10,14 +10,81 @@ docs/launch.md's commands are checked this way in the tests.
 """
 from __future__ import annotations
 
+import difflib
 import sys
 from collections.abc import Sequence
 
+import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
 from rstarjax.recipes.config import RENAMED, RunConfig, parse
 from rstarjax.validation import ConfigError
+
+
+def dotted_keys(config, prefix: str = "") -> list[str]:
+    """Every key of a ConfigDict, nested sections' as ``section.key``."""
+    out = []
+    for key, value in config.items():
+        out.append(prefix + key)
+        if isinstance(value, ml_collections.ConfigDict):
+            out += dotted_keys(value, f"{prefix}{key}.")
+    return out
+
+
+def closest_key(key: str, keys: Sequence[str]) -> str | None:
+    """The key of ``keys`` that ``key`` most likely misspells: the closest dotted key, else the
+    key whose last part is closest to ``key``'s (in the same section first)."""
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.8)
+    if close:
+        return close[0]
+    section, _, leaf = key.rpartition(".")
+    by_leaf = {}
+    for k in keys:
+        by_leaf.setdefault(k.rpartition(".")[2], []).append(k)
+    close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.75)
+    if not close:
+        return None
+    matches = by_leaf[close[0]]
+    return next((k for k in matches if k.rpartition(".")[0] == section), matches[0])
+
+
+def unknown_key_errors(argv: Sequence[str], config) -> list[str]:
+    """One line for each ``--config.KEY=VALUE`` of ``argv`` whose KEY ``config`` does not have,
+    with the key it most likely misspells."""
+    keys = dotted_keys(config)
+    errors = []
+    for arg in argv:
+        if not arg.startswith("--config."):
+            continue
+        key = arg[len("--config."):].split("=", 1)[0]
+        if key in keys:
+            continue
+        guess = closest_key(key, keys)
+        errors.append(f"{arg} does not parse: the config has no key {key!r}"
+                      + (f"; did you mean --config.{guess}?" if guess else
+                         f" (its top-level keys: {', '.join(k for k in keys if '.' not in k)})"))
+    return errors
+
+
+def _load(argv: Sequence[str]):
+    """The FlagValues of ``rstarjax.main``'s flags, parsed from ``argv`` (program name first),
+    and what is left of ``argv``."""
+    fv = flags.FlagValues()
+    # sys_argv: config_flags finds the --config.KEY overrides there (by default in sys.argv)
+    config_flags.DEFINE_config_file("config", None, "configs/<preset>.py[:mode]", flag_values=fv, lock_config=True,
+                                    sys_argv=list(argv))
+    flags.DEFINE_string("workdir", None, "ignored here", flag_values=fv)
+    return fv, fv(list(argv))
+
+
+def _without_overrides(argv: Sequence[str]):
+    """The config of ``argv``'s ``--config=FILE[:mode]`` alone (None when it does not load)."""
+    try:
+        fv, _ = _load([a for a in argv if not a.startswith("--config.")])
+        return fv.config
+    except Exception:  # noqa: BLE001 - the caller reports the original error
+        return None
 
 
 def config_from_argv(argv: Sequence[str]):
@@ -28,16 +95,15 @@ def config_from_argv(argv: Sequence[str]):
         raise ConfigError("\n".join(f"{a}: was replaced: use {RENAMED[a[len('--config.'):].split('=')[0]]}"
                                     for a in moved))
     argv = ["rstarjax.main", *argv]
-    fv = flags.FlagValues()
-    # sys_argv: config_flags finds the --config.KEY overrides there (by default in sys.argv)
-    config_flags.DEFINE_config_file("config", None, "configs/<preset>.py[:mode]", flag_values=fv, lock_config=True,
-                                    sys_argv=argv)
-    flags.DEFINE_string("workdir", None, "ignored here", flag_values=fv)
     try:
-        rest = fv(argv)
+        fv, rest = _load(argv)
     except OSError as e:  # a config file config_flags could not load, met by an override
         raise ConfigError("--config: cannot load the config file: " + str(e).strip().splitlines()[-1].strip()) from e
     except (flags.Error, KeyError, AttributeError, TypeError, ValueError) as e:
+        config = _without_overrides(argv)
+        unknown = unknown_key_errors(argv, config) if config is not None else []
+        if unknown:
+            raise ConfigError("\n".join(unknown)) from None
         raise ConfigError(f"the command line does not parse: {type(e).__name__}: {e} "
                           "(a --config.KEY that the config does not have, or a value of the wrong type)") from e
     if len(rest) > 1:

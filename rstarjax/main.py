@@ -20,6 +20,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from rstarjax.check_config import config_from_argv
 from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
 from rstarjax.recipes import demo, demo_compare, evaluate, preemption, rl, sft, stage3_filter
@@ -105,14 +106,31 @@ def renamed_flags(argv) -> list[str]:
     return out
 
 
+def config_args(argv) -> list[str]:
+    """The ``--config`` arguments of a command line (``--config FILE`` as ``--config=FILE``)."""
+    out, argv = [], list(argv)
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            out.append(f"--config={argv[i + 1]}")
+        elif arg.startswith(("--config=", "--config.")):
+            out.append(arg)
+    return out
+
+
 def main(argv=None) -> None:
     config_flags.DEFINE_config_file("config", None, "configs/<preset>.py[:mode]", lock_config=True)
     flags.DEFINE_string("workdir", None, "checkpoints, logs and outputs go here "
                         "(default: runs/<mode>)")
     flags.mark_flags_as_required(["config"])
-    moved = renamed_flags(sys.argv if argv is None else argv)
+    argv_list = list(sys.argv if argv is None else argv)
+    moved = renamed_flags(argv_list)
     if moved:
         print("\n".join(moved), file=sys.stderr)
+        sys.exit(2)
+    try:  # a misspelled --config.KEY: one line naming the key it most likely meant, not a traceback
+        config_from_argv(config_args(argv_list[1:]))
+    except ConfigError as e:
+        print(e, file=sys.stderr)
         sys.exit(2)
 
     def _main(_):

@@ -18,6 +18,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 LAUNCH_MD = os.path.join(ROOT, "docs", "launch.md")
 
 MARKED_BLOCK = re.compile(r"<!-- check: devices=(\d+) processes=(\d+) -->\s*```bash\n(.*?)```", re.S)
@@ -29,10 +30,12 @@ SHELL_OPERATORS = {"&&", "||", ";", "|", "&"}
 
 @pytest.fixture(scope="module")
 def user_paths(tmp_path_factory):
-    """What a user brings: a HF model dir (config.json) and a problems file."""
+    """What a user brings: a HF model dir (config.json, safetensors, tokenizer: the checks at
+    start read their headers) and a problems file."""
+    from test_stages import _tiny_hf_model
+
     d = tmp_path_factory.mktemp("user")
-    (d / "model").mkdir()
-    (d / "model" / "config.json").write_text("{}")
+    _tiny_hf_model(str(d / "model"))
     (d / "problems.jsonl").write_text('{"problem": "What is 1 + 1?", "answer": "2"}\n')
     return {"MODEL": str(d / "model"), "DATA": str(d / "problems.jsonl")}
 

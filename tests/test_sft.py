@@ -193,10 +193,9 @@ def test_a_resumed_sft_run_does_not_read_the_hf_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "vocabulary_of", lambda tok: {})
     monkeypatch.setattr(sft, "load_conversations", lambda path: [])
     c = sft_config.get_config()
-    hf, data = tmp_path / "hf", tmp_path / "sft.jsonl"  # checked to exist; never read here
-    hf.mkdir()
-    (hf / "config.json").write_text("{}")
-    (hf / "model.safetensors").write_bytes(b"")
+    hf, data = tmp_path / "hf", tmp_path / "sft.jsonl"  # checked at start from headers; weights never read here
+    tok = load_tokenizer(300)
+    save_hf(Qwen3(ModelConfig.preset("tiny", vocab_size=tok.vocab_size), rngs=nnx.Rngs(0)), str(hf), tokenizer=tok)
     data.write_text("")
     c.model.hf_path, c.sft.data_path = str(hf), str(data)
     run = parse(c, num_devices=jax.device_count())

@@ -25,11 +25,17 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 HAS_WANDB = importlib.util.find_spec("wandb") is not None
 
 
-def test_the_base_install_never_imports_wandb():
+def _problems(tmp_path) -> str:
+    path = tmp_path / "problems.jsonl"
+    path.write_text('{"problem": "1+1", "answer": "2"}\n')
+    return str(path)
+
+
+def test_the_base_install_never_imports_wandb(tmp_path):
     code = ("import sys; sys.path.insert(0, 'configs'); import base\n"
             "import rstarjax.main, rstarjax.recipes.rl, rstarjax.recipes.sft, rstarjax.io.metrics_log\n"
             "from rstarjax.recipes.config import parse\n"
-            "c = base.get_config(); c.model.random_init = True; c.data.train_path = 'README.md'\n"
+            f"c = base.get_config(); c.model.random_init = True; c.data.train_path = {_problems(tmp_path)!r}\n"
             "parse(c, num_devices=1)\n"
             "print('wandb' in sys.modules)")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
@@ -38,7 +44,7 @@ def test_the_base_install_never_imports_wandb():
     assert out.stdout.strip().splitlines()[-1] == "False"
 
 
-def test_wandb_without_the_package_fails_at_start_with_the_install_command(monkeypatch):
+def test_wandb_without_the_package_fails_at_start_with_the_install_command(monkeypatch, tmp_path):
     import base
 
     from rstarjax.recipes.config import parse
@@ -48,7 +54,7 @@ def test_wandb_without_the_package_fails_at_start_with_the_install_command(monke
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
     c = base.get_config()
     c.model.random_init = True
-    c.data.train_path = os.path.join(ROOT, "README.md")
+    c.data.train_path = _problems(tmp_path)
     parse(c)  # off by default: no wandb needed
     c.logging.wandb = True
     with pytest.raises(ConfigError, match=r'--config\.logging\.wandb=True needs the wandb package: '

@@ -261,6 +261,78 @@ def read_numbered_rows(path: str) -> list[tuple[int, Any]]:
     return [(number, _decode_line(line)) for number, line in enumerate(data.split(b"\n"), start=1) if line.strip()]
 
 
+SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet")
+HEAD_ROWS = 64  # the rows ``dataset_problems`` reads
+
+
+def has_known_layout(row: Any) -> bool:
+    """Whether a row has the columns of a layout ``normalize_row`` reads: a problem column and an
+    answer column, or verl's chat ``prompt`` with ``reward_model.ground_truth``."""
+    if not isinstance(row, dict):
+        return False
+    rm = row.get("reward_model")
+    return (any(k in row for k in _PROBLEM_KEYS + ("prompt",))
+            and (any(k in row for k in _ANSWER_KEYS) or (isinstance(rm, dict) and "ground_truth" in rm)))
+
+
+def _head_rows(path: str, n: int) -> list[Any]:
+    """Up to the first ``n`` rows of a dataset file (``BadRow`` for a .jsonl line that does not
+    decode), reading no more of a .jsonl or .parquet file than they take."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".parquet":
+        import pyarrow.parquet as pq
+
+        batch = next(pq.ParquetFile(path).iter_batches(batch_size=n), None)
+        return [] if batch is None else batch.to_pylist()
+    if ext == ".json":
+        with open(path, "rb") as f:
+            first = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
+        if first.startswith(b"["):  # one document: read whole (read_numbered_rows says where it breaks)
+            return [row for _, row in read_numbered_rows(path)[:n]]
+    rows = []
+    with open(path, "rb") as f:
+        for number, line in enumerate(f):
+            if line.strip():
+                rows.append(_decode_line(line.removeprefix(codecs.BOM_UTF8) if number == 0 else line))
+            if len(rows) >= n:
+                break
+    return rows
+
+
+def dataset_problems(path: str) -> list[str]:
+    """What makes ``path`` unusable as a problems file, found cheaply before a run (its first
+    ``HEAD_ROWS`` rows): not a readable file of a supported type, empty, or none of those rows
+    has the columns of a known layout (the message lists the columns found and those accepted).
+    [] when a run can read it; rows it cannot use are the loader's to skip and count."""
+    if os.path.isdir(path):
+        return [f"is a directory: give one {' / '.join(SUPPORTED_EXTENSIONS)} file (docs/data.md)"]
+    if not os.path.isfile(path):
+        return ["does not exist" if not os.path.exists(path) else "is not a regular file"]
+    if os.path.splitext(path)[1].lower() not in SUPPORTED_EXTENSIONS:
+        return [f"is not a {' / '.join(SUPPORTED_EXTENSIONS)} file (docs/data.md)"]
+    if not os.access(path, os.R_OK):
+        return ["is not readable (check its permissions)"]
+    if os.path.getsize(path) == 0:
+        return ["is empty"]
+    try:
+        rows = _head_rows(path, HEAD_ROWS)
+    except (OSError, ValueError) as e:  # a .json document that does not parse, a damaged parquet file
+        return [f"cannot be read: {str(e).splitlines()[0]}"]
+    except Exception as e:  # noqa: BLE001 - pyarrow's own errors: not a parquet file
+        return [f"cannot be read: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]
+    if not rows:
+        return ["has no rows"]
+    if any(has_known_layout(row) for row in rows):
+        return []
+    decoded = [row for row in rows if not isinstance(row, BadRow)]
+    if not decoded:
+        return [f"its first {len(rows)} rows are not JSON ({rows[0]})"]
+    columns = sorted({str(k) for row in decoded if isinstance(row, dict) for k in row})
+    return [f"its first {len(rows)} rows lack the columns of a known layout; found {columns or 'no columns'}; "
+            f"accepted: a problem column ({', '.join(_PROBLEM_KEYS)}) with an answer column "
+            f"({', '.join(_ANSWER_KEYS)}), or verl's prompt + reward_model.ground_truth (docs/data.md)"]
+
+
 def read_rows(path: str) -> tuple[list[Any], collections.Counter]:
     """Raw rows of a .jsonl/.json/.parquet file, plus counts of lines that did not decode."""
     rows, bad = [], collections.Counter()
