@@ -4,8 +4,12 @@
 The same ``--config`` arguments as ``rstarjax.main`` (parsed by the same flag library), checked by
 the same rules (``recipes.config.parse``), with the device and process counts of the cluster given
 instead of found: no accelerator, no ``jax.distributed`` and no model is touched, so it runs on a
-laptop or a login node (the paths it names must exist where it runs). Prints one line with the
-resolved mesh and batch layout, or every problem with the flag that fixes it (exit 2).
+laptop or a login node (the paths it names must exist where it runs). The files are checked as
+far as is cheap (``recipes.config.parse``): the data file's type and first rows
+(``io.data.dataset_problems``), the model directory's config, safetensors headers and sizes and
+tokenizer size (``models.hf_check``). Prints one line with the resolved mesh and batch layout, or
+every problem with the flag that fixes it (exit 2); a misspelled ``--config.KEY`` names the key it
+most likely meant (``unknown_key_errors``).
 docs/launch.md's commands are checked this way in the tests.
 """
 from __future__ import annotations
