@@ -9,7 +9,16 @@ the way back (return path). docs/code_env.md says exactly which stamps count. Th
 runs `python -c CODE` per call (what the official rStar2-Agent environment does) with at most
 `2 * cpu_count` interpreters at once, on fewer calls (it is slow), in the same process and run.
 
-    python benchmarks/code_env.py [--workers N] [--slots S] [--quick]
+    python benchmarks/code_env.py [--workers N] [--slots S] [--quick] [--pool-only]
+    python benchmarks/code_env.py --ab OTHER_CHECKOUT [--repeats 3] [--rounds 3]
+
+`startup_s` is the pool's start (zygotes preloaded, isolation set up, workers forked) until it
+answers its first call. `--pool-only` skips the baseline. `--ab` compares this checkout's pool
+with another checkout's (e.g. `git worktree add /tmp/before HEAD~1`): both pools run at once in
+two child processes, idle in turn, and every measurement (calls/s, p50 at each concurrency) is
+taken from one then the other, `--rounds` times per start, over `--repeats` starts (whose
+startup times alternate too). On a shared machine whose load drifts by the minute, only such
+interleaving compares like with like.
 """
 from __future__ import annotations
 
@@ -23,7 +32,10 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if "--arm" in sys.argv:  # an A/B arm: the pool of the checkout named after --arm
+    ROOT = os.path.abspath(sys.argv[sys.argv.index("--arm") + 1])
+sys.path.insert(0, ROOT)
 
 from rstarjax.env import CodeExecutor  # noqa: E402
 
@@ -97,23 +109,93 @@ def bench_baseline(code: str, calls: int, parallel: int) -> dict:
             "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99)}
 
 
+def serve_arm(args) -> None:
+    """One A/B arm: start the pool, say how long that took, then run what the parent asks for
+    (one JSON request per line: {"code": name, "c": concurrency}), one JSON answer per line."""
+    t0 = time.perf_counter()
+    with CodeExecutor(num_workers=args.workers, slots_per_worker=args.slots) as ex:
+        ex.run("print(0)")
+        ready = {"startup_s": round(time.perf_counter() - t0, 3), "root": ROOT,
+                 "isolation": {k: v for k, v in ex.isolation.items() if isinstance(v, bool)}}
+        ex.run_batch(["print(0)"] * 16 + [CODES["sympy"]] * 16)  # warm up
+        print(json.dumps(ready), flush=True)
+        for line in sys.stdin:
+            request = json.loads(line)
+            print(json.dumps(bench_pool(ex, CODES[request["code"]], int(request["c"]))), flush=True)
+
+
+def run_ab(args, levels) -> dict:
+    """This checkout ("this") against args.ab ("other"), interleaved (see the module docstring)."""
+    script = os.path.abspath(__file__)
+    arms = {"this": ROOT, "other": os.path.abspath(args.ab)}
+    out = {"bench": "code_env_ab", "arms": arms, "cpus": len(os.sched_getaffinity(0)), "workers": args.workers,
+           "slots_per_worker": args.slots, "load_avg_1m": [round(os.getloadavg()[0], 2)]}
+    samples: dict[str, dict[str, list]] = {arm: {} for arm in arms}
+    for repeat in range(args.repeats):
+        order = list(arms) if repeat % 2 == 0 else list(arms)[::-1]
+        procs = {}
+        for arm in order:  # started one after the other: each start has the machine to itself
+            procs[arm] = subprocess.Popen(
+                [sys.executable, script, "--arm", arms[arm], "--workers", str(args.workers), "--slots", str(args.slots)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            ready = json.loads(procs[arm].stdout.readline())
+            samples[arm].setdefault("startup_s", []).append(ready["startup_s"])
+            out.setdefault("isolation", {})[arm] = ready["isolation"]
+        for name in CODES:
+            for c in levels:
+                for _ in range(args.rounds):
+                    for arm in order:
+                        procs[arm].stdin.write(json.dumps({"code": name, "c": c}) + "\n")
+                        procs[arm].stdin.flush()
+                        r = json.loads(procs[arm].stdout.readline())
+                        for key in ("calls_per_s", "p50_ms"):
+                            samples[arm].setdefault(f"{name}_c{c}_{key}", []).append(r[key])
+                        samples[arm].setdefault("wrong", []).append(r["wrong"] + r["infra_answers"])
+        for proc in procs.values():
+            proc.stdin.close()
+            proc.wait(timeout=120)
+        out["load_avg_1m"].append(round(os.getloadavg()[0], 2))
+    for arm, metrics in samples.items():
+        out[arm] = {k: {"median": float(np.median(v)), "min": min(v), "max": max(v), "n": len(v)} if k != "wrong"
+                    else sum(v) for k, v in metrics.items()}
+    out["raw"] = samples
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="fewer calls (smoke run)")
+    parser.add_argument("--pool-only", action="store_true", help="no baseline")
+    parser.add_argument("--ab", help="another checkout: interleave its pool's figures with this one's")
+    parser.add_argument("--arm", help=argparse.SUPPRESS)  # internal: serve one A/B arm
+    parser.add_argument("--repeats", type=int, default=3, help="--ab: pool starts per arm")
+    parser.add_argument("--rounds", type=int, default=3, help="--ab: measurements per level and start")
     args = parser.parse_args()
     levels = (1, 64, 200) if args.quick else (1, 64, 1000)
+    if args.arm:
+        serve_arm(args)
+        return
+    if args.ab:
+        print(json.dumps(run_ab(args, levels)))
+        return
     cpus = len(os.sched_getaffinity(0))
     out = {"bench": "code_env", "cpus": cpus, "workers": args.workers, "slots_per_worker": args.slots,
            "load_avg_1m": round(os.getloadavg()[0], 2)}
+    t0 = time.perf_counter()
     with CodeExecutor(num_workers=args.workers, slots_per_worker=args.slots) as ex:
+        ex.run("print(0)")
+        out["startup_s"] = round(time.perf_counter() - t0, 3)
         out["isolation"] = {k: v for k, v in ex.isolation.items() if isinstance(v, bool) or k == "call_budget"}
         out["huge_page_mb"] = round(ex.isolation.get("huge_page_bytes", 0) / 2**20)  # heavy zygote
         ex.run_batch(["print(0)"] * 16 + [CODES["sympy"]] * 16)  # warm up
         for name, code in CODES.items():
             for c in levels:
                 out[f"pool_{name}_c{c}"] = bench_pool(ex, code, c)
+    if args.pool_only:
+        print(json.dumps(out))
+        return
     parallel = 2 * cpus
     for name, code in CODES.items():
         n = 8 if args.quick else (48 if name == "trivial" else 16)
