@@ -142,6 +142,12 @@ def get_config(arg=None):
     # eq. 6's token mean over the whole batch ("batch") | per micro-batch, weighted by its rows
     # (the official verl actor: "micro_batch")
     c.loss.token_mean = "batch"
+    # with token_mean="micro_batch": rows divided by the rows "kept" | "configured" (sampled, before
+    # RoC: verl's); micro_batch_tokens > 0: the token means over verl's token-budget micro-batches
+    # (ppo_max_token_len_per_gpu) of micro_batch_gpus GPUs, as per-token weights
+    c.loss.micro_batch_rows = "kept"
+    c.loss.micro_batch_tokens = 0
+    c.loss.micro_batch_gpus = 1
 
     # ---- optimizer ----------------------------------------------------------------------------
     c.optim = ml_collections.ConfigDict()

@@ -71,6 +71,9 @@ PROFILES: dict[str, dict[str, object]] = {
         "rl.tool_timeout_s": 4.0,
         # verl's policy loss: dual clip with clip_ratio_c=3; its actor: token means per micro-batch
         "loss.dual_clip_c": 3.0, "loss.token_mean": "micro_batch",
+        # ... of its micro-batches by token budget (use_dynamic_bsz, ppo_max_token_len_per_gpu=20480 on
+        # 8 GPUs), each GPU's divided by its configured rows (train batch x rollout.n / GPUs)
+        "loss.micro_batch_rows": "configured", "loss.micro_batch_tokens": 20480, "loss.micro_batch_gpus": 8,
         # examples/aime_eval.sh: verl's val_kwargs (greedy: temperature 0, top_p 1), n=16,
         # 2048 prompt / 30720 response tokens, 5 assistant turns
         "eval.temperature": 0.0, "eval.top_p": 1.0, "eval.top_k": -1, "eval.k": 16, "eval.max_turns": 5,

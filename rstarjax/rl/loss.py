@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rstarjax.rl.advantages import ADVANTAGE_ESTIMATORS
 from rstarjax.rl.batch import BATCH_KEYS, REF_KEY, SEQUENCE_KEYS
@@ -62,6 +63,18 @@ class LossConfig:
     # official verl actor's: a token mean per micro-batch, weighted by its share of the rows
     # (``micro_batch_token_mean_scale``)
     token_mean: str = "batch"
+    # token_mean="micro_batch" only. MICRO_BATCH_ROWS: what the micro-batches' rows are divided by:
+    # "kept", the rows trained (after RoC); "configured", the rows the update was configured for
+    # (prompts x rollouts sampled per prompt, before RoC: verl's normalised ppo_mini_batch_size
+    # per GPU, whose losses the GPUs average), passed in by the RL step
+    micro_batch_rows: str = "kept"
+    # > 0: the token means are taken over verl's micro-batches (use_dynamic_bsz): the sequences
+    # split into ``micro_batch_gpus`` contiguous blocks (one per GPU) and each block into
+    # ``token_budget_micro_batches`` of this many tokens (ppo_max_token_len_per_gpu), as
+    # per-token weights (LOSS_SCALE_KEY, ``verl_loss_scale``) whatever our own micro-batches are;
+    # 0: each of our micro-batches is one
+    micro_batch_tokens: int = 0
+    micro_batch_gpus: int = 1
 
     def __post_init__(self):
         require(
@@ -81,6 +94,13 @@ class LossConfig:
             one_of("policy_loss", self.policy_loss, POLICY_RATIOS),
             one_of("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS),
             one_of("token_mean", self.token_mean, TOKEN_MEANS),
+            one_of("micro_batch_rows", self.micro_batch_rows, MICRO_BATCH_ROWS),
+            (self.micro_batch_tokens >= 0 and self.micro_batch_gpus >= 1,
+             f"micro_batch_tokens={self.micro_batch_tokens} must be >= 0 (0 = off) and "
+             f"micro_batch_gpus={self.micro_batch_gpus} >= 1"),
+            (self.token_mean == "micro_batch" or (self.micro_batch_rows == "kept" and self.micro_batch_tokens == 0),
+             "micro_batch_rows and micro_batch_tokens set how token_mean='micro_batch' normalises: "
+             "set --config.loss.token_mean=micro_batch"),
             (self.token_mean == "batch" or self.advantage_estimator != "dr_grpo",
              "token_mean='micro_batch' replaces eq. 6's normaliser, which dr_grpo fixes to a constant: "
              "use one of them"),
@@ -88,6 +108,8 @@ class LossConfig:
 
 
 TOKEN_MEANS = ("batch", "micro_batch")
+MICRO_BATCH_ROWS = ("kept", "configured")
+LOSS_SCALE_KEY = "loss_scale"  # [B, L] per-token weights (loss.micro_batch_tokens > 0), added by Trainer.train
 
 
 def micro_batch_token_mean_scale(mask: jax.Array, batch_rows) -> jax.Array:
@@ -99,6 +121,56 @@ def micro_batch_token_mean_scale(mask: jax.Array, batch_rows) -> jax.Array:
     mask = mask.astype(f32)
     rows = jnp.sum(jnp.any(mask > 0, axis=tuple(range(1, mask.ndim))).astype(f32))
     return rows / (jnp.maximum(jnp.asarray(batch_rows, f32), 1.0) * jnp.maximum(jnp.sum(mask), 1.0))
+
+
+def token_budget_micro_batches(lengths, budget: int, count: int | None = None) -> list[list[int]]:
+    """verl's use_dynamic_bsz split of one GPU's sequences (verl/utils/seqlen_balancing.py
+    ``rearrange_micro_batches``): ``min(sequences, ceil(total tokens / budget))`` micro-batches
+    (or ``count``: verl takes the largest count over the GPUs), balanced by tokens. The balancing
+    is ours (longest first into the lightest micro-batch; verl uses Karmarkar-Karp), so a
+    micro-batch may hold other sequences than verl's would; each holds whole sequences and none is
+    empty. Returns the sequences' indices per micro-batch, ascending."""
+    lengths = [int(n) for n in lengths]
+    if not lengths:
+        return []
+    if count is None:
+        count = min(len(lengths), -(-sum(lengths) // max(int(budget), 1)))
+    count = max(1, min(count, len(lengths)))
+    parts: list[list[int]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = min(range(count), key=lambda k: (loads[k], len(parts[k]), k))
+        parts[k].append(i)
+        loads[k] += lengths[i]
+    return [sorted(p) for p in parts]
+
+
+def verl_loss_scale(loss_mask, segment_ids, rows: float, budget: int, gpus: int) -> np.ndarray:
+    """[B, L] float32 weights that make eq. 6's token sum verl's loss (dp_actor.update_policy with
+    use_dynamic_bsz, loss_agg_mode="token-mean"; its gradient averaged over ``gpus``): a token of
+    a sequence in micro-batch m weighs |m| / (rows * trained tokens of m). The sequences (each
+    (row, segment) of ``segment_ids`` > 0, in order) are split into ``gpus`` contiguous blocks,
+    each into ``token_budget_micro_batches`` of ``budget`` tokens (the count the largest over the
+    blocks). ``rows``: the normaliser (verl's configured rows of the whole update, all GPUs)."""
+    mask = np.asarray(loss_mask, np.float32)
+    seg = np.asarray(segment_ids)
+    seqs = [(r, s) for r in range(seg.shape[0]) for s in np.unique(seg[r]) if s > 0]
+    lengths = [int(np.sum(seg[r] == s)) for r, s in seqs]
+    blocks = np.array_split(np.arange(len(seqs)), max(int(gpus), 1))
+    counts = [min(len(b), -(-sum(lengths[i] for i in b) // max(int(budget), 1))) for b in blocks if len(b)]
+    count = max(counts, default=0)
+    scale = np.zeros(mask.shape, np.float32)
+    for block in blocks:
+        if not len(block):
+            continue
+        for part in token_budget_micro_batches([lengths[i] for i in block], budget, count):
+            members = [seqs[block[j]] for j in part]
+            where = [(r, seg[r] == s) for r, s in members]
+            tokens = sum(float(np.sum(mask[r][on])) for r, on in where)
+            if tokens > 0:
+                for r, on in where:
+                    scale[r][on] = len(members) / (float(rows) * tokens)
+    return scale
 
 
 def dr_grpo_denominator(num_sequences: int, max_response_len: int) -> float:
@@ -205,6 +277,7 @@ def policy_loss(
     rollout_logprobs: jax.Array | None = None,
     entropy: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
+    loss_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """GRPO-RoC objective, rStar2-Agent eq. 6 (negated, to minimise), over [B, L] aligned arrays.
 
@@ -217,7 +290,8 @@ def policy_loss(
     ``entropy`` with ``cfg.entropy_coef`` (and reported when given); ``segment_ids`` with GSPO on
     packed rows. Metrics are sums / denom as well, so they add across micro-batches too.
     With ``cfg.token_mean="micro_batch"``, ``denom`` is the batch's number of trained rows and each
-    sum is scaled by ``micro_batch_token_mean_scale`` instead.
+    sum is scaled by ``micro_batch_token_mean_scale`` instead; with ``cfg.micro_batch_tokens > 0``
+    each token by its ``loss_scale`` (``verl_loss_scale``) and ``denom`` is unused.
     """
     f32 = jnp.float32
     logp = logprobs.astype(f32)
@@ -225,10 +299,21 @@ def policy_loss(
     adv = advantages.astype(f32)
     mask = loss_mask.astype(f32)
     on = mask > 0
-    if cfg.token_mean == "micro_batch":
-        inv_denom = micro_batch_token_mean_scale(mask, denom)
+    if cfg.micro_batch_tokens > 0:
+        if loss_scale is None:
+            raise ValueError("loss.micro_batch_tokens > 0 needs loss_scale (verl_loss_scale, added by Trainer.train)")
+        token_weight = mask * loss_scale.astype(f32)
+
+        def total(x):  # verl's micro-batch token means, token by token
+            return jnp.sum(token_weight * x)
     else:
-        inv_denom = 1.0 / jnp.maximum(jnp.asarray(denom, f32), 1.0)
+        if cfg.token_mean == "micro_batch":
+            inv_denom = micro_batch_token_mean_scale(mask, denom)
+        else:
+            inv_denom = 1.0 / jnp.maximum(jnp.asarray(denom, f32), 1.0)
+
+        def total(x):
+            return jnp.sum(mask * x) * inv_denom
 
     log_ratio = jnp.where(on, jnp.clip(logp - old, -_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0)
     log_ratio, eps_low, eps_high = POLICY_RATIOS[cfg.policy_loss](log_ratio, logp, mask, segment_ids, cfg)
@@ -243,38 +328,39 @@ def policy_loss(
         pg = pg * weight
         prefix, past = ("tis_weight_mean", "tis_capped_frac") if cfg.tis_cap is not None else \
             ("behaviour_weight_mean", "behaviour_dropped_frac")
-        metrics[prefix] = jnp.sum(mask * weight) * inv_denom
-        metrics[past] = jnp.sum(mask * past_cap) * inv_denom
+        metrics[prefix] = total(weight)
+        metrics[past] = total(past_cap)
 
     per_token = pg
-    metrics["pg_loss"] = jnp.sum(mask * pg) * inv_denom
+    metrics["pg_loss"] = total(pg)
     if cfg.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
         kl = kl_k3(logp, ref_logprobs.astype(f32))
         per_token = per_token + cfg.kl_coef * kl
-        metrics["kl_ref"] = jnp.sum(mask * kl) * inv_denom
+        metrics["kl_ref"] = total(kl)
     if cfg.entropy_coef > 0 and entropy is None:
         raise ValueError("entropy_coef > 0 needs entropy")
     if entropy is not None:
         ent = entropy.astype(f32)
         if cfg.entropy_coef > 0:
             per_token = per_token - cfg.entropy_coef * ent
-        metrics["entropy"] = jnp.sum(mask * ent) * inv_denom
+        metrics["entropy"] = total(ent)
 
-    loss = jnp.sum(mask * per_token) * inv_denom
+    loss = total(per_token)
 
     ratio_sg = jax.lax.stop_gradient(ratio)
     adv_sg = adv
-    metrics["clip_frac_low"] = jnp.sum(mask * ((adv_sg < 0) & (ratio_sg < 1.0 - eps_low))) * inv_denom
-    metrics["clip_frac_high"] = jnp.sum(mask * ((adv_sg > 0) & (ratio_sg > 1.0 + eps_high))) * inv_denom
+    metrics["clip_frac_low"] = total((adv_sg < 0) & (ratio_sg < 1.0 - eps_low))
+    metrics["clip_frac_high"] = total((adv_sg > 0) & (ratio_sg > 1.0 + eps_high))
     if cfg.dual_clip_c is not None:
-        metrics["dual_clip_frac"] = jnp.sum(mask * ((adv_sg < 0) & (ratio_sg > cfg.dual_clip_c))) * inv_denom
-    metrics["ratio_mean"] = jnp.sum(mask * ratio_sg) * inv_denom
+        metrics["dual_clip_frac"] = total((adv_sg < 0) & (ratio_sg > cfg.dual_clip_c))
+    metrics["ratio_mean"] = total(ratio_sg)
     # k3 estimate of KL(pi_old || pi) on the sampled tokens (how far this update moved).
     lr_sg = jax.lax.stop_gradient(jnp.where(on, jnp.clip(logp - old, -_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0))
-    metrics["approx_kl"] = jnp.sum(mask * (jnp.exp(lr_sg) - lr_sg - 1.0)) * inv_denom
-    metrics["token_frac"] = jnp.sum(mask) * inv_denom  # 1.0 once summed over all micro-batches
+    metrics["approx_kl"] = total(jnp.exp(lr_sg) - lr_sg - 1.0)
+    # 1.0 once summed over all micro-batches
+    metrics["token_frac"] = jnp.sum(token_weight) if cfg.micro_batch_tokens > 0 else jnp.sum(mask) * inv_denom
     return loss, metrics
 
 
@@ -302,10 +388,10 @@ def policy_micro_loss(cfg: LossConfig) -> MicroLoss:
     def fn(logprobs, entropy, micro, denom):
         return policy_loss(logprobs, micro["old_logprobs"], micro["advantages"], micro["loss_mask"], denom, cfg,
                            ref_logprobs=micro.get(REF_KEY), rollout_logprobs=micro["rollout_logprobs"],
-                           entropy=entropy, segment_ids=micro["segment_ids"])
+                           entropy=entropy, segment_ids=micro["segment_ids"], loss_scale=micro.get(LOSS_SCALE_KEY))
 
-    return MicroLoss(fn, BATCH_KEYS + (REF_KEY,) if cfg.kl_coef > 0 else BATCH_KEYS,
-                     normaliser="rows" if cfg.token_mean == "micro_batch" else "tokens")
+    keys = BATCH_KEYS + ((REF_KEY,) if cfg.kl_coef > 0 else ()) + ((LOSS_SCALE_KEY,) if cfg.micro_batch_tokens > 0 else ())
+    return MicroLoss(fn, keys, normaliser="rows" if cfg.token_mean == "micro_batch" else "tokens")
 
 
 def masked_nll(logprobs, entropy, micro, denom):

@@ -211,6 +211,8 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | PartialRollouts | Collecte
         if estimator == "dr_grpo":  # Dr. GRPO's constant: the configured sequences of one update x max length
             rows_per_update = num_rows * processes.training_count() // trainer.cfg.mini_batches
             denom = loss_lib.dr_grpo_denominator(rows_per_update, cfg.max_response_len)
+        elif loss_cfg.micro_batch_rows == "configured":  # verl: the rows sampled per update, before RoC
+            denom = float(quota * cfg.rollouts_per_prompt * processes.training_count() // trainer.cfg.mini_batches)
         metrics.update(trainer.train(batch, denom=denom, gap_threshold=gap_threshold, gap_mask=gap_mask))
         over = int(metrics.get("train/logprob_gap_tokens_over", 0))
         if over and serving_dtype is not None and metrics_lib.is_float32(serving_dtype):

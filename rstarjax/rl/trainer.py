@@ -474,6 +474,22 @@ class Trainer:
             self.state, metrics = self.step_fn(rows, micro_loss, skip)(self.state, batch, denom_arr)
         return metrics
 
+    def verl_loss_scale(self, arrays: Mapping[str, np.ndarray], denom: float | None) -> np.ndarray:
+        """``loss.verl_loss_scale`` of each contiguous mini-batch of this process's host rows:
+        ``denom`` (the configured rows of one update, loss.micro_batch_rows="configured") or the
+        mini-batch's sequences as the rows."""
+        if processes.training_count() > 1 and not denom:
+            raise ValueError("loss.micro_batch_tokens with micro_batch_rows='kept' runs in one process only")
+        cfg, n = self.loss_cfg, self.cfg.mini_batches
+        mask, seg = np.asarray(arrays["loss_mask"]), np.asarray(arrays["segment_ids"])
+        size = mask.shape[0] // n
+        parts = []
+        for i in range(n):
+            m, s = mask[i * size:(i + 1) * size], seg[i * size:(i + 1) * size]
+            rows = denom or max(sum(len(np.unique(r[r > 0])) for r in s), 1)
+            parts.append(loss_lib.verl_loss_scale(m, s, rows, cfg.micro_batch_tokens, cfg.micro_batch_gpus))
+        return np.concatenate(parts) if parts else np.zeros(mask.shape, np.float32)
+
     def train(self, batch, denom: float | None = None, gap_threshold: float | None = None,
               gap_mask: np.ndarray | None = None) -> dict[str, float]:
         """The RL update: old log-probs (optionally recomputed), then ``mini_batches`` optimizer
@@ -492,15 +508,23 @@ class Trainer:
         order = None  # the caller's row of each row put on the mesh (None: the same order)
         if gap_mask is not None and _is_global(batch):
             raise ValueError("gap_mask needs the batch as host arrays (it is put on the mesh with them)")
+        scale = None
         if not _is_global(batch):
             arrays = batch_to_dict(batch)
+            if self.policy_loss is not None and loss_lib.LOSS_SCALE_KEY in self.policy_loss.keys:  # verl's micro-batches, as token weights
+                arrays[loss_lib.LOSS_SCALE_KEY] = self.verl_loss_scale(arrays, denom)
             if self.cfg.skip_padding:
                 order = self.row_order(arrays, self.cfg.mini_batches)
                 arrays = {k: np.asarray(v)[order] for k, v in arrays.items()}
             if gap_mask is not None:  # in the same row order, laid out as the loss mask
                 gap_mask = self._put_rows(np.asarray(gap_mask, np.float32)[slice(None) if order is None else order])
+            scale = arrays.pop(loss_lib.LOSS_SCALE_KEY, None)
             batch = self.put_batch(arrays)
+        elif self.policy_loss is not None and loss_lib.LOSS_SCALE_KEY in self.policy_loss.keys:
+            raise ValueError("loss.micro_batch_tokens > 0 needs the batch as host arrays (its weights are computed there)")
         batch = {k: batch[k] for k in BATCH_KEYS}
+        if scale is not None:
+            batch[loss_lib.LOSS_SCALE_KEY] = self._put_rows(scale)
         measured = batch["loss_mask"] if gap_mask is None else gap_mask
         metrics: dict[str, float] = {}
         t0 = time.perf_counter()
