@@ -155,3 +155,26 @@ def read_metrics(path: str) -> list[dict]:
                 continue
             raise ValueError(f"{path}: line {i + 1} is not JSON")
     return records
+
+
+# A step's one-line summary (``step_line``): metric key -> (label, format), those a step has.
+STEP_LINE_FIGURES = (
+    ("rollout/reward_mean", "reward", "{:.3f}"),
+    ("rollout/accuracy", "accuracy", "{:.3f}"),
+    ("rollout/response_length_mean", "length", "{:.0f}"),
+    ("filter/groups_trained", "groups", "{:.0f}"),
+    ("train/loss", "loss", "{:.4g}"),
+    ("train/grad_norm", "grad_norm", "{:.3g}"),
+    ("time/step", "seconds", "{:.1f}"),
+)
+
+
+def step_line(step: int, total: int, metrics: Mapping[str, float]) -> str:
+    """One line of a finished step's key figures (printed where no progress bar shows them):
+    ``rstarjax: step 3/20 reward=0.531 accuracy=0.500 length=412 groups=2 loss=0.0123 ...``."""
+    parts = [f"step {step}/{total}"]
+    for key, label, fmt in STEP_LINE_FIGURES:
+        value = metrics.get(key)
+        if isinstance(value, (int, float, np.number)):
+            parts.append(f"{label}={fmt.format(float(value))}")
+    return "rstarjax: " + " ".join(parts)

@@ -23,7 +23,7 @@ from rstarjax import processes
 from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
 from rstarjax.io import data as data_lib
-from rstarjax.io.metrics_log import MetricsWriter
+from rstarjax.io.metrics_log import MetricsWriter, step_line
 from rstarjax.models import lora
 from rstarjax.recipes import build, lora_base, preemption
 from rstarjax.recipes.config import RunConfig, wandb_init_args
@@ -161,10 +161,12 @@ def _initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig
 
         abstract = ckpt_lib.abstract_like(trainer.state, trainer.state_sharding)
         # the newest checkpoint that restores: a torn or corrupt newer one is skipped, with a warning
-        trainer.state, meta, _ = ckpt.restore_newest(abstract, check_meta=same_stage)
+        on_disk = ckpt.all_steps()
+        trainer.state, meta, step = ckpt.restore_newest(abstract, check_meta=same_stage)
         if trainer.lora:
             meta["lora_base"] = lora_base.restore_base(trainer, meta["lora_base"])
-        return dict(meta, resumed=True)
+        # (for the start line: the step resumed and the newer checkpoints that did not restore)
+        return dict(meta, resumed=True, resumed_step=int(step), skipped_steps=[int(s) for s in on_disk if s > step])
     if not init_from:
         return {"step": 0, "stage_start_step": 0}
     try:
@@ -429,6 +431,8 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
     # the steps after ``start`` that a killed run logged are logged again: kept once
     writer = MetricsWriter(os.path.join(workdir, "logs"), enabled=is_main, tensorboard=run.logging.tensorboard,
                            wandb=wandb_init_args(run, workdir), resume_step=start)
+    if is_main:
+        print(start_line(run, meta, ckpt, start), flush=True)
     if start >= run.total_steps and is_main:
         print(f"rstarjax: {workdir} is already at global step {start} >= total_steps={run.total_steps}: "
               "nothing to train (raise --config.total_steps to train on)", flush=True)
@@ -554,6 +558,8 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
             metrics.update(device_memory_metrics())
             metrics["time/compile"] = compile_cache.compile_seconds() - compiled_before
             writer.write(new_step, metrics)
+            if is_main and not run.logging.progress_bar:  # the bar's figures, one line per step
+                print(step_line(new_step, run.total_steps, metrics), flush=True)
             bar.update(1)
             bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}",
                             len=f"{metrics.get('rollout/response_length_mean', 0):.0f}")
@@ -678,6 +684,26 @@ def _save_last(step: int, start: int, save, data_state, ckpt) -> bool:
         save(step, data_state)
     ckpt.wait()
     return step in ckpt.all_steps()
+
+
+def start_line(run: RunConfig, meta: dict, ckpt: ckpt_lib.Checkpointer, step: int) -> str:
+    """The line a stage prints as it starts: fresh (from the model as built, or from which
+    checkpoint of ``checkpoint.init_from``) or resumed from step N (which checkpoint, and the
+    newer ones skipped because they did not restore), and where it trains to."""
+    if meta.get("resumed"):
+        line = f"resumed from step {step} ({ckpt.step_dir(meta.get('resumed_step', step))})"
+        skipped = meta.get("skipped_steps") or []
+        if skipped:
+            line += (f"; skipped the newer checkpoint{'s' if len(skipped) > 1 else ''} of step "
+                     f"{', '.join(map(str, skipped))}, which did not restore (the warning above says why)")
+    elif meta.get("init_from"):
+        line = (f"fresh at step {step} from step {meta.get('init_from_step')} of {meta['init_from']} "
+                f"(a {meta.get('init_from_stage', 'rl')} checkpoint)")
+    else:
+        source = (f"{run.model.preset} with random weights (seed {run.seed})" if run.model.random_init
+                  else run.model.hf_path or "the given policy")
+        line = f"fresh at step {step} from {source}"
+    return f"rstarjax: rl stage {line}; training to total_steps={run.total_steps}"
 
 
 def solved_message(run: RunConfig, num_problems: int, step: int, start: int, saved: bool,
