@@ -321,3 +321,61 @@ def test_official_jinja_export_renders_what_we_render(small, tmp_path, official)
     assert hf.apply_chat_template(q, tokenize=False, add_generation_prompt=True) == ct.render_prompt("Q", fmt)
     assert hf.apply_chat_template(q, tools=tools, tokenize=False, add_generation_prompt=True) == \
         ct.render_prompt("Q", fmt)
+
+
+def test_a_scripted_trajectory_is_the_official_loops_token_for_token(official, small):
+    """Issue #50, the whole path a token takes under the profile: a scripted policy's turns go
+    through our rollout episode (official-layout parsing, the code-judge wrapper in our sandbox,
+    code-judge's text, verl's cut, the official tool turn) and give the ids the official loop
+    assembles (rstar2_agent_loop.py ``run``: the template's prompt ids, the model's ids, then
+    apply_chat_template(tool messages)[len(system):]) from the official code's own answers to the
+    same turns (tests/fixtures/rstar2_official/code_judge_responses.json), token for token once the
+    measured "execution time" is the same."""
+    import re
+
+    from rstarjax.env import CodeExecutor, ExecutorConfig
+    from rstarjax.rl.agent_loop import AgentConfig, AgentEpisode, RolloutRequest, StopIds
+    from rstarjax.serving.programs import DoneReason
+    from rstarjax.serving.scheduler import CallTool
+
+    answers = {c["turn"]: c["responses"] for c in json.loads(
+        (OFFICIAL_FIXTURES / "code_judge_responses.json").read_text(encoding="utf-8"))["turns"]}
+    name = "python_code_with_standard_io"
+    turns = [  # each an official turn of the fixture, after the <reason> prefill
+        'a <tool_call>\n{"name": "' + name + '", "arguments": {"code": "print(6*7)", "input": ""}}\n</tool_call>',
+        '<tool_call>{"name": "' + name + '", "arguments": {"code": "print(1)\nprint(2)", "input": ""}}</tool_call>',
+        '<tool_call>{"name": "' + name + '", "arguments": {"code": "print(\'x\' * 300)", "input": ""}}</tool_call>',
+        '<tool_call>{"name": "other_tool", "arguments": {"code": "print(1)"}}</tool_call>',
+        "so</reason><answer>\\boxed{42}</answer>",
+    ]
+    hf_official, tools = official
+    fmt = ct.RSTAR2_OFFICIAL
+    question = "What is 6*7?"
+    system_ids = _ids(hf_official.apply_chat_template([{}], add_generation_prompt=False, tokenize=True))
+    theirs = _ids(hf_official.apply_chat_template([{"role": "user", "content": question}], tools=tools,
+                                                  add_generation_prompt=True, tokenize=True))
+    ours = ct.encode_prompt(small, question, fmt)
+    assert ours == theirs
+    time_re = re.compile(r"execution time: \d+\.\d\ds")
+    with CodeExecutor(config=ExecutorConfig(num_workers=1, slots_per_worker=2)) as executor:
+        episode = AgentEpisode(RolloutRequest(ours, "42"), small, executor,
+                               AgentConfig(max_turns=5, tool_timeout_s=4.0, max_tool_response_chars=256),
+                               StopIds.from_tokenizer(small, fmt), fmt)
+        for text in turns:
+            ids = small.encode(text + "<|im_end|>")  # the model's turn, ended by its own <|im_end|>
+            ours, theirs = ours + ids, theirs + ids
+            action = episode.on_turn_end(ids, [0.0] * len(ids), DoneReason.STOP)
+            if text not in answers:
+                assert not isinstance(action, CallTool)
+                break
+            assert isinstance(action, CallTool)
+            tool_ids = action.ids.result(timeout=60)
+            official = answers[text][0]["text"]
+            measured = time_re.findall(small.decode(tool_ids))
+            if measured:  # the one thing that is measured, not computed
+                official = time_re.sub(measured[0], official)
+            ours = ours + tool_ids
+            theirs = theirs + _ids(hf_official.apply_chat_template(
+                [{"role": "tool", "content": official}], add_generation_prompt=True, tokenize=True))[len(system_ids):]
+            assert ours == theirs, text
+    assert episode.traj.tool_calls == 4 and episode.traj.tool_errors.parse == 2
