@@ -193,6 +193,7 @@ class Lane:
     # The TPU kernel rounds K and V to bfloat16 before its dots (jax's paged_attention_kernel,
     # on a real TPU too): its lane cannot hold float32's 1e-4, and near-ties may flip.
     logprob_tol: float = LOGPROB_TOL
+    sampler: str = "exact"  # serving.sampling.SAMPLERS
 
     def engine(self, model) -> Engine:
         placement = {}
@@ -203,7 +204,8 @@ class Lane:
         return Engine(model, num_slots=SLOTS, max_len=MAX_LEN, buckets=BUCKETS, page_size=PAGE,
                       cache_dtype=jnp.float32, kv_pages=self.kv_pages,
                       decode_steps=self.decode_steps, decode_attention=self.decode_attention,
-                      interpret=self.decode_attention.startswith("pallas"), **placement)
+                      interpret=self.decode_attention.startswith("pallas"),
+                      sampler=self.sampler, **placement)
 
 
 LANES = {
@@ -213,6 +215,9 @@ LANES = {
     "reference-tight": Lane("reference", kv_pages=10, ks=(4, 2), seeds=(6, 7, 8)),
     "ragged-tp2-tight": Lane("ragged", tensor_parallel=2, kv_pages=10, ks=(4,), seeds=(9, 10)),
     "pallas_gpu": Lane("pallas_gpu", decode_steps=4, ks=(4,), seeds=(11,), num_prompts=4),
+    # our kernel (models/decode_kernel.py) and the one-pass sampler together (issue 46)
+    "packed-fused": Lane("pallas_gpu_packed", decode_steps=4, ks=(4,), seeds=(13,), num_prompts=4,
+                         sampler="fused"),
     # The TPU interpreter takes ~1.5 s per decode step here: one short workload.
     "pallas_tpu": Lane("pallas_tpu", decode_steps=4, ks=(4,), seeds=(12,), num_prompts=2,
                        max_turns=2, logprob_tol=2e-2),

@@ -180,3 +180,99 @@ def test_vocab_limit_never_samples_padding_ids_but_keeps_policy_logprob():
         logits, jnp.arange(rows, dtype=jnp.int32), jnp.zeros(rows, jnp.int32), temperature,
         jnp.zeros(rows, jnp.int32), jnp.ones(rows, jnp.float32))
     assert np.asarray(unlimited).max() >= limit  # the test would catch a missing limit
+
+
+# ---- the fused sampler (serving sampler "fused"): one chunked pass, logits of any dtype ------
+
+from rstarjax.models.logprobs import logprobs_and_entropy_of_logits  # noqa: E402
+from rstarjax.serving.sampling import sample_tokens_fused  # noqa: E402
+
+
+def _fused(logits, temperature, *, seeds=None, counters=None, top_k=None, top_p=None, chunk=16,
+           **kw):
+    b = logits.shape[0]
+    fused = jax.jit(sample_tokens_fused, static_argnames=("chunk", "vocab_limit"))  # one compile
+    return fused(
+        jnp.asarray(logits), jnp.arange(b, dtype=jnp.int32) if seeds is None else seeds,
+        jnp.zeros(b, jnp.int32) if counters is None else counters, jnp.asarray(temperature),
+        jnp.zeros(b, jnp.int32) if top_k is None else top_k,
+        jnp.ones(b, jnp.float32) if top_p is None else top_p, chunk=chunk, **kw)
+
+
+def test_fused_sampler_logprobs_equal_the_trainers_float32_ones():
+    """The log-prob the fused sampler returns, from float32 logits, is the trainer's
+    (``logprobs_and_entropy_of_logits`` on float32 logits / T) to float noise, over several
+    vocabulary chunks (one partial); from bf16 logits it is the float32 log-softmax of those
+    bf16 values (nothing rounded further), and the trainer's within the bf16 alarm."""
+    from rstarjax.rl.metrics import logprob_gap_threshold
+
+    rng = np.random.default_rng(11)
+    logits = (rng.normal(size=(6, 40)) * 4).astype(np.float32)
+    temperature = np.array([1.0, 0.7, 0.0, 1.6, 1.0, 0.0], np.float32)
+    scale = np.where(temperature > 0, temperature, 1.0)[:, None]
+    tokens, lp = _fused(logits, temperature)
+    trainer, _ = logprobs_and_entropy_of_logits(jnp.asarray(logits / scale), tokens)
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(trainer), atol=2e-6)
+    assert np.all(np.asarray(tokens)[temperature == 0] == logits[temperature == 0].argmax(-1))
+
+    bf16 = jnp.asarray(logits, jnp.bfloat16)
+    tokens, lp = _fused(bf16, temperature)
+    rounded = np.asarray(bf16.astype(jnp.float32))
+    want = _np_log_softmax(rounded / scale)[np.arange(6), np.asarray(tokens)]
+    np.testing.assert_allclose(np.asarray(lp), want, atol=2e-6)
+    trainer, _ = logprobs_and_entropy_of_logits(jnp.asarray(logits / scale), tokens)
+    gap = np.abs(np.asarray(lp) - np.asarray(trainer)).max()
+    assert 0 < gap < 0.1 * logprob_gap_threshold(jnp.bfloat16)
+
+
+def test_fused_sampler_draws_from_the_tempered_policy():
+    """4,000 draws (one key each) of one row over 3 chunks: frequencies within a 5-sigma band
+    of softmax(logits / T); the exact sampler's draws for the same keys differ (so the switch)."""
+    rows, temperature = 4000, 1.3
+    logits = np.tile(np.linspace(-2.0, 2.0, 12, dtype=np.float32)[None], (rows, 1))
+    counters = jnp.arange(rows, dtype=jnp.int32)
+    tokens, _ = _fused(logits, np.full(rows, temperature, np.float32),
+                       seeds=jnp.full(rows, 3, jnp.int32), counters=counters, chunk=5)
+    probs = np.exp(_np_log_softmax(logits[0] / temperature))
+    freq = np.bincount(np.asarray(tokens), minlength=12) / rows
+    assert np.all(np.abs(freq - probs) < 5 * np.sqrt(probs * (1 - probs) / rows) + 1e-3), (freq, probs)
+    exact, _ = sample_tokens(jnp.asarray(logits), jnp.full(rows, 3, jnp.int32), counters,
+                             jnp.full(rows, temperature), jnp.zeros(rows, jnp.int32), jnp.ones(rows))
+    assert np.mean(np.asarray(exact) != np.asarray(tokens)) > 0.3
+
+
+def test_fused_sampler_is_reproducible_per_request_not_per_batch_position():
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(3, 64)).astype(np.float32)
+    seeds, counters = jnp.array([11, 12, 13], jnp.int32), jnp.array([5, 0, 7], jnp.int32)
+    a, _ = _fused(logits, np.ones(3, np.float32), seeds=seeds, counters=counters)
+    perm = np.array([2, 0, 1])
+    b, _ = _fused(logits[perm], np.ones(3, np.float32), seeds=seeds[perm], counters=counters[perm])
+    np.testing.assert_array_equal(np.asarray(a)[perm], np.asarray(b))
+
+
+def test_fused_sampler_greedy_limits_forced_and_filters():
+    """Greedy takes the first maximum across chunks; ids >= vocab_limit are never chosen but
+    the log-prob stays the full vocabulary's; forced tokens keep the policy's log-prob; a batch
+    with a top-k / top-p row draws exactly what ``sample_tokens`` draws."""
+    vocab, limit = 16, 12
+    logits = np.tile(np.arange(vocab, dtype=np.float32)[None] * 0.3, (4, 1))
+    logits[2, 3] = logits[2, 9] = 10.0  # a tie across chunks: the first one wins
+    temperature = np.array([1.0, 0.0, 0.0, 1.0], np.float32)
+    forced = jnp.array([-1, -1, -1, 5], jnp.int32)
+    tokens, lp = _fused(logits, temperature, vocab_limit=limit, forced=forced, chunk=5)
+    tokens = np.asarray(tokens)
+    assert tokens[0] < limit and tokens[1] == limit - 1 and tokens[2] == 3 and tokens[3] == 5
+    full = _np_log_softmax(logits)
+    np.testing.assert_allclose(np.asarray(lp), full[np.arange(4), tokens], atol=1e-6)
+
+    rng = np.random.default_rng(9)
+    logits = (rng.normal(size=(len(SETTINGS), 97)) * 3).astype(np.float32)
+    t = jnp.array([s[0] for s in SETTINGS], jnp.float32)
+    k = jnp.array([s[1] for s in SETTINGS], jnp.int32)
+    p = jnp.array([s[2] for s in SETTINGS], jnp.float32)
+    seeds, counters = jnp.arange(len(SETTINGS), dtype=jnp.int32), jnp.zeros(len(SETTINGS), jnp.int32)
+    got, lp = _fused(logits, t, seeds=seeds, counters=counters, top_k=k, top_p=p, chunk=32)
+    want, want_lp = sample_tokens(jnp.asarray(logits), seeds, counters, t, k, p)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(want_lp), atol=2e-6)

@@ -116,12 +116,12 @@ def _combine(o, m, l, dtype):
     return (jnp.sum(o * w[..., None], axis=0) / total[..., None]).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("blocking", "interpret"))
+@functools.partial(jax.jit, static_argnames=("blocking", "scale", "interpret"))
 def decode_attention_packed(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                             page_table: jax.Array, lengths: jax.Array, *,
                             blocking: PackedBlocking = PackedBlocking(),
-                            interpret: bool = False) -> jax.Array:
-    """q [B, N, H] (unscaled; scale ``H ** -0.5`` inside) over each row's first ``lengths[b]``
+                            scale: float | None = None, interpret: bool = False) -> jax.Array:
+    """q [B, N, H] (unscaled; ``scale``, default ``H ** -0.5``, applied in float32 inside) over each row's first ``lengths[b]``
     tokens (>= 1) of its pages ``page_table[b]`` (entries past the live ones are never read
     for K/V a row does not own: the positions mask them; they must be valid page ids) ->
     [B, N, H]. GQA: query head n reads kv head ``n // (N // K)``."""
@@ -133,7 +133,7 @@ def decode_attention_packed(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     width = page_table.shape[1]
     per_block, k_splits = blocking.for_shape(b, kh, width)
     kernel = functools.partial(_kernel, page_size=page_size, per_block=per_block,
-                               k_splits=k_splits, scale=h ** -0.5)
+                               k_splits=k_splits, scale=h ** -0.5 if scale is None else scale)
     pool = pl.BlockSpec((None, *k_pages.shape[1:]), lambda r, j, s: (j, 0, 0, 0))
     in_specs = [pl.BlockSpec((None, 1), lambda r, j, s: (r, 0)),  # lengths [B, 1]
                 pl.BlockSpec((None, width), lambda r, j, s: (r, 0)),  # the row's table

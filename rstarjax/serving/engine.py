@@ -43,7 +43,7 @@ from rstarjax.serving.placement import Placement, delete_arrays
 from rstarjax.serving.programs import (MAX_STOP_IDS, DecodeBlock, DecodeState, DoneReason, FeedRow,
                                        FeedSample, SlotToken, decode_program, empty_decode_state,
                                        feed_program, insert_program, sample_program, stop_row)
-from rstarjax.serving.sampling import SamplingParams
+from rstarjax.serving.sampling import SAMPLERS, SamplingParams
 from rstarjax.serving.sizing import plan_kv
 from rstarjax.serving.start_plan import StartGroup, StartRequest, plan_start, start_cost
 
@@ -90,8 +90,12 @@ class Engine:
                  min_bucket: int = 16, prefill_chunk: int = 2048, max_prefill_tokens: int = 8192,
                  decode_steps: int = 16, min_context: int = 256, decode_attention: str = "auto",
                  device: jax.Device | None = None, mesh: Mesh | None = None,
-                 vocab_limit: int | None = None, interpret: bool = False):
+                 vocab_limit: int | None = None, interpret: bool = False,
+                 sampler: str = "exact"):
         self.placement = Placement(device, mesh)
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler {sampler!r} not in {SAMPLERS}")
+        self.sampler = sampler  # sampling.SAMPLERS: "fused" draws other tokens for a key
         if max_len < 2:
             raise ValueError(f"need max_len >= 2, got {max_len}")
         if decode_steps < 1:
@@ -363,7 +367,7 @@ class Engine:
             jnp.asarray(self._table[:, :width]), live_pages, jnp.asarray(f), jnp.int32(steps),
             jnp.int32(stop_after), steps=self.decode_steps, attention=self.decode_attention,
             vocab_limit=self.vocab_limit, max_len=self.max_len, kv_sharding=self._kv_sharding,
-            interpret=self.interpret)
+            interpret=self.interpret, sampler=self.sampler)
         compact = jax.device_get(outs)
         self.busy_seconds += time.perf_counter() - t0
         self.host_syncs += 1
@@ -606,7 +610,7 @@ class Engine:
         t0 = time.perf_counter()
         tok, lp = sample_program(logits, *(jnp.asarray(cols[c]) for c in (
             "rows", "seeds", "counters", "temperature", "top_k", "top_p", "forced")),
-            vocab_limit=self.vocab_limit)
+            vocab_limit=self.vocab_limit, sampler=self.sampler)
         tok, lp = jax.device_get((tok, lp))
         self.busy_seconds += time.perf_counter() - t0
         self.host_syncs += 1

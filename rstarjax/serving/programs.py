@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding
 
 from rstarjax.models.kv_cache import PagedKVCache
 from rstarjax.models.qwen3 import paged_forward
-from rstarjax.serving.sampling import SamplingParams, sample_tokens
+from rstarjax.serving.sampling import SamplingParams, sampler as sampler_named
 
 MAX_STOP_IDS = 8  # per-request stop ids kept on device (padded with -1)
 
@@ -154,11 +154,11 @@ def feed_program(cfg, weights, k, v, page_table, lengths, tokens, num_new, kv_sh
     return pin(cache.k, kv_sharding), pin(cache.v, kv_sharding), logits
 
 
-@functools.partial(jax.jit, static_argnames=("vocab_limit",))
+@functools.partial(jax.jit, static_argnames=("vocab_limit", "sampler"))
 def sample_program(logits, rows, seeds, counters, temperature, top_k, top_p, forced,
-                   vocab_limit=None):
-    return sample_tokens(logits[rows], seeds, counters, temperature, top_k, top_p, forced,
-                         vocab_limit)
+                   vocab_limit=None, sampler="exact"):
+    return sampler_named(sampler)(logits[rows], seeds, counters, temperature, top_k, top_p,
+                                  forced, vocab_limit)
 
 
 @functools.partial(jax.jit, static_argnames=("kv_sharding",), donate_argnames=("k", "v", "state"))
@@ -192,15 +192,16 @@ def advance(state: DecodeState, tok, lp, num_new, lengths, max_len):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "steps", "attention", "vocab_limit",
-                                             "max_len", "kv_sharding", "interpret"),
+                                             "max_len", "kv_sharding", "interpret", "sampler"),
                    donate_argnames=("k", "v", "state"))
 def decode_program(cfg, weights, k, v, state: DecodeState, rows, page_table, live_pages,
                    forced, n_steps, stop_after, *, steps, attention, vocab_limit, max_len,
-                   kv_sharding=None, interpret=False):
+                   kv_sharding=None, interpret=False, sampler="exact"):
     """Up to ``n_steps`` (<= ``steps``) decode steps of the slots ``rows`` (the active ones,
     padded with out-of-range ids: the batch is compacted, idle slots cost nothing); stops
     early when none is active or ``stop_after`` of them stopped (their tool calls and the
-    slots they free are the host's to handle)."""
+    slots they free are the host's to handle). ``sampler`` (``sampling.SAMPLERS``): "fused"
+    samples from the logits in the compute dtype (``cfg.dtype``) in one chunked pass."""
     b = state.pending.shape[0]
     in_range = rows < b
     sub = jax.tree.map(lambda x: x[jnp.minimum(rows, b - 1)], state)
@@ -223,8 +224,10 @@ def decode_program(cfg, weights, k, v, state: DecodeState, rows, page_table, liv
                                       PagedKVCache(k, v, table, st.lengths), num_new,
                                       decode_attention=attention, live_pages=live_pages,
                                       kv_sharding=kv_sharding, interpret=interpret)
-        tok, lp = sample_tokens(logits, st.seeds, st.counters, st.temperature, st.top_k,
-                                st.top_p, forced[i], vocab_limit)
+        if sampler == "fused":  # the lm-head GEMM writes bf16 (a convert XLA folds into it)
+            logits = logits.astype(cfg.dtype)
+        tok, lp = sampler_named(sampler)(logits, st.seeds, st.counters, st.temperature,
+                                         st.top_k, st.top_p, forced[i], vocab_limit)
         st, step = advance(st, tok, lp, num_new, cache.lengths, max_len)
         outs = tuple(o.at[i].set(x) for o, x in zip(outs, step))
         return i + 1, pin(cache.k, kv_sharding), pin(cache.v, kv_sharding), st, outs

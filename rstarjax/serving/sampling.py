@@ -140,3 +140,83 @@ def sample_tokens(
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(behaviour_logits, axis=-1), tokens[:, None],
                                    axis=-1)[:, 0]
     return tokens, logprobs
+
+
+# ---- the fused sampler: one pass over the logits in vocabulary chunks ---------------------------
+
+SAMPLERS = ("exact", "fused")
+VOCAB_CHUNK = 16384  # columns per pass of the fused sampler (Qwen3's 151,936: 10 chunks)
+
+
+def _chunk_starts(vocab: int, chunk: int) -> list[int]:
+    return list(range(0, vocab, chunk))
+
+
+def sample_tokens_fused(
+    logits: jax.Array,
+    seeds: jax.Array,
+    counters: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    forced: jax.Array | None = None,
+    vocab_limit: int | None = None,
+    chunk: int = VOCAB_CHUNK,
+) -> tuple[jax.Array, jax.Array]:
+    """``sample_tokens``' contract (same arguments, same log-prob: ``log_softmax(logits / T)``
+    of the chosen token, greedy rows at T = 1, before top-k/top-p) from logits of any dtype
+    (the engine's bf16), never making a float32 copy of all rows' logits.
+
+    The vocabulary is read in ``chunk``-column slices; each slice is converted to float32 inside
+    one fused pass that updates, per row, a running log-sum-exp (the log-prob's normaliser), a
+    running argmax (greedy rows) and a running Gumbel-max (sampled rows: argmax of
+    ``logits / T + Gumbel noise``, the same distribution ``jax.random.categorical`` draws from).
+    The chosen token's logit is then gathered, one value per row. The noise of chunk c is drawn
+    from ``fold_in(request key, c)``, so a request's draws are reproducible from its seed and
+    counter as before but are NOT the tokens ``sample_tokens`` draws for the same key (hence a
+    switch: ``serving`` sampler ``"fused"``; ``"exact"`` is the default). Rows filtered by top-k
+    or top-p need the sorted vocabulary: when any row of the batch is, the batch takes the exact
+    path (``lax.cond``; the RL recipes sample at top-k 0, top-p 1)."""
+    b, vocab = logits.shape
+    sampled_rows = temperature > 0
+    scale = jnp.where(sampled_rows, temperature, 1.0).astype(jnp.float32)[:, None]
+    limit = vocab if vocab_limit is None else min(int(vocab_limit), vocab)
+    keys = request_keys(seeds, counters)
+    low = jnp.full((b,), -jnp.inf, jnp.float32)
+    m, s = low, jnp.zeros((b,), jnp.float32)  # running max and sum of exp(x - m), all ids
+    best, best_at = low, jnp.zeros((b,), jnp.int32)  # running max of the drawn score
+    for c, start in enumerate(_chunk_starts(vocab, chunk)):
+        x = logits[:, start:start + chunk].astype(jnp.float32) / scale  # [B, C] in registers
+        width = x.shape[1]
+        m_new = jnp.maximum(m, jnp.max(x, axis=1))
+        s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(x - m_new[:, None]), axis=1)
+        m = m_new
+        noise = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, c), (width,)))(keys)
+        col = start + jnp.arange(width)
+        score = jnp.where(sampled_rows[:, None], x + noise, x)  # greedy: the plain argmax
+        score = jnp.where(col[None, :] < limit, score, -jnp.inf)
+        at = jnp.argmax(score, axis=1)  # the first maximum, as jnp.argmax over the whole row
+        top = jnp.max(score, axis=1)
+        better = top > best
+        best, best_at = jnp.where(better, top, best), jnp.where(better, start + at, best_at)
+    tokens = best_at.astype(jnp.int32)
+    needs_filter = jnp.any(sampled_rows & ((top_k > 0) | (top_p < 1.0)))
+    tokens = jax.lax.cond(
+        needs_filter,
+        lambda: sample_tokens(logits, seeds, counters, temperature, top_k, top_p, None,
+                              vocab_limit)[0],
+        lambda: tokens)
+    if forced is not None:
+        tokens = jnp.where(forced >= 0, forced, tokens).astype(jnp.int32)
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=1)[:, 0].astype(jnp.float32)
+    logprobs = chosen / scale[:, 0] - (m + jnp.log(s))
+    return tokens, logprobs
+
+
+def sampler(name: str):
+    """The sampling function of a ``serving`` sampler name (``SAMPLERS``)."""
+    if name == "exact":
+        return sample_tokens
+    if name == "fused":
+        return sample_tokens_fused
+    raise ValueError(f"sampler {name!r} not in {SAMPLERS}")
