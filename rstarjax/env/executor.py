@@ -281,9 +281,12 @@ class CodeExecutor:
 
     @property
     def isolation(self) -> dict:
-        """What the host allowed (the heavy zygote's probes, see docs/code_env.md): root, netns,
-        mountns, private_tmp, host_readonly, pidns, call_mounts, ipcns, uid_drop, seccomp,
-        worker_realtime, huge_page_bytes, and call_budget ("cgroup-v2", "cgroup-v1" or "rlimits")."""
+        """What the host allowed (the heavy zygote's probes, see docs/code_env.md): root, userns
+        (an unprivileged user namespace instead of root), netns, mountns, fresh_root (the
+        default-deny file system; else fresh_root_refused says why), exposed (the host paths it
+        shows), private_tmp, host_readonly, pidns, call_mounts, ipcns, uid_drop, seccomp,
+        worker_realtime, huge_page_bytes, and call_budget ("cgroup-v2", "cgroup-v1" or "rlimits").
+        ``isolation.confinement_gap`` reads it."""
         if HEAVY not in self._zygotes:
             return {}
         info = dict(self._zygotes[HEAVY].isolation)

@@ -291,7 +291,11 @@ def _populate_root(root: str, config: dict) -> list[str]:
     files = imported_package_files() + [f for f in ETC_FILES if os.path.isfile(f)]
     for path in files:
         _copy(path, root)
-    return exposed + files
+    archives = sorted({os.path.realpath(p) for p in sys.path if p and os.path.isfile(p)})  # zipped eggs
+    archives = [a for a in archives if not any(_within(a, d) for d in exposed) and not _within(a, checkout)]
+    for path in archives:
+        _bind(path, root, path)
+    return exposed + files + archives
 
 
 def enter_user_namespace() -> bool:
