@@ -117,7 +117,9 @@ def test_every_launch_command_in_the_docs_validates(user_paths, monkeypatch):
     assert any(p > 1 and "--config.distributed.auto=True" not in a for _, p, a in launches)
     for devices, processes, argv in launches:
         run = check(argv, devices, processes)
-        assert run.model.hf_path == user_paths["MODEL"] and run.data.train_path == user_paths["DATA"]
+        # (an evaluation reads its problems from eval.paths)
+        data = run.eval.paths if run.mode == "eval" else run.data.train_path
+        assert run.model.hf_path == user_paths["MODEL"] and data == user_paths["DATA"]
     ids = [check(a, d, p).distributed.process_id for d, p, a in launches if "--config.distributed.process_id" in " ".join(a)]
     # the four GPU hosts, the training and the rollout host, two training and two rollout hosts
     assert sorted(ids) == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
