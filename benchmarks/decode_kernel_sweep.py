@@ -1,7 +1,18 @@
-"""Time jax's Pallas GPU paged-attention kernel over its blocking knobs; one JSON line per config.
+"""Time the paged decode-attention kernels over their blocking knobs; one JSON line per config.
 
     python benchmarks/decode_kernel_sweep.py                      # GPU: Qwen3-1.7B/8B kv layout
     python benchmarks/decode_kernel_sweep.py --tiny --interpret   # CPU smoke run (interpreter)
+    python benchmarks/decode_kernel_sweep.py --arms triton,packed --batches 256 --contexts 4096
+    python benchmarks/decode_kernel_sweep.py --engine --batches 256,64,32   # inside the engine
+
+``--arms packed`` adds our kernel (``models/decode_kernel.py``) with each ``--packed-blockings``
+spec, in the order given (gpu_check.py gives them in predicted order, under ``--budget-s``).
+``--engine``: the engine's whole decode step instead (Qwen3-1.7B, random bf16 weights, every
+row a ``--prompt-len`` prompt), one engine per batch whose decode program is compiled once per
+``--engine-arms`` entry (attention path x sampler); the arms alternate call by call for
+``--rounds`` rounds (16 steps a call) and each prints the median call, its range, tokens/s and
+the HBM-roofline fraction (weights + live KV bytes per step / step time / peak bandwidth, as
+``benchmarks/serving.py``).
 
 The decode profile on an H200 (docs/serving.md) puts ~60 % of a Qwen3-1.7B decode step in this
 kernel at about a quarter of the HBM bandwidth. The engine picks its knobs from the page-table
@@ -44,7 +55,17 @@ ap.add_argument("--warps", default="4,8")
 ap.add_argument("--stages", default="2")
 ap.add_argument("--iters", type=int, default=20)
 ap.add_argument("--arms", default="triton", help="comma-separated: triton (the knob sweep), "
-                "cudnn, cudnn_packed")
+                "cudnn, cudnn_packed, packed (ours, each --packed-blockings spec)")
+ap.add_argument("--packed-blockings", default="4,8,1024,4,3;2,8,1024,4,4;8,8,1024,8,3;4,8,1048576,4,3",
+                help="';'-separated PAGES_PER_BLOCK,MAX_K_SPLITS,TARGET_PROGRAMS,NUM_WARPS,NUM_STAGES "
+                     "(models/decode_kernel.py PackedBlocking), run in this order")
+ap.add_argument("--engine", action="store_true", help="the engine's decode step (see module doc)")
+ap.add_argument("--engine-arms", default="pallas_gpu_packed:fused,pallas_gpu_packed:exact,"
+                "pallas_gpu:exact", help="ATTENTION:SAMPLER, comma-separated")
+ap.add_argument("--preset", default="qwen3-1.7b", help="--engine: the model shape")
+ap.add_argument("--prompt-len", type=int, default=512, help="--engine: tokens per row at the start")
+ap.add_argument("--rounds", type=int, default=3, help="--engine: alternating calls per arm")
+ap.add_argument("--peak-gbps", type=float, default=0.0, help="HBM peak (default: by device kind)")
 ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting configs after this")
 ap.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke run)")
 ap.add_argument("--interpret", action="store_true")
@@ -62,6 +83,15 @@ if args.tiny:
     args.batches, args.contexts, args.max_tokens = "4", "40", 128
     args.kv_heads, args.q_heads, args.head_dim = 2, 4, 16
     args.per_block, args.k_splits, args.warps = "2,4", "1,2", "4"
+    args.packed_blockings = "2,2,1024,4,3;4,8,1,4,3"
+    args.preset, args.prompt_len, args.rounds = "tiny", 24, 2
+
+PEAK_GBPS = {"H100 80GB HBM3": 3350, "H100 PCIe": 2000, "H100": 3350, "H200": 4800}
+
+
+def peak_gbps() -> float:
+    kind = jax.devices()[0].device_kind
+    return args.peak_gbps or next((v for k, v in PEAK_GBPS.items() if k in kind), 0.0)
 
 
 def inputs(batch: int, context: int, page_size: int, seed: int = 0):
@@ -69,8 +99,10 @@ def inputs(batch: int, context: int, page_size: int, seed: int = 0):
     pages_per_row = args.max_tokens // page_size
     num_pages = batch * pages_per_row  # cuDNN's binding checks pool pages == rows x columns
     shape = (args.kv_heads, num_pages, page_size, args.head_dim)
-    k = jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+    # drawn on the device: 256 rows x 4,608 tokens is 2 x 2.4 GB, a minute of host RNG and copy
+    kk, kv = jax.random.split(jax.random.PRNGKey(seed))
+    k = jax.random.normal(kk, shape, jnp.bfloat16)
+    v = jax.random.normal(kv, shape, jnp.bfloat16)
     table = rng.permutation(num_pages).reshape(batch, pages_per_row)
     lengths = rng.integers(int(0.9 * context), int(1.1 * context) + 1, batch)
     lengths = np.minimum(lengths, pages_per_row * page_size)
@@ -110,6 +142,20 @@ def cudnn_arm(packed: bool):
                               mask_type=MaskType.PADDING, qkv_layout="BNTH")
         return out.reshape(rows, q_heads, dim)
     return jax.jit(call)
+
+
+def packed_blockings():
+    from rstarjax.models.decode_kernel import PackedBlocking
+
+    return [PackedBlocking(*map(int, spec.split(","))) for spec in args.packed_blockings.split(";") if spec]
+
+
+def packed_arm(blocking):
+    from rstarjax.models.decode_kernel import decode_attention_packed
+
+    # the sweep's q is taken as pre-scaled, as jax's kernel takes it (the reference's logits are q.k)
+    return jax.jit(lambda q, k, v, t, n: decode_attention_packed(
+        q, k, v, t, n, blocking=blocking, scale=1.0, interpret=args.interpret))
 
 
 def engine_default(width: int) -> tuple[int, int]:
@@ -156,6 +202,13 @@ def main():
                            q, k, v, t, n, block_h=16, pages_per_compute_block=per, k_splits=ks,
                            num_warps=w, num_stages=st, interpret=args.interpret)), (k, v))
                   for per, ks, w, st in configs]
+        if "packed" in arms:
+            for blocking in packed_blockings():
+                per, splits = blocking.for_shape(batch, args.kv_heads, args.max_tokens // page_size)
+                trials.append((dict(arm="packed", per_block=per, k_splits=splits,
+                                    warps=blocking.num_warps, stages=blocking.num_stages,
+                                    target_programs=blocking.target_programs),
+                               lambda b=blocking: packed_arm(b), (k, v)))
         for arm in ("cudnn", "cudnn_packed"):
             if arm in arms:
                 pages = (jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1))
@@ -172,6 +225,8 @@ def main():
                                                                      expected)))
                 s = timed(fn, q, kk, vv, table, lengths)
                 row.update(us=round(1e6 * s, 1), gbps=round(live / s / 1e9, 1))
+                if peak_gbps():
+                    row["hbm_fraction"] = round(live / s / 1e9 / peak_gbps(), 3)
             except Exception as exc:  # noqa: BLE001  (a config the kernel refuses is a result)
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             print(json.dumps(row), flush=True)
@@ -182,5 +237,75 @@ def main():
         print(json.dumps({"best": True, **row}), flush=True)
 
 
+def engine_main():
+    """The engine's decode step per batch x arm (module doc): one JSON line per batch x arm."""
+    import gc
+
+    from flax import nnx
+
+    from rstarjax.models.config import ModelConfig
+    from rstarjax.models.kv_cache import kv_bytes_per_token
+    from rstarjax.models.qwen3 import Qwen3
+    from rstarjax.serving import Engine, SamplingParams
+    from rstarjax.serving.sizing import serving_weight_bytes
+    from rstarjax.serving.start_plan import StartRequest
+
+    t_start = time.perf_counter()
+    arms = [tuple(a.split(":")) for a in args.engine_arms.split(",") if a]
+    peak = peak_gbps()
+    for batch in map(int, args.batches.split(",")):
+        if time.perf_counter() - t_start > args.budget_s:
+            break
+        cfg = ModelConfig.preset(args.preset, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+        model = Qwen3(cfg, rngs=nnx.Rngs(0))
+        calls = len(arms) * (args.rounds + 1) + 1
+        engine = Engine(model, num_slots=batch, max_len=args.prompt_len + 16 * calls + 8,
+                        kv_memory_fraction=0.8, decode_attention=arms[0][0],
+                        interpret=args.interpret, sampler=arms[0][1])
+        del model
+        gc.collect()
+        rng = np.random.default_rng(0)
+        state = engine.init_decode_state()
+        state, _ = engine.start(engine.params, state, [
+            StartRequest(r, rng.integers(0, cfg.vocab_size, args.prompt_len).tolist(),
+                         SamplingParams(temperature=1.0, seed=r, max_new_tokens=10**6))
+            for r in range(batch)])
+        times = {arm: [] for arm in arms}
+        context = {arm: [] for arm in arms}
+        compile_s = {}
+        for rnd in range(args.rounds + 1):  # round 0 compiles each arm's program
+            for arm in arms:
+                if rnd and time.perf_counter() - t_start > args.budget_s:
+                    break
+                engine.decode_attention, engine.sampler = arm  # static args of the decode program
+                length = float(np.mean([engine.slot_length(r) for r in range(batch)]))
+                t = time.perf_counter()
+                state, block = engine.decode(engine.params, state)
+                seconds = time.perf_counter() - t
+                if rnd == 0:
+                    compile_s[arm] = seconds
+                else:
+                    times[arm].append(seconds / block.steps)
+                    context[arm].append(length)
+        weights = serving_weight_bytes(cfg, jnp.bfloat16)
+        if not cfg.tie_word_embeddings:  # an untied input table is gathered, batch rows of it
+            weights -= (cfg.vocab_size - batch) * cfg.hidden_size * 2
+        for arm in arms:
+            if not times[arm]:
+                continue
+            step = statistics.median(times[arm])
+            moved = weights + float(np.mean(context[arm])) * batch * kv_bytes_per_token(cfg, jnp.bfloat16)
+            row = {"engine": True, "preset": args.preset, "batch": batch, "attention": arm[0],
+                   "sampler": arm[1], "calls": len(times[arm]), "step_ms": round(1e3 * step, 3),
+                   "step_ms_range": [round(1e3 * min(times[arm]), 3), round(1e3 * max(times[arm]), 3)],
+                   "decode_tok_s": round(batch / step, 1), "context": round(float(np.mean(context[arm]))),
+                   "compile_s": round(compile_s[arm], 1), "bytes_per_step_gb": round(moved / 1e9, 4)}
+            if peak:
+                row["roofline_fraction"] = round(moved / (peak * 1e9) / step, 4)
+            print(json.dumps(row), flush=True)
+        del engine, state
+        gc.collect()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(engine_main() if args.engine else main())

@@ -18,6 +18,10 @@ out of time costs only itself):
   memory, preemptions and re-prefilled tokens.
 * ``serving_<preset>``: decode tokens/s and fraction of the HBM roofline at 64 and 256 rollouts, Qwen3-1.7B
   and 8B shapes (``benchmarks/serving.py --device gpu``), with a trace of one decode call each.
+* ``kernels2``, ``decode`` (optional, issue 46): the decode kernels alone at 256 rows x 4K
+  (jax's Triton kernel, then ours, ``models/decode_kernel.py``, in predicted order) and the
+  engine's decode step at 256/64/32 rows with each attention path and sampler, alternating,
+  median of 3 (docs/serving.md "Our decode kernel": about 4 minutes on an H100 or H200).
 * ``train_1x8k``, ``train_4x8k``: train-step MFU at 1 x 8K and 4 x 8K tokens, Qwen3-1.7B, bf16
   (``benchmarks/bench_trainer.py``), with a trace of one step each.
 
@@ -352,6 +356,72 @@ def part_train(shape: Shape, batch: int, name: str, log, env, trace_dir: str,
     return benchmark_result(name, argv, shape.timeouts.get(name, shape.timeouts["remat"]), log, env)
 
 
+# ---- kernels2 / decode: our decode kernel and sampler against jax's (issue 46) -------------------
+DECODE_TIMEOUTS = {"gpu": {"kernels2": 150, "decode": 330}, "tiny": {"kernels2": 300, "decode": 400}}
+# Our kernel's blockings (PAGES_PER_BLOCK,MAX_K_SPLITS,TARGET_PROGRAMS,NUM_WARPS,NUM_STAGES) in
+# predicted order, best first (docs/serving.md "Our decode kernel"), so a part that runs out of
+# time has measured the likeliest winners; jax's Triton kernel with the engine's blocking runs first.
+PACKED_BLOCKINGS = "4,8,1024,4,3;2,8,1024,4,4;8,8,1024,8,3;4,8,1048576,4,3"
+# The engine's decode, attention path x sampler, alternating; the issue's target batches first.
+DECODE_ARMS = "pallas_gpu:exact,pallas_gpu_packed:exact,pallas_gpu_packed:fused"
+
+
+def part_kernels2(shape: Shape, args, log, env) -> dict:
+    """The decode kernels alone at 256 rows x 4,096 tokens (Qwen3-1.7B: 16 q / 8 kv heads, one
+    layer's 16-token pages scattered over the pool): jax's Triton kernel with the engine's
+    blocking, then ours with each ``PACKED_BLOCKINGS`` spec, each against a float32 reference,
+    with its share of the HBM peak (benchmarks/decode_kernel_sweep.py)."""
+    timeout = DECODE_TIMEOUTS[args.shape]["kernels2"]
+    argv = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"), "--arms", "packed",
+            "--packed-blockings", PACKED_BLOCKINGS, "--budget-s", str(0.7 * timeout)]
+    if shape.model == "tiny":
+        argv += ["--tiny", "--interpret", "--iters", "1"]
+    else:
+        argv += ["--batches", "256", "--contexts", "4096", "--page-sizes", "16", "--iters", "20"]
+    code, out = run_part("kernels2", argv, timeout, log, env)
+    if code != 0:
+        raise RuntimeError(f"exit {code}: {tail(out)}")
+    rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    return {"rows": [r for r in rows if not r.get("best")]}
+
+
+def part_decode(shape: Shape, args, log, env) -> dict:
+    """The engine's decode step at 256, 64 and 32 rows (512-token prompts, the shape
+    benchmarks/serving.py measures) with each ``DECODE_ARMS`` entry, the arms alternating call by
+    call, median of 3 calls of 16 steps each, tokens/s and HBM-roofline fraction."""
+    timeout = DECODE_TIMEOUTS[args.shape]["decode"]
+    argv = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"), "--engine",
+            "--engine-arms", DECODE_ARMS, "--budget-s", str(0.8 * timeout)]
+    if shape.model == "tiny":  # the kernels in their interpreter; one arm per path is enough
+        argv += ["--tiny", "--interpret", "--batches", "4",
+                 "--engine-arms", "pallas_gpu_packed:fused,ragged:exact"]
+    else:
+        argv += ["--batches", "256,64,32", "--rounds", "3"]
+    code, out = run_part("decode", argv, timeout, log, env)
+    if code != 0:
+        raise RuntimeError(f"exit {code}: {tail(out)}")
+    return {"rows": [json.loads(x) for x in out.splitlines() if x.startswith("{")]}
+
+
+def decode_rows(results: dict) -> list[tuple[str, str]]:
+    """Summary rows of the kernels2 and decode parts."""
+    rows = []
+    kernels = results.get("kernels2")
+    for r in (kernels.result.get("rows", []) if kernels is not None else []):
+        arm = f"{r['arm']} {r.get('per_block')},{r.get('k_splits')},{r.get('warps')},{r.get('stages')}"
+        rows.append((f"kernel2 b{r['batch']} ctx{r['context']} {arm}",
+                     f"{r['us']} us, {r['gbps']} GB/s ({100 * r.get('hbm_fraction', 0):.0f} % of HBM), "
+                     f"max diff {r['max_diff_vs_reference']:.3g}" if "us" in r
+                     else f"error: {r.get('error', '')[:120]}"))
+    decode = results.get("decode")
+    for r in (decode.result.get("rows", []) if decode is not None else []):
+        rows.append((f"decode b{r['batch']} {r['attention']} {r['sampler']}",
+                     f"{r['step_ms']} ms/step {r['step_ms_range']}, {r['decode_tok_s']:,.0f} tok/s"
+                     + (f", {100 * r['roofline_fraction']:.1f} % of HBM roofline"
+                        if r.get("roofline_fraction") else "") + f", ctx {r['context']}"))
+    return rows
+
+
 # ---- summary -------------------------------------------------------------------------------------
 def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
     """(figure, value) rows of the table printed last."""
@@ -393,6 +463,7 @@ def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
         rows.append((f"kernel b{r['batch']} ctx{r['context']} page{r['page_size']} {arm}",
                      f"{r['us']} us, {r['gbps']} GB/s, max diff {r['max_diff_vs_reference']:.3g}"
                      if "us" in r else f"error: {r.get('error', '')[:120]}"))
+    rows += decode_rows(results)
     for name, part in results.items():
         if name.startswith(("train_", "remat_")) and part.ok:
             r = part.result
@@ -445,8 +516,9 @@ def parse_args(argv=None):
                     help="comma-separated subset of env,main,serving,train and the optional "
                          "blocking (the first serving preset with each --blockings spec), "
                          "kernels (the paged-attention kernels alone: Triton with the engine's "
-                         "and the --blockings blocking, cuDNN) and remat (the train parts with "
-                         "--remat-policy)")
+                         "and the --blockings blocking, cuDNN), kernels2 and decode (issue 46: our "
+                         "decode kernel alone and the engine's decode with each attention path and "
+                         "sampler) and remat (the train parts with --remat-policy)")
     ap.add_argument("--blockings", default="8,16,8,2;4,8,4,2",
                     help="';'-separated --pallas-blocking specs of benchmarks/serving.py; repeat them "
                          "to alternate (the engine's own is 4,8,4,2, jax's defaults 8,16,8,2)")
@@ -489,6 +561,8 @@ def main(argv=None) -> int:
         plan.append((name, lambda log, sp=spec, n=name: part_serving(
             shape, shape.serving_presets[0], n, log, env, os.path.join(trace_dir, n), blocking=sp)))
     plan.append(("kernels", lambda log: part_kernels(shape, args, log, env)))
+    plan.append(("kernels2", lambda log: part_kernels2(shape, args, log, env)))
+    plan.append(("decode", lambda log: part_decode(shape, args, log, env)))
     for policy in args.remat_policy.split(","):
         for b in shape.train_batches:
             name = f"remat_{policy}_{b}x"

@@ -89,18 +89,31 @@ def test_auto_picks_a_kernel_on_tpu_and_the_portable_path_on_rocm():
     assert default_decode_implementation("rocm", head_dim=128, page_size=16) == "ragged"
 
 
-@pytest.mark.parametrize("blocking", [(4, 8, 1024, 4, 3), (8, 8, 1, 8, 2), (2, 16, 1 << 20, 4, 4),
-                                      (1, 1, 1, 2, 1)])
-def test_packed_kernel_variants_lower_for_cuda_at_qwen3_shapes(blocking):
-    """Every blocking benchmarks/gpu_check.py's kernels2 part may run, at Qwen3-1.7B (16 q / 8 kv
-    heads) and 8B (32 / 8) decode shapes (256 rows, a 4,608-token table of 16-token pages)."""
-    from rstarjax.models.decode_kernel import PackedBlocking, decode_attention_packed
+def _gpu_check_blockings() -> list[tuple[int, ...]]:
+    """The blockings benchmarks/gpu_check.py's kernels2 part runs (``PACKED_BLOCKINGS``)."""
+    import os
+    import re
 
-    for q_heads in (16, 32):
-        args = (jax.ShapeDtypeStruct((256, q_heads, 128), jnp.bfloat16),
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                        "gpu_check.py")
+    with open(path) as f:
+        [specs] = re.findall(r'^PACKED_BLOCKINGS = "([^"]+)"', f.read(), re.M)
+    return [tuple(map(int, b.split(","))) for b in specs.split(";") if b]
+
+
+@pytest.mark.parametrize("blocking", _gpu_check_blockings() + [(1, 1, 1, 2, 1)])
+def test_packed_kernel_variants_lower_for_cuda_at_qwen3_shapes(blocking):
+    """Every blocking benchmarks/gpu_check.py's kernels2 part runs (and the engine's default,
+    the first), at Qwen3-1.7B (16 q / 8 kv heads) and 8B (32 / 8) decode shapes, 256 and 32
+    rows (one split and several), a 4,608-token table of 16-token pages."""
+    from rstarjax.models.decode_kernel import PACKED_BLOCKING, PackedBlocking, decode_attention_packed
+
+    assert PackedBlocking(*_gpu_check_blockings()[0]) == PACKED_BLOCKING
+    for q_heads, rows in ((16, 256), (32, 256), (16, 32)):
+        args = (jax.ShapeDtypeStruct((rows, q_heads, 128), jnp.bfloat16),
                 jax.ShapeDtypeStruct((8, 4096, 16, 128), jnp.bfloat16),
                 jax.ShapeDtypeStruct((8, 4096, 16, 128), jnp.bfloat16),
-                jax.ShapeDtypeStruct((256, 288), jnp.int32), jax.ShapeDtypeStruct((256,), jnp.int32))
+                jax.ShapeDtypeStruct((rows, 288), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32))
         fn = jax.jit(lambda *a: decode_attention_packed(*a, blocking=PackedBlocking(*blocking)))
         text = export.export(fn, platforms=["cuda"], disabled_checks=[TRITON])(*args).mlir_module()
         assert "__gpu$xla.gpu.triton" in text

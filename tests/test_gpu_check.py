@@ -87,3 +87,22 @@ def test_traces_are_packed_in_volumes_under_the_return_limit(tmp_path):
     volumes = [tarfile.open(tmp_path / v).getnames() for v in ("traces.tar", "traces_2.tar")]
     assert volumes == [["a.json.gz"], ["b/c.xplane.pb", "d.json.gz"]]
     assert not (tmp_path / "traces_3.tar").exists()
+
+
+@pytest.mark.slow  # the Pallas interpreter, and two engine decode programs: ~3 min
+def test_decode_kernel_parts_run_at_the_tiny_shape(tmp_path):
+    """Issue 46's parts: our kernel alone beside jax's (each against the float32 reference), and
+    the engine's decode with our kernel and the fused sampler beside the portable path."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"),
+                           "--shape", "tiny", "--parts", "env,kernels2,decode", "--out", str(out)],
+                          capture_output=True, text=True, env=_env(), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    parts = json.loads((out / "gpu_check.json").read_text())["parts"]
+    rows = parts["kernels2"]["result"]["rows"]
+    assert [r["arm"] for r in rows] == ["triton", "packed", "packed"], rows
+    assert all("us" in r and r["max_diff_vs_reference"] < 0.05 for r in rows), rows
+    decode = {(r["attention"], r["sampler"]): r for r in parts["decode"]["result"]["rows"]}
+    assert set(decode) == {("pallas_gpu_packed", "fused"), ("ragged", "exact")}
+    assert all(r["calls"] == 2 and r["decode_tok_s"] > 0 for r in decode.values())
+    assert "kernel2 b4 ctx40 packed" in proc.stdout and "decode b4 pallas_gpu_packed fused" in proc.stdout

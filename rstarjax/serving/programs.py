@@ -224,7 +224,7 @@ def decode_program(cfg, weights, k, v, state: DecodeState, rows, page_table, liv
                                       PagedKVCache(k, v, table, st.lengths), num_new,
                                       decode_attention=attention, live_pages=live_pages,
                                       kv_sharding=kv_sharding, interpret=interpret)
-        if sampler == "fused":  # the lm-head GEMM writes bf16 (a convert XLA folds into it)
+        if sampler == "fused":  # the LM-head GEMM can write bf16 (XLA may fold the convert)
             logits = logits.astype(cfg.dtype)
         tok, lp = sampler_named(sampler)(logits, st.seeds, st.counters, st.temperature,
                                          st.top_k, st.top_p, forced[i], vocab_limit)
