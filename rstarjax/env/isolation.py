@@ -172,19 +172,27 @@ def imported_package_files() -> list[str]:
     return sorted(files)
 
 
-def fresh_root_dirs(import_dirs: list[str]) -> list[str]:
+def interpreter_dirs() -> list[str]:
+    """Where the interpreter itself lives: its prefixes, its executable, its stdlib and
+    site-packages."""
+    paths = [sys.base_prefix, sys.prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]
+    return paths + [sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")]
+
+
+def fresh_root_dirs(interpreter: list[str], import_dirs: list[str]) -> list[str]:
     """Host directories the fresh root shows read-only, outermost only: the system's programs and
-    libraries and the Python tree (`import_dirs`), but never a directory that holds the
-    checkout (an editable install or PYTHONPATH may point there: the checkout's data and
-    checkpoints must stay out; its imported files are shown one by one)."""
+    libraries, the `interpreter`'s directories and the import path (`import_dirs`), except an
+    import directory that holds the checkout (an editable install or PYTHONPATH may point
+    there, or above it: the checkout's data and checkpoints, and its neighbours, stay out; its
+    imported files are copied in one by one)."""
     checkout = checkout_root()
     wanted = set()
-    for path in list(SYSTEM_PATHS) + import_dirs:
+    for path in list(SYSTEM_PATHS) + interpreter + import_dirs:
         if os.path.islink(path) and os.path.dirname(path) == "/":
             continue  # a merged-/usr link, recreated as a link
         if os.path.isdir(path):
             for target in {os.path.abspath(path), os.path.realpath(path)}:
-                if not _within(checkout, target):
+                if path in interpreter or not _within(checkout, target):
                     wanted.add(target)
     outer = []
     for path in sorted(wanted):
@@ -281,11 +289,11 @@ def _populate_root(root: str, config: dict) -> list[str]:
     for path in SYSTEM_PATHS:
         if os.path.islink(path):
             os.symlink(os.readlink(path), root + path)
-    exposed = fresh_root_dirs(python_tree())
+    exposed = fresh_root_dirs(interpreter_dirs(), [p for p in sys.path if p])
     for directory in exposed:
         _bind(directory, root, directory)
     checkout = checkout_root()
-    if any(_within(checkout, d) for d in exposed):  # e.g. a checkout inside the Python prefix
+    if any(_within(checkout, d) for d in exposed):  # a checkout inside the Python prefix (/usr/src/app)
         _must(mount(b"tmpfs", root + checkout, b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755"),
               "cover the checkout")
     files = imported_package_files() + [f for f in ETC_FILES if os.path.isfile(f)]
