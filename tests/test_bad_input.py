@@ -166,3 +166,22 @@ def test_a_misspelled_key_is_one_line_with_the_key_meant(user_inputs, tmp_path, 
     assert r.stderr.strip().splitlines() == ["--config.rl.max_turn=12 does not parse: the config has no key "
                                              "'rl.max_turn'; did you mean --config.rl.max_turns?"]
     assert not os.listdir(tmp_path)  # before any work
+
+
+def test_sft_data_needs_a_messages_column(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "configs"))
+    import sft
+
+    from rstarjax.recipes.config import parse
+    from rstarjax.validation import ConfigError
+
+    c = sft.get_config()
+    c.model.random_init, c.model.preset = True, "tiny"
+    data = tmp_path / "sft.jsonl"
+    data.write_text('{"prompt": "hi", "completion": "hello"}\n')
+    c.sft.data_path = str(data)
+    with pytest.raises(ConfigError, match=r"sft.jsonl' its first 1 rows lack the columns of a known layout; "
+                                          r"found \['completion', 'prompt'\]; accepted: a \"messages\" column"):
+        parse(c)
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    parse(c)

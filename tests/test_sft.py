@@ -196,7 +196,7 @@ def test_a_resumed_sft_run_does_not_read_the_hf_weights(tmp_path, monkeypatch):
     hf, data = tmp_path / "hf", tmp_path / "sft.jsonl"  # checked at start from headers; weights never read here
     tok = load_tokenizer(300)
     save_hf(Qwen3(ModelConfig.preset("tiny", vocab_size=tok.vocab_size), rngs=nnx.Rngs(0)), str(hf), tokenizer=tok)
-    data.write_text("")
+    data.write_text('{"messages": []}\n')
     c.model.hf_path, c.sft.data_path = str(hf), str(data)
     run = parse(c, num_devices=jax.device_count())
     for workdir, saved in ((tmp_path / "fresh", False), (tmp_path / "resumed", True)):

@@ -299,11 +299,22 @@ def _head_rows(path: str, n: int) -> list[Any]:
     return rows
 
 
-def dataset_problems(path: str) -> list[str]:
-    """What makes ``path`` unusable as a problems file, found cheaply before a run (its first
-    ``HEAD_ROWS`` rows): not a readable file of a supported type, empty, or none of those rows
-    has the columns of a known layout (the message lists the columns found and those accepted).
-    [] when a run can read it; rows it cannot use are the loader's to skip and count."""
+# what a data file's rows must hold, by kind: (the check of one row, the columns accepted in words)
+ROW_LAYOUTS = {
+    "problems": (has_known_layout,
+                 f"a problem column ({', '.join(_PROBLEM_KEYS)}) with an answer column ({', '.join(_ANSWER_KEYS)}), "
+                 "or verl's prompt + reward_model.ground_truth (docs/data.md)"),
+    "conversations": (lambda row: isinstance(row, dict) and "messages" in row,
+                      'a "messages" column: an OpenAI-style chat list (docs/data.md)'),
+}
+
+
+def dataset_problems(path: str, kind: str = "problems") -> list[str]:
+    """What makes ``path`` unusable as a data file of ``kind`` (``ROW_LAYOUTS``), found cheaply
+    before a run (its first ``HEAD_ROWS`` rows): not a readable file of a supported type, empty,
+    or none of those rows has the columns of a known layout (the message lists the columns found
+    and those accepted). [] when a run can read it; rows it cannot use are the loader's to report."""
+    row_ok, accepted = ROW_LAYOUTS[kind]
     if os.path.isdir(path):
         return [f"is a directory: give one {' / '.join(SUPPORTED_EXTENSIONS)} file (docs/data.md)"]
     if not os.path.isfile(path):
@@ -322,15 +333,14 @@ def dataset_problems(path: str) -> list[str]:
         return [f"cannot be read: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]
     if not rows:
         return ["has no rows"]
-    if any(has_known_layout(row) for row in rows):
+    if any(row_ok(row) for row in rows):
         return []
     decoded = [row for row in rows if not isinstance(row, BadRow)]
     if not decoded:
         return [f"its first {len(rows)} rows are not JSON ({rows[0]})"]
     columns = sorted({str(k) for row in decoded if isinstance(row, dict) for k in row})
     return [f"its first {len(rows)} rows lack the columns of a known layout; found {columns or 'no columns'}; "
-            f"accepted: a problem column ({', '.join(_PROBLEM_KEYS)}) with an answer column "
-            f"({', '.join(_ANSWER_KEYS)}), or verl's prompt + reward_model.ground_truth (docs/data.md)"]
+            f"accepted: {accepted}"]
 
 
 def read_rows(path: str) -> tuple[list[Any], collections.Counter]:

@@ -474,9 +474,9 @@ def _require_file(path: str, flag: str, what: str) -> list[str]:
     return []
 
 
-def _problems_file(path: str, flag: str, what: str) -> list[str]:
+def _problems_file(path: str, flag: str, what: str, kind: str = "problems") -> list[str]:
     """``_require_file``, then what its first rows say (``io.data.dataset_problems``)."""
-    return _require_file(path, flag, what) or [f"{flag}={path!r} {p}" for p in dataset_problems(path)]
+    return _require_file(path, flag, what) or [f"{flag}={path!r} {p}" for p in dataset_problems(path, kind)]
 
 
 def _run_rules(run: RunConfig) -> list[str]:
@@ -536,8 +536,8 @@ def _run_rules(run: RunConfig) -> list[str]:
         errs.append(f"--config.demo.sft_checkpoint={run.demo.sft_checkpoint!r} is not a directory "
                     "(give an earlier demo run's WORKDIR/sft/checkpoints)")
     if mode == "sft" and run.sft is not None:
-        errs += _require_file(run.sft.data_path, "--config.sft.data_path",
-                              'a jsonl/parquet of {"messages": [...]} chat records')
+        errs += _problems_file(run.sft.data_path, "--config.sft.data_path",
+                               'a jsonl/parquet of {"messages": [...]} chat records', "conversations")
     if mode == "eval" and run.eval is not None:
         if not run.eval.path_list:
             errs.append("--config.eval.paths is empty: set --config.eval.paths=aime24.jsonl,math500.parquet")
