@@ -12,6 +12,11 @@ tokenizer (with the chat template of the format the run trained with, recorded i
 meta ``chat_format``; the rStar2 one for older checkpoints), so ``AutoModelForCausalLM.from_pretrained(HF_DIR)``
 and ``AutoTokenizer.from_pretrained(HF_DIR)`` load it.
 
+The arrays read are checked against the fingerprints their checkpoint recorded when it was saved:
+without ``--step``, a damaged newest checkpoint is skipped (one warning line names it and why)
+for the newest one that verifies; when none does, or ``--step`` names a damaged one, the export
+stops with one line, exit status 2.
+
 A LoRA checkpoint (meta ``lora``) holds adapters: its base is rebuilt from the meta's ``lora_base``
 record (hash checked), the adapters merged into float32 weights; ``--peft_out DIR`` also writes
 them as a HF PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``) for that base.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -31,6 +37,8 @@ from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.models import ModelConfig, Qwen3, load_hf, load_tokenizer, save_hf
 from rstarjax.models import lora as lora_lib
 from rstarjax.models.hf import save_peft_adapter
+
+log = logging.getLogger(__name__)
 
 
 def resolve_model_config(checkpoint_dir: str, meta: dict, model_config: str | None = None,
@@ -55,10 +63,51 @@ def resolve_model_config(checkpoint_dir: str, meta: dict, model_config: str | No
 def load_checkpoint(checkpoint_dir: str, step: int | None = None, model_config: str | None = None,
                     preset: str | None = None, tokenizer_num_regular_tokens: int | None = None):
     """The policy (float32) and tokenizer of a checkpoint's params, and what was read:
-    ``(model, tokenizer, {"step", "config_source", "num_params"})``."""
+    ``(model, tokenizer, {"step", "config_source", "num_params"})``.
+
+    Without ``step``, the newest checkpoint whose arrays read and match the fingerprints recorded
+    at their save: a damaged newer one is skipped with one warning line naming it and why;
+    ``CheckpointError`` when none does. A given ``step`` that is damaged raises
+    ``UnreadableCheckpoint``."""
     if not os.path.isdir(checkpoint_dir):
         raise FileNotFoundError(f"checkpoint directory {checkpoint_dir!r} does not exist")
-    step, meta = ckpt_lib.read_checkpoint_meta(checkpoint_dir, step)
+    if step is not None:
+        return _load_step(checkpoint_dir, step, model_config, preset, tokenizer_num_regular_tokens)
+    steps = _finished_steps(checkpoint_dir)
+    skipped = []
+    for candidate in sorted(steps, reverse=True):
+        try:
+            out = _load_step(checkpoint_dir, candidate, model_config, preset, tokenizer_num_regular_tokens)
+        except ckpt_lib.UnreadableCheckpoint as e:
+            skipped.append(e)
+            continue
+        if skipped:
+            log.warning("%s: exporting step %d", "; ".join(str(e) for e in skipped), candidate)
+        return out
+    raise ckpt_lib.CheckpointError(f"no checkpoint in {checkpoint_dir} restores: " + "; ".join(
+        str(e) for e in skipped))
+
+
+def _finished_steps(checkpoint_dir: str) -> list[int]:
+    ckpt = ckpt_lib.Checkpointer(checkpoint_dir, ckpt_lib.CheckpointConfig(async_save=False))
+    try:
+        steps = ckpt.all_steps()
+    finally:
+        ckpt.close()
+    if not steps:
+        raise FileNotFoundError(f"no finished checkpoint in {checkpoint_dir}")
+    return steps
+
+
+def _load_step(checkpoint_dir: str, step: int, model_config: str | None, preset: str | None,
+               tokenizer_num_regular_tokens: int | None):
+    try:
+        step, meta = ckpt_lib.read_checkpoint_meta(checkpoint_dir, step)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a torn meta (JSONDecodeError, OSError): the checkpoint is damaged
+        raise ckpt_lib.UnreadableCheckpoint(os.path.join(os.path.abspath(checkpoint_dir), str(step)),
+                                            ckpt_lib._first_line(e)) from e
     cfg, source = resolve_model_config(checkpoint_dir, meta, model_config, preset)
     cfg = cfg.replace(dtype=jnp.float32, param_dtype=jnp.float32)
     if meta.get("lora"):
@@ -72,6 +121,8 @@ def load_checkpoint(checkpoint_dir: str, step: int | None = None, model_config: 
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)
     try:
         params, _, _ = ckpt_lib.restore_params(checkpoint_dir, abstract, step)
+    except ckpt_lib.UnreadableCheckpoint:
+        raise
     except (ValueError, KeyError) as e:
         raise ValueError(f"checkpoint {checkpoint_dir} step {step} does not match the architecture from "
                          f"{source} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab "
@@ -167,7 +218,7 @@ def main(argv=None) -> int:
     try:
         out = export_checkpoint(args.checkpoint, args.out, args.step, args.model_config, args.preset, args.dtype,
                                 args.tokenizer_num_regular_tokens, args.peft_out)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, ckpt_lib.CheckpointError) as e:  # one line each
         print(f"export failed: {e}", file=sys.stderr)
         return 2
     print(json.dumps(out))

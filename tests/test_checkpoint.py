@@ -267,3 +267,146 @@ def test_stage_handoff_keeps_or_resets_the_optimizer(tmp_path):
         for a, b in zip(jax.tree.leaves(nxt.state.opt_state), expected_opt):
             np.testing.assert_array_equal(np.asarray(a), b)
         assert jax.tree.leaves(nxt.state.params)[0].sharding == jax.tree.leaves(nxt.param_sharding)[0]
+
+
+# ------------------------------------------------------------------------------ integrity (issue 47)
+def _numpy_fingerprint(a: np.ndarray) -> int:
+    """The fingerprint recomputed in numpy from its definition (checkpoint._leaf_fingerprint):
+    each uint32 word of the array's bits mixed with its flat position, summed modulo 2**32."""
+    a = np.ascontiguousarray(a)
+    w = (a.view(np.uint32) if a.dtype.itemsize == 4 else a.view(np.uint16).astype(np.uint32)).ravel()
+    pos = np.arange(w.size, dtype=np.uint64).astype(np.uint32)
+    h = (w ^ (pos * np.uint32(0x9E3779B9))) * np.uint32(0x85EBCA6B)
+    h = (h ^ (h >> np.uint32(13))) * np.uint32(0xC2B2AE35)
+    return int(np.sum(h ^ (h >> np.uint32(16)), dtype=np.uint32))
+
+
+def test_fingerprints_match_numpy_and_do_not_depend_on_the_mesh():
+    """The same array, on one device or sharded over eight in two layouts, has one fingerprint,
+    the one numpy computes from the definition; one changed element or two swapped rows change it."""
+    import jax
+    import ml_dtypes
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.models import sharding as sharding_lib
+
+    rng = np.random.default_rng(0)
+    arrays = {"w": rng.normal(size=(16, 24)).astype(np.float32),
+              "h": rng.normal(size=(8, 32)).astype(ml_dtypes.bfloat16),
+              "count": np.int32(7)}
+    want = {k: _numpy_fingerprint(np.asarray(v)) for k, v in arrays.items()}
+    one = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), arrays)
+    assert ckpt_lib.finite_and_fingerprints(one) == (True, want)
+    mesh = sharding_lib.make_mesh(1, 4, 2)
+    for spec in (P("fsdp", "tensor"), P("tensor", "fsdp")):
+        sharded = {"w": jax.device_put(arrays["w"], NamedSharding(mesh, spec)),
+                   "h": jax.device_put(arrays["h"], NamedSharding(mesh, spec)),
+                   "count": jax.device_put(arrays["count"], NamedSharding(mesh, P()))}
+        assert len(sharded["w"].sharding.device_set) == 8
+        assert ckpt_lib.finite_and_fingerprints(sharded)[1] == want
+    changed = arrays["w"].copy()
+    changed[3, 5] = np.nextafter(changed[3, 5], np.float32(np.inf))
+    swapped = arrays["w"][[1, 0] + list(range(2, 16))]
+    for other in (changed, swapped):
+        assert ckpt_lib.finite_and_fingerprints({"w": other})[1]["w"] != want["w"]
+
+
+def _small_state(i):
+    import jax.numpy as jnp
+
+    from rstarjax.rl.trainer import TrainState
+
+    rng = np.random.default_rng(i)  # random bits: the array files hold about their size in bytes
+    return TrainState({"w": jnp.asarray(rng.normal(size=(256, 512)).astype(np.float32)),
+                       "b": jnp.asarray(rng.normal(size=(512,)).astype(np.float32))},
+                      {"mu": jnp.asarray(rng.normal(size=(256, 512)).astype(np.float32))}, jnp.int32(i))
+
+
+def _largest_array_file(step_dir):
+    import glob
+
+    files = [f for f in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True)
+             if os.path.isfile(f)]
+    assert files, os.listdir(step_dir)
+    return max(files, key=os.path.getsize)
+
+
+def damage(step_dir, how):
+    """``cut``: the largest array file cut to a third (a torn copy); ``bytes@F``: 4 KB of random
+    bytes written over it at fraction F of its length (a bad disk block)."""
+    path = _largest_array_file(step_dir)
+    with open(path, "rb") as f:
+        data = f.read()
+    if how == "cut":
+        data = data[: len(data) // 3]
+    else:
+        at = int(float(how.split("@")[1]) * (len(data) - 4096))
+        data = data[:at] + np.random.default_rng(at).bytes(4096) + data[at + 4096:]
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("how", ["cut", "bytes@0.05", "bytes@0.5", "bytes@0.95"])
+def test_a_damaged_newest_checkpoint_falls_back_with_one_warning(tmp_path, caplog, how):
+    """Steps 1 and 2 saved, then step 2's largest array file damaged: the resume restores step 1
+    exactly, with one warning line naming step 2's directory and why, and sets step 2 aside.
+    With step 1 damaged too, nothing restores: one ``CheckpointError`` line naming both."""
+    import jax
+
+    from rstarjax.io import checkpoint as ckpt_lib
+
+    directory = str(tmp_path / "c")
+    with ckpt_lib.Checkpointer(directory, ckpt_lib.CheckpointConfig(async_save=False)) as ck:
+        for i in (1, 2):
+            ck.save(i, _small_state(i), {"step": i})
+    damage(os.path.join(directory, "2"), how)
+    want = jax.device_get(_small_state(1))
+    abstract = ckpt_lib.abstract_like(_small_state(0))
+    with ckpt_lib.Checkpointer(directory) as ck, caplog.at_level("WARNING"):
+        caplog.clear()
+        state, meta, step = ck.restore_newest(abstract)
+    assert step == 1 and meta["step"] == 1
+    for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name.startswith("rstarjax")]
+    assert len(warnings) == 1 and len(warnings[0].splitlines()) == 1, warnings
+    assert f"checkpoint {directory}/2 does not restore (" in warnings[0]
+    assert "resuming from step 1 of" in warnings[0]
+    assert sorted(os.listdir(directory)) == ["1", "2.unreadable"]
+
+    damage(os.path.join(directory, "1"), how)
+    with ckpt_lib.Checkpointer(directory) as ck:
+        with pytest.raises(ckpt_lib.CheckpointError, match=r"no checkpoint in .* restores: step 1: ") as e:
+            ck.restore_newest(abstract)
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_the_loop_waits_for_the_copy_not_the_write(tmp_path):
+    """An async save returns once the arrays are off the device: with a write made slow (Orbax's
+    background commit held 3 s, as a slow disk would), the caller's wait is a small fraction of
+    the write, and ``write_seconds`` reports the write once it committed."""
+    import time as time_lib
+
+    from rstarjax.io import checkpoint as ckpt_lib
+
+    slow_s = 3.0
+    with ckpt_lib.Checkpointer(str(tmp_path / "c"), ckpt_lib.CheckpointConfig(every_steps=1)) as ck:
+        committed = ck._write_committed
+
+        def slow_commit():  # runs on Orbax's finalize thread, after the files are written
+            time_lib.sleep(slow_s)
+            committed()
+
+        ck._write_committed = slow_commit
+        ck.save(1, _small_state(1), {"step": 1})  # compiles the check pass
+        ck.wait()
+        assert ck.write_seconds() >= slow_s
+        t0 = time_lib.perf_counter()
+        ck.save(2, _small_state(2), {"step": 2})
+        waited = time_lib.perf_counter() - t0
+        assert ck.write_seconds() is None  # still writing
+        ck.wait()
+        written = ck.write_seconds()
+    assert written is not None and written >= slow_s
+    assert waited < written / 3, (waited, written)

@@ -522,7 +522,8 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
                     if not any_process(empty.infra_failing):
                         solved = True
                         break
-                    raise RuntimeError(
+                    # the infrastructure's failure, not the model's: saved and said in one line (exit 1)
+                    raise RolloutsFailed(
                         f"{empty.batches} rollout batches in a row left no group to train on at step {step + 1}, "
                         f"with rollouts lost to infrastructure errors ({empty.shares()}): the environment is "
                         "failing. Check the rollout metrics (filter/infra_trajectories) and the tool pool's log")
@@ -553,8 +554,15 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
             if ckpt.should_save(new_step, run.total_steps):
                 t_save = time.perf_counter()
                 save(new_step, finished_data)
-                # with async_save, the part the loop waits for (the copy off the device)
+                # with async_save, the part the loop waits for: the finite check and fingerprints on the
+                # device, then Orbax's copy off the device (time/checkpoint_copy); the write goes on behind
                 metrics["time/checkpoint"] = time.perf_counter() - t_save
+                metrics["time/checkpoint_copy"] = ckpt.copy_seconds
+                if new_step >= run.total_steps:  # the stage ends: its last write is waited for anyway
+                    ckpt_lib.wait_reporting(ckpt, lambda: writer.write(new_step, metrics))
+            written = ckpt.write_seconds()  # the last save's background write, once it committed
+            if written is not None:
+                metrics["time/checkpoint_write"] = written
             metrics.update(device_memory_metrics())
             metrics["time/compile"] = compile_cache.compile_seconds() - compiled_before
             writer.write(new_step, metrics)
