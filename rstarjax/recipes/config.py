@@ -61,6 +61,9 @@ PROFILES: dict[str, dict[str, object]] = {
         "eval.chat_format": "rstar2_official",
         # rstar2_agent/reward/compute_score.py on the whole response
         "reward.mode": "official",
+        # examples/run_qwen3-14b_rstar2_agent_weave.sh: data.train_batch_size=128 prompts a step (the
+        # paper: 512); rollout.n=32 and down_sample_to_n=16 are the paper's 2G and G
+        "rl.prompts_per_step": 128,
         # rstar2_agent/down_sample/roc.py with the run script's settings
         "rl.roc_variant": "topk", "rl.roc_penalty": "official_text", "rl.roc_min_negatives": 2,
         "rl.roc_min_positives": 2, "rl.reject_equal_reward": True,
