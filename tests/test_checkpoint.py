@@ -332,9 +332,17 @@ def _largest_array_file(step_dir):
     return max(files, key=os.path.getsize)
 
 
-def damage(step_dir, how):
+def damage(step_dir, how, other_dir=None):
     """``cut``: the largest array file cut to a third (a torn copy); ``bytes@F``: 4 KB of random
-    bytes written over it at fraction F of its length (a bad disk block)."""
+    bytes written over it at fraction F of its length (a bad disk block); ``swap``: the array files
+    of ``other_dir`` (another checkpoint of the same shapes) in their place, every file valid (a
+    copy gone wrong: what only the fingerprints can tell)."""
+    import shutil
+
+    if how == "swap":
+        shutil.rmtree(os.path.join(step_dir, "state"))
+        shutil.copytree(os.path.join(other_dir, "state"), os.path.join(step_dir, "state"))
+        return
     path = _largest_array_file(step_dir)
     with open(path, "rb") as f:
         data = f.read()
@@ -347,7 +355,7 @@ def damage(step_dir, how):
         f.write(data)
 
 
-@pytest.mark.parametrize("how", ["cut", "bytes@0.05", "bytes@0.5", "bytes@0.95"])
+@pytest.mark.parametrize("how", ["cut", "bytes@0.05", "bytes@0.5", "bytes@0.95", "swap"])
 def test_a_damaged_newest_checkpoint_falls_back_with_one_warning(tmp_path, caplog, how):
     """Steps 1 and 2 saved, then step 2's largest array file damaged: the resume restores step 1
     exactly, with one warning line naming step 2's directory and why, and sets step 2 aside.
@@ -358,9 +366,11 @@ def test_a_damaged_newest_checkpoint_falls_back_with_one_warning(tmp_path, caplo
 
     directory = str(tmp_path / "c")
     with ckpt_lib.Checkpointer(directory, ckpt_lib.CheckpointConfig(async_save=False)) as ck:
-        for i in (1, 2):
+        for i in (1, 2, 3):
             ck.save(i, _small_state(i), {"step": i})
-    damage(os.path.join(directory, "2"), how)
+    spare = str(tmp_path / "spare")  # step 3's files, for "swap"
+    os.rename(os.path.join(directory, "3"), spare)
+    damage(os.path.join(directory, "2"), how, spare)
     want = jax.device_get(_small_state(1))
     abstract = ckpt_lib.abstract_like(_small_state(0))
     with ckpt_lib.Checkpointer(directory) as ck, caplog.at_level("WARNING"):
@@ -375,7 +385,7 @@ def test_a_damaged_newest_checkpoint_falls_back_with_one_warning(tmp_path, caplo
     assert "resuming from step 1 of" in warnings[0]
     assert sorted(os.listdir(directory)) == ["1", "2.unreadable"]
 
-    damage(os.path.join(directory, "1"), how)
+    damage(os.path.join(directory, "1"), how, spare)
     with ckpt_lib.Checkpointer(directory) as ck:
         with pytest.raises(ckpt_lib.CheckpointError, match=r"no checkpoint in .* restores: step 1: ") as e:
             ck.restore_newest(abstract)

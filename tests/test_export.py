@@ -109,3 +109,49 @@ def test_save_hf_writes_the_tokenizer_or_refuses(tmp_path):
         save_hf(small, str(tmp_path / "x"), tokenizer=load_tokenizer(3000))
     assert default_tokenizer_for(ModelConfig.preset("qwen3-0.6b")) is load_tokenizer()
     assert default_tokenizer_for(ModelConfig.preset("tiny")) is None
+
+
+@pytest.mark.parametrize("how", ["cut", "bytes@0.5", "swap"])
+def test_export_skips_a_damaged_checkpoint_and_refuses_when_none_verifies(tmp_path, caplog, capsys, how):
+    """Steps 6 and 7 saved, 7's array files damaged: the export takes step 6 with one warning line
+    naming step 7 and why; ``--step 7`` and, with 6 damaged too, the default stop with one
+    line and exit status 2 (never a model exported from damaged arrays)."""
+    import os
+    import shutil
+
+    from test_checkpoint import damage
+
+    tok = load_tokenizer(1000)
+    cfg = ModelConfig.preset("tiny", vocab_size=tok.num_tokens, dtype=jnp.float32,
+                             bos_token_id=tok.endoftext_id, eos_token_id=tok.eos_id)
+    model = Qwen3(cfg, rngs=nnx.Rngs(3))
+    trainer = Trainer(model, OptimConfig(), LossConfig(), TrainerConfig(),
+                      mesh=make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    directory = str(tmp_path / "checkpoints")
+    with ckpt_lib.Checkpointer(directory, ckpt_lib.CheckpointConfig(async_save=False)) as c:
+        for step in (5, 6, 7):
+            state = jax.tree.map(lambda x: x + step if x.dtype.kind == "f" else x, trainer.state)
+            c.save(step, state, model_meta(model, tok))
+    spare = str(tmp_path / "spare")
+    shutil.move(os.path.join(directory, "5"), spare)
+    damage(os.path.join(directory, "7"), how, spare)
+
+    args = ["--checkpoint", directory, "--out", str(tmp_path / "hf")]
+    with caplog.at_level("WARNING"):
+        caplog.clear()
+        assert export.main(args) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 6
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name.startswith("rstarjax")]
+    assert len(warnings) == 1 and len(warnings[0].splitlines()) == 1, warnings
+    assert f"checkpoint {directory}/7 does not restore (" in warnings[0] and "exporting step 6" in warnings[0]
+
+    assert export.main(args + ["--step", "7"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"export failed: checkpoint {directory}/7 does not restore ("), err
+
+    damage(os.path.join(directory, "6"), how, spare)
+    assert export.main(args + ["--out", str(tmp_path / "hf2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"export failed: no checkpoint in {directory} restores: "), err
+    assert "/7 does not restore" in err[0] and "/6 does not restore" in err[0]
+    assert not os.path.exists(tmp_path / "hf2" / "config.json")
