@@ -89,6 +89,9 @@ def run_to_exit_status(config, workdir: str, explicit=frozenset()) -> int:
     except ckpt_lib.CheckpointWriteError as e:  # e.g. a full disk: the cause in one line, not a traceback
         print(f"rstarjax: {e}", file=sys.stderr, flush=True)
         return 1
+    except ckpt_lib.CheckpointError as e:  # no checkpoint to resume from reads and verifies: why each, one line
+        print(f"rstarjax: {e}", file=sys.stderr, flush=True)
+        return 2
     except RolloutsFailed as e:  # e.g. the rollout process died: what happened and what was saved
         print("rstarjax: " + "\n".join([str(e), *getattr(e, "__notes__", [])]), file=sys.stderr, flush=True)
         return 1
