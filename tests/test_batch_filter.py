@@ -286,15 +286,18 @@ def test_a_streak_of_equal_reward_groups_ends_the_stage_cleanly(tmp_path, monkey
 
 def test_a_streak_short_of_rollouts_by_infrastructure_errors_stops_the_run(tmp_path, monkeypatch):
     """Only groups left short of rollouts by infrastructure errors point at a broken environment:
-    that streak stops the run with the error, never blamed on the data or the policy."""
+    that streak stops the run as the rollouts' infrastructure failing (``RolloutsFailed``: the
+    last finished step saved, one line, exit 1), never blamed on the data or the policy."""
     monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     workdir = str(tmp_path)
     _stuck_data(workdir)
     from rstarjax.rl.trajectory import FinishReason as Finish
 
     broken = scripted(REWARDS.get, finish_of=lambda p, j: Finish.ERROR if p == 1 else Finish.ANSWERED)
-    with pytest.raises(RuntimeError, match="3 rollout batches in a row left no group to train on at step 1, "
-                                           "with rollouts lost to infrastructure errors"):
+    from rstarjax.rl.trajectory import RolloutsFailed
+
+    with pytest.raises(RolloutsFailed, match="3 rollout batches in a row left no group to train on at step 1, "
+                                             "with rollouts lost to infrastructure errors"):
         run_rl(parse(run_config(workdir, 2, max_rejected_batches=3)), workdir, rollout_fn=broken)
 
 
