@@ -216,8 +216,9 @@ LANES = {
     "ragged-tp2-tight": Lane("ragged", tensor_parallel=2, kv_pages=10, ks=(4,), seeds=(9, 10)),
     "pallas_gpu": Lane("pallas_gpu", decode_steps=4, ks=(4,), seeds=(11,), num_prompts=4),
     # our kernel (models/decode_kernel.py) and the one-pass sampler together (issue 46)
-    "packed-fused": Lane("pallas_gpu_packed", decode_steps=4, ks=(4,), seeds=(13,), num_prompts=4,
-                         sampler="fused"),
+    # (one short workload, as the TPU lane: the interpreter's decode steps are slow)
+    "packed-fused": Lane("pallas_gpu_packed", decode_steps=4, ks=(4,), seeds=(13,), num_prompts=2,
+                         max_turns=2, sampler="fused"),
     # The TPU interpreter takes ~1.5 s per decode step here: one short workload.
     "pallas_tpu": Lane("pallas_tpu", decode_steps=4, ks=(4,), seeds=(12,), num_prompts=2,
                        max_turns=2, logprob_tol=2e-2),
