@@ -420,3 +420,28 @@ def test_the_loop_waits_for_the_copy_not_the_write(tmp_path):
         written = ck.write_seconds()
     assert written is not None and written >= slow_s
     assert waited < written / 3, (waited, written)
+
+
+def test_the_rl_loop_logs_the_checkpoint_wait_and_its_write_apart(tmp_path, monkeypatch):
+    """Each saving step logs the loop's wait (``time/checkpoint``) and Orbax's part of it
+    (``time/checkpoint_copy``); the background write (``time/checkpoint_write``) is logged once it
+    committed, the stage's last one with its last step."""
+    import jax
+
+    from rstarjax.io.metrics_log import read_metrics
+    from rstarjax.models import sharding as sharding_lib
+    from rstarjax.recipes import build
+    from rstarjax.recipes.config import parse
+    from rstarjax.recipes.rl import run_rl
+
+    monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    workdir = str(tmp_path / "run")
+    write_data(workdir)
+    c = in_process_config(workdir, 2)
+    c.checkpoint.async_save = True
+    run_rl(parse(c), workdir, rollout_fn=fake_rollout_fn)
+    recs = read_metrics(os.path.join(workdir, "logs", "metrics.jsonl"))
+    assert [r["step"] for r in recs] == [1, 2]
+    for r in recs:
+        assert 0 < r["time/checkpoint_copy"] <= r["time/checkpoint"], r
+    assert recs[-1]["time/checkpoint_write"] > 0

@@ -243,9 +243,16 @@ def verify_fingerprints(tree, record: dict | None, step_dir: str) -> None:
     missing = [k for k in keys if k not in arrays]
     if missing:
         raise UnreadableCheckpoint(step_dir, f"no fingerprint recorded for {missing[0]}")
-    leaves = [x if str(x.dtype) == arrays[k][1] or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-              else x.astype(arrays[k][1]) for k, (_, x) in zip(keys, flat)]
-    _, got = finite_and_fingerprints(dict(zip(keys, leaves)))
+    leaves = {}
+    for k, (_, x) in zip(keys, flat):
+        saved_dtype = arrays[k][1]
+        if str(x.dtype) == saved_dtype or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            leaves[k] = x
+        elif jnp.promote_types(saved_dtype, x.dtype) == x.dtype:  # read widened: the cast back is exact
+            leaves[k] = x.astype(saved_dtype)
+        # read narrowed (float32 saved, bfloat16 asked for): the saved bits are gone, nothing to check
+    keys = list(leaves)
+    _, got = finite_and_fingerprints(leaves)
     bad = [k for k in keys if got[k] != arrays[k][0]]
     if bad:
         raise UnreadableCheckpoint(step_dir, f"{len(bad)} of {len(keys)} arrays differ from the fingerprints "
