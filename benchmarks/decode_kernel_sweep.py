@@ -56,13 +56,15 @@ ap.add_argument("--stages", default="2")
 ap.add_argument("--iters", type=int, default=20)
 ap.add_argument("--arms", default="triton", help="comma-separated: triton (the knob sweep), "
                 "cudnn, cudnn_packed, packed (ours, each --packed-blockings spec)")
-ap.add_argument("--packed-blockings", default="4,8,1024,4,3;2,8,1024,4,4;8,8,1024,8,3;4,8,1048576,4,3",
-                help="';'-separated PAGES_PER_BLOCK,MAX_K_SPLITS,TARGET_PROGRAMS,NUM_WARPS,NUM_STAGES "
+ap.add_argument("--packed-blockings", default="4,8,1024,4,3;4,8,1024,4,3,1;2,8,1024,4,4;8,8,1024,8,3;4,8,1048576,4,3",
+                help="';'-separated PAGES_PER_BLOCK,MAX_K_SPLITS,TARGET_PROGRAMS,NUM_WARPS,NUM_STAGES[,TENSOR_CORES] "
                      "(models/decode_kernel.py PackedBlocking), run in this order")
 ap.add_argument("--engine", action="store_true", help="the engine's decode step (see module doc)")
 ap.add_argument("--engine-arms", default="pallas_gpu_packed:fused,pallas_gpu_packed:exact,"
                 "pallas_gpu:exact", help="ATTENTION:SAMPLER, comma-separated")
 ap.add_argument("--preset", default="qwen3-1.7b", help="--engine: the model shape")
+ap.add_argument("--packed-blocking", default="", help="--engine: the blocking of the engine's "
+                "pallas_gpu_packed arms (one --packed-blockings spec; default: the engine's)")
 ap.add_argument("--prompt-len", type=int, default=512, help="--engine: tokens per row at the start")
 ap.add_argument("--rounds", type=int, default=3, help="--engine: alternating calls per arm")
 ap.add_argument("--peak-gbps", type=float, default=0.0, help="HBM peak (default: by device kind)")
@@ -207,7 +209,8 @@ def main():
                 per, splits = blocking.for_shape(batch, args.kv_heads, args.max_tokens // page_size)
                 trials.append((dict(arm="packed", per_block=per, k_splits=splits,
                                     warps=blocking.num_warps, stages=blocking.num_stages,
-                                    target_programs=blocking.target_programs),
+                                    target_programs=blocking.target_programs,
+                                    tensor_cores=blocking.tensor_cores),
                                lambda b=blocking: packed_arm(b), (k, v)))
         for arm in ("cudnn", "cudnn_packed"):
             if arm in arms:
@@ -250,6 +253,11 @@ def engine_main():
     from rstarjax.serving.sizing import serving_weight_bytes
     from rstarjax.serving.start_plan import StartRequest
 
+    from rstarjax.models import decode_kernel
+
+    if args.packed_blocking:  # read when the decode programs are traced
+        decode_kernel.PACKED_BLOCKING = decode_kernel.PackedBlocking(
+            *map(int, args.packed_blocking.split(",")))
     t_start = time.perf_counter()
     arms = [tuple(a.split(":")) for a in args.engine_arms.split(",") if a]
     peak = peak_gbps()

@@ -358,10 +358,10 @@ def part_train(shape: Shape, batch: int, name: str, log, env, trace_dir: str,
 
 # ---- kernels2 / decode: our decode kernel and sampler against jax's (issue 46) -------------------
 DECODE_TIMEOUTS = {"gpu": {"kernels2": 150, "decode": 330}, "tiny": {"kernels2": 300, "decode": 400}}
-# Our kernel's blockings (PAGES_PER_BLOCK,MAX_K_SPLITS,TARGET_PROGRAMS,NUM_WARPS,NUM_STAGES) in
+# Our kernel's blockings (PAGES_PER_BLOCK,MAX_K_SPLITS,TARGET_PROGRAMS,NUM_WARPS,NUM_STAGES[,TENSOR_CORES]) in
 # predicted order, best first (docs/serving.md "Our decode kernel"), so a part that runs out of
 # time has measured the likeliest winners; jax's Triton kernel with the engine's blocking runs first.
-PACKED_BLOCKINGS = "4,8,1024,4,3;2,8,1024,4,4;8,8,1024,8,3;4,8,1048576,4,3"
+PACKED_BLOCKINGS = "4,8,1024,4,3;4,8,1024,4,3,1;2,8,1024,4,4;8,8,1024,8,3;4,8,1048576,4,3"
 # The engine's decode, attention path x sampler, alternating; the issue's target batches first.
 DECODE_ARMS = "pallas_gpu:exact,pallas_gpu_packed:exact,pallas_gpu_packed:fused"
 
@@ -408,7 +408,7 @@ def decode_rows(results: dict) -> list[tuple[str, str]]:
     rows = []
     kernels = results.get("kernels2")
     for r in (kernels.result.get("rows", []) if kernels is not None else []):
-        arm = f"{r['arm']} {r.get('per_block')},{r.get('k_splits')},{r.get('warps')},{r.get('stages')}"
+        arm = f"{r['arm']} {r.get('per_block')},{r.get('k_splits')},{r.get('warps')},{r.get('stages')}" + (" tc" if r.get("tensor_cores") else "")
         rows.append((f"kernel2 b{r['batch']} ctx{r['context']} {arm}",
                      f"{r['us']} us, {r['gbps']} GB/s ({100 * r.get('hbm_fraction', 0):.0f} % of HBM), "
                      f"max diff {r['max_diff_vs_reference']:.3g}" if "us" in r

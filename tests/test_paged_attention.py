@@ -297,12 +297,15 @@ def _packed_case(seed, n, kh=2, h=16, page=4, width=8, num_pages=40):
     return q, k, v, table, np.asarray(lengths, np.int32), np.asarray(ref)
 
 
-@pytest.mark.parametrize("n, blocking", [(4, (4, 8, 1 << 20)), (4, (2, 8, 1)), (8, (1, 3, 1 << 20))],
-                         ids=["g2_4pages_splits", "g2_2pages_one_split", "g4_1page_3splits"])
+@pytest.mark.parametrize("n, blocking", [(4, (4, 8, 1 << 20)), (4, (2, 8, 1)), (8, (1, 3, 1 << 20)),
+                                         (4, (4, 8, 1 << 20, 4, 3, 1)), (8, (2, 8, 1, 4, 3, 1))],
+                         ids=["g2_4pages_splits", "g2_2pages_one_split", "g4_1page_3splits",
+                              "g2_tensor_cores_splits", "g4_tensor_cores_one_split"])
 def test_packed_decode_kernel_interpreted_equals_reference(n, blocking):
     """All query heads of a kv head in one block (GQA 2 and 4); several pages per iteration or
     one; split-K over the live pages (short rows leave later splits empty) or one split
-    normalised in the kernel: each exactly the reference's attention."""
+    normalised in the kernel; CUDA-core products or tensor-core dots (heads padded to 16 rows):
+    each exactly the reference's attention."""
     from rstarjax.models.decode_kernel import PackedBlocking, decode_attention_packed
 
     q, k, v, table, lengths, ref = _packed_case(7, n)

@@ -44,12 +44,15 @@ class PackedBlocking:
     of the table width). ``max_k_splits``: most flash-decoding splits of a row;
     ``target_programs``: the splits are the fewest that make rows x kv heads x splits reach
     it (an H100 has 132 SMs, an H200 too: ~8 programs each). ``num_warps``/``num_stages``:
-    Triton's launch and software-pipelining depth."""
+    Triton's launch and software-pipelining depth. ``tensor_cores``: the two products as
+    tensor-core dots instead, the G query heads padded to the 16-row tile inside the program
+    (the hedge against CUDA-core math not keeping up; the live-page splits stay)."""
     pages_per_block: int = 4
     max_k_splits: int = 8
     target_programs: int = 1024
     num_warps: int = 4
     num_stages: int = 3
+    tensor_cores: int = 0
 
     def for_shape(self, rows: int, kv_heads: int, width: int) -> tuple[int, int]:
         """(pages per block, k splits) for a batch of ``rows`` and a table ``width`` wide."""
@@ -63,8 +66,11 @@ class PackedBlocking:
 PACKED_BLOCKING = PackedBlocking()
 
 
+TILE_ROWS = 16  # the tensor cores' smallest tile: G query heads are padded to it for dots
+
+
 def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, page_size: int,
-            per_block: int, k_splits: int, scale: float):
+            per_block: int, k_splits: int, scale: float, tensor_cores: bool):
     """Program (row b, kv head h, split s): online softmax over the split's share of the row's
     live pages, ``per_block`` pages an iteration. Refs: lengths [1], table [W], q [G, H],
     k/v [pages, S, H]; out: o [G, H] (one split: normalised, q's dtype) or o [G, H], m [G],
@@ -83,16 +89,23 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, page_size: i
         o, m, l = carry  # [G, H], [G], [G] (float32)
         start = i * per_block
         ids = table_ref[pl.ds(start, per_block)]
-        k = k_ref[ids].reshape(tokens, h).astype(jnp.float32)
-        v = v_ref[ids].reshape(tokens, h).astype(jnp.float32)
-        logits = jnp.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, T]
+        k = k_ref[ids].reshape(tokens, h)
+        v = v_ref[ids].reshape(tokens, h)
+        if tensor_cores:  # [G, T]: q rounded to the pool's dtype, float32 accumulation
+            logits = jnp.dot(q.astype(k.dtype), k.T, preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.sum(q[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=2)
         pos = start * page_size + jnp.arange(tokens)
         logits = jnp.where((pos < length)[None, :], logits, LOW)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        o = o * alpha[:, None] + jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if tensor_cores:  # p rounded to the pool's dtype, as the reference does
+            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        else:
+            pv = jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
+        o = o * alpha[:, None] + pv
         return o, m_new, l
 
     init = (jnp.zeros((g, h), jnp.float32), jnp.full((g,), LOW, jnp.float32),
@@ -133,20 +146,26 @@ def decode_attention_packed(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     width = page_table.shape[1]
     per_block, k_splits = blocking.for_shape(b, kh, width)
     kernel = functools.partial(_kernel, page_size=page_size, per_block=per_block,
-                               k_splits=k_splits, scale=h ** -0.5 if scale is None else scale)
+                               k_splits=k_splits, scale=h ** -0.5 if scale is None else scale,
+                               tensor_cores=bool(blocking.tensor_cores))
+    rows = g  # query rows per program: G, or the 16-row tile for the tensor cores
+    q4 = q.reshape(b, kh, g, h)
+    if blocking.tensor_cores and g < TILE_ROWS:
+        rows = TILE_ROWS
+        q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
     pool = pl.BlockSpec((None, *k_pages.shape[1:]), lambda r, j, s: (j, 0, 0, 0))
     in_specs = [pl.BlockSpec((None, 1), lambda r, j, s: (r, 0)),  # lengths [B, 1]
                 pl.BlockSpec((None, width), lambda r, j, s: (r, 0)),  # the row's table
-                pl.BlockSpec((None, None, g, h), lambda r, j, s: (r, j, 0, 0)),  # q [B, K, G, H]
+                pl.BlockSpec((None, None, rows, h), lambda r, j, s: (r, j, 0, 0)),  # q [B, K, G, H]
                 pool, pool]
     if k_splits == 1:
-        out_specs = [pl.BlockSpec((None, None, g, h), lambda r, j, s: (r, j, 0, 0))]
-        out_shape = [jax.ShapeDtypeStruct((b, kh, g, h), q.dtype)]
+        out_specs = [pl.BlockSpec((None, None, rows, h), lambda r, j, s: (r, j, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, kh, rows, h), q.dtype)]
     else:
-        part = (k_splits, b, kh, g)
-        out_specs = [pl.BlockSpec((None, None, None, g, h), lambda r, j, s: (s, r, j, 0, 0)),
-                     pl.BlockSpec((None, None, None, g), lambda r, j, s: (s, r, j, 0)),
-                     pl.BlockSpec((None, None, None, g), lambda r, j, s: (s, r, j, 0))]
+        part = (k_splits, b, kh, rows)
+        out_specs = [pl.BlockSpec((None, None, None, rows, h), lambda r, j, s: (s, r, j, 0, 0)),
+                     pl.BlockSpec((None, None, None, rows), lambda r, j, s: (s, r, j, 0)),
+                     pl.BlockSpec((None, None, None, rows), lambda r, j, s: (s, r, j, 0))]
         out_shape = [jax.ShapeDtypeStruct((*part, h), jnp.float32),
                      jax.ShapeDtypeStruct(part, jnp.float32),
                      jax.ShapeDtypeStruct(part, jnp.float32)]
@@ -155,8 +174,8 @@ def decode_attention_packed(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
         out_shape=out_shape, interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=blocking.num_warps,
                                              num_stages=blocking.num_stages),
-        name=f"decode_packed_g{g}_p{per_block}_s{k_splits}",
+        name=f"decode_packed_g{rows}_p{per_block}_s{k_splits}",
     )(lengths.astype(jnp.int32).reshape(b, 1), page_table.astype(jnp.int32),
-      q.reshape(b, kh, g, h), k_pages, v_pages)
+      q4, k_pages, v_pages)
     out = outs[0] if k_splits == 1 else _combine(*outs, q.dtype)
-    return out.reshape(b, n, h)
+    return out[:, :, :g].reshape(b, n, h)
