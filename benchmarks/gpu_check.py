@@ -16,6 +16,30 @@ out of time costs only itself):
   per step from the run's own metrics: rollout (prefill, decode, tool wait), RoC/batch, old
   log-probs, update, hand-off, checkpoint seconds, decode and trained tokens/s, peak device
   memory, preemptions and re-prefilled tokens.
+* ``h100`` (optional, issue 45: stage 1 as a user runs it on one 80 GB H100, with tool calls):
+  a random bf16 Qwen3-1.7B, the demo's problems (``recipes/demo_tasks.py``: the Python tool
+  answers them) and 2,400 of its tool traces (every one calls the tool; its code really run).
+  The memory plan (``serving/sizing.py`` ``choose_colocated``, from the device's own
+  ``bytes_limit``) picks the remat policy, the micro-batch and the KV pool's share of free memory,
+  or refuses the shape naming the flags (the part then fails with that message). Then
+  ``configs/sft.py`` for 120 steps of 16 traces (lr 5e-4 after a 10 % warm-up, ~60-100 s of
+  training: the random model learns the tool-call format), and ``configs/stage1.py`` from its checkpoint with only model,
+  data and sizes overridden: 2 prompts x 2G = 32 rollouts (G = 8, as the H200 runs), 8,192-token
+  responses, prompts up to 1,024 tokens, no fixed ``serving.kv_pages`` (the engine sizes the pool
+  from what is free; the scheduler queues what it does not hold), 4 RL steps and a checkpoint.
+  Reported per step: rollout (decode, prefill/extend, tool wait), old log-probs, update and its
+  MFU, hand-off, checkpoint wait, compile seconds, decode and trained tokens/s, tool calls per
+  rollout and the share of rollouts that called, peak device memory against the plan's; the
+  programs each step compiled (``JAX_LOG_COMPILES``), and the prefill-phase ones step 2
+  compiled, new shapes apart from shapes step 1 had compiled (the step-2 recompile, 058d7df).
+  Predicted on an H100 (not yet run): inputs ~45 s (the random model's write 25 s, the traces
+  10 s), SFT ~150 s (start 15 s, compile 30 s, 120 steps of ~9K tokens ~60 s at ~0.5 s each,
+  the 20.6 GB checkpoint ~40 s),
+  RL ~170 s (start and restore 25 s, step 1 ~80 s with its compiles, steps 2-4 ~15 s each when
+  the SFT taught the format, the checkpoint ~20 s); ~6.5 min in all, at most 90 + 220 + 250 s
+  (its time limits). Its result is also written to ``h100_result.json`` as it stands when a
+  phase fails or runs out of time. A model the SFT did not teach decodes every rollout to 8,192 tokens: the
+  RL phase then runs into its limit and reports the steps it finished.
 * ``serving_<preset>``: decode tokens/s and fraction of the HBM roofline at 64 and 256 rollouts, Qwen3-1.7B
   and 8B shapes (``benchmarks/serving.py --device gpu``), with a trace of one decode call each.
 * ``kernels2``, ``decode`` (optional, issue 46): the decode kernels alone at 256 rows x 4K
@@ -41,6 +65,7 @@ import datetime
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -87,7 +112,8 @@ SHAPES = {
                   response_len=48, prompt_len=1024, micro_batch=0, steps=2,
                   serving_presets=("tiny",), serving_batches="4", serving_quick=True,
                   train_preset="tiny", train_seq=256, train_batches=(1,), train_repeats=1,
-                  timeouts={"env": 60, "main": 400, "serving_tiny": 200, "train_1x256": 200,
+                  # main: 400 s ran out on 2 cores at load ~28 (2026-11-28); ~2 min idle
+                  timeouts={"env": 60, "main": 900, "serving_tiny": 200, "train_1x256": 200,
                             "blocking": 200, "remat": 200, "kernels": 200}),
 }
 
@@ -305,6 +331,262 @@ def prompt_token_count(shape: Shape, data_path: str, hf_dir: str, env) -> dict[i
     return {i: int(round(mean * shape.prompts)) for i in range(shape.steps)}
 
 
+# ---- h100: stage 1 as a user runs it on one 80 GB GPU, with tool calls --------------------------
+@dataclasses.dataclass(frozen=True)
+class AgentShape:
+    """The ``h100`` part's sizes: a short SFT on the demo's tool traces (the random model learns
+    the tool-call format), then stage 1 from it at 2 prompts x 2G = 32 rollouts (G = 8: the H200
+    runs' count, so the tables compare), the micro-batch, remat policy and KV pool from the memory
+    plan."""
+    model: str
+    tokenizer_regular_tokens: int
+    sft_traces: int
+    sft_steps: int
+    sft_batch: int
+    sft_seq: int
+    sft_lr: float
+    prompts: int
+    samples: int
+    group: int
+    prompt_len: int
+    response_len: int
+    steps: int
+    plan_device_gb: float  # the plan's device where jax reports none (CPU); else the device's own
+    timeouts: dict
+
+
+AGENT_SHAPES = {
+    "gpu": AgentShape(model="qwen3-1.7b", tokenizer_regular_tokens=0, sft_traces=2400, sft_steps=120,
+                      sft_batch=16, sft_seq=2048, sft_lr=5e-4, prompts=2, samples=16, group=8,
+                      prompt_len=1024, response_len=8192, steps=4, plan_device_gb=80.0,
+                      timeouts={"inputs": 90, "sft": 220, "rl": 250}),
+    # the plumbing only (a test runs it); the SFT that gets a tiny model to call the tool is
+    # longer: docs/launch.md "One GPU" (--sft-steps, --sft-lr, --sft-batch)
+    "tiny": AgentShape(model="tiny", tokenizer_regular_tokens=4000, sft_traces=32, sft_steps=3,
+                       sft_batch=4, sft_seq=1024, sft_lr=3e-3, prompts=2, samples=4, group=2,
+                       prompt_len=1024, response_len=160, steps=2, plan_device_gb=80.0,
+                       timeouts={"inputs": 120, "sft": 1500, "rl": 600}),
+}
+
+MAKE_AGENT_INPUTS = r"""
+import json, sys
+import jax, jax.numpy as jnp
+from flax import nnx
+from rstarjax.models import ModelConfig, Qwen3, load_tokenizer, save_hf
+from rstarjax.models.chat_template import RSTAR2, encode_prompt
+from rstarjax.recipes import demo_tasks
+from rstarjax.serving.sizing import choose_colocated
+a = json.loads(sys.argv[1])
+tok = load_tokenizer(a["regular"] or None)
+overrides = {} if not a["regular"] else dict(vocab_size=tok.num_tokens, bos_token_id=tok.endoftext_id,
+                                             eos_token_id=tok.eos_id, max_position_embeddings=8192)
+cfg = ModelConfig.preset(a["model"], param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, **overrides)
+device = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
+choice = choose_colocated(cfg, rows=a["rows"], seq_len=a["seq_len"],
+                          device_bytes=device or int(a["plan_device_gb"] * 1e9))
+print(json.dumps({"plan": {"remat_policy": choice.remat_policy, "micro_batch": choice.micro_batch,
+                           "kv_pages": choice.kv_pages, "kv_memory_fraction": choice.kv_memory_fraction,
+                           "device_gb": round((device or a["plan_device_gb"] * 1e9) / 1e9, 2),
+                           "device_reported": bool(device), **choice.plan.as_dict()},
+                  "problems": list(choice.problems)}), flush=True)
+if choice.problems:
+    sys.exit(3)
+save_hf(Qwen3(cfg, rngs=nnx.Rngs(0)), a["hf"], tokenizer=tok, dtype=jnp.bfloat16)
+rows = demo_tasks.make_dataset(a["problems"], "train", seed=0)
+with open(a["data"], "w") as f:  # the demo's problems: the Python tool answers them
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+traces = demo_tasks.make_sft_traces(demo_tasks.generate_tasks(a["traces"], "train", seed=1))
+with open(a["sft"], "w") as f:  # every trace calls the tool once, its output really run
+    f.writelines(json.dumps({"messages": t}) + "\n" for t in traces)
+attention = cfg.train_flops_per_token(1) - cfg.train_flops_per_token(0)  # per token of context
+print(json.dumps({"params_b": cfg.num_params / 1e9, "vocab": cfg.vocab_size, "sft_traces": len(traces),
+                  "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+                  "flops_matmul": cfg.train_flops_per_token(0) - attention, "flops_attention": attention,
+                  "prompt_tokens": round(sum(len(encode_prompt(tok, r["problem"], RSTAR2)) for r in rows) / len(rows))}))
+"""
+
+
+def tiny_overrides(model: str) -> dict:
+    """CPU: float32 and no remat, as the tiny tests run it."""
+    return {"model.dtype": "float32", "model.remat_policy": "none"} if model == "tiny" else {}
+
+
+def agent_sft_argv(a: AgentShape, hf_dir: str, sft_path: str, workdir: str) -> list[str]:
+    """configs/sft.py on the generated tool traces: ``sft_steps`` steps (the schedule spans them)."""
+    o = {"model.hf_path": hf_dir, "sft.data_path": sft_path, "sft.epochs": 1,
+         "sft.max_steps": a.sft_steps, "sft.batch_size": a.sft_batch, "sft.seq_len": a.sft_seq,
+         "sft.learning_rate": a.sft_lr, "sft.warmup_ratio": 0.1, "sft.micro_batch_size": 0,
+         "sft.export_hf": False, "checkpoint.every_steps": a.sft_steps, "logging.progress_bar": False,
+         **tiny_overrides(a.model)}
+    return ([sys.executable, "-m", "rstarjax.main", f"--config={ROOT}/configs/sft.py",
+             f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in o.items()])
+
+
+def agent_rl_argv(a: AgentShape, plan: dict, hf_dir: str, data_path: str, init_from: str,
+                  workdir: str) -> list[str]:
+    """configs/stage1.py from the SFT checkpoint, only model, data and sizes overridden (its 8K
+    responses kept), the remat policy, micro-batch and KV pool share from the memory plan (no
+    fixed serving.kv_pages: the engine sizes the pool from what is free); rewards of random-ish
+    weights are mostly equal, so rl.reject_equal_reward=False as in ``main``."""
+    o = {"model.hf_path": hf_dir, "data.train_path": data_path, "checkpoint.init_from": init_from,
+         "total_steps": a.steps, "rl.prompts_per_step": a.prompts, "rl.oversample": a.samples,
+         "rl.group_size": a.group, "rl.max_prompt_len": a.prompt_len,
+         "rl.max_response_len": a.response_len, "rl.reject_equal_reward": False,
+         "model.remat_policy": plan["remat_policy"], "trainer.micro_batch_size": plan["micro_batch"],
+         "serving.kv_memory_fraction": round(plan["kv_memory_fraction"], 4),
+         "checkpoint.every_steps": a.steps, "logging.progress_bar": False, **tiny_overrides(a.model)}
+    return ([sys.executable, "-m", "rstarjax.main", f"--config={ROOT}/configs/stage1.py",
+             f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in o.items()])
+
+
+AGENT_KEYS = {"tool_call_rate": "rollout_all/tool_call_rate", "compile_s": "time/compile",
+              "tool_calls_per_rollout": "rollout_all/tool_calls_mean",
+              "truncation_ratio": "rollout_all/truncation_ratio", "accuracy": "rollout_all/accuracy",
+              "tool_wait_s": "timing/rollout_tool_wait_s", "device_in_use_gb": "perf/device_in_use_gb"}
+PEAK_BF16_FLOPS = (("H200", 989e12), ("H100", 989e12))  # dense bf16, as benchmarks/bench_trainer.py
+
+
+def update_mfu(step: dict, inputs: dict, device_kind: str) -> float | None:
+    """The update's MFU: trained tokens x model FLOPs per token / update seconds / peak, the
+    attention term at the step's mean trajectory length (prompt + mean response; rows are packed,
+    attention stays within a trajectory): ModelConfig.train_flops_per_token."""
+    peak = next((f for k, f in PEAK_BF16_FLOPS if k in (device_kind or "")), None)
+    if not (peak and step.get("update_s") and step.get("trained_tokens") and inputs.get("flops_matmul")):
+        return None
+    length = inputs.get("prompt_tokens", 0) + step.get("response_len_mean", 0)
+    flops = inputs["flops_matmul"] + inputs["flops_attention"] * (length + 1)
+    return step["trained_tokens"] * flops / step["update_s"] / peak
+
+
+COMPILING = re.compile(r"Compiling (?:jit\()?([^ ()]+)\)? with global shapes and types (.*?)\. Argument")
+SHAPED = re.compile(r"ShapedArray\(([^)]*)\)")
+
+
+def compiled_programs(log_text: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(name, argument shapes) of each program jax compiled, in order (``JAX_LOG_COMPILES``:
+    "Compiling jit(NAME) with global shapes and types (...)" lines)."""
+    return [(m.group(1), tuple(SHAPED.findall(m.group(2))))
+            for m in map(COMPILING.search, log_text.splitlines()) if m]
+
+
+def part_agent(shape: Shape, args, log, env, scratch: str) -> dict:
+    """``h100``: SFT on tool traces, then stage 1's RL steps from it, sized by the memory plan."""
+    a = AGENT_SHAPES[args.shape]
+    a = dataclasses.replace(a, **{k: v for k, v in (("sft_steps", args.sft_steps), ("sft_lr", args.sft_lr),
+                                                    ("sft_batch", args.sft_batch),
+                                                    ("sft_traces", args.sft_traces)) if v})
+    d = os.path.join(scratch, "agent")
+    paths = {k: os.path.join(d, v) for k, v in (("hf", "hf"), ("data", "problems.jsonl"),
+                                                ("sft", "sft.jsonl"))}
+    os.makedirs(d, exist_ok=True)
+    t0 = time.perf_counter()
+    spec = dict(model=a.model, regular=a.tokenizer_regular_tokens, rows=a.prompts * a.group,
+                seq_len=a.prompt_len + a.response_len, plan_device_gb=a.plan_device_gb,
+                problems=8 * a.prompts * a.steps, traces=a.sft_traces, **paths)
+    code, out = run_part("h100/inputs", [sys.executable, "-c", MAKE_AGENT_INPUTS, json.dumps(spec)],
+                         a.timeouts["inputs"], log, env)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    plan = lines[0]["plan"] if lines else {}
+    result = {"model": a.model, "plan": plan, "inputs_s": round(time.perf_counter() - t0, 1),
+              "rollouts_per_step": a.prompts * a.samples, "response_len": a.response_len}
+    if code == 3:  # the memory plan refuses the shape, naming the flags
+        raise RuntimeError("the memory plan refuses the shape: " + " ".join(lines[0]["problems"]))
+    if code != 0:
+        raise RuntimeError(f"writing the inputs failed: {tail(out)}")
+    result.update({k: v for k, v in lines[-1].items()})
+    sft_dir, rl_dir = os.path.join(d, "sft"), os.path.join(d, "rl")
+    t1 = time.perf_counter()
+    code, out = run_part("h100/sft", agent_sft_argv(a, paths["hf"], paths["sft"], sft_dir),
+                         a.timeouts["sft"], log, env)
+    result["sft_s"] = round(time.perf_counter() - t1, 1)
+    sft_metrics = read_metrics(os.path.join(sft_dir, "logs", "metrics.jsonl"))
+    if sft_metrics:
+        result["sft"] = {"steps": len(sft_metrics), "first_loss": sft_metrics[0].get("sft/loss"),
+                         "last_loss": sft_metrics[-1].get("sft/loss")}
+    if code != 0:
+        raise RuntimeError(f"the SFT exited {code}: {tail(out)}")
+    t2 = time.perf_counter()
+    rl_env = dict(env, JAX_LOG_COMPILES="1")  # which programs each step compiles (item: step 2 none)
+    code, out = run_part("h100", agent_rl_argv(a, plan, paths["hf"], paths["data"],
+                                               os.path.join(sft_dir, "checkpoints"), rl_dir),
+                         a.timeouts["rl"], log, rl_env)
+    result["job_s"] = round(time.perf_counter() - t2, 1)
+    result["exit"] = code
+    metrics = read_metrics(os.path.join(rl_dir, "logs", "metrics.jsonl"))
+    if args.out and metrics:
+        with open(os.path.join(args.out, "h100_metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps(x) + "\n" for x in metrics)
+    kind = getattr(args, "device_kind", "")
+    steps = []
+    for m in metrics:
+        s = step_summary(m, result.get("prompt_tokens", 0) * a.prompts)
+        s.update({k: round(m[v], 4) for k, v in AGENT_KEYS.items() if isinstance(m.get(v), (int, float))})
+        mfu = update_mfu(s, result, kind)
+        if mfu is not None:
+            s["update_mfu"] = round(mfu, 4)
+        if "peak_device_gb" in s and plan.get("peak_gb"):
+            s["peak_vs_plan"] = f"{s['peak_device_gb']:.1f} / {plan['peak_gb']:.1f} GB"
+        steps.append(s)
+    result["steps"] = steps
+    by_step = programs_by_step(out, [m["wall_time"] for m in metrics if "wall_time" in m])
+    result["compiled_programs"] = {k: [name for name, _ in v] for k, v in by_step.items()}
+    # The step-2 compile fix (058d7df): the rollouts' prefill-phase programs compiled on step 2, with
+    # their last argument shapes (a tool turn's extend may need a new token bucket: a new shape),
+    # and those compiled again at shapes step 1 had compiled already (the bug: must be none)
+    step2 = [(n, a) for n, a in by_step.get("2", []) if n in PREFILL_PROGRAMS]
+    result["step2_prefill_compiles"] = [f"{n} {' '.join(a[-4:])}" for n, a in step2]
+    result["step2_prefill_recompiles"] = [f"{n} {' '.join(a[-4:])}" for n, a in step2 if (n, a) in by_step.get("1", [])]
+    ckpts = os.path.join(rl_dir, "checkpoints")
+    result["checkpoints"] = sorted(x for x in os.listdir(ckpts) if x.isdigit()) if os.path.isdir(ckpts) else []
+    if args.out:  # kept when the job failed too (a failed part's result is not in gpu_check.json)
+        with open(os.path.join(args.out, "h100_result.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    if code != 0:
+        raise PartFailed(f"the stage-1 job exited {code}: {tail(out)} (after {len(metrics)} steps)", result)
+    return result
+
+
+class PartFailed(RuntimeError):
+    """A part that failed with a result worth keeping (the steps a job finished)."""
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
+
+
+def read_metrics(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+# the engine's programs of a rollout's "prefill" phase (timing/rollout_prefill_s): the prompt and
+# tool-turn feed (prefill and extend), the first token's sample, the slot insert (serving/programs.py)
+PREFILL_PROGRAMS = ("feed_program", "sample_program", "insert_program")
+LOG_TIME = re.compile(r"^[IWEF]\d{4} (\d\d):(\d\d):(\d\d(?:\.\d+)?)")
+
+
+def programs_by_step(out: str, wall_times: list[float]) -> dict[str, list[tuple[str, tuple[str, ...]]]]:
+    """The programs jax compiled in each step ("1", "2", ...; "after" past the last one), from
+    ``JAX_LOG_COMPILES``'s absl lines (local time of day) and each step's metrics ``wall_time``
+    (when its line was written)."""
+    ends = []
+    for t in wall_times:
+        lt = time.localtime(t)
+        ends.append(lt.tm_hour * 3600 + lt.tm_min * 60 + lt.tm_sec + (t % 1))
+    by_step: dict[str, list[tuple[str, tuple[str, ...]]]] = {}
+    for line in out.splitlines():
+        m = LOG_TIME.match(line)
+        names = compiled_programs(line) if m else []
+        if not names:
+            continue
+        at = int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3))
+        step = next((str(i + 1) for i, end in enumerate(ends) if at <= end), "after")
+        by_step.setdefault(step, []).extend(names)
+    return by_step
+
+
 # ---- the parts' speed ------------------------------------------------------------------------------
 def benchmark_result(name: str, argv: list[str], timeout_s: float, log, env) -> dict:
     """A benchmark script's one JSON line; its exit status and output tail when it failed."""
@@ -423,6 +705,38 @@ def decode_rows(results: dict) -> list[tuple[str, str]]:
 
 
 # ---- summary -------------------------------------------------------------------------------------
+AGENT_ROW_KEYS = ("rollout_s", "decode_s", "prefill_s", "tool_wait_s", "old_logprobs_s", "update_s",
+                  "update_mfu", "handoff_s", "checkpoint_s", "compile_s", "decode_tok_s", "trained_tok_s",
+                  "tool_calls_per_rollout", "tool_call_rate", "peak_vs_plan")
+
+
+def agent_rows(part: PartResult | None) -> list[tuple[str, str]]:
+    """The ``h100`` part's rows: the plan, the SFT, one row per RL step (prefill_s is prefill,
+    extend and slot inserts), the programs step 2 compiled."""
+    if part is None:
+        return []
+    r, rows = part.result, []
+    p = r.get("plan") or {}
+    if p:
+        rows.append(("h100 plan", f"remat {p.get('remat_policy')}, micro-batch {p.get('micro_batch')}, "
+                                  f"KV pool {p.get('kv_pool_gb')} GB (kv_memory_fraction "
+                                  f"{p.get('kv_memory_fraction', 0):.3f}), predicted peak {p.get('peak_gb')} GB "
+                                  f"of {p.get('device_gb')} GB"))
+    if r.get("sft"):
+        rows.append(("h100 SFT", f"{r['sft']['steps']} steps in {r.get('sft_s')} s, loss "
+                                 f"{r['sft']['first_loss']:.3f} -> {r['sft']['last_loss']:.3f}"))
+    for i, s in enumerate(r.get("steps", []), 1):
+        rows.append((f"h100 step {i}", " ".join(
+            f"{k}={s[k]:.3g}" if isinstance(s.get(k), float) else f"{k}={s.get(k)}"
+            for k in AGENT_ROW_KEYS if k in s)))
+    if "step2_prefill_compiles" in r:
+        rows.append(("h100 step-2 prefill compiles", ", ".join(r["step2_prefill_compiles"]) or "none"))
+        rows.append(("h100 step-2 prefill recompiles", ", ".join(r["step2_prefill_recompiles"]) or "none"))
+    if part.ok:
+        rows.append(("h100 job", f"{r.get('job_s')} s, checkpoints {r.get('checkpoints')}"))
+    return rows
+
+
 def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
     """(figure, value) rows of the table printed last."""
     rows = []
@@ -446,6 +760,7 @@ def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
         if main.ok:
             rows.append(("main job", f"{main.result.get('job_s')} s, checkpoints "
                                      f"{main.result.get('checkpoints')}"))
+    rows += agent_rows(results.get("h100"))
     for serving in results.values():
         if not (serving.name.startswith(("serving", "blocking")) and serving.ok):
             continue
@@ -514,6 +829,8 @@ def parse_args(argv=None):
                     help="where the JSON, the log and the traces go (default $OUT; else none kept)")
     ap.add_argument("--parts", default="env,main,serving,train",
                     help="comma-separated subset of env,main,serving,train and the optional "
+                         "h100 (stage 1 on one GPU after a short SFT on tool traces, sized by the memory "
+                         "plan; about 6.5 min on an H100), "
                          "blocking (the first serving preset with each --blockings spec), "
                          "kernels (the paged-attention kernels alone: Triton with the engine's "
                          "and the --blockings blocking, cuDNN), kernels2 and decode (issue 46: our "
@@ -527,6 +844,10 @@ def parse_args(argv=None):
     ap.add_argument("--remat-policy", default="dots_attention,attention",
                     help="the remat parts' ModelConfig.remat_policy, comma-separated (each one's train parts)")
     ap.add_argument("--commit", default="", help="the commit measured (recorded in the output)")
+    ap.add_argument("--sft-steps", type=int, default=0, help="h100: SFT steps (0: the shape's)")
+    ap.add_argument("--sft-lr", type=float, default=0.0, help="h100: SFT learning rate (0: the shape's)")
+    ap.add_argument("--sft-batch", type=int, default=0, help="h100: SFT traces per step (0: the shape's)")
+    ap.add_argument("--sft-traces", type=int, default=0, help="h100: SFT traces generated (0: the shape's)")
     return ap.parse_args(argv)
 
 
@@ -548,6 +869,7 @@ def main(argv=None) -> int:
         env.pop("XLA_FLAGS", None)  # one device, as a one-GPU machine
     plan = [("env", lambda log: part_env(shape, args, log, env))]
     plan.append(("main", lambda log: part_main(shape, args, log, env, scratch)))
+    plan.append(("h100", lambda log: part_agent(shape, args, log, env, scratch)))
     for preset in (args.serving_presets.split(",") if args.serving_presets else shape.serving_presets):
         name = f"serving_{preset}"
         plan.append((name, lambda log, p=preset, n=name: part_serving(shape, p, n, log, env, trace_dir)))
@@ -577,12 +899,14 @@ def main(argv=None) -> int:
             try:
                 res = PartResult(name, True, 0.0, fn(log))
             except Exception as exc:  # noqa: BLE001  (a part's failure is reported; the others run)
-                res = PartResult(name, False, 0.0, {}, f"{type(exc).__name__}: {exc}")
+                res = PartResult(name, False, 0.0, getattr(exc, "result", {}), f"{type(exc).__name__}: {exc}")
             res.seconds = round(time.perf_counter() - t0, 1)
             results[name] = res
             print(json.dumps({"part": name, **dataclasses.asdict(res)}), flush=True)
             if name == "env" and not res.ok:
                 break  # no device: nothing else can run
+            if name == "env":
+                args.device_kind = res.result.get("device_kind", "")
     names = pack_traces(trace_dir, os.path.join(out_dir, "traces.tar"))
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
         json.dump({"shape": args.shape, "traces": names,

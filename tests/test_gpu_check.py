@@ -2,6 +2,7 @@
 shape, so neither rots between sessions that are lent a GPU."""
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -17,16 +18,18 @@ def _env():
     return env
 
 
-@pytest.mark.slow  # the stage-1 main job at tiny size, a decode and a train benchmark: ~2 min
+@pytest.mark.slow  # the stage-1 main job at tiny size twice (the h100 part after a 3-step SFT), a decode
+#                   and a train benchmark: ~4 min
 def test_gpu_check_runs_every_part_at_the_tiny_shape(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"),
-                           "--shape", "tiny", "--out", str(out), "--commit", "test"],
-                          capture_output=True, text=True, env=_env(), timeout=1200)
+                           "--shape", "tiny", "--out", str(out), "--commit", "test",
+                           "--parts", "env,main,serving,train,h100"],
+                          capture_output=True, text=True, env=_env(), timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     parts = report["parts"]
-    assert set(parts) == {"env", "main", "serving_tiny", "train_1x256"}
+    assert set(parts) == {"env", "main", "h100", "serving_tiny", "train_1x256"}
     assert all(p["ok"] for p in parts.values()), {k: p["error"] for k, p in parts.items()}
 
     main = parts["main"]["result"]
@@ -47,6 +50,25 @@ def test_gpu_check_runs_every_part_at_the_tiny_shape(tmp_path):
     metrics = [json.loads(x) for x in (out / "main_metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
 
+    # h100: the memory plan sized the run, a short SFT ran, then stage 1 from its checkpoint
+    agent = parts["h100"]["result"]
+    plan = agent["plan"]
+    assert plan["remat_policy"] in ("dots_attention", "attention", "full") and 4 % plan["micro_batch"] == 0
+    assert 0 < plan["kv_memory_fraction"] <= 1 and plan["peak_gb"] <= plan["device_gb"]
+    assert agent["sft"]["steps"] == 3 and agent["sft"]["last_loss"] < agent["sft"]["first_loss"]
+    assert len(agent["steps"]) == 2 and agent["checkpoints"] == ["2"]
+    for s in agent["steps"]:
+        for key in ("rollout_s", "decode_s", "prefill_s", "old_logprobs_s", "update_s", "handoff_s"):
+            assert s[key] > 0, (key, s)
+        assert 0 <= s["tool_call_rate"] <= 1 and s["tool_calls_per_rollout"] >= 0 and "compile_s" in s
+    assert "checkpoint_s" in agent["steps"][1]
+    # jax's compile log, split by step: step 1 compiled the engine's prefill feed; step 2 compiled no
+    # prefill-phase program again at a shape step 1 had compiled (058d7df)
+    assert "feed_program" in agent["compiled_programs"]["1"], agent["compiled_programs"]
+    assert "step" in agent["compiled_programs"]["1"]  # the train step, compiled by step 1's update
+    assert agent["step2_prefill_recompiles"] == [], agent["step2_prefill_compiles"]
+    assert [m["step"] for m in map(json.loads, (out / "h100_metrics.jsonl").read_text().splitlines())] == [1, 2]
+
     serving = parts["serving_tiny"]["result"]
     assert serving["tiny_b4_decode_tok_s"] > 0 and serving["tiny_b4_calls"] == 4
     with tarfile.open(out / "traces.tar") as tar:
@@ -55,6 +77,8 @@ def test_gpu_check_runs_every_part_at_the_tiny_shape(tmp_path):
     # the table comes last, one row per main step
     table = proc.stdout[proc.stdout.rindex("-" * 100 + "\n", 0, len(proc.stdout) - 102):]
     assert "main step 1" in table and "main step 2" in table and "decode tiny_b4" in table
+    assert "h100 plan" in table and "h100 step 2" in table
+    assert re.search(r"h100 step-2 prefill recompiles +none", table)
 
 
 @pytest.mark.slow  # the Pallas interpreter: ~25 s
