@@ -196,9 +196,11 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
     if workdir and checkpoint_cfg is not None:
         ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), checkpoint_cfg)
         if ckpt.latest_step() is not None:
-            lora_base.check_same_base(ckpt.read_meta(), meta or {}, ckpt.directory)
             t = trainer.trainer
-            state, _ = ckpt.restore(ckpt_lib.abstract_like(t.state, t.state_sharding))
+            # the newest checkpoint that reads and verifies (a damaged newer one is set aside, one warning)
+            state, _, _ = ckpt.restore_newest(
+                ckpt_lib.abstract_like(t.state, t.state_sharding),
+                check_meta=lambda saved, _: lora_base.check_same_base(saved, meta or {}, ckpt.directory))
             trainer.state = state
             start = trainer.step
             log.info("SFT: resumed at step %d of %d", start, total)
