@@ -44,7 +44,7 @@ def test_quick_cpu_run_prints_every_figure_and_its_checks_hold():
     assert line["host_syncs_per_decode_step_dense_engine"] >= 1.0
     assert line["host_syncs_per_decode_step"] <= line["host_syncs_per_decode_step_dense_engine"] / 4
     assert line["host_sync_reduction_vs_dense_engine"] == pytest.approx(
-        line["host_syncs_per_token_dense_engine"] / line["host_syncs_per_token"], rel=1e-3)
+        line["host_syncs_per_token_dense_engine"] / line["host_syncs_per_token"], rel=1e-2)  # 4-decimal figures
     assert line["paged_live_while_queued"] > line["dense_live_while_queued"] > 0
     assert line["prefill_tokens_extend"] < line["prefill_tokens_reprefill"]
 
