@@ -83,7 +83,7 @@ def get_config(arg=None):
     c.sft.seq_len = 384
     c.sft.micro_batch_size = 0
     c.sft.max_steps = 0
-    c.sft.seed = 0
+    c.sft.seed = c.get_ref("seed") + 0  # follows --config.seed (the SFT batch order); set it to untie
     c.sft.compute_dtype = ml_collections.config_dict.placeholder(str)
 
     # RL moves counting from the in-head guess to the tool in 5-20 steps (docs/demo.md)
