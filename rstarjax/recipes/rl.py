@@ -25,12 +25,11 @@ from rstarjax.io import compile_cache
 from rstarjax.io import data as data_lib
 from rstarjax.io.metrics_log import MetricsWriter, step_line
 from rstarjax.models import lora
-from rstarjax.recipes import build, lora_base, preemption
+from rstarjax.recipes import build, lora_base, preemption, sources
 from rstarjax.recipes.config import RunConfig, wandb_init_args
 from rstarjax.recipes.rollout_process import is_rollout_process, serve_rollouts
-from rstarjax.rl.partial import CollectedRound, PartialRollouts
+from rstarjax.recipes.sources import round_wait_s
 from rstarjax.rl.remote import RemoteRollouts
-from rstarjax.rl.staleness import AsyncRollouts
 from rstarjax.rl.step import EmptyBatchStreak, any_process, rl_step
 from rstarjax.rl.trainer import Trainer, TrainState
 from rstarjax.rl.trajectory import RolloutFn, RolloutsFailed
@@ -369,12 +368,84 @@ def _run_rl(run: RunConfig, workdir: str, rollout_fn, model, on_update, model_so
 def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout_fn, on_update, export_meta,
                  before_update=None, guard: preemption.SignalGuard | None = None,
                  serving_dtype=None) -> Trainer:
-    """``run_rl``'s loop, from the stage's starting state to ``run.total_steps``; ``guard``
-    (installed by the caller) says when a signal asks it to stop. ``serving_dtype``: the dtype
-    the rollouts are served in (None: unknown, e.g. a scripted ``rollout_fn``; no log-prob gap
-    count)."""
+    """``run_rl``'s loop, from the stage's starting state to ``run.total_steps``: draw a round
+    from the stage's rollout source (``recipes.sources``: the rollout mode lives there), train on
+    it, hand the update to the engines, checkpoint, log. ``guard`` (installed by the caller) says
+    when a signal asks it to stop. ``serving_dtype``: the dtype the rollouts are served in (None:
+    unknown, e.g. a scripted ``rollout_fn``; no log-prob gap count)."""
     guard = guard or preemption.SignalGuard(0.0, can_abandon=False)  # never installed: never asks
-    reference = setup_reference(trainer, run, meta)
+    data_iter, base_key, restart, record = _stage_data(run, meta, problems, export_meta)
+    if on_update is not None:
+        on_update(trainer)  # the engine serves the restored policy from the first rollout on
+    source = sources.make_source(run, rollout_fn, on_update, data_iter, base_key, trainer.step, restart, guard)
+    save = _saver(trainer, ckpt, base_key, dict(record, **_reference_record(trainer, run, meta)),
+                  source.keeps_in_flight)
+    start, is_main = trainer.step, jax.process_index() == 0
+    writer, bar = _open_log(run, workdir, meta, ckpt, start, is_main)
+    empty = EmptyBatchStreak(run.rl.max_rejected_batches)  # batches in a row that trained no group
+    nonfinite = NonFiniteStreak(run.trainer.max_nonfinite_steps)
+    # the data position after the last finished step and the prompts then in flight: what its
+    # checkpoint records (batches drawn since, by a rejected or an abandoned step, are drawn again)
+    finished_data = source.snapshot()
+    attempts, stop_signal, ended = 0, 0, ""  # rollout rounds since the last update; why it ended early
+    try:
+        while trainer.step < run.total_steps:
+            stop_signal = guard.stop_signal(trainer.step)
+            if stop_signal:
+                break
+            step, compiled_before = trainer.step, compile_cache.compile_seconds()
+            rnd = source.next_round()
+            if rnd is None:  # no process has a prompt left
+                ended = "data"
+                break
+            try:
+                metrics = rl_step(trainer, rnd.rollouts, rnd.records, run.rl, run.loss,
+                                  step_seed(base_key, step, attempts), more_records=rnd.more_records,
+                                  before_update=before_update, serving_dtype=serving_dtype,
+                                  stale_rollouts=rnd.stale)
+            except preemption.StepAbandoned:  # the train state is still that of the last finished step
+                stop_signal = guard.request.signum
+                break
+            attempts += 1
+            metrics = source.settle(metrics, trainer.step, updated=trainer.step > step)
+            if metrics is None:  # the round trained nothing yet: its work counts in the step that does
+                continue
+            if trainer.step == step:  # every group was rejected: no update, as the official trainer
+                if nothing_left_to_learn(empty, metrics, step):
+                    ended = "solved"
+                    break
+                continue
+            metrics["filter/rejected_batches"] = float(empty.batches)
+            attempts = 0
+            empty.reset()
+            finished_data = source.snapshot()
+            t_handoff = time.perf_counter()
+            source.after_update(trainer)  # the engines serve the new policy (now, or between rounds)
+            metrics["time/handoff"] = time.perf_counter() - t_handoff
+            _checkpoint_and_log(run, trainer.step, metrics, save, finished_data, ckpt, writer, nonfinite,
+                                compiled_before, is_main)
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}",
+                            len=f"{metrics.get('rollout/response_length_mean', 0):.0f}")
+        if stop_signal:
+            saved = _save_last(trainer.step, start, save, finished_data, ckpt)
+            raise preemption.Interrupted(stop_signal, trainer.step, saved, guard.abandoned)
+        if ended:
+            saved = _save_last(trainer.step, start, save, finished_data, ckpt)
+            _say_ended(run, ended, len(problems), trainer.step, start, saved, empty, is_main)
+    except RolloutsFailed as failure:  # the rollouts' infrastructure, not the model: keep what finished
+        _note_saved(failure, trainer.step, start, save, finished_data, ckpt, workdir)
+        raise
+    finally:
+        source.close()
+        bar.close()
+        writer.close()
+    return trainer
+
+
+def _stage_data(run: RunConfig, meta: dict, problems: list, export_meta: dict) -> tuple:
+    """The stage's data iterator (at the resumed position), RNG key, the prompts in flight at the
+    checkpoint resumed (started again first), and the record every checkpoint of it keeps."""
     stage_start = int(meta.get("stage_start_step", 0))
     data_seed = int(meta.get("data_seed", stage_data_seed(run.seed, stage_start)))
     data_iter = iter(problem_batches(run, data_seed, problems))
@@ -382,52 +453,49 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
     if meta.get("resumed") and resumed_state is not None:
         data_iter.set_state(resumed_state)
     base_key = ckpt_lib.key_from_json(meta["rng"]) if "rng" in meta else jax.random.key(run.seed)
-    if on_update is not None:
-        on_update(trainer)  # the engine serves the restored policy from the first rollout on
-    stage_record = {"stage": "rl", "init_from": meta.get("init_from", ""),
-                    "init_from_step": meta.get("init_from_step"), "stage_start_step": stage_start,
-                    "data_seed": data_seed, "stage_total_steps": run.total_steps, **export_meta,
-                    **({"lora_base": meta["lora_base"]} if "lora_base" in meta else {})}
+    restart = list(in_flight or []) if meta.get("resumed") else []
+    record = {"stage": "rl", "init_from": meta.get("init_from", ""),
+              "init_from_step": meta.get("init_from_step"), "stage_start_step": stage_start,
+              "data_seed": data_seed, "stage_total_steps": run.total_steps, **export_meta,
+              **({"lora_base": meta["lora_base"]} if "lora_base" in meta else {})}
+    return data_iter, base_key, restart, record
 
+
+def _reference_record(trainer: Trainer, run: RunConfig, meta: dict) -> dict:
+    reference = setup_reference(trainer, run, meta)
+    return {"reference": reference} if reference else {}
+
+
+def _saver(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, base_key, record: dict, keeps_in_flight: bool):
+    """``save(step, (data_state, prompts in flight))``: a checkpoint of the stage at ``step``."""
     def save(step: int, finished) -> bool:
         data_state, pending = finished
-        # with partial rollouts each training process draws as many prompts as its own complete
-        # groups leave room for: its data position and prompts in flight are its own, and the
-        # meta (written by process 0) keeps every process's (a collective: all of them save)
-        # (so does the rollout thread of rl.max_staleness: each process's rounds are its own)
+        # with partial or asynchronous rollouts each training process draws its own prompts: its
+        # data position and prompts in flight are its own, and the meta (written by process 0)
+        # keeps every process's (a collective: all of them save)
         shares = processes.gather_json({"data_state": data_state, "in_flight_records": pending}) if (
-            (partial is not None or source is not None) and processes.training_count() > 1) else None
+            keeps_in_flight and processes.training_count() > 1) else None
         return ckpt.save(step, trainer.state, {
-            "step": step, "rng": ckpt_lib.key_to_json(base_key), "data_state": data_state, **stage_record,
-            **({"reference": reference} if reference else {}),
-            **({"in_flight_records": pending} if partial is not None or source is not None else {}),
+            "step": step, "rng": ckpt_lib.key_to_json(base_key), "data_state": data_state, **record,
+            **({"in_flight_records": pending} if keeps_in_flight else {}),
             **({"process_shares": shares} if shares else {}),
         })
+    return save
 
-    def guarded(fn):  # the part of a step that a stop signal may abandon; its failure, every process's
-        def call(*args, **kwargs):
-            with guard.rollouts():
-                return fn(*args, **kwargs)
-        return failing_together(call)
 
-    guarded_rollouts, partial, source = guarded(rollout_fn), None, None
-    # the prompts whose groups were in flight at the checkpoint resumed: they start again first
-    restart = list(in_flight or []) if meta.get("resumed") else []
-    if run.rl.partial_rollout_tokens:
-        if not hasattr(rollout_fn, "partial"):
-            raise ValueError("--config.rl.partial_rollout_tokens needs a rollout function that can pause "
-                             "rollouts (agent_loop.ColocatedRollouts.partial); this one cannot")
-        # on the rollout thread of rl.max_staleness, no stop signal abandons a round: it is not trained
-        round_fn = rollout_fn.partial if run.rl.max_staleness else guarded(rollout_fn.partial)
-        partial = PartialRollouts(round_fn, run.rl.partial_rollout_tokens,
-                                  run.rl.prompts_per_step // processes.training_count(),
-                                  keeps_kv=not run.rl.partial_reprefill)
-        if restart and not run.rl.max_staleness:  # (the rollout thread says it)
-            log.info("resumed with %d prompts whose rollouts were in flight at step %d: they start again "
-                     "from their prompts (their unfinished rollouts were never trained)", len(restart), trainer.step)
+def step_seed(base_key, step: int, attempts: int) -> int:
+    """One seed per (step, process), derived from the run key: the same rollouts after a resume,
+    independent samples on every process (and for each batch drawn again at this step:
+    ``attempts`` rounds since the last update)."""
+    step_key = jax.random.fold_in(base_key, step)
+    if attempts:
+        step_key = jax.random.fold_in(step_key, attempts)
+    step_key = jax.random.fold_in(step_key, jax.process_index())
+    return int(jax.random.randint(step_key, (), 0, 2**31 - 1))
 
-    is_main = jax.process_index() == 0
-    start = trainer.step
+
+def _open_log(run: RunConfig, workdir: str, meta: dict, ckpt, start: int, is_main: bool):
+    """The stage's metrics writer and progress bar, after its start line."""
     # the steps after ``start`` that a killed run logged are logged again: kept once
     writer = MetricsWriter(os.path.join(workdir, "logs"), enabled=is_main, tensorboard=run.logging.tensorboard,
                            wandb=wandb_init_args(run, workdir), resume_step=start)
@@ -438,163 +506,73 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
               "nothing to train (raise --config.total_steps to train on)", flush=True)
     bar = tqdm.tqdm(total=run.total_steps, initial=start, disable=not (is_main and run.logging.progress_bar),
                     desc="rl", dynamic_ncols=True)
-    attempts = 0  # rollout rounds since the last update
-    empty = EmptyBatchStreak(run.rl.max_rejected_batches)  # batches in a row that trained no group
-    round_times = {}  # partial rollouts: the times of rounds that completed no group yet
-    nonfinite = NonFiniteStreak(run.trainer.max_nonfinite_steps)
-    # the data position after the last finished step, and (partial rollouts) the prompts then in
-    # flight: what a checkpoint of that step records (batches drawn since, by a rejected or an
-    # abandoned step, are drawn again on resume)
-    finished_data = (data_iter.get_state(), list(restart))
-    restarted = len(restart)
-    stop_signal, data_ran_out, solved = 0, False, False
-    if run.rl.max_staleness and trainer.step < run.total_steps:  # (with partial: its rounds run on the thread)
-        source = start_async_rollouts(run, rollout_fn, data_iter, base_key, trainer.step, restart, partial)
-        restart = []
-    try:
-        while trainer.step < run.total_steps:
-            stop_signal = guard.stop_signal(trainer.step)
-            if stop_signal:
-                break
-            step = trainer.step
-            compiled_before = compile_cache.compile_seconds()
-            if source is not None:  # the oldest round the rollout thread finished
-                rnd, waited = failing_together(source.next_round)()
-                # every process stops together, once one has no round left (with equal data
-                # shares all run out at the same round; a round drawn but not trained is kept)
-                if any_process(rnd is None):
-                    data_ran_out = True
-                    break
-                records, round_output = rnd.records, rnd.output
-            elif partial is None:
-                try:
-                    records = next(data_iter)
-                except StopIteration:  # finite data (data.num_epochs) is used up
-                    data_ran_out = True
-                    break
-            else:  # a step's new prompts, fewer while complete groups wait for an update
-                records, restart = restart[:partial.room], restart[partial.room:]
-                records += data_iter.take(partial.room - len(records))
-                # every process stops together, once none has a prompt left to roll out or train
-                # (one that has none joins the others' updates with padding rows)
-                if not any_process(bool(records or partial.groups or partial.ready)):
-                    data_ran_out = True
-                    break
-            # one seed per (step, process), derived from the run key: same rollouts after a resume,
-            # independent samples on every process (and for each batch drawn again at this step)
-            step_key = jax.random.fold_in(base_key, step)
-            if attempts:
-                step_key = jax.random.fold_in(step_key, attempts)
-            step_key = jax.random.fold_in(step_key, jax.process_index())
-            seed = int(jax.random.randint(step_key, (), 0, 2**31 - 1))
-            # dynamic sampling refills from the same iterator, so its checkpointed state covers
-            # every prompt a step consumed
-            try:
-                if source is None:
-                    step_rollouts = partial or guarded_rollouts
-                elif isinstance(round_output, CollectedRound):
-                    step_rollouts = round_output
-                else:  # the round is already rolled out
-                    step_rollouts = lambda *_, out=round_output: out  # noqa: E731
-                metrics = rl_step(trainer, step_rollouts, records, run.rl, run.loss, seed,
-                                  more_records=lambda: next(data_iter), before_update=before_update,
-                                  serving_dtype=serving_dtype, stale_rollouts=source is not None)
-            except preemption.StepAbandoned:  # the train state is still that of the last finished step
-                stop_signal = guard.request.signum
-                break
-            attempts += 1
-            if source is not None:
-                metrics.update(waited)
-                if trainer.step == step:  # no update: the rollout thread goes on with the weights it has
-                    source.publish(None, trainer.step, run.total_steps - trainer.step)
-            if trainer.step == step and partial is not None and not metrics.get("partial/groups_trained"):
-                # no group has finished all its rollouts yet: the next round goes on with them (its
-                # time counts in the step that trains them)
-                round_times = add_times(round_times, metrics)
-                continue
-            if trainer.step == step:  # every group was rejected: no update, as the official trainer
-                log.warning("step %d: no group of the batch is left to train on (rejected %.0f%%, %d infra-short); "
-                            "drawing the next batch", step + 1, 100 * metrics.get("filter/rejected_frac", 0.0),
-                            metrics.get("filter/infra_short_groups", 0))
-                if empty.observe(metrics):
-                    # equal rewards alone are the data and the policy: nothing left to learn, not a
-                    # failure; groups short of rollouts by infrastructure errors are the environment's
-                    if not any_process(empty.infra_failing):
-                        solved = True
-                        break
-                    # the infrastructure's failure, not the model's: saved and said in one line (exit 1)
-                    raise RolloutsFailed(
-                        f"{empty.batches} rollout batches in a row left no group to train on at step {step + 1}, "
-                        f"with rollouts lost to infrastructure errors ({empty.shares()}): the environment is "
-                        "failing. Check the rollout metrics (filter/infra_trajectories) and the tool pool's log")
-                continue
-            metrics["filter/rejected_batches"] = float(empty.batches)
-            if partial is not None:
-                metrics["partial/restarted_groups"], restarted = float(restarted), 0
-                metrics["partial/rounds"] = float(attempts)
-                metrics, round_times = add_times(metrics, round_times), {}
-            attempts = 0
-            empty.reset()
-            if source is not None:
-                finished_data = source.snapshot(data_iter.get_state)
-            else:
-                finished_data = (data_iter.get_state(), [] if partial is None else partial.pending_records() + restart)
-            t_handoff = time.perf_counter()
-            if source is not None:  # the serving copy now (the next update overwrites the params)
-                source.publish(rollout_fn.stage_params(trainer.served_model()), trainer.step,
-                               run.total_steps - trainer.step)
-            elif on_update is not None:
-                on_update(trainer)
-            metrics["time/handoff"] = time.perf_counter() - t_handoff
-            new_step = trainer.step
-            diverged = nonfinite.observe(new_step, metrics, ckpt.latest_step())
-            if diverged is not None:  # logged, never saved: the newest checkpoint stays the last good one
-                writer.write(new_step, metrics)
-                raise diverged
-            if ckpt.should_save(new_step, run.total_steps):
-                t_save = time.perf_counter()
-                save(new_step, finished_data)
-                # with async_save, the part the loop waits for: the finite check and fingerprints on the
-                # device, then Orbax's copy off the device (time/checkpoint_copy); the write goes on behind
-                metrics["time/checkpoint"] = time.perf_counter() - t_save
-                metrics["time/checkpoint_copy"] = ckpt.copy_seconds
-                if new_step >= run.total_steps:  # the stage ends: its last write is waited for anyway
-                    ckpt_lib.wait_reporting(ckpt, lambda: writer.write(new_step, metrics))
-            written = ckpt.write_seconds()  # the last save's background write, once it committed
-            if written is not None:
-                metrics["time/checkpoint_write"] = written
-            metrics.update(device_memory_metrics())
-            metrics["time/compile"] = compile_cache.compile_seconds() - compiled_before
-            writer.write(new_step, metrics)
-            if is_main and not run.logging.progress_bar:  # the bar's figures, one line per step
-                print(step_line(new_step, run.total_steps, metrics), flush=True)
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}",
-                            len=f"{metrics.get('rollout/response_length_mean', 0):.0f}")
-        if stop_signal:
-            saved = _save_last(trainer.step, start, save, finished_data, ckpt)
-            raise preemption.Interrupted(stop_signal, trainer.step, saved, guard.abandoned)
-        if data_ran_out or solved:
-            saved = _save_last(trainer.step, start, save, finished_data, ckpt)
-            message = (solved_message(run, len(problems), trainer.step, start, saved, empty) if solved
-                       else data_ran_out_message(run, len(problems), trainer.step, start, saved))
-            log.info("%s", message)
-            if is_main:
-                print(f"rstarjax: {message}", flush=True)
-    except RolloutsFailed as failure:  # the rollouts' infrastructure, not the model: keep what finished
-        if trainer.step == start:
-            failure.add_note(f"no step finished in this run since step {start}: nothing new to save")
-        elif _save_last(trainer.step, start, save, finished_data, ckpt):
-            failure.add_note(f"step {trainer.step} is saved in {workdir}: the same command resumes from it")
-        else:
-            failure.add_note(f"step {trainer.step} could not be saved in {workdir}")
-        raise
-    finally:
-        if source is not None:
-            source.close()
-        bar.close()
-        writer.close()
-    return trainer
+    return writer, bar
+
+
+def nothing_left_to_learn(empty: EmptyBatchStreak, metrics: dict, step: int) -> bool:
+    """A step that trained no group (every one rejected): whether ``rl.max_rejected_batches`` in a
+    row had equal rewards alone (the policy solved or never solves them: the stage ends); raises
+    ``RolloutsFailed`` when groups short of rollouts by infrastructure errors are among them."""
+    log.warning("step %d: no group of the batch is left to train on (rejected %.0f%%, %d infra-short); "
+                "drawing the next batch", step + 1, 100 * metrics.get("filter/rejected_frac", 0.0),
+                metrics.get("filter/infra_short_groups", 0))
+    if not empty.observe(metrics):
+        return False
+    # equal rewards alone are the data and the policy: nothing left to learn, not a failure;
+    # groups short of rollouts by infrastructure errors are the environment's
+    if not any_process(empty.infra_failing):
+        return True
+    # the infrastructure's failure, not the model's: saved and said in one line (exit 1)
+    raise RolloutsFailed(
+        f"{empty.batches} rollout batches in a row left no group to train on at step {step + 1}, "
+        f"with rollouts lost to infrastructure errors ({empty.shares()}): the environment is "
+        "failing. Check the rollout metrics (filter/infra_trajectories) and the tool pool's log")
+
+
+def _checkpoint_and_log(run: RunConfig, new_step: int, metrics: dict, save, finished_data, ckpt, writer,
+                        nonfinite: NonFiniteStreak, compiled_before: float, is_main: bool) -> None:
+    """After the update to ``new_step``: stop on a non-finite streak, save when due, log."""
+    diverged = nonfinite.observe(new_step, metrics, ckpt.latest_step())
+    if diverged is not None:  # logged, never saved: the newest checkpoint stays the last good one
+        writer.write(new_step, metrics)
+        raise diverged
+    if ckpt.should_save(new_step, run.total_steps):
+        t_save = time.perf_counter()
+        save(new_step, finished_data)
+        # with async_save, the part the loop waits for: the finite check and fingerprints on the
+        # device, then Orbax's copy off the device (time/checkpoint_copy); the write goes on behind
+        metrics["time/checkpoint"] = time.perf_counter() - t_save
+        metrics["time/checkpoint_copy"] = ckpt.copy_seconds
+        if new_step >= run.total_steps:  # the stage ends: its last write is waited for anyway
+            ckpt_lib.wait_reporting(ckpt, lambda: writer.write(new_step, metrics))
+    written = ckpt.write_seconds()  # the last save's background write, once it committed
+    if written is not None:
+        metrics["time/checkpoint_write"] = written
+    metrics.update(device_memory_metrics())
+    metrics["time/compile"] = compile_cache.compile_seconds() - compiled_before
+    writer.write(new_step, metrics)
+    if is_main and not run.logging.progress_bar:  # the bar's figures, one line per step
+        print(step_line(new_step, run.total_steps, metrics), flush=True)
+
+
+def _say_ended(run: RunConfig, ended: str, num_problems: int, step: int, start: int, saved: bool,
+               empty: EmptyBatchStreak, is_main: bool) -> None:
+    """Log (and on process 0 print) why the stage stopped before ``total_steps``."""
+    message = (solved_message(run, num_problems, step, start, saved, empty) if ended == "solved"
+               else data_ran_out_message(run, num_problems, step, start, saved))
+    log.info("%s", message)
+    if is_main:
+        print(f"rstarjax: {message}", flush=True)
+
+
+def _note_saved(failure: Exception, step: int, start: int, save, finished_data, ckpt, workdir: str) -> None:
+    """Save the last finished step after the rollouts failed, and note on ``failure`` whether it is."""
+    if step == start:
+        failure.add_note(f"no step finished in this run since step {start}: nothing new to save")
+    elif _save_last(step, start, save, finished_data, ckpt):
+        failure.add_note(f"step {step} is saved in {workdir}: the same command resumes from it")
+    else:
+        failure.add_note(f"step {step} could not be saved in {workdir}")
 
 
 def own_share(meta: dict, count: int, index: int) -> tuple[object, list | None]:
@@ -611,78 +589,6 @@ def own_share(meta: dict, count: int, index: int) -> tuple[object, list | None]:
                          f"each with its own data position and prompts in flight; this run has {count}: "
                          f"resume with --config.distributed.num_processes={len(shares)}")
     return shares[index]["data_state"], shares[index]["in_flight_records"]
-
-
-def start_async_rollouts(run: RunConfig, rollout_fn, data_iter, base_key, step: int, restart: list,
-                         partial: PartialRollouts | None = None) -> AsyncRollouts:
-    """The rollout thread of ``rl.max_staleness`` (``rl.staleness``), from global step ``step``;
-    ``restart``: the prompts in flight at the checkpoint resumed (rolled out first); ``partial``:
-    each round is one of its rounds (partial rollouts)."""
-    if not (hasattr(rollout_fn, "stage_params") and hasattr(rollout_fn, "serve_staged")):
-        raise ValueError("--config.rl.max_staleness needs a rollout function whose weights can be staged and "
-                         "installed between rounds (agent_loop.ColocatedRollouts); this one cannot")
-    # the rounds' seeds: derived from the run key and the step the thread started at (a resumed
-    # run samples new rounds), never equal to a synchronous step's; independent on every process
-    thread_key = jax.random.fold_in(jax.random.fold_in(base_key, 2**31 - 1), step)  # no step is 2**31 - 1
-    if processes.training_count() > 1:
-        thread_key = jax.random.fold_in(thread_key, jax.process_index())
-
-    def seed_of(index: int) -> int:
-        return int(jax.random.randint(jax.random.fold_in(thread_key, index), (), 0, 2**31 - 1))
-
-    if restart:
-        log.info("resumed with %d prompts whose rollouts were in flight at step %d: they start again from "
-                 "their prompts (their rollouts were never trained)", len(restart), step)
-    return AsyncRollouts(rollout_fn, data_iter.take, rollout_fn.serve_staged, seed_of, run.rl.max_staleness,
-                         run.rl.prompts_per_step // processes.training_count(), run.rl.rollouts_per_prompt,
-                         version=step,
-                         remaining=run.total_steps - step, restart=list(restart),
-                         wait_s=round_wait_s(run), partial=partial)
-
-
-# the per-round figures that add up over the rounds of one partial-rollout step
-ROUND_SUMS = ("timing/rollout_generated_tokens", "timing/rollout_decode_steps", "timing/rollout_prefill_tokens",
-              "timing/rollout_decode_calls", "timing/rollout_preemptions")
-
-
-def add_times(metrics: dict, times: dict) -> dict:
-    """``metrics`` with the seconds (``time/*``, ``timing/*_s``) and the counts of ``ROUND_SUMS``
-    of ``times`` added to its own: the rounds of one partial-rollout step are one step's work."""
-    out = dict(metrics)
-    for k, v in times.items():
-        if k.startswith("time/") or (k.startswith("timing/") and k.endswith("_s")) or k in ROUND_SUMS:
-            out[k] = out.get(k, 0.0) + float(v)
-    return out
-
-
-def round_wait_s(run: RunConfig) -> float:
-    """The longest the trainer waits for one round of rollouts: twice the bound the rollouts
-    themselves enforce (``rl.rollout_timeout_s``), so that bound fires first and names itself."""
-    return 2 * run.rl.agent().rollout_timeout_s + 60
-
-
-def failing_together(fn: Callable) -> Callable:
-    """``fn`` (a call that yields rollouts) that raises ``RolloutsFailed`` on every training
-    process when it raised it on one: after each call they agree in one small gather. A process
-    whose rollouts failed then never leaves the others waiting in the update's collectives, and
-    all of them reach the failure handler at the same step, where they save it together."""
-    if processes.training_count() == 1:
-        return fn
-
-    def call(*args, **kwargs):
-        failure = None
-        try:
-            out = fn(*args, **kwargs)
-        except RolloutsFailed as e:
-            failure, out = e, None
-        failed = np.flatnonzero(processes.allgather(np.asarray(failure is not None, np.int32))).tolist()
-        if failure is not None:
-            raise failure
-        if failed:
-            raise RolloutsFailed(f"the rollouts of training process{'es' if len(failed) > 1 else ''} "
-                                 f"{', '.join(map(str, failed))} failed (its log says why)")
-        return out
-    return call
 
 
 def _save_last(step: int, start: int, save, data_state, ckpt) -> bool:

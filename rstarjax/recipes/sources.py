@@ -1,0 +1,149 @@
+"""The one place that turns an RL stage's config into its rollout source (``rl.sources``): the
+only reader of ``rl.partial_rollout_tokens`` and ``rl.max_staleness`` besides the config checks.
+
+| ``partial_rollout_tokens`` | ``max_staleness`` | source |
+| --- | --- | --- |
+| 0 | 0 | ``SynchronousSource``: the paper's loop |
+| > 0 | 0 | ``PartialSource`` |
+| any | > 0 | ``AsyncSource`` wrapping either of the above, its rounds on a rollout thread |
+
+Either transport serves any mode: in-process engines (``agent_loop.ColocatedRollouts``) or
+rollout processes (``remote.RemoteRollouts``). Another mode is one new file: a ``RolloutSource``
+and a ``register_mode`` call (tests/toy_rollout_mode.py is one); the stage loop needs no change.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from rstarjax import processes
+from rstarjax.recipes import preemption
+from rstarjax.recipes.config import RunConfig
+from rstarjax.rl.partial import PartialRollouts
+from rstarjax.rl.sources.asynchronous import AsyncSource
+from rstarjax.rl.sources.base import PausableRollouts, RolloutSource, StagedRollouts
+from rstarjax.rl.sources.partial import PartialSource
+from rstarjax.rl.sources.synchronous import SynchronousSource
+from rstarjax.rl.staleness import AsyncRollouts
+from rstarjax.rl.trajectory import RolloutsFailed
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """A rollout mode beyond the built-in ones: used when ``applies(run)``; ``build`` takes
+    ``make_source``'s arguments and returns its source."""
+
+    name: str
+    applies: Callable[[RunConfig], bool]
+    build: Callable[..., RolloutSource]
+
+
+MODES: list[Mode] = []  # asked in order, before the built-in modes
+
+
+def register_mode(mode: Mode) -> Callable[[], None]:
+    """Add ``mode``; returns the call that removes it again."""
+    MODES.append(mode)
+    return lambda: MODES.remove(mode)
+
+
+def make_source(run: RunConfig, rollout_fn, on_update: Callable | None, data_iter, base_key, step: int,
+                restart: list, guard: preemption.SignalGuard) -> RolloutSource:
+    """The rollout source of a stage at global step ``step``: ``rollout_fn`` rolls out (a
+    ``trajectory.RolloutFn``; partial rollouts need a ``PausableRollouts``, asynchronous ones a
+    ``StagedRollouts``), ``on_update(trainer)`` installs new weights in its engines, ``data_iter``
+    draws the prompts; ``restart``: the prompts in flight at the checkpoint resumed (rolled out
+    first); ``guard``: a stop signal may abandon a step's rollouts (not a rollout thread's round,
+    which is never trained)."""
+    def guarded(fn):  # the part of a step that a stop signal may abandon; its failure, every process's
+        def call(*args, **kwargs):
+            with guard.rollouts():
+                return fn(*args, **kwargs)
+        return failing_together(call)
+
+    for mode in MODES:
+        if mode.applies(run):
+            return mode.build(run, rollout_fn, on_update, data_iter, base_key, step, restart, guard)
+    rl = run.rl
+    asynchronous = bool(rl.max_staleness) and step < run.total_steps
+    if rl.partial_rollout_tokens:
+        if not isinstance(rollout_fn, PausableRollouts):
+            raise ValueError("--config.rl.partial_rollout_tokens needs a rollout function that can pause "
+                             "rollouts (agent_loop.ColocatedRollouts.partial); this one cannot")
+        # on the rollout thread of rl.max_staleness, no stop signal abandons a round: it is not trained
+        round_fn = rollout_fn.partial if rl.max_staleness else guarded(rollout_fn.partial)
+        partial = PartialRollouts(round_fn, rl.partial_rollout_tokens, rl.prompts_per_step // processes.training_count(),
+                                  keeps_kv=not rl.partial_reprefill)
+        source = PartialSource(partial, data_iter, list(restart), on_update)
+        if restart and not rl.max_staleness:  # (the rollout thread says it)
+            log.info("resumed with %d prompts whose rollouts were in flight at step %d: they start again "
+                     "from their prompts (their unfinished rollouts were never trained)", len(restart), step)
+    else:
+        partial, source = None, SynchronousSource(guarded(rollout_fn), data_iter, on_update)
+    if not asynchronous:
+        return source
+    thread = start_async_rollouts(run, rollout_fn, data_iter, base_key, step, restart, partial)
+    return AsyncSource(thread, failing_together(thread.next_round), source, rollout_fn, data_iter, run.total_steps)
+
+
+def start_async_rollouts(run: RunConfig, rollout_fn, data_iter, base_key, step: int, restart: list,
+                         partial: PartialRollouts | None = None) -> AsyncRollouts:
+    """The rollout thread of ``rl.max_staleness`` (``rl.staleness``), from global step ``step``;
+    ``restart``: the prompts in flight at the checkpoint resumed (rolled out first); ``partial``:
+    each round is one of its rounds (partial rollouts)."""
+    if not isinstance(rollout_fn, StagedRollouts):
+        raise ValueError("--config.rl.max_staleness needs a rollout function whose weights can be staged and "
+                         "installed between rounds (agent_loop.ColocatedRollouts); this one cannot")
+    # the rounds' seeds: derived from the run key and the step the thread started at (a resumed
+    # run samples new rounds), never equal to a synchronous step's; independent on every process
+    thread_key = jax.random.fold_in(jax.random.fold_in(base_key, 2**31 - 1), step)  # no step is 2**31 - 1
+    if processes.training_count() > 1:
+        thread_key = jax.random.fold_in(thread_key, jax.process_index())
+
+    def seed_of(index: int) -> int:
+        return int(jax.random.randint(jax.random.fold_in(thread_key, index), (), 0, 2**31 - 1))
+
+    if restart:
+        log.info("resumed with %d prompts whose rollouts were in flight at step %d: they start again from "
+                 "their prompts (their rollouts were never trained)", len(restart), step)
+    return AsyncRollouts(rollout_fn, data_iter.take, rollout_fn.serve_staged, seed_of, run.rl.max_staleness,
+                         run.rl.prompts_per_step // processes.training_count(), run.rl.rollouts_per_prompt,
+                         version=step,
+                         remaining=run.total_steps - step, restart=list(restart),
+                         wait_s=round_wait_s(run), partial=partial)
+
+
+def round_wait_s(run: RunConfig) -> float:
+    """The longest the trainer waits for one round of rollouts: twice the bound the rollouts
+    themselves enforce (``rl.rollout_timeout_s``), so that bound fires first and names itself."""
+    return 2 * run.rl.agent().rollout_timeout_s + 60
+
+
+def failing_together(fn: Callable) -> Callable:
+    """``fn`` (a call that yields rollouts) that raises ``RolloutsFailed`` on every training
+    process when it raised it on one: after each call they agree in one small gather. A process
+    whose rollouts failed then never leaves the others waiting in the update's collectives, and
+    all of them reach the failure handler at the same step, where they save it together."""
+    if processes.training_count() == 1:
+        return fn
+
+    def call(*args, **kwargs):
+        failure = None
+        try:
+            out = fn(*args, **kwargs)
+        except RolloutsFailed as e:
+            failure, out = e, None
+        failed = np.flatnonzero(processes.allgather(np.asarray(failure is not None, np.int32))).tolist()
+        if failure is not None:
+            raise failure
+        if failed:
+            raise RolloutsFailed(f"the rollouts of training process{'es' if len(failed) > 1 else ''} "
+                                 f"{', '.join(map(str, failed))} failed (its log says why)")
+        return out
+    return call
