@@ -229,9 +229,12 @@ def test_kernels_split_over_kv_heads_equal_reference(implementation, tensor):
     np.testing.assert_allclose(np.asarray(got), ref, atol=2e-5)
 
 
-@pytest.mark.slow
-def test_decode_through_the_gpu_kernel_equals_reference_decode(tiny):
-    """The whole paged forward with the GPU kernel (interpreted) for its decode attention."""
+@pytest.mark.slow  # the Pallas interpreter over two layers: ~30 s a kernel
+@pytest.mark.parametrize("kernel", ["pallas_gpu", "pallas_gpu_packed"])
+def test_decode_through_a_gpu_kernel_equals_reference_decode(tiny, kernel):
+    """The engine's whole paged forward with a GPU kernel (interpreted: jax's, or ours) as its
+    decode attention, through ``paged_decode_attention``'s switch (NO_PAGE entries, lengths as the
+    engine passes them)."""
     cfg = serving_config(TINY32)
     w = serving_weights(tiny, jnp.float32)
     rng = np.random.default_rng(5)
@@ -242,7 +245,7 @@ def test_decode_through_the_gpu_kernel_equals_reference_decode(tiny):
     tok = jnp.asarray([[3], [4]], jnp.int32)
     ref, _ = paged_forward(cfg, w, tok, cache, jnp.ones(2, jnp.int32))
     got, _ = paged_forward(cfg, w, tok, cache, jnp.ones(2, jnp.int32),
-                           decode_attention="pallas_gpu", interpret=True)
+                           decode_attention=kernel, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4)
 
 
@@ -328,19 +331,3 @@ def test_packed_blocking_splits_follow_the_batch():
     assert blocking.for_shape(4, 8, 6) == (3, 2)  # at most width / pages per block splits
 
 
-@pytest.mark.slow  # the Pallas interpreter over two layers: ~30 s
-def test_decode_through_the_packed_kernel_equals_reference_decode(tiny):
-    """The engine's whole paged forward with our kernel (interpreted) as its decode attention,
-    through ``paged_decode_attention``'s switch (NO_PAGE entries, lengths as the engine passes them)."""
-    cfg = serving_config(TINY32)
-    w = serving_weights(tiny, jnp.float32)
-    rng = np.random.default_rng(5)
-    k, v, table = _random_paged(rng, 2, 2, 16, 16, 16, [20, 33], 4)
-    k = tuple(jnp.asarray(k) for _ in range(2))
-    v = tuple(jnp.asarray(v) for _ in range(2))
-    cache = PagedKVCache(k, v, jnp.asarray(table), jnp.asarray([19, 32], jnp.int32))
-    tok = jnp.asarray([[3], [4]], jnp.int32)
-    ref, _ = paged_forward(cfg, w, tok, cache, jnp.ones(2, jnp.int32))
-    got, _ = paged_forward(cfg, w, tok, cache, jnp.ones(2, jnp.int32),
-                           decode_attention="pallas_gpu_packed", interpret=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4)
