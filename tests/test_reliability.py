@@ -24,7 +24,7 @@ import time
 import numpy as np
 import pytest
 
-from process_support import worker_env
+from process_support import own_other_address, worker_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -819,20 +819,6 @@ def test_the_policy_server_admits_loopback_only_unless_exposed_over_tls(tmp_path
     assert calls["credentials"] == ("local", "local_tcp") and calls["port"] == 9000
 
 
-def _own_other_address():
-    """An address of this machine's network namespace that is not loopback (None if none):
-    the source address of a route out (a UDP connect sends nothing)."""
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("192.0.2.1", 9))
-            address = s.getsockname()[0]
-    except OSError:
-        return None
-    return None if address.startswith("127.") or address == "0.0.0.0" else address
-
-
 def test_the_default_credentials_refuse_a_peer_on_another_address():
     """With real gRPC: a server on every interface (as JetStream binds) with the default
     credentials answers a client over loopback (an insecure channel, as JetStream's own clients
@@ -842,7 +828,7 @@ def test_the_default_credentials_refuse_a_peer_on_another_address():
 
     from rstarjax import serve
 
-    other = _own_other_address()
+    other = own_other_address()
     if other is None:
         pytest.skip("no address but loopback here")
     server = grpc.server(ThreadPoolExecutor(2))

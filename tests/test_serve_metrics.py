@@ -9,6 +9,7 @@ import urllib.request
 
 import pytest
 
+from process_support import own_other_address
 from rstarjax import serve
 
 
@@ -16,18 +17,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _own_other_address():
-    """An address of this machine that is not loopback (None if none): the source address of a
-    route out (a UDP connect sends nothing)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("192.0.2.1", 9))
-            address = s.getsockname()[0]
-    except OSError:
-        return None
-    return None if address.startswith("127.") or address == "0.0.0.0" else address
 
 
 def _start_with_fake_jetstream(monkeypatch, prometheus_port, metrics_options=None):
@@ -74,7 +63,7 @@ def test_the_metrics_port_admits_loopback_only_unless_exposed(monkeypatch, tmp_p
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             assert r.status == 200
-        other = _own_other_address()
+        other = own_other_address()
         if other is not None:  # the same port at another address of this machine: nobody listens
             with socket.socket() as s:
                 s.settimeout(5)
