@@ -23,6 +23,7 @@ from ml_collections import config_flags
 from rstarjax.check_config import config_from_argv
 from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
+from rstarjax.layout import distributed_trainers
 from rstarjax.recipes import demo, demo_compare, evaluate, preemption, rl, sft, stage3_filter
 from rstarjax.recipes.config import MODES, RENAMED, DistributedConfig, RunConfig, device_rules, parse
 from rstarjax.rl import remote
@@ -64,7 +65,7 @@ def run(config, workdir: str, explicit=frozenset()) -> None:
     """Parse and check the config, set up JAX, and run the mode's recipe. ``explicit``: the
     dotted keys the command line set (they win over ``config.profile``'s)."""
     typed = parse(config, explicit=explicit)  # static checks first: fail before touching devices
-    init_distributed(typed.distributed, typed.serving.trainer_processes if typed.serving.disaggregated else 0)
+    init_distributed(typed.distributed, distributed_trainers(typed.serving))
     errors = device_rules(typed, jax.device_count(), jax.process_count())
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))

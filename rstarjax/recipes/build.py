@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rstarjax.env import CodeExecutor
+from rstarjax.layout import layout_of
 from rstarjax.env.isolation import require_confined
 from rstarjax.models import ModelConfig, Qwen3, load_hf, lora
 from rstarjax.io import data as data_lib
@@ -29,12 +30,7 @@ def mesh(cfg: MeshConfig, serving: ServingConfig | None = None) -> Mesh:
     """The trainer's mesh: over every device, or (``serving.placement='disaggregated'``) over
     those the rollout slices leave: in one process its last ``rollout_devices``; across
     processes the rollout processes', so the training processes' own."""
-    if serving is None or not serving.disaggregated:
-        devices = None
-    elif jax.process_count() > 1:
-        devices = [d for d in jax.devices() if d.process_index < serving.trainer_processes]
-    else:
-        devices = serving.trainer_devices_of(jax.devices())
+    devices = None if serving is None else layout_of(serving).trainer_devices(jax.devices())
     return make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=devices)
 
 

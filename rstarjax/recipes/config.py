@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from rstarjax.env.official_reward import REWARD_MODES
 from rstarjax.io.checkpoint import CheckpointConfig
 from rstarjax.io.data import ANSWER_FILTERS, dataset_problems
+from rstarjax.layout import Layout, layout_of
 from rstarjax.models.chat_template import CHAT_FORMATS
 from rstarjax.models.config import DTYPES, LORA_TARGETS, PRESETS, REMAT_POLICIES
 from rstarjax.models.hf_check import model_dir_problems
@@ -552,7 +553,7 @@ def _run_rules(run: RunConfig) -> list[str]:
 def device_rules(run: RunConfig, num_devices: int, num_processes: int = 1) -> list[str]:
     """The rules the devices and processes put on the mesh and the batch sizes."""
     sv = run.serving
-    across = sv.disaggregated and num_processes > 1
+    across = layout_of(sv, num_processes, 0).kind is Layout.ROLLOUT_PROCESSES
     if across:  # processes 0 .. T - 1 train, the others roll out (rl.remote)
         per, trainers = num_devices // num_processes, sv.trainer_processes
         if sv.rollout_devices != per or sv.tensor_parallel not in (0, per):

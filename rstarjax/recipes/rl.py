@@ -24,12 +24,10 @@ from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
 from rstarjax.io import data as data_lib
 from rstarjax.io.metrics_log import MetricsWriter, step_line
+from rstarjax.layout import layout_of
 from rstarjax.models import lora
 from rstarjax.recipes import build, lora_base, preemption, sources
 from rstarjax.recipes.config import RunConfig, wandb_init_args
-from rstarjax.recipes.rollout_process import is_rollout_process, serve_rollouts
-from rstarjax.recipes.sources import round_wait_s
-from rstarjax.rl.remote import RemoteRollouts
 from rstarjax.rl.step import EmptyBatchStreak, any_process, rl_step
 from rstarjax.rl.trainer import Trainer, TrainState
 from rstarjax.rl.trajectory import RolloutFn, RolloutsFailed
@@ -257,7 +255,7 @@ def check_update_room(run: RunConfig, model: nnx.Module) -> None:
     """One device, colocated: ConfigError naming the flags when the memory left beside the trainer's
     weights and AdamW moments cannot hold the update next to the engine (``serving.sizing.
     update_room_problems``); nothing on CPU (no memory statistics) or on several devices."""
-    if jax.device_count() != 1 or run.serving.disaggregated:
+    if jax.device_count() != 1 or run.serving.disaggregated:  # (the config's placement: any device split)
         return
     rows = run.rl.prompts_per_step * run.rl.group_size // run.trainer.mini_batches
     problems = sizing.update_room_problems(
@@ -300,26 +298,15 @@ def run_rl(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, mo
     record (e.g. ``{"source": "checkpoint", "path": SFT_CKPT_DIR, "step": N}``): with LoRA it is
     the base record the checkpoints carry, so a resume and ``rstarjax.export`` can rebuild it.
     """
-    if is_rollout_process(run):  # past the training processes of a disaggregated run: it only rolls out
-        serve_rollouts(run)
-        return None
-    if run.serving.disaggregated and jax.process_count() > 1 and rollout_fn is None:  # the training processes
-        trainers = run.serving.trainer_processes
-        remote = RemoteRollouts(wait_s=round_wait_s(run), silence_s=run.distributed.silence_s,
-                                processes=processes.rollout_processes_of(jax.process_index(), trainers,
-                                                                          jax.process_count()),
-                                trainers=trainers)
-        try:  # its rollout processes stop with this one, whatever ends it
-            with processes.training_processes(trainers):
-                return _run_rl(run, workdir, remote, model, lambda tr: remote.update_params(tr.served_model()),
-                               model_source)
-        finally:
-            remote.close()
-    return _run_rl(run, workdir, rollout_fn, model, on_update, model_source)
+    # this process's part in the run's layout: a rollout process serves rollouts (None), a training
+    # process trains over its transport (rollout processes, or the engines the stage builds)
+    return sources.with_transport(run, rollout_fn, on_update,
+                                  lambda fn, update: _run_rl(run, workdir, fn, model, update, model_source))
 
 
 def _run_rl(run: RunConfig, workdir: str, rollout_fn, model, on_update, model_source) -> Trainer:
-    guard = preemption.SignalGuard(run.checkpoint.preemption_grace_s, can_abandon=jax.process_count() == 1)
+    guard = preemption.SignalGuard(run.checkpoint.preemption_grace_s,
+                                   can_abandon=layout_of(run.serving).single_process)
     with guard:  # from here on a signal is a request to stop, answered within the grace period
         tokenizer = build.tokenizer(run.model)
         # the data first: its bad and over-long rows are reported before minutes of model loading

@@ -13,6 +13,7 @@ import logging
 import jax
 
 from rstarjax import processes
+from rstarjax.layout import layout_of
 from rstarjax.models.sharding import make_mesh
 from rstarjax.recipes import build
 from rstarjax.recipes.config import RunConfig
@@ -24,8 +25,7 @@ log = logging.getLogger(__name__)
 def is_rollout_process(run: RunConfig) -> bool:
     """Whether this process only rolls out: any past the training processes (0 ..
     ``serving.trainer_processes`` - 1) of a disaggregated multi-process run."""
-    return (run.serving.disaggregated and jax.process_count() > 1
-            and jax.process_index() >= run.serving.trainer_processes)
+    return layout_of(run.serving).rolls_out_only
 
 
 def serve_rollouts(run: RunConfig) -> int:

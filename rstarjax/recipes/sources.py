@@ -7,7 +7,8 @@ only reader of ``rl.partial_rollout_tokens`` and ``rl.max_staleness`` besides th
 | > 0 | 0 | ``PartialSource`` |
 | any | > 0 | ``AsyncSource`` wrapping either of the above, its rounds on a rollout thread |
 
-Either transport serves any mode: in-process engines (``agent_loop.ColocatedRollouts``) or
+``with_transport`` picks the transport from the layout (``rstarjax.layout``); either serves any
+mode: in-process engines (``agent_loop.ColocatedRollouts``) or
 rollout processes (``remote.RemoteRollouts``). Another mode is one new file: a ``RolloutSource``
 and a ``register_mode`` call (tests/toy_rollout_mode.py is one); the stage loop needs no change.
 """
@@ -21,8 +22,11 @@ import jax
 import numpy as np
 
 from rstarjax import processes
+from rstarjax.layout import Layout, layout_of
 from rstarjax.recipes import preemption
 from rstarjax.recipes.config import RunConfig
+from rstarjax.recipes.rollout_process import serve_rollouts
+from rstarjax.rl.remote import RemoteRollouts
 from rstarjax.rl.partial import PartialRollouts
 from rstarjax.rl.sources.asynchronous import AsyncSource
 from rstarjax.rl.sources.base import PausableRollouts, RolloutSource, StagedRollouts
@@ -90,6 +94,27 @@ def make_source(run: RunConfig, rollout_fn, on_update: Callable | None, data_ite
         return source
     thread = start_async_rollouts(run, rollout_fn, data_iter, base_key, step, restart, partial)
     return AsyncSource(thread, failing_together(thread.next_round), source, rollout_fn, data_iter, run.total_steps)
+
+
+def with_transport(run: RunConfig, rollout_fn, on_update: Callable | None, train: Callable):
+    """Run this process's part of the stage in the run's layout (``rstarjax.layout``): a rollout
+    process serves its trainer's rollouts (returns None); a training process of ``ROLLOUT_PROCESSES``
+    calls ``train(rollout_fn, on_update)`` with ``rl.remote.RemoteRollouts`` to its rollout processes
+    (unless given a ``rollout_fn``); any other with ``rollout_fn`` and ``on_update`` as given (None:
+    the stage builds in-process engines)."""
+    layout = layout_of(run.serving)
+    if layout.rolls_out_only:  # past the training processes: it only rolls out
+        serve_rollouts(run)
+        return None
+    if layout.kind is not Layout.ROLLOUT_PROCESSES or rollout_fn is not None:
+        return train(rollout_fn, on_update)
+    remote = RemoteRollouts(wait_s=round_wait_s(run), silence_s=run.distributed.silence_s,
+                            processes=layout.rollout_processes(), trainers=layout.trainers)
+    try:  # its rollout processes stop with this one, whatever ends it
+        with processes.training_processes(layout.trainers):
+            return train(remote, lambda tr: remote.update_params(tr.served_model()))
+    finally:
+        remote.close()
 
 
 def start_async_rollouts(run: RunConfig, rollout_fn, data_iter, base_key, step: int, restart: list,

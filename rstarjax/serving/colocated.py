@@ -11,6 +11,7 @@ import dataclasses
 import jax
 from flax import nnx
 
+from rstarjax.layout import Layout, layout_of
 from rstarjax.models.config import DTYPES
 from rstarjax.serving.engine import Engine
 from rstarjax.serving.handoff import ProcessHandoff, require_process_local, stage_copies
@@ -145,10 +146,11 @@ class ColocatedEngines:
         # Multi-process: the engines serve this process's own copy (serving.handoff), never the
         # trainer's global arrays; no slices configured = one slice over all local devices.
         self.handoff = None
-        if serving.disaggregated and jax.process_count() > 1:
+        layout = layout_of(serving)
+        if layout.kind is Layout.ROLLOUT_PROCESSES:
             # a rollout process (recipes.rollout_process): its own model, weights from the trainer's
             require_process_local(nnx.state(model), "the model of a rollout process")
-        elif jax.process_count() > 1:
+        elif not layout.single_process:
             graphdef, state = nnx.split(model)
             self.handoff = ProcessHandoff(state)
             model = nnx.merge(graphdef, self.handoff(state))
