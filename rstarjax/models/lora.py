@@ -113,9 +113,9 @@ def base_config(cfg: ModelConfig, dtype=None) -> ModelConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def _abstract_base(cfg: ModelConfig, dtype):
-    from rstarjax.models.qwen3 import Qwen3  # lora.py sits below qwen3.py, which imports it
-    return nnx.split(nnx.eval_shape(lambda: Qwen3(base_config(cfg, dtype), rngs=nnx.Rngs(0))))
+def _abstract_base(family: type, cfg: ModelConfig, dtype):
+    # ``family``: the model's class (``Qwen3``), passed in: lora.py sits below qwen3.py, which imports it
+    return nnx.split(nnx.eval_shape(lambda: family(base_config(cfg, dtype), rngs=nnx.Rngs(0))))
 
 
 def _hashable(cfg: ModelConfig) -> ModelConfig:
@@ -124,11 +124,12 @@ def _hashable(cfg: ModelConfig) -> ModelConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def merger(cfg: ModelConfig, mesh=None, dtype=None):
+def merger(cfg: ModelConfig, mesh=None, dtype=None, family: type | None = None):
     """The jitted ``merge_lora`` for ``cfg``'s LoRA model, ``(state) -> plain state`` (built once
     per config, mesh and dtype: the hand-off of every update reuses the compiled program). With
-    ``mesh`` the result lies on the base's logical-axis shardings."""
-    shardings = None if mesh is None else state_shardings(_abstract_base(cfg, dtype)[1], mesh)
+    ``mesh`` the result lies on the base's logical-axis shardings (of ``family``, the model's
+    class, which ``mesh`` needs)."""
+    shardings = None if mesh is None else state_shardings(_abstract_base(family, cfg, dtype)[1], mesh)
     return jax.jit(functools.partial(merge_lora, scale=cfg.lora_scale, targets=cfg.lora_targets,
                                      dtype=dtype), out_shardings=shardings)
 
@@ -147,7 +148,8 @@ def merged_model(model, mesh=None, dtype=None) -> nnx.Module:
         return model
     dtype = jnp.dtype(dtype or cfg.dtype)
     cfg = _hashable(cfg)
-    return nnx.merge(_abstract_base(cfg, dtype)[0], merger(cfg, mesh, dtype)(nnx.state(model)))
+    family = type(model)
+    return nnx.merge(_abstract_base(family, cfg, dtype)[0], merger(cfg, mesh, dtype, family)(nnx.state(model)))
 
 
 def attach(model, rank: int, alpha: float, targets: tuple[str, ...] | None = None, seed: int = 0,
@@ -156,7 +158,7 @@ def attach(model, rank: int, alpha: float, targets: tuple[str, ...] | None = Non
     an SFT policy): the weights cast to bfloat16 and frozen, fresh adapters (B = 0, so it
     computes what ``model`` computes with bf16 weights). With ``mesh`` everything is placed on
     its logical-axis sharding."""
-    from rstarjax.models.qwen3 import Qwen3  # the cycle again (qwen3.py imports lora.py)
+    family = type(model)  # (``Qwen3``: lora.py sits below qwen3.py, which imports it)
     base = model.config
     if base.lora_rank:
         raise ValueError(f"model already has LoRA adapters (lora_rank={base.lora_rank})")
@@ -164,7 +166,7 @@ def attach(model, rank: int, alpha: float, targets: tuple[str, ...] | None = Non
                        lora_targets=tuple(targets) if targets is not None else base.lora_targets)
     if cfg.lora_rank <= 0:
         raise ValueError(f"lora_rank={rank} must be > 0 to attach adapters")
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0))))
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: family(cfg, rngs=nnx.Rngs(0))))
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     shardings = None if mesh is None else dict(nnx.to_flat_state(state_shardings(abstract, mesh)))
     adapters = jax.jit(lambda k: {n: v.get_value() for n, v in init_adapters(cfg, k).items()})(
