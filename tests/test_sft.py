@@ -145,8 +145,9 @@ def test_bad_input(tok, tmp_path):
 
 
 @pytest.mark.slow
-def test_sft_learns_and_checkpoints(tok, tmp_path):
-    """A few steps on 16 conversations cut the loss; the checkpoint restores the same params."""
+def test_sft_learns_and_checkpoints(tok, tmp_path, capsys):
+    """A few steps on 16 conversations cut the loss; the checkpoint restores the same params; each
+    run says on start whether it is fresh or resumed, and from which checkpoint."""
     from rstarjax.io import checkpoint as ckpt_lib
 
     convs = [_conversation(i) for i in range(16)]
@@ -157,10 +158,12 @@ def test_sft_learns_and_checkpoints(tok, tmp_path):
                                      meta={"note": "test"})
     assert summary["steps"] == 10
     assert summary["final_loss"] < 0.65 * summary["first_loss"]
+    assert "rstarjax: sft fresh at step 0; training to step 10 on 16 conversations" in capsys.readouterr().out
     # resuming in a finished workdir runs no step and leaves the params as they were
     again, summary2 = sft.train_sft(_tiny_model(tok, seed=1), tok, convs, cfg, fmt=ct.COMPACT, workdir=str(tmp_path),
                                     mesh=_one_device_mesh(),
                                     checkpoint_cfg=ckpt_lib.CheckpointConfig(every_steps=3, async_save=False))
+    assert f"rstarjax: sft resumed from step 10 ({tmp_path / 'checkpoints' / '10'})" in capsys.readouterr().out
     a = nnx.state(trainer.model(), nnx.Param)
     b = nnx.state(again.model(), nnx.Param)
     for x, y in zip(np.asarray(a["embed"][...]), np.asarray(b["embed"][...])):

@@ -198,12 +198,17 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
         if ckpt.latest_step() is not None:
             t = trainer.trainer
             # the newest checkpoint that reads and verifies (a damaged newer one is set aside, one warning)
-            state, _, _ = ckpt.restore_newest(
+            state, _, resumed = ckpt.restore_newest(
                 ckpt_lib.abstract_like(t.state, t.state_sharding),
                 check_meta=lambda saved, _: lora_base.check_same_base(saved, meta or {}, ckpt.directory))
             trainer.state = state
             start = trainer.step
-            log.info("SFT: resumed at step %d of %d", start, total)
+            source = f"resumed from step {start} ({ckpt.step_dir(resumed)})"
+    if jax.process_index() == 0:
+        if not start:
+            source = "fresh at step 0"
+        print(f"rstarjax: sft {source}; training to step {total} on {len(examples)} conversations",
+              flush=True)
     base_meta = dict(meta or {})
     base_meta.update(stage="sft", total_steps=total)
     t0 = time.time()
