@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from rstarjax import processes
 from rstarjax.models import lora as lora_lib
 from rstarjax.models import sharding as sharding_lib
+from rstarjax.rl import logprob_gap
 from rstarjax.rl import loss as loss_lib
 from rstarjax.rl import optim as optim_lib
 from rstarjax.rl.batch import BATCH_KEYS, REF_KEY
@@ -532,8 +533,8 @@ class Trainer:
             recomputed = jax.block_until_ready(self.compute_logprobs(batch))  # timed apart
             metrics["time/old_logprobs"] = time.perf_counter() - t0
             threshold = np.inf if gap_threshold is None else float(gap_threshold)
-            gap, positions = _gap_on_device(batch["rollout_logprobs"], recomputed,
-                                            measured, threshold, self.replicated)
+            gap, positions = logprob_gap.gap_on_device(batch["rollout_logprobs"], recomputed,
+                                                         measured, threshold, self.replicated)
             if gap_threshold is None:  # no threshold, no count
                 gap.pop("train/logprob_gap_tokens_over")
             metrics.update(gap)
@@ -656,39 +657,6 @@ def _mini_batch_tokens(loss_mask, mini_batches: int):
     process of a multi-process run)."""
     rows = loss_mask.shape[0] // mini_batches
     return tuple(jnp.sum(loss_mask[i * rows:(i + 1) * rows]) for i in range(mini_batches))
-
-
-MAX_GAP_OUTLIERS = 64  # positions of over-threshold tokens read back per train call
-
-
-@functools.partial(jax.jit, static_argnames=("out_sharding",))
-def _gap_sums(sampled, recomputed, mask, threshold, out_sharding=None):
-    d = (recomputed - sampled) * mask
-    over = jnp.abs(d) > threshold  # untrained tokens have d = 0: never over a threshold >= 0
-    # The first few (row, column) of the over-threshold tokens, in row-major order; -1 pads.
-    positions = jnp.argwhere(over, size=MAX_GAP_OUTLIERS, fill_value=-1)
-    out = (jnp.sum(jnp.abs(d)), jnp.max(jnp.abs(d)), jnp.sum((jnp.exp(d) - 1.0 - d) * mask),
-           jnp.sum(mask), jnp.sum(over), positions)
-    # Replicated: readable on every process of a multi-process run.
-    return out if out_sharding is None else jax.lax.with_sharding_constraint(out, out_sharding)
-
-
-def _gap_on_device(sampled, recomputed, mask, threshold: float = np.inf, replicated=None
-                   ) -> tuple[dict[str, float], np.ndarray]:
-    """Mismatch between the sampler's and the trainer's log-probs on trained tokens, computed
-    where the (possibly multi-process) arrays live: mean |d|, max |d|, the mean k3 estimate of
-    KL(sampler || trainer), exp(d) - 1 - d with d = trainer - sampler (>= 0, unbiased), and the
-    count of tokens with |d| > ``threshold``; plus the global (row, column) of the first
-    ``MAX_GAP_OUTLIERS`` of those ([n, 2])."""
-    s_abs, s_max, s_kl, n, over, positions = jax.device_get(
-        _gap_sums(sampled, recomputed, mask, jnp.float32(threshold), out_sharding=replicated))
-    measured, n = float(n), max(float(n), 1.0)
-    # how many tokens were measured: with partial or asynchronous rollouts only fresh ones are,
-    # and a step with none reports gaps of 0 that say nothing
-    metrics = {"train/logprob_gap_abs": float(s_abs) / n, "train/logprob_gap_max": float(s_max),
-               "train/logprob_gap_kl": float(s_kl) / n, "train/logprob_gap_tokens": measured,
-               "train/logprob_gap_tokens_over": float(over)}
-    return metrics, np.asarray(positions)[np.asarray(positions)[:, 0] >= 0]
 
 
 def _local_positions(positions: np.ndarray, local_rows: int, order: np.ndarray | None
