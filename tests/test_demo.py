@@ -50,6 +50,7 @@ def test_config_variants():
     flat_full, flat_compare = _flat(full), _flat(compare)
     diff = {k for k in flat_full.keys() | flat_compare.keys() if flat_full.get(k, None) != flat_compare.get(k, None)}
     assert diff == {"mode", "demo.task_kinds", "demo.in_head_fraction.count_divisible",
+                    "demo.in_head_fraction.count_divisible_large", "demo.num_eval_problems",
                     "demo.recover_fraction.count_divisible", "demo.recover_fraction.modpow", "demo.export_hf",
                     "rl.temperature", "demo.num_sft_problems", "rl.max_response_len", "sft.seq_len"}
     assert compare.mode == "demo_compare" and compare.rl.roc
@@ -94,7 +95,7 @@ def test_sft_rows_hold_the_longest_trace():
         tok = build.tokenizer(parse(c).model)
         fmt = chat_format(c.sft.chat_format)
         # the longest trace of every kind: fixed digit counts make every trace of a layout equally long
-        tasks = [t for k in demo_tasks.TASK_KINDS for t in demo_tasks.generate_tasks(2, "train", seed=0, kinds=(k,))]
+        tasks = [t for k in demo_tasks.ALL_KINDS for t in demo_tasks.generate_tasks(2, "train", seed=0, kinds=(k,))]
         traces = demo_tasks.make_sft_traces(tasks)
         if dict(c.demo.recover_fraction):
             kinds = {k for k, p in dict(c.demo.recover_fraction).items() if p > 0}

@@ -33,6 +33,11 @@ from rstarjax.env import classify_tool_error, format_tool_response
 from rstarjax.protocol import ANSWER_CLOSE, ANSWER_OPEN, REASON_CLOSE, REASON_OPEN, TOOL_NAME
 
 TASK_KINDS = ("multiply", "modpow", "count_divisible", "digit_sum_power")
+# The harder tier: larger operands (more digits to copy, at an offset one token longer than the
+# base kinds'), its own wording so that a kind is read off the text. Not in TASK_KINDS (the
+# default of every function here); configs/demo.py lists it, so the held-out set has headroom.
+HARD_KINDS = ("count_divisible_large",)
+ALL_KINDS = TASK_KINDS + HARD_KINDS
 SPLITS = ("train", "test")
 HELD_OUT_BUCKETS = 10  # 1 in 10 problem texts is held out
 
@@ -122,6 +127,29 @@ def _count_divisible(rng: random.Random) -> DemoTask:
     return _draw(rng, _count_divisible_once, 4)
 
 
+def _count_divisible_large_once(rng: random.Random) -> DemoTask:
+    """The harder tier of counting: divisors of 3 digits (11 digits to copy, against 9; N keeps
+    5 digits, so the program runs as fast as the base kind's), with its own wording ("multiples
+    of"); the program keeps the base kind's layout."""
+    n = rng.randint(10000, 99999)
+    a = rng.randint(101, 400)
+    b = rng.choice([k for k in range(101, 401) if k % a and a % k])
+    answer = n // a + n // b - n // (a * b // _gcd(a, b))
+    head = f"n = {n}\na, b = {a}, {b}\n"
+    return DemoTask(
+        "count_divisible_large",
+        f"How many integers from 1 to {n} are multiples of {a} or {b}?",
+        str(answer),
+        head + "print(sum(1 for k in range(1, n + 1) if k % a == 0 or k % b == 0))",
+        "Count them in Python.",
+        buggy_code=head + "print(len(k for k in range(1, n + 1) if k % a == 0 or k % b == 0))",
+    )
+
+
+def _count_divisible_large(rng: random.Random) -> DemoTask:
+    return _draw(rng, _count_divisible_large_once, 3)
+
+
 def _digit_sum_power_once(rng: random.Random) -> DemoTask:
     base, exp = rng.randint(10, 99), rng.randint(100, 999)
     return DemoTask(
@@ -149,10 +177,11 @@ GENERATORS: dict[str, Callable[[random.Random], DemoTask]] = {
     "modpow": _modpow,
     "count_divisible": _count_divisible,
     "digit_sum_power": _digit_sum_power,
+    "count_divisible_large": _count_divisible_large,
 }
 
 
-_WORDING = (("How many integers", "count_divisible"), ("What is the sum of the digits", "digit_sum_power"),
+_WORDING = (("are multiples of", "count_divisible_large"), ("How many integers", "count_divisible"), ("What is the sum of the digits", "digit_sum_power"),
             (" mod ", "modpow"), (" * ", "multiply"))
 
 
@@ -179,7 +208,7 @@ def generate_tasks(
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     unknown = [k for k in kinds if k not in GENERATORS]
     if unknown or not kinds:
-        raise ValueError(f"unknown task kinds {unknown}; choose from {TASK_KINDS}")
+        raise ValueError(f"unknown task kinds {unknown}; choose from {ALL_KINDS}")
     if num < 0:
         raise ValueError(f"num must be >= 0, got {num}")
     rng = random.Random(f"rstarjax-demo-{split}-{seed}")
@@ -354,7 +383,7 @@ def sandbox_error_runner(executor) -> ErrorRunner:
 def _validate_shares(name: str, shares: Mapping[str, float]) -> None:
     unknown = sorted(set(shares) - set(GENERATORS))
     if unknown:
-        raise ValueError(f"{name} names unknown task kinds {unknown}; choose from {TASK_KINDS}")
+        raise ValueError(f"{name} names unknown task kinds {unknown}; choose from {ALL_KINDS}")
     if any(not 0.0 <= float(p) <= 1.0 for p in shares.values()):
         raise ValueError(f"{name} values must be in [0, 1], got {dict(shares)}")
 
