@@ -22,14 +22,20 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def tiny_trainer():
+    """The tiny model (seed 3) on one device, with its tokenizer and a fresh trainer."""
     tok = load_tokenizer(1000)
     cfg = ModelConfig.preset("tiny", vocab_size=tok.num_tokens, dtype=jnp.float32,
                              bos_token_id=tok.endoftext_id, eos_token_id=tok.eos_id)
     model = Qwen3(cfg, rngs=nnx.Rngs(3))
     trainer = Trainer(model, OptimConfig(), LossConfig(), TrainerConfig(),
                       mesh=make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    return model, tok, trainer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    model, tok, trainer = tiny_trainer()
     root = tmp_path_factory.mktemp("run")
     with ckpt_lib.Checkpointer(str(root / "checkpoints"), ckpt_lib.CheckpointConfig(async_save=False)) as c:
         c.save(7, trainer.state, model_meta(model, tok))
@@ -121,12 +127,7 @@ def test_export_skips_a_damaged_checkpoint_and_refuses_when_none_verifies(tmp_pa
 
     from test_checkpoint import damage
 
-    tok = load_tokenizer(1000)
-    cfg = ModelConfig.preset("tiny", vocab_size=tok.num_tokens, dtype=jnp.float32,
-                             bos_token_id=tok.endoftext_id, eos_token_id=tok.eos_id)
-    model = Qwen3(cfg, rngs=nnx.Rngs(3))
-    trainer = Trainer(model, OptimConfig(), LossConfig(), TrainerConfig(),
-                      mesh=make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    model, tok, trainer = tiny_trainer()
     directory = str(tmp_path / "checkpoints")
     with ckpt_lib.Checkpointer(directory, ckpt_lib.CheckpointConfig(async_save=False)) as c:
         for step in (5, 6, 7):
