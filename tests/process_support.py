@@ -26,6 +26,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def start_on_stand_in_jetstream(monkeypatch, grpc, server_lib, **start_kw):
+    """``serve.start_server`` on a stand-in JetStream (an optional extra): ``server_lib`` stands
+    for its ``jetstream.core.server_lib`` (at least ``run``) and ``grpc`` for the grpc module;
+    returns what ``start_server`` returned."""
+    import types
+
+    from rstarjax import serve
+
+    jetstream_core = types.SimpleNamespace(
+        config_lib=types.SimpleNamespace(ServerConfig=lambda **kw: kw, MetricsServerConfig=lambda **kw: kw),
+        server_lib=server_lib)
+    monkeypatch.setitem(sys.modules, "grpc", grpc)
+    monkeypatch.setitem(sys.modules, "jetstream", types.ModuleType("jetstream"))
+    monkeypatch.setitem(sys.modules, "jetstream.core", jetstream_core)
+    monkeypatch.setitem(sys.modules, "rstarjax.serving.jetstream_engine",
+                        types.SimpleNamespace(patch_jetstream_for_current_jax=lambda: None))
+    device = types.SimpleNamespace(platform="cpu")
+    adapter = types.SimpleNamespace(mesh=types.SimpleNamespace(devices=types.SimpleNamespace(flat=[device])))
+    return serve.start_server(adapter, 9000, **start_kw)
+
+
 def worker_env(devices: int, **extra) -> dict:
     """The environment of a worker process: ``devices`` CPU devices, the repository and the
     tests on its path, and the test process's XLA optimisation level (tests/conftest.py):

@@ -24,7 +24,7 @@ import time
 import numpy as np
 import pytest
 
-from process_support import own_other_address, worker_env
+from process_support import own_other_address, start_on_stand_in_jetstream, worker_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -805,17 +805,8 @@ def test_the_policy_server_admits_loopback_only_unless_exposed_over_tls(tmp_path
     assert exit_info.value.code == 2 and "--tls_cert='nope.pem' is not a file" in capsys.readouterr().err
 
     calls = {}
-    jetstream_core = types.SimpleNamespace(
-        config_lib=types.SimpleNamespace(ServerConfig=lambda **kw: kw, MetricsServerConfig=lambda **kw: kw),
-        server_lib=types.SimpleNamespace(run=lambda **kw: calls.update(kw) or "server"))
-    monkeypatch.setitem(sys.modules, "grpc", grpc)
-    monkeypatch.setitem(sys.modules, "jetstream", types.ModuleType("jetstream"))
-    monkeypatch.setitem(sys.modules, "jetstream.core", jetstream_core)
-    monkeypatch.setitem(sys.modules, "rstarjax.serving.jetstream_engine",
-                        types.SimpleNamespace(patch_jetstream_for_current_jax=lambda: None))
-    device = types.SimpleNamespace(platform="cpu")
-    adapter = types.SimpleNamespace(mesh=types.SimpleNamespace(devices=types.SimpleNamespace(flat=[device])))
-    assert serve.start_server(adapter, 9000) == "server"
+    server_lib = types.SimpleNamespace(run=lambda **kw: calls.update(kw) or "server")
+    assert start_on_stand_in_jetstream(monkeypatch, grpc, server_lib) == "server"
     assert calls["credentials"] == ("local", "local_tcp") and calls["port"] == 9000
 
 

@@ -9,14 +9,8 @@ import urllib.request
 
 import pytest
 
-from process_support import own_other_address
+from process_support import free_port, own_other_address, start_on_stand_in_jetstream
 from rstarjax import serve
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_with_fake_jetstream(monkeypatch, prometheus_port, metrics_options=None):
@@ -30,20 +24,11 @@ def _start_with_fake_jetstream(monkeypatch, prometheus_port, metrics_options=Non
         return "server"
 
     server_lib = types.SimpleNamespace(run=run, start_http_server=lambda port: pytest.fail("every interface"))
-    jetstream_core = types.SimpleNamespace(
-        config_lib=types.SimpleNamespace(ServerConfig=lambda **kw: kw, MetricsServerConfig=lambda **kw: kw),
-        server_lib=server_lib)
+
     grpc = types.SimpleNamespace(local_server_credentials=lambda kind: ("local", kind),
                                  LocalConnectionType=types.SimpleNamespace(LOCAL_TCP="local_tcp"))
-    monkeypatch.setitem(sys.modules, "grpc", grpc)
-    monkeypatch.setitem(sys.modules, "jetstream", types.ModuleType("jetstream"))
-    monkeypatch.setitem(sys.modules, "jetstream.core", jetstream_core)
-    monkeypatch.setitem(sys.modules, "rstarjax.serving.jetstream_engine",
-                        types.SimpleNamespace(patch_jetstream_for_current_jax=lambda: None))
-    device = types.SimpleNamespace(platform="cpu")
-    adapter = types.SimpleNamespace(mesh=types.SimpleNamespace(devices=types.SimpleNamespace(flat=[device])))
-    assert serve.start_server(adapter, 9000, prometheus_port=prometheus_port,
-                              metrics_options=metrics_options) == "server"
+    assert start_on_stand_in_jetstream(monkeypatch, grpc, server_lib, prometheus_port=prometheus_port,
+                                       metrics_options=metrics_options) == "server"
     return started
 
 
@@ -57,7 +42,7 @@ def test_the_metrics_port_admits_loopback_only_unless_exposed(monkeypatch, tmp_p
         "addr": "0.0.0.0", "certfile": "c.pem", "keyfile": "k.pem", "client_cafile": "ca.pem",
         "client_auth_required": True}
 
-    port = _free_port()
+    port = free_port()
     started = _start_with_fake_jetstream(monkeypatch, port)
     server = started["metrics"][0] if isinstance(started["metrics"], tuple) else None
     try:
