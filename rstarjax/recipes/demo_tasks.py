@@ -251,12 +251,19 @@ sys.__stdout__.write(json.dumps(out))
 """
 
 
-def run_programs(codes: Sequence[str], timeout: float = 60.0) -> list[str]:
+SECONDS_PER_PROGRAM = 0.05  # the batch's time budget grows with it: a counting program takes ~30 ms on a loaded core
+
+
+def run_programs(codes: Sequence[str], timeout: float | None = None) -> list[str]:
     """Run each program in one fresh child interpreter (isolated from this process); returns the
     stdout of each, trailing newlines stripped as rstarjax.env's sandbox does (an exception's
-    traceback is appended to its output). Raises TimeoutError if the batch exceeds `timeout`."""
+    traceback is appended to its output). Raises TimeoutError if the batch exceeds `timeout`
+    (default: 60 s plus ``SECONDS_PER_PROGRAM`` per program; a flat 60 s failed the demo's 14,000
+    programs on a loaded 2-core machine, issue 48)."""
     if not codes:
         return []
+    if timeout is None:
+        timeout = 60.0 + SECONDS_PER_PROGRAM * len(codes)
     proc = subprocess.Popen(
         [sys.executable, "-I", "-c", _CHILD],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
