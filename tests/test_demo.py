@@ -252,3 +252,73 @@ def test_sft_checkpoint_starts_from_an_earlier_runs_sft(demo_ci_run, tmp_path):
     c.demo.sft_checkpoint = str(tmp_path / "nowhere")
     with pytest.raises(ConfigError, match="demo.sft_checkpoint"):
         parse(c)
+
+
+def test_the_harder_tier_is_counting_with_larger_operands():
+    """demo_tasks.HARD_KINDS (in configs/demo.py): answers against a brute-force count, a fixed
+    shape per draw, its own wording (kind_of tells it from the base kind), every operand copied
+    at one offset in the demo vocabulary, 3-digit divisors, and the in-head coin applies to it."""
+    import json
+    import re
+
+    from rstarjax.models import chat_template as ct
+    from rstarjax.models.tokenizer import load_tokenizer
+    from rstarjax.recipes import demo_tasks as dt
+
+    assert dt.HARD_KINDS == ("count_divisible_large",) and set(_config(None).demo.task_kinds) == set(dt.ALL_KINDS)
+    tasks = dt.generate_tasks(60, "train", seed=5, kinds=dt.HARD_KINDS) + dt.generate_tasks(20, "test", seed=5,
+                                                                                             kinds=dt.HARD_KINDS)
+    shape = lambda text: re.sub(r"\d+", lambda m: f"<{len(m.group())}>", text)  # noqa: E731
+    assert len({(shape(t.problem), shape(t.code), shape(t.answer)) for t in tasks}) == 1
+    for t in tasks[:10]:
+        _, n, a, b = (int(x) for x in re.findall(r"\d+", t.problem))
+        assert 100 <= a <= 999 and 100 <= b <= 999 and 10000 <= n <= 99999
+        assert int(t.answer) == sum(1 for k in range(1, n + 1) if k % a == 0 or k % b == 0)
+    assert all(dt.kind_of(t.problem) == "count_divisible_large" for t in tasks)
+    assert dt.kind_of(dt.generate_tasks(1, seed=5, kinds=("count_divisible",))[0].problem) == "count_divisible"
+    demo_tok = load_tokenizer(1000)
+    for task in tasks[:2]:
+        ids = demo_tok.encode(ct.render_conversation(dt.sft_trace(task, task.answer), fmt=ct.COMPACT))
+        pieces = [demo_tok.decode([t]) for t in ids]
+        starts = [sum(map(len, pieces[:i])) for i in range(len(pieces))]
+        text = "".join(pieces)
+        question, code = text.index(task.problem), text.index(json.dumps(task.code)[1:-1])
+        offsets = []
+        for number in re.findall(r"\d+", task.problem)[1:]:  # not the "from 1"
+            find = lambda at: starts.index(at + re.search(rf"(?<!\d){number}(?!\d)", text[at:]).start())  # noqa: E731
+            offsets.append(find(code) - find(question))
+        assert max(offsets) - min(offsets) <= 2 and max(offsets) <= 92, offsets
+    traces = dt.make_sft_traces(tasks[:60], in_head_fraction={"count_divisible_large": 0.6}, seed=5)
+    assert 20 <= sum(len(m) == 2 for m in traces) <= 50
+
+
+def test_seed_tables_are_mean_and_range_over_runs():
+    """The README's demo figures are means and ranges over fresh seeds: recipes.demo.seed_table
+    and demo_compare.seed_table against figures worked by hand; mixed configs are refused."""
+    from rstarjax.recipes import demo, demo_compare
+
+    def summary(seed, sft, rl, kinds):
+        return {"seed": seed, "sft_accuracy": sft, "rl_accuracy": rl, "num_eval_problems": 8,
+                "sft": {"accuracy_by_kind": kinds[0], "tool_call_rate": 0.5},
+                "rl": {"accuracy_by_kind": kinds[1], "tool_call_rate": 1.0}}
+
+    runs = [summary(11, 0.5, 0.75, ({"a": 1.0, "b": 0.0}, {"a": 1.0, "b": 0.5})),
+            summary(12, 0.25, 0.875, ({"a": 0.5, "b": 0.0}, {"a": 1.0, "b": 0.75}))]
+    t = demo.seed_table(runs)
+    assert t["seeds"] == [11, 12]
+    assert t["sft_accuracy"] == {"mean": 0.375, "min": 0.25, "max": 0.5}
+    assert t["gain_points"] == pytest.approx({"mean": 43.75, "min": 25.0, "max": 62.5})  # 75-50, 87.5-25 points
+    assert t["by_kind"]["b"]["rl"] == {"mean": 0.625, "min": 0.5, "max": 0.75}
+    assert t["by_kind"]["a"]["sft"]["min"] == 0.5 and t["tool_call_rate"]["rl"]["mean"] == 1.0
+    with pytest.raises(ValueError, match="other kinds"):
+        demo.seed_table(runs + [summary(13, 0.5, 0.5, ({"a": 1.0}, {"a": 1.0}))])
+
+    def comparison(seed, roc_ratio, grpo_ratio, met):
+        arm = lambda r: {k: r for k in demo_compare.COMPARED}  # noqa: E731
+        return {"provenance": {"seeds": {"seed": seed}}, "sft": {"heldout_accuracy": 1.0}, "roc": arm(roc_ratio),
+                "grpo": arm(grpo_ratio), "targets": {"x": met, "y": None}}
+
+    c = demo_compare.seed_table([comparison(11, 0.1, 0.3, True), comparison(12, 0.2, 0.3, False)])
+    assert c["arms"]["roc"]["tool_error_ratio_positive_last"] == pytest.approx({"mean": 0.15, "min": 0.1, "max": 0.2})
+    assert c["arms"]["grpo"]["heldout_accuracy"]["mean"] == pytest.approx(0.3)
+    assert c["targets_met"] == {"x": 1, "y": 0} and c["runs"] == 2 and c["seeds"] == [11, 12]

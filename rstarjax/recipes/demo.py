@@ -340,6 +340,34 @@ def run_demo(run: RunConfig, workdir: str) -> dict[str, Any]:
     return summary
 
 
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Mean and range of one figure over runs (the README quotes a demo figure this way)."""
+    vals = [float(v) for v in values]
+    return {"mean": float(np.mean(vals)), "min": min(vals), "max": max(vals)}
+
+
+def seed_table(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Held-out accuracy after SFT and after RL over several runs' ``demo_summary.json``: overall,
+    the gain in points, per kind (SFT and RL side by side) and the tool-call rate, each as
+    ``spread``. The runs must share their kinds and held-out size (one config, other seeds)."""
+    if not summaries:
+        raise ValueError("seed_table needs at least one demo_summary.json")
+    kinds = sorted(summaries[0]["sft"]["accuracy_by_kind"])
+    for s in summaries:
+        if sorted(s["sft"]["accuracy_by_kind"]) != kinds or s["num_eval_problems"] != summaries[0]["num_eval_problems"]:
+            raise ValueError(f"seed {s.get('seed')}: other kinds or held-out size than seed {summaries[0].get('seed')}")
+    return {
+        "seeds": [int(s["seed"]) for s in summaries],
+        "num_eval_problems": int(summaries[0]["num_eval_problems"]),
+        "sft_accuracy": spread([s["sft_accuracy"] for s in summaries]),
+        "rl_accuracy": spread([s["rl_accuracy"] for s in summaries]),
+        "gain_points": spread([100 * (s["rl_accuracy"] - s["sft_accuracy"]) for s in summaries]),
+        "by_kind": {k: {phase: spread([s[phase]["accuracy_by_kind"][k] for s in summaries]) for phase in ("sft", "rl")}
+                    for k in kinds},
+        "tool_call_rate": {phase: spread([s[phase]["tool_call_rate"] for s in summaries]) for phase in ("sft", "rl")},
+    }
+
+
 def _write_eval_samples(path: str, records, sft_trajs, rl_trajs) -> None:
     rows = []
     for r, a, b in zip(records, sft_trajs, rl_trajs):

@@ -195,6 +195,25 @@ def run_compare(run: RunConfig, workdir: str) -> dict[str, Any]:
     return comparison
 
 
+COMPARED = ("tool_error_ratio_positive_last", "tool_error_ratio_positive_sampled_last", "heldout_accuracy",
+            "response_length_last", "turns_last")
+
+
+def seed_table(comparisons: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``COMPARED`` per arm over several runs' ``comparison.json`` (mean and range, arms side by
+    side), the SFT's held-out accuracy, and per target the number of runs that met it."""
+    if not comparisons:
+        raise ValueError("seed_table needs at least one comparison.json")
+    return {
+        "seeds": [int(c["provenance"]["seeds"]["seed"]) for c in comparisons],
+        "sft_heldout_accuracy": demo.spread([c["sft"]["heldout_accuracy"] for c in comparisons]),
+        "arms": {arm: {key: demo.spread([c[arm][key] for c in comparisons]) for key in COMPARED}
+                 for arm, _ in ARMS},
+        "targets_met": {t: sum(c["targets"][t] is True for c in comparisons) for t in comparisons[0]["targets"]},
+        "runs": len(comparisons),
+    }
+
+
 def _json_safe(value):
     """NaN / inf (a curve with no positive trajectory at some step) become null: strict JSON."""
     if isinstance(value, float) and not math.isfinite(value):
