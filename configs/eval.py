@@ -14,7 +14,7 @@ response; docs/algorithm.md "Where the official code differs" lists every settin
 import os
 import sys
 
-import ml_collections
+from rstarjax.recipes.config import section_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import base  # noqa: E402
@@ -23,18 +23,7 @@ import base  # noqa: E402
 def get_config(arg=None):
     c = base.get_config("rl")
     c.mode = "eval"
-    c.eval = ml_collections.ConfigDict()
-    c.eval.paths = ""  # comma-separated jsonl / parquet benchmark files (AIME / MATH-500 layouts)
-    c.eval.names = ()  # dataset names; default the file stems
-    c.eval.limit = 0  # > 0: first N problems of each file
-    c.eval.k = 16
-    c.eval.temperature = 0.6
-    c.eval.top_p = 1.0
-    c.eval.top_k = -1
-    c.eval.max_turns = 30
-    c.eval.max_response_len = 30 * 1024
-    c.eval.max_prompt_len = 2048
-    c.eval.num_slots = 64
-    c.eval.timeout_s = 24 * 3600.0
-    c.eval.chat_format = "rstar2"
+    # rStar2-Agent §5.1's k=16 samples at temperature 0.6, up to 30K tokens and 30 turns:
+    # EvalConfig's defaults (rstarjax/recipes/config.py, whose field comments document each key)
+    c.eval = section_config("eval")
     return c

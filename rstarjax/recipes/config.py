@@ -15,7 +15,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import typing
 from collections.abc import Mapping
+
+import ml_collections
 
 from rstarjax.env.official_reward import REWARD_MODES
 from rstarjax.io.checkpoint import CheckpointConfig
@@ -309,15 +312,15 @@ class EvalConfig:
                  (self.max_prompt_len >= 1, f"max_prompt_len={self.max_prompt_len} must be >= 1"),
                  one_of("chat_format", self.chat_format, CHAT_FORMATS)]
         try:  # the rollout layer's own rules on the values it takes from this section
-            self.agent(RLConfig()), self.sampling()
+            RLConfig().agent(**self.budgets()), self.sampling()
         except ValueError as e:
             rules += [(False, line) for line in str(e).splitlines()]
         require(*rules)
 
-    def agent(self, rl: RLConfig) -> AgentConfig:
-        """The evaluation's budgets; the tool's own limits are the RL runs' (``rl``)."""
-        return dataclasses.replace(rl.agent(), max_turns=self.max_turns, max_response_len=self.max_response_len,
-                                   rollout_timeout_s=self.timeout_s)
+    def budgets(self) -> dict:
+        """The evaluation's budgets, over the RL runs' in ``RLConfig.agent`` (the tool's own limits
+        stay the ``rl`` section's)."""
+        return dict(max_turns=self.max_turns, max_response_len=self.max_response_len, rollout_timeout_s=self.timeout_s)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(0, self.top_k))
@@ -370,11 +373,11 @@ class RunConfig:
 
     def agent(self) -> AgentConfig:
         """The rollouts' budgets of an RL stage (``rl``) with the run's reward (``reward``)."""
-        return dataclasses.replace(self.rl.agent(), reward_mode=self.reward.mode)
+        return self.rl.agent(self.reward.mode)
 
     def eval_agent(self) -> AgentConfig:
         """The evaluation's budgets (``eval``) with the run's reward."""
-        return dataclasses.replace(self.eval.agent(self.rl), reward_mode=self.reward.mode)
+        return self.rl.agent(self.reward.mode, **self.eval.budgets())
 
 
 # section name -> its dataclass (a section absent from the ConfigDict keeps the defaults; sft,
@@ -386,6 +389,44 @@ SECTIONS = {"model": ModelSource, "data": DataConfig, "rl": RLConfig, "reward": 
             "sft": SFTConfig,
             "eval": EvalConfig, "demo": DemoConfig}
 _TOP_LEVEL = ("mode", "seed", "profile", "total_steps", "compilation_cache_dir")
+# the sections of every run's ConfigDict (configs/base.py); sft, eval and demo come with their presets
+BASE_SECTIONS = ("model", "data", "rl", "reward", "serving", "loss", "optim", "trainer", "mesh", "distributed",
+                 "checkpoint", "logging", "filter", "env")
+
+
+def _field_default(field: dataclasses.Field):
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+
+
+def section_config(name: str, **changes) -> ml_collections.ConfigDict:
+    """The ``name`` section as a ConfigDict: every field of its dataclass (``SECTIONS``) at the
+    dataclass's default, the one place that default is written, with ``changes`` over them. A
+    field that defaults to None becomes a placeholder of its declared type, so that
+    ``--config.SECTION.KEY=VALUE`` can parse a value for it."""
+    cls = SECTIONS[name]
+    hints = typing.get_type_hints(cls)
+    unknown = set(changes) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise KeyError(f"{name} has no fields {sorted(unknown)}")
+    values = {}
+    for field in dataclasses.fields(cls):
+        value = changes.get(field.name, _field_default(field))
+        if value is None:
+            [declared] = [t for t in typing.get_args(hints[field.name]) if t is not type(None)]
+            value = ml_collections.config_dict.placeholder(declared)
+        values[field.name] = value
+    return ml_collections.ConfigDict(values)
+
+
+def default_config(mode: str = "rl") -> ml_collections.ConfigDict:
+    """configs/base.py's ConfigDict: the top-level keys at ``RunConfig``'s defaults and each of
+    ``BASE_SECTIONS`` at its dataclass's (``section_config``)."""
+    c = ml_collections.ConfigDict()
+    for key in _TOP_LEVEL:
+        c[key] = mode if key == "mode" else getattr(RunConfig, key)
+    for name in BASE_SECTIONS:
+        c[name] = section_config(name)
+    return c
 
 
 def _plain(value):
@@ -436,15 +477,15 @@ def parse(config, num_devices: int | None = None, num_processes: int = 1, explic
     for key in config:
         if key not in SECTIONS and key not in _TOP_LEVEL:
             errors.append(f"--config.{key} is not a config section (known: {sorted(SECTIONS)})")
-    profile = config.get("profile", "paper")
+    profile = config.get("profile", RunConfig.profile)
     if profile not in PROFILES:
         raise ConfigError(f"invalid config:\n  --config.profile={profile!r} is unknown; choose one of {sorted(PROFILES)}")
     raw = profile_sections(config, profile, frozenset(explicit))
     sections = {name: _parse_section(name, raw[name], errors) for name in SECTIONS if name in raw}
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-    run = RunConfig(mode=mode, seed=int(config.get("seed", 0)), profile=profile,
-                    total_steps=int(config.get("total_steps", 300)),
+    run = RunConfig(mode=mode, seed=int(config.get("seed", RunConfig.seed)), profile=profile,
+                    total_steps=int(config.get("total_steps", RunConfig.total_steps)),
                     compilation_cache_dir=str(config.get("compilation_cache_dir",
                                                          RunConfig.compilation_cache_dir)),
                     **sections)

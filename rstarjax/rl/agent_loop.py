@@ -76,8 +76,9 @@ from rstarjax.validation import one_of, require
 
 @dataclasses.dataclass(frozen=True)
 class AgentConfig:
-    """One episode's budgets and the bounds on waiting for the environment (built from the
-    ``rl`` section by ``RLConfig.agent``, or from ``eval`` by ``EvalConfig.agent``)."""
+    """One episode's budgets and the bounds on waiting for the environment (derived from a run's
+    config in one place, ``RLConfig.agent``; an evaluation's budgets go over it). The defaults
+    of the fields the ``rl`` section exposes are written here, once: RLConfig's are these."""
 
     max_turns: int = 10  # T: model turns per episode
     max_response_len: int = 8192  # model + tool tokens after the prompt

@@ -22,17 +22,21 @@ class RLConfig:
     prompts_per_step: int = 512  # global, over all processes
     group_size: int = 16  # G: rollouts per prompt kept for the update
     oversample: int = 32  # 2G rollouts sampled before RoC down-samples to G
-    max_turns: int = 10
+    # the rollouts' budgets and the tool's limits are the rollout layer's (AgentConfig: their
+    # defaults are written there, once); ``agent()`` hands this section's values back to it
+    max_turns: int = AgentConfig.max_turns  # T: model turns per episode
     max_prompt_len: int = 2048
-    max_response_len: int = 8192  # tokens of model + tool text per trajectory
-    max_tool_response_chars: int = 2048
+    max_response_len: int = AgentConfig.max_response_len  # tokens of model + tool text per trajectory
+    max_tool_response_chars: int = AgentConfig.max_tool_response_chars
     chat_format: str = "rstar2"  # models.chat_template.CHAT_FORMATS
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # <= 0: off
-    tool_timeout_s: float = 5.0
-    num_tool_workers: int = 0  # code-pool workers; 0 = one per host core
-    rollout_timeout_s: float = 3600.0  # a whole step's rollouts; past it the step fails loudly
+    # per code execution, in (0, ExecutorConfig.max_timeout]: the code pool's limit per call
+    tool_timeout_s: float = AgentConfig.tool_timeout_s
+    num_tool_workers: int = 0  # code-pool workers; 0 = one per host core (each runs 4 sandboxes)
+    # a whole step's rollouts (> 0); past it the step fails loudly
+    rollout_timeout_s: float = AgentConfig.rollout_timeout_s
     roc: bool = True  # False: the paper's GRPO baseline, G rollouts per prompt, all trained
     roc_variant: str = "paper"  # "topk": the official code's deterministic selection, exactly
     # per-class floors of roc_variant="topk" (the official run script's values)
@@ -122,13 +126,18 @@ class RLConfig:
         """2G with RoC (it keeps G of them); G for the GRPO baseline, which trains on all it samples."""
         return self.oversample if self.roc else self.group_size
 
-    def agent(self) -> AgentConfig:
+    def agent(self, reward_mode: str = AgentConfig.reward_mode, **budgets) -> AgentConfig:
+        """The rollout layer's ``AgentConfig``, the one place it is derived from a run's config:
+        this section's budgets and tool limits, ``budgets`` over them (an evaluation's
+        max_turns, max_response_len and rollout_timeout_s: ``EvalConfig.budgets``) and the run's
+        ``reward_mode`` (the ``reward`` section's; ``RunConfig.agent`` passes it)."""
         # the scheduler's wait for a tool call's answer covers the call's own limit twice over
         # (queueing included): a long tool_timeout_s is not cut short as an infrastructure error
         tool_wait_s = max(AgentConfig.tool_wait_s, 2 * self.tool_timeout_s)
-        return AgentConfig(max_turns=self.max_turns, max_response_len=self.max_response_len,
-                           tool_timeout_s=self.tool_timeout_s, max_tool_response_chars=self.max_tool_response_chars,
-                           rollout_timeout_s=self.rollout_timeout_s, tool_wait_s=tool_wait_s)
+        fields = dict(max_turns=self.max_turns, max_response_len=self.max_response_len,
+                      rollout_timeout_s=self.rollout_timeout_s, tool_timeout_s=self.tool_timeout_s,
+                      max_tool_response_chars=self.max_tool_response_chars, tool_wait_s=tool_wait_s)
+        return AgentConfig(**{**fields, **budgets}, reward_mode=reward_mode)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(0, self.top_k))

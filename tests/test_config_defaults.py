@@ -1,0 +1,50 @@
+"""Each config default has one home (the section's dataclass), and the shipped configs still
+resolve to what they did before it moved there (issue 49): tests/fixtures/shipped_configs.json
+holds every key of every shipped config and its variants (configs/demo.py's own test runs it),
+dumped at 8b1a3e8 (value, its type,
+and the type the ConfigDict locks the key to, which ``--config.SECTION.KEY=VALUE`` parses by)."""
+import dataclasses
+import importlib
+import json
+import os
+import sys
+
+import ml_collections
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "configs"))
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "shipped_configs.json")
+VARIANTS = {"base": [None, "filter"], "stage1": [None, "filter"], "stage2": [None, "filter"],
+            "stage3": [None, "filter"], "eval": [None], "sft": [None]}
+
+
+def flat(c, prefix=""):
+    """Every leaf of a ConfigDict: dotted key -> [repr(value), its type, the key's locked type]."""
+    out = {}
+    for k in sorted(c.keys()):
+        v = c[k]
+        if isinstance(v, ml_collections.ConfigDict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = [repr(v), type(v).__name__, c.get_ref(k).get_type().__name__]
+    return out
+
+
+def dump() -> dict:
+    return {f"{name}:{arg or ''}": flat(importlib.import_module(name).get_config(arg))
+            for name, args in VARIANTS.items() for arg in args}
+
+
+def test_shipped_configs_resolve_as_before():
+    with open(FIXTURE) as f:
+        before = json.load(f)
+    now = dump()
+    assert sorted(now) == sorted(before)
+    for variant in before:  # a key added since is a new dataclass field: in every config at its default
+        changed = {k: (old, now[variant].get(k)) for k, old in before[variant].items() if now[variant].get(k) != old}
+        assert not changed, f"{variant}: {changed}"
+
+
+if __name__ == "__main__":  # python tests/test_config_defaults.py > tests/fixtures/shipped_configs.json
+    print(json.dumps(dump(), indent=0, sort_keys=True))
