@@ -24,7 +24,7 @@ from rstarjax.check_config import config_from_argv
 from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
 from rstarjax.layout import distributed_trainers
-from rstarjax.recipes import demo, demo_compare, evaluate, preemption, rl, sft, stage3_filter
+from rstarjax.recipes import build, demo, demo_compare, evaluate, preemption, rl, sft, stage3_filter
 from rstarjax.recipes.config import MODES, RENAMED, DistributedConfig, RunConfig, device_rules, parse
 from rstarjax.rl import remote
 from rstarjax.rl.trajectory import RolloutsFailed
@@ -64,8 +64,12 @@ def init_distributed(cfg: DistributedConfig, trainer_processes: int = 0) -> None
 def run(config, workdir: str, explicit=frozenset()) -> None:
     """Parse and check the config, set up JAX, and run the mode's recipe. ``explicit``: the
     dotted keys the command line set (they win over ``config.profile``'s)."""
-    typed = parse(config, explicit=explicit)  # static checks first: fail before touching devices
+    try:
+        typed, deferred = parse(config, explicit=explicit), None  # static checks first: fail before touching devices
+    except ConfigError as e:  # unless the memory plan sets the micro-batch (one GPU): judged once devices are up
+        typed, deferred = build.parse_sizes_open(config, explicit, e), e
     init_distributed(typed.distributed, distributed_trainers(typed.serving))
+    typed = build.sized_by_memory_plan(typed, explicit, deferred)  # one GPU: the sizes the command line left open
     errors = device_rules(typed, jax.device_count(), jax.process_count())
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))

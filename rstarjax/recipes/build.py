@@ -2,11 +2,14 @@
 executor and the colocated rollout function (one builder each)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -18,9 +21,10 @@ from rstarjax.io import data as data_lib
 from rstarjax.models.chat_template import chat_format, encode_prompt
 from rstarjax.models.sharding import make_mesh, shard_model
 from rstarjax.models.tokenizer import Tokenizer, load_tokenizer_for
-from rstarjax.recipes.config import MeshConfig, ModelSource
+from rstarjax.recipes.config import PROFILES, MeshConfig, ModelSource, RunConfig, parse
 from rstarjax.rl.agent_loop import AgentConfig, ColocatedRollouts
 from rstarjax.rl.config import RLConfig
+from rstarjax.serving import sizing
 from rstarjax.serving.colocated import ServingConfig
 from rstarjax.serving.sampling import SamplingParams
 from rstarjax.validation import ConfigError
@@ -143,3 +147,72 @@ def rollouts(model, tok: Tokenizer, executor: CodeExecutor, agent: AgentConfig, 
     return ColocatedRollouts(model, tokenizer=tok, executor=executor, agent=agent, sampling=sampling,
                              max_prompt_len=max_prompt_len, fmt=chat_format(chat), serving=serving,
                              num_slots=num_slots)
+
+
+# the sizes a colocated run on one device takes from the memory plan unless the command line gives them
+PLANNED_KEYS = ("trainer.micro_batch_size", "serving.kv_memory_fraction")
+
+
+def model_config(src: ModelSource) -> ModelConfig:
+    """The architecture ``policy`` builds for ``src`` (its HF config.json, else the preset) and its
+    LoRA targets, read without building the model: what the memory plan needs."""
+    if src.random_init:
+        cfg = ModelConfig.preset(src.preset, remat_policy=src.remat_policy)
+    else:
+        with open(os.path.join(src.hf_path, "config.json")) as f:
+            cfg = ModelConfig.from_hf_dict(json.load(f), remat_policy=src.remat_policy)
+    return cfg.replace(lora_targets=src.lora_target_names) if src.lora_rank else cfg
+
+
+def parse_sizes_open(config, explicit, error: ConfigError) -> RunConfig:
+    """``parse`` of ``config`` with ``trainer.micro_batch_size``, unless the command line gave it,
+    at 0 (all rows: it divides any mini-batch): for a run whose micro-batch the memory plan may still
+    set (``sized_by_memory_plan``; e.g. configs/base.py's 64 and 2 prompts x G = 8 rows). Raises
+    ``error``, the first parse's, when the config has other problems too."""
+    if "trainer.micro_batch_size" in explicit or "trainer" not in config:
+        raise error
+    opened = ml_collections.ConfigDict(config).copy_and_resolve_references()  # the flag's is locked
+    opened.trainer.micro_batch_size = 0
+    try:
+        return parse(opened, explicit=explicit)
+    except ConfigError:
+        raise error from None
+
+
+def sized_by_memory_plan(run: RunConfig, explicit=frozenset(), deferred: ConfigError | None = None) -> RunConfig:
+    """``mode=rl``, colocated on one device that reports its memory (a GPU or TPU): the keys of
+    ``PLANNED_KEYS`` that neither the command line (``explicit``) nor ``--config.profile`` set
+    become the memory plan's (``serving.sizing.size_colocated``: the micro-batch whose update fits
+    beside the serving copy and the KV pool, the pool's share of what the trainer leaves), and one
+    line says them with the predicted peak; ConfigError naming the flags when nothing fits. The
+    config files' values (64 rows, 0.9) are for CPU and several devices, where ``run`` is kept.
+    ``deferred``: the first parse's error when ``parse_sizes_open`` made ``run``; raised unless the
+    plan sets the micro-batch."""
+    device = sizing.device_bytes_limit() if run.mode == "rl" and jax.device_count() == 1 \
+        and not run.serving.disaggregated else None
+    if device is None:  # CPU (no memory statistics), several devices, no RL stage: the config's sizes
+        if deferred is not None:
+            raise deferred
+        return run
+    given = set(explicit) | set(PROFILES.get(run.profile, {}))
+    if run.serving.kv_pages > 0:  # an explicit pool: the fraction is not used
+        given.add("serving.kv_memory_fraction")
+    planned = tuple(k for k in PLANNED_KEYS if k not in given)
+    if not planned:  # both given: the start check (recipes/rl.py check_update_room) judges them
+        return run  # (deferred: the micro-batch was given, so parse_sizes_open raised already)
+    rl = run.rl
+    choice = sizing.size_colocated(
+        model_config(run.model), rows=rl.prompts_per_step * rl.group_size // run.trainer.mini_batches,
+        seq_len=rl.max_prompt_len + rl.max_response_len, device_bytes=device,
+        micro_batch=None if "trainer.micro_batch_size" in planned else run.trainer.micro_batch_size,
+        kv_memory_fraction=None if "serving.kv_memory_fraction" in planned else run.serving.kv_memory_fraction,
+        kv_pages=run.serving.kv_pages, page_size=run.serving.page_size, lora_rank=run.model.lora_rank,
+        release_during_update=run.serving.release_during_update)
+    if choice.problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(choice.problems))
+    print("rstarjax: " + sizing.describe_choice(choice, device_bytes=device, planned=planned,
+                                                kv_pages=run.serving.kv_pages), flush=True)
+    trainer = dataclasses.replace(run.trainer, micro_batch_size=choice.micro_batch)
+    serving = run.serving if "serving.kv_memory_fraction" not in planned else dataclasses.replace(
+        run.serving, kv_memory_fraction=round(choice.kv_memory_fraction, 6))
+    return dataclasses.replace(run, trainer=trainer, serving=serving)

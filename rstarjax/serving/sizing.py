@@ -317,3 +317,82 @@ def update_room_problems(cfg: ModelConfig, *, rows: int, seq_len: int, micro_bat
                                    f"{rollout / GB:.1f}" if held else "")
             + f"), the device has {free_bytes / GB:.1f} GB free (memory plan: serving/sizing.py); "
             + "; or ".join(fixes)]
+
+
+# ---- what a colocated run on one device leaves to the plan ----------------------------------------
+def device_bytes_limit(device: jax.Device | None = None) -> int | None:
+    """Bytes the allocator may hand out on ``device`` in all (``bytes_limit``); None where the
+    backend keeps no memory statistics (CPU)."""
+    device = device or jax.local_devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def size_colocated(cfg: ModelConfig, *, rows: int, seq_len: int, device_bytes: int,
+                   micro_batch: int | None = None, kv_memory_fraction: float | None = None,
+                   kv_pages: int = 0, page_size: int = 16, lora_rank: int = 0,
+                   release_during_update: bool = False, remat_policy: str | None = None) -> ColocatedChoice:
+    """The micro-batch and the KV pool's share of a colocated run on one device of ``device_bytes``,
+    each from the memory plan where the run leaves it open (None), the run's own where it set it.
+
+    The run's remat policy is kept (``remat_policy``, default ``cfg.remat_policy``). With the
+    pool open, ``choose_colocated`` picks the largest micro-batch (or checks the given one) beside
+    a pool of at least 8 maximum-length rollouts, else of one, and gives the pool the rest. With
+    the pool set (``kv_memory_fraction`` of the memory the trainer's state and the serving copy
+    leave, or ``kv_pages``), the micro-batch is the largest whose update fits beside that pool.
+    ``problems`` (one line, naming the flags) when nothing fits."""
+    remat = remat_policy or cfg.remat_policy
+    micro_batches = None if micro_batch is None else (micro_batch or rows,)
+    page_bytes = kv_bytes_per_token(cfg, jnp.bfloat16) * page_size
+    per_rollout = pages_for(seq_len, page_size)
+    pool_bytes = None
+    if kv_pages > 0:
+        pool_bytes = kv_pages * page_bytes
+    elif kv_memory_fraction is not None:
+        bare = plan_memory(cfg, rows=rows, seq_len=seq_len, remat_policy=remat, lora_rank=lora_rank)
+        pool_bytes = int(kv_memory_fraction * max(0, device_bytes - bare.state - bare.serving))
+    pools = (8, 1) if pool_bytes is None else (pool_bytes / (per_rollout * page_bytes),)
+    for pool in pools:
+        choice = choose_colocated(cfg, rows=rows, seq_len=seq_len, device_bytes=device_bytes,
+                                  min_pool_rollouts=pool, page_size=page_size, lora_rank=lora_rank,
+                                  remat_policies=(remat,), micro_batches=micro_batches,
+                                  release_during_update=release_during_update)
+        if choice.problems:
+            continue
+        if pool_bytes is None:
+            return choice
+        return dataclasses.replace(  # the run's own pool, not the room the plan would give it
+            choice, kv_pages=int(pool_bytes // page_bytes), plan=dataclasses.replace(choice.plan, kv_pool=int(pool_bytes)),
+            kv_memory_fraction=0.0 if kv_pages > 0 else float(kv_memory_fraction))
+    if micro_batch is None and pool_bytes is None:
+        return choice  # choose_colocated's own problem: one row of the slowest remat does not fit
+    given = [f"--config.trainer.micro_batch_size={micro_batch}" if micro_batch is not None else "",
+             f"--config.serving.kv_pages={kv_pages}" if kv_pages > 0 else
+             (f"--config.serving.kv_memory_fraction={kv_memory_fraction}" if pool_bytes is not None else "")]
+    given = [g for g in given if g]
+    problem = (f"the memory plan (serving/sizing.py) finds no room on this {device_bytes / GB:.1f} GB device for "
+               f"{' with '.join(given)} ({rows} rows of {seq_len} tokens, remat {remat}"
+               + (f", a {pool_bytes / GB:.1f} GB KV pool" if pool_bytes is not None else "")
+               + "): leave " + " and ".join(g.split("=")[0] for g in given) + " out to let the plan size "
+               + ("it" if len(given) == 1 else "them") + ", or set smaller values")
+    return dataclasses.replace(choice, problems=(problem,))
+
+
+def describe_choice(choice: ColocatedChoice, *, device_bytes: int, planned: tuple[str, ...],
+                    kv_pages: int = 0) -> str:
+    """One line for the start of a run: the micro-batch, the pool and the predicted peak;
+    ``planned``: the config keys the plan chose (the others are the run's own)."""
+    p = choice.plan
+
+    def tag(key):
+        return "plan" if key in planned else "given"
+    pool = (f"serving.kv_pages={kv_pages} (given)" if kv_pages > 0 else
+            f"serving.kv_memory_fraction={choice.kv_memory_fraction:.4f} ({tag('serving.kv_memory_fraction')})")
+    return (f"memory plan (serving/sizing.py) for {device_bytes / GB:.1f} GB: "
+            f"trainer.micro_batch_size={choice.micro_batch} ({tag('trainer.micro_batch_size')}), {pool}: "
+            f"a {p.kv_pool / GB:.1f} GB KV pool, remat {choice.remat_policy}; predicted peak {p.peak / GB:.1f} GB "
+            f"(weights + AdamW {p.state / GB:.1f}, gradients {p.grads / GB:.1f}, activations "
+            f"{p.activations / GB:.1f}, serving copy {p.serving / GB:.1f})")
