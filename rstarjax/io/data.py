@@ -11,9 +11,12 @@ Files: ``.jsonl`` / ``.json`` (a list of rows or JSON lines) and ``.parquet`` (n
 Rows are read and normalised eagerly on the host (datasets here are ~10^4-10^5 problems): bad rows
 (a line that is not UTF-8 or not JSON, missing, empty or wrong-type fields, repeated problems) are
 skipped and COUNTED by reason in ``DataReport``, with their first rows (``FILE:ROW``);
-the answers kept are ``answer_filter``'s (``ANSWER_FILTERS``: "integer", rStar2-Agent §4.2's and the
-default, or "any" the verifier can compare), and integers past Python's int-string limit (4,300
-digits), which the verifier could not read, are counted too. docs/data.md is the user's guide.
+``handling`` (``DATA_HANDLINGS``) says what is done to the rows kept: "paper" (the default) strips
+and canonicalises as below, "official" keeps prompt and answer as written and every repeat, as the
+official rStar2-Agent code does. The answers kept (paper handling) are ``answer_filter``'s
+(``ANSWER_FILTERS``: "integer", rStar2-Agent §4.2's and the default, or "any" the verifier can
+compare), and integers past Python's int-string limit (4,300 digits), which the verifier could not
+read, are counted too. docs/data.md is the user's guide.
 The pipeline is then: per-host shard (process_index::process_count) -> seeded shuffle, reshuffled
 every epoch -> repeat(num_epochs) -> batches of rows. Its iterator's ``get_state()`` /
 ``set_state()`` (a small dict: the position in rows) is what a checkpoint stores to resume exactly,
@@ -49,6 +52,17 @@ _DAPO_PREFIX = re.compile(
     re.S,
 )
 _DAPO_SUFFIX = re.compile(r"\s*Remember to put your answer on its own line after \"Answer:\"\.?\s*$", re.S)
+
+# data.handling: what loading does to the rows it keeps (docs/data.md "Handling")
+#   "paper":    ours, the default: the DAPO instruction wrapper and the whitespace around problem
+#               and answer stripped, GSM8K answers cut after "####", answers filtered and integers
+#               written canonically (answer_filter), a repeated problem dropped (the first row wins)
+#   "official": what the official rStar2-Agent code does (microsoft/rStar ecbfb94
+#               data_preprocess/*_rstar2_agent_loop.py, then J-shang/verl d0dc976 RLHFDataset):
+#               the user message and the ground truth as written (nothing stripped, no answer
+#               filter, no canonical form) and every row kept, repeats included; rows it cannot
+#               read at all (no problem, no answer, not JSON) are still skipped and counted
+DATA_HANDLINGS = ("paper", "official")
 
 
 class BadRow(ValueError):
@@ -110,6 +124,11 @@ def _text(x: Any) -> str | None:
     return None
 
 
+def _verbatim(x: Any) -> str | None:
+    """The text of a field as written (a number as ``_text`` writes it); None for other types."""
+    return x if isinstance(x, str) else _text(x)
+
+
 def strip_dapo_wrapper(text: str) -> str:
     return _DAPO_SUFFIX.sub("", _DAPO_PREFIX.sub("", text)).strip()
 
@@ -147,6 +166,39 @@ def _field(candidates: list[tuple[str, Any]], what: str) -> str:
     if wrong:
         raise BadRow(f"{what}_wrong_type", "; ".join(wrong))
     raise BadRow(f"missing_{what}")
+
+
+def official_row(row: Any) -> dict[str, str]:
+    """{"problem", "answer"} as the official code trains on them (``handling="official"``): verl's
+    chat ``prompt`` must be one user message, whose content the template renders as written
+    (``RLHFDataset._build_messages`` hands the list over unchanged), and the answer is
+    ``reward_model.ground_truth`` as written (what ``compute_score`` receives); the HF layouts'
+    columns are taken as written too (the official aime/math500 preprocessing copies ``problem``
+    / ``question`` and ``answer`` unchanged). Raises BadRow for what it cannot read."""
+    if not isinstance(row, dict):
+        raise BadRow("not_a_mapping", type(row).__name__)
+    prompt = row.get("prompt")
+    if prompt is not None and not isinstance(prompt, str):  # verl layout
+        messages = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
+        if (not messages or len(messages) != 1 or not isinstance(messages[0], dict)
+                or messages[0].get("role") != "user" or not isinstance(messages[0].get("content"), str)):
+            raise BadRow("not_one_user_message", "the official template renders one user message here")
+        problem = messages[0]["content"]
+    else:  # the preprocessing's inputs: open-r1's DAPO rows (prompt text), the HF sets' columns
+        problem = _verbatim_field([(k, row[k]) for k in _PROBLEM_KEYS + ("prompt",) if k in row], "problem")
+    rm = row.get("reward_model")  # what compute_score receives, in either layout
+    truth = isinstance(rm, dict) and "ground_truth" in rm
+    answers = [("reward_model.ground_truth", rm["ground_truth"])] if truth else []
+    answer = _verbatim_field(answers + [(k, row[k]) for k in _ANSWER_KEYS if k in row], "answer")
+    return {"problem": problem, "answer": answer}
+
+
+def _verbatim_field(candidates: list[tuple[str, Any]], what: str) -> str:
+    """``_field`` without the strip: the first candidate that is text or a number, as written."""
+    for key, value in candidates:
+        if _verbatim(value) is not None:
+            return _verbatim(value)
+    return _field(candidates, what)  # raises: missing, or the types found
 
 
 def normalize_row(row: Any) -> dict[str, str]:
@@ -355,7 +407,8 @@ def read_rows(path: str) -> tuple[list[Any], collections.Counter]:
 
 
 def load_problems(paths: str | Iterable[str], integer_only: bool = True,
-                  answer_filter: str | None = None) -> tuple[list[dict[str, str]], DataReport]:
+                  answer_filter: str | None = None,
+                  handling: str = "paper") -> tuple[list[dict[str, str]], DataReport]:
     """Normalised records from one or more files, and a report of everything dropped, with the
     rows (``FILE:ROW [why]``). A record's ``uid`` is ``FILE:ROW`` (``read_numbered_rows``'
     numbering). A problem seen before (in any of the files) is dropped as ``duplicate``, or as
@@ -364,7 +417,16 @@ def load_problems(paths: str | Iterable[str], integer_only: bool = True,
     ``answer_filter`` (``ANSWER_FILTERS``; an RL run's ``data.answer_filter``) chooses the answers
     kept; without it ``integer_only`` says ("integer", or every answer as written: evaluation).
     Answers the filter drops are counted, and said in one warning line with the setting that
-    keeps them."""
+    keeps them.
+
+    ``handling="official"`` (``DATA_HANDLINGS``; ``data.handling``) reads the rows as the official
+    code does (``official_row``): nothing stripped, no answer filter, and a repeated problem is
+    KEPT (its own row, uid and GRPO group, as verl gives every row of a batch a fresh uid); the
+    repeats are counted in one log line."""
+    if handling not in DATA_HANDLINGS:
+        raise ValueError(f"handling={handling!r}: choose one of {list(DATA_HANDLINGS)}")
+    if handling == "official":
+        return _load_official(paths)
     if answer_filter is None:
         answer_filter = "integer" if integer_only else ""
     elif answer_filter not in ANSWER_FILTERS:
@@ -402,6 +464,41 @@ def load_problems(paths: str | Iterable[str], integer_only: bool = True,
                     "integer answers only, as rStar2-Agent (data.answer_filter='integer'); "
                     "--config.data.answer_filter=any keeps every answer the verifier can compare (docs/data.md)",
                     dropped, report.total)
+    if not records:
+        raise ValueError(f"no usable rows in {list(paths)} ({report})")
+    return records, report
+
+
+def _load_official(paths: str | Iterable[str]) -> tuple[list[dict[str, str]], DataReport]:
+    """``load_problems(handling="official")``: every row ``official_row`` reads, in file order."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    records: list[dict[str, str]] = []
+    report = DataReport()
+    first: dict[str, str] = {}  # problem -> the uid of its first row (only to count the repeats)
+    repeats = []
+    for path in paths:
+        source = os.path.basename(os.fspath(path))
+        for number, row in read_numbered_rows(os.fspath(path)):
+            report.total += 1
+            where = f"{source}:{number}"
+            try:
+                if isinstance(row, BadRow):
+                    raise row
+                rec = official_row(row)
+            except BadRow as e:
+                report.skip(e.reason, f"{where} [{e.detail}]" if e.detail else where)
+                continue
+            if first.setdefault(rec["problem"], where) != where:
+                repeats.append(f"{where} [of {first[rec['problem']]}]")
+            records.append({**rec, "uid": where, "source": source})
+    report.kept = len(records)
+    if report.num_skipped:
+        log.warning("dataset %s", report)
+    if repeats:
+        log.info("dataset: %d rows repeat an earlier problem and are kept, as the official code keeps them "
+                 "(data.handling='official'): rows %s%s", len(repeats), ", ".join(repeats[:EXAMPLE_ROWS]),
+                 ", ..." if len(repeats) > EXAMPLE_ROWS else "")
     if not records:
         raise ValueError(f"no usable rows in {list(paths)} ({report})")
     return records, report
@@ -575,8 +672,10 @@ def problem_dataset(
     num_epochs: int | None = 1,
     integer_only: bool = True,
     answer_filter: str | None = None,
+    handling: str = "paper",
     **kwargs,
 ) -> tuple[RowBatches, DataReport]:
     """load_problems + make_dataset in one call."""
-    records, report = load_problems(paths, integer_only=integer_only, answer_filter=answer_filter)
+    records, report = load_problems(paths, integer_only=integer_only, answer_filter=answer_filter,
+                                    handling=handling)
     return make_dataset(records, batch_size, seed=seed, num_epochs=num_epochs, **kwargs), report

@@ -109,15 +109,16 @@ def tool_workers(requested: int, cores: int | None = None) -> int:
     return int(requested) if requested > 0 else max(1, host_cores() if cores is None else int(cores))
 
 
-def problems(train_path: str, rl: RLConfig, tok: Tokenizer | None,
-             answer_filter: str = "integer") -> tuple[list[dict], data_lib.DataReport]:
+def problems(train_path: str, rl: RLConfig, tok: Tokenizer | None, answer_filter: str = "integer",
+             handling: str = "paper") -> tuple[list[dict], data_lib.DataReport]:
     """The problems of ``train_path`` a run rolls out, and the report of what was skipped: read
     and checked before any model or code pool is built. Rows the loader cannot use are skipped
     and counted (``io.data.load_problems``), and with ``tok`` (the engine's prompts; None for a
     scripted rollout function) so are those whose prompt, encoded as the rollouts do, exceeds
     ``rl.max_prompt_len``: one such row would otherwise stop the run when drawn, hours in, and
-    again at every restart. ``answer_filter``: the answers kept (``data.answer_filter``)."""
-    records, report = data_lib.load_problems(train_path, answer_filter=answer_filter)
+    again at every restart. ``answer_filter``: the answers kept (``data.answer_filter``);
+    ``handling``: what is done to the rows (``data.handling``)."""
+    records, report = data_lib.load_problems(train_path, answer_filter=answer_filter, handling=handling)
     if tok is not None:
         fmt = chat_format(rl.chat_format)
         records = data_lib.drop_long_prompts(records, report, lambda problem: len(encode_prompt(tok, problem, fmt)),

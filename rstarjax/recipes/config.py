@@ -22,7 +22,7 @@ import ml_collections
 
 from rstarjax.env.official_reward import REWARD_MODES
 from rstarjax.io.checkpoint import CheckpointConfig
-from rstarjax.io.data import ANSWER_FILTERS, dataset_problems
+from rstarjax.io.data import ANSWER_FILTERS, DATA_HANDLINGS, dataset_problems
 from rstarjax.layout import Layout, layout_of
 from rstarjax.models.chat_template import CHAT_FORMATS
 from rstarjax.models.config import DTYPES, LORA_TARGETS, PRESETS, REMAT_POLICIES
@@ -68,6 +68,14 @@ PROFILES: dict[str, dict[str, object]] = {
         # examples/run_qwen3-14b_rstar2_agent_weave.sh: data.train_batch_size=128 prompts a step (the
         # paper: 512); rollout.n=32 and down_sample_to_n=16 are the paper's 2G and G
         "rl.prompts_per_step": 128,
+        # ... in its one stage (the paper: three, of 300 + 85 + 125 steps): trainer.total_training_steps=200,
+        # trainer.total_epochs=15, data.max_prompt_length=2048, data.max_response_length=8192 (the
+        # paper's stage 1; its stages 2-3 use 12K). A top-level key (total_steps) is written over the
+        # stage config's own, as a section's key is (docs/algorithm.md "Steps per stage")
+        "total_steps": 200, "data.num_epochs": 15, "rl.max_prompt_len": 2048, "rl.max_response_len": 8192,
+        # data_preprocess/dapo_rstar2_agent_loop.py, then verl's RLHFDataset: prompts and answers as
+        # written, repeats kept (io.data.DATA_HANDLINGS)
+        "data.handling": "official",
         # rstar2_agent/down_sample/roc.py with the run script's settings
         "rl.roc_variant": "topk", "rl.roc_penalty": "official_text", "rl.roc_min_negatives": 2,
         "rl.roc_min_positives": 2, "rl.reject_equal_reward": True,
@@ -151,10 +159,14 @@ class DataConfig:
     # the answers trained on (io.data.ANSWER_FILTERS): "integer" = rStar2-Agent §4.2's integers only
     # (the default); "any" = also every other answer the verifier can compare
     answer_filter: str = "integer"
+    # what loading does to the rows (io.data.DATA_HANDLINGS): "paper" = strip, canonicalise, filter
+    # (answer_filter), drop repeats; "official" = as the official code: as written, every row kept
+    handling: str = "paper"
 
     def __post_init__(self):
         require((self.num_epochs >= 0, f"num_epochs={self.num_epochs} must be >= 0 (0 = repeat forever)"),
-                one_of("answer_filter", self.answer_filter, ANSWER_FILTERS))
+                one_of("answer_filter", self.answer_filter, ANSWER_FILTERS),
+                one_of("handling", self.handling, DATA_HANDLINGS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,6 +452,8 @@ def profile_sections(config, profile: str, explicit=frozenset()) -> dict[str, di
     command line gave it (``explicit``: dotted keys such as "rl.max_turns")."""
     sections = {name: {k: _plain(v) for k, v in dict(config[name]).items()} for name in SECTIONS if name in config}
     for dotted, value in PROFILES[profile].items():
+        if dotted in _TOP_LEVEL:  # a top-level key (total_steps): parse reads it
+            continue
         name, key = dotted.split(".", 1)
         if dotted in explicit or (name not in sections and name != "reward"):
             continue
@@ -484,8 +498,9 @@ def parse(config, num_devices: int | None = None, num_processes: int = 1, explic
     sections = {name: _parse_section(name, raw[name], errors) for name in SECTIONS if name in raw}
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    steps = PROFILES[profile].get("total_steps") if "total_steps" not in explicit else None
     run = RunConfig(mode=mode, seed=int(config.get("seed", RunConfig.seed)), profile=profile,
-                    total_steps=int(config.get("total_steps", RunConfig.total_steps)),
+                    total_steps=int(config.get("total_steps", RunConfig.total_steps) if steps is None else steps),
                     compilation_cache_dir=str(config.get("compilation_cache_dir",
                                                          RunConfig.compilation_cache_dir)),
                     **sections)

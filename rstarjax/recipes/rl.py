@@ -311,7 +311,7 @@ def _run_rl(run: RunConfig, workdir: str, rollout_fn, model, on_update, model_so
         tokenizer = build.tokenizer(run.model)
         # the data first: its bad and over-long rows are reported before minutes of model loading
         records, _ = build.problems(run.data.train_path, run.rl, tokenizer if rollout_fn is None else None,
-                                    run.data.answer_filter)
+                                    run.data.answer_filter, run.data.handling)
         mesh = build.mesh(run.mesh, run.serving)
         ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), run.checkpoint)
         executor, before_update = None, None

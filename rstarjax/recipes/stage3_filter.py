@@ -84,7 +84,7 @@ def run_filter(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None
     # with the engine's prompts (rollout_fn None), the over-long ones are skipped and counted too
     records, report = build.problems(run.data.train_path, run.rl,
                                      build.tokenizer(run.model) if rollout_fn is None else None,
-                                     run.data.answer_filter)
+                                     run.data.answer_filter, run.data.handling)
     executor = None
     if rollout_fn is None:
         mesh = build.mesh(run.mesh)
