@@ -25,7 +25,7 @@ from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
 from rstarjax.layout import distributed_trainers
 from rstarjax.recipes import build, demo, demo_compare, evaluate, preemption, rl, sft, stage3_filter
-from rstarjax.recipes.config import MODES, RENAMED, DistributedConfig, RunConfig, device_rules, parse
+from rstarjax.recipes.config import MODES, RENAMED, DistributedConfig, RunConfig, as_flags, device_rules, parse
 from rstarjax.rl import remote
 from rstarjax.rl.trajectory import RolloutsFailed
 from rstarjax.validation import ConfigError
@@ -85,8 +85,8 @@ def run_to_exit_status(config, workdir: str, explicit=frozenset()) -> int:
     failed, e.g. the rollout process died, after saving the last finished step; in one line)."""
     try:
         run(config, workdir, explicit)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
+    except ConfigError as e:  # a lower layer's setting (serving.kv_pages) as its flag
+        print(as_flags(str(e)), file=sys.stderr)
         return 2
     except preemption.Interrupted as e:
         print(e, file=sys.stderr, flush=True)

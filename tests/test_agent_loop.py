@@ -16,6 +16,7 @@ from rstarjax.models.chat_template import COMPACT, encode_prompt, encode_tool_re
 from rstarjax.models.config import ModelConfig
 from rstarjax.models.qwen3 import Qwen3
 from rstarjax.models.tokenizer import load_tokenizer
+from rstarjax.recipes.config import as_flags
 from rstarjax.rl.agent_loop import AgentConfig, RolloutRequest, run_rollouts
 from rstarjax.rl.trajectory import FinishReason, SegmentKind
 from rstarjax.serving import Engine, SamplingParams
@@ -223,10 +224,11 @@ def test_trainer_rollout_hook_samples_real_episodes(tok, model, executor):
     fn.update_params(other)  # the engine's serving copy now holds the new weights
     np.testing.assert_array_equal(np.asarray(fn.engine.params.embed), np.asarray(other.embed[...]))
     # A pool that cannot hold one rollout of max_prompt_len + max_response_len is refused at
-    # start, naming the flag that fixes it.
+    # start, naming the flag that fixes it (the setting, which the recipes print as its flag).
     config.serving.kv_pages = 3
-    with pytest.raises(ValueError, match="--config.serving.kv_pages"):
+    with pytest.raises(ValueError) as refused:
         rollouts()
+    assert "--config.serving.kv_pages" in as_flags(str(refused.value))
 
 
 # ---- infrastructure errors are the environment's, not the model's --------------------------------

@@ -48,3 +48,26 @@ def test_shipped_configs_resolve_as_before():
 
 if __name__ == "__main__":  # python tests/test_config_defaults.py > tests/fixtures/shipped_configs.json
     print(json.dumps(dump(), indent=0, sort_keys=True))
+
+
+def test_lower_layers_name_settings_and_the_recipes_write_them_as_flags():
+    """Below recipes/ a setting is named in the config's terms (``serving.kv_pages``); the recipes
+    turn it into its flag, and only a real key of a section (not ``serving.sizing``)."""
+    from rstarjax.recipes.config import as_flags
+    from rstarjax.rl.config import RLConfig
+    from rstarjax.validation import ConfigError
+    assert as_flags("set serving.kv_pages=896, or lower rl.max_prompt_len / rl.max_response_len (serving.sizing); "
+                    "jax.distributed (distributed.*)") == (
+        "set --config.serving.kv_pages=896, or lower --config.rl.max_prompt_len / --config.rl.max_response_len "
+        "(serving.sizing); jax.distributed (--config.distributed.*)")
+    assert as_flags("--config.rl.roc=False, rl.step, model.hf_path") == "--config.rl.roc=False, rl.step, --config.model.hf_path"
+    with pytest.raises(ConfigError) as e:  # the rl section's own rule names a sibling setting ...
+        RLConfig(oversample=24)
+    assert "--config." not in str(e.value) and "rl.roc=False" in str(e.value)
+    import stage1  # ... and the run's parse prints it as the flag
+    c = stage1.get_config()
+    c.rl.oversample = 24
+    from rstarjax.recipes.config import parse
+    with pytest.raises(ConfigError, match="or set --config.rl.roc=False"):
+        parse(c)
+

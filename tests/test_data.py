@@ -171,7 +171,7 @@ def test_answer_filter_integer_by_default_and_any_keeps_what_the_verifier_reads(
     assert [(r["problem"], r["answer"]) for r in records] == [("i", "1000")]
     lines = [r.getMessage() for r in caplog.records if "not an integer" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("dataset: 3 of 4 rows have an answer that is not an integer")
-    assert "--config.data.answer_filter=any" in lines[0]
+    assert "data.answer_filter=any" in lines[0]  # the setting, in the config's terms
 
     caplog.clear()
     with caplog.at_level("WARNING", logger="rstarjax.io.data"):

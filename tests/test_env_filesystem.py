@@ -245,7 +245,7 @@ def test_rl_refuses_an_unconfined_sandbox_unless_the_user_allows_it(monkeypatch)
     with pytest.raises(ConfigError) as err:
         build.executor(1)
     message = str(err.value)
-    assert "\n" not in message and isolation.UNCONFINED_FLAG in message and "neither root" in message, message
+    assert "\n" not in message and "--config." + isolation.UNCONFINED_SETTING in message and "neither root" in message, message
     assert _UnconfinedPool.closed  # its processes do not outlive the refusal
     assert isinstance(build.executor(1, allow_unconfined=True), _UnconfinedPool)
     # the flag is a config key of every run: --config.env.allow_unconfined

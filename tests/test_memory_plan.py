@@ -3,6 +3,7 @@ arithmetic on the tiny preset, and against what a GPU measured at Qwen3-1.7B."""
 import pytest
 
 from rstarjax.models.config import ModelConfig
+from rstarjax.recipes.config import as_flags
 from rstarjax.serving.sizing import GB, choose_colocated, lora_trained_params, plan_memory
 
 TINY = ModelConfig.preset("tiny")
@@ -63,9 +64,10 @@ def test_choose_colocated_takes_the_fastest_policy_that_fits_then_the_largest_mi
     assert int(c.kv_memory_fraction * (device - state_serving)) // 4096 == c.kv_pages
     # a device too small for one row of the slowest policy: refused, naming the flags
     small = choose_colocated(TINY, rows=4, seq_len=32, device_bytes=state_serving)
-    assert small.problems and "--config.trainer.micro_batch_size" in small.problems[0]
-    assert "--config.serving.release_during_update=True" in small.problems[0]
-    assert "--config.model.lora_rank" in small.problems[0]
+    problem = as_flags(small.problems[0])  # the settings it names, as the recipes print them
+    assert small.problems and "--config.trainer.micro_batch_size" in problem
+    assert "--config.serving.release_during_update=True" in problem
+    assert "--config.model.lora_rank" in problem
 
 
 def test_the_plan_matches_what_the_gpu_measured_at_qwen3_1_7b():
@@ -89,6 +91,7 @@ def test_the_start_check_refuses_an_update_that_does_not_fit_naming_the_flags():
     kw = dict(rows=4, seq_len=32, micro_batch=4, remat_policy="full")
     assert update_room_problems(TINY, free_bytes=int(need / 0.95) + 1, **kw) == []
     [problem] = update_room_problems(TINY, free_bytes=int(need / 0.95) - 100, **kw)
+    problem = as_flags(problem)  # the settings it names, as the recipes print them
     assert "--config.trainer.micro_batch_size, now 4" in problem
     assert "--config.serving.release_during_update=True" in problem and "--config.model.lora_rank=16" in problem
     # freed during the update: only the gradients and the activations count
@@ -105,7 +108,8 @@ def test_the_rl_stage_runs_the_start_check_on_one_device(monkeypatch):
     run = SimpleNamespace(
         rl=SimpleNamespace(prompts_per_step=2, group_size=2, max_prompt_len=16, max_response_len=16),
         trainer=SimpleNamespace(mini_batches=1, micro_batch_size=0),
-        serving=SimpleNamespace(disaggregated=False, release_during_update=False, page_size=16))
+        serving=SimpleNamespace(placement="colocated", trainer_processes=1, rollout_devices=0,
+                                release_during_update=False, page_size=16))
     model = SimpleNamespace(config=TINY.replace(remat_policy="full"))
     monkeypatch.setattr(rl.jax, "device_count", lambda: 1)  # the tests run on 8 simulated devices
     monkeypatch.setattr(sizing, "free_device_bytes", lambda device=None: 10_000)  # a device that is full

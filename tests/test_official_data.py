@@ -279,3 +279,26 @@ def test_the_profile_runs_the_official_schedule(stage, paper_steps, tmp_path):
     assert run.data.handling == "official"
     c.total_steps = 250
     assert parse(c, explicit={"total_steps"}).total_steps == 250
+
+
+def test_the_profile_evaluates_the_benchmark_rows_as_written(tmp_path):
+    """configs/eval.py with the profile reads the benchmark files as the official evaluation does
+    (examples/aime_eval.sh on data_preprocess/aime2024_rstar2_agent_loop.py's output: the problem as
+    written); without it, stripped as before."""
+    import eval as eval_preset
+
+    from rstarjax.recipes.config import parse
+    from rstarjax.recipes.evaluate import load_benchmarks
+
+    path = tmp_path / "aime24.jsonl"
+    path.write_text(json.dumps({"id": 0, "problem": "Find $x$.\n", "answer": " 7", "solution": "-"}) + "\n")
+    e = eval_preset.get_config()
+    e.model.random_init, e.model.preset = True, "tiny"
+    e.eval.paths = str(path)
+    assert parse(e).data.handling == "paper"
+    e.profile = "rstar2_official"
+    handling = parse(e).data.handling
+    assert handling == "official"
+    [(name, records)] = load_benchmarks([str(path)], handling=handling).items()
+    assert (name, records[0]["problem"], records[0]["answer"]) == ("aime24", "Find $x$.\n", " 7")
+    assert load_benchmarks([str(path)])["aime24"][0]["problem"] == "Find $x$."

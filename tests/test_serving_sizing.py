@@ -12,6 +12,7 @@ from flax import nnx
 from rstarjax.models.config import ModelConfig
 from rstarjax.models.kv_cache import kv_bytes_per_token
 from rstarjax.models.qwen3 import Qwen3
+from rstarjax.recipes.config import as_flags
 from rstarjax.serving import Engine, PagePool, ServingConfig, plan_kv
 from rstarjax.serving import placement as engine_mod  # where the engine reads free memory
 from rstarjax.serving.sizing import serving_weight_bytes
@@ -76,7 +77,7 @@ def test_a_pool_that_cannot_hold_one_rollout_is_refused_with_numbers_and_flags()
     config = stage2.get_config()
     with pytest.raises(ValueError) as e:  # a 24 GB card: 16.4 GB of weights leave too little
         _plan(config, cfg, total_bytes=int(18.5e9))
-    msg = str(e.value)
+    msg = as_flags(str(e.value))  # the settings it names, as the recipes print them
     for part in ("14336 tokens", "896 pages", "--config.serving.kv_pages",
                  "--config.serving.kv_memory_fraction", "--config.rl.max_response_len"):
         assert part in msg

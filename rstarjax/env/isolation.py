@@ -322,7 +322,8 @@ def enter_user_namespace() -> bool:
     return True
 
 
-UNCONFINED_FLAG = "--config.env.allow_unconfined=True"
+# the setting that accepts such a host, in the config's terms (the recipes write it as the flag)
+UNCONFINED_SETTING = "env.allow_unconfined=True"
 
 
 def confinement_gap(info: dict) -> str | None:
@@ -341,13 +342,13 @@ def confinement_gap(info: dict) -> str | None:
 
 
 def require_confined(info: dict, allow_unconfined: bool) -> None:
-    """Refuse (RuntimeError, one line naming the flag) a code pool whose sandboxes could read the
+    """Refuse (RuntimeError, one line naming the setting) a code pool whose sandboxes could read the
     host's files, datasets and gold answers included, unless the user allowed it."""
     gap = confinement_gap(info)
     if gap is not None and not allow_unconfined:
         raise RuntimeError(f"the code sandbox cannot hide this host's files from model code ({gap}), so a policy "
                            f"could read the data's answers; fix the host (root, or unprivileged user namespaces: "
-                           f"docs/code_env.md) or accept it with {UNCONFINED_FLAG}")
+                           f"docs/code_env.md) or accept it with {UNCONFINED_SETTING}")
 
 
 def _mountinfo() -> list[tuple[str, str, set[str]]]:

@@ -462,7 +462,7 @@ def load_problems(paths: str | Iterable[str], integer_only: bool = True,
     if dropped:
         log.warning("dataset: %d of %d rows have an answer that is not an integer and are skipped: RL trains on "
                     "integer answers only, as rStar2-Agent (data.answer_filter='integer'); "
-                    "--config.data.answer_filter=any keeps every answer the verifier can compare (docs/data.md)",
+                    "data.answer_filter=any keeps every answer the verifier can compare (docs/data.md)",
                     dropped, report.total)
     if not records:
         raise ValueError(f"no usable rows in {list(paths)} ({report})")

@@ -164,6 +164,6 @@ def model_dir_problems(path: str, tokenizer_path: str = "", num_regular_tokens: 
                       "the tokenizer.json in " + tok_dir if os.path.isfile(os.path.join(tok_dir, "tokenizer.json"))
                       else "Qwen3's tokenizer (no tokenizer.json here)")
             problems.append(f"{source} has {tokens} tokens but config.json's vocab_size is {cfg.vocab_size}: "
-                            "set --config.model.tokenizer_num_regular_tokens (or --config.model.tokenizer_path) "
+                            "set model.tokenizer_num_regular_tokens (or model.tokenizer_path) "
                             "to the model's tokenizer")
     return problems

@@ -22,6 +22,7 @@ from rstarjax.models.chat_template import chat_format, encode_prompt
 from rstarjax.models.sharding import make_mesh, shard_model
 from rstarjax.models.tokenizer import Tokenizer, load_tokenizer_for
 from rstarjax.recipes.config import PROFILES, MeshConfig, ModelSource, RunConfig, parse
+from rstarjax.recipes.config import as_flags
 from rstarjax.rl.agent_loop import AgentConfig, ColocatedRollouts
 from rstarjax.rl.config import RLConfig
 from rstarjax.serving import sizing
@@ -135,7 +136,7 @@ def executor(num_tool_workers: int, allow_unconfined: bool = False) -> CodeExecu
         require_confined(pool.isolation, allow_unconfined)
     except RuntimeError as e:
         pool.close()
-        raise ConfigError(str(e)) from None
+        raise ConfigError(as_flags(str(e))) from None
     return pool
 
 
@@ -143,11 +144,15 @@ def rollouts(model, tok: Tokenizer, executor: CodeExecutor, agent: AgentConfig, 
              max_prompt_len: int, chat: str, serving: ServingConfig, num_slots: int | None = None
              ) -> ColocatedRollouts:
     """The agent loop on a paged serving engine over ``model``'s devices (``rl.agent_loop``),
-    sized by ``serving``; ``num_slots`` (> 0) overrides ``serving.num_slots``."""
+    sized by ``serving``; ``num_slots`` (> 0) overrides ``serving.num_slots``. ConfigError (exit
+    2) naming the flags when the KV pool cannot hold one rollout (``serving.sizing.plan_kv``)."""
     check_vocab(model, tok)
-    return ColocatedRollouts(model, tokenizer=tok, executor=executor, agent=agent, sampling=sampling,
-                             max_prompt_len=max_prompt_len, fmt=chat_format(chat), serving=serving,
-                             num_slots=num_slots)
+    try:
+        return ColocatedRollouts(model, tokenizer=tok, executor=executor, agent=agent, sampling=sampling,
+                                 max_prompt_len=max_prompt_len, fmt=chat_format(chat), serving=serving,
+                                 num_slots=num_slots)
+    except ConfigError as e:
+        raise ConfigError(as_flags(str(e))) from None
 
 
 # the sizes a colocated run on one device takes from the memory plan unless the command line gives them

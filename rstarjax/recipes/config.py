@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 import typing
 from collections.abc import Mapping
 
@@ -441,6 +442,22 @@ def default_config(mode: str = "rl") -> ml_collections.ConfigDict:
     return c
 
 
+_SETTING = re.compile(r"(?<![\w.-])(" + "|".join(SECTIONS) + r")\.(\*|[A-Za-z_]\w*)")
+
+
+def as_flags(message: str) -> str:
+    """``message`` with each setting it names in the config's own terms, ``SECTION.KEY`` (``serving.kv_pages``,
+    ``rl.max_response_len``; ``distributed.*``: the whole section), written as the flag that sets it
+    (``--config.serving.kv_pages``). The layers below the recipes name settings so; the recipes
+    turn their messages into the command line's (one place: a flag is spelled nowhere below).
+    A ``SECTION.NAME`` that is not a key of the section (``serving.sizing``) is left as it is."""
+    def flag(m: re.Match) -> str:
+        section, key = m.groups()
+        known = key == "*" or key in {f.name for f in dataclasses.fields(SECTIONS[section])}
+        return f"--config.{section}.{key}" if known else m.group(0)
+    return _SETTING.sub(flag, message)
+
+
 def _plain(value):
     """ConfigDict / FrozenConfigDict values (nested sections such as demo.model) as plain dicts."""
     return value.to_dict() if hasattr(value, "to_dict") else value
@@ -473,7 +490,7 @@ def _parse_section(name: str, section: Mapping, errors: list[str]):
     try:
         return cls(**{k: v for k, v in items.items() if k in fields})
     except (ConfigError, ValueError, TypeError) as e:
-        errors.extend(f"--config.{name}.{line}" for line in str(e).splitlines())
+        errors.extend(as_flags(f"--config.{name}.{line}") for line in str(e).splitlines())
         return None
 
 
@@ -536,7 +553,7 @@ def _require_file(path: str, flag: str, what: str) -> list[str]:
 
 def _problems_file(path: str, flag: str, what: str, kind: str = "problems") -> list[str]:
     """``_require_file``, then what its first rows say (``io.data.dataset_problems``)."""
-    return _require_file(path, flag, what) or [f"{flag}={path!r} {p}" for p in dataset_problems(path, kind)]
+    return _require_file(path, flag, what) or [as_flags(f"{flag}={path!r} {p}") for p in dataset_problems(path, kind)]
 
 
 def _run_rules(run: RunConfig) -> list[str]:
@@ -550,7 +567,7 @@ def _run_rules(run: RunConfig) -> list[str]:
         elif m.hf_path and os.path.isdir(m.hf_path) and not os.path.exists(os.path.join(m.hf_path, "config.json")):
             errs.append(f"--config.model.hf_path={m.hf_path!r} has no config.json")
         elif m.hf_path and os.path.isdir(m.hf_path):  # its headers against its config, its tokenizer's size
-            errs += [f"--config.model.hf_path={m.hf_path!r}: {p}" for p in
+            errs += [as_flags(f"--config.model.hf_path={m.hf_path!r}: {p}") for p in
                      model_dir_problems(m.hf_path, m.tokenizer_path, m.tokenizer_num_regular_tokens)]
     if mode in ("rl", "filter"):
         errs += _problems_file(run.data.train_path, "--config.data.train_path", "a jsonl/parquet of problems")

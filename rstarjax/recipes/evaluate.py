@@ -182,9 +182,10 @@ def evaluate_records(datasets: Mapping[str, Sequence[Mapping[str, str]]],
 
 
 def load_benchmarks(paths: Sequence[str], names: Sequence[str] | None = None,
-                    limit: int = 0) -> dict[str, list[dict[str, str]]]:
+                    limit: int = 0, handling: str = "paper") -> dict[str, list[dict[str, str]]]:
     """Benchmark files -> {dataset name: records}. Answers are kept as written (MATH-500 has
-    non-integer answers; math-verify compares them). Name defaults to the file's stem."""
+    non-integer answers; math-verify compares them). Name defaults to the file's stem.
+    ``handling``: ``data.handling`` ("official": problems as written too, repeats kept)."""
     if isinstance(paths, str):
         paths = [p for p in paths.split(",") if p]
     if not paths:
@@ -196,7 +197,7 @@ def load_benchmarks(paths: Sequence[str], names: Sequence[str] | None = None,
     for name, path in zip(names, paths):
         if not os.path.exists(path):
             raise FileNotFoundError(f"benchmark file {path!r} does not exist")
-        records, _ = load_problems(path, integer_only=False)
+        records, _ = load_problems(path, integer_only=False, handling=handling)
         out[name] = records[:limit] if limit else records
     return out
 
@@ -221,7 +222,7 @@ def run_eval(run: RunConfig, workdir: str) -> dict[str, dict[str, float]]:
     through the agent loop, with the evaluation's sampling and budgets (§5.1: T=0.6, 30K tokens,
     30 turns); writes eval_table.md, eval_results.json, eval_samples.jsonl."""
     e = run.eval
-    datasets = load_benchmarks(e.path_list, list(e.names) if e.names else None, e.limit)
+    datasets = load_benchmarks(e.path_list, list(e.names) if e.names else None, e.limit, run.data.handling)
     mesh = build.mesh(run.mesh)
     tokenizer = build.tokenizer(run.model)
     model = build.policy(run.model, mesh, run.seed, **build.vocabulary_of(tokenizer))

@@ -27,7 +27,7 @@ from rstarjax.io.metrics_log import MetricsWriter, step_line
 from rstarjax.layout import layout_of
 from rstarjax.models import lora
 from rstarjax.recipes import build, lora_base, preemption, sources
-from rstarjax.recipes.config import RunConfig, wandb_init_args
+from rstarjax.recipes.config import RunConfig, as_flags, wandb_init_args
 from rstarjax.rl.step import EmptyBatchStreak, any_process, rl_step
 from rstarjax.rl.trainer import Trainer, TrainState
 from rstarjax.rl.trajectory import RolloutFn, RolloutsFailed
@@ -264,7 +264,7 @@ def check_update_room(run: RunConfig, model: nnx.Module) -> None:
         lora_rank=model.config.lora_rank, release_during_update=run.serving.release_during_update,
         page_size=run.serving.page_size)
     if problems:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+        raise ConfigError(as_flags("invalid config:\n  " + "\n  ".join(problems)))
 
 
 def device_memory_metrics() -> dict[str, float]:

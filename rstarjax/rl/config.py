@@ -80,7 +80,7 @@ class RLConfig:
             (self.group_size >= 2, f"group_size={self.group_size}: GRPO needs G >= 2 rollouts per prompt"),
             (not self.roc or self.oversample == 2 * self.group_size,
              f"oversample={self.oversample} must be 2 * group_size = {2 * self.group_size} with RoC "
-             "(rStar2-Agent §2.2.3 samples 2G and keeps G); or set --config.rl.roc=False (the GRPO "
+             "(rStar2-Agent §2.2.3 samples 2G and keeps G); or set rl.roc=False (the GRPO "
              "baseline samples group_size rollouts and trains on all of them)"),
             one_of("roc_variant", self.roc_variant, ("paper", "topk")),
             one_of("roc_penalty", self.roc_penalty, ROC_PENALTIES),

@@ -100,7 +100,7 @@ class LossConfig:
              f"micro_batch_gpus={self.micro_batch_gpus} >= 1"),
             (self.token_mean == "micro_batch" or (self.micro_batch_rows == "kept" and self.micro_batch_tokens == 0),
              "micro_batch_rows and micro_batch_tokens set how token_mean='micro_batch' normalises: "
-             "set --config.loss.token_mean=micro_batch"),
+             "set loss.token_mean=micro_batch"),
             (self.token_mean == "batch" or self.advantage_estimator != "dr_grpo",
              "token_mean='micro_batch' replaces eq. 6's normaliser, which dr_grpo fixes to a constant: "
              "use one of them"),

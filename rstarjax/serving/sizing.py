@@ -17,6 +17,7 @@ from flax import nnx
 from rstarjax.models.config import ModelConfig
 from rstarjax.models.kv_cache import kv_bytes_per_token, pages_for
 from rstarjax.models.qwen3 import Qwen3, serving_weights
+from rstarjax.validation import ConfigError
 
 MAX_AUTO_SLOTS = 256  # decode batch width when sized from memory (GPU/TPU decode is
 #                       weight-bandwidth bound up to a few hundred rows)
@@ -86,8 +87,9 @@ def plan_kv(cfg: ModelConfig, *, max_len: int, page_size: int = 16, kv_pages: in
     - else (CPU): a dense-equivalent pool, ``num_slots`` (default 64) maximum-length rows.
 
     Slots (the decode batch width): ``num_slots`` if given, else ``min(256, pages)`` when
-    sized from memory. Raises ``ValueError`` with the numbers and the flag that fixes it when
-    the pool cannot hold one maximum-length rollout."""
+    sized from memory. Raises ``ConfigError`` with the numbers and the settings that fix it
+    (``serving.kv_pages``: the recipes write them as flags) when the pool cannot hold one
+    maximum-length rollout."""
     if page_size < 1 or max_len < 2:
         raise ValueError(f"need page_size >= 1 and max_len >= 2, got {page_size}, {max_len}")
     if not 0.0 < kv_memory_fraction <= 1.0:
@@ -105,13 +107,13 @@ def plan_kv(cfg: ModelConfig, *, max_len: int, page_size: int = 16, kv_pages: in
     if num_pages < per_rollout:
         have = (f"{free_bytes / GB:.2f} GB free on the device after the weights, "
                 if free_bytes is not None else "")
-        raise ValueError(
+        raise ConfigError(
             f"the KV pool cannot hold one maximum-length rollout: {max_len} tokens need "
             f"{per_rollout} pages of {page_size} tokens ({per_rollout * page_bytes / GB:.2f} "
             f"GB), the pool has {num_pages} pages ({num_pages * page_bytes / GB:.2f} GB; "
-            f"{have}source: {source}). Set --config.serving.kv_pages={per_rollout} or more, "
-            f"raise --config.serving.kv_memory_fraction (now {kv_memory_fraction}), or lower "
-            f"--config.rl.max_prompt_len / --config.rl.max_response_len.")
+            f"{have}source: {source}). Set serving.kv_pages={per_rollout} or more, "
+            f"raise serving.kv_memory_fraction (now {kv_memory_fraction}), or lower "
+            f"rl.max_prompt_len / rl.max_response_len.")
     if num_slots <= 0:
         num_slots = min(MAX_AUTO_SLOTS, num_pages) if source != "dense-equivalent" \
             else DEFAULT_CPU_SLOTS
@@ -222,7 +224,7 @@ def plan_memory(cfg: ModelConfig, *, rows: int, seq_len: int, micro_batch: int =
 class ColocatedChoice:
     """What ``choose_colocated`` picked: the remat policy, the micro-batch, the KV pool, the
     ``serving.kv_memory_fraction`` that gives that pool, and the plan; ``problems`` (each naming
-    the flag) when nothing fits."""
+    the settings, ``SECTION.KEY``) when nothing fits."""
     remat_policy: str
     micro_batch: int
     kv_pages: int
@@ -268,14 +270,14 @@ def choose_colocated(cfg: ModelConfig, *, rows: int, seq_len: int, device_bytes:
     need = smallest.update_peak + (0 if release_during_update else min_pool_rollouts * rollout_bytes)
     fixes = []
     if not lora_rank:
-        fixes.append("train LoRA adapters only (--config.model.lora_rank=16)")
+        fixes.append("train LoRA adapters only (model.lora_rank=16)")
     if not release_during_update:
         fixes.append("free the serving copy and the pool during the update "
-                     "(--config.serving.release_during_update=True)")
-    fixes.append(f"shorter rows (--config.rl.max_response_len, now {seq_len} tokens with the prompt)")
-    fixes.append("more devices (--config.mesh.fsdp)")
-    problem = (f"one micro-batch row (--config.trainer.micro_batch_size=1, "
-               f"--config.model.remat_policy={remat_policies[-1]}) needs {need / GB:.1f} GB with a pool of "
+                     "(serving.release_during_update=True)")
+    fixes.append(f"shorter rows (rl.max_response_len, now {seq_len} tokens with the prompt)")
+    fixes.append("more devices (mesh.fsdp)")
+    problem = (f"one micro-batch row (trainer.micro_batch_size=1, "
+               f"model.remat_policy={remat_policies[-1]}) needs {need / GB:.1f} GB with a pool of "
                f"{min_pool_rollouts} rollouts, the device has {usable / GB:.1f} GB usable "
                f"(state {smallest.state / GB:.1f}, gradients {smallest.grads / GB:.1f}, activations "
                f"{smallest.activations / GB:.1f}, serving copy {smallest.serving / GB:.1f} GB): "
@@ -291,7 +293,7 @@ def update_room_problems(cfg: ModelConfig, *, rows: int, seq_len: int, micro_bat
     AdamW moments are in place: what the step still needs (the update's gradients and
     activations; unless ``release_during_update``, beside the serving copy and one
     maximum-length rollout's KV) against ``free_bytes`` less ``margin``. One line naming the
-    flags when it does not fit; [] when it does or the free memory is unknown (CPU)."""
+    settings (``SECTION.KEY``) when it does not fit; [] when it does or the free memory is unknown (CPU)."""
     if free_bytes is None:
         return []
     p = plan_memory(cfg, rows=rows, seq_len=seq_len, micro_batch=micro_batch,
@@ -303,14 +305,14 @@ def update_room_problems(cfg: ModelConfig, *, rows: int, seq_len: int, micro_bat
     if need <= free_bytes * (1.0 - margin):
         return []
     micro = micro_batch or rows
-    fixes = [f"fewer rows per micro-step (--config.trainer.micro_batch_size, now {micro})"
-             if micro > 1 else "shorter rows (--config.rl.max_prompt_len / --config.rl.max_response_len)"]
+    fixes = [f"fewer rows per micro-step (trainer.micro_batch_size, now {micro})"
+             if micro > 1 else "shorter rows (rl.max_prompt_len / rl.max_response_len)"]
     if (remat_policy or cfg.remat_policy) != "full":
-        fixes.append(f"--config.model.remat_policy=full (now {remat_policy or cfg.remat_policy})")
+        fixes.append(f"model.remat_policy=full (now {remat_policy or cfg.remat_policy})")
     if not release_during_update:
-        fixes.append("--config.serving.release_during_update=True")
+        fixes.append("serving.release_during_update=True")
     if not lora_rank:
-        fixes.append("--config.model.lora_rank=16")
+        fixes.append("model.lora_rank=16")
     return [f"the update does not fit beside the weights and AdamW moments: it needs {need / GB:.1f} GB "
             f"(gradients {p.grads / GB:.1f}, activations {p.activations / GB:.1f} for {micro} row(s) of "
             f"{seq_len} tokens" + (f", serving copy {p.serving / GB:.1f}, one rollout's KV "
