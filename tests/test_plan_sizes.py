@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from rstarjax.models.config import ModelConfig
+from rstarjax.recipes.config import as_flags
 from rstarjax.serving import sizing
 from rstarjax.serving.sizing import plan_memory, plan_kv, size_colocated
 
@@ -54,9 +55,9 @@ def test_a_given_pool_share_gets_the_largest_micro_batch_that_fits_beside_it():
 def test_given_sizes_that_cannot_fit_are_refused_naming_the_flag():
     # today's defaults on one GPU: 0.9 of the free memory for the pool starves the update
     c = size_colocated(QWEN17, rows=ROWS, seq_len=SEQ, device_bytes=H100, kv_memory_fraction=0.9)
-    assert c.problems and "--config.serving.kv_memory_fraction=0.9" in c.problems[0]
+    assert c.problems and "--config.serving.kv_memory_fraction=0.9" in as_flags(c.problems[0])
     c = size_colocated(QWEN17, rows=ROWS, seq_len=SEQ, device_bytes=H100, micro_batch=16)
-    assert c.problems and "--config.trainer.micro_batch_size=16" in c.problems[0]
+    assert c.problems and "--config.trainer.micro_batch_size=16" in as_flags(c.problems[0])
     c = size_colocated(QWEN17, rows=ROWS, seq_len=SEQ, device_bytes=H100, micro_batch=1)
     assert not c.problems and c.micro_batch == 1  # a given micro-batch that fits is kept
 

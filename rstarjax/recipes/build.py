@@ -215,7 +215,7 @@ def sized_by_memory_plan(run: RunConfig, explicit=frozenset(), deferred: ConfigE
         kv_pages=run.serving.kv_pages, page_size=run.serving.page_size, lora_rank=run.model.lora_rank,
         release_during_update=run.serving.release_during_update)
     if choice.problems:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(choice.problems))
+        raise ConfigError(as_flags("invalid config:\n  " + "\n  ".join(choice.problems)))
     print("rstarjax: " + sizing.describe_choice(choice, device_bytes=device, planned=planned,
                                                 kv_pages=run.serving.kv_pages), flush=True)
     trainer = dataclasses.replace(run.trainer, micro_batch_size=choice.micro_batch)

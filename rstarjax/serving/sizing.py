@@ -371,9 +371,9 @@ def size_colocated(cfg: ModelConfig, *, rows: int, seq_len: int, device_bytes: i
             kv_memory_fraction=0.0 if kv_pages > 0 else float(kv_memory_fraction))
     if micro_batch is None and pool_bytes is None:
         return choice  # choose_colocated's own problem: one row of the slowest remat does not fit
-    given = [f"--config.trainer.micro_batch_size={micro_batch}" if micro_batch is not None else "",
-             f"--config.serving.kv_pages={kv_pages}" if kv_pages > 0 else
-             (f"--config.serving.kv_memory_fraction={kv_memory_fraction}" if pool_bytes is not None else "")]
+    given = [f"trainer.micro_batch_size={micro_batch}" if micro_batch is not None else "",
+             f"serving.kv_pages={kv_pages}" if kv_pages > 0 else
+             (f"serving.kv_memory_fraction={kv_memory_fraction}" if pool_bytes is not None else "")]
     given = [g for g in given if g]
     problem = (f"the memory plan (serving/sizing.py) finds no room on this {device_bytes / GB:.1f} GB device for "
                f"{' with '.join(given)} ({rows} rows of {seq_len} tokens, remat {remat}"
