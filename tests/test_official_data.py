@@ -230,6 +230,15 @@ def test_the_paper_handling_stays_the_default(tmp_path):
     ]
     assert report.skipped == {"duplicate": 2, "duplicate_other_answer": 1}
     assert load_problems(str(path), handling="paper")[0] == records
+    # open-r1's own rows (the problem as plain text in prompt, the answer in reward_model.ground_truth
+    # and solution): read the same way (before, every row lacked an answer column)
+    raw = tmp_path / "raw.jsonl"
+    rows = [open_r1_row(i, q, a) for i, (q, a) in enumerate(DAPO_ROWS) if not q.startswith("Solve")]
+    for row in rows:
+        del row["solution"]
+    raw.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [(r["problem"], r["answer"]) for r in load_problems(str(raw))[0]] == [
+        (r["problem"], r["answer"]) for r in records]
 
 
 def test_official_handling_counts_what_it_cannot_read(tmp_path):

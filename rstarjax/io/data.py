@@ -4,7 +4,8 @@ Layouts understood (first match wins):
   * DAPO-Math-17k / verl: ``prompt`` = chat list [{"role": "user", "content": ...}] (the DAPO
     instruction wrapper is stripped) and ``reward_model.ground_truth``;
   * HF math sets: ``problem``/``Problem``/``question``/``Question`` and ``answer``/``Answer``/
-    ``expected_answer``/``final_answer``/``ground_truth`` (MATH-500, AIME24/25, OpenMathReasoning);
+    ``expected_answer``/``final_answer``/``ground_truth``, else ``reward_model.ground_truth`` (MATH-500,
+    AIME24/25, OpenMathReasoning, open-r1/DAPO-Math-17k-Processed);
     GSM8K-style answers "... #### 72" keep the part after "####".
 Files: ``.jsonl`` / ``.json`` (a list of rows or JSON lines) and ``.parquet`` (needs pyarrow).
 
@@ -186,37 +187,43 @@ def official_row(row: Any) -> dict[str, str]:
         problem = messages[0]["content"]
     else:  # the preprocessing's inputs: open-r1's DAPO rows (prompt text), the HF sets' columns
         problem = _verbatim_field([(k, row[k]) for k in _PROBLEM_KEYS + ("prompt",) if k in row], "problem")
-    rm = row.get("reward_model")  # what compute_score receives, in either layout
-    truth = isinstance(rm, dict) and "ground_truth" in rm
-    answers = [("reward_model.ground_truth", rm["ground_truth"])] if truth else []
-    answer = _verbatim_field(answers + [(k, row[k]) for k in _ANSWER_KEYS if k in row], "answer")
+    # what compute_score receives, in either layout (the preprocessing copies it there)
+    answer = _verbatim_field(_ground_truth(row) + [(k, row[k]) for k in _ANSWER_KEYS if k in row], "answer")
     return {"problem": problem, "answer": answer}
 
 
 def _verbatim_field(candidates: list[tuple[str, Any]], what: str) -> str:
     """``_field`` without the strip: the first candidate that is text or a number, as written."""
-    for key, value in candidates:
-        if _verbatim(value) is not None:
-            return _verbatim(value)
+    for _, value in candidates:
+        text = _verbatim(value)
+        if text is not None:
+            return text
     return _field(candidates, what)  # raises: missing, or the types found
+
+
+def _ground_truth(row: dict) -> list[tuple[str, Any]]:
+    """verl's ``reward_model.ground_truth`` as an answer candidate, where the row has one."""
+    rm = row.get("reward_model")
+    return [("reward_model.ground_truth", rm["ground_truth"])] if isinstance(rm, dict) and "ground_truth" in rm else []
 
 
 def normalize_row(row: Any) -> dict[str, str]:
     """{"problem", "answer"} from any supported layout; raises BadRow otherwise."""
     if not isinstance(row, dict):
         raise BadRow("not_a_mapping", type(row).__name__)
-    answers = []
     if "prompt" in row and not isinstance(row["prompt"], str):  # DAPO / verl layout
         content = _chat_user_content(row["prompt"])
         if content is None:
             raise BadRow("bad_chat_prompt")
         problem = strip_dapo_wrapper(content)
-        rm = row.get("reward_model")
-        if isinstance(rm, dict) and "ground_truth" in rm:
-            answers.append(("reward_model.ground_truth", rm["ground_truth"]))
+        answers = _ground_truth(row)
+        answers += [(k, row[k]) for k in _ANSWER_KEYS if k in row]
     else:
         problem = _field([(k, row[k]) for k in _PROBLEM_KEYS + ("prompt",) if k in row], "problem")
-    answer = _field(answers + [(k, row[k]) for k in _ANSWER_KEYS if k in row], "answer")
+        # an answer column first; else verl's ground truth (open-r1/DAPO-Math-17k-Processed's rows:
+        # the problem as plain text in ``prompt``, the answer in ``solution`` and the ground truth)
+        answers = [(k, row[k]) for k in _ANSWER_KEYS if k in row] + _ground_truth(row)
+    answer = _field(answers, "answer")
     if "####" in answer:  # GSM8K: rationale "#### final"
         answer = answer.rsplit("####", 1)[1].strip()
     if not problem:
