@@ -38,6 +38,7 @@ class RunLayout:
     trainers: int  # the training processes: 0 .. trainers - 1
     process: int  # this one
     rollout_devices: int  # DISAGGREGATED: the local devices rollouts take
+    devices: int = 1  # every device of the run
 
     @property
     def rolls_out_only(self) -> bool:
@@ -51,6 +52,12 @@ class RunLayout:
     @property
     def single_process(self) -> bool:
         return self.processes == 1
+
+    @property
+    def one_device(self) -> bool:
+        """Whether training and rollouts take turns on the run's one device (the memory plan's
+        start check, ``serving.sizing.update_room_problems``, is for this layout)."""
+        return self.kind is Layout.COLOCATED and self.devices == 1
 
     @property
     def rollouts_apart(self) -> bool:
@@ -74,10 +81,12 @@ class RunLayout:
         return processes_lib.rollout_processes_of(self.process, self.trainers, self.processes)
 
 
-def layout_of(serving, processes: int | None = None, process: int | None = None) -> RunLayout:
+def layout_of(serving, processes: int | None = None, process: int | None = None,
+              devices: int | None = None) -> RunLayout:
     """The layout ``serving`` (a ``ServingConfig``: ``placement``, ``trainer_processes``,
-    ``rollout_devices``) gives a run of ``processes`` processes (default: this run's), seen from
-    process ``process`` (default: this one)."""
+    ``rollout_devices``) gives a run of ``processes`` processes and ``devices`` devices (default:
+    this run's), seen from process ``process`` (default: this one)."""
+    devices = jax.device_count() if devices is None else devices
     processes = jax.process_count() if processes is None else processes
     process = jax.process_index() if process is None else process
     if serving.placement != "disaggregated":
@@ -86,7 +95,7 @@ def layout_of(serving, processes: int | None = None, process: int | None = None)
         kind, trainers = Layout.ROLLOUT_PROCESSES, serving.trainer_processes
     else:
         kind, trainers = Layout.DISAGGREGATED, 1
-    return RunLayout(kind, processes, trainers, process, serving.rollout_devices)
+    return RunLayout(kind, processes, trainers, process, serving.rollout_devices, devices)
 
 
 def distributed_trainers(serving) -> int:

@@ -26,7 +26,7 @@ from rstarjax.io import compile_cache
 from rstarjax.layout import distributed_trainers
 from rstarjax.recipes import build, demo, demo_compare, evaluate, preemption, rl, sft, stage3_filter
 from rstarjax.recipes.config import MODES, RENAMED, DistributedConfig, RunConfig, as_flags, device_rules, parse
-from rstarjax.rl import remote
+from rstarjax.rl import mailbox
 from rstarjax.rl.trajectory import RolloutsFailed
 from rstarjax.validation import ConfigError
 
@@ -47,7 +47,7 @@ def init_distributed(cfg: DistributedConfig, trainer_processes: int = 0) -> None
     > 0: disaggregated placement across processes, where the processes past that many only roll
     out, so a death among them must not abort the training processes, which then save what they
     finished (``rl.remote``): the service is made recoverable, and process 0, which hosts it,
-    leaves after the other training processes (``remote.leave_last``)."""
+    leaves after the other training processes (``mailbox.leave_last``)."""
     if cfg.num_processes <= 1 and not cfg.auto:
         return
     if trainer_processes:
@@ -58,7 +58,7 @@ def init_distributed(cfg: DistributedConfig, trainer_processes: int = 0) -> None
         jax.distributed.initialize(coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes,
                                    process_id=cfg.process_id, initialization_timeout=cfg.timeout_s)
     if trainer_processes:
-        remote.leave_last(trainer_processes)
+        mailbox.leave_last(trainer_processes)
 
 
 def run(config, workdir: str, explicit=frozenset()) -> None:

@@ -1,4 +1,4 @@
-"""Which processes train (imports only jax, so every layer may use it).
+"""Which processes train (imports only jax and ``models.sharding``, so every layer may use it).
 
 Every process of a run trains, except under disaggregated placement across processes
 (``serving.placement='disaggregated'`` in a multi-process run, docs/training.md "Placement"):
@@ -19,6 +19,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rstarjax.models.sharding import PROCESS_AXIS, device_mesh
 
 _count: int | None = None  # set by ``training_processes`` around a disaggregated trainer process
 
@@ -59,17 +61,33 @@ def allgather(x) -> np.ndarray:
     never joins it; ``multihost_utils.process_allgather`` would wait for it forever)."""
     x = np.asarray(x)
     count = training_count()
+    if count == 1:  # nothing to gather: no program runs
+        return x[None]
     if count == jax.process_count():
         return np.asarray(multihost_utils.process_allgather(x)).reshape(count, *x.shape)
     firsts = [jax.local_devices(process_index=p)[0] for p in range(count)]
-    mesh = Mesh(np.array(firsts), ("process",))
-    rows = jax.make_array_from_process_local_data(NamedSharding(mesh, PartitionSpec("process")), x[None])
+    mesh = device_mesh(firsts, (PROCESS_AXIS,))
+    rows = jax.make_array_from_process_local_data(NamedSharding(mesh, PartitionSpec(PROCESS_AXIS)), x[None])
     return np.asarray(_replicated(mesh)(rows).addressable_data(0))
 
 
 @functools.lru_cache(maxsize=4)
 def _replicated(mesh: Mesh):
     return jax.jit(lambda rows: rows, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def any_process(flag: bool) -> bool:
+    """True if ``flag`` is True on any training process (a collective of them: every one asks at
+    the same point). An RL step's refill decision and a stage's end are global, so every
+    process runs the same rounds and consumes the same prompts (the data iterators stay in
+    lockstep)."""
+    return bool(np.any(allgather(np.asarray(flag, np.int32))))
+
+
+def global_rows(local_rows: int) -> int:
+    """The rows of a batch whose every training process brings ``local_rows`` (the global
+    batch is their concatenation in process order)."""
+    return local_rows * training_count()
 
 
 def barrier(name: str) -> None:

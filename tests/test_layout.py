@@ -52,3 +52,30 @@ def test_rollout_processes_past_the_trainers_only_roll_out(process, rolls_out, d
     devices = [Device(2 * p + i, p) for p in range(6) for i in range(2)]
     assert [d.id for d in lay.trainer_devices(devices)] == [0, 1, 2, 3]  # the training processes' own
     assert distributed_trainers(serving) == 2
+
+
+def test_only_a_colocated_run_on_one_device_takes_turns_on_it():
+    """The memory plan's start check (``recipes.rl.check_update_room``) asks this, not the device count."""
+    assert layout_of(Serving(), processes=1, process=0, devices=1).one_device
+    assert not layout_of(Serving(), processes=1, process=0, devices=8).one_device
+    assert not layout_of(Serving("disaggregated", rollout_devices=1), processes=1, process=0, devices=2).one_device
+
+
+def test_the_stage_loop_and_the_step_read_no_mode_flag_nor_process_count():
+    """recipes/rl.py asks the rollout source (``recipes.sources``) and the layout; rl/step.py is
+    told the mode by the source's round and asks the training processes' collectives
+    (``rstarjax.processes``): neither names a mode flag, the placement or a process count in its
+    code (docstrings and comments may speak of them)."""
+    import io
+    import tokenize
+
+    from rstarjax.recipes import rl
+    from rstarjax.rl import step
+
+    banned = {"partial_rollout_tokens", "max_staleness", "training_count", "process_count", "device_count",
+              "disaggregated", "placement", "trainer_processes"}
+    for module in (rl, step):
+        with open(module.__file__) as f:
+            names = {t.string for t in tokenize.generate_tokens(io.StringIO(f.read()).readline)
+                     if t.type == tokenize.NAME}
+        assert not names & banned, (module.__name__, sorted(names & banned))

@@ -264,7 +264,7 @@ def test_a_checkpoint_with_rollouts_in_flight_resumes_without_training_any_twice
 
 
 def test_own_share_reads_this_processes_entry_or_the_runs():
-    from rstarjax.recipes.rl import own_share
+    from rstarjax.recipes.sources import own_share
 
     shares = [{"data_state": {"rows": 5}, "in_flight_records": [{"problem": "a"}]},
               {"data_state": {"rows": 7}, "in_flight_records": []}]

@@ -140,9 +140,9 @@ def worker(port: int, pid: int, workdir: str, staleness: int, devices: int):
         jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=processes,
                                    process_id=pid, initialization_timeout=120)
         if not colocated():
-            from rstarjax.rl import remote
+            from rstarjax.rl import mailbox
 
-            remote.leave_last(trainer_processes())
+            mailbox.leave_last(trainer_processes())
     from rstarjax.processes import trainer_of
     from rstarjax.env import CodeExecutor
     from rstarjax.recipes.rl import run_rl

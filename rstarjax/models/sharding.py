@@ -1,10 +1,12 @@
 """Meshes (one builder, one axis vocabulary), logical-axis rules, and helpers to build/shard
 models for jit.
 
-Every mesh of the project is made by ``device_mesh`` with axes from ``AXES``: the trainer's
-``(data, fsdp, tensor)`` (``make_mesh``), a serving slice's ``(tensor,)``
-(``serving.slices``), the weight hand-off's staging ``(data, tensor)`` (one full serving copy per
-row) and cross-process ``(process, tensor)`` meshes (``serving.handoff``).
+Every mesh of the project is made by ``device_mesh`` with axes from ``AXES`` (no other module
+calls ``Mesh(...)``): the trainer's ``(data, fsdp, tensor)`` (``make_mesh``), a serving slice's
+``(tensor,)`` (``serving.slices``), the weight hand-off's staging ``(data, tensor)`` (one full
+serving copy per row), its cross-process ``(process, tensor)`` meshes (``serving.handoff``), the
+training processes' ``(process,)`` gather (``rstarjax.processes``) and a mesh another process
+described (``describe_mesh`` / ``mesh_from_description``: a rollout process's slice, ``rl.remote``).
 
 Every parameter carries ``logical_axes`` metadata (e.g. ``("layers", "embed", "mlp")``); the
 rules below map logical names to mesh axes. A dimension whose size is not divisible by its mesh
@@ -56,6 +58,19 @@ def device_mesh(devices, axes: Sequence[str]) -> Mesh:
         raise ValueError(f"a mesh over a {grid.ndim}-d array of devices needs {grid.ndim} axis "
                          f"names, got {axes}")
     return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
+
+
+def describe_mesh(mesh: Mesh) -> dict:
+    """``mesh`` as plain data another process can rebuild it from (``mesh_from_description``):
+    its devices' global ids in mesh order, its shape and its axis names."""
+    return {"devices": [d.id for d in mesh.devices.flat], "shape": mesh.devices.shape, "axes": mesh.axis_names}
+
+
+def mesh_from_description(described: dict) -> Mesh:
+    """The mesh ``describe_mesh`` described (in any process of the run: device ids are global)."""
+    by_id = {d.id: d for d in jax.devices()}
+    grid = np.array([by_id[i] for i in described["devices"]], dtype=object).reshape(described["shape"])
+    return device_mesh(grid, described["axes"])
 
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:

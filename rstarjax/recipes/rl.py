@@ -19,7 +19,7 @@ import numpy as np
 import tqdm
 from flax import nnx
 
-from rstarjax import processes
+from rstarjax.processes import any_process
 from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
 from rstarjax.io import data as data_lib
@@ -28,7 +28,7 @@ from rstarjax.layout import layout_of
 from rstarjax.models import lora
 from rstarjax.recipes import build, lora_base, preemption, sources
 from rstarjax.recipes.config import RunConfig, as_flags, wandb_init_args
-from rstarjax.rl.step import EmptyBatchStreak, any_process, rl_step
+from rstarjax.rl.step import EmptyBatchStreak, rl_step
 from rstarjax.rl.trainer import Trainer, TrainState
 from rstarjax.rl.trajectory import RolloutFn, RolloutsFailed
 from rstarjax.serving import sizing
@@ -50,9 +50,8 @@ def stage_data_seed(seed: int, stage_start_step: int) -> int:
 def problem_batches(run: RunConfig, seed: int, records: list[dict]):
     """grain iterator over this process's share of ``records``, ``prompts_per_step`` per step
     (repeats when ``data.num_epochs == 0``), shuffled with ``seed``."""
-    per_process = run.rl.prompts_per_step // processes.training_count()
-    return data_lib.make_dataset(records, per_process, seed=seed, num_epochs=run.data.num_epochs or None,
-                                 shuffle=run.data.shuffle)
+    return data_lib.make_dataset(records, sources.prompts_per_process(run), seed=seed,
+                                 num_epochs=run.data.num_epochs or None, shuffle=run.data.shuffle)
 
 
 class StageError(ValueError):
@@ -255,7 +254,7 @@ def check_update_room(run: RunConfig, model: nnx.Module) -> None:
     """One device, colocated: ConfigError naming the flags when the memory left beside the trainer's
     weights and AdamW moments cannot hold the update next to the engine (``serving.sizing.
     update_room_problems``); nothing on CPU (no memory statistics) or on several devices."""
-    if jax.device_count() != 1 or run.serving.disaggregated:  # (the config's placement: any device split)
+    if not layout_of(run.serving).one_device:
         return
     rows = run.rl.prompts_per_step * run.rl.group_size // run.trainer.mini_batches
     problems = sizing.update_room_problems(
@@ -389,7 +388,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
                 metrics = rl_step(trainer, rnd.rollouts, rnd.records, run.rl, run.loss,
                                   step_seed(base_key, step, attempts), more_records=rnd.more_records,
                                   before_update=before_update, serving_dtype=serving_dtype,
-                                  stale_rollouts=rnd.stale)
+                                  stale_rollouts=rnd.stale, partial=rnd.partial)
             except preemption.StepAbandoned:  # the train state is still that of the last finished step
                 stop_signal = guard.request.signum
                 break
@@ -436,7 +435,7 @@ def _stage_data(run: RunConfig, meta: dict, problems: list, export_meta: dict) -
     stage_start = int(meta.get("stage_start_step", 0))
     data_seed = int(meta.get("data_seed", stage_data_seed(run.seed, stage_start)))
     data_iter = iter(problem_batches(run, data_seed, problems))
-    resumed_state, in_flight = own_share(meta, processes.training_count(), jax.process_index())
+    resumed_state, in_flight = sources.resumed_share(meta)
     if meta.get("resumed") and resumed_state is not None:
         data_iter.set_state(resumed_state)
     base_key = ckpt_lib.key_from_json(meta["rng"]) if "rng" in meta else jax.random.key(run.seed)
@@ -457,16 +456,9 @@ def _saver(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, base_key, record: dict
     """``save(step, (data_state, prompts in flight))``: a checkpoint of the stage at ``step``."""
     def save(step: int, finished) -> bool:
         data_state, pending = finished
-        # with partial or asynchronous rollouts each training process draws its own prompts: its
-        # data position and prompts in flight are its own, and the meta (written by process 0)
-        # keeps every process's (a collective: all of them save)
-        shares = processes.gather_json({"data_state": data_state, "in_flight_records": pending}) if (
-            keeps_in_flight and processes.training_count() > 1) else None
         return ckpt.save(step, trainer.state, {
             "step": step, "rng": ckpt_lib.key_to_json(base_key), "data_state": data_state, **record,
-            **({"in_flight_records": pending} if keeps_in_flight else {}),
-            **({"process_shares": shares} if shares else {}),
-        })
+            **sources.in_flight_record(keeps_in_flight, data_state, pending)})
     return save
 
 
@@ -560,22 +552,6 @@ def _note_saved(failure: Exception, step: int, start: int, save, finished_data, 
         failure.add_note(f"step {step} is saved in {workdir}: the same command resumes from it")
     else:
         failure.add_note(f"step {step} could not be saved in {workdir}")
-
-
-def own_share(meta: dict, count: int, index: int) -> tuple[object, list | None]:
-    """This training process's data position and prompts in flight in a checkpoint's ``meta``
-    (process ``index`` of ``count``): its own entry of ``process_shares`` where the run kept one
-    per process (partial or asynchronous rollouts on several processes), else the run's
-    (``in_flight_records``; ``partial_records`` in earlier checkpoints)."""
-    shares = meta.get("process_shares")
-    if shares is None:
-        return meta.get("data_state"), meta.get("in_flight_records", meta.get("partial_records"))
-    if len(shares) != count:
-        raise ValueError(f"the checkpoint was written by {len(shares)} training processes with partial or "
-                         f"asynchronous rollouts, "
-                         f"each with its own data position and prompts in flight; this run has {count}: "
-                         f"resume with --config.distributed.num_processes={len(shares)}")
-    return shares[index]["data_state"], shares[index]["in_flight_records"]
 
 
 def _save_last(step: int, start: int, save, data_state, ckpt) -> bool:

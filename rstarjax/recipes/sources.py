@@ -82,7 +82,7 @@ def make_source(run: RunConfig, rollout_fn, on_update: Callable | None, data_ite
                              "rollouts (agent_loop.ColocatedRollouts.partial); this one cannot")
         # on the rollout thread of rl.max_staleness, no stop signal abandons a round: it is not trained
         round_fn = rollout_fn.partial if rl.max_staleness else guarded(rollout_fn.partial)
-        partial = PartialRollouts(round_fn, rl.partial_rollout_tokens, rl.prompts_per_step // processes.training_count(),
+        partial = PartialRollouts(round_fn, rl.partial_rollout_tokens, prompts_per_process(run),
                                   keeps_kv=not rl.partial_reprefill)
         source = PartialSource(partial, data_iter, list(restart), on_update)
         if restart and not rl.max_staleness:  # (the rollout thread says it)
@@ -138,10 +138,51 @@ def start_async_rollouts(run: RunConfig, rollout_fn, data_iter, base_key, step: 
         log.info("resumed with %d prompts whose rollouts were in flight at step %d: they start again from "
                  "their prompts (their rollouts were never trained)", len(restart), step)
     return AsyncRollouts(rollout_fn, data_iter.take, rollout_fn.serve_staged, seed_of, run.rl.max_staleness,
-                         run.rl.prompts_per_step // processes.training_count(), run.rl.rollouts_per_prompt,
+                         prompts_per_process(run), run.rl.rollouts_per_prompt,
                          version=step,
                          remaining=run.total_steps - step, restart=list(restart),
                          wait_s=round_wait_s(run), partial=partial)
+
+
+def prompts_per_process(run: RunConfig) -> int:
+    """A step's prompts on this training process: ``rl.prompts_per_step`` split evenly over the
+    training processes (each draws its own share)."""
+    return run.rl.prompts_per_step // processes.training_count()
+
+
+def in_flight_record(keeps_in_flight: bool, data_state, pending: list) -> dict:
+    """What a checkpoint's meta keeps of the prompts in flight at its step (``pending``; the data
+    position ``data_state``): nothing for a source that keeps none (``keeps_in_flight``), the
+    prompts for one training process, and with several, where each draws its own prompts, every
+    one's data position and prompts in flight too (``process_shares``; the meta is written by
+    process 0 alone): a collective, every training process calls it. ``resumed_share`` reads it."""
+    if not keeps_in_flight:
+        return {}
+    record = {"in_flight_records": pending}
+    if processes.training_count() > 1:
+        record["process_shares"] = processes.gather_json({"data_state": data_state, "in_flight_records": pending})
+    return record
+
+
+def resumed_share(meta: dict) -> tuple[object, list | None]:
+    """This training process's data position and prompts in flight in a checkpoint's ``meta``."""
+    return own_share(meta, processes.training_count(), jax.process_index())
+
+
+def own_share(meta: dict, count: int, index: int) -> tuple[object, list | None]:
+    """This training process's data position and prompts in flight in a checkpoint's ``meta``
+    (process ``index`` of ``count``): its own entry of ``process_shares`` where the run kept one
+    per process (partial or asynchronous rollouts on several processes), else the run's
+    (``in_flight_records``; ``partial_records`` in earlier checkpoints)."""
+    shares = meta.get("process_shares")
+    if shares is None:
+        return meta.get("data_state"), meta.get("in_flight_records", meta.get("partial_records"))
+    if len(shares) != count:
+        raise ValueError(f"the checkpoint was written by {len(shares)} training processes with partial or "
+                         f"asynchronous rollouts, "
+                         f"each with its own data position and prompts in flight; this run has {count}: "
+                         f"resume with --config.distributed.num_processes={len(shares)}")
+    return shares[index]["data_state"], shares[index]["in_flight_records"]
 
 
 def round_wait_s(run: RunConfig) -> float:

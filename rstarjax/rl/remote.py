@@ -9,11 +9,11 @@ colocated one that splits each of its rounds (its data share) by prompt groups o
 the RL loop (synchronous, with ``rl.max_staleness`` its rollout thread, or with partial
 rollouts ``RemoteRollouts.partial``, each paused rollout kept in the process that started it)
 is unchanged; each rollout process answers in ``serve_remote``, under its own keys
-(``keys_of``). Rewards are computed where the rollouts run.
+(``mailbox.keys_of``). Rewards are computed where the rollouts run.
 
 **Messages** (a round's prompts, its trajectories, "new weights follow", "stop") go through
-the key-value store of the coordination service that ``jax.distributed`` starts, pickled, in
-order, each direction under its own numbered keys (``Mailbox``). **Weights never do**: after
+the coordination service's key-value store (``rl.mailbox``: the mailboxes, the heartbeats and
+the order processes leave in). **Weights never do**: after
 each update the training processes cast their state into the slice's layout on their own
 devices (``handoff.stage_in_layout``, one program over all of them: each keeps a whole copy on
 its own devices) and each runs ``handoff.copy_to_receiver`` with each of its rollout processes
@@ -25,7 +25,7 @@ Every wait is bounded: a process that dies or stops answering leaves the other a
 naming what it waited for (on the trainer's side ``trajectory.RolloutsFailed``, which the RL
 loop answers by saving its last finished step); a failing round comes back to the trainer as
 one too, with the rollout process's traceback. The rollout process also beats a
-heartbeat key every ``HEARTBEAT_S`` from a thread of its own, so the trainer process learns of
+heartbeat key every ``mailbox.HEARTBEAT_S`` from a thread of its own, so the trainer process learns of
 its death within ``silence_s`` (``RolloutProcessDied``), not after a whole round's wait. The
 run starts ``jax.distributed`` recoverable for this layout (``main.init_distributed``), so
 that the coordination service does not abort the trainer process when the rollout process's
@@ -34,14 +34,9 @@ with the error.
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
-import os
-import pickle
-import sys
 import threading
-import time
 import traceback
 
 import jax
@@ -49,173 +44,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from rstarjax.models.sharding import describe_mesh, mesh_from_description
+from rstarjax.rl import mailbox
 from rstarjax.rl.agent_loop import RolloutRound
+from rstarjax.rl.mailbox import (Heartbeats, Mailbox, RolloutProcessDied, TrainerProcessDied, beat, exit_on_death,
+                                 keys_of, wait_until_gone, watch)
 from rstarjax.rl.trajectory import RolloutsFailed
 from rstarjax.serving.handoff import copy_to_receiver, mesh_of, pair_mesh, specs_of, stage_in_layout
 
 log = logging.getLogger(__name__)
-
-REQUESTS = "rstarjax/rollout_process/requests"  # trainer -> rollout process (then "/PROCESS")
-REPLIES = "rstarjax/rollout_process/replies"  # rollout process -> trainer (then "/PROCESS")
-ALIVE = "rstarjax/rollout_process/alive"  # a process's heartbeat: a counter (then "/PROCESS")
-DONE = "done"  # a heartbeat key's value once its process stopped beating on purpose
-CHUNK_BYTES = 4 << 20  # one key's value at most
-HEARTBEAT_S = 2.0  # how often the rollout process beats
-POLL_S = 5.0  # how long the trainer waits for a message between two looks at the heartbeat
-
-
-class RolloutProcessDied(RolloutsFailed):
-    """A rollout process stopped beating its heartbeat: it died, or hangs with its GIL held."""
-
-
-def keys_of(process: int) -> tuple[str, str, str]:
-    """Rollout process ``process``'s request and reply mailboxes and its heartbeat key."""
-    return f"{REQUESTS}/{process}", f"{REPLIES}/{process}", f"{ALIVE}/{process}"
-
-
-def _client():
-    from jax._src import distributed  # the coordination service's client (no public handle yet)
-
-    client = distributed.global_state.client
-    if client is None:
-        raise RuntimeError("rollouts in another process need jax.distributed (--config.distributed.*)")
-    return client
-
-
-class Mailbox:
-    """One direction's messages, in order: ``send(kind, payload)`` here, ``receive`` there.
-    A message's chunks are written before its header, so a reader never sees half of one."""
-
-    def __init__(self, name: str, client=None):
-        self.name = name
-        self.client = client if client is not None else _client()
-        self.sent = self.received = 0
-
-    def send(self, kind: str, payload=None) -> None:
-        data = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
-        chunks = [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
-        n, self.sent = self.sent, self.sent + 1
-        for i, chunk in enumerate(chunks):
-            self.client.key_value_set_bytes(f"{self.name}/{n}/{i}", chunk)
-        self.client.key_value_set(f"{self.name}/{n}", str(len(chunks)))
-
-    def receive(self, wait_s: float, what: str, peer: Heartbeats | None = None) -> tuple[str, object]:
-        """The next message, waiting at most ``wait_s`` for it (``what``: for the error); with
-        ``peer``, only as long as the other process's heartbeat goes on."""
-        n, deadline = self.received, time.monotonic() + wait_s
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                count = int(self.client.blocking_key_value_get(
-                    f"{self.name}/{n}", max(1, int(1000 * min(left, POLL_S if peer else left)))))
-                break
-            except Exception as e:  # noqa: BLE001 - the client raises XlaRuntimeError(DEADLINE_EXCEEDED)
-                if "DEADLINE" not in str(e).upper():
-                    raise
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"waited {wait_s:g} s for {what} ({self.name} #{n}): the other process "
-                                   "died or stopped answering") from None
-            if peer is not None:
-                peer.check(what)
-        data = b"".join(self.client.blocking_key_value_get_bytes(f"{self.name}/{n}/{i}", 60_000)
-                        for i in range(count))
-        for key in [f"{self.name}/{n}/{i}" for i in range(count)] + [f"{self.name}/{n}"]:
-            self.client.key_value_delete(key)
-        self.received += 1
-        return pickle.loads(data)
-
-
-class TrainerProcessDied(RuntimeError):
-    """A training process stopped beating its heartbeat (seen by a rollout process it drives)."""
-
-
-class Heartbeats:
-    """One process's view of process ``process``'s heartbeat (``beat`` there): the trainer's of
-    a rollout process (the defaults), a rollout process's of its trainer, a trainer's of
-    another (``role``: the watched one's, ``watcher``: the watching one's, for the message)."""
-
-    def __init__(self, silence_s: float, client=None, clock=time.monotonic, process: int = 1,
-                 role: str = "rollout process", watcher: str = "trainer process", error=RolloutProcessDied):
-        self.silence_s, self.clock, self.process = float(silence_s), clock, process
-        self.role, self.watcher, self.error = role, watcher, error
-        self.key = keys_of(process)[2]
-        self.client = client if client is not None else _client()
-        self.last, self.seen_at = None, clock()
-
-    def check(self, what: str) -> None:
-        """Raise ``error`` (``RolloutProcessDied``) when no beat came for ``silence_s``."""
-        dead = self.silent(what)
-        if dead:
-            raise self.error(dead)
-
-    def silent(self, what: str) -> str:
-        """Why the process counts as dead, or "" while it beats (or has not begun to, or has
-        stopped beating on purpose: ``DONE``)."""
-        try:
-            beat = self.client.key_value_try_get(self.key)
-        except Exception:  # noqa: BLE001 - NOT_FOUND before the first beat
-            beat = None
-        now = self.clock()
-        if (beat is None and self.last is None) or beat == DONE:
-            return ""  # not started yet (the start has its own bound: ``hello_wait_s``), or done
-        if beat != self.last:
-            self.last, self.seen_at = beat, now
-        elif now - self.seen_at > self.silence_s:
-            return (f"the {self.role} (process {self.process}) beat no heartbeat for {now - self.seen_at:.0f} s when the "
-                    f"{self.watcher} came to {what}: it died (see its log) or hangs")
-        return ""
-
-
-def beat(stop: threading.Event, client=None, every_s: float = HEARTBEAT_S, process: int = 1) -> threading.Thread:
-    """Process ``process``'s heartbeat: a daemon thread that bumps its key (``keys_of``) every
-    ``every_s`` until ``stop`` is set, then writes ``DONE`` there (a process that ends its part
-    normally is not mistaken for a dead one)."""
-    client = client if client is not None else _client()
-    key = keys_of(process)[2]
-
-    def run():
-        count = 0
-        while not stop.is_set():
-            count += 1
-            client.key_value_set(key, str(count), allow_overwrite=True)
-            stop.wait(every_s)
-        client.key_value_set(key, DONE, allow_overwrite=True)
-    thread = threading.Thread(target=run, name=f"heartbeat-{process}", daemon=True)
-    thread.start()
-    return thread
-
-
-def watch(peers: list[Heartbeats], stop: threading.Event, on_death, every_s: float = POLL_S) -> threading.Thread:
-    """A daemon thread that looks at ``peers`` every ``every_s`` until ``stop`` is set and calls
-    ``on_death(why)`` once when one has gone silent."""
-    def run():
-        while not stop.wait(every_s):
-            why = next((w for w in (p.silent("its watch") for p in peers) if w), "")
-            if why:
-                on_death(why)
-                return
-    thread = threading.Thread(target=run, name="heartbeat-watch", daemon=True)
-    thread.start()
-    return thread
-
-
-def exit_on_death(why: str) -> None:
-    """A training process whose peer training process died: it waits in a collective with it
-    that nothing in Python can end, so it exits with the reason (status 1)."""
-    log.error("%s; this process waits on it in a collective and exits", why)
-    print(f"rstarjax: {why}; this training process waits on it in a collective and exits (status 1)",
-          file=sys.stderr, flush=True)
-    os._exit(1)
-
-
-def _mesh_from(devices: list[int], shape: tuple, axes: tuple) -> Mesh:
-    by_id = {d.id: d for d in jax.devices()}
-    return Mesh(np.array([by_id[i] for i in devices], dtype=object).reshape(shape), axes)
-
-
-def _describe(mesh: Mesh) -> dict:
-    return {"devices": [d.id for d in mesh.devices.flat], "shape": mesh.devices.shape, "axes": mesh.axis_names}
-
 
 @dataclasses.dataclass
 class Peer:
@@ -232,7 +69,7 @@ class Peer:
     @property
     def slice(self) -> Mesh:
         """Its serving slice (its devices, in the global device list)."""
-        return _mesh_from(**self.layout["mesh"])
+        return mesh_from_description(self.layout["mesh"])
 
 
 class RemoteRollouts:
@@ -251,7 +88,7 @@ class RemoteRollouts:
         if not processes:
             raise ValueError("RemoteRollouts needs at least one rollout process")
         self.wait_s, self.hello_wait_s = float(wait_s), float(hello_wait_s)
-        client = _client()
+        client = mailbox.service_client()
         self.peers = []
         for process in processes:
             requests, replies, _ = keys_of(process)
@@ -292,7 +129,7 @@ class RemoteRollouts:
     @property
     def slice(self) -> Mesh:
         """The first rollout process's serving slice (every one has its shape)."""
-        return _mesh_from(**self.layout["mesh"])
+        return mesh_from_description(self.layout["mesh"])
 
     @property
     def serving_dtype(self) -> str:
@@ -376,7 +213,7 @@ class RemoteRollouts:
             return
         sender = jax.tree.leaves(staged)[0].sharding.mesh
         for peer in self.peers:
-            peer.requests.send("weights", _describe(sender))
+            peer.requests.send("weights", describe_mesh(sender))
             copy_to_receiver(staged, pair_mesh(sender, peer.slice))
 
     def update_params(self, model: nnx.Module) -> None:
@@ -398,7 +235,7 @@ class RemoteRollouts:
             return
         alive = [p for p in self.peers if not (p.lost or p.beats.silent("the stop"))]
         if len(alive) == len(self.peers):
-            _wait_until_gone(self.client, wait_s, [jax.process_index()] + [p.process for p in self.peers])
+            wait_until_gone(self.client, wait_s, [jax.process_index()] + [p.process for p in self.peers])
 
 
 def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
@@ -437,26 +274,6 @@ def merge_figures(figures: list[dict]) -> dict:
     return out
 
 
-def leave_last(trainers: int, wait_s: float = 300.0) -> None:
-    """On process 0 of a recoverable run (``main.init_distributed``), which hosts the
-    coordination service: at exit, wait (``wait_s`` at most) until the other training processes
-    (1 .. ``trainers`` - 1) have left it. A recoverable service does not hold their exits at its
-    own shutdown barrier, and a service that ends before a process has left aborts that one."""
-    if trainers > 1 and jax.process_index() == 0:
-        atexit.register(lambda: _wait_until_gone(_client(), wait_s, list(range(trainers)), "training"))
-
-
-def _wait_until_gone(client, wait_s: float, processes: list[int], who: str = "rollout") -> None:
-    """Block until every other listed process has shut its coordination client down (or died),
-    ``wait_s`` at most: ``get_live_nodes`` returns once every listed process called it or left."""
-    thread = threading.Thread(target=lambda: client.get_live_nodes(processes), name="await-rollout-exit",
-                              daemon=True)
-    thread.start()
-    thread.join(wait_s)
-    if thread.is_alive():
-        log.warning("the %s processes did not leave within %g s of the stop", who, wait_s)
-
-
 def serve_remote(rollouts, wait_s: float, trainer: int = 0, silence_s: float | None = None) -> int:
     """The rollout process's loop: answer the requests of training process ``trainer`` with
     ``rollouts`` (a ``ColocatedRollouts`` over this process's devices, one slice) until it says
@@ -486,14 +303,14 @@ def _serve(rollouts, wait_s: float, requests: Mailbox, replies: Mailbox, trainer
     replies.send("hello", {
         "specs": specs_of(engine.layout.target),
         "dtype": engine.layout.dtype.name, "untie_head": engine.layout.untie_head,
-        "serving_dtype": rollouts.serving_dtype, "mesh": _describe(slice_mesh)})
+        "serving_dtype": rollouts.serving_dtype, "mesh": describe_mesh(slice_mesh)})
     rounds, paused = 0, PausedRollouts()
     while True:
         kind, payload = requests.receive(wait_s, "the trainer process's next request", trainer_beats)
         if kind == "stop":
             return rounds
         if kind == "weights":  # between rounds: the next one samples the new policy
-            engine.serve(copy_to_receiver(engine.params, pair_mesh(_mesh_from(**payload), slice_mesh)))
+            engine.serve(copy_to_receiver(engine.params, pair_mesh(mesh_from_description(payload), slice_mesh)))
             continue
         try:
             out = rollouts(*payload) if kind == "rollout" else paused.round(rollouts, **payload)

@@ -12,7 +12,6 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-import jax
 import numpy as np
 
 from rstarjax import processes
@@ -31,21 +30,10 @@ PAD_ID = 0  # value of padding tokens; never attended to (segment 0) nor trained
 log = logging.getLogger(__name__)
 
 
-def any_process(flag: bool) -> bool:
-    """True if ``flag`` is True on any process: the refill decision is global, so every process
-    runs the same number of rollout rounds and consumes the same number of prompts (the data
-    iterators stay in lockstep)."""
-    if processes.training_count() == 1:
-        return flag
-    return bool(np.any(processes.allgather(np.asarray(flag, np.int32))))
-
-
 def _update_anywhere(has_rows: bool, num_rows: int) -> bool:
     """Whether any process has a group to train on, after checking that every process brings the
     same number of rows (the global batch is their concatenation, split evenly over the
     devices). One small all-gather, outside rollout."""
-    if processes.training_count() == 1:
-        return has_rows
     got = processes.allgather(np.asarray([has_rows, num_rows], np.int64))
     rows = got[:, 1].tolist()
     if len(set(rows)) > 1:
@@ -83,10 +71,11 @@ def _empty_train_batch(num_rows: int, seq_len: int) -> TrainBatch:
                       old_logprobs=z.copy(), advantages=z.copy(), rollout_logprobs=z.copy())
 
 
-def rl_step(trainer: Trainer, rollout_fn: RolloutFn | PartialRollouts | CollectedRound, records: list, cfg: RLConfig, loss_cfg: loss_lib.LossConfig,
+def rl_step(trainer: Trainer, rollout_fn: RolloutFn | None, records: list, cfg: RLConfig, loss_cfg: loss_lib.LossConfig,
             seed: int, more_records: Callable[[], list] | None = None,
             before_update: Callable[[], None] | None = None,
-            serving_dtype: str | None = None, stale_rollouts: bool = False) -> dict[str, float]:
+            serving_dtype: str | None = None, stale_rollouts: bool = False,
+            partial: PartialRollouts | CollectedRound | None = None) -> dict[str, float]:
     """One GRPO-RoC step on this process's prompts: rollouts (2G each) -> batch filter (rollouts
     ended by infrastructure errors excluded, equal-reward groups rejected) -> RoC keeps G ->
     advantages (``loss_cfg.advantage_estimator``, eq. 7) -> TrainBatch -> update. Returns host
@@ -123,18 +112,18 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | PartialRollouts | Collecte
     (``train/logprob_gap_tokens_over``), and in a float32 run warn with the step and the
     affected trajectories' prompts when any does (docs/metrics.md).
 
-    Partial rollouts (``rl.partial_rollout_tokens``; ``rollout_fn`` a ``rl.partial.PartialRollouts``):
-    ``records`` are the prompts this step starts (at most its ``room``); the step trains at most
-    ``groups_per_update`` complete groups, new or carried, oldest first, padded to that many. The
-    log-prob gap is measured on the tokens the current policy sampled (``fresh_token_mask``).
-    A ``rl.partial.CollectedRound`` (partial rollouts a rollout thread ran) is one such step's
-    rollouts, already collected.
+    Partial rollouts (``rl.partial_rollout_tokens``; ``partial`` a ``rl.partial.PartialRollouts``,
+    which rolls out in place of ``rollout_fn``): ``records`` are the prompts this step starts (at
+    most its ``room``); the step trains at most ``groups_per_update`` complete groups, new or
+    carried, oldest first, padded to that many. The log-prob gap is measured on the tokens the
+    current policy sampled (``fresh_token_mask``). A ``rl.partial.CollectedRound`` (partial
+    rollouts a rollout thread ran) is one such step's rollouts, already collected. The rollout
+    source says which (``rl.sources.StepRound``).
 
     ``stale_rollouts`` (asynchronous rollouts, ``rl.staleness``): ``rollout_fn`` returns a round an
     older policy may have sampled; the step reports its lag (``async/policy_lag_*``) and measures
     the log-prob gap on the current policy's tokens only.
     """
-    partial = rollout_fn if isinstance(rollout_fn, (PartialRollouts, CollectedRound)) else None
     quota = partial.groups_per_update if partial is not None else len(records)
     num_rows = quota * cfg.group_size
     estimator = loss_cfg.advantage_estimator
@@ -168,7 +157,7 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | PartialRollouts | Collecte
         dropped += len(batch_records) - len(informative)  # rejected, short or uninformative
         groups += informative
         short = len(groups) < quota
-        if rounds >= cfg.dynamic_sampling_max_rounds or more_records is None or not any_process(short):
+        if rounds >= cfg.dynamic_sampling_max_rounds or more_records is None or not processes.any_process(short):
             break
         try:
             batch_records = more_records()
@@ -209,10 +198,10 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | PartialRollouts | Collecte
             before_update()
         denom = None
         if estimator == "dr_grpo":  # Dr. GRPO's constant: the configured sequences of one update x max length
-            rows_per_update = num_rows * processes.training_count() // trainer.cfg.mini_batches
+            rows_per_update = processes.global_rows(num_rows) // trainer.cfg.mini_batches
             denom = loss_lib.dr_grpo_denominator(rows_per_update, cfg.max_response_len)
         elif loss_cfg.micro_batch_rows == "configured":  # verl: the rows sampled per update, before RoC
-            denom = float(quota * cfg.rollouts_per_prompt * processes.training_count() // trainer.cfg.mini_batches)
+            denom = float(processes.global_rows(quota * cfg.rollouts_per_prompt) // trainer.cfg.mini_batches)
         metrics.update(trainer.train(batch, denom=denom, gap_threshold=gap_threshold, gap_mask=gap_mask))
         over = int(metrics.get("train/logprob_gap_tokens_over", 0))
         if over and serving_dtype is not None and metrics_lib.is_float32(serving_dtype):

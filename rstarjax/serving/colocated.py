@@ -14,7 +14,7 @@ from flax import nnx
 from rstarjax.layout import Layout, layout_of
 from rstarjax.models.config import DTYPES
 from rstarjax.serving.engine import Engine
-from rstarjax.serving.handoff import ProcessHandoff, require_process_local, stage_copies
+from rstarjax.serving.handoff import ProcessHandoff, require_process_local, serve_copies, split_weights, stage_copies
 from rstarjax.serving.scheduler import RolloutScheduler
 from rstarjax.serving.slices import slice_meshes
 from rstarjax.validation import one_of, require
@@ -178,19 +178,15 @@ class ColocatedEngines:
 
     def stage_params(self, model_or_state) -> list:
         """The engines' serving copies of new weights (as ``update_params`` takes them), made now
-        (one hand-off program for the host's slices) and served by ``serve_staged``."""
-        graphdef, state = (None, model_or_state) if not isinstance(model_or_state, nnx.Module) else nnx.split(
-            model_or_state)
+        (one hand-off program for the host's slices: ``handoff.stage_copies``) and served by
+        ``serve_staged``."""
+        graphdef, state = split_weights(model_or_state)
         if self.handoff is not None:  # the one cross-process step of rollout, once per update
             state = self.handoff(state)
         return stage_copies(self.engines, state, graphdef)
 
-    @staticmethod
-    def serve_staged(staged: list) -> None:
-        """Serve what ``stage_params`` made (between scheduler runs: a run reads the engines'
-        weights at every iteration)."""
-        for engine, weights in staged:
-            engine.serve(weights)
+    # what ``stage_params`` made, served (between scheduler runs), as ``handoff.update_engines`` does
+    serve_staged = staticmethod(serve_copies)
 
     def release_memory(self) -> None:
         """Free every engine's serving copy and KV pool until the next ``update_params``

@@ -37,7 +37,7 @@ from rstarjax.models.paged_attention import (DECODE_IMPLEMENTATIONS, RAGGED_CHUN
                                              split_kv_axis)
 from rstarjax.models.qwen3 import ServingWeights, serving_config
 from rstarjax.serving.handoff import (ServingLayout, require_process_local, serving_copies,
-                                      serving_shapes, update_engines)
+                                      serving_shapes, split_weights, update_engines)
 from rstarjax.serving.pages import OutOfPages, PagePool, SlotInfo, SlotTable
 from rstarjax.serving.placement import Placement, delete_arrays
 from rstarjax.serving.programs import (MAX_STOP_IDS, DecodeBlock, DecodeState, DoneReason, FeedRow,
@@ -403,10 +403,8 @@ class Engine:
         base), copied once into the serving dtype and layout (``handoff.serving_copies``;
         several slices at once: ``handoff.update_engines``). A released engine gets its KV
         pool back."""
-        if isinstance(new_params, nnx.Module):
-            update_engines([self], *reversed(nnx.split(new_params)))
-        else:
-            update_engines([self], new_params)
+        graphdef, state = split_weights(new_params)
+        update_engines([self], state, graphdef)
 
     def serve(self, weights: ServingWeights) -> None:
         """Take a hand-off's serving copy (made for ``self.layout``); make the pool again after

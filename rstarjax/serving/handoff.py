@@ -183,7 +183,7 @@ def pair_mesh(sender: Mesh, receiver: Mesh) -> Mesh:
     if sender.devices.shape != receiver.devices.shape or sender.axis_names != receiver.axis_names:
         raise ValueError(f"the sender's mesh {dict(sender.shape)} and the receiver's {dict(receiver.shape)} "
                          "differ: a shard-to-shard copy needs one layout on both sides")
-    return Mesh(np.stack([sender.devices, receiver.devices]), (PROCESS_AXIS, *sender.axis_names))
+    return device_mesh(np.stack([sender.devices, receiver.devices]), (PROCESS_AXIS, *sender.axis_names))
 
 
 def copy_to_receiver(tree, pair: Mesh):
@@ -223,10 +223,25 @@ def _first_row_program(shardings, treedef):
 def update_engines(engines: Sequence[Served], state, graphdef=None) -> None:
     """Hand ``state`` (an ``nnx.split`` state: of the served model, or of ``graphdef``'s model
     when given, e.g. the LoRA policy over the served base) to ``engines`` (e.g. every slice of
-    a host): ``stage_copies``, then each engine serves its copy. A released engine
-    (``Engine.release_memory``) gets its KV pool back."""
-    for engine, weights in stage_copies(engines, state, graphdef):
+    a host): ``stage_copies``, then ``serve_copies``, the one path new weights take into
+    engines (``ColocatedEngines`` stages now and serves between rounds the same way). A
+    released engine (``Engine.release_memory``) gets its KV pool back."""
+    serve_copies(stage_copies(engines, state, graphdef))
+
+
+def serve_copies(staged: Sequence[tuple[Served, ServingWeights]]) -> None:
+    """Each engine serves the copy ``stage_copies`` made for it (between scheduler runs: a run
+    reads the engines' weights at every iteration)."""
+    for engine, weights in staged:
         engine.serve(weights)
+
+
+def split_weights(model_or_state) -> tuple[object, object]:
+    """(graphdef, state) of new weights: a module (e.g. a LoRA policy over the served base) is
+    split, a state of the served model's structure comes with no graphdef (None)."""
+    if isinstance(model_or_state, nnx.Module):
+        return nnx.split(model_or_state)
+    return None, model_or_state
 
 
 def stage_copies(engines: Sequence[Served], state, graphdef=None) -> list[tuple[Served, ServingWeights]]:

@@ -7,10 +7,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from rstarjax.rl.partial import CollectedRound
+from rstarjax.processes import any_process
 from rstarjax.rl.sources.base import RolloutSource, StagedRollouts, StepRound
 from rstarjax.rl.staleness import AsyncRollouts
-from rstarjax.rl.step import any_process
 
 
 @dataclasses.dataclass
@@ -38,9 +37,11 @@ class AsyncSource:
         if any_process(rnd is None):
             return None
         out = rnd.output
-        # a partial round comes collected; any other is already rolled out
-        rollouts = out if isinstance(out, CollectedRound) else (lambda *_, out=out: out)
-        return StepRound(rnd.records, rollouts, more_records=lambda: next(self.data), stale=True)
+        # a partial round comes collected (the thread runs the partial rollouts); any other is
+        # already rolled out
+        if self.thread.partial is not None:
+            return StepRound(rnd.records, partial=out, more_records=lambda: next(self.data), stale=True)
+        return StepRound(rnd.records, lambda *_, out=out: out, more_records=lambda: next(self.data), stale=True)
 
     def settle(self, metrics: dict, version: int, updated: bool) -> dict | None:
         metrics.update(self.waited)

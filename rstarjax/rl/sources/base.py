@@ -36,14 +36,17 @@ class StagedRollouts(Protocol):
 @dataclasses.dataclass
 class StepRound:
     """One step's work as a source hands it to ``rl_step``: the prompts it starts (or, rolled
-    out already, trains), what rolls them out (a ``RolloutFn``, a ``partial.PartialRollouts`` or
-    a ``partial.CollectedRound``), where dynamic sampling draws more prompts, and whether an
-    older policy may have sampled them (``stale``: asynchronous rollouts)."""
+    out already, trains) and what rolls them out: ``rollouts``, a ``RolloutFn`` called once per
+    round, or with partial rollouts ``partial``, a ``partial.PartialRollouts`` (or a
+    ``partial.CollectedRound`` a rollout thread ran) that collects the groups completed across
+    steps; where dynamic sampling draws more prompts, and whether an older policy may have
+    sampled them (``stale``: asynchronous rollouts)."""
 
     records: list
-    rollouts: object
+    rollouts: object = None
     more_records: Callable[[], list] | None = None
     stale: bool = False
+    partial: object = None
 
 
 class RolloutSource(Protocol):

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from rstarjax.rl.partial import PartialRollouts
 from rstarjax.rl.sources.base import StepRound
-from rstarjax.rl.step import any_process
+from rstarjax.processes import any_process
 
 # the per-round figures that add up over the rounds of one partial-rollout step
 ROUND_SUMS = ("timing/rollout_generated_tokens", "timing/rollout_decode_steps", "timing/rollout_prefill_tokens",
@@ -73,7 +73,7 @@ class PartialSource:
         # (one that has none joins the others' updates with padding rows)
         if not any_process(bool(records or self.partial.groups or self.partial.ready)):
             return None
-        return StepRound(records, self.partial, more_records=lambda: next(self.data))
+        return StepRound(records, partial=self.partial, more_records=lambda: next(self.data))
 
     def settle(self, metrics: dict, version: int, updated: bool) -> dict | None:
         del version
