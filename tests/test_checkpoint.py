@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from process_support import worker_env
+from tiny_run import tiny_rl_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -50,38 +51,16 @@ def fake_rollout_fn(records, n, seed, policy_version):
     return out
 
 
-def worker_config(workdir, total_steps):
-    import base
-
-    c = base.get_config()
-    c.total_steps = total_steps
-    c.model.preset = "tiny"
-    c.model.random_init = True
-    c.model.dtype = "float32"
-    c.model.remat_policy = "none"
-    c.data.train_path = os.path.join(workdir, "train.jsonl")
-    c.rl.prompts_per_step = 2
-    c.rl.group_size = 2
-    c.rl.oversample = 4
-    c.rl.max_prompt_len = 8
-    c.rl.max_response_len = 8
-    c.optim.learning_rate = 1e-3
-    c.optim.warmup_steps = 2
-    c.trainer.micro_batch_size = 2
-    c.checkpoint.every_steps = 1
-    c.checkpoint.keep = 2
-    c.logging.progress_bar = False
-    return c
+def worker_config(workdir, total_steps, in_process=False):
+    return tiny_rl_config(os.path.join(workdir, "train.jsonl"), total_steps, in_process=in_process, **{
+        "optim.learning_rate": 1e-3, "optim.warmup_steps": 2, "trainer.micro_batch_size": 2,
+        "checkpoint.every_steps": 1, "checkpoint.keep": 2})
 
 
 def in_process_config(workdir, total_steps):
     """``worker_config`` for a stage run inside the test process: a one-device mesh, no
     TensorBoard, checkpoints written before the step returns."""
-    c = worker_config(workdir, total_steps)
-    c.mesh.fsdp, c.mesh.data = 1, 1
-    c.logging.tensorboard = False
-    c.checkpoint.async_save = False
-    return c
+    return worker_config(workdir, total_steps, in_process=True)
 
 
 def worker(workdir, total_steps):
@@ -445,3 +424,38 @@ def test_the_rl_loop_logs_the_checkpoint_wait_and_its_write_apart(tmp_path, monk
     for r in recs:
         assert 0 < r["time/checkpoint_copy"] <= r["time/checkpoint"], r
     assert recs[-1]["time/checkpoint_write"] > 0
+
+
+def test_the_copy_off_the_device_skips_pinned_host_memory_when_asked(tmp_path, monkeypatch):
+    """``checkpoint.pinned_host_transfer=False`` (the A/B of the 22.6 s wait on an H200) reaches Orbax:
+    with the backend taken for a GPU (Orbax's default pins there; this CPU has pinned host memory too)
+    the default stages every array through pinned host memory and False through none, and the state
+    saved either way restores exactly."""
+    import jax
+
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.rl.trainer import TrainState
+
+    state = _small_state(1)
+    device_put = jax.device_put
+    for pinned in (True, False):
+        put_kinds = []
+
+        def spying_put(x, device=None, *a, **k):
+            put_kinds.append(getattr(device, "memory_kind", None))
+            return device_put(x, device, *a, **k)
+
+        cfg = ckpt_lib.CheckpointConfig(every_steps=1, async_save=False, pinned_host_transfer=pinned)
+        directory = str(tmp_path / f"pinned_{pinned}")
+        with monkeypatch.context() as m:
+            m.setattr(jax, "default_backend", lambda: "gpu")  # read when Orbax makes its handler
+            with ckpt_lib.Checkpointer(directory, cfg) as ck:
+                m.setattr(jax, "device_put", spying_put)
+                ck.save(1, state, {"step": 1})
+        pinned_puts = put_kinds.count("pinned_host")
+        assert pinned_puts == (len(jax.tree.leaves(state)) if pinned else 0), (pinned, put_kinds)
+        with ckpt_lib.Checkpointer(directory, cfg) as ck:
+            restored, meta = ck.restore(ckpt_lib.abstract_like(state))
+        assert meta["step"] == 1 and isinstance(restored, TrainState)
+        for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
