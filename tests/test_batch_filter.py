@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.join(ROOT, "configs"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from test_trainer import tiny_model  # noqa: E402
+from tiny_run import tiny_rl_config  # noqa: E402
 
 from rstarjax.models import sharding as sharding_lib  # noqa: E402
 from rstarjax.recipes import build  # noqa: E402
@@ -221,30 +222,9 @@ def test_log_prob_gap_thresholds_by_serving_dtype():
     assert trajectories_at(placements, np.array([[0, 15], [2, 0]])) == []  # past every placement
 
 def run_config(workdir, total_steps, **rl):
-    import base
-
-    c = base.get_config()
-    c.total_steps = total_steps
-    c.model.preset = "tiny"
-    c.model.random_init = True
-    c.model.dtype = "float32"
-    c.model.remat_policy = "none"
-    c.data.train_path = os.path.join(workdir, "train.jsonl")
-    c.data.shuffle = False
-    c.rl.prompts_per_step = 2
-    c.rl.group_size = G
-    c.rl.oversample = 2 * G
-    c.rl.max_prompt_len = 4
-    c.rl.max_response_len = 8
-    for k, v in rl.items():
-        setattr(c.rl, k, v)
-    c.trainer.micro_batch_size = 0
-    c.checkpoint.async_save = False
-    c.logging.progress_bar = False
-    c.logging.tensorboard = False
-    c.mesh.fsdp = 1
-    c.mesh.data = 1
-    return c
+    return tiny_rl_config(os.path.join(workdir, "train.jsonl"), total_steps, **{
+        "data.shuffle": False, "rl.group_size": G, "rl.oversample": 2 * G, "rl.max_prompt_len": 4,
+        **{f"rl.{k}": v for k, v in rl.items()}, "trainer.micro_batch_size": 0})
 
 
 @pytest.mark.slow  # two run_rl calls, each compiling its step: ~25 s alone, a minute on shared cores

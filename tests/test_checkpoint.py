@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from process_support import worker_env
+from tiny_run import tiny_rl_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -50,38 +51,16 @@ def fake_rollout_fn(records, n, seed, policy_version):
     return out
 
 
-def worker_config(workdir, total_steps):
-    import base
-
-    c = base.get_config()
-    c.total_steps = total_steps
-    c.model.preset = "tiny"
-    c.model.random_init = True
-    c.model.dtype = "float32"
-    c.model.remat_policy = "none"
-    c.data.train_path = os.path.join(workdir, "train.jsonl")
-    c.rl.prompts_per_step = 2
-    c.rl.group_size = 2
-    c.rl.oversample = 4
-    c.rl.max_prompt_len = 8
-    c.rl.max_response_len = 8
-    c.optim.learning_rate = 1e-3
-    c.optim.warmup_steps = 2
-    c.trainer.micro_batch_size = 2
-    c.checkpoint.every_steps = 1
-    c.checkpoint.keep = 2
-    c.logging.progress_bar = False
-    return c
+def worker_config(workdir, total_steps, in_process=False):
+    return tiny_rl_config(os.path.join(workdir, "train.jsonl"), total_steps, in_process=in_process, **{
+        "optim.learning_rate": 1e-3, "optim.warmup_steps": 2, "trainer.micro_batch_size": 2,
+        "checkpoint.every_steps": 1, "checkpoint.keep": 2})
 
 
 def in_process_config(workdir, total_steps):
     """``worker_config`` for a stage run inside the test process: a one-device mesh, no
     TensorBoard, checkpoints written before the step returns."""
-    c = worker_config(workdir, total_steps)
-    c.mesh.fsdp, c.mesh.data = 1, 1
-    c.logging.tensorboard = False
-    c.checkpoint.async_save = False
-    return c
+    return worker_config(workdir, total_steps, in_process=True)
 
 
 def worker(workdir, total_steps):

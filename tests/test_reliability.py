@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from process_support import own_other_address, start_on_stand_in_jetstream, worker_env
+from tiny_run import tiny_rl_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -102,23 +103,9 @@ def _scripted_run(tmp_path, total_steps, rows=8, **overrides):
 
 
 def _scripted_config(workdir, total_steps, **overrides):
-    import base
-
-    c = base.get_config()
-    c.total_steps = total_steps
-    c.model.preset, c.model.random_init, c.model.dtype, c.model.remat_policy = "tiny", True, "float32", "none"
-    c.data.train_path = os.path.join(workdir, "train.jsonl")
-    c.rl.prompts_per_step, c.rl.group_size, c.rl.oversample = 2, 2, 4
-    c.rl.max_prompt_len, c.rl.max_response_len = 8, 8
-    c.optim.learning_rate, c.optim.warmup_steps = 1e-3, 0
-    c.trainer.micro_batch_size = 0
-    c.checkpoint.every_steps, c.checkpoint.keep, c.checkpoint.async_save = 1, 10, False
-    c.logging.progress_bar, c.logging.tensorboard = False, False
-    c.mesh.fsdp = 1
-    for key, value in overrides.items():
-        section, name = key.split(".")
-        setattr(getattr(c, section), name, value)
-    return c
+    return tiny_rl_config(os.path.join(workdir, "train.jsonl"), total_steps, **{
+        "optim.learning_rate": 1e-3, "optim.warmup_steps": 0, "trainer.micro_batch_size": 0,
+        "checkpoint.every_steps": 1, "checkpoint.keep": 10, **overrides})
 
 
 @pytest.fixture

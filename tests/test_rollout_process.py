@@ -23,7 +23,6 @@ import pytest
 
 from process_support import free_port, worker_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = int(os.environ.get("RJ_STEPS", 3))  # the death test runs longer
 WAIT_S = 300  # one 2-process run; past it the workers are killed and the test fails
 TOOL = "execute_python_code_with_standard_io"
@@ -55,19 +54,13 @@ def colocated() -> bool:
 def stage_config(workdir, staleness: int, devices: int, reference: bool = False):
     """``reference``: the same stage on one process, the rollout devices of every rollout
     process there as slices of ``devices`` each."""
-    sys.path.insert(0, os.path.join(ROOT, "configs"))
-    import base
+    from tiny_run import tiny_rl_config
 
     from rstarjax.recipes.config import parse
 
-    c = base.get_config()
-    c.total_steps, c.seed = STEPS, 0
-    c.model.preset, c.model.random_init, c.model.dtype = "tiny", True, "float32"
-    c.model.remat_policy = "none"
-    c.model.tokenizer_num_regular_tokens = 486
-    c.data.train_path = os.path.join(workdir, "train.jsonl")
-    c.rl.prompts_per_step, c.rl.group_size, c.rl.oversample = 2, 2, 4
-    c.rl.max_prompt_len, c.rl.max_response_len, c.rl.max_turns = 192, 256, 4
+    c = tiny_rl_config(os.path.join(workdir, "train.jsonl"), STEPS, in_process=False, **{
+        "seed": 0, "model.tokenizer_num_regular_tokens": 486, "rl.max_prompt_len": 192, "rl.max_response_len": 256,
+        "rl.max_turns": 4})
     c.rl.chat_format = "compact"
     c.rl.max_staleness = staleness
     c.rl.partial_rollout_tokens = int(os.environ.get("RJ_PARTIAL", 0))  # the partial-rollout case

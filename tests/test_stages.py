@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from process_support import worker_env
+from tiny_run import tiny_rl_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -180,31 +181,9 @@ def test_each_stage_gets_its_own_data_order():
 
 # ============================================================================ scripted chain
 def _scripted_config(workdir, total_steps, init_from="", reset=False, data="train.jsonl"):
-    import base
-
-    c = base.get_config()
-    c.total_steps = total_steps
-    c.model.preset = "tiny"
-    c.model.random_init = True
-    c.model.dtype = "float32"
-    c.model.remat_policy = "none"
-    c.data.train_path = os.path.join(os.path.dirname(workdir), data)
-    c.rl.prompts_per_step = 2
-    c.rl.group_size = 2
-    c.rl.oversample = 4
-    c.rl.max_prompt_len = 8
-    c.rl.max_response_len = 8
-    c.optim.learning_rate = 1e-3
-    c.optim.warmup_steps = 2
-    c.trainer.micro_batch_size = 0
-    c.checkpoint.every_steps = 1
-    c.checkpoint.async_save = False
-    c.checkpoint.init_from = init_from
-    c.checkpoint.reset_optimizer = reset
-    c.logging.progress_bar = False
-    c.logging.tensorboard = False
-    c.mesh.fsdp = 1
-    return c
+    return tiny_rl_config(os.path.join(os.path.dirname(workdir), data), total_steps, **{
+        "optim.learning_rate": 1e-3, "optim.warmup_steps": 2, "trainer.micro_batch_size": 0,
+        "checkpoint.every_steps": 1, "checkpoint.init_from": init_from, "checkpoint.reset_optimizer": reset})
 
 
 @pytest.mark.slow  # ~20 s alone, over a minute on 2 shared cores (three runs, each compiling its step)

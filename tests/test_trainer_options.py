@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.join(ROOT, "configs"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from test_trainer import leaves, random_batch, reference_loss, tiny_model  # noqa: E402
+from tiny_run import tiny_rl_config  # noqa: E402
 
 from rstarjax.io import checkpoint as ckpt_lib  # noqa: E402
 from rstarjax.models import sharding as sharding_lib  # noqa: E402
@@ -174,29 +175,10 @@ def scripted_rollout_fn(calls):
 
 
 def ds_config(workdir, total_steps):
-    import base
-
-    c = base.get_config()
-    c.total_steps = total_steps
-    c.model.preset = "tiny"
-    c.model.random_init = True
-    c.model.dtype = "float32"
-    c.model.remat_policy = "none"
-    c.data.train_path = os.path.join(workdir, "train.jsonl")
-    c.data.shuffle = False
-    c.rl.prompts_per_step = 4
-    c.rl.group_size = 2
-    c.rl.oversample = 4
-    c.rl.max_prompt_len = 4
-    c.rl.max_response_len = 8
-    c.rl.dynamic_sampling_max_rounds = 3
-    c.rl.dynamic_sampling = True
-    c.trainer.micro_batch_size = 8
-    c.checkpoint.every_steps = 1
-    c.checkpoint.async_save = False
-    c.logging.progress_bar = False
-    c.logging.tensorboard = False
-    return c
+    return tiny_rl_config(os.path.join(workdir, "train.jsonl"), total_steps, in_process=False, **{
+        "data.shuffle": False, "rl.prompts_per_step": 4, "rl.max_prompt_len": 4, "rl.dynamic_sampling_max_rounds": 3,
+        "rl.dynamic_sampling": True, "trainer.micro_batch_size": 8, "checkpoint.every_steps": 1,
+        "checkpoint.async_save": False, "logging.tensorboard": False})
 
 
 @pytest.mark.slow

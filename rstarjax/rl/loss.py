@@ -12,8 +12,8 @@ Exact micro-batching: every loss returns SUM over the micro-batch's tokens / ``d
 (and metrics, and gradients) of the micro-batches therefore equals the full-batch value.
 
 ``loss.policy_loss`` names one of ``POLICY_RATIOS`` (how pi / pi_old is measured and clipped);
-a new loss term is one more pure function here, one field in ``LossConfig``, one key in
-configs/base.py.
+a new loss term is one more pure function here and one field in ``LossConfig``, whose default
+every config's ``loss`` section takes (configs/base.py builds the section from it).
 """
 from __future__ import annotations
 
