@@ -311,3 +311,56 @@ def test_the_profile_evaluates_the_benchmark_rows_as_written(tmp_path):
     [(name, records)] = load_benchmarks([str(path)], handling=handling).items()
     assert (name, records[0]["problem"], records[0]["answer"]) == ("aime24", "Find $x$.\n", " 7")
     assert load_benchmarks([str(path)])["aime24"][0]["problem"] == "Find $x$."
+
+
+class _DataConfig(dict):
+    """What create_rl_sampler reads of verl's data config (legacy_data.yaml: no seed, no sampler class)."""
+
+    sampler = None
+    shuffle = True
+
+
+def test_official_handling_reads_the_rows_in_the_official_loaders_order():
+    """verl's create_rl_sampler (tests/fixtures/rstar2_official/create_rl_sampler.py, verbatim) under
+    a torch DataLoader with the official loader's batch size and drop_last=True (StatefulDataLoader
+    iterates a given sampler the same way), over 3 epochs, against io.data.OfficialOrder without
+    torch: the same rows in the same batches, each epoch's remainder left out; a process's batch is
+    its strided share of the global one; a resumed iterator goes on where it stopped."""
+    torch = pytest.importorskip("torch")
+    from fixtures.rstar2_official.create_rl_sampler import create_rl_sampler
+
+    from rstarjax.io.data import make_dataset
+
+    n, batch, epochs = 53, 8, 3  # 6 batches an epoch, 5 rows left out of each
+    sampler = create_rl_sampler(_DataConfig(), list(range(n)))
+    loader = torch.utils.data.DataLoader(list(range(n)), batch_size=batch, sampler=sampler, drop_last=True,
+                                         collate_fn=list)
+    theirs = [b for _ in range(epochs) for b in loader]
+    assert len(theirs) == epochs * (n // batch) and theirs[0] != theirs[n // batch]
+    records = [{"problem": str(i), "answer": "0"} for i in range(n)]
+
+    def ids(batches):
+        return [[int(r["problem"]) for r in b] for b in batches]
+
+    ours = make_dataset(records, batch, num_epochs=epochs, process_index=0, process_count=1, handling="official")
+    assert ids(ours) == theirs
+    for p in range(2):
+        share = make_dataset(records, batch // 2, num_epochs=epochs, process_index=p, process_count=2,
+                             handling="official")
+        assert ids(share) == [b[p::2] for b in theirs]
+    it = iter(ours)
+    first = ids([next(it) for _ in range(7)])
+    resumed = iter(make_dataset(records, batch, num_epochs=epochs, process_index=0, process_count=1,
+                                handling="official"))
+    resumed.set_state(it.get_state())
+    assert first + ids(resumed) == theirs
+    # data.shuffle=False: verl's SequentialSampler, the file order
+    _DataConfig.shuffle = False
+    try:
+        sequential = list(torch.utils.data.DataLoader(list(range(n)), batch_size=batch, drop_last=True,
+                                                      sampler=create_rl_sampler(_DataConfig(), list(range(n))),
+                                                      collate_fn=list))
+    finally:
+        _DataConfig.shuffle = True
+    assert ids(make_dataset(records, batch, num_epochs=1, shuffle=False, process_index=0, process_count=1,
+                            handling="official")) == sequential

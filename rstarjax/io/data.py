@@ -61,8 +61,9 @@ _DAPO_SUFFIX = re.compile(r"\s*Remember to put your answer on its own line after
 #   "official": what the official rStar2-Agent code does (microsoft/rStar ecbfb94
 #               data_preprocess/*_rstar2_agent_loop.py, then J-shang/verl d0dc976 RLHFDataset):
 #               the user message and the ground truth as written (nothing stripped, no answer
-#               filter, no canonical form) and every row kept, repeats included; rows it cannot
-#               read at all (no problem, no answer, not JSON) are still skipped and counted
+#               filter, no canonical form) and every row kept, repeats included, drawn in the
+#               official loader's order (OfficialOrder); rows it cannot read at all (no problem,
+#               no answer, not JSON) are still skipped and counted
 DATA_HANDLINGS = ("paper", "official")
 
 
@@ -593,6 +594,7 @@ def make_dataset(
     process_count: int | None = None,
     drop_remainder: bool = True,
     even_shards: bool = True,
+    handling: str = "paper",
 ) -> "RowBatches":
     """Batches (lists of dicts) of ``records``: host shard -> shuffle (per epoch) -> repeat,
     then ``batch_size`` rows at a time (``RowBatches``).
@@ -600,12 +602,16 @@ def make_dataset(
     ``num_epochs=None`` repeats forever. process_index/count default to jax.process_index and the training processes'
     count (``rstarjax.processes``).
     ``iter(ds)`` gives an iterator with get_state()/set_state() for checkpoints, which count rows.
+    ``handling="official"``: the official loader's order instead (``OfficialOrder``; ``seed`` unused).
     """
     if batch_size <= 0:
         raise ValueError("batch_size must be > 0")
     if process_index is None or process_count is None:
         process_index = jax.process_index() if process_index is None else process_index
         process_count = processes.training_count() if process_count is None else process_count
+    if handling == "official":
+        order = OfficialOrder(records, batch_size * process_count, process_index, process_count, num_epochs, shuffle)
+        return RowBatches(order, batch_size, drop_remainder)
     ds = grain.MapDataset.source(records)[host_shard(len(records), process_index, process_count, even_shards)]
     if len(ds) == 0:
         raise ValueError(f"host {process_index}/{process_count} got no records out of {len(records)}")
@@ -614,6 +620,84 @@ def make_dataset(
     if shuffle:
         ds = ds.shuffle(seed=seed)  # grain reshuffles with a new permutation each epoch of repeat()
     return RowBatches(ds.repeat(num_epochs).to_iter_dataset(), batch_size, drop_remainder)
+
+
+# verl's create_rl_sampler seeds its torch.Generator with data.seed, which the official run leaves
+# at its default (legacy_data.yaml sets none: 1)
+OFFICIAL_DATA_SEED = 1
+
+
+def torch_randperms(n: int, seed: int = OFFICIAL_DATA_SEED, skip: int = 0):
+    """The permutations ``torch.randperm(n, generator=g)`` returns call after call for a CPU
+    generator ``g`` seeded ``seed``, from call number ``skip`` on, without torch: torch's CPU
+    randperm swaps position i with i + (a 32-bit MT19937 draw % (n - i)) for i < n - 1, and its
+    generator is the MT19937 that numpy's legacy ``RandomState(seed)`` seeds the same way."""
+    if not 0 < n < 2**32 // 20:  # past that bound torch draws 64-bit numbers
+        raise ValueError(f"n={n} must be in (0, {2**32 // 20})")
+    bits = np.random.RandomState(seed)._bit_generator
+    bits.random_raw(skip * (n - 1))
+    while True:
+        perm = np.arange(n)
+        for i, draw in enumerate(bits.random_raw(n - 1).tolist()):
+            z = i + draw % (n - i)
+            perm[i], perm[z] = perm[z], perm[i]
+        yield perm
+
+
+class OfficialOrder:
+    """Rows in the order the official trainer reads them (``data.handling="official"``): verl's
+    StatefulDataLoader over its RLHFDataset (J-shang/verl d0dc976 ``ray_trainer._create_dataloader``
+    and ``main_ppo.create_rl_sampler``): torch's ``RandomSampler`` with a generator seeded
+    ``OFFICIAL_DATA_SEED`` (``shuffle``; else the file order), batches of ``global_batch`` rows
+    with ``drop_last=True``, so each epoch's last ``len(records) % global_batch`` rows of its
+    order are not read. ``RandomSampler.__iter__`` draws one permutation per epoch and a second,
+    empty-sliced one as it ends, so epoch e reads permutation 2e. This process reads every
+    ``process_count``-th row of that sequence from ``process_index`` (its strided share of each
+    global batch). Iterating gives an iterator with grain's ``get_state``/``set_state``
+    (``{"next_index": rows read}``), as ``RowBatches`` needs."""
+
+    def __init__(self, records: list, global_batch: int, process_index: int = 0, process_count: int = 1,
+                 num_epochs: int | None = None, shuffle: bool = True):
+        self.per_epoch = len(records) // global_batch * global_batch
+        if self.per_epoch == 0:
+            raise ValueError(f"{len(records)} records cannot fill one batch of {global_batch}")
+        if global_batch % process_count:
+            raise ValueError(f"a batch of {global_batch} rows does not split over {process_count} processes")
+        self.records, self.index, self.count = records, process_index, process_count
+        self.num_epochs, self.shuffle = num_epochs, shuffle
+
+    def __iter__(self) -> "_OfficialRows":
+        return _OfficialRows(self)
+
+
+class _OfficialRows:
+    def __init__(self, order: OfficialOrder):
+        self.order, self.next_index = order, 0
+        self._epoch, self._perm = -1, None
+
+    def __iter__(self):
+        return self
+
+    def _permutation(self, epoch: int):
+        if epoch != self._epoch:
+            n = len(self.order.records)
+            self._perm = next(torch_randperms(n, skip=2 * epoch)) if self.order.shuffle else np.arange(n)
+            self._epoch = epoch
+        return self._perm
+
+    def __next__(self):
+        o = self.order
+        epoch, row = divmod(self.next_index * o.count + o.index, o.per_epoch)
+        if o.num_epochs is not None and epoch >= o.num_epochs:
+            raise StopIteration
+        self.next_index += 1
+        return o.records[int(self._permutation(epoch)[row])]
+
+    def get_state(self) -> dict:
+        return {"next_index": self.next_index}
+
+    def set_state(self, state: dict) -> None:
+        self.next_index = int(state["next_index"])
 
 
 class RowBatches:

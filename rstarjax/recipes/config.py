@@ -74,8 +74,8 @@ PROFILES: dict[str, dict[str, object]] = {
         # paper's stage 1; its stages 2-3 use 12K). A top-level key (total_steps) is written over the
         # stage config's own, as a section's key is (docs/algorithm.md "Steps per stage")
         "total_steps": 200, "data.num_epochs": 15, "rl.max_prompt_len": 2048, "rl.max_response_len": 8192,
-        # data_preprocess/dapo_rstar2_agent_loop.py, then verl's RLHFDataset: prompts and answers as
-        # written, repeats kept (io.data.DATA_HANDLINGS)
+        # data_preprocess/dapo_rstar2_agent_loop.py, then verl's RLHFDataset and sampler: prompts and
+        # answers as written, repeats kept, in the official loader's order (io.data.DATA_HANDLINGS)
         "data.handling": "official",
         # rstar2_agent/down_sample/roc.py with the run script's settings
         "rl.roc_variant": "topk", "rl.roc_penalty": "official_text", "rl.roc_min_negatives": 2,

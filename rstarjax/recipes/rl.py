@@ -49,9 +49,11 @@ def stage_data_seed(seed: int, stage_start_step: int) -> int:
 
 def problem_batches(run: RunConfig, seed: int, records: list[dict]):
     """grain iterator over this process's share of ``records``, ``prompts_per_step`` per step
-    (repeats when ``data.num_epochs == 0``), shuffled with ``seed``."""
+    (repeats when ``data.num_epochs == 0``), shuffled with ``seed`` (``data.handling="official"``:
+    in the official loader's order, ``io.data.OfficialOrder``)."""
     return data_lib.make_dataset(records, sources.prompts_per_process(run), seed=seed,
-                                 num_epochs=run.data.num_epochs or None, shuffle=run.data.shuffle)
+                                 num_epochs=run.data.num_epochs or None, shuffle=run.data.shuffle,
+                                 handling=run.data.handling)
 
 
 class StageError(ValueError):
