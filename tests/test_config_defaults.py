@@ -71,3 +71,22 @@ def test_lower_layers_name_settings_and_the_recipes_write_them_as_flags():
     with pytest.raises(ConfigError, match="or set --config.rl.roc=False"):
         parse(c)
 
+
+
+# not yet: the transport's own messages (issue 49 item 3 moves them; their helper owns the files)
+FLAGS_LEFT_BELOW_RECIPES = {os.path.join("rstarjax", "rl", "remote.py"), os.path.join("rstarjax", "rl", "mailbox.py")}
+
+
+def test_no_flag_is_spelled_below_the_recipes():
+    """The layers below recipes/ name a setting as ``SECTION.KEY``, never as a ``--config.`` flag
+    (``as_flags`` writes it so, in the recipes)."""
+    import re
+    spelled = []
+    for layer in ("rl", "serving", "env", "models", "io"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, "rstarjax", layer)):
+            for name in sorted(files):
+                rel = os.path.relpath(os.path.join(dirpath, name), ROOT)
+                if name.endswith(".py") and rel not in FLAGS_LEFT_BELOW_RECIPES:
+                    with open(os.path.join(ROOT, rel)) as f:
+                        spelled += [f"{rel}: {m}" for m in re.findall(r"--config\.[\w.*]+", f.read())]
+    assert not spelled, spelled
