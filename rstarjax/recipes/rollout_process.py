@@ -41,7 +41,7 @@ def serve_rollouts(run: RunConfig) -> int:
                                   run.rl.chat_format, run.serving)
         del model
         # between two requests come an update, a checkpoint, maybe an evaluation
-        rounds = serve_remote(rollouts, wait_s=2 * run.rl.agent().rollout_timeout_s + 3600,
+        rounds = serve_remote(rollouts, wait_s=2 * run.rl.rollout_timeout_s + 3600,
                               trainer=processes.trainer_of(jax.process_index(), run.serving.trainer_processes),
                               silence_s=run.distributed.silence_s)
         log.info("rollout process: served %d rounds", rounds)

@@ -188,7 +188,7 @@ def own_share(meta: dict, count: int, index: int) -> tuple[object, list | None]:
 def round_wait_s(run: RunConfig) -> float:
     """The longest the trainer waits for one round of rollouts: twice the bound the rollouts
     themselves enforce (``rl.rollout_timeout_s``), so that bound fires first and names itself."""
-    return 2 * run.rl.agent().rollout_timeout_s + 60
+    return 2 * run.rl.rollout_timeout_s + 60
 
 
 def failing_together(fn: Callable) -> Callable:
