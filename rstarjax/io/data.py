@@ -19,7 +19,8 @@ official rStar2-Agent code does. The answers kept (paper handling) are ``answer_
 compare), and integers past Python's int-string limit (4,300 digits), which the verifier could not
 read, are counted too. docs/data.md is the user's guide.
 The pipeline is then: per-host shard (process_index::process_count) -> seeded shuffle, reshuffled
-every epoch -> repeat(num_epochs) -> batches of rows. Its iterator's ``get_state()`` /
+every epoch -> repeat(num_epochs) -> batches of rows (official handling: the official loader's
+order, ``OfficialOrder``). Its iterator's ``get_state()`` /
 ``set_state()`` (a small dict: the position in rows) is what a checkpoint stores to resume exactly,
 also with another batch size.
 """
