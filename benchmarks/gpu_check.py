@@ -20,8 +20,10 @@ out of time costs only itself):
   a random bf16 Qwen3-1.7B, the demo's problems (``recipes/demo_tasks.py``: the Python tool
   answers them) and 2,400 of its tool traces (every one calls the tool; its code really run).
   The memory plan (``serving/sizing.py`` ``choose_colocated``, from the device's own
-  ``bytes_limit``) picks the remat policy, the micro-batch and the KV pool's share of free memory,
-  or refuses the shape naming the flags (the part then fails with that message). Then
+  ``bytes_limit``) picks the remat policy and predicts the micro-batch, the KV pool's share and
+  the peak, or refuses the shape naming the flags (the part then fails with that message); the
+  job is given the remat policy only and sizes the rest itself from the same plan
+  (``recipes/build.sized_by_memory_plan``, its line recorded as ``run_plan``). Then
   ``configs/sft.py`` for 120 steps of 16 traces (lr 5e-4 after a 10 % warm-up, ~60-100 s of
   training: the random model learns the tool-call format), and ``configs/stage1.py`` from its checkpoint with only model,
   data and sizes overridden: 2 prompts x 2G = 32 rollouts (G = 8, as the H200 runs), 8,192-token
@@ -40,6 +42,10 @@ out of time costs only itself):
   (its time limits). Its result is also written to ``h100_result.json`` as it stands when a
   phase fails or runs out of time. A model the SFT did not teach decodes every rollout to 8,192 tokens: the
   RL phase then runs into its limit and reports the steps it finished.
+* ``ckpt`` (optional, issue 45): the save's wait for the 1.7B train state (20.6 GB), Orbax's
+  default copy through pinned host memory against the pageable one
+  (``checkpoint.pinned_host_transfer=False``), alternating, each write waited for and deleted,
+  beside a plain ``jax.device_get`` of the same arrays (~2 min on an H100, predicted).
 * ``serving_<preset>``: decode tokens/s and fraction of the HBM roofline at 64 and 256 rollouts, Qwen3-1.7B
   and 8B shapes (``benchmarks/serving.py --device gpu``), with a trace of one decode call each.
 * ``kernels2``, ``decode`` (optional, issue 46): the decode kernels alone at 256 rows x 4K
@@ -66,6 +72,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -107,17 +114,18 @@ SHAPES = {
                  train_batches=(1, 4), train_repeats=3,
                  timeouts={"env": 60, "main": 330, "serving_qwen3-1.7b": 70,
                            "serving_qwen3-8b": 80, "train_1x8k": 60, "train_4x8k": 70,
-                           "blocking": 75, "remat": 75, "kernels": 150}),
+                           "blocking": 75, "remat": 75, "kernels": 150, "ckpt": 170}),
     "tiny": Shape(model="tiny", tokenizer_regular_tokens=4000, prompts=2, samples=4, group=2,
                   response_len=48, prompt_len=1024, micro_batch=0, steps=2,
                   serving_presets=("tiny",), serving_batches="4", serving_quick=True,
                   train_preset="tiny", train_seq=256, train_batches=(1,), train_repeats=1,
                   # main: 400 s ran out on 2 cores at load ~28 (2026-11-28); ~2 min idle
                   timeouts={"env": 60, "main": 900, "serving_tiny": 200, "train_1x256": 200,
-                            "blocking": 200, "remat": 200, "kernels": 200}),
+                            "blocking": 200, "remat": 200, "kernels": 200, "ckpt": 200}),
 }
 
 PAGE_SIZE = 16  # configs/base.py serving.page_size
+TINY_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 # ---- running a part ---------------------------------------------------------------------------
@@ -208,18 +216,20 @@ import json, sys
 import jax.numpy as jnp
 from flax import nnx
 from rstarjax.models import ModelConfig, Qwen3, load_tokenizer, save_hf
+from rstarjax.models.chat_template import RSTAR2, encode_prompt
 preset, regular, hf_dir, data_path, n = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 tok = load_tokenizer(regular or None)
 overrides = {} if not regular else dict(vocab_size=tok.num_tokens, bos_token_id=tok.endoftext_id,
                                         eos_token_id=tok.eos_id, max_position_embeddings=8192)
 cfg = ModelConfig.preset(preset, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, **overrides)
 save_hf(Qwen3(cfg, rngs=nnx.Rngs(0)), hf_dir, tokenizer=tok, dtype=jnp.bfloat16)
-with open(data_path, "w") as f:
-    for i in range(n):
-        a, b = 100 + 7 * i, 500 + 13 * i  # 3 digits each: every prompt has the same length
-        f.write(json.dumps({"problem": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n")
+rows = [{"problem": f"What is {100 + 7 * i} + {500 + 13 * i}?", "answer": str(600 + 20 * i)} for i in range(n)]
+with open(data_path, "w") as f:  # 3 digits each: every prompt has the same length
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+lengths = [len(encode_prompt(tok, r["problem"], RSTAR2)) for r in rows]  # as the rollouts encode them
 print(json.dumps({"params_b": cfg.num_params / 1e9, "vocab": cfg.vocab_size,
-                  "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size}))
+                  "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+                  "prompt_tokens_mean": sum(lengths) / len(lengths)}))
 """
 
 
@@ -297,7 +307,7 @@ def part_main(shape: Shape, args, log, env, scratch: str) -> dict:
         if args.out:
             with open(os.path.join(args.out, "main_metrics.jsonl"), "w") as f:
                 f.writelines(json.dumps(x) + "\n" for x in lines)
-    prompt_tokens = prompt_token_count(shape, data_path, hf_dir, env)
+    prompt_tokens = prompt_token_count(shape, result.pop("prompt_tokens_mean", None))
     result["steps"] = [step_summary(m, prompt_tokens.get(i, 0)) for i, m in enumerate(lines)]
     ckpts = os.path.join(workdir, "checkpoints")
     result["checkpoints"] = sorted(d for d in os.listdir(ckpts) if d.isdigit()) if os.path.isdir(ckpts) else []
@@ -307,28 +317,14 @@ def part_main(shape: Shape, args, log, env, scratch: str) -> dict:
     return result
 
 
-PROMPT_TOKENS = r"""
-import json, sys
-from rstarjax.models.chat_template import RSTAR2, encode_prompt
-from rstarjax.models.tokenizer import load_tokenizer_for
-tok = load_tokenizer_for(sys.argv[1])
-rows = [json.loads(x) for x in open(sys.argv[2])]
-print(json.dumps([len(encode_prompt(tok, r["problem"], RSTAR2)) for r in rows]))
-"""
-
-
-def prompt_token_count(shape: Shape, data_path: str, hf_dir: str, env) -> dict[int, int]:
+def prompt_token_count(shape: Shape, prompt_tokens_mean: float | None) -> dict[int, int]:
     """Step i -> prompt tokens its rollouts prefill once (each group's prompt once, shared by
-    its samples). The problems all have the same token length, so the data order (shuffled)
-    does not matter; more prefilled tokens than this were prefilled again."""
-    try:
-        out = subprocess.run([sys.executable, "-c", PROMPT_TOKENS, hf_dir, data_path], cwd=ROOT,
-                             env=env, capture_output=True, text=True, timeout=60)
-        lengths = json.loads(out.stdout.strip().splitlines()[-1])
-    except (subprocess.SubprocessError, ValueError, IndexError):
+    its samples; the inputs process counted them as the rollouts encode them). The problems all
+    have the same token length, so the data order (shuffled) does not matter; more prefilled
+    tokens than this were prefilled again."""
+    if prompt_tokens_mean is None:
         return {}
-    mean = sum(lengths) / len(lengths)
-    return {i: int(round(mean * shape.prompts)) for i in range(shape.steps)}
+    return {i: int(round(prompt_tokens_mean * shape.prompts)) for i in range(shape.steps)}
 
 
 # ---- h100: stage 1 as a user runs it on one 80 GB GPU, with tool calls --------------------------
@@ -425,16 +421,22 @@ def agent_sft_argv(a: AgentShape, hf_dir: str, sft_path: str, workdir: str) -> l
 def agent_rl_argv(a: AgentShape, plan: dict, hf_dir: str, data_path: str, init_from: str,
                   workdir: str) -> list[str]:
     """configs/stage1.py from the SFT checkpoint, only model, data and sizes overridden (its 8K
-    responses kept), the remat policy, micro-batch and KV pool share from the memory plan (no
-    fixed serving.kv_pages: the engine sizes the pool from what is free); rewards of random-ish
-    weights are mostly equal, so rl.reject_equal_reward=False as in ``main``."""
+    responses kept), as a user runs it: the remat policy the plan picked (docs/launch.md "One
+    GPU"), and nothing else of the plan's: on a device that reports its memory ``rstarjax.main``
+    sizes the micro-batch and the KV pool's share itself (recipes/build.sized_by_memory_plan; no
+    fixed serving.kv_pages: the engine sizes the pool from what is free). On CPU (no memory
+    statistics) the micro-batch is given, as there. One checkpoint, at the last step (a second one
+    would not fit the lent machine's 64 GB disk beside the SFT's: 20.6 GB each at 1.7B; the
+    ``ckpt`` part measures the wait). Rewards of random-ish weights are mostly equal, so
+    rl.reject_equal_reward=False as in ``main``."""
     o = {"model.hf_path": hf_dir, "data.train_path": data_path, "checkpoint.init_from": init_from,
          "total_steps": a.steps, "rl.prompts_per_step": a.prompts, "rl.oversample": a.samples,
          "rl.group_size": a.group, "rl.max_prompt_len": a.prompt_len,
          "rl.max_response_len": a.response_len, "rl.reject_equal_reward": False,
-         "model.remat_policy": plan["remat_policy"], "trainer.micro_batch_size": plan["micro_batch"],
-         "serving.kv_memory_fraction": round(plan["kv_memory_fraction"], 4),
+         "model.remat_policy": plan["remat_policy"],
          "checkpoint.every_steps": a.steps, "logging.progress_bar": False, **tiny_overrides(a.model)}
+    if not plan.get("device_reported"):
+        o["trainer.micro_batch_size"] = plan["micro_batch"]
     return ([sys.executable, "-m", "rstarjax.main", f"--config={ROOT}/configs/stage1.py",
              f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in o.items()])
 
@@ -512,6 +514,10 @@ def part_agent(shape: Shape, args, log, env, scratch: str) -> dict:
                          a.timeouts["rl"], log, rl_env)
     result["job_s"] = round(time.perf_counter() - t2, 1)
     result["exit"] = code
+    # what rstarjax.main sized itself (one device that reports its memory: recipes/build.py), beside
+    # the plan this part predicted with the same arithmetic
+    result["run_plan"] = next((x.split("rstarjax: ", 1)[1] for x in out.splitlines()
+                               if x.startswith("rstarjax: memory plan")), "")
     metrics = read_metrics(os.path.join(rl_dir, "logs", "metrics.jsonl"))
     if args.out and metrics:
         with open(os.path.join(args.out, "h100_metrics.jsonl"), "w") as f:
@@ -585,6 +591,67 @@ def programs_by_step(out: str, wall_times: list[float]) -> dict[str, list[tuple[
         step = next((str(i + 1) for i, end in enumerate(ends) if at <= end), "after")
         by_step.setdefault(step, []).extend(names)
     return by_step
+
+
+# ---- ckpt: the checkpoint wait, Orbax's pinned-host copy against the pageable one (issue 45) ---------
+CKPT_AB = r"""
+import json, os, shutil, statistics, sys, time
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from rstarjax.io import checkpoint as ckpt_lib
+from rstarjax.models import ModelConfig, Qwen3
+a = json.loads(sys.argv[1])
+cfg = ModelConfig.preset(a["model"])
+shapes = jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0))), nnx.Param))
+keys = iter(jax.random.split(jax.random.key(0), 3 * len(shapes)))
+# the train state's arrays: float32 weights and AdamW's two moments, random bits (as trained weights
+# compress: hardly), one array per parameter as the trainer holds them
+state = {part: [jax.random.normal(next(keys), x.shape, jnp.float32) for x in shapes] for part in ("params", "mu", "nu")}
+state = jax.block_until_ready(state)
+ckpt_lib.finite_and_fingerprints(state)  # the save's check pass compiles here, not in the first arm's wait
+nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+t = time.perf_counter()
+host = jax.device_get(state)  # the plain pageable copy: the link's bandwidth as jax gets it
+get_s = time.perf_counter() - t
+del host
+out = {"state_gb": round(nbytes / 1e9, 2), "arrays": len(jax.tree.leaves(state)), "device_get_s": round(get_s, 3),
+       "device_get_gbps": round(nbytes / 1e9 / get_s, 2), "runs": []}
+started = time.perf_counter()
+for i, arm in enumerate(a["arms"]):
+    if i and time.perf_counter() - started > a["budget_s"]:
+        break
+    directory = os.path.join(a["dir"], f"{i}_{arm}")
+    cfg_ck = ckpt_lib.CheckpointConfig(every_steps=1, keep=1, pinned_host_transfer=(arm == "pinned"))
+    ck = ckpt_lib.Checkpointer(directory, cfg_ck)
+    t = time.perf_counter()
+    ck.save(1, state, {"step": 1})  # what the RL loop waits for: the check pass and Orbax's copy
+    wait_s = time.perf_counter() - t
+    ck.wait()
+    run = {"arm": arm, "wait_s": round(wait_s, 3), "copy_s": round(ck.copy_seconds, 3),
+           "write_s": round(ck.write_seconds() or 0.0, 3)}
+    ck.close()
+    shutil.rmtree(directory, ignore_errors=True)  # the lent machine's disk holds few 20 GB states
+    out["runs"].append(run)
+    print(json.dumps(run), flush=True)
+for arm in ("pinned", "pageable"):
+    waits = [r["wait_s"] for r in out["runs"] if r["arm"] == arm]
+    if waits:
+        out[f"{arm}_wait_s_median"] = round(statistics.median(waits), 3)
+        out[f"{arm}_gbps"] = round(nbytes / 1e9 / statistics.median(waits), 2)
+print(json.dumps(out), flush=True)
+"""
+
+
+def part_ckpt(shape: Shape, args, log, env, scratch: str) -> dict:
+    """The wait of one save of the 1.7B train state (float32 weights and two AdamW moments, 20.6 GB,
+    the arrays the trainer holds): Orbax's default copy through pinned host memory against the
+    pageable one (``checkpoint.pinned_host_transfer=False``), arms alternating, each write
+    waited for and deleted; and a plain ``jax.device_get`` of the same arrays (the link's
+    pageable bandwidth)."""
+    spec = {"model": "tiny" if shape.model == "tiny" else "qwen3-1.7b", "dir": os.path.join(scratch, "ckpt"),
+            "arms": ["pageable", "pinned", "pageable", "pinned"], "budget_s": 0.6 * shape.timeouts["ckpt"]}
+    return benchmark_result("ckpt", [sys.executable, "-c", CKPT_AB, json.dumps(spec)], shape.timeouts["ckpt"],
+                            log, env)
 
 
 # ---- the parts' speed ------------------------------------------------------------------------------
@@ -722,6 +789,8 @@ def agent_rows(part: PartResult | None) -> list[tuple[str, str]]:
                                   f"KV pool {p.get('kv_pool_gb')} GB (kv_memory_fraction "
                                   f"{p.get('kv_memory_fraction', 0):.3f}), predicted peak {p.get('peak_gb')} GB "
                                   f"of {p.get('device_gb')} GB"))
+    if r.get("run_plan"):
+        rows.append(("h100 run sized", r["run_plan"]))
     if r.get("sft"):
         rows.append(("h100 SFT", f"{r['sft']['steps']} steps in {r.get('sft_s')} s, loss "
                                  f"{r['sft']['first_loss']:.3f} -> {r['sft']['last_loss']:.3f}"))
@@ -761,6 +830,14 @@ def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
             rows.append(("main job", f"{main.result.get('job_s')} s, checkpoints "
                                      f"{main.result.get('checkpoints')}"))
     rows += agent_rows(results.get("h100"))
+    ckpt = results.get("ckpt")
+    if ckpt is not None and ckpt.ok:
+        c = ckpt.result
+        rows.append(("ckpt wait", f"{c.get('state_gb')} GB in {c.get('arrays')} arrays: pinned "
+                                  f"{c.get('pinned_wait_s_median')} s, pageable {c.get('pageable_wait_s_median')} s "
+                                  f"(medians of {len(c.get('runs', []))} alternating saves; writes "
+                                  f"{', '.join(str(r['write_s']) for r in c.get('runs', []))} s); device_get "
+                                  f"{c.get('device_get_s')} s ({c.get('device_get_gbps')} GB/s)"))
     for serving in results.values():
         if not (serving.name.startswith(("serving", "blocking")) and serving.ok):
             continue
@@ -830,7 +907,8 @@ def parse_args(argv=None):
     ap.add_argument("--parts", default="env,main,serving,train",
                     help="comma-separated subset of env,main,serving,train and the optional "
                          "h100 (stage 1 on one GPU after a short SFT on tool traces, sized by the memory "
-                         "plan; about 6.5 min on an H100), "
+                         "plan; about 6.5 min on an H100), ckpt (the checkpoint wait of the 1.7B state, "
+                         "Orbax's pinned-host copy against the pageable one, ~2 min), "
                          "blocking (the first serving preset with each --blockings spec), "
                          "kernels (the paged-attention kernels alone: Triton with the engine's "
                          "and the --blockings blocking, cuDNN), kernels2 and decode (issue 46: our "
@@ -866,10 +944,16 @@ def main(argv=None) -> int:
     env["PYTHONUNBUFFERED"] = "1"
     if args.shape == "tiny":
         env.setdefault("JAX_PLATFORMS", "cpu")
-        env.pop("XLA_FLAGS", None)  # one device, as a one-GPU machine
+        # one device, as a one-GPU machine (no simulated devices), and XLA's backend optimizations
+        # off: the tiny shape checks the plumbing, not speed, and compiling is most of its time (a
+        # tiny train step: 53 s -> 16 s on a loaded 2-core CPU, 2026-11-28)
+        env["XLA_FLAGS"] = TINY_XLA_FLAGS
+    # the kernels' parts as before: their interpreter runs the kernels' loops, which may run slower unoptimized
+    kernel_env = {k: v for k, v in env.items() if not (k == "XLA_FLAGS" and v == TINY_XLA_FLAGS)}
     plan = [("env", lambda log: part_env(shape, args, log, env))]
     plan.append(("main", lambda log: part_main(shape, args, log, env, scratch)))
     plan.append(("h100", lambda log: part_agent(shape, args, log, env, scratch)))
+    plan.append(("ckpt", lambda log: part_ckpt(shape, args, log, env, scratch)))
     for preset in (args.serving_presets.split(",") if args.serving_presets else shape.serving_presets):
         name = f"serving_{preset}"
         plan.append((name, lambda log, p=preset, n=name: part_serving(shape, p, n, log, env, trace_dir)))
@@ -882,9 +966,9 @@ def main(argv=None) -> int:
         name = f"blocking_{spec.replace(',', '-')}" + (f"_{specs[:i].count(spec) + 1}" if spec in specs[:i] else "")
         plan.append((name, lambda log, sp=spec, n=name: part_serving(
             shape, shape.serving_presets[0], n, log, env, os.path.join(trace_dir, n), blocking=sp)))
-    plan.append(("kernels", lambda log: part_kernels(shape, args, log, env)))
-    plan.append(("kernels2", lambda log: part_kernels2(shape, args, log, env)))
-    plan.append(("decode", lambda log: part_decode(shape, args, log, env)))
+    plan.append(("kernels", lambda log: part_kernels(shape, args, log, kernel_env)))
+    plan.append(("kernels2", lambda log: part_kernels2(shape, args, log, kernel_env)))
+    plan.append(("decode", lambda log: part_decode(shape, args, log, kernel_env)))
     for policy in args.remat_policy.split(","):
         for b in shape.train_batches:
             name = f"remat_{policy}_{b}x"
@@ -912,6 +996,8 @@ def main(argv=None) -> int:
         json.dump({"shape": args.shape, "traces": names,
                    "parts": {k: dataclasses.asdict(v) for k, v in results.items()}}, f, indent=1)
     print_table(summary_rows(results))
+    if args.out:  # what is kept is under --out: the models and checkpoints (~45 GB at 1.7B) go, so a
+        shutil.rmtree(scratch, ignore_errors=True)  # second command on the same lent machine has its disk
     return 0 if all(r.ok for r in results.values()) else 1
 
 

@@ -19,17 +19,17 @@ def _env():
 
 
 @pytest.mark.slow  # the stage-1 main job at tiny size twice (the h100 part after a 3-step SFT), a decode
-#                   and a train benchmark: ~4 min
+#                   and a train benchmark, the checkpoint A/B: ~8 min on a loaded 2-core CPU, cold
 def test_gpu_check_runs_every_part_at_the_tiny_shape(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"),
                            "--shape", "tiny", "--out", str(out), "--commit", "test",
-                           "--parts", "env,main,serving,train,h100"],
+                           "--parts", "env,main,serving,train,h100,ckpt"],
                           capture_output=True, text=True, env=_env(), timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     parts = report["parts"]
-    assert set(parts) == {"env", "main", "h100", "serving_tiny", "train_1x256"}
+    assert set(parts) == {"env", "main", "h100", "ckpt", "serving_tiny", "train_1x256"}
     assert all(p["ok"] for p in parts.values()), {k: p["error"] for k, p in parts.items()}
 
     main = parts["main"]["result"]
@@ -68,6 +68,15 @@ def test_gpu_check_runs_every_part_at_the_tiny_shape(tmp_path):
     assert "step" in agent["compiled_programs"]["1"]  # the train step, compiled by step 1's update
     assert agent["step2_prefill_recompiles"] == [], agent["step2_prefill_compiles"]
     assert [m["step"] for m in map(json.loads, (out / "h100_metrics.jsonl").read_text().splitlines())] == [1, 2]
+    # the job sizes itself from the plan only where the device reports its memory: not on CPU
+    assert agent["run_plan"] == ""
+
+    # ckpt: the save's wait with Orbax's pinned-host copy and with the pageable one, alternating
+    ckpt = parts["ckpt"]["result"]
+    arms = [r["arm"] for r in ckpt["runs"]]
+    assert arms[:2] == ["pageable", "pinned"] and arms == (["pageable", "pinned"] * 2)[:len(arms)]
+    assert all(r["wait_s"] > 0 and r["copy_s"] > 0 and r["write_s"] > 0 for r in ckpt["runs"]), ckpt
+    assert ckpt["arrays"] == 3 * 13 and ckpt["pinned_wait_s_median"] > 0 and ckpt["device_get_gbps"] > 0
 
     serving = parts["serving_tiny"]["result"]
     assert serving["tiny_b4_decode_tok_s"] > 0 and serving["tiny_b4_calls"] == 4
@@ -79,6 +88,7 @@ def test_gpu_check_runs_every_part_at_the_tiny_shape(tmp_path):
     assert "main step 1" in table and "main step 2" in table and "decode tiny_b4" in table
     assert "h100 plan" in table and "h100 step 2" in table
     assert re.search(r"h100 step-2 prefill recompiles +none", table)
+    assert re.search(r"ckpt wait +0.0 GB in 39 arrays: pinned [0-9.]+ s, pageable [0-9.]+ s", table)
 
 
 @pytest.mark.slow  # the Pallas interpreter: ~25 s
