@@ -309,3 +309,28 @@ def test_disaggregated_placement_takes_the_trainers_mesh_from_the_devices_it_lea
     c.serving.placement, c.serving.rollout_devices = "disaggregated", 1
     with pytest.raises(ConfigError, match="is for RL stages"):
         parse(c)
+
+
+def test_the_decode_attention_and_the_sampler_are_serving_settings(tmp_path):
+    """serving.decode_attention / serving.sampler reach the engines (issue 46: our decode kernel
+    and the fused sampler chosen by flag, not only by Engine's arguments); a name not offered is
+    refused at start, naming the choices."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from rstarjax.models import ModelConfig, Qwen3
+    from rstarjax.serving import Engine
+
+    c = good_config(tmp_path)
+    assert (c.serving.decode_attention, c.serving.sampler) == ("auto", "exact")  # the defaults
+    c.serving.decode_attention, c.serving.sampler = "reference", "fused"
+    options = parse(c, num_devices=8).serving.engine_options(64)
+    assert (options["decode_attention"], options["sampler"]) == ("reference", "fused")
+    model = Qwen3(ModelConfig.preset("tiny", dtype=jnp.float32), rngs=nnx.Rngs(0))
+    engine = Engine(model, **options)
+    assert (engine.decode_attention, engine.sampler) == ("reference", "fused")
+    c.serving.decode_attention, c.serving.sampler = "flash", "greedy"
+    with pytest.raises(ConfigError) as e:
+        parse(c, num_devices=8)
+    assert "decode_attention='flash'" in str(e.value) and "pallas_gpu_packed" in str(e.value)
+    assert "sampler='greedy'" in str(e.value) and "'fused'" in str(e.value)

@@ -13,8 +13,10 @@ from flax import nnx
 
 from rstarjax.layout import Layout, layout_of
 from rstarjax.models.config import DTYPES
+from rstarjax.models.paged_attention import DECODE_IMPLEMENTATIONS
 from rstarjax.serving.engine import Engine
 from rstarjax.serving.handoff import ProcessHandoff, require_process_local, serve_copies, split_weights, stage_copies
+from rstarjax.serving.sampling import SAMPLERS
 from rstarjax.serving.scheduler import RolloutScheduler
 from rstarjax.serving.slices import slice_meshes
 from rstarjax.validation import one_of, require
@@ -42,6 +44,13 @@ class ServingConfig:
     adaptive_reserve: bool = True
     decode_steps: int = 16  # decode steps per device call (one host sync each)
     prefill_chunk: int = 2048  # longest feed per forward row; longer ones go in chunks
+    # The decode step's attention (docs/serving.md "Decode kernels"): "auto" picks the platform's
+    # default (serving.engine); "pallas_gpu_packed" is our kernel (models/decode_kernel.py), not
+    # the CUDA default until a GPU measures it; "ragged" the portable path, "reference" the oracle
+    decode_attention: str = "auto"
+    # "exact" draws with the float32 logits (the default); "fused" reads them in the compute dtype
+    # in one pass, the same distribution but other tokens for a key (serving/sampling.py)
+    sampler: str = "exact"
     # Serving slices (docs/serving.md "Serving slices"): devices per slice, its weights split
     # Megatron-style and its KV pages by kv head; 0 = one engine over the trainer's arrays as
     # they are (no slices)
@@ -89,7 +98,9 @@ class ServingConfig:
                 (not (self.placement == "disaggregated" and self.release_during_update),
                  "release_during_update frees memory on the trainer's devices for the update; "
                  "disaggregated rollouts hold none there: turn it off"),
-                one_of("dtype", self.dtype, ("", *DTYPES)))
+                one_of("dtype", self.dtype, ("", *DTYPES)),
+                one_of("decode_attention", self.decode_attention, ("auto", *DECODE_IMPLEMENTATIONS)),
+                one_of("sampler", self.sampler, SAMPLERS))
 
     def engine_options(self, max_len: int, num_slots: int | None = None) -> dict:
         """``Engine`` keyword arguments for rollouts of up to ``max_len`` tokens; ``num_slots``
@@ -97,7 +108,8 @@ class ServingConfig:
         return dict(max_len=int(max_len), page_size=int(self.page_size), kv_pages=int(self.kv_pages),
                     kv_memory_fraction=float(self.kv_memory_fraction),
                     num_slots=int(num_slots or self.num_slots), dtype=self.dtype or None,
-                    decode_steps=int(self.decode_steps), prefill_chunk=int(self.prefill_chunk))
+                    decode_steps=int(self.decode_steps), prefill_chunk=int(self.prefill_chunk),
+                    decode_attention=self.decode_attention, sampler=self.sampler)
 
     @property
     def disaggregated(self) -> bool:
