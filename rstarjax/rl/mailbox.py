@@ -51,7 +51,7 @@ def service_client():
 
     client = distributed.global_state.client
     if client is None:
-        raise RuntimeError("rollouts in another process need jax.distributed (--config.distributed.*)")
+        raise RuntimeError("rollouts in another process need jax.distributed (the distributed.* settings)")
     return client
 
 

@@ -51,6 +51,7 @@ from rstarjax.rl.mailbox import (Heartbeats, Mailbox, RolloutProcessDied, Traine
                                  keys_of, wait_until_gone, watch)
 from rstarjax.rl.trajectory import RolloutsFailed
 from rstarjax.serving.handoff import copy_to_receiver, mesh_of, pair_mesh, specs_of, stage_in_layout
+from rstarjax.validation import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -296,8 +297,8 @@ def serve_remote(rollouts, wait_s: float, trainer: int = 0, silence_s: float | N
 def _serve(rollouts, wait_s: float, requests: Mailbox, replies: Mailbox, trainer_beats=None) -> int:
     if len(rollouts.engines) != 1:
         replies.send("error", f"a rollout process serves one slice, this one has {len(rollouts.engines)}")
-        raise ValueError(f"a rollout process serves one slice over its devices, not {len(rollouts.engines)}: "
-                         "set --config.serving.tensor_parallel to 0 or to its device count")
+        raise ConfigError(f"a rollout process serves one slice over its devices, not {len(rollouts.engines)}: "
+                          "set serving.tensor_parallel to 0 or to its device count")
     engine = rollouts.engines[0]
     slice_mesh = mesh_of(engine.layout.target)
     replies.send("hello", {
