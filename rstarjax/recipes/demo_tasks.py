@@ -104,17 +104,23 @@ def _count_divisible_once(rng: random.Random) -> DemoTask:
     n = rng.randint(10000, 99999)
     a = rng.randint(11, 40)
     b = rng.choice([k for k in range(11, 41) if k % a and a % k])  # neither divides the other
-    lcm = a * b // _gcd(a, b)
-    answer = n // a + n // b - n // lcm  # inclusion-exclusion; the trace's code counts directly
-    # The operands are bound on the program's first two lines, in the question's order, and the
-    # loop uses the names: each operand is then copied from the question at the same token offset
-    # (87-88 tokens, demo vocabulary; modpow's are 87/88/87). Written inline in the loop, the two
-    # divisors sat 102 and 108 tokens after their source and the SFT policy copied them at 81 % /
-    # 69 % per digit (benchmarks/demo_copying.py, docs/demo.md 2026-11-26).
+    return _counting_task("count_divisible", n, a, b, "divisible by {a} or {b}")
+
+
+def _counting_task(kind: str, n: int, a: int, b: int, wording: str) -> DemoTask:
+    """How many integers from 1 to ``n`` are divisible by ``a`` or ``b`` (``wording`` says it in
+    the question), answered by inclusion-exclusion; the trace's code counts directly.
+
+    The operands are bound on the program's first two lines, in the question's order, and the
+    loop uses the names: each operand is then copied from the question at the same token offset
+    (87-88 tokens, demo vocabulary; modpow's are 87/88/87). Written inline in the loop, the two
+    divisors sat 102 and 108 tokens after their source and the SFT policy copied them at 81 % /
+    69 % per digit (benchmarks/demo_copying.py, docs/demo.md 2026-11-26)."""
+    answer = n // a + n // b - n // (a * b // _gcd(a, b))
     head = f"n = {n}\na, b = {a}, {b}\n"
     return DemoTask(
-        "count_divisible",
-        f"How many integers from 1 to {n} are divisible by {a} or {b}?",
+        kind,
+        f"How many integers from 1 to {n} are {wording.format(a=a, b=b)}?",
         str(answer),
         head + "print(sum(1 for k in range(1, n + 1) if k % a == 0 or k % b == 0))",
         "Count them in Python.",
@@ -134,16 +140,7 @@ def _count_divisible_large_once(rng: random.Random) -> DemoTask:
     n = rng.randint(10000, 99999)
     a = rng.randint(101, 400)
     b = rng.choice([k for k in range(101, 401) if k % a and a % k])
-    answer = n // a + n // b - n // (a * b // _gcd(a, b))
-    head = f"n = {n}\na, b = {a}, {b}\n"
-    return DemoTask(
-        "count_divisible_large",
-        f"How many integers from 1 to {n} are multiples of {a} or {b}?",
-        str(answer),
-        head + "print(sum(1 for k in range(1, n + 1) if k % a == 0 or k % b == 0))",
-        "Count them in Python.",
-        buggy_code=head + "print(len(k for k in range(1, n + 1) if k % a == 0 or k % b == 0))",
-    )
+    return _counting_task("count_divisible_large", n, a, b, "multiples of {a} or {b}")
 
 
 def _count_divisible_large(rng: random.Random) -> DemoTask:
