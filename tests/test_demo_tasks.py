@@ -80,7 +80,7 @@ def test_every_operand_is_copied_at_about_one_offset_per_kind():
     each other. (The counting divisors at 102 and 108 tokens, written inline in the loop, were
     copied at 81 % / 69 % per digit; bound on the program's first lines they sit at 87: 100 %.)"""
     demo_tok = load_tokenizer(1000)
-    for kind in dt.TASK_KINDS:
+    for kind in dt.ALL_KINDS:  # the harder counting tier too
         for task in dt.generate_tasks(3, "train", seed=3, kinds=(kind,)):
             ids = demo_tok.encode(ct.render_conversation(dt.sft_trace(task, task.answer), fmt=ct.COMPACT))
             pieces = [demo_tok.decode([t]) for t in ids]
