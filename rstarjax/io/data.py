@@ -34,7 +34,7 @@ import logging
 import os
 import re
 import sys
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import grain
 import jax
@@ -440,30 +440,18 @@ def load_problems(paths: str | Iterable[str], integer_only: bool = True,
         answer_filter = "integer" if integer_only else ""
     elif answer_filter not in ANSWER_FILTERS:
         raise ValueError(f"answer_filter={answer_filter!r}: choose one of {list(ANSWER_FILTERS)}")
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     records: list[dict[str, str]] = []
     report = DataReport()
     seen: dict[str, tuple[str, str]] = {}  # problem -> (answer, uid) of its first row
-    for path in paths:
-        source = os.path.basename(os.fspath(path))
-        for number, row in read_numbered_rows(os.fspath(path)):
-            report.total += 1
-            where = f"{source}:{number}"
-            try:
-                rec = _checked_record(row, answer_filter)
-            except BadRow as e:
-                report.skip(e.reason, f"{where} [{e.detail}]" if e.detail else where)
-                continue
-            first = seen.setdefault(rec["problem"], (rec["answer"], where))
-            if first[1] != where:
-                same = first[0] == rec["answer"]
-                report.skip("duplicate" if same else "duplicate_other_answer",
-                            f"{where} [of {first[1]}{'' if same else f', answer {first[0]!r}'}]")
-                continue
-            rec["uid"] = where
-            rec["source"] = source
-            records.append(rec)
+    for rec, where, source in _readable_rows(paths, lambda row: _checked_record(row, answer_filter), report):
+        first = seen.setdefault(rec["problem"], (rec["answer"], where))
+        if first[1] != where:
+            same = first[0] == rec["answer"]
+            report.skip("duplicate" if same else "duplicate_other_answer",
+                        f"{where} [of {first[1]}{'' if same else f', answer {first[0]!r}'}]")
+            continue
+        records.append({**rec, "uid": where, "source": source})
     report.kept = len(records)
     if report.num_skipped:
         log.warning("dataset %s", report)
@@ -478,29 +466,41 @@ def load_problems(paths: str | Iterable[str], integer_only: bool = True,
     return records, report
 
 
-def _load_official(paths: str | Iterable[str]) -> tuple[list[dict[str, str]], DataReport]:
-    """``load_problems(handling="official")``: every row ``official_row`` reads, in file order."""
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    records: list[dict[str, str]] = []
-    report = DataReport()
-    first: dict[str, str] = {}  # problem -> the uid of its first row (only to count the repeats)
-    repeats = []
+def _readable_rows(paths: list, read: Callable[[Any], dict[str, str]], report: DataReport
+                   ) -> Iterator[tuple[dict[str, str], str, str]]:
+    """(record, uid "file:row", file name) of each row of ``paths`` that ``read`` turns into a
+    record, in file order; every row is counted in ``report`` and one that ``read`` refuses
+    (``BadRow``) is skipped there with its reason."""
     for path in paths:
         source = os.path.basename(os.fspath(path))
         for number, row in read_numbered_rows(os.fspath(path)):
             report.total += 1
             where = f"{source}:{number}"
             try:
-                if isinstance(row, BadRow):
-                    raise row
-                rec = official_row(row)
+                rec = read(row)
             except BadRow as e:
                 report.skip(e.reason, f"{where} [{e.detail}]" if e.detail else where)
                 continue
-            if first.setdefault(rec["problem"], where) != where:
-                repeats.append(f"{where} [of {first[rec['problem']]}]")
-            records.append({**rec, "uid": where, "source": source})
+            yield rec, where, source
+
+
+def _official_record(row: Any) -> dict[str, str]:
+    if isinstance(row, BadRow):  # a .jsonl line that did not decode
+        raise row
+    return official_row(row)
+
+
+def _load_official(paths: str | Iterable[str]) -> tuple[list[dict[str, str]], DataReport]:
+    """``load_problems(handling="official")``: every row ``official_row`` reads, in file order."""
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    records: list[dict[str, str]] = []
+    report = DataReport()
+    first: dict[str, str] = {}  # problem -> the uid of its first row (only to count the repeats)
+    repeats = []
+    for rec, where, source in _readable_rows(paths, _official_record, report):
+        if first.setdefault(rec["problem"], where) != where:
+            repeats.append(f"{where} [of {first[rec['problem']]}]")
+        records.append({**rec, "uid": where, "source": source})
     report.kept = len(records)
     if report.num_skipped:
         log.warning("dataset %s", report)
