@@ -371,6 +371,7 @@ from flax import nnx
 from rstarjax.models import ModelConfig, Qwen3, load_tokenizer, save_hf
 from rstarjax.models.chat_template import RSTAR2, encode_prompt
 from rstarjax.recipes import demo_tasks
+from rstarjax.recipes.config import as_flags
 from rstarjax.serving.sizing import choose_colocated
 a = json.loads(sys.argv[1])
 tok = load_tokenizer(a["regular"] or None)
@@ -384,7 +385,7 @@ print(json.dumps({"plan": {"remat_policy": choice.remat_policy, "micro_batch": c
                            "kv_pages": choice.kv_pages, "kv_memory_fraction": choice.kv_memory_fraction,
                            "device_gb": round((device or a["plan_device_gb"] * 1e9) / 1e9, 2),
                            "device_reported": bool(device), **choice.plan.as_dict()},
-                  "problems": list(choice.problems)}), flush=True)
+                  "problems": [as_flags(p) for p in choice.problems]}), flush=True)
 if choice.problems:
     sys.exit(3)
 save_hf(Qwen3(cfg, rngs=nnx.Rngs(0)), a["hf"], tokenizer=tok, dtype=jnp.bfloat16)
