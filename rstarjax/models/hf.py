@@ -174,6 +174,16 @@ def _read_slice(where, spec: TensorSpec, index, dtype, num_layers: int) -> np.nd
     return np.stack([one(spec.hf.format(i=i), rest) for i in layers])
 
 
+def read_config(path: str, **overrides) -> ModelConfig:
+    """The ``ModelConfig`` of the HF model directory ``path`` (its config.json), without reading
+    any weight; ``overrides``: fields the run sets itself (dtype, remat_policy, ...)."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"{cfg_path} not found")
+    with open(cfg_path) as f:
+        return ModelConfig.from_hf_dict(json.load(f), **overrides)
+
+
 def load_hf(path: str, dtype=jnp.bfloat16, param_dtype=jnp.float32, mesh: Mesh | None = None,
             rules=DEFAULT_RULES, read_weights: bool = True, **config_overrides) -> Qwen3:
     """Load a HF Qwen3/Qwen2 checkpoint directory into a ``Qwen3`` module.
@@ -187,12 +197,7 @@ def load_hf(path: str, dtype=jnp.bfloat16, param_dtype=jnp.float32, mesh: Mesh |
     shardings, but zeros instead of the tensors' data: for a run whose checkpoint replaces
     every parameter (a later stage, a resume), which need not read a 14B model first.
     """
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_path):
-        raise FileNotFoundError(f"{cfg_path} not found")
-    with open(cfg_path) as f:
-        cfg = ModelConfig.from_hf_dict(json.load(f), dtype=dtype, param_dtype=param_dtype,
-                                       **config_overrides)
+    cfg = read_config(path, dtype=dtype, param_dtype=param_dtype, **config_overrides)
     where = _open_checkpoint(path)
 
     abstract = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))

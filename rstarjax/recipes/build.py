@@ -3,7 +3,6 @@ executor and the colocated rollout function (one builder each)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
@@ -19,10 +18,10 @@ from rstarjax.env.isolation import require_confined
 from rstarjax.models import ModelConfig, Qwen3, load_hf, lora
 from rstarjax.io import data as data_lib
 from rstarjax.models.chat_template import chat_format, encode_prompt
+from rstarjax.models.hf import read_config
 from rstarjax.models.sharding import make_mesh, shard_model
 from rstarjax.models.tokenizer import Tokenizer, load_tokenizer_for
-from rstarjax.recipes.config import PROFILES, MeshConfig, ModelSource, RunConfig, parse
-from rstarjax.recipes.config import as_flags
+from rstarjax.recipes.config import PROFILES, MeshConfig, ModelSource, RunConfig, as_flags, parse
 from rstarjax.rl.agent_loop import AgentConfig, ColocatedRollouts
 from rstarjax.rl.config import RLConfig
 from rstarjax.serving import sizing
@@ -165,8 +164,7 @@ def model_config(src: ModelSource) -> ModelConfig:
     if src.random_init:
         cfg = ModelConfig.preset(src.preset, remat_policy=src.remat_policy)
     else:
-        with open(os.path.join(src.hf_path, "config.json")) as f:
-            cfg = ModelConfig.from_hf_dict(json.load(f), remat_policy=src.remat_policy)
+        cfg = read_config(src.hf_path, remat_policy=src.remat_policy)
     return cfg.replace(lora_targets=src.lora_target_names) if src.lora_rank else cfg
 
 
