@@ -55,6 +55,11 @@ out of time costs only itself):
 * ``train_1x8k``, ``train_4x8k``: train-step MFU at 1 x 8K and 4 x 8K tokens, Qwen3-1.7B, bf16
   (``benchmarks/bench_trainer.py``), with a trace of one step each.
 
+``--parts`` runs the parts in the order it lists them (``env`` always first). ``--budget-s S``
+holds the whole command to S seconds (a lent device runs at most 10 minutes a command): list the
+parts a loan should learn in their priority order, and each part's limit is cut to what is left; a part that would start with under 45 s left is
+skipped and said so in the table.
+
 ``--shape tiny`` runs the same parts at the ``tiny`` model shape with small sizes, so a test
 keeps this script working between lent sessions. Output (``--out``, default ``$OUT`` when set):
 ``gpu_check.json`` (every part's full result), ``gpu_check.log`` (every part's output),
@@ -136,13 +141,37 @@ class PartResult:
     seconds: float
     result: dict
     error: str = ""
+    skipped: bool = False  # not started: the command's --budget-s had too little left for it
+
+
+@dataclasses.dataclass
+class Budget:
+    """The command's wall-clock budget (``--budget-s``): a lent device runs at most 10 minutes a
+    command, so one command can list every part the loan should learn, in priority order, and
+    each part's time limit is cut to what the budget has left (its own benchmark's
+    ``--budget-s`` too, so it stops cleanly and keeps the rows it measured); a part that would
+    start with less than ``MIN_PART_S`` left is skipped and said so in the table."""
+    deadline: float | None = None  # time.perf_counter() at which the command must be done
+
+    def clip(self, seconds: float) -> float:
+        if self.deadline is None:
+            return seconds
+        return max(1.0, min(seconds, self.deadline - time.perf_counter()))
+
+    def left(self) -> float:
+        return math.inf if self.deadline is None else self.deadline - time.perf_counter()
+
+
+BUDGET = Budget()
+MIN_PART_S = 45.0  # a part given less than this measures nothing on a GPU (a jax start alone is ~15 s)
 
 
 def run_part(name: str, argv: list[str], timeout_s: float, log, env: dict | None = None,
              cwd: str = ROOT) -> tuple[int | None, str]:
     """Run one part's command, its output appended to ``log``; (exit status or None when it
     ran past ``timeout_s`` and was killed with its whole process group, its output)."""
-    log.write(f"\n===== {name}: {' '.join(argv)}\n")
+    timeout_s = BUDGET.clip(timeout_s)
+    log.write(f"\n===== {name} (limit {timeout_s:.0f} s): {' '.join(argv)}\n")
     log.flush()
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -650,7 +679,7 @@ def part_ckpt(shape: Shape, args, log, env, scratch: str) -> dict:
     waited for and deleted; and a plain ``jax.device_get`` of the same arrays (the link's
     pageable bandwidth)."""
     spec = {"model": "tiny" if shape.model == "tiny" else "qwen3-1.7b", "dir": os.path.join(scratch, "ckpt"),
-            "arms": ["pageable", "pinned", "pageable", "pinned"], "budget_s": 0.6 * shape.timeouts["ckpt"]}
+            "arms": ["pageable", "pinned", "pageable", "pinned"], "budget_s": 0.6 * BUDGET.clip(shape.timeouts["ckpt"])}
     return benchmark_result("ckpt", [sys.executable, "-c", CKPT_AB, json.dumps(spec)], shape.timeouts["ckpt"],
                             log, env)
 
@@ -679,7 +708,7 @@ def part_kernels(shape: Shape, args, log, env) -> dict:
     the engine's Triton blocking, the ``--blockings`` ones, and cuDNN's paged attention, each
     checked against a float32 reference. Its rows, not one line: several arms per shape."""
     argv = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"),
-            "--arms", "triton,cudnn,cudnn_packed", "--budget-s", str(0.75 * shape.timeouts["kernels"])]
+            "--arms", "triton,cudnn,cudnn_packed", "--budget-s", str(0.75 * BUDGET.clip(shape.timeouts["kernels"]))]
     if shape.model == "tiny":
         argv += ["--tiny", "--interpret", "--iters", "1"]
     else:
@@ -721,7 +750,7 @@ def part_kernels2(shape: Shape, args, log, env) -> dict:
     layer's 16-token pages scattered over the pool): jax's Triton kernel with the engine's
     blocking, then ours with each ``PACKED_BLOCKINGS`` spec, each against a float32 reference,
     with its share of the HBM peak (benchmarks/decode_kernel_sweep.py)."""
-    timeout = DECODE_TIMEOUTS[args.shape]["kernels2"]
+    timeout = BUDGET.clip(DECODE_TIMEOUTS[args.shape]["kernels2"])
     argv = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"), "--arms", "packed",
             "--packed-blockings", PACKED_BLOCKINGS, "--budget-s", str(0.7 * timeout)]
     if shape.model == "tiny":
@@ -739,7 +768,7 @@ def part_decode(shape: Shape, args, log, env) -> dict:
     """The engine's decode step at 256, 64 and 32 rows (512-token prompts, the shape
     benchmarks/serving.py measures) with each ``DECODE_ARMS`` entry, the arms alternating call by
     call, median of 3 calls of 16 steps each, tokens/s and HBM-roofline fraction."""
-    timeout = DECODE_TIMEOUTS[args.shape]["decode"]
+    timeout = BUDGET.clip(DECODE_TIMEOUTS[args.shape]["decode"])
     argv = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"), "--engine",
             "--engine-arms", DECODE_ARMS, "--budget-s", str(0.8 * timeout)]
     if shape.model == "tiny":  # the kernels in their interpreter; one arm per path is enough
@@ -816,7 +845,9 @@ def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
         rows.append(("device", f"{e.get('gpu') or e.get('device_kind')} driver {e.get('driver', '-')} "
                                f"jax {e.get('jax')} ({e.get('date')}, {e.get('commit') or '-'})"))
     for name, part in results.items():
-        if not part.ok:
+        if part.skipped:
+            rows.append((name, part.error))
+        elif not part.ok:
             rows.append((name, f"FAILED after {part.seconds:.0f} s: {part.error[:160]}"))
     main = results.get("main")
     if main is not None:
@@ -923,6 +954,10 @@ def parse_args(argv=None):
     ap.add_argument("--remat-policy", default="dots_attention,attention",
                     help="the remat parts' ModelConfig.remat_policy, comma-separated (each one's train parts)")
     ap.add_argument("--commit", default="", help="the commit measured (recorded in the output)")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="the whole command's wall-clock budget (0: none): the parts run in the order "
+                         "--parts lists them, each limit cut to what is left, and a part with under "
+                         f"{MIN_PART_S:.0f} s left is skipped (a lent device: 10 minutes a command)")
     ap.add_argument("--sft-steps", type=int, default=0, help="h100: SFT steps (0: the shape's)")
     ap.add_argument("--sft-lr", type=float, default=0.0, help="h100: SFT learning rate (0: the shape's)")
     ap.add_argument("--sft-batch", type=int, default=0, help="h100: SFT traces per step (0: the shape's)")
@@ -975,10 +1010,18 @@ def main(argv=None) -> int:
             name = f"remat_{policy}_{b}x"
             plan.append((name, lambda log, b=b, n=name, p=policy: part_train(
                 shape, b, n, log, env, os.path.join(trace_dir, n), remat=p)))
+    # the order of --parts is the order they run in (with --budget-s, their priority); env first
+    order = ["env"] + [p for p in parts if p != "env"]
+    plan = sorted((e for e in plan if e[0].split("_")[0] in order), key=lambda e: order.index(e[0].split("_")[0]))
     results: dict[str, PartResult] = {}
+    if args.budget_s:
+        BUDGET.deadline = time.perf_counter() + args.budget_s
     with open(os.path.join(out_dir, "gpu_check.log"), "a") as log:
         for name, fn in plan:
-            if name.split("_")[0] not in parts:
+            if BUDGET.left() < MIN_PART_S:
+                results[name] = PartResult(name, False, 0.0, {}, f"skipped: {max(0, BUDGET.left()):.0f} s of "
+                                           f"--budget-s {args.budget_s:.0f} left", skipped=True)
+                print(json.dumps({"part": name, **dataclasses.asdict(results[name])}), flush=True)
                 continue
             t0 = time.perf_counter()
             try:
@@ -999,7 +1042,7 @@ def main(argv=None) -> int:
     print_table(summary_rows(results))
     if args.out:  # what is kept is under --out: the models and checkpoints (~45 GB at 1.7B) go, so a
         shutil.rmtree(scratch, ignore_errors=True)  # second command on the same lent machine has its disk
-    return 0 if all(r.ok for r in results.values()) else 1
+    return 0 if all(r.ok or r.skipped for r in results.values()) else 1  # a part the budget skipped is in the table
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 
@@ -107,6 +108,32 @@ def test_kernels_part_runs_the_sweep_against_the_reference(tmp_path):
     cudnn = {r["arm"]: r for r in rows if r["arm"].startswith("cudnn")}
     assert set(cudnn) == {"cudnn", "cudnn_packed"}
     assert all("error" in r or r["max_diff_vs_reference"] < 0.05 for r in cudnn.values())
+
+
+def test_budget_cuts_each_limit_and_skips_the_parts_that_do_not_fit(tmp_path, monkeypatch):
+    """--parts is the order the parts run in; --budget-s cuts a part's limit to what the command
+    has left, and a part that would start with under MIN_PART_S left is skipped, said in the JSON
+    and the table, without failing the command (the parts that ran are what it was for)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check as g
+    monkeypatch.setattr(g.BUDGET, "deadline", None)  # restored after the test
+    ran = []
+
+    def kernels2_uses_up_the_budget(shape, args, log, env):
+        ran.append(("kernels2", g.BUDGET.clip(300)))  # its tiny limit
+        g.BUDGET.deadline = time.perf_counter() + g.MIN_PART_S / 2  # as if it had run that long
+        return {"rows": []}
+
+    monkeypatch.setattr(g, "part_env", lambda *a: ran.append(("env", 0)) or {"device_kind": "cpu"})
+    monkeypatch.setattr(g, "part_kernels2", kernels2_uses_up_the_budget)
+    monkeypatch.setattr(g, "part_ckpt", lambda *a: pytest.fail("ckpt had no budget left"))
+    assert g.main(["--shape", "tiny", "--parts", "kernels2,env,ckpt", "--budget-s", "120",
+                   "--out", str(tmp_path)]) == 0
+    assert [name for name, _ in ran] == ["env", "kernels2"] and 100 < ran[1][1] <= 120
+    parts = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
+    assert parts["kernels2"]["ok"] and not parts["kernels2"]["skipped"]
+    assert parts["ckpt"]["skipped"] and "--budget-s 120" in parts["ckpt"]["error"]
+    assert ("ckpt", parts["ckpt"]["error"]) in g.summary_rows({k: g.PartResult(**v) for k, v in parts.items()})
 
 
 def test_traces_are_packed_in_volumes_under_the_return_limit(tmp_path):
