@@ -1,8 +1,8 @@
 """Procedural integer-answer problems for CPU demos, and SFT tool-use traces in rStar2-Agent format.
 
 The problems are easy with the Python tool and hopeless "in the head" for a tiny model:
-large-number multiplication, modular exponentiation, counting multiples of a or b up to N, digit
-sums of big powers. They are short (~20-30 tokens) for a ~512-token budget.
+multiplication, modular exponentiation, counting multiples of a or b up to N, digit sums of big
+powers. They are short (~20-30 tokens) for a ~512-token budget.
 
 Splits are disjoint by construction: a problem belongs to the held-out split iff a stable hash of
 its text falls in the held-out bucket, whatever the seed or the number of problems drawn.
@@ -33,9 +33,10 @@ from rstarjax.env import classify_tool_error, format_tool_response
 from rstarjax.protocol import ANSWER_CLOSE, ANSWER_OPEN, REASON_CLOSE, REASON_OPEN, TOOL_NAME
 
 TASK_KINDS = ("multiply", "modpow", "count_divisible", "digit_sum_power")
-# The harder tier: larger operands (more digits to copy, at an offset one token longer than the
-# base kinds'), its own wording so that a kind is read off the text. Not in TASK_KINDS (the
-# default of every function here); configs/demo.py lists it, so the held-out set has headroom.
+# The harder tier: counting whose numbers vary in width (``_count_divisible_large_once``), so that
+# copying them is not one constant offset; its own wording, so that a kind is read off the text.
+# Not in TASK_KINDS (the default of every function here); configs/demo.py lists it, so the
+# held-out set has headroom.
 HARD_KINDS = ("count_divisible_large",)
 ALL_KINDS = TASK_KINDS + HARD_KINDS
 SPLITS = ("train", "test")
@@ -63,10 +64,15 @@ class DemoTask:
 
 
 # ---- generators: pure functions of a random.Random ---------------------------------------------
-# Every number a kind writes has a FIXED digit count (operands and answer), and each kind has one
-# fixed wording: copying a number (question -> code, tool output -> box) is then a constant
+# Every number a base kind writes has a FIXED digit count (operands and answer), and each kind has
+# one fixed wording: copying a number (question -> code, tool output -> box) is then a constant
 # relative offset, which a 2-layer RoPE model learns in a few hundred steps; with variable widths
-# it needs a content-based induction head and the demo model never got there (docs/demo.md).
+# it needs a content-based induction head, which the demo model learns late or not at all
+# (docs/demo.md). The offsets are also the SAME for every base kind (each operand 87-88 tokens
+# after its source in the demo vocabulary, every answer 4 digits), so one attention pattern
+# serves them all: a kind with offsets of its own (multiply's operands at 79 and its 8-digit
+# answers, digit sums' base at 90) was the kind the SFT stage left at 0-12 % on some seeds
+# (issue 48, docs/demo.md "Fresh seeds").
 def _draw(rng: random.Random, make: Callable[[random.Random], DemoTask], answer_digits: int) -> DemoTask:
     """Rejection sampling: redraw until the answer has exactly `answer_digits` digits (every kind
     accepts > 80 % of draws, so this ends fast)."""
@@ -78,13 +84,14 @@ def _draw(rng: random.Random, make: Callable[[random.Random], DemoTask], answer_
 
 
 def _multiply_once(rng: random.Random) -> DemoTask:
-    a, b = rng.randint(3163, 9999), rng.randint(3163, 9999)  # 4 x 4 digits, product 8 digits
-    return DemoTask("multiply", f"Compute {a} * {b}.", str(a * b), f"print({a} * {b})", "Multiply in Python.",
+    a, b = rng.randint(32, 99), rng.randint(32, 99)  # 2 x 2 digits, product 4 digits
+    return DemoTask("multiply", f"Compute {a} * {b}.", str(a * b), f"print({a} * {b})",
+                    "Multiply the two numbers together in Python.",  # each operand 87 tokens after its source
                     buggy_code=f"print({a} * {b}))")  # SyntaxError: unmatched ')'
 
 
 def _multiply(rng: random.Random) -> DemoTask:
-    return _draw(rng, _multiply_once, 8)
+    return _draw(rng, _multiply_once, 4)
 
 
 def _modpow_once(rng: random.Random) -> DemoTask:
@@ -134,17 +141,24 @@ def _count_divisible(rng: random.Random) -> DemoTask:
 
 
 def _count_divisible_large_once(rng: random.Random) -> DemoTask:
-    """The harder tier of counting: divisors of 3 digits (11 digits to copy, against 9; N keeps
-    5 digits, so the program runs as fast as the base kind's), with its own wording ("multiples
-    of"); the program keeps the base kind's layout."""
-    n = rng.randint(10000, 99999)
-    a = rng.randint(101, 400)
-    b = rng.choice([k for k in range(101, 401) if k % a and a % k])
+    """The harder tier of counting: N of 5 or 6 digits, each divisor of 2 or 3 digits (coins of
+    one half), so the offset from each number to its copy varies by up to 3 tokens and the answer
+    has 2 to 5 digits: the one kind whose numbers the policy cannot copy at a fixed offset. Its
+    own wording ("multiples of"); the program keeps the base kind's layout. N stays below 200,000
+    (the program's loop: ~40 ms)."""
+    n = rng.randint(10000, 99999) if rng.random() < 0.5 else rng.randint(100000, 199999)
+
+    def divisor() -> int:
+        return rng.randint(11, 99) if rng.random() < 0.5 else rng.randint(101, 400)
+
+    a, b = divisor(), divisor()
+    while not (a % b and b % a):  # neither divides the other
+        b = divisor()
     return _counting_task("count_divisible_large", n, a, b, "multiples of {a} or {b}")
 
 
 def _count_divisible_large(rng: random.Random) -> DemoTask:
-    return _draw(rng, _count_divisible_large_once, 3)
+    return _count_divisible_large_once(rng)  # no fixed answer width: part of what makes it harder
 
 
 def _digit_sum_power_once(rng: random.Random) -> DemoTask:
@@ -153,9 +167,10 @@ def _digit_sum_power_once(rng: random.Random) -> DemoTask:
         "digit_sum_power",
         f"What is the sum of the digits of {base}^{exp}?",
         str(sum(int(d) for d in str(base**exp))),
-        f"print(sum(int(d) for d in str({base} ** {exp})))",
+        # `map` and `**` unspaced put both operands 88 tokens after their source, as the other kinds'
+        f"print(sum(map(int, str({base}**{exp}))))",
         "Sum the digits in Python.",
-        buggy_code=f"print(sum(int(d) for d in int({base} ** {exp})))",  # TypeError: 'int' object is not iterable
+        buggy_code=f"print(sum(map(int, int({base}**{exp}))))",  # TypeError: 'int' object is not iterable
     )
 
 
