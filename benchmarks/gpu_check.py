@@ -507,6 +507,8 @@ def part_agent(shape: Shape, args, log, env, scratch: str) -> dict:
     a = dataclasses.replace(a, **{k: v for k, v in (("sft_steps", args.sft_steps), ("sft_lr", args.sft_lr),
                                                     ("sft_batch", args.sft_batch),
                                                     ("sft_traces", args.sft_traces)) if v})
+    if args.h100_mem_fraction:  # an H200 held to an H100's memory: the part's processes only
+        env = dict(env, XLA_PYTHON_CLIENT_MEM_FRACTION=str(args.h100_mem_fraction))
     d = os.path.join(scratch, "agent")
     paths = {k: os.path.join(d, v) for k, v in (("hf", "hf"), ("data", "problems.jsonl"),
                                                 ("sft", "sft.jsonl"))}
@@ -958,6 +960,10 @@ def parse_args(argv=None):
                     help="the whole command's wall-clock budget (0: none): the parts run in the order "
                          "--parts lists them, each limit cut to what is left, and a part with under "
                          f"{MIN_PART_S:.0f} s left is skipped (a lent device: 10 minutes a command)")
+    ap.add_argument("--h100-mem-fraction", type=float, default=0.0,
+                    help="h100: XLA_PYTHON_CLIENT_MEM_FRACTION of that part's processes only (0: the "
+                         "command's); 0.54 holds an H200 to an H100's 80 GB while the other parts "
+                         "keep the whole card")
     ap.add_argument("--sft-steps", type=int, default=0, help="h100: SFT steps (0: the shape's)")
     ap.add_argument("--sft-lr", type=float, default=0.0, help="h100: SFT learning rate (0: the shape's)")
     ap.add_argument("--sft-batch", type=int, default=0, help="h100: SFT traces per step (0: the shape's)")

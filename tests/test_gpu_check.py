@@ -136,6 +136,25 @@ def test_budget_cuts_each_limit_and_skips_the_parts_that_do_not_fit(tmp_path, mo
     assert ("ckpt", parts["ckpt"]["error"]) in g.summary_rows({k: g.PartResult(**v) for k, v in parts.items()})
 
 
+def test_the_h100_part_alone_is_held_to_an_h100s_memory(tmp_path, monkeypatch):
+    """--h100-mem-fraction: the h100 part's processes get that XLA_PYTHON_CLIENT_MEM_FRACTION (an
+    H200 held to 80 GB), the command's other parts keep the whole card."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check as g
+    monkeypatch.setattr(g.BUDGET, "deadline", None)
+    fractions = {}
+
+    def run_part(name, argv, timeout_s, log, env=None, cwd=g.ROOT):
+        fractions[name] = env["XLA_PYTHON_CLIENT_MEM_FRACTION"]
+        return 1, ""  # every part fails at once: only the environments are looked at
+
+    monkeypatch.setattr(g, "run_part", run_part)
+    monkeypatch.setattr(g, "part_env", lambda *a: {"device_kind": "cpu"})
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    g.main(["--shape", "tiny", "--parts", "env,h100,ckpt", "--h100-mem-fraction", "0.54", "--out", str(tmp_path)])
+    assert fractions == {"h100/inputs": "0.54", "ckpt": "0.95"}
+
+
 def test_traces_are_packed_in_volumes_under_the_return_limit(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from gpu_check import pack_traces
