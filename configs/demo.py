@@ -42,8 +42,8 @@ def get_config(arg=None):
         # Qwen3's 1e6 leaves a 32-dim head few fast-rotating pairs; copying digits by relative
         # position needs them (measured: teacher-forced digit accuracy 34 % vs 21 % after 200 steps)
         rope_theta=10000.0))
-    # the four base kinds and the harder tier (counting with larger operands: 12 digits to copy,
-    # recipes.demo_tasks.HARD_KINDS), so the held-out figure has headroom (issue 48)
+    # the four base kinds and the harder tier (counting whose numbers vary in width, so no fixed
+    # offset copies them: recipes.demo_tasks.HARD_KINDS), meant to give the figure headroom (issue 48)
     c.demo.task_kinds = ("multiply", "modpow", "count_divisible", "digit_sum_power", "count_divisible_large")
     # Share of each kind's SFT traces that answer in the head, without the tool (as a generic chat
     # model would): the SFT policy then guesses on those problems and RL must learn that the
