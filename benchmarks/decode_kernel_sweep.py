@@ -12,7 +12,9 @@ row a ``--prompt-len`` prompt), one engine per batch whose decode program is com
 ``--engine-arms`` entry (attention path x sampler); the arms alternate call by call for
 ``--rounds`` rounds (16 steps a call) and each prints the median call, its range, tokens/s and
 the HBM-roofline fraction (weights + live KV bytes per step / step time / peak bandwidth, as
-``benchmarks/serving.py``).
+``benchmarks/serving.py``); ``--trace-dir`` keeps a ``jax.profiler`` trace of one more call of
+``--trace-arms`` (with its ``*.xplane.pb``, the compiled HLO ``profile_summary.py`` names the
+fusions from).
 
 The decode profile on an H200 (docs/serving.md) puts ~60 % of a Qwen3-1.7B decode step in this
 kernel at about a quarter of the HBM bandwidth. The engine picks its knobs from the page-table
@@ -67,6 +69,11 @@ ap.add_argument("--packed-blocking", default="", help="--engine: the blocking of
                 "pallas_gpu_packed arms (one --packed-blockings spec; default: the engine's)")
 ap.add_argument("--prompt-len", type=int, default=512, help="--engine: tokens per row at the start")
 ap.add_argument("--rounds", type=int, default=3, help="--engine: alternating calls per arm")
+ap.add_argument("--trace-dir", default="", help="--engine: a jax.profiler trace of one call (after "
+                "the timed rounds) of each --trace-arms arm at each --trace-batches batch")
+ap.add_argument("--trace-arms", default="", help="--engine: ATTENTION:SAMPLER arms to trace "
+                "(default: the last --engine-arms arm)")
+ap.add_argument("--trace-batches", default="256,64", help="--engine: the batches traced")
 ap.add_argument("--peak-gbps", type=float, default=0.0, help="HBM peak (default: by device kind)")
 ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting configs after this")
 ap.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke run)")
@@ -295,6 +302,21 @@ def engine_main():
                 else:
                     times[arm].append(seconds / block.steps)
                     context[arm].append(length)
+        traces = {}
+        if args.trace_dir and batch in map(int, args.trace_batches.split(",")):
+            from tracing import trace_one_call
+
+            for arm in ([tuple(a.split(":")) for a in args.trace_arms.split(",") if a] or arms[-1:]):
+                if arm not in times or time.perf_counter() - t_start > args.budget_s:
+                    continue
+                engine.decode_attention, engine.sampler = arm
+
+                def one_call():
+                    nonlocal state
+                    state, _ = engine.decode(engine.params, state)
+                    return state
+                name = f"decode_b{batch}_{arm[0]}_{arm[1]}.json.gz"
+                traces[arm] = trace_one_call(one_call, os.path.join(args.trace_dir, name))
         weights = serving_weight_bytes(cfg, jnp.bfloat16)
         if not cfg.tie_word_embeddings:  # an untied input table is gathered, batch rows of it
             weights -= (cfg.vocab_size - batch) * cfg.hidden_size * 2
@@ -310,6 +332,7 @@ def engine_main():
                    "compile_s": round(compile_s[arm], 1), "bytes_per_step_gb": round(moved / 1e9, 4)}
             if peak:
                 row["roofline_fraction"] = round(moved / (peak * 1e9) / step, 4)
+            row.update(traces.get(arm, {}))
             print(json.dumps(row), flush=True)
         del engine, state
         gc.collect()

@@ -744,7 +744,10 @@ DECODE_TIMEOUTS = {"gpu": {"kernels2": 150, "decode": 330}, "tiny": {"kernels2":
 # time has measured the likeliest winners; jax's Triton kernel with the engine's blocking runs first.
 PACKED_BLOCKINGS = "4,8,1024,4,3;4,8,1024,4,3,1;2,8,1024,4,4;8,8,1024,8,3;4,8,1048576,4,3"
 # The engine's decode, attention path x sampler, alternating; the issue's target batches first.
-DECODE_ARMS = "pallas_gpu:exact,pallas_gpu_packed:exact,pallas_gpu_packed:fused"
+# The last arm (predicted fastest: our kernel writing the step's K/V, the one-pass sampler) is
+# traced at 256 and 64 rows, its HLO kept, for the fusions still to write.
+DECODE_ARMS = ("pallas_gpu:exact,pallas_gpu_packed:exact,pallas_gpu_packed:fused,"
+               "pallas_gpu_packed_append:fused")
 
 
 def part_kernels2(shape: Shape, args, log, env) -> dict:
@@ -766,16 +769,18 @@ def part_kernels2(shape: Shape, args, log, env) -> dict:
     return {"rows": [r for r in rows if not r.get("best")]}
 
 
-def part_decode(shape: Shape, args, log, env) -> dict:
+def part_decode(shape: Shape, args, log, env, trace_dir: str) -> dict:
     """The engine's decode step at 256, 64 and 32 rows (512-token prompts, the shape
     benchmarks/serving.py measures) with each ``DECODE_ARMS`` entry, the arms alternating call by
-    call, median of 3 calls of 16 steps each, tokens/s and HBM-roofline fraction."""
+    call, median of 3 calls of 16 steps each, tokens/s and HBM-roofline fraction; one traced
+    call of the last arm at 256 and 64 rows (into ``trace_dir``)."""
     timeout = BUDGET.clip(DECODE_TIMEOUTS[args.shape]["decode"])
     argv = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"), "--engine",
-            "--engine-arms", DECODE_ARMS, "--budget-s", str(0.8 * timeout)]
+            "--engine-arms", DECODE_ARMS, "--budget-s", str(0.8 * timeout),
+            "--trace-dir", os.path.join(trace_dir, "decode")]
     if shape.model == "tiny":  # the kernels in their interpreter; one arm per path is enough
-        argv += ["--tiny", "--interpret", "--batches", "4",
-                 "--engine-arms", "pallas_gpu_packed:fused,ragged:exact"]
+        argv += ["--tiny", "--interpret", "--batches", "4", "--trace-batches", "4",
+                 "--engine-arms", "ragged:exact,pallas_gpu_packed_append:fused"]
     else:
         argv += ["--batches", "256,64,32", "--rounds", "3"]
     code, out = run_part("decode", argv, timeout, log, env)
@@ -1010,7 +1015,7 @@ def main(argv=None) -> int:
             shape, shape.serving_presets[0], n, log, env, os.path.join(trace_dir, n), blocking=sp)))
     plan.append(("kernels", lambda log: part_kernels(shape, args, log, kernel_env)))
     plan.append(("kernels2", lambda log: part_kernels2(shape, args, log, kernel_env)))
-    plan.append(("decode", lambda log: part_decode(shape, args, log, kernel_env)))
+    plan.append(("decode", lambda log: part_decode(shape, args, log, kernel_env, trace_dir)))
     for policy in args.remat_policy.split(","):
         for b in shape.train_batches:
             name = f"remat_{policy}_{b}x"

@@ -215,10 +215,11 @@ LANES = {
     "reference-tight": Lane("reference", kv_pages=10, ks=(4, 2), seeds=(6, 7, 8)),
     "ragged-tp2-tight": Lane("ragged", tensor_parallel=2, kv_pages=10, ks=(4,), seeds=(9, 10)),
     "pallas_gpu": Lane("pallas_gpu", decode_steps=4, ks=(4,), seeds=(11,), num_prompts=4),
-    # our kernel (models/decode_kernel.py) and the one-pass sampler together (issue 46)
+    # our kernel writing the step's K/V itself (models/decode_kernel.py: pallas_gpu_packed's page
+    # reads but the last token's) and the one-pass sampler together (issue 46)
     # (one short workload, as the TPU lane: the interpreter's decode steps are slow)
-    "packed-fused": Lane("pallas_gpu_packed", decode_steps=4, ks=(4,), seeds=(13,), num_prompts=2,
-                         max_turns=2, sampler="fused"),
+    "packed-append-fused": Lane("pallas_gpu_packed_append", decode_steps=4, ks=(4,), seeds=(13,),
+                                num_prompts=2, max_turns=2, sampler="fused"),
     # The TPU interpreter takes ~1.5 s per decode step here: one short workload.
     "pallas_tpu": Lane("pallas_tpu", decode_steps=4, ks=(4,), seeds=(12,), num_prompts=2,
                        max_turns=2, logprob_tol=2e-2),

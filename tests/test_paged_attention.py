@@ -229,12 +229,36 @@ def test_kernels_split_over_kv_heads_equal_reference(implementation, tensor):
     np.testing.assert_allclose(np.asarray(got), ref, atol=2e-5)
 
 
+def test_append_kernel_split_over_kv_heads_equals_unsplit():
+    """On a tensor-parallel slice the writing kernel runs on each device's kv heads (their
+    query heads and new K/V beside them): the outputs and the pools it writes equal the
+    unsplit call's, and stay split."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from rstarjax.models.paged_attention import paged_decode_append
+
+    q, k, v, table, lengths, _ = _decode_case(3, n=8, kh=4)
+    rng = np.random.default_rng(9)
+    k_new, v_new = (jnp.asarray(rng.normal(size=(len(lengths), 4, k.shape[-1])), jnp.float32)
+                    for _ in range(2))
+    args = (jnp.asarray(q), k_new, v_new)
+    rest = (jnp.asarray(table), jnp.asarray(lengths) - 1, jnp.ones(len(lengths), bool))
+    ref = paged_decode_append(*args, jnp.asarray(k), jnp.asarray(v), *rest, interpret=True)
+    pool = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("tensor",)), PartitionSpec("tensor"))
+    got = jax.jit(lambda *a: paged_decode_append(*a, interpret=True, kv_sharding=pool))(
+        *args, jax.device_put(k, pool), jax.device_put(v, pool), *rest)
+    assert got[0].sharding.spec == PartitionSpec(None, "tensor")
+    assert got[1].sharding.spec == PartitionSpec("tensor")
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
 @pytest.mark.slow  # the Pallas interpreter over two layers: ~30 s a kernel
-@pytest.mark.parametrize("kernel", ["pallas_gpu", "pallas_gpu_packed"])
+@pytest.mark.parametrize("kernel", ["pallas_gpu", "pallas_gpu_packed", "pallas_gpu_packed_append"])
 def test_decode_through_a_gpu_kernel_equals_reference_decode(tiny, kernel):
-    """The engine's whole paged forward with a GPU kernel (interpreted: jax's, or ours) as its
-    decode attention, through ``paged_decode_attention``'s switch (NO_PAGE entries, lengths as the
-    engine passes them)."""
+    """The engine's whole paged forward with a GPU kernel (interpreted: jax's, or ours, or ours
+    writing the K/V itself) as its decode attention, through ``paged_forward``'s switch (NO_PAGE
+    entries, lengths as the engine passes them): the logits and the pools it returns."""
     cfg = serving_config(TINY32)
     w = serving_weights(tiny, jnp.float32)
     rng = np.random.default_rng(5)
@@ -243,10 +267,12 @@ def test_decode_through_a_gpu_kernel_equals_reference_decode(tiny, kernel):
     v = tuple(jnp.asarray(v) for _ in range(2))
     cache = PagedKVCache(k, v, jnp.asarray(table), jnp.asarray([19, 32], jnp.int32))
     tok = jnp.asarray([[3], [4]], jnp.int32)
-    ref, _ = paged_forward(cfg, w, tok, cache, jnp.ones(2, jnp.int32))
-    got, _ = paged_forward(cfg, w, tok, cache, jnp.ones(2, jnp.int32),
-                           decode_attention=kernel, interpret=True)
+    ref, ref_cache = paged_forward(cfg, w, tok, cache, jnp.ones(2, jnp.int32))
+    got, got_cache = paged_forward(cfg, w, tok, cache, jnp.ones(2, jnp.int32),
+                                   decode_attention=kernel, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4)
+    for a, b in zip(got_cache.k + got_cache.v, ref_cache.k + ref_cache.v):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
 def test_default_kernel_per_platform():
@@ -316,6 +342,45 @@ def test_packed_decode_kernel_interpreted_equals_reference(n, blocking):
                                   jnp.asarray(table), jnp.asarray(lengths),
                                   blocking=PackedBlocking(*blocking), interpret=True)
     np.testing.assert_allclose(np.asarray(got), ref, atol=2e-6)
+
+
+@pytest.mark.parametrize("n, blocking", [(4, (4, 8, 1 << 20)), (4, (2, 8, 1)), (8, (1, 3, 1 << 20)),
+                                         (4, (4, 8, 1 << 20, 4, 3, 1))],
+                         ids=["g2_4pages_splits", "g2_2pages_one_split", "g4_1page_3splits",
+                              "g2_tensor_cores_splits"])
+def test_append_kernel_interpreted_equals_write_then_reference(n, blocking):
+    """The kernel that writes the step's K/V itself (``pallas_gpu_packed_append``): its output
+    is the reference attention after ``write_kv_pages`` of the same token, and its pools are
+    that write's, bit for bit: rows whose token is a page's first (lengths 1 and page + 1), its
+    last (a full page), mid-page; a dropped write (an idle row) leaves the pool as it was."""
+    from rstarjax.models.decode_kernel import PackedBlocking
+    from rstarjax.models.paged_attention import paged_decode_append
+
+    q, k, v, table, lengths, _ = _packed_case(7, n)
+    rng = np.random.default_rng(8)
+    b, kh, h = len(lengths), k.shape[0], k.shape[-1]
+    k_new, v_new = (_bf16_exact(rng.normal(size=(b, kh, h))) for _ in range(2))
+    positions = lengths - 1
+    valid = np.array([True, True, True, False, True])  # row 3: idle, its write dropped
+    k_ref, v_ref = write_kv_pages(jnp.asarray(k), jnp.asarray(v), jnp.asarray(k_new)[:, None],
+                                  jnp.asarray(v_new)[:, None], jnp.asarray(table),
+                                  jnp.asarray(positions)[:, None], jnp.asarray(valid)[:, None])
+    ref = paged_attention_reference(jnp.asarray(q)[:, None], k_ref, v_ref, jnp.asarray(table),
+                                    jnp.asarray(positions)[:, None])[:, 0]
+    from rstarjax.models import decode_kernel
+
+    real = decode_kernel.PACKED_BLOCKING
+    decode_kernel.PACKED_BLOCKING = PackedBlocking(*blocking)
+    try:
+        out, k_got, v_got = paged_decode_append(
+            jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(k), jnp.asarray(v),
+            jnp.asarray(table), jnp.asarray(positions), jnp.asarray(valid), interpret=True)
+    finally:
+        decode_kernel.PACKED_BLOCKING = real
+    np.testing.assert_array_equal(np.asarray(k_got), np.asarray(k_ref))
+    np.testing.assert_array_equal(np.asarray(v_got), np.asarray(v_ref))
+    assert not np.array_equal(np.asarray(k_got), k)  # the valid rows' writes happened
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=2e-6)
 
 
 def test_packed_blocking_splits_follow_the_batch():

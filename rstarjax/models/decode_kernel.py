@@ -69,15 +69,27 @@ PACKED_BLOCKING = PackedBlocking()
 TILE_ROWS = 16  # the tensor cores' smallest tile: G query heads are padded to it for dots
 
 
-def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, page_size: int,
-            per_block: int, k_splits: int, scale: float, tensor_cores: bool):
+def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, page_size: int,
+            per_block: int, k_splits: int, scale: float, tensor_cores: bool, append: bool):
     """Program (row b, kv head h, split s): online softmax over the split's share of the row's
     live pages, ``per_block`` pages an iteration. Refs: lengths [1], table [W], q [G, H],
-    k/v [pages, S, H]; out: o [G, H] (one split: normalised, q's dtype) or o [G, H], m [G],
-    l [G] in float32 (several: combined by ``_combine``)."""
+    k/v [pages, S, H]; with ``append`` also slot [1], k_new/v_new [1, H] (inputs) and the two
+    pools again as outputs (aliased to k/v); out: o [G, H] (one split: normalised, q's dtype)
+    or o [G, H], m [G], l [G] in float32 (several: combined by ``_combine``).
+
+    ``append``: the row's last token (position ``length - 1``) is not read from the pool but
+    taken from k_new/v_new, which split 0 starts its softmax with and writes into the pool at
+    ``slot`` (page * S + offset; -1: no write). The other splits stop one token earlier, so no
+    program reads the position being written."""
+    if append:
+        slot_ref, k_new_ref, v_new_ref, *out_refs = refs
+        *out_refs, k_out_ref, v_out_ref = out_refs
+    else:
+        out_refs = refs
     split = pl.program_id(2)
     length = lengths_ref[0]
-    live_blocks = pl.cdiv(pl.cdiv(length, page_size), per_block)
+    cached = length - 1 if append else length  # tokens read from the pool
+    live_blocks = pl.cdiv(pl.cdiv(cached, page_size), per_block)
     share = pl.cdiv(live_blocks, k_splits)  # blocks per split
     first = split * share
     last = jnp.minimum(first + share, live_blocks)
@@ -96,7 +108,7 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, page_size: i
         else:
             logits = jnp.sum(q[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=2)
         pos = start * page_size + jnp.arange(tokens)
-        logits = jnp.where((pos < length)[None, :], logits, LOW)
+        logits = jnp.where((pos < cached)[None, :], logits, LOW)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[:, None])
@@ -108,9 +120,20 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, page_size: i
         o = o * alpha[:, None] + pv
         return o, m_new, l
 
-    init = (jnp.zeros((g, h), jnp.float32), jnp.full((g,), LOW, jnp.float32),
-            jnp.zeros((g,), jnp.float32))
-    o, m, l = jax.lax.fori_loop(first, last, body, init)
+    o0, m0, l0 = (jnp.zeros((g, h), jnp.float32), jnp.full((g,), LOW, jnp.float32),
+                  jnp.zeros((g,), jnp.float32))
+    if append:  # split 0 starts from the new token: its logit is the running max, p = 1
+        k_new = k_new_ref[...].astype(jnp.float32)  # [1, H], already in the pool's dtype
+        v_new = v_new_ref[...].astype(jnp.float32)
+        if tensor_cores:  # the logits' rounding of q, as in the loop
+            q_new = q.astype(k_new_ref.dtype).astype(jnp.float32)
+        else:
+            q_new = q
+        mine = split == 0
+        m0 = jnp.where(mine, jnp.sum(q_new * k_new, axis=1), m0)
+        l0 = jnp.where(mine, jnp.ones_like(l0), l0)
+        o0 = jnp.where(mine, jnp.broadcast_to(v_new, (g, h)), o0)
+    o, m, l = jax.lax.fori_loop(first, last, body, (o0, m0, l0))
     if k_splits == 1:
         (o_ref,) = out_refs
         o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
@@ -119,6 +142,14 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, page_size: i
         o_ref[...] = o
         m_ref[...] = m
         l_ref[...] = l
+    if append:
+        slot = slot_ref[0]
+
+        @pl.when((split == 0) & (slot >= 0))
+        def _write():
+            page, offset = slot // page_size, slot % page_size
+            k_out_ref[page, pl.ds(offset, 1), :] = k_new_ref[...]
+            v_out_ref[page, pl.ds(offset, 1), :] = v_new_ref[...]
 
 
 def _combine(o, m, l, dtype):
@@ -138,6 +169,30 @@ def decode_attention_packed(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     tokens (>= 1) of its pages ``page_table[b]`` (entries past the live ones are never read
     for K/V a row does not own: the positions mask them; they must be valid page ids) ->
     [B, N, H]. GQA: query head n reads kv head ``n // (N // K)``."""
+    return _packed_call(q, k_pages, v_pages, page_table, lengths, None, blocking=blocking,
+                        scale=scale, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("blocking", "scale", "interpret"))
+def decode_attention_append(q: jax.Array, k_new: jax.Array, v_new: jax.Array, slots: jax.Array,
+                            k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                            lengths: jax.Array, *, blocking: PackedBlocking = PackedBlocking(),
+                            scale: float | None = None, interpret: bool = False
+                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The decode step's K/V write and attention in one kernel: each row's new token k_new /
+    v_new [B, K, H] is written into the pools at ``slots[b]`` (page id * page size + offset;
+    -1: not written) and attended to as the row's last token (position ``lengths[b] - 1``),
+    its earlier ``lengths[b] - 1`` tokens read from the pages. -> (out [B, N, H], k_pages,
+    v_pages), the pools updated in place (``input_output_aliases``: inside a program that
+    carries them, as the engine's decode loop does, no copy). The same result as
+    ``paged_attention.write_kv_pages`` followed by ``decode_attention_packed``, without the two
+    scatter kernels a layer; a row whose write is dropped (-1) still attends to its k_new /
+    v_new (the engine ignores those rows' outputs)."""
+    return _packed_call(q, k_pages, v_pages, page_table, lengths, (slots, k_new, v_new),
+                        blocking=blocking, scale=scale, interpret=interpret)
+
+
+def _packed_call(q, k_pages, v_pages, page_table, lengths, new_kv, *, blocking, scale, interpret):
     from jax.experimental.pallas import triton as plgpu
 
     b, n, h = q.shape
@@ -145,9 +200,10 @@ def decode_attention_packed(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     g = n // kh
     width = page_table.shape[1]
     per_block, k_splits = blocking.for_shape(b, kh, width)
+    append = new_kv is not None
     kernel = functools.partial(_kernel, page_size=page_size, per_block=per_block,
                                k_splits=k_splits, scale=h ** -0.5 if scale is None else scale,
-                               tensor_cores=bool(blocking.tensor_cores))
+                               tensor_cores=bool(blocking.tensor_cores), append=append)
     rows = g  # query rows per program: G, or the 16-row tile for the tensor cores
     q4 = q.reshape(b, kh, g, h)
     if blocking.tensor_cores and g < TILE_ROWS:
@@ -158,6 +214,8 @@ def decode_attention_packed(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                 pl.BlockSpec((None, width), lambda r, j, s: (r, 0)),  # the row's table
                 pl.BlockSpec((None, None, rows, h), lambda r, j, s: (r, j, 0, 0)),  # q [B, K, G, H]
                 pool, pool]
+    args = [lengths.astype(jnp.int32).reshape(b, 1), page_table.astype(jnp.int32), q4,
+            k_pages, v_pages]
     if k_splits == 1:
         out_specs = [pl.BlockSpec((None, None, rows, h), lambda r, j, s: (r, j, 0, 0))]
         out_shape = [jax.ShapeDtypeStruct((b, kh, rows, h), q.dtype)]
@@ -169,13 +227,27 @@ def decode_attention_packed(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
         out_shape = [jax.ShapeDtypeStruct((*part, h), jnp.float32),
                      jax.ShapeDtypeStruct(part, jnp.float32),
                      jax.ShapeDtypeStruct(part, jnp.float32)]
+    aliases = {}
+    if append:
+        slots, k_new, v_new = new_kv
+        token = pl.BlockSpec((None, None, 1, h), lambda r, j, s: (r, j, 0, 0))  # [B, K, 1, H]
+        in_specs += [pl.BlockSpec((None, 1), lambda r, j, s: (r, 0)), token, token]
+        args += [slots.astype(jnp.int32).reshape(b, 1),
+                 k_new.astype(k_pages.dtype).reshape(b, kh, 1, h),
+                 v_new.astype(v_pages.dtype).reshape(b, kh, 1, h)]
+        out_specs += [pool, pool]
+        out_shape += [jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                      jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)]
+        aliases = {3: len(out_shape) - 2, 4: len(out_shape) - 1}  # the pools, in place
     outs = pl.pallas_call(
         kernel, grid=(b, kh, k_splits), in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, interpret=interpret,
+        out_shape=out_shape, interpret=interpret, input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=blocking.num_warps,
                                              num_stages=blocking.num_stages),
-        name=f"decode_packed_g{rows}_p{per_block}_s{k_splits}",
-    )(lengths.astype(jnp.int32).reshape(b, 1), page_table.astype(jnp.int32),
-      q4, k_pages, v_pages)
+        name=f"decode_{'append' if append else 'packed'}_g{rows}_p{per_block}_s{k_splits}",
+    )(*args)
+    if append:
+        *outs, k_pages, v_pages = outs
     out = outs[0] if k_splits == 1 else _combine(*outs, q.dtype)
-    return out[:, :, :g].reshape(b, n, h)
+    out = out[:, :, :g].reshape(b, n, h)
+    return (out, k_pages, v_pages) if append else out

@@ -21,6 +21,8 @@
   ``pallas_gpu_packed`` is our own kernel (``decode_kernel.py``): all query heads of a kv head
   in one block without padding, split-K over the live pages; chosen by name until a GPU
   measures it against ``pallas_gpu`` (docs/serving.md, "Our decode kernel").
+- ``paged_decode_append``: the same kernel writing the step's K/V itself
+  (``pallas_gpu_packed_append``: no scatter kernels between the projections and attention).
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ import jax.numpy as jnp
 
 from rstarjax.models.kv_cache import NO_PAGE
 
-DECODE_IMPLEMENTATIONS = ("reference", "ragged", "pallas_gpu", "pallas_gpu_packed", "pallas_tpu")
+DECODE_IMPLEMENTATIONS = ("reference", "ragged", "pallas_gpu", "pallas_gpu_packed",
+                          "pallas_gpu_packed_append", "pallas_tpu")
 QUERY_BLOCK = 256  # queries per block in the reference: bounds the [T, context] logits buffer
 RAGGED_CHUNK = 64  # pages per iteration of the ragged decode attention
 RAGGED_LIST_STEP = 16  # a list of at most RAGGED_CHUNK pages is padded to a multiple of this
@@ -46,19 +49,25 @@ def write_kv_pages(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_n
     ``valid`` [B, T] marks real tokens; the others (padding, idle rows) and positions whose
     page-table entry is ``NO_PAGE`` or past the table are dropped (scatter ``mode="drop"`` to
     an out-of-range page id)."""
-    num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
-    width = page_table.shape[1]
-    col = positions // page_size
-    page = jnp.take_along_axis(page_table, jnp.clip(col, 0, width - 1), axis=1)
-    keep = valid & (col < width) & (page != NO_PAGE)
-    page = jnp.where(keep, page, num_pages)
-    offset = positions % page_size
+    page, offset = write_targets(page_table, positions, valid, *k_pages.shape[1:3])
     # Index [:, page, offset] puts the broadcast [B, T] dims after the kv-head dim.
     k_pages = k_pages.at[:, page, offset].set(
         jnp.moveaxis(k_new, 2, 0).astype(k_pages.dtype), mode="drop")
     v_pages = v_pages.at[:, page, offset].set(
         jnp.moveaxis(v_new, 2, 0).astype(v_pages.dtype), mode="drop")
     return k_pages, v_pages
+
+
+def write_targets(page_table: jax.Array, positions: jax.Array, valid: jax.Array, num_pages: int,
+                  page_size: int) -> tuple[jax.Array, jax.Array]:
+    """(page id, offset in the page) where each token at ``positions`` is written; page id
+    ``num_pages`` (out of range) for a write that is dropped: ``valid`` false, past the table,
+    or a ``NO_PAGE`` entry."""
+    width = page_table.shape[1]
+    col = positions // page_size
+    page = jnp.take_along_axis(page_table, jnp.clip(col, 0, width - 1), axis=1)
+    keep = valid & (col < width) & (page != NO_PAGE)
+    return jnp.where(keep, page, num_pages), positions % page_size
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -259,6 +268,41 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                                      blocking=decode_kernel.PACKED_BLOCKING,
                                                      interpret=interpret)
     raise ValueError(f"decode attention {implementation!r} not in {DECODE_IMPLEMENTATIONS}")
+
+
+def paged_decode_append(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pages: jax.Array,
+                        v_pages: jax.Array, page_table: jax.Array, positions: jax.Array,
+                        valid: jax.Array, *, interpret: bool = False,
+                        kv_sharding: jax.sharding.NamedSharding | None = None
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A decode step's write and attention in one kernel (``decode_kernel.decode_attention_append``):
+    q [B, N, H], k_new/v_new [B, K, H] at ``positions`` [B] -> (out [B, N, H], k_pages,
+    v_pages). What ``write_kv_pages`` then ``paged_decode_attention`` over ``positions + 1``
+    tokens give, the same writes dropped (``valid`` false, no page); a row whose write is
+    dropped attends to its new K/V all the same (the caller ignores it)."""
+    from rstarjax.models import decode_kernel
+
+    num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
+    page, offset = write_targets(page_table, positions[:, None], valid[:, None], num_pages,
+                                 page_size)
+    slots = jnp.where(page[:, 0] < num_pages, page[:, 0] * page_size + offset[:, 0], -1)
+    lengths = (positions + 1).astype(jnp.int32)
+    table = jnp.maximum(page_table, 0).astype(jnp.int32)
+
+    def local(q, k_new, v_new, k_pages, v_pages, slots, table, lengths):
+        return decode_kernel.decode_attention_append(
+            q, k_new, v_new, slots, k_pages, v_pages, table, lengths,
+            blocking=decode_kernel.PACKED_BLOCKING, interpret=interpret)
+
+    args = (q, k_new, v_new, k_pages, v_pages, slots, table, lengths)
+    axis = split_kv_axis(kv_sharding) if kv_sharding is not None else None
+    if axis is None:
+        return local(*args)
+    P = jax.sharding.PartitionSpec  # each device its kv heads and their query heads
+    heads = P(None, axis)
+    return jax.shard_map(local, mesh=kv_sharding.mesh,
+                         in_specs=(heads, heads, heads, P(axis), P(axis), P(), P(), P()),
+                         out_specs=(heads, P(axis), P(axis)), check_vma=False)(*args)
 
 
 def split_kv_axis(kv_sharding: jax.sharding.NamedSharding) -> str | None:

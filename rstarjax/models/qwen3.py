@@ -29,8 +29,9 @@ from rstarjax.models.config import ModelConfig
 from rstarjax.models.kv_cache import PagedKVCache
 from rstarjax.models.logprobs import token_logprobs_from_hidden
 from rstarjax.models.lora import adapter_names, init_adapters, lora_delta, merged_weight
-from rstarjax.models.paged_attention import (paged_attention_reference, paged_decode_attention,
-                                             ragged_decode_attention, write_kv_pages)
+from rstarjax.models.paged_attention import (paged_attention_reference, paged_decode_append,
+                                             paged_decode_attention, ragged_decode_attention,
+                                             write_kv_pages)
 from rstarjax.models.sharding import constrain
 
 # Names of the stacked per-layer parameters, in the order HF lists them.
@@ -432,6 +433,11 @@ def paged_forward(cfg: ModelConfig, w: ServingWeights, tokens: jax.Array, cache:
     x = jnp.take(w.embed, tokens, axis=0).astype(cfg.dtype)
     for i, p in enumerate(w.layers):
         def attention(q, k, v, i=i):
+            if t == 1 and decode_attention == "pallas_gpu_packed_append":  # one kernel: write + attend
+                out, keys[i], values[i] = paged_decode_append(
+                    q[:, 0], k[:, 0], v[:, 0], keys[i], values[i], cache.page_table,
+                    positions[:, 0], valid[:, 0], interpret=interpret, kv_sharding=kv_sharding)
+                return out[:, None], None
             keys[i], values[i] = write_kv_pages(keys[i], values[i], k, v, cache.page_table,
                                                 positions, valid)
             if t == 1 and decode_attention == "ragged":
