@@ -62,8 +62,9 @@ ap.add_argument("--packed-blockings", default="4,8,1024,4,3;4,8,1024,4,3,1;2,8,1
                 help="';'-separated PAGES_PER_BLOCK,MAX_K_SPLITS,TARGET_PROGRAMS,NUM_WARPS,NUM_STAGES[,TENSOR_CORES] "
                      "(models/decode_kernel.py PackedBlocking), run in this order")
 ap.add_argument("--engine", action="store_true", help="the engine's decode step (see module doc)")
-ap.add_argument("--engine-arms", default="pallas_gpu_packed:fused,pallas_gpu_packed:exact,"
-                "pallas_gpu:exact", help="ATTENTION:SAMPLER, comma-separated")
+ap.add_argument("--engine-arms", default="pallas_gpu:exact,pallas_gpu_packed:exact,pallas_gpu_packed:fused,"
+                "pallas_gpu_packed_append:fused,pallas_gpu_packed_rope:fused",
+                help="ATTENTION:SAMPLER, comma-separated")
 ap.add_argument("--preset", default="qwen3-1.7b", help="--engine: the model shape")
 ap.add_argument("--packed-blocking", default="", help="--engine: the blocking of the engine's "
                 "pallas_gpu_packed arms (one --packed-blockings spec; default: the engine's)")

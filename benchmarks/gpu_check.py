@@ -744,10 +744,11 @@ DECODE_TIMEOUTS = {"gpu": {"kernels2": 150, "decode": 330}, "tiny": {"kernels2":
 # time has measured the likeliest winners; jax's Triton kernel with the engine's blocking runs first.
 PACKED_BLOCKINGS = "4,8,1024,4,3;4,8,1024,4,3,1;2,8,1024,4,4;8,8,1024,8,3;4,8,1048576,4,3"
 # The engine's decode, attention path x sampler, alternating; the target batches first.
-# The last arm (predicted fastest: our kernel writing the step's K/V, the one-pass sampler) is
-# traced at 256 and 64 rows, its HLO kept, for the fusions still to write.
+# Each arm one change on the one before (jax's kernel; ours; the one-pass sampler; ours writing
+# the step's K/V; and norming and rotating q/k too), so their differences are each change's.
+# The last (predicted fastest) is traced at 256 and 64 rows, its HLO kept, for the next fusions.
 DECODE_ARMS = ("pallas_gpu:exact,pallas_gpu_packed:exact,pallas_gpu_packed:fused,"
-               "pallas_gpu_packed_append:fused")
+               "pallas_gpu_packed_append:fused,pallas_gpu_packed_rope:fused")
 
 
 def part_kernels2(shape: Shape, args, log, env) -> dict:
@@ -780,7 +781,7 @@ def part_decode(shape: Shape, args, log, env, trace_dir: str) -> dict:
             "--trace-dir", os.path.join(trace_dir, "decode")]
     if shape.model == "tiny":  # the kernels in their interpreter; one arm per path is enough
         argv += ["--tiny", "--interpret", "--batches", "4", "--trace-batches", "4",
-                 "--engine-arms", "ragged:exact,pallas_gpu_packed_append:fused"]
+                 "--engine-arms", "ragged:exact,pallas_gpu_packed_rope:fused"]
     else:
         argv += ["--batches", "256,64,32", "--rounds", "3"]
     code, out = run_part("decode", argv, timeout, log, env)

@@ -69,8 +69,9 @@ def _lower(decode_call, platform, attention):
 
 
 @pytest.mark.parametrize("platform, attention", [
-    ("cuda", "pallas_gpu"), ("cuda", "pallas_gpu_packed"), ("cuda", "ragged"),
-    ("rocm", "auto"), ("rocm", "pallas_gpu_packed"),
+    ("cuda", "pallas_gpu"), ("cuda", "pallas_gpu_packed"), ("cuda", "pallas_gpu_packed_append"),
+    ("cuda", "pallas_gpu_packed_rope"), ("cuda", "ragged"), ("rocm", "auto"),
+    ("rocm", "pallas_gpu_packed"), ("rocm", "pallas_gpu_packed_append"), ("rocm", "pallas_gpu_packed_rope"),
     ("tpu", "auto"), ("tpu", "ragged"),
 ])
 def test_decode_program_lowers_for_the_platform(decode_call, platform, attention):
@@ -78,6 +79,8 @@ def test_decode_program_lowers_for_the_platform(decode_call, platform, attention
         attention = default_decode_implementation(platform, head_dim=128, page_size=16)
     text = _lower(decode_call, platform, attention)
     kernel = {"pallas_gpu": "__gpu$xla.gpu.triton", "pallas_gpu_packed": "__gpu$xla.gpu.triton",
+              "pallas_gpu_packed_append": "__gpu$xla.gpu.triton",
+              "pallas_gpu_packed_rope": "__gpu$xla.gpu.triton",
               "pallas_tpu": "tpu_custom_call"}.get(attention)
     if kernel:  # the kernel itself is in the program, not a fallback
         assert kernel in text, (platform, attention)
@@ -105,15 +108,30 @@ def _gpu_check_blockings() -> list[tuple[int, ...]]:
 def test_packed_kernel_variants_lower_for_cuda_at_qwen3_shapes(blocking):
     """Every blocking benchmarks/gpu_check.py's kernels2 part runs (and the engine's default,
     the first), at Qwen3-1.7B (16 q / 8 kv heads) and 8B (32 / 8) decode shapes, 256 and 32
-    rows (one split and several), a 4,608-token table of 16-token pages."""
-    from rstarjax.models.decode_kernel import PACKED_BLOCKING, PackedBlocking, decode_attention_packed
+    rows (one split and several), a 4,608-token table of 16-token pages; each also as the kernel
+    that writes the step's K/V (``decode_attention_append``, its pools aliased to its outputs),
+    and as that kernel norming and rotating q and k itself (``pallas_gpu_packed_rope``)."""
+    from rstarjax.models.decode_kernel import (PACKED_BLOCKING, PackedBlocking,
+                                               decode_attention_append, decode_attention_packed)
 
     assert PackedBlocking(*_gpu_check_blockings()[0]) == PACKED_BLOCKING
+    blocking = PackedBlocking(*blocking)
+    sd = jax.ShapeDtypeStruct
+    pool = sd((8, 4096, 16, 128), jnp.bfloat16)
+
     for q_heads, rows in ((16, 256), (32, 256), (16, 32)):
-        args = (jax.ShapeDtypeStruct((rows, q_heads, 128), jnp.bfloat16),
-                jax.ShapeDtypeStruct((8, 4096, 16, 128), jnp.bfloat16),
-                jax.ShapeDtypeStruct((8, 4096, 16, 128), jnp.bfloat16),
-                jax.ShapeDtypeStruct((rows, 288), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32))
-        fn = jax.jit(lambda *a: decode_attention_packed(*a, blocking=PackedBlocking(*blocking)))
-        text = export.export(fn, platforms=["cuda"], disabled_checks=[TRITON])(*args).mlir_module()
-        assert "__gpu$xla.gpu.triton" in text
+        q, new = sd((rows, q_heads, 128), jnp.bfloat16), sd((rows, 8, 128), jnp.bfloat16)
+        table, lengths = sd((rows, 288), jnp.int32), sd((rows,), jnp.int32)
+        angles, norms = (sd((rows, 64), jnp.float32),) * 2, (sd((128,), jnp.bfloat16),) * 2
+        calls = [
+            (lambda q, k, v, t, n: decode_attention_packed(q, k, v, t, n, blocking=blocking),
+             (q, pool, pool, table, lengths)),
+            (lambda *a: decode_attention_append(*a, blocking=blocking),
+             (q, new, new, lengths, pool, pool, table, lengths)),
+            (lambda *a: decode_attention_append(*a[:8], rope=a[8], qk_norm=a[9], blocking=blocking),
+             (q, new, new, lengths, pool, pool, table, lengths, angles, norms)),
+        ]
+        for fn, args in calls:
+            text = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[TRITON])(
+                *args).mlir_module()
+            assert "__gpu$xla.gpu.triton" in text

@@ -172,8 +172,9 @@ def test_traces_are_packed_in_volumes_under_the_return_limit(tmp_path):
 @pytest.mark.slow  # the Pallas interpreter, and two engine decode programs: ~3 min
 def test_decode_kernel_parts_run_at_the_tiny_shape(tmp_path):
     """Issue 46's parts: our kernel alone beside jax's (each against the float32 reference), and
-    the engine's decode with our kernel (writing the step's K/V) and the fused sampler beside
-    the portable path, its one call traced with its HLO (what the next fusion is read from)."""
+    the engine's decode with our kernel (writing the step's K/V, norming and rotating q/k) and
+    the fused sampler beside the portable path, its one call traced with its HLO (what the next
+    fusion is read from)."""
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"),
                            "--shape", "tiny", "--parts", "env,kernels2,decode", "--out", str(out)],
@@ -184,10 +185,10 @@ def test_decode_kernel_parts_run_at_the_tiny_shape(tmp_path):
     assert [r["arm"] for r in rows] == ["triton", "packed", "packed"], rows
     assert all("us" in r and r["max_diff_vs_reference"] < 0.05 for r in rows), rows
     decode = {(r["attention"], r["sampler"]): r for r in parts["decode"]["result"]["rows"]}
-    assert set(decode) == {("pallas_gpu_packed_append", "fused"), ("ragged", "exact")}
+    assert set(decode) == {("pallas_gpu_packed_rope", "fused"), ("ragged", "exact")}
     assert all(r["calls"] == 2 and r["decode_tok_s"] > 0 for r in decode.values())
-    traced = decode[("pallas_gpu_packed_append", "fused")]
+    traced = decode[("pallas_gpu_packed_rope", "fused")]
     assert traced.get("trace_bytes", 0) > 0 and "trace" not in decode[("ragged", "exact")], traced
     names = json.loads((out / "gpu_check.json").read_text())["traces"]
-    assert "decode/decode_b4_pallas_gpu_packed_append_fused.json.gz" in names, names
-    assert "kernel2 b4 ctx40 packed" in proc.stdout and "decode b4 pallas_gpu_packed_append fused" in proc.stdout
+    assert "decode/decode_b4_pallas_gpu_packed_rope_fused.json.gz" in names, names
+    assert "kernel2 b4 ctx40 packed" in proc.stdout and "decode b4 pallas_gpu_packed_rope fused" in proc.stdout

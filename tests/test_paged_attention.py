@@ -230,9 +230,9 @@ def test_kernels_split_over_kv_heads_equal_reference(implementation, tensor):
 
 
 def test_append_kernel_split_over_kv_heads_equals_unsplit():
-    """On a tensor-parallel slice the writing kernel runs on each device's kv heads (their
-    query heads and new K/V beside them): the outputs and the pools it writes equal the
-    unsplit call's, and stay split."""
+    """On a tensor-parallel slice the writing kernels run on each device's kv heads (their
+    query heads and new K/V beside them; the angles and norm weights whole): the outputs and
+    the pools they write equal the unsplit call's, and stay split."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from rstarjax.models.paged_attention import paged_decode_append
@@ -243,21 +243,26 @@ def test_append_kernel_split_over_kv_heads_equals_unsplit():
                     for _ in range(2))
     args = (jnp.asarray(q), k_new, v_new)
     rest = (jnp.asarray(table), jnp.asarray(lengths) - 1, jnp.ones(len(lengths), bool))
-    ref = paged_decode_append(*args, jnp.asarray(k), jnp.asarray(v), *rest, interpret=True)
+    sin, cos = jnp.sin(k_new[:, 0, :64]), jnp.cos(k_new[:, 0, 64:])  # any angles will do
+    prepare = dict(rope=(sin, cos), qk_norm=(1 + v_new[0, 0], 1 - v_new[1, 0]), eps=1e-6)
     pool = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("tensor",)), PartitionSpec("tensor"))
-    got = jax.jit(lambda *a: paged_decode_append(*a, interpret=True, kv_sharding=pool))(
-        *args, jax.device_put(k, pool), jax.device_put(v, pool), *rest)
-    assert got[0].sharding.spec == PartitionSpec(None, "tensor")
-    assert got[1].sharding.spec == PartitionSpec("tensor")
-    for a, b in zip(got, ref):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    for extra in ({}, prepare):  # the writing kernel, and the one that norms and rotates too
+        ref = paged_decode_append(*args, jnp.asarray(k), jnp.asarray(v), *rest, interpret=True,
+                                  **extra)
+        got = jax.jit(lambda *a: paged_decode_append(*a, interpret=True, kv_sharding=pool, **extra))(
+            *args, jax.device_put(k, pool), jax.device_put(v, pool), *rest)
+        assert got[0].sharding.spec == PartitionSpec(None, "tensor")
+        assert got[1].sharding.spec == PartitionSpec("tensor")
+        for a, b in zip(got, ref):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
 @pytest.mark.slow  # the Pallas interpreter over two layers: ~30 s a kernel
-@pytest.mark.parametrize("kernel", ["pallas_gpu", "pallas_gpu_packed", "pallas_gpu_packed_append"])
+@pytest.mark.parametrize("kernel", ["pallas_gpu", "pallas_gpu_packed", "pallas_gpu_packed_append",
+                                    "pallas_gpu_packed_rope"])
 def test_decode_through_a_gpu_kernel_equals_reference_decode(tiny, kernel):
     """The engine's whole paged forward with a GPU kernel (interpreted: jax's, or ours, or ours
-    writing the K/V itself) as its decode attention, through ``paged_forward``'s switch (NO_PAGE
+    writing the K/V itself, or that also norming and rotating q and k) as its decode attention, through ``paged_forward``'s switch (NO_PAGE
     entries, lengths as the engine passes them): the logits and the pools it returns."""
     cfg = serving_config(TINY32)
     w = serving_weights(tiny, jnp.float32)
@@ -344,17 +349,23 @@ def test_packed_decode_kernel_interpreted_equals_reference(n, blocking):
     np.testing.assert_allclose(np.asarray(got), ref, atol=2e-6)
 
 
-@pytest.mark.parametrize("n, blocking", [(4, (4, 8, 1 << 20)), (4, (2, 8, 1)), (8, (1, 3, 1 << 20)),
-                                         (4, (4, 8, 1 << 20, 4, 3, 1))],
-                         ids=["g2_4pages_splits", "g2_2pages_one_split", "g4_1page_3splits",
-                              "g2_tensor_cores_splits"])
-def test_append_kernel_interpreted_equals_write_then_reference(n, blocking):
+@pytest.mark.parametrize("n, blocking, prepare", [
+    (4, (4, 8, 1 << 20), ""), (4, (2, 8, 1), ""), (8, (1, 3, 1 << 20), ""),
+    (4, (4, 8, 1 << 20, 4, 3, 1), ""), (4, (4, 8, 1 << 20), "norm"), (8, (2, 8, 1), "norm"),
+    (4, (4, 8, 1 << 20, 4, 3, 1), "norm"), (4, (2, 8, 1 << 20), "rope")],
+    ids=["g2_4pages_splits", "g2_2pages_one_split", "g4_1page_3splits", "g2_tensor_cores_splits",
+         "rope_norm_g2_splits", "rope_norm_g4_one_split", "rope_norm_tensor_cores", "rope_only"])
+def test_append_kernel_interpreted_equals_write_then_reference(n, blocking, prepare):
     """The kernel that writes the step's K/V itself (``pallas_gpu_packed_append``): its output
     is the reference attention after ``write_kv_pages`` of the same token, and its pools are
     that write's, bit for bit: rows whose token is a page's first (lengths 1 and page + 1), its
-    last (a full page), mid-page; a dropped write (an idle row) leaves the pool as it was."""
+    last (a full page), mid-page; a dropped write (an idle row) leaves the pool as it was.
+    ``prepare`` (``pallas_gpu_packed_rope``): q and k arrive unnormed and unrotated and the
+    kernel applies the model's ``rms_norm`` (or not) and ``apply_rope`` itself."""
+    from rstarjax.models import decode_kernel
     from rstarjax.models.decode_kernel import PackedBlocking
     from rstarjax.models.paged_attention import paged_decode_append
+    from rstarjax.models.qwen3 import apply_rope, rms_norm, rope_angles
 
     q, k, v, table, lengths, _ = _packed_case(7, n)
     rng = np.random.default_rng(8)
@@ -362,25 +373,65 @@ def test_append_kernel_interpreted_equals_write_then_reference(n, blocking):
     k_new, v_new = (_bf16_exact(rng.normal(size=(b, kh, h))) for _ in range(2))
     positions = lengths - 1
     valid = np.array([True, True, True, False, True])  # row 3: idle, its write dropped
-    k_ref, v_ref = write_kv_pages(jnp.asarray(k), jnp.asarray(v), jnp.asarray(k_new)[:, None],
+    q_in, k_in, extra = jnp.asarray(q), jnp.asarray(k_new), {}
+    if prepare:  # the model's own functions make the reference's q and k
+        sin, cos = rope_angles(jnp.asarray(positions)[:, None], h, 10_000.0)
+        norms = tuple(jnp.asarray(1 + 0.5 * rng.normal(size=h), jnp.float32) for _ in range(2))
+        extra = dict(rope=(sin[:, 0], cos[:, 0]), qk_norm=norms if prepare == "norm" else None,
+                     eps=1e-6)
+        if prepare == "norm":
+            q_in, k_in = rms_norm(q_in, norms[0], 1e-6), rms_norm(k_in, norms[1], 1e-6)
+        q_in, k_in = (apply_rope(x[:, None], sin, cos)[:, 0] for x in (q_in, k_in))
+    k_ref, v_ref = write_kv_pages(jnp.asarray(k), jnp.asarray(v), k_in[:, None],
                                   jnp.asarray(v_new)[:, None], jnp.asarray(table),
                                   jnp.asarray(positions)[:, None], jnp.asarray(valid)[:, None])
-    ref = paged_attention_reference(jnp.asarray(q)[:, None], k_ref, v_ref, jnp.asarray(table),
+    ref = paged_attention_reference(q_in[:, None], k_ref, v_ref, jnp.asarray(table),
                                     jnp.asarray(positions)[:, None])[:, 0]
-    from rstarjax.models import decode_kernel
-
     real = decode_kernel.PACKED_BLOCKING
     decode_kernel.PACKED_BLOCKING = PackedBlocking(*blocking)
     try:
         out, k_got, v_got = paged_decode_append(
             jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(k), jnp.asarray(v),
-            jnp.asarray(table), jnp.asarray(positions), jnp.asarray(valid), interpret=True)
+            jnp.asarray(table), jnp.asarray(positions), jnp.asarray(valid), interpret=True, **extra)
     finally:
         decode_kernel.PACKED_BLOCKING = real
-    np.testing.assert_array_equal(np.asarray(k_got), np.asarray(k_ref))
+    # float32: the norm's mean summed in another order, so the written keys within 1e-6
+    np.testing.assert_allclose(np.asarray(k_got), np.asarray(k_ref), atol=1e-6 if prepare else 0)
     np.testing.assert_array_equal(np.asarray(v_got), np.asarray(v_ref))
     assert not np.array_equal(np.asarray(k_got), k)  # the valid rows' writes happened
+    page, offset = table[3, positions[3] // k.shape[2]], positions[3] % k.shape[2]
+    np.testing.assert_array_equal(np.asarray(k_got)[:, page, offset], k[:, page, offset])  # row 3's: not
     np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=2e-6)
+
+
+def test_rope_kernel_in_bfloat16_writes_the_model_s_keys():
+    """In bfloat16 (the engine's dtype on a GPU) the kernel rounds where ``rms_norm`` and
+    ``apply_rope`` round: the keys it writes are the model's, bit for bit, and its output is the
+    reference's within the output's rounding."""
+    from rstarjax.models.paged_attention import paged_decode_append
+    from rstarjax.models.qwen3 import apply_rope, rms_norm, rope_angles
+
+    q, k, v, table, lengths, _ = _packed_case(3, 4)
+    rng = np.random.default_rng(4)
+    bf = jnp.bfloat16
+    b, kh, h = len(lengths), k.shape[0], k.shape[-1]
+    q, k, v = (jnp.asarray(x, bf) for x in (q, k, v))
+    k_new, v_new = (jnp.asarray(rng.normal(size=(b, kh, h)), bf) for _ in range(2))
+    norms = tuple(jnp.asarray(1 + 0.5 * rng.normal(size=h), bf) for _ in range(2))
+    positions = jnp.asarray(lengths - 1)
+    sin, cos = rope_angles(positions[:, None], h, 1e6)
+    q_in, k_in = (apply_rope(rms_norm(x[:, None], w, 1e-6), sin, cos)[:, 0]
+                  for x, w in zip((q, k_new), norms))
+    valid = jnp.ones(b, bool)
+    k_ref, v_ref = write_kv_pages(k, v, k_in[:, None], v_new[:, None], jnp.asarray(table),
+                                  positions[:, None], valid[:, None])
+    ref = paged_attention_reference(q_in[:, None], k_ref, v_ref, jnp.asarray(table),
+                                    positions[:, None])[:, 0]
+    out, k_got, _ = paged_decode_append(q, k_new, v_new, k, v, jnp.asarray(table), positions, valid,
+                                        interpret=True, rope=(sin[:, 0], cos[:, 0]),
+                                        qk_norm=norms, eps=1e-6)
+    np.testing.assert_array_equal(np.asarray(k_got, np.float32), np.asarray(k_ref, np.float32))
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=1.6e-2)
 
 
 def test_packed_blocking_splits_follow_the_batch():

@@ -70,22 +70,36 @@ TILE_ROWS = 16  # the tensor cores' smallest tile: G query heads are padded to i
 
 
 def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, page_size: int,
-            per_block: int, k_splits: int, scale: float, tensor_cores: bool, append: bool):
+            per_block: int, k_splits: int, scale: float, tensor_cores: bool, append: bool,
+            rope: bool, norm: bool, eps: float):
     """Program (row b, kv head h, split s): online softmax over the split's share of the row's
     live pages, ``per_block`` pages an iteration. Refs: lengths [1], table [W], q [G, H],
-    k/v [pages, S, H]; with ``append`` also slot [1], k_new/v_new [1, H] (inputs) and the two
-    pools again as outputs (aliased to k/v); out: o [G, H] (one split: normalised, q's dtype)
-    or o [G, H], m [G], l [G] in float32 (several: combined by ``_combine``).
+    k/v [pages, S, H]; with ``append`` also slot [1], k_new/v_new [1, H]; with ``rope`` sin/cos
+    [1, H/2]; with ``norm`` the q/k RMSNorm weights [1, H] (inputs); then o [G, H] (one split:
+    normalised, q's dtype) or o [G, H], m [G], l [G] in float32 (several: combined by
+    ``_combine``), and with ``append`` the two pools again (aliased to k/v).
 
     ``append``: the row's last token (position ``length - 1``) is not read from the pool but
     taken from k_new/v_new, which split 0 starts its softmax with and writes into the pool at
     ``slot`` (page * S + offset; -1: no write). The other splits stop one token earlier, so no
-    program reads the position being written."""
+    program reads the position being written.
+
+    ``rope`` (with ``append``): q and k_new arrive as the QKV projection leaves them; the kernel
+    applies the q/k RMSNorm (``norm``) and the rotary embedding itself, rounding where the
+    model's ``rms_norm`` and ``apply_rope`` round (to q's dtype after each). Rotate-half works on
+    the two halves of the head dimension, so q stays two halves and the keys are read as two:
+    ``q . k = q1 . k1 + q2 . k2`` (Triton has no concatenate to rebuild the rotated q)."""
+    refs = list(refs)
     if append:
-        slot_ref, k_new_ref, v_new_ref, *out_refs = refs
-        *out_refs, k_out_ref, v_out_ref = out_refs
-    else:
-        out_refs = refs
+        slot_ref, k_new_ref, v_new_ref = refs[:3]
+        refs = refs[3:]
+    if rope:
+        sin_ref, cos_ref = refs[:2]
+        refs = refs[2:]
+    if norm:
+        q_norm_ref, k_norm_ref = refs[:2]
+        refs = refs[2:]
+    out_refs = refs[:-2] if append else refs
     split = pl.program_id(2)
     length = lengths_ref[0]
     cached = length - 1 if append else length  # tokens read from the pool
@@ -93,20 +107,52 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, page_size: int,
     share = pl.cdiv(live_blocks, k_splits)  # blocks per split
     first = split * share
     last = jnp.minimum(first + share, live_blocks)
-    q = q_ref[...].astype(jnp.float32) * scale  # [G, H]
-    g, h = q.shape
+    g, h = q_ref.shape
+    half = h // 2
     tokens = per_block * page_size
+    pool_dtype = refs[-1].dtype if append else k_ref.dtype
+
+    def prepared(x_ref, norm_ref):
+        """(x1, x2) float32 halves of x after the RMSNorm and the rotary embedding."""
+        dtype = x_ref.dtype
+        x1 = x_ref[:, pl.ds(0, half)].astype(jnp.float32)
+        x2 = x_ref[:, pl.ds(half, half)].astype(jnp.float32)
+        if norm:
+            inv = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / h + eps)
+            w1 = norm_ref[:, pl.ds(0, half)].astype(jnp.float32)
+            w2 = norm_ref[:, pl.ds(half, half)].astype(jnp.float32)
+            x1 = (w1 * (x1 * inv[:, None])).astype(dtype).astype(jnp.float32)
+            x2 = (w2 * (x2 * inv[:, None])).astype(dtype).astype(jnp.float32)
+        sin, cos = sin_ref[...], cos_ref[...]
+        return ((x1 * cos - x2 * sin).astype(dtype).astype(jnp.float32),
+                (x2 * cos + x1 * sin).astype(dtype).astype(jnp.float32))
+
+    def scores(qs, ks, dots=tensor_cores):
+        """[G, T] float32 logits of the query parts qs against the key parts ks [T, ...]."""
+        total = 0.0
+        for qp, kp in zip(qs, ks):
+            if dots:  # q rounded to the pool's dtype, float32 accumulation
+                total = total + jnp.dot(qp.astype(kp.dtype), kp.T, preferred_element_type=jnp.float32)
+            else:
+                total = total + jnp.sum(qp[:, None, :] * kp.astype(jnp.float32)[None, :, :], axis=2)
+        return total
+
+    if rope:
+        qs = tuple(x * scale for x in prepared(q_ref, q_norm_ref if norm else None))
+    else:
+        qs = (q_ref[...].astype(jnp.float32) * scale,)  # [G, H]
 
     def body(i, carry):
         o, m, l = carry  # [G, H], [G], [G] (float32)
         start = i * per_block
         ids = table_ref[pl.ds(start, per_block)]
-        k = k_ref[ids].reshape(tokens, h)
-        v = v_ref[ids].reshape(tokens, h)
-        if tensor_cores:  # [G, T]: q rounded to the pool's dtype, float32 accumulation
-            logits = jnp.dot(q.astype(k.dtype), k.T, preferred_element_type=jnp.float32)
+        if rope:
+            ks = (k_ref[ids, :, pl.ds(0, half)].reshape(tokens, half),
+                  k_ref[ids, :, pl.ds(half, half)].reshape(tokens, half))
         else:
-            logits = jnp.sum(q[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=2)
+            ks = (k_ref[ids].reshape(tokens, h),)
+        v = v_ref[ids].reshape(tokens, h)
+        logits = scores(qs, ks)
         pos = start * page_size + jnp.arange(tokens)
         logits = jnp.where((pos < cached)[None, :], logits, LOW)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
@@ -123,16 +169,17 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, page_size: int,
     o0, m0, l0 = (jnp.zeros((g, h), jnp.float32), jnp.full((g,), LOW, jnp.float32),
                   jnp.zeros((g,), jnp.float32))
     if append:  # split 0 starts from the new token: its logit is the running max, p = 1
-        k_new = k_new_ref[...].astype(jnp.float32)  # [1, H], already in the pool's dtype
-        v_new = v_new_ref[...].astype(jnp.float32)
-        if tensor_cores:  # the logits' rounding of q, as in the loop
-            q_new = q.astype(k_new_ref.dtype).astype(jnp.float32)
+        if rope:  # k_new's parts as the pool will hold them
+            k_parts = tuple(x.astype(pool_dtype) for x in prepared(k_new_ref, k_norm_ref if norm else None))
         else:
-            q_new = q
+            k_parts = (k_new_ref[...].astype(pool_dtype),)
+        v_new = v_new_ref[...].astype(pool_dtype)
         mine = split == 0
-        m0 = jnp.where(mine, jnp.sum(q_new * k_new, axis=1), m0)
+        # one key: products, not a dot (a tensor-core dot needs 16 columns), q rounded as in one
+        q_new = tuple(x.astype(pool_dtype).astype(jnp.float32) for x in qs) if tensor_cores else qs
+        m0 = jnp.where(mine, scores(q_new, k_parts, dots=False)[:, 0], m0)
         l0 = jnp.where(mine, jnp.ones_like(l0), l0)
-        o0 = jnp.where(mine, jnp.broadcast_to(v_new, (g, h)), o0)
+        o0 = jnp.where(mine, jnp.broadcast_to(v_new.astype(jnp.float32), (g, h)), o0)
     o, m, l = jax.lax.fori_loop(first, last, body, (o0, m0, l0))
     if k_splits == 1:
         (o_ref,) = out_refs
@@ -143,13 +190,18 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, page_size: int,
         m_ref[...] = m
         l_ref[...] = l
     if append:
+        k_out_ref, v_out_ref = refs[-2:]
         slot = slot_ref[0]
 
         @pl.when((split == 0) & (slot >= 0))
         def _write():
-            page, offset = slot // page_size, slot % page_size
-            k_out_ref[page, pl.ds(offset, 1), :] = k_new_ref[...]
-            v_out_ref[page, pl.ds(offset, 1), :] = v_new_ref[...]
+            page, at = slot // page_size, pl.ds(slot % page_size, 1)
+            if rope:
+                k_out_ref[page, at, pl.ds(0, half)] = k_parts[0]
+                k_out_ref[page, at, pl.ds(half, half)] = k_parts[1]
+            else:
+                k_out_ref[page, at, :] = k_parts[0]
+            v_out_ref[page, at, :] = v_new
 
 
 def _combine(o, m, l, dtype):
@@ -173,11 +225,13 @@ def decode_attention_packed(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                         scale=scale, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("blocking", "scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("blocking", "scale", "interpret", "eps"))
 def decode_attention_append(q: jax.Array, k_new: jax.Array, v_new: jax.Array, slots: jax.Array,
                             k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                             lengths: jax.Array, *, blocking: PackedBlocking = PackedBlocking(),
-                            scale: float | None = None, interpret: bool = False
+                            scale: float | None = None, interpret: bool = False,
+                            rope: tuple[jax.Array, jax.Array] | None = None,
+                            qk_norm: tuple[jax.Array, jax.Array] | None = None, eps: float = 1e-6
                             ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The decode step's K/V write and attention in one kernel: each row's new token k_new /
     v_new [B, K, H] is written into the pools at ``slots[b]`` (page id * page size + offset;
@@ -187,12 +241,21 @@ def decode_attention_append(q: jax.Array, k_new: jax.Array, v_new: jax.Array, sl
     carries them, as the engine's decode loop does, no copy). The same result as
     ``paged_attention.write_kv_pages`` followed by ``decode_attention_packed``, without the two
     scatter kernels a layer; a row whose write is dropped (-1) still attends to its k_new /
-    v_new (the engine ignores those rows' outputs)."""
+    v_new (the engine ignores those rows' outputs).
+
+    ``rope`` (sin, cos [B, H/2], ``qwen3.rope_angles`` of the rows' positions): q and k_new are
+    the QKV projection's output; the kernel applies ``qk_norm`` (the q and k RMSNorm weights [H],
+    epsilon ``eps``; None: no norm) and the rotary embedding to both, as ``qwen3.decoder_layer``
+    does before attention, so those kernels go too."""
+    if qk_norm is not None and rope is None:
+        raise ValueError("qk_norm is applied with the rotary embedding: give rope too")
     return _packed_call(q, k_pages, v_pages, page_table, lengths, (slots, k_new, v_new),
-                        blocking=blocking, scale=scale, interpret=interpret)
+                        blocking=blocking, scale=scale, interpret=interpret, rope=rope,
+                        qk_norm=qk_norm, eps=eps)
 
 
-def _packed_call(q, k_pages, v_pages, page_table, lengths, new_kv, *, blocking, scale, interpret):
+def _packed_call(q, k_pages, v_pages, page_table, lengths, new_kv, *, blocking, scale, interpret,
+                 rope=None, qk_norm=None, eps=1e-6):
     from jax.experimental.pallas import triton as plgpu
 
     b, n, h = q.shape
@@ -203,7 +266,8 @@ def _packed_call(q, k_pages, v_pages, page_table, lengths, new_kv, *, blocking, 
     append = new_kv is not None
     kernel = functools.partial(_kernel, page_size=page_size, per_block=per_block,
                                k_splits=k_splits, scale=h ** -0.5 if scale is None else scale,
-                               tensor_cores=bool(blocking.tensor_cores), append=append)
+                               tensor_cores=bool(blocking.tensor_cores), append=append,
+                               rope=rope is not None, norm=qk_norm is not None, eps=eps)
     rows = g  # query rows per program: G, or the 16-row tile for the tensor cores
     q4 = q.reshape(b, kh, g, h)
     if blocking.tensor_cores and g < TILE_ROWS:
@@ -232,9 +296,16 @@ def _packed_call(q, k_pages, v_pages, page_table, lengths, new_kv, *, blocking, 
         slots, k_new, v_new = new_kv
         token = pl.BlockSpec((None, None, 1, h), lambda r, j, s: (r, j, 0, 0))  # [B, K, 1, H]
         in_specs += [pl.BlockSpec((None, 1), lambda r, j, s: (r, 0)), token, token]
-        args += [slots.astype(jnp.int32).reshape(b, 1),
-                 k_new.astype(k_pages.dtype).reshape(b, kh, 1, h),
-                 v_new.astype(v_pages.dtype).reshape(b, kh, 1, h)]
+        args += [slots.astype(jnp.int32).reshape(b, 1), k_new.reshape(b, kh, 1, h),
+                 v_new.reshape(b, kh, 1, h)]  # cast to the pool's dtype inside
+        if rope is not None:
+            angle = pl.BlockSpec((None, 1, h // 2), lambda r, j, s: (r, 0, 0))  # [B, 1, H/2]
+            in_specs += [angle, angle]
+            args += [x.astype(jnp.float32).reshape(b, 1, h // 2) for x in rope]
+        if qk_norm is not None:
+            weight = pl.BlockSpec((1, h), lambda r, j, s: (0, 0))  # [1, H]
+            in_specs += [weight, weight]
+            args += [x.reshape(1, h) for x in qk_norm]
         out_specs += [pool, pool]
         out_shape += [jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                       jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)]

@@ -22,7 +22,9 @@
   in one block without padding, split-K over the live pages; chosen by name until a GPU
   measures it against ``pallas_gpu`` (docs/serving.md, "Our decode kernel").
 - ``paged_decode_append``: the same kernel writing the step's K/V itself
-  (``pallas_gpu_packed_append``: no scatter kernels between the projections and attention).
+  (``pallas_gpu_packed_append``: no scatter kernels between the projections and attention),
+  and also applying the q/k RMSNorm and the rotary embedding (``pallas_gpu_packed_rope``: the
+  QKV projection's output goes straight into the kernel).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 from rstarjax.models.kv_cache import NO_PAGE
 
 DECODE_IMPLEMENTATIONS = ("reference", "ragged", "pallas_gpu", "pallas_gpu_packed",
-                          "pallas_gpu_packed_append", "pallas_tpu")
+                          "pallas_gpu_packed_append", "pallas_gpu_packed_rope", "pallas_tpu")
 QUERY_BLOCK = 256  # queries per block in the reference: bounds the [T, context] logits buffer
 RAGGED_CHUNK = 64  # pages per iteration of the ragged decode attention
 RAGGED_LIST_STEP = 16  # a list of at most RAGGED_CHUNK pages is padded to a multiple of this
@@ -273,13 +275,17 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 def paged_decode_append(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pages: jax.Array,
                         v_pages: jax.Array, page_table: jax.Array, positions: jax.Array,
                         valid: jax.Array, *, interpret: bool = False,
-                        kv_sharding: jax.sharding.NamedSharding | None = None
+                        kv_sharding: jax.sharding.NamedSharding | None = None,
+                        rope: tuple[jax.Array, jax.Array] | None = None,
+                        qk_norm: tuple[jax.Array, jax.Array] | None = None, eps: float = 1e-6
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decode step's write and attention in one kernel (``decode_kernel.decode_attention_append``):
     q [B, N, H], k_new/v_new [B, K, H] at ``positions`` [B] -> (out [B, N, H], k_pages,
     v_pages). What ``write_kv_pages`` then ``paged_decode_attention`` over ``positions + 1``
     tokens give, the same writes dropped (``valid`` false, no page); a row whose write is
-    dropped attends to its new K/V all the same (the caller ignores it)."""
+    dropped attends to its new K/V all the same (the caller ignores it). ``rope`` (sin, cos
+    [B, H/2]) and ``qk_norm`` (weights [H]): q and k_new are the projections' output, normed
+    and rotated in the kernel."""
     from rstarjax.models import decode_kernel
 
     num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
@@ -289,19 +295,19 @@ def paged_decode_append(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_page
     lengths = (positions + 1).astype(jnp.int32)
     table = jnp.maximum(page_table, 0).astype(jnp.int32)
 
-    def local(q, k_new, v_new, k_pages, v_pages, slots, table, lengths):
+    def local(q, k_new, v_new, k_pages, v_pages, slots, table, lengths, rope, qk_norm):
         return decode_kernel.decode_attention_append(
-            q, k_new, v_new, slots, k_pages, v_pages, table, lengths,
-            blocking=decode_kernel.PACKED_BLOCKING, interpret=interpret)
+            q, k_new, v_new, slots, k_pages, v_pages, table, lengths, rope=rope,
+            qk_norm=qk_norm, eps=eps, blocking=decode_kernel.PACKED_BLOCKING, interpret=interpret)
 
-    args = (q, k_new, v_new, k_pages, v_pages, slots, table, lengths)
+    args = (q, k_new, v_new, k_pages, v_pages, slots, table, lengths, rope, qk_norm)
     axis = split_kv_axis(kv_sharding) if kv_sharding is not None else None
     if axis is None:
         return local(*args)
     P = jax.sharding.PartitionSpec  # each device its kv heads and their query heads
     heads = P(None, axis)
     return jax.shard_map(local, mesh=kv_sharding.mesh,
-                         in_specs=(heads, heads, heads, P(axis), P(axis), P(), P(), P()),
+                         in_specs=(heads, heads, heads, P(axis), P(axis), P(), P(), P(), P(), P()),
                          out_specs=(heads, P(axis), P(axis)), check_vma=False)(*args)
 
 

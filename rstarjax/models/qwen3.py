@@ -104,9 +104,13 @@ def _remat(fn: Callable, policy: str) -> Callable:
 
 
 def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, sin: jax.Array, cos: jax.Array,
-                  attention: Callable[[jax.Array, jax.Array, jax.Array], tuple]):
+                  attention: Callable[[jax.Array, jax.Array, jax.Array], tuple],
+                  attention_prepares_qk: bool = False):
     """One pre-norm block. ``attention(q, k, v) -> (out[B,T,N,H], aux)`` abstracts training
-    (self-attention with a mask) vs decoding (write into the cache, attend over it)."""
+    (self-attention with a mask) vs decoding (write into the cache, attend over it).
+    ``attention_prepares_qk``: q and k reach ``attention`` as the projections leave them, and it
+    applies the q/k RMSNorm and the rotary embedding itself (a decode kernel that does all of
+    it in one pass, ``paged_attention.paged_decode_append``)."""
     dt = cfg.dtype
     b, t, _ = x.shape
     nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -127,10 +131,11 @@ def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, sin: jax.Array, cos: 
 
     h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
     q, k, v = proj(h, "q_proj", nq), proj(h, "k_proj", nkv), proj(h, "v_proj", nkv)
-    if cfg.qk_norm:
+    if cfg.qk_norm and not attention_prepares_qk:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+    if not attention_prepares_qk:
+        q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
     out, aux = attention(q, k, v)
     x = x + matmul(out.reshape(b, t, nq * hd), "o_proj")
     x = constrain(x, ("batch", "seq", "act_embed"))
@@ -431,12 +436,21 @@ def paged_forward(cfg: ModelConfig, w: ServingWeights, tokens: jax.Array, cache:
     sin, cos = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
     keys, values = list(cache.k), list(cache.v)
     x = jnp.take(w.embed, tokens, axis=0).astype(cfg.dtype)
+    # our decode kernels that write the step's K/V themselves (and with "_rope" also apply the
+    # q/k norm and the rotary embedding): one kernel between the QKV and output projections
+    in_kernel = t == 1 and decode_attention in ("pallas_gpu_packed_append", "pallas_gpu_packed_rope")
+    prepares_qk = t == 1 and decode_attention == "pallas_gpu_packed_rope"
     for i, p in enumerate(w.layers):
-        def attention(q, k, v, i=i):
-            if t == 1 and decode_attention == "pallas_gpu_packed_append":  # one kernel: write + attend
+        def attention(q, k, v, i=i, p=p):
+            if in_kernel:
+                extra = {}
+                if prepares_qk:
+                    extra = dict(rope=(sin[:, 0], cos[:, 0]), eps=cfg.rms_norm_eps,
+                                 qk_norm=(p["q_norm"], p["k_norm"]) if cfg.qk_norm else None)
                 out, keys[i], values[i] = paged_decode_append(
                     q[:, 0], k[:, 0], v[:, 0], keys[i], values[i], cache.page_table,
-                    positions[:, 0], valid[:, 0], interpret=interpret, kv_sharding=kv_sharding)
+                    positions[:, 0], valid[:, 0], interpret=interpret, kv_sharding=kv_sharding,
+                    **extra)
                 return out[:, None], None
             keys[i], values[i] = write_kv_pages(keys[i], values[i], k, v, cache.page_table,
                                                 positions, valid)
@@ -453,7 +467,7 @@ def paged_forward(cfg: ModelConfig, w: ServingWeights, tokens: jax.Array, cache:
                                                 positions)
             return out, None
 
-        x, _ = decoder_layer(cfg, p, x, sin, cos, attention)
+        x, _ = decoder_layer(cfg, p, x, sin, cos, attention, attention_prepares_qk=prepares_qk)
     last = jnp.take_along_axis(x, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)
     h = rms_norm(last, w.final_norm, cfg.rms_norm_eps).astype(cfg.dtype)
     if w.lm_head is None:

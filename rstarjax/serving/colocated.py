@@ -47,7 +47,8 @@ class ServingConfig:
     # The decode step's attention (docs/serving.md "Decode kernels"): "auto" picks the platform's
     # default (serving.engine); "pallas_gpu_packed" is our kernel (models/decode_kernel.py), not
     # the CUDA default until a GPU measures it ("pallas_gpu_packed_append": the same, writing the
-    # step's K/V itself); "ragged" the portable path, "reference" the oracle
+    # step's K/V itself; "pallas_gpu_packed_rope": also norming and rotating q/k); "ragged" the
+    # portable path, "reference" the oracle
     decode_attention: str = "auto"
     # "exact" draws with the float32 logits (the default); "fused" reads them in the compute dtype
     # in one pass, the same distribution but other tokens for a key (serving/sampling.py)
