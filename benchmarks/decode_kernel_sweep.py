@@ -64,7 +64,8 @@ ap.add_argument("--packed-blockings", default="4,8,1024,4,3;4,8,1024,4,3,1;2,8,1
 ap.add_argument("--engine", action="store_true", help="the engine's decode step (see module doc)")
 ap.add_argument("--engine-arms", default="pallas_gpu:exact,pallas_gpu_packed:exact,pallas_gpu_packed:fused,"
                 "pallas_gpu_packed_append:fused,pallas_gpu_packed_rope:fused",
-                help="ATTENTION:SAMPLER, comma-separated")
+                help="ATTENTION:SAMPLER[:GEMMS], comma-separated (GEMMS: cublas, the decode "
+                "program's GEMMs on cuBLAS instead of XLA's Triton ones)")
 ap.add_argument("--preset", default="qwen3-1.7b", help="--engine: the model shape")
 ap.add_argument("--packed-blocking", default="", help="--engine: the blocking of the engine's "
                 "pallas_gpu_packed arms (one --packed-blockings spec; default: the engine's)")
@@ -248,6 +249,26 @@ def main():
         print(json.dumps({"best": True, **row}), flush=True)
 
 
+# An arm's optional third field: XLA options of the engine's decode program alone
+# (Engine(decode_xla_options=...)), so they alternate with the other arms in one process.
+GEMM_OPTIONS = {"": {}, "cublas": {"xla_gpu_enable_triton_gemm": False}}
+
+
+def parse_arm(spec: str) -> tuple[str, str, str]:
+    """ATTENTION:SAMPLER[:GEMMS] -> (attention, sampler, gemms)."""
+    attention, sampler, *rest = spec.split(":")
+    gemms = rest[0] if rest else ""
+    if gemms not in GEMM_OPTIONS:
+        raise SystemExit(f"arm {spec!r}: GEMMS must be one of {sorted(GEMM_OPTIONS)}")
+    return attention, sampler, gemms
+
+
+def set_arm(engine, arm) -> None:
+    """The arm's static settings of the decode program (a new compile the first time)."""
+    engine.decode_attention, engine.sampler = arm[:2]
+    engine.decode_xla_options = GEMM_OPTIONS[arm[2]]
+
+
 def engine_main():
     """The engine's decode step per batch x arm (module doc): one JSON line per batch x arm."""
     import gc
@@ -267,7 +288,7 @@ def engine_main():
         decode_kernel.PACKED_BLOCKING = decode_kernel.PackedBlocking(
             *map(int, args.packed_blocking.split(",")))
     t_start = time.perf_counter()
-    arms = [tuple(a.split(":")) for a in args.engine_arms.split(",") if a]
+    arms = [parse_arm(a) for a in args.engine_arms.split(",") if a]
     peak = peak_gbps()
     for batch in map(int, args.batches.split(",")):
         if time.perf_counter() - t_start > args.budget_s:
@@ -293,7 +314,7 @@ def engine_main():
             for arm in arms:
                 if rnd and time.perf_counter() - t_start > args.budget_s:
                     break
-                engine.decode_attention, engine.sampler = arm  # static args of the decode program
+                set_arm(engine, arm)
                 length = float(np.mean([engine.slot_length(r) for r in range(batch)]))
                 t = time.perf_counter()
                 state, block = engine.decode(engine.params, state)
@@ -307,16 +328,16 @@ def engine_main():
         if args.trace_dir and batch in map(int, args.trace_batches.split(",")):
             from tracing import trace_one_call
 
-            for arm in ([tuple(a.split(":")) for a in args.trace_arms.split(",") if a] or arms[-1:]):
+            for arm in ([parse_arm(a) for a in args.trace_arms.split(",") if a] or arms[-1:]):
                 if arm not in times or time.perf_counter() - t_start > args.budget_s:
                     continue
-                engine.decode_attention, engine.sampler = arm
+                set_arm(engine, arm)
 
                 def one_call():
                     nonlocal state
                     state, _ = engine.decode(engine.params, state)
                     return state
-                name = f"decode_b{batch}_{arm[0]}_{arm[1]}.json.gz"
+                name = "_".join(["decode", f"b{batch}", *filter(None, arm)]) + ".json.gz"
                 traces[arm] = trace_one_call(one_call, os.path.join(args.trace_dir, name))
         weights = serving_weight_bytes(cfg, jnp.bfloat16)
         if not cfg.tie_word_embeddings:  # an untied input table is gathered, batch rows of it
@@ -327,7 +348,7 @@ def engine_main():
             step = statistics.median(times[arm])
             moved = weights + float(np.mean(context[arm])) * batch * kv_bytes_per_token(cfg, jnp.bfloat16)
             row = {"engine": True, "preset": args.preset, "batch": batch, "attention": arm[0],
-                   "sampler": arm[1], "calls": len(times[arm]), "step_ms": round(1e3 * step, 3),
+                   "sampler": arm[1], "gemms": arm[2] or "xla", "calls": len(times[arm]), "step_ms": round(1e3 * step, 3),
                    "step_ms_range": [round(1e3 * min(times[arm]), 3), round(1e3 * max(times[arm]), 3)],
                    "decode_tok_s": round(batch / step, 1), "context": round(float(np.mean(context[arm]))),
                    "compile_s": round(compile_s[arm], 1), "bytes_per_step_gb": round(moved / 1e9, 4)}

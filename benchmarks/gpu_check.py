@@ -738,17 +738,21 @@ def part_train(shape: Shape, batch: int, name: str, log, env, trace_dir: str,
 
 
 # ---- kernels2 / decode: our decode kernel and sampler against jax's (issue 46) -------------------
-DECODE_TIMEOUTS = {"gpu": {"kernels2": 150, "decode": 330}, "tiny": {"kernels2": 300, "decode": 400}}
+# decode: 6 arms x 3 batches, each a ~17 s compile of the 1.7B decode program (the serving part's
+# runs, 2026-11-27), ~6 min; what is left of the budget cuts the 32-row batch first
+DECODE_TIMEOUTS = {"gpu": {"kernels2": 150, "decode": 400}, "tiny": {"kernels2": 300, "decode": 400}}
 # Our kernel's blockings (PAGES_PER_BLOCK,MAX_K_SPLITS,TARGET_PROGRAMS,NUM_WARPS,NUM_STAGES[,TENSOR_CORES]) in
 # predicted order, best first (docs/serving.md "Our decode kernel"), so a part that runs out of
 # time has measured the likeliest winners; jax's Triton kernel with the engine's blocking runs first.
 PACKED_BLOCKINGS = "4,8,1024,4,3;4,8,1024,4,3,1;2,8,1024,4,4;8,8,1024,8,3;4,8,1048576,4,3"
-# The engine's decode, attention path x sampler, alternating; the issue's target batches first.
-# Each arm one change on the one before (jax's kernel; ours; the one-pass sampler; ours writing
-# the step's K/V; and norming and rotating q/k too), so their differences are each change's.
-# The last (predicted fastest) is traced at 256 and 64 rows, its HLO kept, for the next fusions.
+# The engine's decode, attention path x sampler [x GEMMs], alternating; the issue's target batches
+# first. Each arm one change on the one before (jax's kernel; ours; the one-pass sampler; ours
+# writing the step's K/V; norming and rotating q/k too; cuBLAS GEMMs), so their differences are
+# each change's. DECODE_TRACED is traced at 256 and 64 rows, its HLO kept, for the next fusions.
 DECODE_ARMS = ("pallas_gpu:exact,pallas_gpu_packed:exact,pallas_gpu_packed:fused,"
-               "pallas_gpu_packed_append:fused,pallas_gpu_packed_rope:fused")
+               "pallas_gpu_packed_append:fused,pallas_gpu_packed_rope:fused,"
+               "pallas_gpu_packed_rope:fused:cublas")
+DECODE_TRACED = "pallas_gpu_packed_rope:fused"
 
 
 def part_kernels2(shape: Shape, args, log, env) -> dict:
@@ -777,11 +781,11 @@ def part_decode(shape: Shape, args, log, env, trace_dir: str) -> dict:
     call of the last arm at 256 and 64 rows (into ``trace_dir``)."""
     timeout = BUDGET.clip(DECODE_TIMEOUTS[args.shape]["decode"])
     argv = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"), "--engine",
-            "--engine-arms", DECODE_ARMS, "--budget-s", str(0.8 * timeout),
-            "--trace-dir", os.path.join(trace_dir, "decode")]
+            "--engine-arms", DECODE_ARMS, "--budget-s", str(0.85 * timeout),
+            "--trace-dir", os.path.join(trace_dir, "decode"), "--trace-arms", DECODE_TRACED]
     if shape.model == "tiny":  # the kernels in their interpreter; one arm per path is enough
         argv += ["--tiny", "--interpret", "--batches", "4", "--trace-batches", "4",
-                 "--engine-arms", "ragged:exact,pallas_gpu_packed_rope:fused"]
+                 "--engine-arms", "ragged:exact:cublas," + DECODE_TRACED]
     else:
         argv += ["--batches", "256,64,32", "--rounds", "3"]
     code, out = run_part("decode", argv, timeout, log, env)
@@ -802,7 +806,8 @@ def decode_rows(results: dict) -> list[tuple[str, str]]:
                      else f"error: {r.get('error', '')[:120]}"))
     decode = results.get("decode")
     for r in (decode.result.get("rows", []) if decode is not None else []):
-        rows.append((f"decode b{r['batch']} {r['attention']} {r['sampler']}",
+        gemms = "" if r.get("gemms", "xla") == "xla" else f" {r['gemms']}"
+        rows.append((f"decode b{r['batch']} {r['attention']} {r['sampler']}{gemms}",
                      f"{r['step_ms']} ms/step {r['step_ms_range']}, {r['decode_tok_s']:,.0f} tok/s"
                      + (f", {100 * r['roofline_fraction']:.1f} % of HBM roofline"
                         if r.get("roofline_fraction") else "") + f", ctx {r['context']}"))

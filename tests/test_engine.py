@@ -363,6 +363,26 @@ def test_k_steps_per_device_call_one_host_sync(model):
     assert not block.valid[-1].any() and eng.slot_info(0).active is False
 
 
+def test_decode_xla_options_reach_the_decode_program_alone(model):
+    """``decode_xla_options`` compile the decode program with XLA options of its own (cuBLAS
+    GEMMs on a GPU; on CPU the GPU option changes nothing): the tokens are the full forward's
+    greedy ones, and an option XLA does not know fails that compile by name, so the options
+    really reach it."""
+    from jax.errors import JaxRuntimeError
+
+    prompt = [3, 4, 5]
+    eng = _engine(model, slots=1, decode_steps=4,
+                  decode_xla_options={"xla_gpu_enable_triton_gemm": False})
+    state = eng.init_decode_state()
+    state, _ = eng.start(eng.params, state, [StartRequest(
+        0, prompt, SamplingParams(temperature=0, max_new_tokens=8))])
+    state, block = eng.decode(eng.params, state)
+    assert block.tokens[:, 0].tolist() == _greedy_reference(model, prompt, 5)[1:]
+    eng.decode_xla_options = {"xla_no_such_option": True}
+    with pytest.raises(JaxRuntimeError, match="xla_no_such_option"):
+        eng.decode(eng.params, state)
+
+
 def test_stops_context_pages_and_bad_input(model):
     eng = _engine(model)
     state = eng.init_decode_state()

@@ -41,8 +41,9 @@ from rstarjax.serving.handoff import (ServingLayout, require_process_local, serv
 from rstarjax.serving.pages import OutOfPages, PagePool, SlotInfo, SlotTable
 from rstarjax.serving.placement import Placement, delete_arrays
 from rstarjax.serving.programs import (MAX_STOP_IDS, DecodeBlock, DecodeState, DoneReason, FeedRow,
-                                       FeedSample, SlotToken, decode_program, empty_decode_state,
-                                       feed_program, insert_program, sample_program, stop_row)
+                                       FeedSample, SlotToken, decode_program, decode_program_with,
+                                       empty_decode_state, feed_program, insert_program,
+                                       sample_program, stop_row)
 from rstarjax.serving.sampling import SAMPLERS, SamplingParams
 from rstarjax.serving.sizing import plan_kv
 from rstarjax.serving.start_plan import StartGroup, StartRequest, plan_start, start_cost
@@ -91,8 +92,11 @@ class Engine:
                  decode_steps: int = 16, min_context: int = 256, decode_attention: str = "auto",
                  device: jax.Device | None = None, mesh: Mesh | None = None,
                  vocab_limit: int | None = None, interpret: bool = False,
-                 sampler: str = "exact"):
+                 sampler: str = "exact", decode_xla_options: dict | None = None):
         self.placement = Placement(device, mesh)
+        # XLA options of the decode program alone (programs.decode_program_with), e.g.
+        # {"xla_gpu_enable_triton_gemm": False}: cuBLAS GEMMs in the decode step only
+        self.decode_xla_options = dict(decode_xla_options or {})
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler {sampler!r} not in {SAMPLERS}")
         self.sampler = sampler  # sampling.SAMPLERS: "fused" draws other tokens for a key
@@ -362,7 +366,9 @@ class Engine:
             f[: len(forced), : len(active)] = np.asarray(forced)[:, active]
         stop_after = len(active) + 1 if stop_after is None else max(1, int(stop_after))
         t0 = time.perf_counter()
-        self._k, self._v, state, outs = decode_program(
+        options = tuple(sorted(self.decode_xla_options.items()))
+        program = decode_program_with(options) if options else decode_program
+        self._k, self._v, state, outs = program(
             self.cfg, params, self._k, self._v, state, jnp.asarray(rows),
             jnp.asarray(self._table[:, :width]), live_pages, jnp.asarray(f), jnp.int32(steps),
             jnp.int32(stop_after), steps=self.decode_steps, attention=self.decode_attention,

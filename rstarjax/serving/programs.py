@@ -191,9 +191,12 @@ def advance(state: DecodeState, tok, lp, num_new, lengths, max_len):
     return new, (tok, lp, active, done)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "steps", "attention", "vocab_limit",
-                                             "max_len", "kv_sharding", "interpret", "sampler"),
-                   donate_argnames=("k", "v", "state"))
+DECODE_STATIC = ("cfg", "steps", "attention", "vocab_limit", "max_len", "kv_sharding", "interpret",
+                 "sampler")
+DECODE_DONATED = ("k", "v", "state")
+
+
+@functools.partial(jax.jit, static_argnames=DECODE_STATIC, donate_argnames=DECODE_DONATED)
 def decode_program(cfg, weights, k, v, state: DecodeState, rows, page_table, live_pages,
                    forced, n_steps, stop_after, *, steps, attention, vocab_limit, max_len,
                    kv_sharding=None, interpret=False, sampler="exact"):
@@ -235,5 +238,15 @@ def decode_program(cfg, weights, k, v, state: DecodeState, rows, page_table, liv
     _, k, v, sub, outs = jax.lax.while_loop(cond, body, (jnp.int32(0), k, v, sub, outs))
     state = jax.tree.map(lambda full, part: full.at[rows].set(part, mode="drop"), state, sub)
     return k, v, state, outs
+
+
+@functools.lru_cache(maxsize=None)
+def decode_program_with(xla_options: tuple[tuple[str, object], ...]):
+    """``decode_program`` compiled with XLA options of its own (``Engine(decode_xla_options=...)``):
+    e.g. ``xla_gpu_enable_triton_gemm=False``, cuBLAS for the decode step's GEMMs, whose small
+    row counts are where XLA's Triton GEMMs read the weights slowest (docs/serving.md), without
+    changing how the rest of the process (the trainer) compiles. One jit per option set."""
+    return jax.jit(decode_program.__wrapped__, static_argnames=DECODE_STATIC, donate_argnames=DECODE_DONATED,
+                   compiler_options=dict(xla_options))
 
 
