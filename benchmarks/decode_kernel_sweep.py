@@ -215,7 +215,8 @@ def main():
                   for per, ks, w, st in configs]
         if "packed" in arms:
             for blocking in packed_blockings():
-                per, splits = blocking.for_shape(batch, args.kv_heads, args.max_tokens // page_size)
+                per, splits = blocking.for_shape(batch, args.kv_heads, args.max_tokens // page_size,
+                                                 page_size)
                 trials.append((dict(arm="packed", per_block=per, k_splits=splits,
                                     warps=blocking.num_warps, stages=blocking.num_stages,
                                     target_programs=blocking.target_programs,

@@ -108,7 +108,8 @@ def _gpu_check_blockings() -> list[tuple[int, ...]]:
 def test_packed_kernel_variants_lower_for_cuda_at_qwen3_shapes(blocking):
     """Every blocking benchmarks/gpu_check.py's kernels2 part runs (and the engine's default,
     the first), at Qwen3-1.7B (16 q / 8 kv heads) and 8B (32 / 8) decode shapes, 256 and 32
-    rows (one split and several), a 4,608-token table of 16-token pages; each also as the kernel
+    rows (one split and several), a 4,608-token table of 16-token pages (and of 64-token ones at
+    256 rows); each also as the kernel
     that writes the step's K/V (``decode_attention_append``, its pools aliased to its outputs),
     and as that kernel norming and rotating q and k itself (``pallas_gpu_packed_rope``)."""
     from rstarjax.models.decode_kernel import (PACKED_BLOCKING, PackedBlocking,
@@ -117,11 +118,11 @@ def test_packed_kernel_variants_lower_for_cuda_at_qwen3_shapes(blocking):
     assert PackedBlocking(*_gpu_check_blockings()[0]) == PACKED_BLOCKING
     blocking = PackedBlocking(*blocking)
     sd = jax.ShapeDtypeStruct
-    pool = sd((8, 4096, 16, 128), jnp.bfloat16)
-
-    for q_heads, rows in ((16, 256), (32, 256), (16, 32)):
+    # 16-token pages (the engine's) and 64-token ones (kernels2 measures both)
+    for q_heads, rows, page in ((16, 256, 16), (32, 256, 16), (16, 32, 16), (16, 256, 64)):
+        pool = sd((8, 65536 // page, page, 128), jnp.bfloat16)
         q, new = sd((rows, q_heads, 128), jnp.bfloat16), sd((rows, 8, 128), jnp.bfloat16)
-        table, lengths = sd((rows, 288), jnp.int32), sd((rows,), jnp.int32)
+        table, lengths = sd((rows, 4608 // page), jnp.int32), sd((rows,), jnp.int32)
         angles, norms = (sd((rows, 64), jnp.float32),) * 2, (sd((128,), jnp.bfloat16),) * 2
         calls = [
             (lambda q, k, v, t, n: decode_attention_packed(q, k, v, t, n, blocking=blocking),

@@ -445,5 +445,9 @@ def test_packed_blocking_splits_follow_the_batch():
     assert blocking.for_shape(32, 8, 288) == (4, 4)
     assert blocking.for_shape(1, 8, 288) == (4, 8)
     assert blocking.for_shape(4, 8, 6) == (3, 2)  # at most width / pages per block splits
+    # larger pages: fewer a block (at most MAX_BLOCK_TOKENS tokens an iteration)
+    assert blocking.for_shape(256, 8, 72, page_size=64) == (2, 1)
+    assert PackedBlocking(pages_per_block=8).for_shape(256, 8, 288, page_size=16) == (8, 1)
+    assert PackedBlocking(pages_per_block=8).for_shape(256, 8, 36, page_size=128) == (1, 1)
 
 

@@ -54,13 +54,20 @@ class PackedBlocking:
     num_stages: int = 3
     tensor_cores: int = 0
 
-    def for_shape(self, rows: int, kv_heads: int, width: int) -> tuple[int, int]:
-        """(pages per block, k splits) for a batch of ``rows`` and a table ``width`` wide."""
-        per_block = max(d for d in range(1, self.pages_per_block + 1) if width % d == 0)
+    def for_shape(self, rows: int, kv_heads: int, width: int, page_size: int = 16
+                  ) -> tuple[int, int]:
+        """(pages per block, k splits) for a batch of ``rows`` and a table ``width`` wide; at
+        most ``MAX_BLOCK_TOKENS`` tokens an iteration, so larger pages take fewer per block."""
+        most = max(1, min(self.pages_per_block, MAX_BLOCK_TOKENS // page_size))
+        per_block = max(d for d in range(1, most + 1) if width % d == 0)
         wanted = -(-self.target_programs // max(1, rows * kv_heads))
         splits = max(1, min(self.max_k_splits, wanted, width // per_block))
         return per_block, splits
 
+
+# Tokens a program gathers per loop iteration, at most: K and V of 128 tokens x 128 dims in bf16
+# are 64 KB, 192 KB over 3 pipeline stages, under an H100/H200 SM's 228 KB of shared memory.
+MAX_BLOCK_TOKENS = 128
 
 # Read when a decode program is traced (benchmarks/serving.py --packed-blocking sets it).
 PACKED_BLOCKING = PackedBlocking()
@@ -262,7 +269,7 @@ def _packed_call(q, k_pages, v_pages, page_table, lengths, new_kv, *, blocking, 
     kh, _, page_size, _ = k_pages.shape
     g = n // kh
     width = page_table.shape[1]
-    per_block, k_splits = blocking.for_shape(b, kh, width)
+    per_block, k_splits = blocking.for_shape(b, kh, width, page_size)
     append = new_kv is not None
     kernel = functools.partial(_kernel, page_size=page_size, per_block=per_block,
                                k_splits=k_splits, scale=h ** -0.5 if scale is None else scale,
