@@ -95,7 +95,8 @@ if args.tiny:
     args.kv_heads, args.q_heads, args.head_dim = 2, 4, 16
     args.per_block, args.k_splits, args.warps = "2,4", "1,2", "4"
     args.packed_blockings = "2,2,1024,4,3;4,8,1,4,3"
-    args.preset, args.prompt_len, args.rounds = "tiny", 24, 2
+    args.preset, args.rounds = "tiny", 2
+    args.prompt_len = 24 if args.prompt_len == 512 else args.prompt_len  # the default: tiny's
 
 PEAK_GBPS = {"H100 80GB HBM3": 3350, "H100 PCIe": 2000, "H100": 3350, "H200": 4800}
 
@@ -296,18 +297,26 @@ def engine_main():
             break
         cfg = ModelConfig.preset(args.preset, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
         model = Qwen3(cfg, rngs=nnx.Rngs(0))
-        calls = len(arms) * (args.rounds + 1) + 1
-        engine = Engine(model, num_slots=batch, max_len=args.prompt_len + 16 * calls + 8,
-                        kv_memory_fraction=0.8, decode_attention=arms[0][0],
-                        interpret=args.interpret, sampler=arms[0][1])
+        calls = len(arms) * (args.rounds + 1) + 1 + len(args.trace_arms.split(","))
+        try:  # a pool that cannot hold batch x prompt_len (4K contexts) is a row, not the end
+            engine = Engine(model, num_slots=batch, max_len=args.prompt_len + 16 * calls + 8,
+                            kv_memory_fraction=0.8, decode_attention=arms[0][0],
+                            interpret=args.interpret, sampler=arms[0][1])
+            rng = np.random.default_rng(0)
+            state = engine.init_decode_state()
+            state, _ = engine.start(engine.params, state, [
+                StartRequest(r, rng.integers(0, cfg.vocab_size, args.prompt_len).tolist(),
+                             SamplingParams(temperature=1.0, seed=r, max_new_tokens=10**6))
+                for r in range(batch)])
+        except Exception as exc:  # noqa: BLE001
+            print(json.dumps({"engine": True, "preset": args.preset, "batch": batch,
+                              "prompt_len": args.prompt_len,
+                              "error": f"{type(exc).__name__}: {exc}"[:300]}), flush=True)
+            del model
+            gc.collect()
+            continue
         del model
         gc.collect()
-        rng = np.random.default_rng(0)
-        state = engine.init_decode_state()
-        state, _ = engine.start(engine.params, state, [
-            StartRequest(r, rng.integers(0, cfg.vocab_size, args.prompt_len).tolist(),
-                         SamplingParams(temperature=1.0, seed=r, max_new_tokens=10**6))
-            for r in range(batch)])
         times = {arm: [] for arm in arms}
         context = {arm: [] for arm in arms}
         compile_s = {}
@@ -348,7 +357,8 @@ def engine_main():
                 continue
             step = statistics.median(times[arm])
             moved = weights + float(np.mean(context[arm])) * batch * kv_bytes_per_token(cfg, jnp.bfloat16)
-            row = {"engine": True, "preset": args.preset, "batch": batch, "attention": arm[0],
+            row = {"engine": True, "preset": args.preset, "batch": batch,
+                   "prompt_len": args.prompt_len, "attention": arm[0],
                    "sampler": arm[1], "gemms": arm[2] or "xla", "calls": len(times[arm]), "step_ms": round(1e3 * step, 3),
                    "step_ms_range": [round(1e3 * min(times[arm]), 3), round(1e3 * max(times[arm]), 3)],
                    "decode_tok_s": round(batch / step, 1), "context": round(float(np.mean(context[arm]))),

@@ -740,7 +740,12 @@ def part_train(shape: Shape, batch: int, name: str, log, env, trace_dir: str,
 # ---- kernels2 / decode: our decode kernel and sampler against jax's (issue 46) -------------------
 # decode: 6 arms x 3 batches, each a ~17 s compile of the 1.7B decode program (the serving part's
 # runs, 2026-11-27), ~6 min; what is left of the budget cuts the 32-row batch first
-DECODE_TIMEOUTS = {"gpu": {"kernels2": 150, "decode": 400}, "tiny": {"kernels2": 300, "decode": 400}}
+DECODE_TIMEOUTS = {"gpu": {"kernels2": 150, "decode": 400, "decode_4k": 180},
+                   "tiny": {"kernels2": 300, "decode": 400, "decode_4k": 300}}
+# decode_4k: the issue's 4K-context rows, where the pool holds them (64 rows on an H100, 128 on
+# an H200; 256 x 4K is 120 GB of KV): jax's kernel against the predicted fastest, with and
+# without cuBLAS GEMMs
+DECODE_4K_ARMS = "pallas_gpu:exact,pallas_gpu_packed_rope:fused,pallas_gpu_packed_rope:fused:cublas"
 # Our kernel's blockings (PAGES_PER_BLOCK,MAX_K_SPLITS,TARGET_PROGRAMS,NUM_WARPS,NUM_STAGES[,TENSOR_CORES]) in
 # predicted order, best first (docs/serving.md "Our decode kernel"), so a part that runs out of
 # time has measured the likeliest winners; jax's Triton kernel with the engine's blocking runs first.
@@ -776,40 +781,51 @@ def part_kernels2(shape: Shape, args, log, env) -> dict:
     return {"rows": [r for r in rows if not r.get("best")]}
 
 
-def part_decode(shape: Shape, args, log, env, trace_dir: str) -> dict:
-    """The engine's decode step at 256, 64 and 32 rows (512-token prompts, the shape
+def part_decode(shape: Shape, args, log, env, trace_dir: str, name: str = "decode") -> dict:
+    """``decode``: the engine's decode step at 256, 64 and 32 rows (512-token prompts, the shape
     benchmarks/serving.py measures) with each ``DECODE_ARMS`` entry, the arms alternating call by
     call, median of 3 calls of 16 steps each, tokens/s and HBM-roofline fraction; one traced
-    call of the last arm at 256 and 64 rows (into ``trace_dir``)."""
-    timeout = BUDGET.clip(DECODE_TIMEOUTS[args.shape]["decode"])
+    call of ``DECODE_TRACED`` at 256 and 64 rows (into ``trace_dir``). ``decode_4k``: the same
+    at 4,096-token prompts, 64 and 128 rows, ``DECODE_4K_ARMS``, no trace."""
+    timeout = BUDGET.clip(DECODE_TIMEOUTS[args.shape][name])
+    long = name == "decode_4k"
     argv = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"), "--engine",
-            "--engine-arms", DECODE_ARMS, "--budget-s", str(0.85 * timeout),
-            "--trace-dir", os.path.join(trace_dir, "decode"), "--trace-arms", DECODE_TRACED]
+            "--engine-arms", DECODE_4K_ARMS if long else DECODE_ARMS,
+            "--budget-s", str(0.85 * timeout)]
+    if not long:
+        argv += ["--trace-dir", os.path.join(trace_dir, "decode"), "--trace-arms", DECODE_TRACED]
     if shape.model == "tiny":  # the kernels in their interpreter; one arm per path is enough
         argv += ["--tiny", "--interpret", "--batches", "4", "--trace-batches", "4",
                  "--engine-arms", "ragged:exact:cublas," + DECODE_TRACED]
+        argv += ["--prompt-len", "48"] if long else []
     else:
-        argv += ["--batches", "256,64,32", "--rounds", "3"]
-    code, out = run_part("decode", argv, timeout, log, env)
+        argv += ["--batches", "64,128", "--prompt-len", "4096"] if long else ["--batches", "256,64,32"]
+        argv += ["--rounds", "3"]
+    code, out = run_part(name, argv, timeout, log, env)
     if code != 0:
         raise RuntimeError(f"exit {code}: {tail(out)}")
     return {"rows": [json.loads(x) for x in out.splitlines() if x.startswith("{")]}
 
 
 def decode_rows(results: dict) -> list[tuple[str, str]]:
-    """Summary rows of the kernels2 and decode parts."""
+    """Summary rows of the kernels2, decode and decode_4k parts."""
     rows = []
     kernels = results.get("kernels2")
     for r in (kernels.result.get("rows", []) if kernels is not None else []):
-        arm = f"{r['arm']} {r.get('per_block')},{r.get('k_splits')},{r.get('warps')},{r.get('stages')}" + (" tc" if r.get("tensor_cores") else "")
+        arm = (f"{r['arm']} {r.get('per_block')},{r.get('k_splits')},{r.get('warps')},{r.get('stages')}"
+               + (" tc" if r.get("tensor_cores") else "") + f" page{r.get('page_size')}")
         rows.append((f"kernel2 b{r['batch']} ctx{r['context']} {arm}",
                      f"{r['us']} us, {r['gbps']} GB/s ({100 * r.get('hbm_fraction', 0):.0f} % of HBM), "
                      f"max diff {r['max_diff_vs_reference']:.3g}" if "us" in r
                      else f"error: {r.get('error', '')[:120]}"))
-    decode = results.get("decode")
-    for r in (decode.result.get("rows", []) if decode is not None else []):
+    decode = [r for part in ("decode", "decode_4k") if results.get(part) is not None
+              for r in results[part].result.get("rows", [])]
+    for r in decode:
+        if "error" in r:  # a pool that could not hold the rows
+            rows.append((f"decode b{r['batch']} ctx{r.get('prompt_len')}", f"error: {r['error'][:120]}"))
+            continue
         gemms = "" if r.get("gemms", "xla") == "xla" else f" {r['gemms']}"
-        rows.append((f"decode b{r['batch']} {r['attention']} {r['sampler']}{gemms}",
+        rows.append((f"decode b{r['batch']} ctx{r.get('prompt_len')} {r['attention']} {r['sampler']}{gemms}",
                      f"{r['step_ms']} ms/step {r['step_ms_range']}, {r['decode_tok_s']:,.0f} tok/s"
                      + (f", {100 * r['roofline_fraction']:.1f} % of HBM roofline"
                         if r.get("roofline_fraction") else "") + f", ctx {r['context']}"))
@@ -960,7 +976,8 @@ def parse_args(argv=None):
                          "kernels (the paged-attention kernels alone: Triton with the engine's "
                          "and the --blockings blocking, cuDNN), kernels2 and decode (issue 46: our "
                          "decode kernel alone and the engine's decode with each attention path and "
-                         "sampler) and remat (the train parts with --remat-policy)")
+                         "sampler; decode also runs decode_4k, its 4K-context rows, which can be "
+                         "named alone) and remat (the train parts with --remat-policy)")
     ap.add_argument("--blockings", default="8,16,8,2;4,8,4,2",
                     help="';'-separated --pallas-blocking specs of benchmarks/serving.py; repeat them "
                          "to alternate (the engine's own is 4,8,4,2, jax's defaults 8,16,8,2)")
@@ -1024,6 +1041,8 @@ def main(argv=None) -> int:
     plan.append(("kernels", lambda log: part_kernels(shape, args, log, kernel_env)))
     plan.append(("kernels2", lambda log: part_kernels2(shape, args, log, kernel_env)))
     plan.append(("decode", lambda log: part_decode(shape, args, log, kernel_env, trace_dir)))
+    plan.append(("decode_4k", lambda log: part_decode(shape, args, log, kernel_env, trace_dir,
+                                                      name="decode_4k")))
     for policy in args.remat_policy.split(","):
         for b in shape.train_batches:
             name = f"remat_{policy}_{b}x"
@@ -1031,7 +1050,11 @@ def main(argv=None) -> int:
                 shape, b, n, log, env, os.path.join(trace_dir, n), remat=p)))
     # the order of --parts is the order they run in (with --budget-s, their priority); env first
     order = ["env"] + [p for p in parts if p != "env"]
-    plan = sorted((e for e in plan if e[0].split("_")[0] in order), key=lambda e: order.index(e[0].split("_")[0]))
+    # a part is picked by its name or its family's (the name up to "_": "decode" runs decode_4k too)
+    def listed(name: str) -> str | None:
+        return name if name in order else name.split("_")[0] if name.split("_")[0] in order else None
+
+    plan = sorted((e for e in plan if listed(e[0])), key=lambda e: order.index(listed(e[0])))
     results: dict[str, PartResult] = {}
     if args.budget_s:
         BUDGET.deadline = time.perf_counter() + args.budget_s

@@ -136,6 +136,21 @@ def test_budget_cuts_each_limit_and_skips_the_parts_that_do_not_fit(tmp_path, mo
     assert ("ckpt", parts["ckpt"]["error"]) in g.summary_rows({k: g.PartResult(**v) for k, v in parts.items()})
 
 
+def test_parts_are_picked_by_name_or_by_family(tmp_path, monkeypatch):
+    """``--parts decode`` runs the decode family (decode, then decode_4k); ``--parts decode_4k``
+    that part alone, so a later loan can run what an earlier one's budget skipped."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check as g
+    monkeypatch.setattr(g.BUDGET, "deadline", None)
+    ran = []
+    monkeypatch.setattr(g, "part_env", lambda *a: {"device_kind": "cpu"})
+    monkeypatch.setattr(g, "part_decode", lambda *a, name="decode": ran.append(name) or {"rows": []})
+    for parts, expected in (("env,decode", ["decode", "decode_4k"]), ("env,decode_4k", ["decode_4k"])):
+        ran.clear()
+        assert g.main(["--shape", "tiny", "--parts", parts, "--out", str(tmp_path)]) == 0
+        assert ran == expected, (parts, ran)
+
+
 def test_the_h100_part_alone_is_held_to_an_h100s_memory(tmp_path, monkeypatch):
     """--h100-mem-fraction: the h100 part's processes get that XLA_PYTHON_CLIENT_MEM_FRACTION (an
     H200 held to 80 GB), the command's other parts keep the whole card."""
@@ -192,4 +207,9 @@ def test_decode_kernel_parts_run_at_the_tiny_shape(tmp_path):
     assert traced.get("trace_bytes", 0) > 0 and "trace" not in decode[("ragged", "exact")], traced
     names = json.loads((out / "gpu_check.json").read_text())["traces"]
     assert "decode/decode_b4_pallas_gpu_packed_rope_fused.json.gz" in names, names
-    assert "kernel2 b4 ctx40 packed" in proc.stdout and "decode b4 pallas_gpu_packed_rope fused" in proc.stdout
+    long = {(r["attention"], r["sampler"]): r for r in parts["decode_4k"]["result"]["rows"]}
+    assert set(long) == set(decode) and all(r["prompt_len"] == 48 for r in long.values()), long
+    assert all(r["context"] > max(d["context"] for d in decode.values()) for r in long.values())
+    assert "kernel2 b4 ctx40 packed" in proc.stdout
+    assert "decode b4 ctx24 pallas_gpu_packed_rope fused" in proc.stdout
+    assert "decode b4 ctx48 ragged exact cublas" in proc.stdout
