@@ -251,24 +251,24 @@ def main():
         print(json.dumps({"best": True, **row}), flush=True)
 
 
-# An arm's optional third field: XLA options of the engine's decode program alone
-# (Engine(decode_xla_options=...)), so they alternate with the other arms in one process.
-GEMM_OPTIONS = {"": {}, "cublas": {"xla_gpu_enable_triton_gemm": False}}
-
-
 def parse_arm(spec: str) -> tuple[str, str, str]:
-    """ATTENTION:SAMPLER[:GEMMS] -> (attention, sampler, gemms)."""
+    """ATTENTION:SAMPLER[:GEMMS] -> (attention, sampler, gemms); GEMMS (``serving.decode_gemms``,
+    default xla) sets XLA options of the decode program alone, so arms alternate in one process."""
+    from rstarjax.serving.programs import DECODE_GEMMS
+
     attention, sampler, *rest = spec.split(":")
-    gemms = rest[0] if rest else ""
-    if gemms not in GEMM_OPTIONS:
-        raise SystemExit(f"arm {spec!r}: GEMMS must be one of {sorted(GEMM_OPTIONS)}")
+    gemms = rest[0] if rest else "xla"
+    if gemms not in DECODE_GEMMS:
+        raise SystemExit(f"arm {spec!r}: GEMMS must be one of {sorted(DECODE_GEMMS)}")
     return attention, sampler, gemms
 
 
 def set_arm(engine, arm) -> None:
     """The arm's static settings of the decode program (a new compile the first time)."""
+    from rstarjax.serving.programs import DECODE_GEMMS
+
     engine.decode_attention, engine.sampler = arm[:2]
-    engine.decode_xla_options = GEMM_OPTIONS[arm[2]]
+    engine.decode_xla_options = DECODE_GEMMS[arm[2]]
 
 
 def engine_main():
@@ -347,7 +347,7 @@ def engine_main():
                     nonlocal state
                     state, _ = engine.decode(engine.params, state)
                     return state
-                name = "_".join(["decode", f"b{batch}", *filter(None, arm)]) + ".json.gz"
+                name = "_".join(["decode", f"b{batch}", *(x for x in arm if x != "xla")]) + ".json.gz"
                 traces[arm] = trace_one_call(one_call, os.path.join(args.trace_dir, name))
         weights = serving_weight_bytes(cfg, jnp.bfloat16)
         if not cfg.tie_word_embeddings:  # an untied input table is gathered, batch rows of it
@@ -359,7 +359,7 @@ def engine_main():
             moved = weights + float(np.mean(context[arm])) * batch * kv_bytes_per_token(cfg, jnp.bfloat16)
             row = {"engine": True, "preset": args.preset, "batch": batch,
                    "prompt_len": args.prompt_len, "attention": arm[0],
-                   "sampler": arm[1], "gemms": arm[2] or "xla", "calls": len(times[arm]), "step_ms": round(1e3 * step, 3),
+                   "sampler": arm[1], "gemms": arm[2], "calls": len(times[arm]), "step_ms": round(1e3 * step, 3),
                    "step_ms_range": [round(1e3 * min(times[arm]), 3), round(1e3 * max(times[arm]), 3)],
                    "decode_tok_s": round(batch / step, 1), "context": round(float(np.mean(context[arm]))),
                    "compile_s": round(compile_s[arm], 1), "bytes_per_step_gb": round(moved / 1e9, 4)}

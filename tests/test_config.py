@@ -322,15 +322,21 @@ def test_the_decode_attention_and_the_sampler_are_serving_settings(tmp_path):
     from rstarjax.serving import Engine
 
     c = good_config(tmp_path)
-    assert (c.serving.decode_attention, c.serving.sampler) == ("auto", "exact")  # the defaults
+    assert (c.serving.decode_attention, c.serving.sampler, c.serving.decode_gemms) == (
+        "auto", "exact", "xla")  # the defaults
     c.serving.decode_attention, c.serving.sampler = "reference", "fused"
+    c.serving.decode_gemms = "cublas"
     options = parse(c, num_devices=8).serving.engine_options(64)
     assert (options["decode_attention"], options["sampler"]) == ("reference", "fused")
+    assert options["decode_xla_options"] == {"xla_gpu_enable_triton_gemm": False}
     model = Qwen3(ModelConfig.preset("tiny", dtype=jnp.float32), rngs=nnx.Rngs(0))
     engine = Engine(model, **options)
     assert (engine.decode_attention, engine.sampler) == ("reference", "fused")
+    assert engine.decode_xla_options == {"xla_gpu_enable_triton_gemm": False}
     c.serving.decode_attention, c.serving.sampler = "flash", "greedy"
+    c.serving.decode_gemms = "cutlass"
     with pytest.raises(ConfigError) as e:
         parse(c, num_devices=8)
     assert "decode_attention='flash'" in str(e.value) and "pallas_gpu_packed" in str(e.value)
     assert "sampler='greedy'" in str(e.value) and "'fused'" in str(e.value)
+    assert "decode_gemms='cutlass'" in str(e.value) and "'cublas'" in str(e.value)

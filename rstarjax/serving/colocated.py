@@ -16,6 +16,7 @@ from rstarjax.models.config import DTYPES
 from rstarjax.models.paged_attention import DECODE_IMPLEMENTATIONS
 from rstarjax.serving.engine import Engine
 from rstarjax.serving.handoff import ProcessHandoff, require_process_local, serve_copies, split_weights, stage_copies
+from rstarjax.serving.programs import DECODE_GEMMS
 from rstarjax.serving.sampling import SAMPLERS
 from rstarjax.serving.scheduler import RolloutScheduler
 from rstarjax.serving.slices import slice_meshes
@@ -53,6 +54,9 @@ class ServingConfig:
     # "exact" draws with the float32 logits (the default); "fused" reads them in the compute dtype
     # in one pass, the same distribution but other tokens for a key (serving/sampling.py)
     sampler: str = "exact"
+    # the decode program's GEMMs (serving.programs.DECODE_GEMMS): "xla" (its own choice) or
+    # "cublas" (cuBLAS for all of them, the decode program alone; not the default until measured)
+    decode_gemms: str = "xla"
     # Serving slices (docs/serving.md "Serving slices"): devices per slice, its weights split
     # Megatron-style and its KV pages by kv head; 0 = one engine over the trainer's arrays as
     # they are (no slices)
@@ -102,7 +106,8 @@ class ServingConfig:
                  "disaggregated rollouts hold none there: turn it off"),
                 one_of("dtype", self.dtype, ("", *DTYPES)),
                 one_of("decode_attention", self.decode_attention, ("auto", *DECODE_IMPLEMENTATIONS)),
-                one_of("sampler", self.sampler, SAMPLERS))
+                one_of("sampler", self.sampler, SAMPLERS),
+                one_of("decode_gemms", self.decode_gemms, tuple(DECODE_GEMMS)))
 
     def engine_options(self, max_len: int, num_slots: int | None = None) -> dict:
         """``Engine`` keyword arguments for rollouts of up to ``max_len`` tokens; ``num_slots``
@@ -111,7 +116,8 @@ class ServingConfig:
                     kv_memory_fraction=float(self.kv_memory_fraction),
                     num_slots=int(num_slots or self.num_slots), dtype=self.dtype or None,
                     decode_steps=int(self.decode_steps), prefill_chunk=int(self.prefill_chunk),
-                    decode_attention=self.decode_attention, sampler=self.sampler)
+                    decode_attention=self.decode_attention, sampler=self.sampler,
+                    decode_xla_options=DECODE_GEMMS[self.decode_gemms])
 
     @property
     def disaggregated(self) -> bool:

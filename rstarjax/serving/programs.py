@@ -240,6 +240,11 @@ def decode_program(cfg, weights, k, v, state: DecodeState, rows, page_table, liv
     return k, v, state, outs
 
 
+# The decode step's GEMMs (``serving.decode_gemms``): XLA's own choice (its Triton GEMMs on a
+# GPU), or cuBLAS for all of them (docs/serving.md, "Our decode kernel").
+DECODE_GEMMS = {"xla": {}, "cublas": {"xla_gpu_enable_triton_gemm": False}}
+
+
 @functools.lru_cache(maxsize=None)
 def decode_program_with(xla_options: tuple[tuple[str, object], ...]):
     """``decode_program`` compiled with XLA options of its own (``Engine(decode_xla_options=...)``):
