@@ -760,24 +760,40 @@ DECODE_ARMS = ("pallas_gpu:exact,pallas_gpu_packed:exact,pallas_gpu_packed:fused
 DECODE_TRACED = "pallas_gpu_packed_rope:fused"
 
 
+# kernels2's second sweep: 64 rows of the engine's ~640 tokens, where the default blocking's two
+# splits cost a combine kernel a layer; the same kernel in one split (target 512 programs) beside it
+SHORT_ROW_BLOCKINGS = "4,8,1024,4,3;4,8,512,4,3"
+
+
 def part_kernels2(shape: Shape, args, log, env) -> dict:
     """The decode kernels alone at 256 rows x 4,096 tokens (Qwen3-1.7B: 16 q / 8 kv heads, one
-    layer's 16-token pages scattered over the pool): jax's Triton kernel with the engine's
-    blocking, then ours with each ``PACKED_BLOCKINGS`` spec, each against a float32 reference,
-    with its share of the HBM peak (benchmarks/decode_kernel_sweep.py)."""
+    layer's 16-token pages scattered over the pool, then 64-token ones): jax's Triton kernel with
+    the engine's blocking, then ours with each ``PACKED_BLOCKINGS`` spec, each against a float32
+    reference, with its share of the HBM peak (benchmarks/decode_kernel_sweep.py); then 64 rows
+    x 640 tokens, ``SHORT_ROW_BLOCKINGS`` (two splits and a combine, or one)."""
     timeout = BUDGET.clip(DECODE_TIMEOUTS[args.shape]["kernels2"])
-    argv = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"), "--arms", "packed",
-            "--packed-blockings", PACKED_BLOCKINGS, "--budget-s", str(0.7 * timeout)]
+    started = time.perf_counter()
+    sweep = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"), "--arms", "packed"]
     if shape.model == "tiny":
-        argv += ["--tiny", "--interpret", "--iters", "1"]
+        runs = [["--tiny", "--interpret", "--iters", "1", "--packed-blockings", PACKED_BLOCKINGS]]
     else:
         # 16-token pages (the engine's) first; 64-token ones, the page-size lever (4 KB -> 16 KB
         # contiguous reads a page), after
-        argv += ["--batches", "256", "--contexts", "4096", "--page-sizes", "16,64", "--iters", "20"]
-    code, out = run_part("kernels2", argv, timeout, log, env)
-    if code != 0:
-        raise RuntimeError(f"exit {code}: {tail(out)}")
-    rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+        runs = [["--batches", "256", "--contexts", "4096", "--page-sizes", "16,64", "--iters", "20",
+                 "--packed-blockings", PACKED_BLOCKINGS],
+                ["--batches", "64", "--contexts", "640", "--page-sizes", "16", "--iters", "20",
+                 "--packed-blockings", SHORT_ROW_BLOCKINGS]]
+    rows = []
+    for i, extra in enumerate(runs):
+        left = timeout - (time.perf_counter() - started)
+        if i and left < MIN_PART_S:
+            break
+        share = 0.8 if i == 0 and len(runs) > 1 else 0.9  # the first leaves the second its time
+        code, out = run_part("kernels2", sweep + extra + ["--budget-s", str(0.7 * share * left)],
+                             share * left, log, env)
+        if code != 0:
+            raise RuntimeError(f"exit {code}: {tail(out)}")
+        rows += [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     return {"rows": [r for r in rows if not r.get("best")]}
 
 
