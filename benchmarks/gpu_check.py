@@ -290,6 +290,7 @@ STEP_KEYS = {  # summary name -> metrics.jsonl key
     "old_logprobs_s": "time/old_logprobs", "update_s": "time/update", "train_s": "time/train",
     "handoff_s": "time/handoff", "checkpoint_s": "time/checkpoint",
     "generated_tokens": "timing/rollout_generated_tokens",
+    "decode_steps": "timing/rollout_decode_steps", "decode_kv_tokens": "timing/rollout_decode_kv_tokens",
     "prefill_tokens": "timing/rollout_prefill_tokens", "preemptions": "timing/rollout_preemptions",
     "trained_tokens": "train/trained_tokens", "peak_device_gb": "perf/device_peak_gb",
     "max_pages_in_use": "timing/rollout_max_pages_in_use", "max_live": "timing/rollout_max_live",
@@ -401,7 +402,8 @@ from rstarjax.models import ModelConfig, Qwen3, load_tokenizer, save_hf
 from rstarjax.models.chat_template import RSTAR2, encode_prompt
 from rstarjax.recipes import demo_tasks
 from rstarjax.recipes.config import as_flags
-from rstarjax.serving.sizing import choose_colocated
+from rstarjax.models.kv_cache import kv_bytes_per_token
+from rstarjax.serving.sizing import choose_colocated, serving_weight_bytes
 a = json.loads(sys.argv[1])
 tok = load_tokenizer(a["regular"] or None)
 overrides = {} if not a["regular"] else dict(vocab_size=tok.num_tokens, bos_token_id=tok.endoftext_id,
@@ -425,7 +427,10 @@ traces = demo_tasks.make_sft_traces(demo_tasks.generate_tasks(a["traces"], "trai
 with open(a["sft"], "w") as f:  # every trace calls the tool once, its output really run
     f.writelines(json.dumps({"messages": t}) + "\n" for t in traces)
 attention = cfg.train_flops_per_token(1) - cfg.train_flops_per_token(0)  # per token of context
+# what a decode step reads (bf16 serving copy; a tied table is read whole as the LM head)
+weights = serving_weight_bytes(cfg, jnp.bfloat16) - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2)
 print(json.dumps({"params_b": cfg.num_params / 1e9, "vocab": cfg.vocab_size, "sft_traces": len(traces),
+                  "decode_weight_bytes": weights, "kv_bytes_per_token": kv_bytes_per_token(cfg, jnp.bfloat16),
                   "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
                   "flops_matmul": cfg.train_flops_per_token(0) - attention, "flops_attention": attention,
                   "prompt_tokens": round(sum(len(encode_prompt(tok, r["problem"], RSTAR2)) for r in rows) / len(rows))}))
@@ -476,6 +481,27 @@ AGENT_KEYS = {"tool_call_rate": "rollout_all/tool_call_rate", "compile_s": "time
               "truncation_ratio": "rollout_all/truncation_ratio", "accuracy": "rollout_all/accuracy",
               "tool_wait_s": "timing/rollout_tool_wait_s", "device_in_use_gb": "perf/device_in_use_gb"}
 PEAK_BF16_FLOPS = (("H200", 989e12), ("H100", 989e12))  # dense bf16, as benchmarks/bench_trainer.py
+
+
+PEAK_HBM_GBPS = (("H200", 4800), ("H100 PCIe", 2000), ("H100", 3350))  # as benchmarks/serving.py
+
+
+def decode_roofline(step: dict, inputs: dict, device_kind: str) -> dict:
+    """The rollout's decode against the HBM roofline (issue 46's main-job target): the seconds
+    its decode steps would take reading only what they must (one weight read a step, each step's
+    live KV: ``timing/rollout_decode_kv_tokens``) at the device's peak bandwidth; the rollout
+    phase over that (target <= 1.5) and that over the decode calls' seconds (their roofline
+    fraction)."""
+    peak = next((g for k, g in PEAK_HBM_GBPS if k in (device_kind or "")), None)
+    need = ("decode_steps", "decode_kv_tokens", "rollout_s", "decode_s")
+    if not (peak and all(step.get(k) for k in need) and inputs.get("decode_weight_bytes")):
+        return {}
+    moved = step["decode_steps"] * inputs["decode_weight_bytes"] + \
+        step["decode_kv_tokens"] * inputs["kv_bytes_per_token"]
+    roofline_s = moved / (peak * 1e9)
+    return {"decode_roofline_s": round(roofline_s, 3),
+            "rollout_vs_roofline": round(step["rollout_s"] / roofline_s, 3),
+            "decode_roofline_fraction": round(roofline_s / step["decode_s"], 4)}
 
 
 def update_mfu(step: dict, inputs: dict, device_kind: str) -> float | None:
@@ -562,6 +588,7 @@ def part_agent(shape: Shape, args, log, env, scratch: str) -> dict:
         mfu = update_mfu(s, result, kind)
         if mfu is not None:
             s["update_mfu"] = round(mfu, 4)
+        s.update(decode_roofline(s, result, kind))
         if "peak_device_gb" in s and plan.get("peak_gb"):
             s["peak_vs_plan"] = f"{s['peak_device_gb']:.1f} / {plan['peak_gb']:.1f} GB"
         steps.append(s)
@@ -851,7 +878,8 @@ def decode_rows(results: dict) -> list[tuple[str, str]]:
 # ---- summary -------------------------------------------------------------------------------------
 AGENT_ROW_KEYS = ("rollout_s", "decode_s", "prefill_s", "tool_wait_s", "old_logprobs_s", "update_s",
                   "update_mfu", "handoff_s", "checkpoint_s", "compile_s", "decode_tok_s", "trained_tok_s",
-                  "tool_calls_per_rollout", "tool_call_rate", "peak_vs_plan")
+                  "tool_calls_per_rollout", "tool_call_rate", "rollout_vs_roofline",
+                  "decode_roofline_fraction", "peak_vs_plan")
 
 
 def agent_rows(part: PartResult | None) -> list[tuple[str, str]]:

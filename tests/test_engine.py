@@ -363,6 +363,26 @@ def test_k_steps_per_device_call_one_host_sync(model):
     assert not block.valid[-1].any() and eng.slot_info(0).active is False
 
 
+def test_decode_kv_tokens_counts_what_each_step_attended_to(model):
+    """The KV positions a decode call read (its HBM roofline's bytes): counted from the slots'
+    lengths before the call, a row of length L that fed n tokens attended to L + 1, ..., L + n;
+    rows that stop mid-call (a 2-token budget) count only their steps."""
+    from rstarjax.serving.programs import decode_kv_tokens
+
+    eng = _engine(model, decode_steps=4)
+    state = eng.init_decode_state()
+    prompts = {0: [3, 4, 5], 1: [6, 7, 8, 9, 10, 11, 12], 2: [5] * 12}
+    budgets = {0: 30, 1: 3, 2: 30}
+    state, _ = eng.start(eng.params, state, [StartRequest(
+        s, p, SamplingParams(temperature=0, max_new_tokens=budgets[s])) for s, p in prompts.items()])
+    before = {s: eng.slot_length(s) for s in prompts}
+    state, block = eng.decode(eng.params, state)
+    fed = block.valid.sum(axis=0)
+    assert fed[1] < fed[0] == 4  # the 3-token budget ends row 1 inside the call
+    expected = sum(sum(before[s] + i + 1 for i in range(int(fed[s]))) for s in prompts)
+    assert decode_kv_tokens(block) == expected
+
+
 def test_decode_xla_options_reach_the_decode_program_alone(model):
     """``decode_xla_options`` compile the decode program with XLA options of its own (cuBLAS
     GEMMs on a GPU; on CPU the GPU option changes nothing): the tokens are the full forward's

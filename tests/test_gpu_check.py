@@ -62,6 +62,9 @@ def test_gpu_check_runs_every_part_at_the_tiny_shape(tmp_path):
         for key in ("rollout_s", "decode_s", "prefill_s", "old_logprobs_s", "update_s", "handoff_s"):
             assert s[key] > 0, (key, s)
         assert 0 <= s["tool_call_rate"] <= 1 and s["tool_calls_per_rollout"] >= 0 and "compile_s" in s
+        # what the decode steps read, for their roofline: every decoded token attends to its
+        # prompt (>= 30 tokens of the demo's problems) and more
+        assert s["decode_steps"] > 0 and s["decode_kv_tokens"] > 30 * s["generated_tokens"] > 0, s
     assert "checkpoint_s" in agent["steps"][1]
     # jax's compile log, split by step: step 1 compiled the engine's prefill feed; step 2 compiled no
     # prefill-phase program again at a shape step 1 had compiled (058d7df)
@@ -134,6 +137,21 @@ def test_budget_cuts_each_limit_and_skips_the_parts_that_do_not_fit(tmp_path, mo
     assert parts["kernels2"]["ok"] and not parts["kernels2"]["skipped"]
     assert parts["ckpt"]["skipped"] and "--budget-s 120" in parts["ckpt"]["error"]
     assert ("ckpt", parts["ckpt"]["error"]) in g.summary_rows({k: g.PartResult(**v) for k, v in parts.items()})
+
+
+def test_decode_roofline_of_a_step():
+    """The rollout's decode against the HBM roofline, by hand: 100 steps reading 3.44 GB of
+    weights and 2e6 KV positions of 114,688 bytes on an H200 (4.8 TB/s) need 0.1195 s."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check as g
+
+    step = {"decode_steps": 100, "decode_kv_tokens": 2_000_000, "rollout_s": 0.3, "decode_s": 0.25}
+    inputs = {"decode_weight_bytes": 3.44e9, "kv_bytes_per_token": 114_688}
+    got = g.decode_roofline(step, inputs, "NVIDIA H200")
+    need = (100 * 3.44e9 + 2e6 * 114_688) / 4.8e12
+    assert got == {"decode_roofline_s": round(need, 3), "rollout_vs_roofline": round(0.3 / need, 3),
+                   "decode_roofline_fraction": round(need / 0.25, 4)}
+    assert g.decode_roofline(step, inputs, "cpu") == {}  # no peak known: no figure
 
 
 def test_parts_are_picked_by_name_or_by_family(tmp_path, monkeypatch):

@@ -71,6 +71,14 @@ class DecodeState:
 
 # ---- what the host reads back from the programs, and what it feeds them ----------------------
 
+def decode_kv_tokens(block: "DecodeBlock") -> int:
+    """KV positions a decode call's steps attended to, over its rows: a row that fed n tokens
+    and holds L after the call read L - n + 1, ..., L of them (each step attends to the token
+    it feeds)."""
+    n = block.valid.sum(axis=0).astype(np.int64)
+    return int(np.sum(n * block.lengths - n * (n - 1) // 2))
+
+
 @dataclasses.dataclass
 class DecodeBlock:
     """Host copy of one ``decode`` call: ``steps`` rows of per-slot results."""

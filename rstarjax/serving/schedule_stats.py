@@ -33,6 +33,9 @@ class SliceStats:
     decode_calls: int = 0
     host_syncs: int = 0
     generated_tokens: int = 0  # tokens sampled by decode steps (prefill first tokens excluded)
+    # KV positions those steps attended to, summed over rows and steps: with decode_steps (one
+    # weight read each) what the steps had to read, for their HBM roofline (gpu_check.py)
+    decode_kv_tokens: int = 0
     tool_wait_s: float = 0.0  # summed over tool calls: dispatch -> ids ready
     tool_blocked_s: float = 0.0  # the slice had nothing to decode and waited on tool calls
     prefill_tokens: int = 0
@@ -99,6 +102,7 @@ class ScheduleStats:
             "decode_calls": total("decode_calls"),
             "host_syncs": total("host_syncs"),
             "generated_tokens": total("generated_tokens"),
+            "decode_kv_tokens": total("decode_kv_tokens"),
             "preemptions": total("preemptions"),
             "reserve_tokens_max": float(max(s.reserve_tokens for s in self.slices)),
             "paused": float(sum(len(s.paused) for s in self.slices)),

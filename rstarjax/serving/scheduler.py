@@ -56,7 +56,7 @@ import numpy as np
 
 from rstarjax.models.kv_cache import pages_for
 from rstarjax.serving.engine import Engine
-from rstarjax.serving.programs import DoneReason
+from rstarjax.serving.programs import DoneReason, decode_kv_tokens
 from rstarjax.serving.sampling import SamplingParams
 from rstarjax.serving.schedule_stats import ScheduleStats, SliceStats, StepRecord
 from rstarjax.serving.start_plan import StartRequest
@@ -648,6 +648,7 @@ class _SliceDriver:
         self.stats.decode_calls += 1
         self.stats.decode_steps += ran
         self.stats.generated_tokens += int(block.valid.sum())
+        self.stats.decode_kv_tokens += decode_kv_tokens(block)
         for i in range(block.steps):
             for s in decoding:
                 r = self.live.get(s)

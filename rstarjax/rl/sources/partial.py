@@ -13,7 +13,8 @@ from rstarjax.processes import any_process
 
 # the per-round figures that add up over the rounds of one partial-rollout step
 ROUND_SUMS = ("timing/rollout_generated_tokens", "timing/rollout_decode_steps", "timing/rollout_prefill_tokens",
-              "timing/rollout_decode_calls", "timing/rollout_preemptions")
+              "timing/rollout_decode_calls", "timing/rollout_preemptions",
+              "timing/rollout_decode_kv_tokens")
 
 
 def add_times(metrics: dict, times: dict) -> dict:
