@@ -320,14 +320,23 @@ def engine_main():
         times = {arm: [] for arm in arms}
         context = {arm: [] for arm in arms}
         compile_s = {}
+        failed = {}  # an arm whose program does not compile here is a row; the others go on
         for rnd in range(args.rounds + 1):  # round 0 compiles each arm's program
             for arm in arms:
                 if rnd and time.perf_counter() - t_start > args.budget_s:
                     break
+                if arm in failed:
+                    continue
                 set_arm(engine, arm)
                 length = float(np.mean([engine.slot_length(r) for r in range(batch)]))
                 t = time.perf_counter()
-                state, block = engine.decode(engine.params, state)
+                try:
+                    state, block = engine.decode(engine.params, state)
+                except Exception as exc:  # noqa: BLE001  (compiled before it runs: state intact)
+                    if rnd:
+                        raise
+                    failed[arm] = f"{type(exc).__name__}: {exc}"[:300]
+                    continue
                 seconds = time.perf_counter() - t
                 if rnd == 0:
                     compile_s[arm] = seconds
@@ -352,6 +361,10 @@ def engine_main():
         weights = serving_weight_bytes(cfg, jnp.bfloat16)
         if not cfg.tie_word_embeddings:  # an untied input table is gathered, batch rows of it
             weights -= (cfg.vocab_size - batch) * cfg.hidden_size * 2
+        for arm, error in failed.items():
+            print(json.dumps({"engine": True, "preset": args.preset, "batch": batch,
+                              "prompt_len": args.prompt_len, "attention": arm[0], "sampler": arm[1],
+                              "gemms": arm[2], "error": error}), flush=True)
         for arm in arms:
             if not times[arm]:
                 continue

@@ -864,8 +864,10 @@ def decode_rows(results: dict) -> list[tuple[str, str]]:
     decode = [r for part in ("decode", "decode_4k") if results.get(part) is not None
               for r in results[part].result.get("rows", [])]
     for r in decode:
-        if "error" in r:  # a pool that could not hold the rows
-            rows.append((f"decode b{r['batch']} ctx{r.get('prompt_len')}", f"error: {r['error'][:120]}"))
+        if "error" in r:  # a pool that could not hold the rows, or an arm that did not compile
+            arm = " ".join(x for x in (r.get("attention"), r.get("sampler"), r.get("gemms")) if x)
+            rows.append((f"decode b{r['batch']} ctx{r.get('prompt_len')} {arm}".rstrip(),
+                         f"error: {r['error'][:120]}"))
             continue
         gemms = "" if r.get("gemms", "xla") == "xla" else f" {r['gemms']}"
         rows.append((f"decode b{r['batch']} ctx{r.get('prompt_len')} {r['attention']} {r['sampler']}{gemms}",

@@ -95,6 +95,19 @@ def test_gpu_check_runs_every_part_at_the_tiny_shape(tmp_path):
     assert re.search(r"ckpt wait +0.0 GB in 39 arrays: pinned [0-9.]+ s, pageable [0-9.]+ s", table)
 
 
+def test_an_engine_arm_that_does_not_compile_is_a_row_not_the_end():
+    """A decode arm whose program fails to compile (here a name the engine refuses; on a device,
+    a kernel Triton cannot fit) is reported as an error row; the arms after it still run."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "decode_kernel_sweep.py"),
+                           "--engine", "--tiny", "--batches", "4",
+                           "--engine-arms", "reference:exact,nonsense:exact"],
+                          capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["attention"]: r for r in map(json.loads, proc.stdout.splitlines()) if r.get("engine")}
+    assert "nonsense" in rows["nonsense"]["error"] and "step_ms" not in rows["nonsense"]
+    assert rows["reference"]["calls"] == 2 and rows["reference"]["decode_tok_s"] > 0  # tiny: 2 rounds
+
+
 @pytest.mark.slow  # the Pallas interpreter: ~25 s
 def test_kernels_part_runs_the_sweep_against_the_reference(tmp_path):
     out = tmp_path / "out"
