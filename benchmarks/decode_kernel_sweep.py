@@ -299,9 +299,14 @@ def engine_main():
         model = Qwen3(cfg, rngs=nnx.Rngs(0))
         calls = len(arms) * (args.rounds + 1) + 1 + len(args.trace_arms.split(","))
         try:  # a pool that cannot hold batch x prompt_len (4K contexts) is a row, not the end
-            engine = Engine(model, num_slots=batch, max_len=args.prompt_len + 16 * calls + 8,
+            max_len = args.prompt_len + 16 * calls + 8
+            engine = Engine(model, num_slots=batch, max_len=max_len,
                             kv_memory_fraction=0.8, decode_attention=arms[0][0],
                             interpret=args.interpret, sampler=arms[0][1])
+            need = batch * -(-max_len // engine.page_size)  # every row to its last call's length
+            if engine.num_pages < need:
+                raise RuntimeError(f"the pool holds {engine.num_pages} pages, {batch} rows of "
+                                   f"{max_len} tokens need {need}")
             rng = np.random.default_rng(0)
             state = engine.init_decode_state()
             state, _ = engine.start(engine.params, state, [

@@ -818,9 +818,9 @@ def part_kernels2(shape: Shape, args, log, env) -> dict:
         share = 0.8 if i == 0 and len(runs) > 1 else 0.9  # the first leaves the second its time
         code, out = run_part("kernels2", sweep + extra + ["--budget-s", str(0.7 * share * left)],
                              share * left, log, env)
-        if code != 0:
-            raise RuntimeError(f"exit {code}: {tail(out)}")
         rows += [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+        if code != 0:  # the rows it printed before are kept
+            raise PartFailed(f"exit {code}: {tail(out)}", {"rows": [r for r in rows if not r.get("best")]})
     return {"rows": [r for r in rows if not r.get("best")]}
 
 
@@ -845,9 +845,10 @@ def part_decode(shape: Shape, args, log, env, trace_dir: str, name: str = "decod
         argv += ["--batches", "64,128", "--prompt-len", "4096"] if long else ["--batches", "256,64,32"]
         argv += ["--rounds", "3"]
     code, out = run_part(name, argv, timeout, log, env)
-    if code != 0:
-        raise RuntimeError(f"exit {code}: {tail(out)}")
-    return {"rows": [json.loads(x) for x in out.splitlines() if x.startswith("{")]}
+    rows = {"rows": [json.loads(x) for x in out.splitlines() if x.startswith("{")]}
+    if code != 0:  # the batches it finished are kept
+        raise PartFailed(f"exit {code}: {tail(out)}", rows)
+    return rows
 
 
 def decode_rows(results: dict) -> list[tuple[str, str]]:
