@@ -281,7 +281,7 @@ def engine_main():
     from rstarjax.models.kv_cache import kv_bytes_per_token
     from rstarjax.models.qwen3 import Qwen3
     from rstarjax.serving import Engine, SamplingParams
-    from rstarjax.serving.sizing import serving_weight_bytes
+    from rstarjax.serving.sizing import decode_weight_bytes_read
     from rstarjax.serving.start_plan import StartRequest
 
     from rstarjax.models import decode_kernel
@@ -363,9 +363,7 @@ def engine_main():
                     return state
                 name = "_".join(["decode", f"b{batch}", *(x for x in arm if x != "xla")]) + ".json.gz"
                 traces[arm] = trace_one_call(one_call, os.path.join(args.trace_dir, name))
-        weights = serving_weight_bytes(cfg, jnp.bfloat16)
-        if not cfg.tie_word_embeddings:  # an untied input table is gathered, batch rows of it
-            weights -= (cfg.vocab_size - batch) * cfg.hidden_size * 2
+        weights = decode_weight_bytes_read(cfg, batch)
         for arm, error in failed.items():
             print(json.dumps({"engine": True, "preset": args.preset, "batch": batch,
                               "prompt_len": args.prompt_len, "attention": arm[0], "sampler": arm[1],

@@ -403,7 +403,7 @@ from rstarjax.models.chat_template import RSTAR2, encode_prompt
 from rstarjax.recipes import demo_tasks
 from rstarjax.recipes.config import as_flags
 from rstarjax.models.kv_cache import kv_bytes_per_token
-from rstarjax.serving.sizing import choose_colocated, serving_weight_bytes
+from rstarjax.serving.sizing import choose_colocated, decode_weight_bytes_read
 a = json.loads(sys.argv[1])
 tok = load_tokenizer(a["regular"] or None)
 overrides = {} if not a["regular"] else dict(vocab_size=tok.num_tokens, bos_token_id=tok.endoftext_id,
@@ -427,8 +427,7 @@ traces = demo_tasks.make_sft_traces(demo_tasks.generate_tasks(a["traces"], "trai
 with open(a["sft"], "w") as f:  # every trace calls the tool once, its output really run
     f.writelines(json.dumps({"messages": t}) + "\n" for t in traces)
 attention = cfg.train_flops_per_token(1) - cfg.train_flops_per_token(0)  # per token of context
-# what a decode step reads (bf16 serving copy; a tied table is read whole as the LM head)
-weights = serving_weight_bytes(cfg, jnp.bfloat16) - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2)
+weights = decode_weight_bytes_read(cfg, 0)  # a decode step's weight reads (the gathered rows aside)
 print(json.dumps({"params_b": cfg.num_params / 1e9, "vocab": cfg.vocab_size, "sft_traces": len(traces),
                   "decode_weight_bytes": weights, "kv_bytes_per_token": kv_bytes_per_token(cfg, jnp.bfloat16),
                   "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,

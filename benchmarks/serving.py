@@ -114,7 +114,7 @@ from rstarjax.rl.agent_loop import AgentConfig, RolloutRequest, run_rollouts  # 
 from rstarjax.serving import Engine, SamplingParams, StartRequest, generate  # noqa: E402
 from rstarjax.serving.colocated import ServingConfig  # noqa: E402
 from rstarjax.serving.scheduler import RolloutScheduler  # noqa: E402
-from rstarjax.serving.sizing import serving_weight_bytes  # noqa: E402
+from rstarjax.serving.sizing import decode_weight_bytes_read, serving_weight_bytes  # noqa: E402
 from tracing import trace_one_call  # noqa: E402
 
 TOOL = "execute_python_code_with_standard_io"
@@ -451,17 +451,6 @@ PEAK_GBPS = {"H100 80GB HBM3": 3350, "H100 PCIe": 2000, "H100": 3350, "H200": 48
 
 def _peak_gbps(dev) -> float:
     return args.peak_gbps or next((v for k, v in PEAK_GBPS.items() if k in dev.device_kind), 0)
-
-
-def decode_weight_bytes_read(cfg: ModelConfig, batch: int, dtype=jnp.bfloat16) -> int:
-    """Weight bytes one decode step reads: the serving copy (``serving_weight_bytes``), except
-    that an untied input embedding is only gathered, ``batch`` rows of it; a tied one is read
-    whole as the LM head. (Qwen3-8B: 1.24 GB of its 16.4 GB are the input table.)"""
-    total = serving_weight_bytes(cfg, dtype)
-    if not cfg.tie_word_embeddings:
-        row = cfg.hidden_size * jnp.dtype(dtype).itemsize
-        total -= cfg.vocab_size * row - batch * row
-    return total
 
 
 def _random_model(preset: str, param_dtype=jnp.bfloat16):

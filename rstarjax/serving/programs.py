@@ -261,5 +261,3 @@ def decode_program_with(xla_options: tuple[tuple[str, object], ...]):
     changing how the rest of the process (the trainer) compiles. One jit per option set."""
     return jax.jit(decode_program.__wrapped__, static_argnames=DECODE_STATIC, donate_argnames=DECODE_DONATED,
                    compiler_options=dict(xla_options))
-
-
