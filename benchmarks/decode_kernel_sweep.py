@@ -63,12 +63,16 @@ ap.add_argument("--packed-blockings", default="4,8,1024,4,3;4,8,1024,4,3,1;2,8,1
                      "(models/decode_kernel.py PackedBlocking), run in this order")
 ap.add_argument("--engine", action="store_true", help="the engine's decode step (see module doc)")
 ap.add_argument("--engine-arms", default="pallas_gpu:exact,pallas_gpu_packed:exact,pallas_gpu_packed:fused,"
-                "pallas_gpu_packed_append:fused,pallas_gpu_packed_rope:fused",
+                "pallas_gpu_packed_append:fused,pallas_gpu_packed_rope:fused,"
+                "pallas_gpu_packed_layer:fused",
                 help="ATTENTION:SAMPLER[:GEMMS], comma-separated (GEMMS: cublas, the decode "
                 "program's GEMMs on cuBLAS instead of XLA's Triton ones)")
 ap.add_argument("--preset", default="qwen3-1.7b", help="--engine: the model shape")
 ap.add_argument("--packed-blocking", default="", help="--engine: the blocking of the engine's "
                 "pallas_gpu_packed arms (one --packed-blockings spec; default: the engine's)")
+ap.add_argument("--gemm-blocking", default="", help="--engine: the blocking of the "
+                "pallas_gpu_packed_layer arms' GEMMs (BLOCK_ROWS,BLOCK_COLS,BLOCK_K,TARGET_PROGRAMS,"
+                "MIN_COLS,NUM_WARPS,NUM_STAGES: models/decode_gemm.py GemmBlocking; default: the engine's)")
 ap.add_argument("--prompt-len", type=int, default=512, help="--engine: tokens per row at the start")
 ap.add_argument("--rounds", type=int, default=3, help="--engine: alternating calls per arm")
 ap.add_argument("--trace-dir", default="", help="--engine: a jax.profiler trace of one call (after "
@@ -284,8 +288,10 @@ def engine_main():
     from rstarjax.serving.sizing import decode_weight_bytes_read
     from rstarjax.serving.start_plan import StartRequest
 
-    from rstarjax.models import decode_kernel
+    from rstarjax.models import decode_gemm, decode_kernel
 
+    if args.gemm_blocking:  # read when the decode programs are traced, as PACKED_BLOCKING
+        decode_gemm.GEMM_BLOCKING = decode_gemm.GemmBlocking(*map(int, args.gemm_blocking.split(",")))
     if args.packed_blocking:  # read when the decode programs are traced
         decode_kernel.PACKED_BLOCKING = decode_kernel.PackedBlocking(
             *map(int, args.packed_blocking.split(",")))

@@ -764,25 +764,27 @@ def part_train(shape: Shape, batch: int, name: str, log, env, trace_dir: str,
 
 
 # ---- kernels2 / decode: our decode kernel and sampler against jax's (issue 46) -------------------
-# decode: 6 arms x 3 batches, each a ~17 s compile of the 1.7B decode program (the serving part's
-# runs, 2026-11-27), ~6 min; what is left of the budget cuts the 32-row batch first
+# decode: 7 arms x 3 batches, each a ~17 s compile of the 1.7B decode program (the serving part's
+# runs, 2026-11-27), ~7 min; what is left of the budget cuts the 32-row batch first
 DECODE_TIMEOUTS = {"gpu": {"kernels2": 150, "decode": 400, "decode_4k": 180},
                    "tiny": {"kernels2": 300, "decode": 400, "decode_4k": 300}}
 # decode_4k: the issue's 4K-context rows, where the pool holds them (64 rows on an H100, 128 on
 # an H200; 256 x 4K is 120 GB of KV): jax's kernel against the predicted fastest, with and
 # without cuBLAS GEMMs
-DECODE_4K_ARMS = "pallas_gpu:exact,pallas_gpu_packed_rope:fused,pallas_gpu_packed_rope:fused:cublas"
+DECODE_4K_ARMS = ("pallas_gpu:exact,pallas_gpu_packed_rope:fused,pallas_gpu_packed_layer:fused,"
+                  "pallas_gpu_packed_rope:fused:cublas")
 # Our kernel's blockings (PAGES_PER_BLOCK,MAX_K_SPLITS,TARGET_PROGRAMS,NUM_WARPS,NUM_STAGES[,TENSOR_CORES]) in
 # predicted order, best first (docs/serving.md "Our decode kernel"), so a part that runs out of
 # time has measured the likeliest winners; jax's Triton kernel with the engine's blocking runs first.
 PACKED_BLOCKINGS = "4,8,1024,4,3;4,8,1024,4,3,1;2,8,1024,4,4;8,8,1024,8,3;4,8,1048576,4,3"
 # The engine's decode, attention path x sampler [x GEMMs], alternating; the issue's target batches
 # first. Each arm one change on the one before (jax's kernel; ours; the one-pass sampler; ours
-# writing the step's K/V; norming and rotating q/k too; cuBLAS GEMMs), so their differences are
-# each change's. DECODE_TRACED is traced at 256 and 64 rows, its HLO kept, for the next fusions.
+# writing the step's K/V; norming and rotating q/k too; the projections as our fused GEMMs,
+# models/decode_gemm.py), so their differences are each change's; the last, cuBLAS GEMMs, is a
+# change on the rope arm. DECODE_TRACED is traced at 256 and 64 rows, its HLO kept, for the next fusions.
 DECODE_ARMS = ("pallas_gpu:exact,pallas_gpu_packed:exact,pallas_gpu_packed:fused,"
                "pallas_gpu_packed_append:fused,pallas_gpu_packed_rope:fused,"
-               "pallas_gpu_packed_rope:fused:cublas")
+               "pallas_gpu_packed_layer:fused,pallas_gpu_packed_rope:fused:cublas")
 DECODE_TRACED = "pallas_gpu_packed_rope:fused"
 
 

@@ -70,8 +70,9 @@ def _lower(decode_call, platform, attention):
 
 @pytest.mark.parametrize("platform, attention", [
     ("cuda", "pallas_gpu"), ("cuda", "pallas_gpu_packed"), ("cuda", "pallas_gpu_packed_append"),
-    ("cuda", "pallas_gpu_packed_rope"), ("cuda", "ragged"), ("rocm", "auto"),
-    ("rocm", "pallas_gpu_packed"), ("rocm", "pallas_gpu_packed_append"), ("rocm", "pallas_gpu_packed_rope"),
+    ("cuda", "pallas_gpu_packed_rope"), ("cuda", "pallas_gpu_packed_layer"), ("cuda", "ragged"),
+    ("rocm", "auto"), ("rocm", "pallas_gpu_packed"), ("rocm", "pallas_gpu_packed_append"),
+    ("rocm", "pallas_gpu_packed_rope"), ("rocm", "pallas_gpu_packed_layer"),
     ("tpu", "auto"), ("tpu", "ragged"),
 ])
 def test_decode_program_lowers_for_the_platform(decode_call, platform, attention):
@@ -81,6 +82,7 @@ def test_decode_program_lowers_for_the_platform(decode_call, platform, attention
     kernel = {"pallas_gpu": "__gpu$xla.gpu.triton", "pallas_gpu_packed": "__gpu$xla.gpu.triton",
               "pallas_gpu_packed_append": "__gpu$xla.gpu.triton",
               "pallas_gpu_packed_rope": "__gpu$xla.gpu.triton",
+              "pallas_gpu_packed_layer": "__gpu$xla.gpu.triton",
               "pallas_tpu": "tpu_custom_call"}.get(attention)
     if kernel:  # the kernel itself is in the program, not a fallback
         assert kernel in text, (platform, attention)
@@ -131,6 +133,36 @@ def test_packed_kernel_variants_lower_for_cuda_at_qwen3_shapes(blocking):
              (q, new, new, lengths, pool, pool, table, lengths)),
             (lambda *a: decode_attention_append(*a[:8], rope=a[8], qk_norm=a[9], blocking=blocking),
              (q, new, new, lengths, pool, pool, table, lengths, angles, norms)),
+        ]
+        for fn, args in calls:
+            text = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[TRITON])(
+                *args).mlir_module()
+            assert "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("rows", [4, 64, 256])
+@pytest.mark.parametrize("model", ["qwen3-1.7b", "qwen3-8b"])
+def test_fused_decode_gemms_lower_for_cuda_at_qwen3_shapes(model, rows):
+    """``pallas_gpu_packed_layer``'s four GEMM kernels (models/decode_gemm.py) at the layer
+    shapes of Qwen3-1.7B and 8B for the decode batches the engine compiles (4 rows: padded to
+    the 16-row tile), with the default blocking and the others gpu_check's decode part may try."""
+    from rstarjax.models.decode_gemm import GemmBlocking, matmul_residual, norm_matmul
+
+    cfg = ModelConfig.preset(model)
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    x, w_norm = sd((rows, d), bf), sd((d,), bf)
+    for blocking in (GemmBlocking(), GemmBlocking(block_cols=64, min_cols=64, num_warps=8)):
+        calls = [
+            (lambda x, n, a, b, c: norm_matmul(x, n, (a, b, c), eps=1e-6, blocking=blocking),
+             (x, w_norm, sd((d, q), bf), sd((d, kv), bf), sd((d, kv), bf))),
+            (lambda a, w, r: matmul_residual(a, w, r, blocking=blocking),
+             (sd((rows, q), bf), sd((q, d), bf), x)),
+            (lambda x, n, a, b: norm_matmul(x, n, (a, b), eps=1e-6, swiglu=True, blocking=blocking),
+             (x, w_norm, sd((d, f), bf), sd((d, f), bf))),
+            (lambda a, w, r: matmul_residual(a, w, r, blocking=blocking),
+             (sd((rows, f), bf), sd((f, d), bf), x)),
         ]
         for fn, args in calls:
             text = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[TRITON])(

@@ -223,6 +223,9 @@ LANES = {
     # the same kernel norming and rotating q and k itself, with the exact sampler
     "packed-rope": Lane("pallas_gpu_packed_rope", decode_steps=4, ks=(4,), seeds=(14,),
                         num_prompts=2, max_turns=2),
+    # that kernel with the layer's projections as our fused GEMMs (models/decode_gemm.py)
+    "packed-layer": Lane("pallas_gpu_packed_layer", decode_steps=4, ks=(4,), seeds=(15,),
+                         num_prompts=2, max_turns=2),
     # The TPU interpreter takes ~1.5 s per decode step here: one short workload.
     "pallas_tpu": Lane("pallas_tpu", decode_steps=4, ks=(4,), seeds=(12,), num_prompts=2,
                        max_turns=2, logprob_tol=2e-2),

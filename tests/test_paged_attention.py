@@ -259,10 +259,11 @@ def test_append_kernel_split_over_kv_heads_equals_unsplit():
 
 @pytest.mark.slow  # the Pallas interpreter over two layers: ~30 s a kernel
 @pytest.mark.parametrize("kernel", ["pallas_gpu", "pallas_gpu_packed", "pallas_gpu_packed_append",
-                                    "pallas_gpu_packed_rope"])
+                                    "pallas_gpu_packed_rope", "pallas_gpu_packed_layer"])
 def test_decode_through_a_gpu_kernel_equals_reference_decode(tiny, kernel):
     """The engine's whole paged forward with a GPU kernel (interpreted: jax's, or ours, or ours
-    writing the K/V itself, or that also norming and rotating q and k) as its decode attention, through ``paged_forward``'s switch (NO_PAGE
+    writing the K/V itself, or that also norming and rotating q and k, or that with the layer's
+    projections as our fused GEMMs) as its decode attention, through ``paged_forward``'s switch (NO_PAGE
     entries, lengths as the engine passes them): the logits and the pools it returns."""
     cfg = serving_config(TINY32)
     w = serving_weights(tiny, jnp.float32)

@@ -24,7 +24,8 @@
 - ``paged_decode_append``: the same kernel writing the step's K/V itself
   (``pallas_gpu_packed_append``: no scatter kernels between the projections and attention),
   and also applying the q/k RMSNorm and the rotary embedding (``pallas_gpu_packed_rope``: the
-  QKV projection's output goes straight into the kernel).
+  QKV projection's output goes straight into the kernel); ``pallas_gpu_packed_layer`` is that
+  kernel with the layer's projections as ``decode_gemm`` kernels (``qwen3.decode_layer_fused``).
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ import jax.numpy as jnp
 from rstarjax.models.kv_cache import NO_PAGE
 
 DECODE_IMPLEMENTATIONS = ("reference", "ragged", "pallas_gpu", "pallas_gpu_packed",
-                          "pallas_gpu_packed_append", "pallas_gpu_packed_rope", "pallas_tpu")
+                          "pallas_gpu_packed_append", "pallas_gpu_packed_rope",
+                          "pallas_gpu_packed_layer", "pallas_tpu")
 QUERY_BLOCK = 256  # queries per block in the reference: bounds the [T, context] logits buffer
 RAGGED_CHUNK = 64  # pages per iteration of the ragged decode attention
 RAGGED_LIST_STEP = 16  # a list of at most RAGGED_CHUNK pages is padded to a multiple of this

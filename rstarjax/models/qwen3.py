@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rstarjax.models.attention import choose_implementation, packed_attention, segment_causal_mask
+from rstarjax.models import decode_gemm
 from rstarjax.models.config import ModelConfig
 from rstarjax.models.kv_cache import PagedKVCache
 from rstarjax.models.logprobs import token_logprobs_from_hidden
@@ -145,6 +146,38 @@ def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, sin: jax.Array, cos: 
     up = constrain(matmul(h, "up_proj"), ("batch", "seq", "act_mlp"))
     x = x + matmul(jax.nn.silu(gate) * up, "down_proj")
     return constrain(x, ("batch", "seq", "act_embed")), aux
+
+
+def decode_layer_fused(cfg: ModelConfig, p: dict, x: jax.Array,
+                       attention: Callable[[jax.Array, jax.Array, jax.Array], tuple], *,
+                       interpret: bool = False):
+    """``decoder_layer`` for a decode step of a served model (one token a row, merged weights,
+    ``attention`` applying the q/k norm and the rotary embedding: ``pallas_gpu_packed_layer``),
+    with its projections as ``decode_gemm``'s kernels, each taking in the work beside it: the
+    input norm and the q/k/v projections in one kernel, the output projection with the residual
+    add, the post-attention norm with the gate/up projections and SwiGLU, the down projection
+    with the residual add. Four GEMM kernels and the attention a layer; the same arithmetic and
+    roundings as ``decoder_layer`` (tests/test_decode_gemm.py)."""
+    if any(adapter_names(name)[0] in p for name in ("q_proj", "o_proj", "gate_proj")):
+        raise ValueError("decode_layer_fused serves merged weights (serving_weights): got LoRA adapters")
+    dt = cfg.dtype
+    b, t, d = x.shape
+    nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    kw = dict(blocking=decode_gemm.GEMM_BLOCKING, interpret=interpret)
+    rows = x.reshape(b * t, d)
+    q, k, v = decode_gemm.norm_matmul(rows, p["input_norm"], tuple(p[n].astype(dt) for n in (
+        "q_proj", "k_proj", "v_proj")), eps=cfg.rms_norm_eps, **kw)
+
+    def heads(y, name, count):
+        bias = p.get(name)  # Qwen2.5's q/k/v biases: an add after the kernel
+        return (y if bias is None else y + bias.astype(dt)).reshape(b, t, count, hd)
+
+    out, aux = attention(heads(q, "q_bias", nq), heads(k, "k_bias", nkv), heads(v, "v_bias", nkv))
+    rows = decode_gemm.matmul_residual(out.reshape(b * t, nq * hd), p["o_proj"].astype(dt), rows, **kw)
+    (act,) = decode_gemm.norm_matmul(rows, p["post_attention_norm"], (
+        p["gate_proj"].astype(dt), p["up_proj"].astype(dt)), eps=cfg.rms_norm_eps, swiglu=True, **kw)
+    rows = decode_gemm.matmul_residual(act, p["down_proj"].astype(dt), rows, **kw)
+    return rows.reshape(b, t, d), aux
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,8 +471,12 @@ def paged_forward(cfg: ModelConfig, w: ServingWeights, tokens: jax.Array, cache:
     x = jnp.take(w.embed, tokens, axis=0).astype(cfg.dtype)
     # our decode kernels that write the step's K/V themselves (and with "_rope" also apply the
     # q/k norm and the rotary embedding): one kernel between the QKV and output projections
-    in_kernel = t == 1 and decode_attention in ("pallas_gpu_packed_append", "pallas_gpu_packed_rope")
-    prepares_qk = t == 1 and decode_attention == "pallas_gpu_packed_rope"
+    # ("_layer": also the layer's projections as decode_gemm kernels, norms, SwiGLU and residual
+    # adds fused into them: decode_layer_fused)
+    in_kernel = t == 1 and decode_attention in ("pallas_gpu_packed_append", "pallas_gpu_packed_rope",
+                                                "pallas_gpu_packed_layer")
+    prepares_qk = t == 1 and decode_attention in ("pallas_gpu_packed_rope", "pallas_gpu_packed_layer")
+    fused_layer = t == 1 and decode_attention == "pallas_gpu_packed_layer"
     for i, p in enumerate(w.layers):
         def attention(q, k, v, i=i, p=p):
             if in_kernel:
@@ -467,7 +504,10 @@ def paged_forward(cfg: ModelConfig, w: ServingWeights, tokens: jax.Array, cache:
                                                 positions)
             return out, None
 
-        x, _ = decoder_layer(cfg, p, x, sin, cos, attention, attention_prepares_qk=prepares_qk)
+        if fused_layer:
+            x, _ = decode_layer_fused(cfg, p, x, attention, interpret=interpret)
+        else:
+            x, _ = decoder_layer(cfg, p, x, sin, cos, attention, attention_prepares_qk=prepares_qk)
     last = jnp.take_along_axis(x, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)
     h = rms_norm(last, w.final_norm, cfg.rms_norm_eps).astype(cfg.dtype)
     if w.lm_head is None:

@@ -48,7 +48,9 @@ class ServingConfig:
     # The decode step's attention (docs/serving.md "Decode kernels"): "auto" picks the platform's
     # default (serving.engine); "pallas_gpu_packed" is our kernel (models/decode_kernel.py), not
     # the CUDA default until a GPU measures it ("pallas_gpu_packed_append": the same, writing the
-    # step's K/V itself; "pallas_gpu_packed_rope": also norming and rotating q/k); "ragged" the
+    # step's K/V itself; "pallas_gpu_packed_rope": also norming and rotating q/k;
+    # "pallas_gpu_packed_layer": also the projections as Pallas GEMMs with the norms, SwiGLU and
+    # residual adds fused in, models/decode_gemm.py); "ragged" the
     # portable path, "reference" the oracle
     decode_attention: str = "auto"
     # "exact" draws with the float32 logits (the default); "fused" reads them in the compute dtype
