@@ -291,7 +291,7 @@ def engine_main():
     from rstarjax.models import decode_gemm, decode_kernel
 
     if args.gemm_blocking:  # read when the decode programs are traced, as PACKED_BLOCKING
-        decode_gemm.GEMM_BLOCKING = decode_gemm.GemmBlocking(*map(int, args.gemm_blocking.split(",")))
+        decode_gemm.GEMM_BLOCKING = decode_gemm.GemmBlocking.from_spec(args.gemm_blocking)
     if args.packed_blocking:  # read when the decode programs are traced
         decode_kernel.PACKED_BLOCKING = decode_kernel.PackedBlocking(
             *map(int, args.packed_blocking.split(",")))
@@ -387,6 +387,8 @@ def engine_main():
                    "compile_s": round(compile_s[arm], 1), "bytes_per_step_gb": round(moved / 1e9, 4)}
             if peak:
                 row["roofline_fraction"] = round(moved / (peak * 1e9) / step, 4)
+            if arm[0] == "pallas_gpu_packed_layer":  # the only path that runs our GEMMs
+                row["gemm_blocking"] = decode_gemm.GEMM_BLOCKING.spec()
             row.update(traces.get(arm, {}))
             print(json.dumps(row), flush=True)
         del engine, state

@@ -48,10 +48,13 @@ out of time costs only itself):
   beside a plain ``jax.device_get`` of the same arrays (~2 min on an H100, predicted).
 * ``serving_<preset>``: decode tokens/s and fraction of the HBM roofline at 64 and 256 rollouts, Qwen3-1.7B
   and 8B shapes (``benchmarks/serving.py --device gpu``), with a trace of one decode call each.
-* ``kernels2``, ``decode`` (optional, issue 46): the decode kernels alone at 256 rows x 4K
-  (jax's Triton kernel, then ours, ``models/decode_kernel.py``, in predicted order) and the
-  engine's decode step at 256/64/32 rows with each attention path and sampler, alternating,
-  median of 3 (docs/serving.md "Our decode kernel": about 4 minutes on an H100 or H200).
+* ``kernels2``, ``gemms``, ``decode`` (optional, issue 46): the decode kernels alone at 256 rows x 4K
+  (jax's Triton kernel, then ours, ``models/decode_kernel.py``, in predicted order), our decode
+  GEMMs alone (``models/decode_gemm.py``, each of ``GEMM_BLOCKINGS``) against XLA's ops of the
+  same work at 64 and 256 rows (<= 100 s), and the engine's decode step at 256/64/32 rows with
+  each attention path and sampler, alternating, median of 3, the fused-GEMM arm with the
+  ``gemms`` part's best blocking (docs/serving.md "Our decode kernel": about 7 minutes on an
+  H100 or H200).
 * ``train_1x8k``, ``train_4x8k``: train-step MFU at 1 x 8K and 4 x 8K tokens, Qwen3-1.7B, bf16
   (``benchmarks/bench_trainer.py``), with a trace of one step each.
 
@@ -766,8 +769,8 @@ def part_train(shape: Shape, batch: int, name: str, log, env, trace_dir: str,
 # ---- kernels2 / decode: our decode kernel and sampler against jax's (issue 46) -------------------
 # decode: 7 arms x 3 batches, each a ~17 s compile of the 1.7B decode program (the serving part's
 # runs, 2026-11-27), ~7 min; what is left of the budget cuts the 32-row batch first
-DECODE_TIMEOUTS = {"gpu": {"kernels2": 150, "decode": 400, "decode_4k": 180},
-                   "tiny": {"kernels2": 300, "decode": 400, "decode_4k": 300}}
+DECODE_TIMEOUTS = {"gpu": {"kernels2": 150, "gemms": 100, "decode": 400, "decode_4k": 180},
+                   "tiny": {"kernels2": 300, "gemms": 200, "decode": 400, "decode_4k": 300}}
 # decode_4k: the issue's 4K-context rows, where the pool holds them (64 rows on an H100, 128 on
 # an H200; 256 x 4K is 120 GB of KV): jax's kernel against the predicted fastest, with and
 # without cuBLAS GEMMs
@@ -825,7 +828,42 @@ def part_kernels2(shape: Shape, args, log, env) -> dict:
     return {"rows": [r for r in rows if not r.get("best")]}
 
 
-def part_decode(shape: Shape, args, log, env, trace_dir: str, name: str = "decode") -> dict:
+# gemms: our decode GEMMs' blockings (models/decode_gemm.py GemmBlocking: BLOCK_ROWS,BLOCK_COLS,
+# BLOCK_K,TARGET_PROGRAMS,MIN_COLS,NUM_WARPS,NUM_STAGES), the engine's first. Then along the
+# axis the arithmetic says matters (docs/serving.md "gemms"): each program re-reads all its rows
+# of x from L2 (twice with the norm), so at 64 rows x 32 columns it reads 4x more activation than
+# weight, ~4x the HBM bytes through L2; wider column blocks read less but fill fewer SMs:
+# 64-wide (qkv 64 programs at 64 rows), never narrowed (128-wide: 32); bracketing the other way,
+# 16-wide with a 6-stage pipeline; 64 x 256 tiles on 8 warps; 128-row blocks for 256 rows
+GEMM_BLOCKINGS = ("64,128,128,256,32,4,4;64,128,128,128,64,4,4;64,128,128,1,128,4,4;"
+                  "64,128,64,512,16,4,6;64,256,64,128,64,8,3;128,128,64,256,32,8,3")
+
+
+def part_gemms(shape: Shape, args, log, env) -> dict:
+    """Our decode GEMMs alone (benchmarks/decode_gemm_sweep.py) at 64 and 256 rows, Qwen3-1.7B's
+    layer shapes over its 28 layers: the layer's four kernels chained, then each kind, against
+    XLA's ops of the same work (its Triton GEMMs and cuBLAS), ``GEMM_BLOCKINGS`` in order. Its
+    ``best_gemm_blocking`` is the blocking the ``decode`` part's ``pallas_gpu_packed_layer`` arm
+    then runs with."""
+    timeout = BUDGET.clip(DECODE_TIMEOUTS[args.shape]["gemms"])
+    argv = [sys.executable, os.path.join(HERE, "decode_gemm_sweep.py"), "--budget-s", str(0.75 * timeout)]
+    # 16 layers of distinct weights (1.6 GB, 32x an H200's L2) keep a launch's host cost a few %
+    # of a call while compiling half of 28's
+    argv += ["--tiny", "--interpret"] if shape.model == "tiny" else ["--gemm-blockings", GEMM_BLOCKINGS,
+                                                                      "--layers", "16"]
+    code, out = run_part("gemms", argv, timeout, log, env)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    result = {"rows": [r for r in lines if "best_gemm_blocking" not in r]}
+    best = next((r for r in lines if "best_gemm_blocking" in r), None)
+    if best:
+        result["best"] = best
+    if code != 0:  # the rows it printed before are kept
+        raise PartFailed(f"exit {code}: {tail(out)}", result)
+    return result
+
+
+def part_decode(shape: Shape, args, log, env, trace_dir: str, name: str = "decode",
+                gemm_blocking: str = "") -> dict:
     """``decode``: the engine's decode step at 256, 64 and 32 rows (512-token prompts, the shape
     benchmarks/serving.py measures) with each ``DECODE_ARMS`` entry, the arms alternating call by
     call, median of 3 calls of 16 steps each, tokens/s and HBM-roofline fraction; one traced
@@ -838,10 +876,13 @@ def part_decode(shape: Shape, args, log, env, trace_dir: str, name: str = "decod
             "--budget-s", str(0.85 * timeout)]
     if not long:
         argv += ["--trace-dir", os.path.join(trace_dir, "decode"), "--trace-arms", DECODE_TRACED]
+    if gemm_blocking:  # the gemms part's best, for the arm that runs our GEMMs
+        argv += ["--gemm-blocking", gemm_blocking]
     if shape.model == "tiny":  # the kernels in their interpreter; one arm per path is enough
         argv += ["--tiny", "--interpret", "--batches", "4", "--trace-batches", "4",
-                 "--engine-arms", "ragged:exact:cublas," + DECODE_TRACED]
-        argv += ["--prompt-len", "48"] if long else []
+                 "--engine-arms", "ragged:exact:cublas," + DECODE_TRACED
+                 + ("" if long else ",pallas_gpu_packed_layer:fused")]
+        argv += ["--prompt-len", "160"] if long else []  # past the decode rows' contexts
     else:
         argv += ["--batches", "64,128", "--prompt-len", "4096"] if long else ["--batches", "256,64,32"]
         argv += ["--rounds", "3"]
@@ -863,6 +904,22 @@ def decode_rows(results: dict) -> list[tuple[str, str]]:
                      f"{r['us']} us, {r['gbps']} GB/s ({100 * r.get('hbm_fraction', 0):.0f} % of HBM), "
                      f"max diff {r['max_diff_vs_reference']:.3g}" if "us" in r
                      else f"error: {r.get('error', '')[:120]}"))
+    gemms = results.get("gemms")
+    for r in (gemms.result.get("rows", []) if gemms is not None else []):
+        arm = r.get("arm", "") + (f" {r['blocking']}" if r.get("blocking") else "")
+        label = f"gemms b{r.get('batch')} {r.get('kind')} {arm}".rstrip()
+        if "us_per_layer" in r:
+            rows.append((label, f"{r['us_per_layer']} us a layer {r['us_range']}, {r['gbps']} GB/s"
+                         + (f" ({100 * r['hbm_fraction']:.0f} % of HBM)" if r.get("hbm_fraction") else "")
+                         + (f", {r['vs_best_xla']}x the faster XLA" if r.get("vs_best_xla") else "")
+                         + (f", max diff {r['max_diff_vs_xla']:.3g}" if "max_diff_vs_xla" in r else "")))
+        else:
+            rows.append((label, f"error: {r.get('error', r.get('skipped', ''))[:120]}"))
+    if gemms is not None and gemms.result.get("best"):
+        best = gemms.result["best"]
+        rows.append(("gemms best blocking (decode's _layer arm)",
+                     f"{best['best_gemm_blocking']}: layer {best.get('layer_vs_best_xla')}x the faster "
+                     f"XLA at b{best.get('batches')}"))
     decode = [r for part in ("decode", "decode_4k") if results.get(part) is not None
               for r in results[part].result.get("rows", [])]
     for r in decode:
@@ -1022,10 +1079,12 @@ def parse_args(argv=None):
                          "Orbax's pinned-host copy against the pageable one, ~2 min), "
                          "blocking (the first serving preset with each --blockings spec), "
                          "kernels (the paged-attention kernels alone: Triton with the engine's "
-                         "and the --blockings blocking, cuDNN), kernels2 and decode (issue 46: our "
-                         "decode kernel alone and the engine's decode with each attention path and "
-                         "sampler; decode also runs decode_4k, its 4K-context rows, which can be "
-                         "named alone) and remat (the train parts with --remat-policy)")
+                         "and the --blockings blocking, cuDNN), kernels2, gemms and decode (issue 46: "
+                         "our decode kernel alone, our decode GEMMs alone against XLA's, and the engine's "
+                         "decode with each attention path and sampler, its fused-GEMM arm with the gemms "
+                         "part's best blocking when gemms ran first; decode also runs decode_4k, its "
+                         "4K-context rows, which can be named alone) and remat (the train parts with "
+                         "--remat-policy)")
     ap.add_argument("--blockings", default="8,16,8,2;4,8,4,2",
                     help="';'-separated --pallas-blocking specs of benchmarks/serving.py; repeat them "
                          "to alternate (the engine's own is 4,8,4,2, jax's defaults 8,16,8,2)")
@@ -1088,9 +1147,17 @@ def main(argv=None) -> int:
             shape, shape.serving_presets[0], n, log, env, os.path.join(trace_dir, n), blocking=sp)))
     plan.append(("kernels", lambda log: part_kernels(shape, args, log, kernel_env)))
     plan.append(("kernels2", lambda log: part_kernels2(shape, args, log, kernel_env)))
-    plan.append(("decode", lambda log: part_decode(shape, args, log, kernel_env, trace_dir)))
+    plan.append(("gemms", lambda log: part_gemms(shape, args, log, kernel_env)))
+
+    def measured_gemm_blocking() -> str:
+        """The gemms part's best blocking when it ran before, else the engine's own."""
+        gemms = results.get("gemms")
+        return (gemms.result.get("best") or {}).get("best_gemm_blocking", "") if gemms else ""
+    plan.append(("decode", lambda log: part_decode(shape, args, log, kernel_env, trace_dir,
+                                                   gemm_blocking=measured_gemm_blocking())))
     plan.append(("decode_4k", lambda log: part_decode(shape, args, log, kernel_env, trace_dir,
-                                                      name="decode_4k")))
+                                                      name="decode_4k",
+                                                      gemm_blocking=measured_gemm_blocking())))
     for policy in args.remat_policy.split(","):
         for b in shape.train_batches:
             name = f"remat_{policy}_{b}x"

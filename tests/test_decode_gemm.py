@@ -72,6 +72,20 @@ def test_matmul_residual_adds_the_rounded_product(dtype):
     _close(got, x + a @ w, dtype)
 
 
+def test_pipeline_stages_are_cut_to_what_shared_memory_holds_and_specs_round_trip():
+    """A blocking whose pipelined tiles would overflow an SM's shared memory fails only when the
+    device compiles it (Triton: out of resource), so the stages are cut before: SwiGLU's two
+    128 x 128 weight tiles and a 64 x 128 x tile are 80 KB a stage, 2 of them fit 192 KB."""
+    b = GemmBlocking()
+    assert b.stages_for(64, 128, 128, weights=2, itemsize=2) == 2
+    assert b.stages_for(64, 32, 128, weights=1, itemsize=2) == 4  # 24 KB a stage: as asked
+    assert b.stages_for(256, 256, 256, weights=2, itemsize=4) == 1  # never below one
+    assert GemmBlocking.from_spec(b.spec()) == b
+    assert GemmBlocking.from_spec("64,256,64,128,64,8,3") == GemmBlocking(64, 256, 64, 128, 64, 8, 3)
+    with pytest.raises(ValueError, match="7 integers"):
+        GemmBlocking.from_spec("64,128,128")
+
+
 def test_blocking_narrows_columns_until_the_grid_fills_and_refuses_odd_shapes():
     b = GemmBlocking()  # 64 x 128 x 128 tiles, 256 programs wanted, columns down to 32
     assert b.for_shape(64, 2048, (2048, 1024, 1024)) == (64, 32, 128)  # 128 programs at 32

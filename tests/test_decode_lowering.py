@@ -94,16 +94,22 @@ def test_auto_picks_a_kernel_on_tpu_and_the_portable_path_on_rocm():
     assert default_decode_implementation("rocm", head_dim=128, page_size=16) == "ragged"
 
 
-def _gpu_check_blockings() -> list[tuple[int, ...]]:
-    """The blockings benchmarks/gpu_check.py's kernels2 part runs (``PACKED_BLOCKINGS``)."""
+def _gpu_check_specs(name: str) -> list[str]:
+    """The blocking specs a constant of benchmarks/gpu_check.py lists (read as text: the script
+    parses its flags on import), a one-line string or a parenthesised run of them."""
     import os
     import re
 
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
                         "gpu_check.py")
     with open(path) as f:
-        [specs] = re.findall(r'^PACKED_BLOCKINGS = "([^"]+)"', f.read(), re.M)
-    return [tuple(map(int, b.split(","))) for b in specs.split(";") if b]
+        [value] = re.findall(rf'^{name} = (\("[^)]*"\)|"[^"]*")$', f.read(), re.M)
+    return [b for b in "".join(re.findall(r'"([^"]*)"', value)).split(";") if b]
+
+
+def _gpu_check_blockings() -> list[tuple[int, ...]]:
+    """The blockings benchmarks/gpu_check.py's kernels2 part runs (``PACKED_BLOCKINGS``)."""
+    return [tuple(map(int, b.split(","))) for b in _gpu_check_specs("PACKED_BLOCKINGS")]
 
 
 @pytest.mark.parametrize("blocking", _gpu_check_blockings() + [(1, 1, 1, 2, 1)])
@@ -145,15 +151,34 @@ def test_packed_kernel_variants_lower_for_cuda_at_qwen3_shapes(blocking):
 def test_fused_decode_gemms_lower_for_cuda_at_qwen3_shapes(model, rows):
     """``pallas_gpu_packed_layer``'s four GEMM kernels (models/decode_gemm.py) at the layer
     shapes of Qwen3-1.7B and 8B for the decode batches the engine compiles (4 rows: padded to
-    the 16-row tile), with the default blocking and the others gpu_check's decode part may try."""
-    from rstarjax.models.decode_gemm import GemmBlocking, matmul_residual, norm_matmul
+    the 16-row tile), with the default blocking and an 8-warp one."""
+    from rstarjax.models.decode_gemm import GemmBlocking
+
+    _lower_fused_decode_gemms(model, rows, (GemmBlocking(), GemmBlocking(
+        block_cols=64, min_cols=64, num_warps=8)))
+
+
+@pytest.mark.parametrize("spec", _gpu_check_specs("GEMM_BLOCKINGS"))
+def test_every_blocking_the_gemms_part_sweeps_lowers_for_cuda(spec):
+    """Each blocking gpu_check's ``gemms`` part runs (the engine's default first) lowers at the
+    shapes it runs them: Qwen3-1.7B's layer at 64 and 256 rows."""
+    from rstarjax.models.decode_gemm import GEMM_BLOCKING, GemmBlocking
+
+    assert GemmBlocking.from_spec(_gpu_check_specs("GEMM_BLOCKINGS")[0]) == GEMM_BLOCKING
+    for rows in (64, 256):
+        _lower_fused_decode_gemms("qwen3-1.7b", rows, (GemmBlocking.from_spec(spec),))
+
+
+def _lower_fused_decode_gemms(model: str, rows: int, blockings) -> None:
+    """The four GEMM kernels of a decode layer at ``model``'s shapes, exported for cuda."""
+    from rstarjax.models.decode_gemm import matmul_residual, norm_matmul
 
     cfg = ModelConfig.preset(model)
     d, f = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     x, w_norm = sd((rows, d), bf), sd((d,), bf)
-    for blocking in (GemmBlocking(), GemmBlocking(block_cols=64, min_cols=64, num_warps=8)):
+    for blocking in blockings:
         calls = [
             (lambda x, n, a, b, c: norm_matmul(x, n, (a, b, c), eps=1e-6, blocking=blocking),
              (x, w_norm, sd((d, q), bf), sd((d, kv), bf), sd((d, kv), bf))),

@@ -175,8 +175,16 @@ def test_parts_are_picked_by_name_or_by_family(tmp_path, monkeypatch):
     monkeypatch.setattr(g.BUDGET, "deadline", None)
     ran = []
     monkeypatch.setattr(g, "part_env", lambda *a: {"device_kind": "cpu"})
-    monkeypatch.setattr(g, "part_decode", lambda *a, name="decode": ran.append(name) or {"rows": []})
-    for parts, expected in (("env,decode", ["decode", "decode_4k"]), ("env,decode_4k", ["decode_4k"])):
+    monkeypatch.setattr(g, "part_decode", lambda *a, name="decode", gemm_blocking="": ran.append(
+        (name, gemm_blocking)) or {"rows": []})
+    monkeypatch.setattr(g, "part_gemms", lambda *a: ran.append(("gemms", "")) or {
+        "rows": [], "best": {"best_gemm_blocking": "64,128,128,256,64,4,4"}})
+    measured = "64,128,128,256,64,4,4"
+    for parts, expected in (("env,decode", [("decode", ""), ("decode_4k", "")]),
+                            ("env,decode_4k", [("decode_4k", "")]),
+                            # the decode parts after gemms run its best blocking; before it, their own
+                            ("env,gemms,decode", [("gemms", ""), ("decode", measured), ("decode_4k", measured)]),
+                            ("env,decode,gemms", [("decode", ""), ("decode_4k", ""), ("gemms", "")])):
         ran.clear()
         assert g.main(["--shape", "tiny", "--parts", parts, "--out", str(tmp_path)]) == 0
         assert ran == expected, (parts, ran)
@@ -223,14 +231,21 @@ def test_decode_kernel_parts_run_at_the_tiny_shape(tmp_path):
     fusion is read from)."""
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"),
-                           "--shape", "tiny", "--parts", "env,kernels2,decode", "--out", str(out)],
+                           "--shape", "tiny", "--parts", "env,kernels2,gemms,decode", "--out", str(out)],
                           capture_output=True, text=True, env=_env(), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     parts = json.loads((out / "gpu_check.json").read_text())["parts"]
     rows = parts["kernels2"]["result"]["rows"]
     assert [r["arm"] for r in rows] == ["triton", "packed", "packed"], rows
     assert all("us" in r and r["max_diff_vs_reference"] < 0.05 for r in rows), rows
+    gemms = parts["gemms"]["result"]
+    assert {(r["kind"], r["arm"]) for r in gemms["rows"]} == {
+        (k, a) for k in ("layer", "qkv", "o", "gate_up", "down") for a in ("xla", "xla:cublas", "ours")}
+    assert all(r["us_per_layer"] > 0 and r.get("max_diff_vs_xla", 0) < 0.1 for r in gemms["rows"]), gemms
     decode = {(r["attention"], r["sampler"]): r for r in parts["decode"]["result"]["rows"]}
+    layer = decode.pop(("pallas_gpu_packed_layer", "fused"))
+    # the decode part's fused-GEMM arm runs the blocking the gemms part measured best
+    assert layer["gemm_blocking"] == gemms["best"]["best_gemm_blocking"], (layer, gemms["best"])
     assert set(decode) == {("pallas_gpu_packed_rope", "fused"), ("ragged", "exact")}
     assert decode[("ragged", "exact")]["gemms"] == "cublas"  # an arm's XLA options of its own
     assert all(r["calls"] == 2 and r["decode_tok_s"] > 0 for r in decode.values())
@@ -239,8 +254,9 @@ def test_decode_kernel_parts_run_at_the_tiny_shape(tmp_path):
     names = json.loads((out / "gpu_check.json").read_text())["traces"]
     assert "decode/decode_b4_pallas_gpu_packed_rope_fused.json.gz" in names, names
     long = {(r["attention"], r["sampler"]): r for r in parts["decode_4k"]["result"]["rows"]}
-    assert set(long) == set(decode) and all(r["prompt_len"] == 48 for r in long.values()), long
+    assert set(long) == set(decode) and all(r["prompt_len"] == 160 for r in long.values()), long
     assert all(r["context"] > max(d["context"] for d in decode.values()) for r in long.values())
     assert "kernel2 b4 ctx40 packed" in proc.stdout
     assert "decode b4 ctx24 pallas_gpu_packed_rope fused" in proc.stdout
-    assert "decode b4 ctx48 ragged exact cublas" in proc.stdout
+    assert "gemms b32 layer ours" in proc.stdout and "gemms best blocking" in proc.stdout
+    assert "decode b4 ctx160 ragged exact cublas" in proc.stdout

@@ -67,6 +67,32 @@ class GemmBlocking:
             block_cols //= 2
         return block_rows, block_cols, block_k
 
+    def stages_for(self, block_rows: int, block_cols: int, block_k: int, weights: int,
+                   itemsize: int) -> int:
+        """``num_stages``, fewer where its pipelined tiles (an x tile and ``weights`` weight tiles
+        an iteration) would not fit ``PIPELINE_SHARED_BYTES``: a blocking Triton cannot fit in
+        an SM's shared memory fails only when the device compiles it, so it is cut here."""
+        per_stage = (block_rows * block_k + weights * block_k * block_cols) * itemsize
+        return max(1, min(self.num_stages, PIPELINE_SHARED_BYTES // per_stage))
+
+    def spec(self) -> str:
+        """The blocking as ``decode_kernel_sweep.py --gemm-blocking`` reads it (``from_spec``)."""
+        return ",".join(str(getattr(self, f.name)) for f in dataclasses.fields(self))
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "GemmBlocking":
+        """BLOCK_ROWS,BLOCK_COLS,BLOCK_K,TARGET_PROGRAMS,MIN_COLS,NUM_WARPS,NUM_STAGES."""
+        values = [int(v) for v in spec.split(",")]
+        if len(values) != len(dataclasses.fields(cls)):
+            raise ValueError(f"GEMM blocking {spec!r}: want {len(dataclasses.fields(cls))} integers "
+                             f"({','.join(f.name.upper() for f in dataclasses.fields(cls))})")
+        return cls(*values)
+
+
+# Shared memory the pipelined tiles may take: an H100/H200 block gets 227 KB; the rest is left to
+# Triton's own scratch (the accumulator's layout conversion before the store: 32 KB at 64 x 128).
+PIPELINE_SHARED_BYTES = 192 * 1024
+
 
 def _power_of_two_dividing(n: int, most: int) -> int:
     """The largest power of two <= ``most`` that divides ``n`` (1 if n is odd)."""
@@ -165,9 +191,10 @@ def _pad_rows(x: jax.Array) -> tuple[jax.Array, int]:
     return (x if padded == m else jnp.pad(x, ((0, padded - m), (0, 0)))), m
 
 
-def _compiler_params(blocking: GemmBlocking):
+def _compiler_params(blocking: GemmBlocking, tiles: tuple[int, int, int], weights: int, itemsize: int):
     from jax.experimental.pallas import triton as plgpu
-    return plgpu.CompilerParams(num_warps=blocking.num_warps, num_stages=blocking.num_stages)
+    return plgpu.CompilerParams(num_warps=blocking.num_warps,
+                                num_stages=blocking.stages_for(*tiles, weights, itemsize))
 
 
 def _whole(shape):
@@ -209,7 +236,8 @@ def norm_matmul(x: jax.Array, w_norm: jax.Array, weights: tuple[jax.Array, ...],
         kernel, grid=(rows // block_rows, column_blocks),
         in_specs=[_whole(xp.shape), _whole((1, depth))] + [_whole(w.shape) for w in weights],
         out_specs=[_whole(o.shape) for o in outs], out_shape=list(outs), interpret=interpret,
-        compiler_params=_compiler_params(blocking),
+        compiler_params=_compiler_params(blocking, (block_rows, block_cols, block_k),
+                                         2 if swiglu else 1, x.dtype.itemsize),
         name=f"decode_norm_{'swiglu' if swiglu else 'matmul'}_m{block_rows}_n{block_cols}_k{block_k}",
     )(xp, w_norm.reshape(1, depth), *weights)
     return tuple(y[:m] for y in ys)
@@ -232,7 +260,8 @@ def matmul_residual(a: jax.Array, w: jax.Array, residual: jax.Array, *,
         kernel, grid=(rows // block_rows, w.shape[1] // block_cols),
         in_specs=[_whole(ap.shape), _whole(w.shape), _whole(rp.shape)],
         out_specs=_whole(rp.shape), out_shape=jax.ShapeDtypeStruct(rp.shape, residual.dtype),
-        interpret=interpret, compiler_params=_compiler_params(blocking),
+        interpret=interpret, compiler_params=_compiler_params(
+            blocking, (block_rows, block_cols, block_k), 1, residual.dtype.itemsize),
         name=f"decode_matmul_residual_m{block_rows}_n{block_cols}_k{block_k}",
     )(ap, w, rp)
     return out[:m]
