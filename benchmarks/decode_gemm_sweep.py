@@ -97,41 +97,55 @@ def layer_weights(cfg: ModelConfig, layers: int, seed: int = 0) -> list[dict]:
 
 
 def xla_ops():
-    """The four steps as ``qwen3.decoder_layer`` writes them (XLA fuses and picks the GEMMs)."""
+    """The four steps as ``qwen3.decoder_layer`` writes them (XLA fuses and picks the GEMMs);
+    the sums of squares our kernels hand on are None here."""
     return dict(
-        qkv=lambda x, p: tuple(rms_norm(x, p["input_norm"], EPS) @ p[n] for n in ("q_proj", "k_proj", "v_proj")),
-        o=lambda a, res, p: res + a @ p["o_proj"],
-        gate_up=lambda x, p: (lambda h: jax.nn.silu(h @ p["gate_proj"]) * (h @ p["up_proj"]))(
+        qkv=lambda x, p, sums: tuple(rms_norm(x, p["input_norm"], EPS) @ p[n]
+                                     for n in ("q_proj", "k_proj", "v_proj")),
+        o=lambda a, res, p: (res + a @ p["o_proj"], None),
+        gate_up=lambda x, p, sums: (lambda h: jax.nn.silu(h @ p["gate_proj"]) * (h @ p["up_proj"]))(
             rms_norm(x, p["post_attention_norm"], EPS)),
-        down=lambda a, res, p: res + a @ p["down_proj"])
+        down=lambda a, res, p: (res + a @ p["down_proj"], None))
 
 
 def our_ops(blocking):
+    """``qwen3.decode_layer_fused``'s kernels: each residual add hands its rows' sums of squares
+    to the next norm, as in the engine."""
     kw = dict(blocking=blocking, interpret=args.interpret)
     return dict(
-        qkv=lambda x, p: decode_gemm.norm_matmul(x, p["input_norm"], (p["q_proj"], p["k_proj"], p["v_proj"]),
-                                                 eps=EPS, **kw),
-        o=lambda a, res, p: decode_gemm.matmul_residual(a, p["o_proj"], res, **kw),
-        gate_up=lambda x, p: decode_gemm.norm_matmul(x, p["post_attention_norm"],
-                                                     (p["gate_proj"], p["up_proj"]), eps=EPS, swiglu=True, **kw)[0],
-        down=lambda a, res, p: decode_gemm.matmul_residual(a, p["down_proj"], res, **kw))
+        qkv=lambda x, p, sums: decode_gemm.norm_matmul(
+            x, p["input_norm"], (p["q_proj"], p["k_proj"], p["v_proj"]), eps=EPS, sums=sums, **kw),
+        o=lambda a, res, p: decode_gemm.matmul_residual(a, p["o_proj"], res, with_sums=True, **kw),
+        gate_up=lambda x, p, sums: decode_gemm.norm_matmul(
+            x, p["post_attention_norm"], (p["gate_proj"], p["up_proj"]), eps=EPS, swiglu=True,
+            sums=sums, **kw)[0],
+        down=lambda a, res, p: decode_gemm.matmul_residual(a, p["down_proj"], res, with_sums=True, **kw))
 
 
-def program(kind: str, ops: dict):
+def row_sums(x: jax.Array) -> jax.Array:
+    """x's sums of squares as a residual kernel hands them on ([1, rows padded to the tile])."""
+    padded = -(-x.shape[0] // decode_gemm.TILE) * decode_gemm.TILE
+    sums = jnp.sum(jnp.square(x.astype(jnp.float32)), axis=1)
+    return jnp.pad(sums, (0, padded - x.shape[0]))[None]
+
+
+def program(kind: str, ops: dict, ours: bool):
     """f(x, attn, act, weights) running ``kind`` over every layer's weights; returns every
-    output (so none is dead code) and, for the chained kinds, the last residual."""
+    output (so none is dead code) and, for the chained kinds, the last residual. The norms
+    alone (qkv, gate_up) get x's sums as the kernel before them would give them (ours)."""
     def run(x, attn, act, weights):
-        outs = []
+        outs, sums = [], row_sums(x) if ours and kind in ("qkv", "gate_up") else None
         for p in weights:
             if kind == "layer":  # the decode layer's chain: q stands in for the attention's output
-                q, _, _ = ops["qkv"](x, p)
-                x = ops["o"](q, x, p)
-                x = ops["down"](ops["gate_up"](x, p), x, p)
+                q, _, _ = ops["qkv"](x, p, sums)
+                x, sums = ops["o"](q, x, p)
+                x, sums = ops["down"](ops["gate_up"](x, p, sums), x, p)
             elif kind in ("qkv", "gate_up"):
-                outs.append(ops[kind](x, p))
+                outs.append(ops[kind](x, p, sums))
             else:  # o, down: the residual carried from layer to layer
-                x = ops[kind](attn if kind == "o" else act, x, p)
-        return x, outs
+                x, extra = ops[kind](attn if kind == "o" else act, x, p)
+                outs.append(extra)
+        return x, [o for o in outs if o is not None]
     return run
 
 
@@ -156,8 +170,11 @@ def timed(fn, *a) -> float:
     return statistics.median(times)
 
 
-def max_diff(got, want) -> float:
-    leaves = zip(jax.tree.leaves(got), jax.tree.leaves(want))
+def max_diff(kind: str, got, want) -> float:
+    """Over what both arms return: the last residual, and each layer's products for the norms
+    alone (o and down also return our sums of squares, which XLA's arm has not)."""
+    pick = lambda out: [out[0], *(out[1] if kind in ("qkv", "gate_up") else [])]  # noqa: E731
+    leaves = zip(jax.tree.leaves(pick(got)), jax.tree.leaves(pick(want)))
     return max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))) for g, w in leaves)
 
 
@@ -197,7 +214,8 @@ def main():
             for fields, ops, options in arms():  # compile every arm first, then alternate
                 row = {"batch": batch, "kind": kind, "layers": layers, "preset": args.preset, **fields}
                 try:
-                    fn = jax.jit(program(kind, ops), compiler_options=options or None)
+                    fn = jax.jit(program(kind, ops, fields["arm"] == "ours"),
+                                 compiler_options=options or None)
                     t0 = time.perf_counter()
                     out = jax.block_until_ready(fn(x, attn, act, weights))
                     row["compile_s"] = round(time.perf_counter() - t0, 2)
@@ -222,7 +240,7 @@ def main():
                 if xla_best:
                     row["vs_best_xla"] = round(statistics.median(times) / xla_best, 3)
                 if reference is not None and row["arm"] != "xla":
-                    row["max_diff_vs_xla"] = max_diff(out, reference)
+                    row["max_diff_vs_xla"] = max_diff(kind, out, reference)
                 print(json.dumps(row), flush=True)
                 if kind == "layer" and row["arm"] == "ours" and "vs_best_xla" in row:
                     ratios.setdefault(row["blocking"], []).append(row["vs_best_xla"])

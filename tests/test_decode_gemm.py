@@ -72,6 +72,29 @@ def test_matmul_residual_adds_the_rounded_product(dtype):
     _close(got, x + a @ w, dtype)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_residual_kernels_sums_of_squares_feed_the_next_norm(dtype):
+    """``matmul_residual(with_sums=True)`` writes its rows' squares summed per column block; the
+    next ``norm_matmul(sums=)`` norms from them alone: the pair equals the model's ``x + a @ w``
+    then ``rms_norm`` and the product, and the sums equal the squares of the model's rows."""
+    x, w_norm, weight = _inputs(dtype, seed=3)
+    a = jax.random.normal(jax.random.PRNGKey(8), (20, 128), dtype)
+    w, ws = weight(4, 64, 128), (weight(5, 64), weight(6, 32))
+    got, sums = matmul_residual(a, w, x, with_sums=True, blocking=SMALL, interpret=True)
+    want = x + a @ w
+    assert sums.shape == (4, 32) and sums.dtype == jnp.float32  # 16-wide column blocks, 32 rows
+    np.testing.assert_allclose(np.asarray(sums).sum(0)[:20],
+                               np.sum(np.asarray(want, np.float32) ** 2, axis=1), rtol=2e-2 if dtype
+                               == jnp.bfloat16 else 1e-5)
+    np.testing.assert_array_equal(np.asarray(sums)[:, 20:], 0.0)  # the tile's padded rows
+    outs = norm_matmul(got, w_norm, ws, eps=1e-6, sums=sums, blocking=SMALL, interpret=True)
+    h = rms_norm(want, w_norm, 1e-6)
+    for g, wi in zip(outs, ws):
+        _close(g, h @ wi, dtype)
+    with pytest.raises(ValueError, match="column blocks"):
+        norm_matmul(got, w_norm, ws, eps=1e-6, sums=sums[:, :16], blocking=SMALL, interpret=True)
+
+
 def test_pipeline_stages_are_cut_to_what_shared_memory_holds_and_specs_round_trip():
     """A blocking whose pipelined tiles would overflow an SM's shared memory fails only when the
     device compiles it (Triton: out of resource), so the stages are cut before: SwiGLU's two
@@ -119,8 +142,13 @@ def test_fused_decode_layer_equals_decoder_layer(variant, dtype):
 
     x = jax.random.normal(jax.random.PRNGKey(4), (5, 1, cfg.hidden_size), dtype)
     want, _ = decoder_layer(scfg, p, x, None, None, attention, attention_prepares_qk=True)
-    got, _ = decode_layer_fused(scfg, p, x, attention, interpret=True)
+    got, _, sums = decode_layer_fused(scfg, p, x, attention, interpret=True)
     assert got.shape == want.shape and got.dtype == want.dtype
+    _close(got, want, dtype)
+    # the second layer norms its input from the sums the first one's last kernel wrote
+    q = dict(w.layers[1])
+    want, _ = decoder_layer(scfg, q, want, None, None, attention, attention_prepares_qk=True)
+    got, _, _ = decode_layer_fused(scfg, q, got, attention, sums=sums, interpret=True)
     _close(got, want, dtype)
 
 

@@ -8,14 +8,18 @@ layer, each a few microseconds whatever its size: the input and post-attention n
 two residual adds, beside the GEMMs themselves. With these a layer is four GEMM kernels and the
 attention kernel (``qwen3.decoder_layer(fused=...)``, ``decode_attention="pallas_gpu_packed_layer"``):
 
-- ``norm_matmul(x, w_norm, (w_q, w_k, w_v))``: each program first sums the squares of its rows
-  of x (an L2-resident re-read: rows x hidden is 256 KB at 64 rows), then multiplies the normed
-  rows, rounded to x's dtype as ``qwen3.rms_norm`` rounds them, by its block of one of the
-  weights. Several weights go in one launch: each program's column block says which it reads.
+- ``norm_matmul(x, w_norm, (w_q, w_k, w_v))``: each program needs its rows' sums of squares,
+  then multiplies the normed rows, rounded to x's dtype as ``qwen3.rms_norm`` rounds them, by
+  its block of one of the weights. Several weights go in one launch: each program's column
+  block says which it reads. The sums come from the kernel that wrote x (``sums=``, below);
+  without them (the first layer) each program sums its rows itself, a second pass over them.
 - ``norm_matmul(x, w_norm, (w_gate, w_up), swiglu=True)``: each program reads the same column
   block of both weights and writes ``silu(gate) * up``, rounded per op as jax's ``silu`` and the
   product round in the model.
-- ``matmul_residual(a, w, residual)``: ``residual + a @ w`` (the output and down projections).
+- ``matmul_residual(a, w, residual, with_sums=True)``: ``residual + a @ w`` (the output and
+  down projections), each program also writing the squares of its block of the output summed
+  per row, so the next norm reads [column blocks, rows] floats instead of every program
+  re-reading all its rows of x from L2 (at 64 rows x 32 columns, 2x the weight bytes again).
 
 A decode step's GEMM is a weight read (64 rows: 2 x 64 FLOPs per 2-byte weight), so a program's
 loop streams ``[block_k, block_cols]`` weight tiles through ``num_stages`` pipeline stages, and
@@ -148,16 +152,32 @@ def _swiglu(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
     return (rounded(g * sigmoid) * u).astype(dtype)
 
 
+def _inverse_rms_from_sums(sums_ref, rows, depth, eps):
+    """1 / sqrt(mean(x^2) + eps) of ``rows`` from the producer's partial sums of squares
+    ([column blocks, M], ``matmul_residual(..., with_sums=True)``), summed one block a time."""
+    def body(c, total):
+        return total + sums_ref[c, rows]
+
+    total = jax.lax.fori_loop(0, sums_ref.shape[0], body, jnp.zeros((rows.size,), jnp.float32))
+    return jax.lax.rsqrt(total / depth + eps)
+
+
 def _norm_matmul_kernel(x_ref, w_norm_ref, *refs, count: int, starts: tuple[int, ...],
-                        block_rows: int, block_cols: int, block_k: int, eps: float, swiglu: bool):
-    """Program (row block r, column block j). Refs: x [M, K], the norm's weight [1, K], then the
-    ``count`` weights [K, N_i] and the outputs [M, N_i] (one, [M, N], with ``swiglu``). Without
-    ``swiglu`` column block j belongs to the weight whose range ``starts`` gives it."""
+                        block_rows: int, block_cols: int, block_k: int, eps: float, swiglu: bool,
+                        has_sums: bool):
+    """Program (row block r, column block j). Refs: x [M, K], the norm's weight [1, K], with
+    ``has_sums`` the partial sums of squares of x [C, M], then the ``count`` weights [K, N_i] and
+    the outputs [M, N_i] (one, [M, N], with ``swiglu``). Without ``swiglu`` column block j
+    belongs to the weight whose range ``starts`` gives it."""
+    if has_sums:
+        sums_ref, *refs = refs
     w_refs, o_refs = refs[:count], refs[count:]
     r, j = pl.program_id(0), pl.program_id(1)
     depth = x_ref.shape[1]
     rows = pl.ds(r * block_rows, block_rows)
-    inv = _inverse_rms(x_ref, rows, depth, block_k, eps)
+    # the sums, when the kernel that wrote x gave them, spare every program a pass over its rows
+    inv = (_inverse_rms_from_sums(sums_ref, rows, depth, eps) if has_sums
+           else _inverse_rms(x_ref, rows, depth, block_k, eps))
     if swiglu:
         cols = pl.ds(j * block_cols, block_cols)
         gate, up = _accumulate(x_ref, w_refs, rows, cols, depth, block_k, inv, w_norm_ref)
@@ -173,16 +193,21 @@ def _norm_matmul_kernel(x_ref, w_norm_ref, *refs, count: int, starts: tuple[int,
             o_ref[rows, cols] = acc.astype(o_ref.dtype)
 
 
-def _matmul_residual_kernel(a_ref, w_ref, res_ref, o_ref, *, block_rows: int, block_cols: int,
-                            block_k: int):
+def _matmul_residual_kernel(a_ref, w_ref, res_ref, o_ref, *sums_ref, block_rows: int,
+                            block_cols: int, block_k: int):
     """Program (row block r, column block j): o = residual + (a @ w), the product rounded to the
-    output dtype before the add, as the model's ``x + matmul(...)`` rounds."""
+    output dtype before the add, as the model's ``x + matmul(...)`` rounds; with a sums output
+    [C, M], row j of it gets the squares of its block of o summed per row (the next norm's)."""
     r, j = pl.program_id(0), pl.program_id(1)
     rows, cols = pl.ds(r * block_rows, block_rows), pl.ds(j * block_cols, block_cols)
     (acc,) = _accumulate(a_ref, (w_ref,), rows, cols, a_ref.shape[1], block_k)
     dtype = o_ref.dtype
     y = acc.astype(dtype).astype(jnp.float32)
-    o_ref[rows, cols] = (res_ref[rows, cols].astype(jnp.float32) + y).astype(dtype)
+    out = (res_ref[rows, cols].astype(jnp.float32) + y).astype(dtype)
+    o_ref[rows, cols] = out
+    if sums_ref:
+        written = out.astype(jnp.float32)  # the values the next norm reads, as it upcasts them
+        sums_ref[0][j, rows] = jnp.sum(written * written, axis=1)
 
 
 def _pad_rows(x: jax.Array) -> tuple[jax.Array, int]:
@@ -204,15 +229,20 @@ def _whole(shape):
 
 @functools.partial(jax.jit, static_argnames=("eps", "swiglu", "blocking", "interpret"))
 def norm_matmul(x: jax.Array, w_norm: jax.Array, weights: tuple[jax.Array, ...], *, eps: float,
-                swiglu: bool = False, blocking: GemmBlocking = GemmBlocking(),
+                swiglu: bool = False, sums: jax.Array | None = None,
+                blocking: GemmBlocking = GemmBlocking(),
                 interpret: bool = False) -> tuple[jax.Array, ...]:
     """``rms_norm(x, w_norm, eps) @ w`` for each ``w`` of ``weights`` ([K, N_i]) in one kernel,
     x [M, K] -> one [M, N_i] per weight in x's dtype; ``swiglu`` (weights = (gate, up)):
-    ``(silu(h @ gate) * (h @ up),)``, the MLP's activation, in one pass over both weights."""
+    ``(silu(h @ gate) * (h @ up),)``, the MLP's activation, in one pass over both weights.
+    ``sums``: x's partial sums of squares as the ``matmul_residual`` that wrote x gave them
+    ([C, M padded to the tile], ``with_sums=True``); without, each program sums its rows first."""
     if swiglu and len(weights) != 2:
         raise ValueError(f"swiglu takes (gate, up), got {len(weights)} weights")
     xp, m = _pad_rows(x)
     rows, depth = xp.shape
+    if sums is not None and (sums.ndim != 2 or sums.shape[1] != rows):
+        raise ValueError(f"sums {sums.shape}: want [column blocks, {rows}] (matmul_residual's)")
     widths = tuple(w.shape[1] for w in weights)
     if any(w.shape[0] != depth for w in weights):
         raise ValueError(f"weights {[w.shape for w in weights]} must all have {depth} rows")
@@ -231,23 +261,28 @@ def norm_matmul(x: jax.Array, w_norm: jax.Array, weights: tuple[jax.Array, ...],
         starts, column_blocks = tuple(ends), ends[-1]
     kernel = functools.partial(_norm_matmul_kernel, count=len(weights), starts=starts,
                                block_rows=block_rows, block_cols=block_cols, block_k=block_k,
-                               eps=eps, swiglu=swiglu)
+                               eps=eps, swiglu=swiglu, has_sums=sums is not None)
+    given = () if sums is None else (sums.astype(jnp.float32),)
     ys = pl.pallas_call(
         kernel, grid=(rows // block_rows, column_blocks),
-        in_specs=[_whole(xp.shape), _whole((1, depth))] + [_whole(w.shape) for w in weights],
+        in_specs=[_whole(xp.shape), _whole((1, depth))] + [_whole(a.shape) for a in given]
+        + [_whole(w.shape) for w in weights],
         out_specs=[_whole(o.shape) for o in outs], out_shape=list(outs), interpret=interpret,
         compiler_params=_compiler_params(blocking, (block_rows, block_cols, block_k),
                                          2 if swiglu else 1, x.dtype.itemsize),
         name=f"decode_norm_{'swiglu' if swiglu else 'matmul'}_m{block_rows}_n{block_cols}_k{block_k}",
-    )(xp, w_norm.reshape(1, depth), *weights)
+    )(xp, w_norm.reshape(1, depth), *given, *weights)
     return tuple(y[:m] for y in ys)
 
 
-@functools.partial(jax.jit, static_argnames=("blocking", "interpret"))
-def matmul_residual(a: jax.Array, w: jax.Array, residual: jax.Array, *,
-                    blocking: GemmBlocking = GemmBlocking(), interpret: bool = False) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("with_sums", "blocking", "interpret"))
+def matmul_residual(a: jax.Array, w: jax.Array, residual: jax.Array, *, with_sums: bool = False,
+                    blocking: GemmBlocking = GemmBlocking(), interpret: bool = False):
     """``residual + a @ w`` in one kernel: a [M, K], w [K, N], residual [M, N] -> [M, N] in the
-    residual's dtype (the product rounded to it first, as the model rounds)."""
+    residual's dtype (the product rounded to it first, as the model rounds). ``with_sums``:
+    (out, sums), sums [column blocks, M padded to the tile] float32 the squares of out's rows
+    summed per column block, which the next ``norm_matmul(..., sums=)`` takes instead of
+    re-reading the rows (every program of it would read all its rows once more, from L2)."""
     ap, m = _pad_rows(a.astype(residual.dtype))
     rp, _ = _pad_rows(residual)
     rows, depth = ap.shape
@@ -256,12 +291,16 @@ def matmul_residual(a: jax.Array, w: jax.Array, residual: jax.Array, *,
     block_rows, block_cols, block_k = blocking.for_shape(rows, depth, (w.shape[1],))
     kernel = functools.partial(_matmul_residual_kernel, block_rows=block_rows,
                                block_cols=block_cols, block_k=block_k)
-    out = pl.pallas_call(
-        kernel, grid=(rows // block_rows, w.shape[1] // block_cols),
+    column_blocks = w.shape[1] // block_cols
+    out_shape = [jax.ShapeDtypeStruct(rp.shape, residual.dtype)]
+    if with_sums:
+        out_shape.append(jax.ShapeDtypeStruct((column_blocks, rows), jnp.float32))
+    outs = pl.pallas_call(
+        kernel, grid=(rows // block_rows, column_blocks),
         in_specs=[_whole(ap.shape), _whole(w.shape), _whole(rp.shape)],
-        out_specs=_whole(rp.shape), out_shape=jax.ShapeDtypeStruct(rp.shape, residual.dtype),
+        out_specs=[_whole(o.shape) for o in out_shape], out_shape=out_shape,
         interpret=interpret, compiler_params=_compiler_params(
             blocking, (block_rows, block_cols, block_k), 1, residual.dtype.itemsize),
-        name=f"decode_matmul_residual_m{block_rows}_n{block_cols}_k{block_k}",
+        name=f"decode_matmul_residual{'_sums' if with_sums else ''}_m{block_rows}_n{block_cols}_k{block_k}",
     )(ap, w, rp)
-    return out[:m]
+    return (outs[0][:m], outs[1]) if with_sums else outs[0][:m]

@@ -150,14 +150,18 @@ def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, sin: jax.Array, cos: 
 
 def decode_layer_fused(cfg: ModelConfig, p: dict, x: jax.Array,
                        attention: Callable[[jax.Array, jax.Array, jax.Array], tuple], *,
-                       interpret: bool = False):
+                       sums: jax.Array | None = None, interpret: bool = False):
     """``decoder_layer`` for a decode step of a served model (one token a row, merged weights,
     ``attention`` applying the q/k norm and the rotary embedding: ``pallas_gpu_packed_layer``),
     with its projections as ``decode_gemm``'s kernels, each taking in the work beside it: the
     input norm and the q/k/v projections in one kernel, the output projection with the residual
     add, the post-attention norm with the gate/up projections and SwiGLU, the down projection
     with the residual add. Four GEMM kernels and the attention a layer; the same arithmetic and
-    roundings as ``decoder_layer`` (tests/test_decode_gemm.py)."""
+    roundings as ``decoder_layer`` (tests/test_decode_gemm.py) but for summation order.
+
+    Each residual-add kernel also writes its rows' partial sums of squares, which the next
+    norm takes instead of re-reading the rows: ``sums`` are x's (the previous layer's; None: the
+    input norm sums x itself). -> (x, attention's aux, the sums of the returned x)."""
     if any(adapter_names(name)[0] in p for name in ("q_proj", "o_proj", "gate_proj")):
         raise ValueError("decode_layer_fused serves merged weights (serving_weights): got LoRA adapters")
     dt = cfg.dtype
@@ -166,18 +170,20 @@ def decode_layer_fused(cfg: ModelConfig, p: dict, x: jax.Array,
     kw = dict(blocking=decode_gemm.GEMM_BLOCKING, interpret=interpret)
     rows = x.reshape(b * t, d)
     q, k, v = decode_gemm.norm_matmul(rows, p["input_norm"], tuple(p[n].astype(dt) for n in (
-        "q_proj", "k_proj", "v_proj")), eps=cfg.rms_norm_eps, **kw)
+        "q_proj", "k_proj", "v_proj")), eps=cfg.rms_norm_eps, sums=sums, **kw)
 
     def heads(y, name, count):
         bias = p.get(name)  # Qwen2.5's q/k/v biases: an add after the kernel
         return (y if bias is None else y + bias.astype(dt)).reshape(b, t, count, hd)
 
     out, aux = attention(heads(q, "q_bias", nq), heads(k, "k_bias", nkv), heads(v, "v_bias", nkv))
-    rows = decode_gemm.matmul_residual(out.reshape(b * t, nq * hd), p["o_proj"].astype(dt), rows, **kw)
+    rows, sums = decode_gemm.matmul_residual(out.reshape(b * t, nq * hd), p["o_proj"].astype(dt), rows,
+                                             with_sums=True, **kw)
     (act,) = decode_gemm.norm_matmul(rows, p["post_attention_norm"], (
-        p["gate_proj"].astype(dt), p["up_proj"].astype(dt)), eps=cfg.rms_norm_eps, swiglu=True, **kw)
-    rows = decode_gemm.matmul_residual(act, p["down_proj"].astype(dt), rows, **kw)
-    return rows.reshape(b, t, d), aux
+        p["gate_proj"].astype(dt), p["up_proj"].astype(dt)), eps=cfg.rms_norm_eps, swiglu=True,
+        sums=sums, **kw)
+    rows, sums = decode_gemm.matmul_residual(act, p["down_proj"].astype(dt), rows, with_sums=True, **kw)
+    return rows.reshape(b, t, d), aux, sums
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,6 +483,7 @@ def paged_forward(cfg: ModelConfig, w: ServingWeights, tokens: jax.Array, cache:
                                                 "pallas_gpu_packed_layer")
     prepares_qk = t == 1 and decode_attention in ("pallas_gpu_packed_rope", "pallas_gpu_packed_layer")
     fused_layer = t == 1 and decode_attention == "pallas_gpu_packed_layer"
+    sums = None  # the fused layer's sums of squares of x, handed from layer to layer
     for i, p in enumerate(w.layers):
         def attention(q, k, v, i=i, p=p):
             if in_kernel:
@@ -505,7 +512,7 @@ def paged_forward(cfg: ModelConfig, w: ServingWeights, tokens: jax.Array, cache:
             return out, None
 
         if fused_layer:
-            x, _ = decode_layer_fused(cfg, p, x, attention, interpret=interpret)
+            x, _, sums = decode_layer_fused(cfg, p, x, attention, sums=sums, interpret=interpret)
         else:
             x, _ = decoder_layer(cfg, p, x, sin, cos, attention, attention_prepares_qk=prepares_qk)
     last = jnp.take_along_axis(x, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)
