@@ -52,10 +52,6 @@ PLAN_MESHES = {
     "l4": (1, 24, (1, 1, 1), 0.95),
 }
 
-# bf16 dense peak FLOP/s per device, by a substring of jax's device_kind.
-PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("MI300", 1307e12),
-              ("TPU v6", 918e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12),
-              ("TPU v5", 459e12), ("TPU v4", 275e12))
 
 
 def parse_args(argv=None):
@@ -120,7 +116,8 @@ from rstarjax.models.qwen3 import Qwen3  # noqa: E402
 from rstarjax.rl import loss as loss_lib  # noqa: E402
 from rstarjax.rl import optim as optim_lib  # noqa: E402
 from rstarjax.rl import trainer as trainer_lib  # noqa: E402
-from tracing import trace_one_call  # noqa: E402  (benchmarks/, this script's folder)
+from hardware import bf16_peak_flops  # noqa: E402  (benchmarks/, this script's folder)
+from tracing import trace_one_call  # noqa: E402
 
 GB = 1e9
 
@@ -131,11 +128,8 @@ GB = 1e9
 def device_peak_flops(override_tflops: float | None) -> float | None:
     if override_tflops:
         return override_tflops * 1e12
-    kind = jax.devices()[0].device_kind
-    for key, flops in PEAK_FLOPS:
-        if key.lower() in kind.lower():
-            return flops
-    return None  # CPU: no meaningful peak; pass --peak-tflops to get an MFU anyway
+    # CPU: no meaningful peak (None); pass --peak-tflops to get an MFU anyway
+    return bf16_peak_flops(jax.devices()[0].device_kind)
 
 
 def memory_stats(compiled) -> dict:

@@ -63,20 +63,20 @@ from rstarjax.models import decode_gemm  # noqa: E402
 from rstarjax.models.config import ModelConfig  # noqa: E402
 from rstarjax.models.qwen3 import rms_norm  # noqa: E402
 from rstarjax.serving.programs import DECODE_GEMMS  # noqa: E402
+from hardware import hbm_peak_gbps  # noqa: E402  (benchmarks/, this script's folder)
 
 if args.tiny:
     args.preset, args.batches, args.layers, args.rounds, args.iters = "tiny", "4,32", 2, 2, 2
     if args.gemm_blockings == ap.get_default("gemm_blockings"):
         args.gemm_blockings = "16,32,32,256,16,4,4;32,64,64,1,64,4,3"
 
-PEAK_GBPS = {"H100 80GB HBM3": 3350, "H100 PCIe": 2000, "H100": 3350, "H200": 4800, "MI300X": 5300}
 KINDS = ("layer", "qkv", "o", "gate_up", "down")
 EPS = 1e-6
 
 
 def peak_gbps() -> float:
     kind = jax.devices()[0].device_kind
-    return args.peak_gbps or next((v for k, v in PEAK_GBPS.items() if k in kind), 0.0)
+    return args.peak_gbps or hbm_peak_gbps(kind) or 0.0
 
 
 def layer_weights(cfg: ModelConfig, layers: int, seed: int = 0) -> list[dict]:

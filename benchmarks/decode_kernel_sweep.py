@@ -93,6 +93,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as kernel  # noqa: E
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rstarjax.models.paged_attention import PALLAS_GPU_BLOCKING  # noqa: E402
+from hardware import hbm_peak_gbps  # noqa: E402  (benchmarks/, this script's folder)
 
 if args.tiny:
     args.batches, args.contexts, args.max_tokens = "4", "40", 128
@@ -102,12 +103,11 @@ if args.tiny:
     args.preset, args.rounds = "tiny", 2
     args.prompt_len = 24 if args.prompt_len == 512 else args.prompt_len  # the default: tiny's
 
-PEAK_GBPS = {"H100 80GB HBM3": 3350, "H100 PCIe": 2000, "H100": 3350, "H200": 4800}
 
 
 def peak_gbps() -> float:
     kind = jax.devices()[0].device_kind
-    return args.peak_gbps or next((v for k, v in PEAK_GBPS.items() if k in kind), 0.0)
+    return args.peak_gbps or hbm_peak_gbps(kind) or 0.0
 
 
 def inputs(batch: int, context: int, page_size: int, seed: int = 0):

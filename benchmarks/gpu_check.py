@@ -87,6 +87,8 @@ import tarfile
 import tempfile
 import time
 
+from hardware import bf16_peak_flops, hbm_peak_gbps  # benchmarks/, this script's folder
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -482,11 +484,6 @@ AGENT_KEYS = {"tool_call_rate": "rollout_all/tool_call_rate", "compile_s": "time
               "tool_calls_per_rollout": "rollout_all/tool_calls_mean",
               "truncation_ratio": "rollout_all/truncation_ratio", "accuracy": "rollout_all/accuracy",
               "tool_wait_s": "timing/rollout_tool_wait_s", "device_in_use_gb": "perf/device_in_use_gb"}
-PEAK_BF16_FLOPS = (("H200", 989e12), ("H100", 989e12))  # dense bf16, as benchmarks/bench_trainer.py
-
-
-PEAK_HBM_GBPS = (("H200", 4800), ("H100 PCIe", 2000), ("H100", 3350))  # as benchmarks/serving.py
-
 
 def decode_roofline(step: dict, inputs: dict, device_kind: str) -> dict:
     """The rollout's decode against the HBM roofline (issue 46's main-job target): the seconds
@@ -494,7 +491,7 @@ def decode_roofline(step: dict, inputs: dict, device_kind: str) -> dict:
     live KV: ``timing/rollout_decode_kv_tokens``) at the device's peak bandwidth; the rollout
     phase over that (target <= 1.5) and that over the decode calls' seconds (their roofline
     fraction)."""
-    peak = next((g for k, g in PEAK_HBM_GBPS if k in (device_kind or "")), None)
+    peak = hbm_peak_gbps(device_kind)
     need = ("decode_steps", "decode_kv_tokens", "rollout_s", "decode_s")
     if not (peak and all(step.get(k) for k in need) and inputs.get("decode_weight_bytes")):
         return {}
@@ -510,7 +507,7 @@ def update_mfu(step: dict, inputs: dict, device_kind: str) -> float | None:
     """The update's MFU: trained tokens x model FLOPs per token / update seconds / peak, the
     attention term at the step's mean trajectory length (prompt + mean response; rows are packed,
     attention stays within a trajectory): ModelConfig.train_flops_per_token."""
-    peak = next((f for k, f in PEAK_BF16_FLOPS if k in (device_kind or "")), None)
+    peak = bf16_peak_flops(device_kind)
     if not (peak and step.get("update_s") and step.get("trained_tokens") and inputs.get("flops_matmul")):
         return None
     length = inputs.get("prompt_tokens", 0) + step.get("response_len_mean", 0)

@@ -104,6 +104,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import baseline_dense_engine as dense  # noqa: E402
+from hardware import hbm_peak_gbps  # noqa: E402
 from rstarjax.env import CodeExecutor  # noqa: E402
 from rstarjax.models.chat_template import COMPACT, encode_prompt  # noqa: E402
 from rstarjax.models.config import ModelConfig  # noqa: E402
@@ -444,13 +445,10 @@ def _static_imbalance(trajs, slices: int) -> float:
 
 # ---- GPU: decode throughput and HBM roofline ------------------------------------------------------
 
-PEAK_GBPS = {"H100 80GB HBM3": 3350, "H100 PCIe": 2000, "H100": 3350, "H200": 4800,
-             "A100-SXM4-80GB": 2039, "A100-SXM4-40GB": 1555, "A100": 1555, "MI300X": 5300,
-             "L4": 300}
 
 
 def _peak_gbps(dev) -> float:
-    return args.peak_gbps or next((v for k, v in PEAK_GBPS.items() if k in dev.device_kind), 0)
+    return args.peak_gbps or hbm_peak_gbps(dev.device_kind) or 0
 
 
 def _random_model(preset: str, param_dtype=jnp.bfloat16):

@@ -152,6 +152,19 @@ def test_budget_cuts_each_limit_and_skips_the_parts_that_do_not_fit(tmp_path, mo
     assert ("ckpt", parts["ckpt"]["error"]) in g.summary_rows({k: g.PartResult(**v) for k, v in parts.items()})
 
 
+def test_peaks_are_looked_up_by_the_most_specific_device_name():
+    """benchmarks/hardware.py, the one table every benchmark divides by: an H100 PCIe is not
+    an SXM H100, case does not matter, a CPU has no peak."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import hardware
+
+    assert hardware.hbm_peak_gbps("NVIDIA H100 PCIe") == 2000
+    assert hardware.hbm_peak_gbps("NVIDIA H100 80GB HBM3") == 3350
+    assert hardware.hbm_peak_gbps("NVIDIA H200") == 4800
+    assert hardware.bf16_peak_flops("TPU v5 lite") == 197e12 and hardware.bf16_peak_flops("tpu v5p") == 459e12
+    assert hardware.hbm_peak_gbps("cpu") is None and hardware.bf16_peak_flops(None) is None
+
+
 def test_decode_roofline_of_a_step():
     """The rollout's decode against the HBM roofline, by hand: 100 steps reading 3.44 GB of
     weights and 2e6 KV positions of 114,688 bytes on an H200 (4.8 TB/s) need 0.1195 s."""
