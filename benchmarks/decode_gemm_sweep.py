@@ -64,6 +64,7 @@ from rstarjax.models.config import ModelConfig  # noqa: E402
 from rstarjax.models.qwen3 import rms_norm  # noqa: E402
 from rstarjax.serving.programs import DECODE_GEMMS  # noqa: E402
 from hardware import hbm_peak_gbps  # noqa: E402  (benchmarks/, this script's folder)
+from timing import median_call_seconds  # noqa: E402
 
 if args.tiny:
     args.preset, args.batches, args.layers, args.rounds, args.iters = "tiny", "4,32", 2, 2, 2
@@ -162,12 +163,8 @@ def bytes_a_layer(cfg: ModelConfig, kind: str, rows: int) -> int:
 
 
 def timed(fn, *a) -> float:
-    times = []
-    for _ in range(args.iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*a))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    """One round: compiled and warmed before the rounds start."""
+    return median_call_seconds(fn, *a, iters=args.iters, warm_up=False)
 
 
 def max_diff(kind: str, got, want) -> float:

@@ -94,6 +94,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as kernel  # noqa: E
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rstarjax.models.paged_attention import PALLAS_GPU_BLOCKING  # noqa: E402
 from hardware import hbm_peak_gbps  # noqa: E402  (benchmarks/, this script's folder)
+from timing import median_call_seconds  # noqa: E402
 
 if args.tiny:
     args.batches, args.contexts, args.max_tokens = "4", "40", 128
@@ -180,13 +181,7 @@ def engine_default(width: int) -> tuple[int, int]:
 
 
 def timed(fn, *a) -> float:
-    jax.block_until_ready(fn(*a))
-    times = []
-    for _ in range(args.iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*a))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return median_call_seconds(fn, *a, iters=args.iters)
 
 
 def triton_configs(width: int) -> list[tuple[int, int, int, int]]:
