@@ -781,11 +781,12 @@ PACKED_BLOCKINGS = "4,8,1024,4,3;4,8,1024,4,3,1;2,8,1024,4,4;8,8,1024,8,3;4,8,10
 # first. Each arm one change on the one before (jax's kernel; ours; the one-pass sampler; ours
 # writing the step's K/V; norming and rotating q/k too; the projections as our fused GEMMs,
 # models/decode_gemm.py), so their differences are each change's; the last, cuBLAS GEMMs, is a
-# change on the rope arm. DECODE_TRACED is traced at 256 and 64 rows, its HLO kept, for the next fusions.
+# change on the rope arm. DECODE_TRACED are traced at 256 and 64 rows, their HLO kept, for the next
+# fusions: the rope arm (XLA's GEMMs and small kernels) and the fused-GEMM arm (ours in the engine).
 DECODE_ARMS = ("pallas_gpu:exact,pallas_gpu_packed:exact,pallas_gpu_packed:fused,"
                "pallas_gpu_packed_append:fused,pallas_gpu_packed_rope:fused,"
                "pallas_gpu_packed_layer:fused,pallas_gpu_packed_rope:fused:cublas")
-DECODE_TRACED = "pallas_gpu_packed_rope:fused"
+DECODE_TRACED = "pallas_gpu_packed_rope:fused,pallas_gpu_packed_layer:fused"
 
 
 # kernels2's second sweep: 64 rows of the engine's ~640 tokens, where the default blocking's two
@@ -864,7 +865,7 @@ def part_decode(shape: Shape, args, log, env, trace_dir: str, name: str = "decod
     """``decode``: the engine's decode step at 256, 64 and 32 rows (512-token prompts, the shape
     benchmarks/serving.py measures) with each ``DECODE_ARMS`` entry, the arms alternating call by
     call, median of 3 calls of 16 steps each, tokens/s and HBM-roofline fraction; one traced
-    call of ``DECODE_TRACED`` at 256 and 64 rows (into ``trace_dir``). ``decode_4k``: the same
+    call of each ``DECODE_TRACED`` arm at 256 and 64 rows (into ``trace_dir``). ``decode_4k``: the same
     at 4,096-token prompts, 64 and 128 rows, ``DECODE_4K_ARMS``, no trace."""
     timeout = BUDGET.clip(DECODE_TIMEOUTS[args.shape][name])
     long = name == "decode_4k"
@@ -877,7 +878,7 @@ def part_decode(shape: Shape, args, log, env, trace_dir: str, name: str = "decod
         argv += ["--gemm-blocking", gemm_blocking]
     if shape.model == "tiny":  # the kernels in their interpreter; one arm per path is enough
         argv += ["--tiny", "--interpret", "--batches", "4", "--trace-batches", "4",
-                 "--engine-arms", "ragged:exact:cublas," + DECODE_TRACED
+                 "--engine-arms", "ragged:exact:cublas,pallas_gpu_packed_rope:fused"
                  + ("" if long else ",pallas_gpu_packed_layer:fused")]
         argv += ["--prompt-len", "160"] if long else []  # past the decode rows' contexts
     else:

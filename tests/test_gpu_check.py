@@ -266,6 +266,7 @@ def test_decode_kernel_parts_run_at_the_tiny_shape(tmp_path):
     assert traced.get("trace_bytes", 0) > 0 and "trace" not in decode[("ragged", "exact")], traced
     names = json.loads((out / "gpu_check.json").read_text())["traces"]
     assert "decode/decode_b4_pallas_gpu_packed_rope_fused.json.gz" in names, names
+    assert "decode/decode_b4_pallas_gpu_packed_layer_fused.json.gz" in names, names  # ours traced too
     long = {(r["attention"], r["sampler"]): r for r in parts["decode_4k"]["result"]["rows"]}
     assert set(long) == set(decode) and all(r["prompt_len"] == 160 for r in long.values()), long
     assert all(r["context"] > max(d["context"] for d in decode.values()) for r in long.values())
