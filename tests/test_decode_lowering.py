@@ -144,6 +144,23 @@ def test_packed_kernel_variants_lower_for_cuda_at_qwen3_shapes(blocking):
             text = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[TRITON])(
                 *args).mlir_module()
             assert "__gpu$xla.gpu.triton" in text
+            _assert_kernels_profile_as(text, "decode_attention_", "attention")
+
+
+def _assert_kernels_profile_as(text: str, prefix: str, group: str) -> None:
+    """The Pallas kernels named ``prefix...`` in a lowered program fall in ``group`` when
+    benchmarks/profile_summary.py reads a trace of them (it goes by kernel names)."""
+    import os
+    import re
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "benchmarks"))
+    import profile_summary
+
+    names = set(re.findall(rf"{prefix}\w+", text))
+    assert names, f"no kernel named {prefix}* in the lowered program"
+    assert {n: profile_summary.group_by_name(n) for n in names} == {n: group for n in names}
 
 
 @pytest.mark.parametrize("rows", [4, 64, 256])
@@ -198,3 +215,4 @@ def _lower_fused_decode_gemms(model: str, rows: int, blockings) -> None:
             text = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[TRITON])(
                 *args).mlir_module()
             assert "__gpu$xla.gpu.triton" in text
+            _assert_kernels_profile_as(text, "decode_gemm_", "matmul")

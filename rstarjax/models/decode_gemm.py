@@ -270,7 +270,7 @@ def norm_matmul(x: jax.Array, w_norm: jax.Array, weights: tuple[jax.Array, ...],
         out_specs=[_whole(o.shape) for o in outs], out_shape=list(outs), interpret=interpret,
         compiler_params=_compiler_params(blocking, (block_rows, block_cols, block_k),
                                          2 if swiglu else 1, x.dtype.itemsize),
-        name=f"decode_norm_{'swiglu' if swiglu else 'matmul'}_m{block_rows}_n{block_cols}_k{block_k}",
+        name=f"decode_gemm_norm_{'swiglu' if swiglu else 'matmul'}_m{block_rows}_n{block_cols}_k{block_k}",
     )(xp, w_norm.reshape(1, depth), *given, *weights)
     return tuple(y[:m] for y in ys)
 
@@ -301,6 +301,6 @@ def matmul_residual(a: jax.Array, w: jax.Array, residual: jax.Array, *, with_sum
         out_specs=[_whole(o.shape) for o in out_shape], out_shape=out_shape,
         interpret=interpret, compiler_params=_compiler_params(
             blocking, (block_rows, block_cols, block_k), 1, residual.dtype.itemsize),
-        name=f"decode_matmul_residual{'_sums' if with_sums else ''}_m{block_rows}_n{block_cols}_k{block_k}",
+        name=f"decode_gemm_residual{'_sums' if with_sums else ''}_m{block_rows}_n{block_cols}_k{block_k}",
     )(ap, w, rp)
     return (outs[0][:m], outs[1]) if with_sums else outs[0][:m]

@@ -322,7 +322,7 @@ def _packed_call(q, k_pages, v_pages, page_table, lengths, new_kv, *, blocking, 
         out_shape=out_shape, interpret=interpret, input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=blocking.num_warps,
                                              num_stages=blocking.num_stages),
-        name=f"decode_{'append' if append else 'packed'}_g{rows}_p{per_block}_s{k_splits}",
+        name=f"decode_attention_{'append' if append else 'packed'}_g{rows}_p{per_block}_s{k_splits}",
     )(*args)
     if append:
         *outs, k_pages, v_pages = outs
