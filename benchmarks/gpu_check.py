@@ -829,8 +829,8 @@ def part_kernels2(shape: Shape, args, log, env) -> dict:
 # gemms: our decode GEMMs' blockings (models/decode_gemm.py GemmBlocking: BLOCK_ROWS,BLOCK_COLS,
 # BLOCK_K,TARGET_PROGRAMS,MIN_COLS,NUM_WARPS,NUM_STAGES), the engine's first. Then along the
 # axis the arithmetic says matters (docs/serving.md "gemms"): each program re-reads all its rows
-# of x from L2 (twice with the norm), so at 64 rows x 32 columns it reads 4x more activation than
-# weight, ~4x the HBM bytes through L2; wider column blocks read less but fill fewer SMs:
+# of x from L2, so at 64 rows x 32 columns it reads 2x more activation than weight, ~2.5x the
+# HBM bytes through L2 a layer; wider column blocks read less but fill fewer SMs:
 # 64-wide (qkv 64 programs at 64 rows), never narrowed (128-wide: 32); bracketing the other way,
 # 16-wide with a 6-stage pipeline; 64 x 256 tiles on 8 warps; 128-row blocks for 256 rows
 GEMM_BLOCKINGS = ("64,128,128,256,32,4,4;64,128,128,128,64,4,4;64,128,128,1,128,4,4;"
