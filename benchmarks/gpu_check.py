@@ -193,15 +193,23 @@ def run_part(name: str, argv: list[str], timeout_s: float, log, env: dict | None
     return code, out or ""
 
 
-def last_json_line(text: str) -> dict:
-    for line in reversed(text.strip().splitlines()):
+def json_lines(text: str) -> list[dict]:
+    """The JSON objects a part printed a line each, in order; a line that only starts like one
+    (a log line, output cut mid-line by a kill) is skipped, not the end of the rows."""
+    rows = []
+    for line in text.splitlines():
         line = line.strip()
         if line.startswith("{"):
             try:
-                return json.loads(line)
+                rows.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
-    return {}
+    return [r for r in rows if isinstance(r, dict)]
+
+
+def last_json_line(text: str) -> dict:
+    rows = json_lines(text)
+    return rows[-1] if rows else {}
 
 
 def tail(text: str, n: int = 600) -> str:
@@ -544,7 +552,7 @@ def part_agent(shape: Shape, args, log, env, scratch: str) -> dict:
                 problems=8 * a.prompts * a.steps, traces=a.sft_traces, **paths)
     code, out = run_part("h100/inputs", [sys.executable, "-c", MAKE_AGENT_INPUTS, json.dumps(spec)],
                          a.timeouts["inputs"], log, env)
-    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    lines = json_lines(out)
     plan = lines[0]["plan"] if lines else {}
     result = {"model": a.model, "plan": plan, "inputs_s": round(time.perf_counter() - t0, 1),
               "rollouts_per_step": a.prompts * a.samples, "response_len": a.response_len}
@@ -749,7 +757,7 @@ def part_kernels(shape: Shape, args, log, env) -> dict:
     code, out = run_part("kernels", argv, shape.timeouts["kernels"], log, env)
     if code != 0:
         raise RuntimeError(f"exit {code}: {tail(out)}")
-    rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    rows = json_lines(out)
     return {"rows": [r for r in rows if not r.get("best")]}
 
 
@@ -820,7 +828,7 @@ def part_kernels2(shape: Shape, args, log, env) -> dict:
         share = 0.8 if i == 0 and len(runs) > 1 else 0.9  # the first leaves the second its time
         code, out = run_part("kernels2", sweep + extra + ["--budget-s", str(0.7 * share * left)],
                              share * left, log, env)
-        rows += [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+        rows += json_lines(out)
         if code != 0:  # the rows it printed before are kept
             raise PartFailed(f"exit {code}: {tail(out)}", {"rows": [r for r in rows if not r.get("best")]})
     return {"rows": [r for r in rows if not r.get("best")]}
@@ -850,9 +858,10 @@ def part_gemms(shape: Shape, args, log, env) -> dict:
     argv += ["--tiny", "--interpret"] if shape.model == "tiny" else ["--gemm-blockings", GEMM_BLOCKINGS,
                                                                       "--layers", "16"]
     code, out = run_part("gemms", argv, timeout, log, env)
-    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    lines = json_lines(out)
     result = {"rows": [r for r in lines if "best_gemm_blocking" not in r]}
-    best = next((r for r in lines if "best_gemm_blocking" in r), None)
+    # the sweep prints its best after each batch of the layer rows: the last is the most measured
+    best = next((r for r in reversed(lines) if "best_gemm_blocking" in r), None)
     if best:
         result["best"] = best
     if code != 0:  # the rows it printed before are kept
@@ -885,7 +894,7 @@ def part_decode(shape: Shape, args, log, env, trace_dir: str, name: str = "decod
         argv += ["--batches", "64,128", "--prompt-len", "4096"] if long else ["--batches", "256,64,32"]
         argv += ["--rounds", "3"]
     code, out = run_part(name, argv, timeout, log, env)
-    rows = {"rows": [json.loads(x) for x in out.splitlines() if x.startswith("{")]}
+    rows = {"rows": json_lines(out)}
     if code != 0:  # the batches it finished are kept
         raise PartFailed(f"exit {code}: {tail(out)}", rows)
     return rows

@@ -4,9 +4,10 @@ Imports nothing, so gpu_check's driver, which never starts jax, reads the same t
 from __future__ import annotations
 
 # HBM GB/s (vendors' datasheets)
-HBM_PEAK_GBPS = (("H100 80GB HBM3", 3350), ("H100 PCIe", 2000), ("H100", 3350), ("H200", 4800),
+HBM_PEAK_GBPS = (("H100 80GB HBM3", 3350), ("H100 PCIe", 2000), ("H100", 3350),
+                 ("GH200 144G", 4900), ("GH200", 4000), ("H200", 4800),
                  ("A100-SXM4-80GB", 2039), ("A100-SXM4-40GB", 1555), ("A100", 1555),
-                 ("MI300X", 5300), ("L4", 300))
+                 ("MI300X", 5300), ("L40S", 864), ("L40", 864), ("L4", 300))
 
 # dense bf16 FLOP/s (no sparsity)
 BF16_PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("MI300", 1307e12),

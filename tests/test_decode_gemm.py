@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from rstarjax.models.config import ModelConfig
-from rstarjax.models.decode_gemm import GemmBlocking, matmul_residual, norm_matmul
+from rstarjax.models.decode_gemm import (GemmBlocking, matmul_residual, norm_matmul,
+                                         pipeline_shared_bytes)
 from rstarjax.models.lora import adapter_names
 from rstarjax.models.qwen3 import (Qwen3, decode_layer_fused, decoder_layer, rms_norm,
                                    serving_config, serving_weights)
@@ -91,6 +92,11 @@ def test_the_residual_kernels_sums_of_squares_feed_the_next_norm(dtype):
     h = rms_norm(want, w_norm, 1e-6)
     for g, wi in zip(outs, ws):
         _close(g, h @ wi, dtype)
+    # the norm reads the sums, not its rows: four times the sums is half the rows' RMS scale
+    outs = norm_matmul(got, w_norm, ws, eps=1e-6, sums=4 * sums, blocking=SMALL, interpret=True)
+    h = rms_norm(want, w_norm, 0.25e-6)  # rsqrt(4 mean + eps) = rsqrt(mean + eps / 4) / 2
+    for g, wi in zip(outs, ws):
+        _close(g, (0.5 * (h @ wi).astype(jnp.float32)).astype(dtype), dtype)
     with pytest.raises(ValueError, match="column blocks"):
         norm_matmul(got, w_norm, ws, eps=1e-6, sums=sums[:, :16], blocking=SMALL, interpret=True)
 
@@ -100,9 +106,17 @@ def test_pipeline_stages_are_cut_to_what_shared_memory_holds_and_specs_round_tri
     device compiles it (Triton: out of resource), so the stages are cut before: SwiGLU's two
     128 x 128 weight tiles and a 64 x 128 x tile are 80 KB a stage, 2 of them fit 192 KB."""
     b = GemmBlocking()
-    assert b.stages_for(64, 128, 128, weights=2, itemsize=2) == 2
-    assert b.stages_for(64, 32, 128, weights=1, itemsize=2) == 4  # 24 KB a stage: as asked
-    assert b.stages_for(256, 256, 256, weights=2, itemsize=4) == 1  # never below one
+    h100 = pipeline_shared_bytes("NVIDIA H100 80GB HBM3")
+    assert h100 == 192 * 1024 and pipeline_shared_bytes("NVIDIA H200") == h100
+    assert b.stages_for(64, 128, 128, weights=2, itemsize=2, shared_bytes=h100) == 2
+    assert b.stages_for(64, 32, 128, weights=1, itemsize=2, shared_bytes=h100) == 4  # 24 KB a stage
+    assert b.stages_for(256, 256, 256, weights=2, itemsize=4, shared_bytes=h100) == 1  # never below one
+    # an MI300X block has 64 KB: one 48 KB stage of 64 x 128 tiles at most; an A100 fits 2 of them
+    assert b.stages_for(64, 128, 128, weights=1, itemsize=2,
+                        shared_bytes=pipeline_shared_bytes("AMD Instinct MI300X")) == 1
+    assert b.stages_for(64, 128, 128, weights=1, itemsize=2,
+                        shared_bytes=pipeline_shared_bytes("NVIDIA A100-SXM4-80GB")) == 2
+    assert pipeline_shared_bytes("NVIDIA GeForce RTX 4090") == 64 * 1024
     assert GemmBlocking.from_spec(b.spec()) == b
     assert GemmBlocking.from_spec("64,256,64,128,64,8,3") == GemmBlocking(64, 256, 64, 128, 64, 8, 3)
     with pytest.raises(ValueError, match="7 integers"):

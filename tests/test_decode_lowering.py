@@ -189,15 +189,17 @@ def test_every_blocking_the_gemms_part_sweeps_lowers_for_cuda(spec):
 def _lower_fused_decode_gemms(model: str, rows: int, blockings) -> None:
     """The GEMM kernels of a decode layer at ``model``'s shapes, exported for cuda: the norms
     summing their rows (the first layer) and from the sums the residual kernels write."""
-    from rstarjax.models.decode_gemm import TILE, matmul_residual, norm_matmul
+    from rstarjax.models.decode_gemm import matmul_residual, norm_matmul
 
     cfg = ModelConfig.preset(model)
     d, f = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     x, w_norm = sd((rows, d), bf), sd((d,), bf)
-    sums = sd((64, -(-rows // TILE) * TILE), jnp.float32)  # [column blocks, padded rows]
     for blocking in blockings:
+        # the sums as the down projection's kernel writes them with this blocking
+        _, sums = jax.eval_shape(lambda a, w, r: matmul_residual(a, w, r, with_sums=True, blocking=blocking),
+                                 sd((rows, f), bf), sd((f, d), bf), x)
         calls = [
             (lambda x, n, a, b, c: norm_matmul(x, n, (a, b, c), eps=1e-6, blocking=blocking),
              (x, w_norm, sd((d, q), bf), sd((d, kv), bf), sd((d, kv), bf))),

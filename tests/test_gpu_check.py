@@ -161,6 +161,8 @@ def test_peaks_are_looked_up_by_the_most_specific_device_name():
     assert hardware.hbm_peak_gbps("NVIDIA H100 PCIe") == 2000
     assert hardware.hbm_peak_gbps("NVIDIA H100 80GB HBM3") == 3350
     assert hardware.hbm_peak_gbps("NVIDIA H200") == 4800
+    assert hardware.hbm_peak_gbps("NVIDIA GH200 480GB") == 4000  # not an H200's
+    assert hardware.hbm_peak_gbps("NVIDIA L40S") == 864 and hardware.hbm_peak_gbps("NVIDIA L4") == 300
     assert hardware.bf16_peak_flops("TPU v5 lite") == 197e12 and hardware.bf16_peak_flops("tpu v5p") == 459e12
     assert hardware.hbm_peak_gbps("cpu") is None and hardware.bf16_peak_flops(None) is None
 

@@ -72,12 +72,14 @@ class GemmBlocking:
         return block_rows, block_cols, block_k
 
     def stages_for(self, block_rows: int, block_cols: int, block_k: int, weights: int,
-                   itemsize: int) -> int:
+                   itemsize: int, shared_bytes: int | None = None) -> int:
         """``num_stages``, fewer where its pipelined tiles (an x tile and ``weights`` weight tiles
-        an iteration) would not fit ``PIPELINE_SHARED_BYTES``: a blocking Triton cannot fit in
-        an SM's shared memory fails only when the device compiles it, so it is cut here."""
+        an iteration) would not fit ``shared_bytes`` (default: ``pipeline_shared_bytes()`` of the
+        device): a blocking Triton cannot fit in an SM's shared memory fails only when the
+        device compiles it, so it is cut here."""
+        budget = pipeline_shared_bytes() if shared_bytes is None else shared_bytes
         per_stage = (block_rows * block_k + weights * block_k * block_cols) * itemsize
-        return max(1, min(self.num_stages, PIPELINE_SHARED_BYTES // per_stage))
+        return max(1, min(self.num_stages, budget // per_stage))
 
     def spec(self) -> str:
         """The blocking as ``decode_kernel_sweep.py --gemm-blocking`` reads it (``from_spec``)."""
@@ -93,9 +95,24 @@ class GemmBlocking:
         return cls(*values)
 
 
-# Shared memory the pipelined tiles may take: an H100/H200 block gets 227 KB; the rest is left to
-# Triton's own scratch (the accumulator's layout conversion before the store: 32 KB at 64 x 128).
-PIPELINE_SHARED_BYTES = 192 * 1024
+# Shared memory (KB) a block may have, by a substring of jax's device_kind (first match wins);
+# 35 KB of it is left to Triton's own scratch (the accumulator's layout conversion before the
+# store: 32 KB at 64 x 128) and the rest to the pipelined tiles.
+SHARED_MEMORY_KB = (("H100", 227), ("H200", 227), ("H800", 227), ("H20", 227), ("A100", 163),
+                    ("A800", 163), ("MI300", 64), ("MI250", 64), ("MI210", 64))
+SHARED_MEMORY_KB_OTHERWISE = 99  # Ada and consumer Ampere, the smallest of the CUDA cards
+TRITON_SCRATCH_KB = 35
+
+
+def pipeline_shared_bytes(device_kind: str | None = None) -> int:
+    """Bytes the pipelined tiles may take on ``device_kind`` (default: the first device's; a CPU,
+    interpreting the kernels or exporting them for cuda, gets an H100's)."""
+    if device_kind is None:
+        device = jax.devices()[0]
+        device_kind = "H100" if device.platform == "cpu" else device.device_kind
+    kb = next((kb for key, kb in SHARED_MEMORY_KB if key.lower() in device_kind.lower()),
+              SHARED_MEMORY_KB_OTHERWISE)
+    return (kb - TRITON_SCRATCH_KB) * 1024
 
 
 def _power_of_two_dividing(n: int, most: int) -> int:
@@ -182,7 +199,6 @@ def _norm_matmul_kernel(x_ref, w_norm_ref, *refs, count: int, starts: tuple[int,
         cols = pl.ds(j * block_cols, block_cols)
         gate, up = _accumulate(x_ref, w_refs, rows, cols, depth, block_k, inv, w_norm_ref)
         (o_ref,) = o_refs
-        dtype = o_ref.dtype
         o_ref[rows, cols] = _swiglu(gate, up, o_ref.dtype)
         return
     for w_ref, o_ref, start, end in zip(w_refs, o_refs, starts, starts[1:]):
