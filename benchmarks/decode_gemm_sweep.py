@@ -65,6 +65,7 @@ from rstarjax.models.config import ModelConfig  # noqa: E402
 from rstarjax.models.qwen3 import rms_norm  # noqa: E402
 from rstarjax.serving.programs import DECODE_GEMMS  # noqa: E402
 from hardware import hbm_peak_gbps  # noqa: E402  (benchmarks/, this script's folder)
+from timing import pipelined_call_seconds  # noqa: E402
 
 if args.tiny:
     args.preset, args.batches, args.layers, args.rounds, args.iters = "tiny", "4,32", 2, 2, 2
@@ -167,10 +168,7 @@ def timed(fn, *a) -> float:
     """One round: ``--iters`` calls issued back to back, waited for once, per call (compiled and
     warmed before the rounds start). A call passes every layer's weights, ~10 arrays a layer,
     whose dispatch would otherwise sit in each arm's time alike and pull the ratios toward 1."""
-    t = time.perf_counter()
-    outs = [fn(*a) for _ in range(args.iters)]
-    jax.block_until_ready(outs)
-    return (time.perf_counter() - t) / args.iters
+    return pipelined_call_seconds(fn, *a, iters=args.iters)
 
 
 def max_diff(kind: str, got, want) -> float:

@@ -847,7 +847,7 @@ GEMM_BLOCKINGS = ("64,128,128,256,32,4,4;64,128,128,128,64,4,4;64,128,128,1,128,
 
 def part_gemms(shape: Shape, args, log, env) -> dict:
     """Our decode GEMMs alone (benchmarks/decode_gemm_sweep.py) at 64 and 256 rows, Qwen3-1.7B's
-    layer shapes over its 28 layers: the layer's four kernels chained, then each kind, against
+    layer shapes over 16 layers of distinct weights: the layer's four kernels chained, then each kind, against
     XLA's ops of the same work (its Triton GEMMs and cuBLAS), ``GEMM_BLOCKINGS`` in order. Its
     ``best_gemm_blocking`` is the blocking the ``decode`` part's ``pallas_gpu_packed_layer`` arm
     then runs with."""
