@@ -940,7 +940,37 @@ def decode_rows(results: dict) -> list[tuple[str, str]]:
                      f"{r['step_ms']} ms/step {r['step_ms_range']}, {r['decode_tok_s']:,.0f} tok/s"
                      + (f", {100 * r['roofline_fraction']:.1f} % of HBM roofline"
                         if r.get("roofline_fraction") else "") + f", ctx {r['context']}"))
+    for best in best_decode_choices(decode):
+        rows.append((f"decode best per batch ctx{best['prompt_len']} {best['sampler']} {best['gemms']}",
+                     f"--config.serving.decode_attention={best['decode_attention']} "
+                     f"({', '.join(f'b{b} {ms} ms' for b, ms in best['step_ms'].items())})"))
     return rows
+
+
+def best_decode_choices(rows: list[dict]) -> list[dict]:
+    """From the decode parts' rows, per (prompt length, sampler, GEMMs) with more than one
+    attention path measured: the ``serving.decode_attention`` that runs each measured batch
+    with its fastest path (``serving.decode_choice.decode_choice_from_rows``), and its step
+    times. Only batches every path of the group measured count, so no path wins by default."""
+    from rstarjax.serving.decode_choice import decode_choice_from_rows
+
+    groups: dict[tuple, dict[int, dict[str, float]]] = {}
+    for r in rows:
+        if "error" in r or "step_ms" not in r:
+            continue
+        key = (r.get("prompt_len"), r["sampler"], r.get("gemms", "xla"))
+        groups.setdefault(key, {}).setdefault(int(r["batch"]), {})[r["attention"]] = float(r["step_ms"])
+    out = []
+    for (prompt_len, sampler, gemms), by_batch in groups.items():
+        paths = set().union(*by_batch.values())
+        full = {b: times for b, times in by_batch.items() if set(times) == paths}
+        if len(paths) < 2 or not full:
+            continue
+        fastest = {b: min(times, key=times.get) for b, times in full.items()}
+        out.append({"prompt_len": prompt_len, "sampler": sampler, "gemms": gemms,
+                    "decode_attention": decode_choice_from_rows(fastest).spec(),
+                    "step_ms": {b: full[b][fastest[b]] for b in sorted(full)}})
+    return out
 
 
 # ---- summary -------------------------------------------------------------------------------------

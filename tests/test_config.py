@@ -333,6 +333,12 @@ def test_the_decode_attention_and_the_sampler_are_serving_settings(tmp_path):
     engine = Engine(model, **options)
     assert (engine.decode_attention, engine.sampler) == ("reference", "fused")
     assert engine.decode_xla_options == {"xla_gpu_enable_triton_gemm": False}
+    c.serving.decode_attention = "ragged@16,reference"  # one path per batch size
+    engine = Engine(model, **parse(c, num_devices=8).serving.engine_options(64))
+    assert (engine.decode_choice.for_rows(16), engine.decode_choice.for_rows(64)) == ("ragged", "reference")
+    c.serving.decode_attention = "ragged@16"  # the last path must cover every larger batch
+    with pytest.raises(ConfigError, match="decode_attention='ragged@16'.*only the last"):
+        parse(c, num_devices=8)
     c.serving.decode_attention, c.serving.sampler = "flash", "greedy"
     c.serving.decode_gemms = "cutlass"
     with pytest.raises(ConfigError) as e:

@@ -403,6 +403,56 @@ def test_decode_xla_options_reach_the_decode_program_alone(model):
         eng.decode(eng.params, state)
 
 
+def test_decode_attention_per_batch_size_runs_each_bucket_with_its_path(model, monkeypatch):
+    """``decode_attention="ragged@4,reference"``: a decode program of at most 4 rows runs the
+    ragged path, a larger one the reference (serving/decode_choice.py); both decode the full
+    forward's greedy tokens."""
+    import rstarjax.serving.engine as engine_module
+
+    ran = []
+    real = engine_module.decode_program
+
+    def spy(*args, **kw):
+        ran.append((len(args[5]), kw["attention"]))  # args[5]: the batch's rows
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine_module, "decode_program", spy)
+    eng = _engine(model, slots=8, decode_steps=2, decode_attention="ragged@4,reference")
+    assert eng.decode_attention == "ragged@4,reference"
+    prompts = [[3, 4, 5], [7, 1], [9, 9, 2, 6], [5], [2, 8, 8], [6, 1, 4]]
+    greedy = SamplingParams(temperature=0, max_new_tokens=8)
+    state = eng.init_decode_state()
+    state, first = eng.start(eng.params, state, [StartRequest(i, p, greedy) for i, p in enumerate(prompts[:2])])
+    state, block = eng.decode(eng.params, state)  # 2 active: the 4-row program
+    tokens = {i: [int(first[i].token)] + block.tokens[:, i].tolist() for i in range(2)}
+    state, later = eng.start(eng.params, state, [StartRequest(i, prompts[i], greedy) for i in range(2, 6)])
+    state, block = eng.decode(eng.params, state)  # 6 active: the 8-row program
+    for i in range(6):
+        tokens[i] = tokens.get(i, [int(later[i - 2].token)]) + block.tokens[:, i].tolist()
+    assert ran == [(4, "ragged"), (8, "reference")]
+    for i, prompt in enumerate(prompts):
+        assert tokens[i] == _greedy_reference(model, prompt, len(tokens[i])), i
+
+
+def test_decode_choice_spec_and_its_errors():
+    from rstarjax.serving.decode_choice import DecodeChoice, decode_choice_from_rows
+
+    choice = DecodeChoice.parse("pallas_gpu_packed_layer@64, pallas_gpu_packed_rope")
+    assert [choice.for_rows(r) for r in (4, 16, 64, 65, 256, 1024)] == \
+        ["pallas_gpu_packed_layer"] * 3 + ["pallas_gpu_packed_rope"] * 3
+    assert choice.spec() == "pallas_gpu_packed_layer@64,pallas_gpu_packed_rope"
+    assert DecodeChoice.parse("ragged").paths == ((None, "ragged"),)
+    # the fastest path per measured batch, neighbours merged; between two batches the larger's
+    a, b = "ragged", "reference"
+    assert decode_choice_from_rows({256: b, 32: a, 64: a}).spec() == f"{a}@64,{b}"
+    assert decode_choice_from_rows({16: a, 64: b, 256: a}).spec() == f"{a}@16,{b}@64,{a}"
+    for bad, why in [("flash", "not in"), ("ragged@64", "only the last"), ("ragged@x,reference", "whole number"),
+                     ("ragged@64,ragged@16,reference", "increase"), ("ragged,reference", "only the last"),
+                     ("ragged@0,reference", ">= 1"), ("", "not in")]:
+        with pytest.raises(ValueError, match=why):
+            DecodeChoice.parse(bad)
+
+
 def test_stops_context_pages_and_bad_input(model):
     eng = _engine(model)
     state = eng.init_decode_state()

@@ -152,6 +152,30 @@ def test_budget_cuts_each_limit_and_skips_the_parts_that_do_not_fit(tmp_path, mo
     assert ("ckpt", parts["ckpt"]["error"]) in g.summary_rows({k: g.PartResult(**v) for k, v in parts.items()})
 
 
+def test_the_best_decode_choice_runs_each_batch_with_its_fastest_path():
+    """The decode part's rows -> a ``serving.decode_attention`` per (prompt, sampler, GEMMs): the
+    fused layer wins at 32 and 64 rows, the rope arm at 256; a batch one path did not measure
+    (or failed at) is left out, and a group of one path proposes nothing."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check as g
+
+    def row(batch, attention, ms, sampler="fused", **kw):
+        return {"batch": batch, "attention": attention, "sampler": sampler, "gemms": "xla",
+                "prompt_len": 512, "step_ms": ms, **kw}
+
+    rows = [row(256, "pallas_gpu_packed_rope", 9.0), row(256, "pallas_gpu_packed_layer", 9.5),
+            row(64, "pallas_gpu_packed_rope", 4.0), row(64, "pallas_gpu_packed_layer", 3.1),
+            row(32, "pallas_gpu_packed_rope", 3.5), row(32, "pallas_gpu_packed_layer", 2.9),
+            row(16, "pallas_gpu_packed_layer", 1.0),  # rope not measured at 16: left out
+            {"batch": 128, "attention": "pallas_gpu_packed_rope", "sampler": "fused", "prompt_len": 512,
+             "error": "out of pages"},
+            row(256, "pallas_gpu", 12.0, sampler="exact")]  # alone in its group
+    [best] = g.best_decode_choices(rows)
+    assert best["decode_attention"] == "pallas_gpu_packed_layer@64,pallas_gpu_packed_rope"
+    assert best["step_ms"] == {32: 2.9, 64: 3.1, 256: 9.0}
+    assert (best["sampler"], best["gemms"], best["prompt_len"]) == ("fused", "xla", 512)
+
+
 def test_peaks_are_looked_up_by_the_most_specific_device_name():
     """benchmarks/hardware.py, the one table every benchmark divides by: an H100 PCIe is not
     an SXM H100, case does not matter, a CPU has no peak."""
@@ -276,3 +300,5 @@ def test_decode_kernel_parts_run_at_the_tiny_shape(tmp_path):
     assert "decode b4 ctx24 pallas_gpu_packed_rope fused" in proc.stdout
     assert "gemms b32 layer ours" in proc.stdout and "gemms best blocking" in proc.stdout
     assert "decode b4 ctx160 ragged exact cublas" in proc.stdout
+    # rope and layer (fused, XLA's GEMMs) were both measured: the per-batch choice is printed
+    assert "decode best per batch ctx24 fused xla" in proc.stdout

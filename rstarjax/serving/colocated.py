@@ -13,7 +13,7 @@ from flax import nnx
 
 from rstarjax.layout import Layout, layout_of
 from rstarjax.models.config import DTYPES
-from rstarjax.models.paged_attention import DECODE_IMPLEMENTATIONS
+from rstarjax.serving.decode_choice import decode_choice_rule
 from rstarjax.serving.engine import Engine
 from rstarjax.serving.handoff import ProcessHandoff, require_process_local, serve_copies, split_weights, stage_copies
 from rstarjax.serving.programs import DECODE_GEMMS
@@ -51,7 +51,8 @@ class ServingConfig:
     # step's K/V itself; "pallas_gpu_packed_rope": also norming and rotating q/k;
     # "pallas_gpu_packed_layer": also the projections as Pallas GEMMs with the norms, SwiGLU and
     # residual adds fused in, models/decode_gemm.py); "ragged" the
-    # portable path, "reference" the oracle
+    # portable path, "reference" the oracle. One path per batch size: "ARM@ROWS,...,ARM", e.g.
+    # "pallas_gpu_packed_layer@64,pallas_gpu_packed_rope" (serving/decode_choice.py)
     decode_attention: str = "auto"
     # "exact" draws with the float32 logits (the default); "fused" reads them in the compute dtype
     # in one pass, the same distribution but other tokens for a key (serving/sampling.py)
@@ -107,7 +108,7 @@ class ServingConfig:
                  "release_during_update frees memory on the trainer's devices for the update; "
                  "disaggregated rollouts hold none there: turn it off"),
                 one_of("dtype", self.dtype, ("", *DTYPES)),
-                one_of("decode_attention", self.decode_attention, ("auto", *DECODE_IMPLEMENTATIONS)),
+                decode_choice_rule(self.decode_attention),
                 one_of("sampler", self.sampler, SAMPLERS),
                 one_of("decode_gemms", self.decode_gemms, tuple(DECODE_GEMMS)))
 

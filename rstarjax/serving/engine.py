@@ -32,10 +32,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rstarjax.models.kv_cache import NO_PAGE, pages_for
-from rstarjax.models.paged_attention import (DECODE_IMPLEMENTATIONS, RAGGED_CHUNK,
-                                             RAGGED_LIST_STEP, default_decode_implementation,
-                                             split_kv_axis)
+from rstarjax.models.paged_attention import (RAGGED_CHUNK, RAGGED_LIST_STEP,
+                                             default_decode_implementation, split_kv_axis)
 from rstarjax.models.qwen3 import ServingWeights, serving_config
+from rstarjax.serving.decode_choice import DecodeChoice
 from rstarjax.serving.handoff import (ServingLayout, require_process_local, serving_copies,
                                       serving_shapes, split_weights, update_engines)
 from rstarjax.serving.pages import OutOfPages, PagePool, SlotInfo, SlotTable
@@ -144,27 +144,14 @@ class Engine:
             decode_attention = default_decode_implementation(
                 first_device.platform, head_dim=self.cfg.head_dim,
                 page_size=self.page_size, kv_dtype=self.cache_dtype)
-        if self.tensor_parallel > 1 and not kv_split and decode_attention.startswith("pallas"):
-            raise ValueError(
-                f"decode_attention {decode_attention!r} on a slice of {self.tensor_parallel} "
-                f"devices needs the kv pool split by kv head, but "
-                f"{self.model_config.num_key_value_heads} kv heads do not divide over "
-                f"{self.tensor_parallel} devices: use 'ragged' or 'reference', or a "
-                f"serving.tensor_parallel that divides the kv heads")
-        if self.tensor_parallel > 1 and decode_attention == "pallas_gpu_packed_layer":
-            raise ValueError(
-                f"decode_attention 'pallas_gpu_packed_layer' runs its projections as single-device "
-                f"kernels; on a slice of {self.tensor_parallel} devices use "
-                f"'pallas_gpu_packed_rope' (the same attention, XLA's split GEMMs)")
-        if decode_attention not in DECODE_IMPLEMENTATIONS:
-            raise ValueError(f"decode_attention {decode_attention!r} not in "
-                             f"{DECODE_IMPLEMENTATIONS + ('auto',)}")
-        self.decode_attention = decode_attention
+        self._kv_split = kv_split
+        choice = self._checked_choice(decode_attention)
         self.interpret = bool(interpret)  # CPU tests: the Pallas kernels in their interpreter
         self.decode_steps = int(decode_steps)
         self.table_width = pages_for(self.max_len, self.page_size)
-        if decode_attention != "reference":  # the kernels split the table in blocks of pages
+        if choice.names != ("reference",):  # the kernels split the table in blocks of pages
             self.table_width = -(-self.table_width // 8) * 8
+        self.decode_attention = choice.spec()
         self.min_context_pages = max(1, pages_for(min_context, self.page_size))
         self.prefill_chunk = int(min(prefill_chunk, self.max_len))
         self.buckets = tuple(sorted(buckets)) if buckets else default_buckets(
@@ -184,6 +171,38 @@ class Engine:
         self.decode_steps_run = 0
         self.host_syncs = 0
         self.generated_tokens = 0  # tokens sampled by decode steps
+
+    # ---- the decode attention ----------------------------------------------------------------
+    @property
+    def decode_attention(self) -> str:
+        """The decode attention, one path or one per batch size (``serving.decode_choice``)."""
+        return self.decode_choice.spec()
+
+    @decode_attention.setter
+    def decode_attention(self, spec: str) -> None:
+        choice = self._checked_choice(spec)
+        if choice.names != ("reference",) and self.table_width % 8:
+            raise ValueError(f"decode attention {spec!r}: this engine's page table was laid out for "
+                             f"'reference' alone; build the engine with it")
+        self.decode_choice = choice
+
+    def _checked_choice(self, spec: str) -> DecodeChoice:
+        """``spec`` parsed, each of its paths checked against this engine's placement."""
+        choice = DecodeChoice.parse(spec)
+        for name in choice.names:
+            if self.tensor_parallel > 1 and not self._kv_split and name.startswith("pallas"):
+                raise ValueError(
+                    f"decode_attention {name!r} on a slice of {self.tensor_parallel} "
+                    f"devices needs the kv pool split by kv head, but "
+                    f"{self.model_config.num_key_value_heads} kv heads do not divide over "
+                    f"{self.tensor_parallel} devices: use 'ragged' or 'reference', or a "
+                    f"serving.tensor_parallel that divides the kv heads")
+            if self.tensor_parallel > 1 and name == "pallas_gpu_packed_layer":
+                raise ValueError(
+                    f"decode_attention 'pallas_gpu_packed_layer' runs its projections as single-device "
+                    f"kernels; on a slice of {self.tensor_parallel} devices use "
+                    f"'pallas_gpu_packed_rope' (the same attention, XLA's split GEMMs)")
+        return choice
 
     # ---- slots and their decode state ------------------------------------------------------
     def init_decode_state(self, keep: Sequence[int] = ()) -> DecodeState:
@@ -365,7 +384,8 @@ class Engine:
             self.slots.grow(s, steps)
         rows = np.full(_batch_bucket(len(active), self.num_slots), self.num_slots, np.int32)
         rows[: len(active)] = active
-        width, live_pages = self._decode_reads(active, steps, len(rows))
+        attention = self.decode_choice.for_rows(len(rows))
+        width, live_pages = self._decode_reads(active, steps, len(rows), attention)
         f = np.full((self.decode_steps, len(rows)), -1, np.int32)
         if forced is not None:
             f[: len(forced), : len(active)] = np.asarray(forced)[:, active]
@@ -376,7 +396,7 @@ class Engine:
         self._k, self._v, state, outs = program(
             self.cfg, params, self._k, self._v, state, jnp.asarray(rows),
             jnp.asarray(self._table[:, :width]), live_pages, jnp.asarray(f), jnp.int32(steps),
-            jnp.int32(stop_after), steps=self.decode_steps, attention=self.decode_attention,
+            jnp.int32(stop_after), steps=self.decode_steps, attention=attention,
             vocab_limit=self.vocab_limit, max_len=self.max_len, kv_sharding=self._kv_sharding,
             interpret=self.interpret, sampler=self.sampler)
         compact = jax.device_get(outs)
@@ -505,18 +525,20 @@ class Engine:
         return self.placement.new_pool(self.model_config, self.num_pages, self.page_size,
                                        self.cache_dtype)
 
-    def _decode_reads(self, active: list[int], steps: int, batch: int):
-        """What a decode call reads: page-table columns, and for the ragged attention the
-        list of the active slots' live pages (ids, rows in the compacted batch, first
-        positions, count), in arrays of a fixed size per batch bucket."""
+    def _decode_reads(self, active: list[int], steps: int, batch: int, attention: str | None = None):
+        """What a decode call of ``batch`` rows reads with ``attention`` (default: the path the
+        engine runs at that batch): page-table columns, and for the ragged attention the list
+        of the active slots' live pages (ids, rows in the compacted batch, first positions,
+        count), in arrays of a fixed size per batch bucket."""
         size = self.page_size
-        if self.decode_attention == "reference":
+        attention = attention or self.decode_choice.for_rows(batch)
+        if attention == "reference":
             longest = max((self.slots[s].length + steps for s in active), default=0)
             width = self._context_pages(longest)
         else:  # the kernels and the ragged list stop at each row's length themselves
             width = self.table_width
         ids, rows, starts = [], [], []
-        if self.decode_attention == "ragged":
+        if attention == "ragged":
             for j, s in enumerate(active):  # rows are positions in the compacted batch
                 info = self.slots[s]
                 n = pages_for(min(info.length + steps, self.max_len), size)
