@@ -795,6 +795,10 @@ DECODE_ARMS = ("pallas_gpu:exact,pallas_gpu_packed:exact,pallas_gpu_packed:fused
                "pallas_gpu_packed_append:fused,pallas_gpu_packed_rope:fused,"
                "pallas_gpu_packed_layer:fused,pallas_gpu_packed_rope:fused:cublas")
 DECODE_TRACED = "pallas_gpu_packed_rope:fused,pallas_gpu_packed_layer:fused"
+# Each batch's arms compiled ahead, side by side (decode_kernel_sweep.compile_ahead; the device
+# host has 16 cores): the part was ~90 % compiles one after another. Its rows say whether it paid
+# (compile_ahead_wall_s against the sum of compiled_ahead_s)
+DECODE_COMPILE_THREADS = 4
 
 
 # kernels2's second sweep: 64 rows of the engine's ~640 tokens, where the default blocking's two
@@ -889,10 +893,10 @@ def part_decode(shape: Shape, args, log, env, trace_dir: str, name: str = "decod
         argv += ["--tiny", "--interpret", "--batches", "4", "--trace-batches", "4",
                  "--engine-arms", "ragged:exact:cublas,pallas_gpu_packed_rope:fused"
                  + ("" if long else ",pallas_gpu_packed_layer:fused")]
-        argv += ["--prompt-len", "160"] if long else []  # past the decode rows' contexts
+        argv += ["--prompt-len", "160"] if long else ["--compile-threads", "2"]  # 160: past the decode rows' contexts
     else:
         argv += ["--batches", "64,128", "--prompt-len", "4096"] if long else ["--batches", "256,64,32"]
-        argv += ["--rounds", "3"]
+        argv += ["--rounds", "3", "--compile-threads", str(DECODE_COMPILE_THREADS)]
     code, out = run_part(name, argv, timeout, log, env)
     rows = {"rows": json_lines(out)}
     if code != 0:  # the batches it finished are kept

@@ -434,6 +434,42 @@ def test_decode_attention_per_batch_size_runs_each_bucket_with_its_path(model, m
         assert tokens[i] == _greedy_reference(model, prompt, len(tokens[i])), i
 
 
+def test_a_decode_program_compiled_ahead_is_the_one_the_call_runs(model):
+    """``lower_decode(...).compile()`` for each of two paths (as threads would, not touching
+    the engine), then ``decode`` under each: neither call compiles anything (counted by jax's
+    backend-compile events), and the tokens are the full forward's greedy ones."""
+    import threading
+
+    compiles = []
+
+    def count(event, seconds, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    eng = _engine(model, slots=2, decode_steps=2)
+    state = eng.init_decode_state()
+    prompt = [3, 4, 5]
+    state, [first] = eng.start(eng.params, state, [StartRequest(
+        0, prompt, SamplingParams(temperature=0, max_new_tokens=8))])
+    lowered = [eng.lower_decode(eng.params, state, attention=a) for a in ("ragged", "reference")]
+    threads = [threading.Thread(target=low.compile) for low in lowered]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        tokens = [int(first.token)]
+        for attention in ("ragged", "reference"):
+            eng.decode_attention = attention
+            state, block = eng.decode(eng.params, state)
+            tokens += block.tokens[:, 0].tolist()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert compiles == [], f"{len(compiles)} compiles in calls compiled ahead"
+    assert tokens == _greedy_reference(model, prompt, 5)
+
+
 def test_decode_choice_spec_and_its_errors():
     from rstarjax.serving.decode_choice import DecodeChoice, decode_choice_from_rows
 

@@ -288,6 +288,8 @@ def test_decode_kernel_parts_run_at_the_tiny_shape(tmp_path):
     assert set(decode) == {("pallas_gpu_packed_rope", "fused"), ("ragged", "exact")}
     assert decode[("ragged", "exact")]["gemms"] == "cublas"  # an arm's XLA options of its own
     assert all(r["calls"] == 2 and r["decode_tok_s"] > 0 for r in decode.values())
+    # the arms' programs compiled ahead in threads (their first calls then only run them)
+    assert all(r["compile_threads"] == 2 and r["compiled_ahead_s"] > 0 for r in (*decode.values(), layer))
     traced = decode[("pallas_gpu_packed_rope", "fused")]
     assert traced.get("trace_bytes", 0) > 0 and "trace" not in decode[("ragged", "exact")], traced
     names = json.loads((out / "gpu_check.json").read_text())["traces"]

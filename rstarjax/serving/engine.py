@@ -359,6 +359,44 @@ class Engine:
         start = len(shared) * self.page_size
         return FeedRow(pages, start, history[start:], samples)
 
+    def lower_decode(self, params, state: DecodeState, steps: int | None = None, *,
+                     attention: str | None = None, sampler: str | None = None,
+                     xla_options: dict | None = None):
+        """The decode program the next ``decode(params, state, steps)`` call would run, lowered
+        (``jax.stages.Lowered``) and not run: ``.compile()`` it ahead, e.g. several in threads,
+        and that call finds it compiled (jax caches the executable). ``attention``,
+        ``sampler`` and ``xla_options`` override the engine's settings for this lowering only
+        (the program a call runs after they are set), so threads need not change the engine."""
+        steps = self.decode_steps if steps is None else int(steps)
+        program, args, static = self._decode_call(
+            params, state, self.slots.decoding(), steps, None, None, attention=attention,
+            sampler=sampler, xla_options=xla_options)
+        return program.lower(*args, **static)
+
+    def _decode_call(self, params, state, active: list[int], steps: int, forced, stop_after, *,
+                     attention: str | None = None, sampler: str | None = None,
+                     xla_options: dict | None = None):
+        """(program, arguments, static arguments) of a decode call of the ``active`` slots;
+        ``decode`` and ``lower_decode`` both build their call here, so an ahead-of-time
+        compile is of exactly the program the call runs."""
+        rows = np.full(_batch_bucket(len(active), self.num_slots), self.num_slots, np.int32)
+        rows[: len(active)] = active
+        attention = attention or self.decode_choice.for_rows(len(rows))
+        width, live_pages = self._decode_reads(active, steps, len(rows), attention)
+        f = np.full((self.decode_steps, len(rows)), -1, np.int32)
+        if forced is not None:
+            f[: len(forced), : len(active)] = np.asarray(forced)[:, active]
+        stop_after = len(active) + 1 if stop_after is None else max(1, int(stop_after))
+        options = tuple(sorted((self.decode_xla_options if xla_options is None else xla_options).items()))
+        program = decode_program_with(options) if options else decode_program
+        args = (self.cfg, params, self._k, self._v, state, jnp.asarray(rows),
+                jnp.asarray(self._table[:, :width]), live_pages, jnp.asarray(f), jnp.int32(steps),
+                jnp.int32(stop_after))
+        static = dict(steps=self.decode_steps, attention=attention, vocab_limit=self.vocab_limit,
+                      max_len=self.max_len, kv_sharding=self._kv_sharding, interpret=self.interpret,
+                      sampler=sampler or self.sampler)
+        return program, args, static
+
     def start_cost(self, requests: Sequence[StartRequest]) -> int:
         """Pages ``start(requests)`` takes from the pool (served with ``self.params``)."""
         return start_cost(plan_start(requests, self.pages, self.max_len, self.params_version),
@@ -382,23 +420,9 @@ class Engine:
                              f"{self.pages.num_free} free")
         for s in active:
             self.slots.grow(s, steps)
-        rows = np.full(_batch_bucket(len(active), self.num_slots), self.num_slots, np.int32)
-        rows[: len(active)] = active
-        attention = self.decode_choice.for_rows(len(rows))
-        width, live_pages = self._decode_reads(active, steps, len(rows), attention)
-        f = np.full((self.decode_steps, len(rows)), -1, np.int32)
-        if forced is not None:
-            f[: len(forced), : len(active)] = np.asarray(forced)[:, active]
-        stop_after = len(active) + 1 if stop_after is None else max(1, int(stop_after))
         t0 = time.perf_counter()
-        options = tuple(sorted(self.decode_xla_options.items()))
-        program = decode_program_with(options) if options else decode_program
-        self._k, self._v, state, outs = program(
-            self.cfg, params, self._k, self._v, state, jnp.asarray(rows),
-            jnp.asarray(self._table[:, :width]), live_pages, jnp.asarray(f), jnp.int32(steps),
-            jnp.int32(stop_after), steps=self.decode_steps, attention=attention,
-            vocab_limit=self.vocab_limit, max_len=self.max_len, kv_sharding=self._kv_sharding,
-            interpret=self.interpret, sampler=self.sampler)
+        program, args, static = self._decode_call(params, state, active, steps, forced, stop_after)
+        self._k, self._v, state, outs = program(*args, **static)
         compact = jax.device_get(outs)
         self.busy_seconds += time.perf_counter() - t0
         self.host_syncs += 1
