@@ -98,7 +98,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as kernel  # noqa: E
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rstarjax.models.paged_attention import PALLAS_GPU_BLOCKING  # noqa: E402
 from hardware import hbm_peak_gbps  # noqa: E402  (benchmarks/, this script's folder)
-from timing import median_call_seconds  # noqa: E402
+from timing import compile_in_threads, median_call_seconds  # noqa: E402
 
 if args.tiny:
     args.batches, args.contexts, args.max_tokens = "4", "40", 128
@@ -275,13 +275,10 @@ def set_arm(engine, arm) -> None:
 
 
 def compile_ahead(engine, state, arms, threads: int) -> tuple[dict, float]:
-    """Each arm's decode program for the engine's active slots compiled before any runs:
-    lowered here one by one (tracing holds the GIL), compiled in ``threads`` threads (XLA
-    releases it), so the arms' compiles overlap instead of queueing at their first calls.
-    Best effort: an arm that fails here compiles (and fails, as a row) at its call. Returns
-    (seconds per arm, from its compile's start to its end; wall seconds of them all)."""
-    import concurrent.futures
-
+    """Each arm's decode program for the engine's active slots compiled before any runs,
+    ``threads`` at a time (``timing.compile_in_threads``), so the arms' compiles overlap instead
+    of queueing at their first calls; an arm that fails to lower here compiles (and fails, as a
+    row) at its call. Returns (seconds per arm compiled, wall seconds of them all)."""
     from rstarjax.serving.programs import DECODE_GEMMS
 
     started = time.perf_counter()
@@ -292,18 +289,8 @@ def compile_ahead(engine, state, arms, threads: int) -> tuple[dict, float]:
                                                xla_options=DECODE_GEMMS[arm[2]])
         except Exception:  # noqa: BLE001  (its first call reports it)
             pass
-
-    def compile_one(arm):
-        t = time.perf_counter()
-        try:
-            lowered[arm].compile()
-        except Exception:  # noqa: BLE001
-            return arm, None
-        return arm, time.perf_counter() - t
-
-    with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-        seconds = dict(pool.map(compile_one, list(lowered)))
-    return {a: round(t, 1) for a, t in seconds.items() if t is not None}, time.perf_counter() - started
+    seconds = compile_in_threads(lowered, threads)
+    return {a: round(t, 1) for a, t in seconds.items()}, time.perf_counter() - started
 
 
 def engine_main():

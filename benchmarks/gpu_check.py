@@ -795,9 +795,10 @@ DECODE_ARMS = ("pallas_gpu:exact,pallas_gpu_packed:exact,pallas_gpu_packed:fused
                "pallas_gpu_packed_append:fused,pallas_gpu_packed_rope:fused,"
                "pallas_gpu_packed_layer:fused,pallas_gpu_packed_rope:fused:cublas")
 DECODE_TRACED = "pallas_gpu_packed_rope:fused,pallas_gpu_packed_layer:fused"
-# Each batch's arms compiled ahead, side by side (decode_kernel_sweep.compile_ahead; the device
-# host has 16 cores): the part was ~90 % compiles one after another. Its rows say whether it paid
-# (compile_ahead_wall_s against the sum of compiled_ahead_s)
+# The decode and gemms parts compile each batch's arms ahead, side by side (timing.compile_in_threads;
+# the device host has 16 cores): decode was ~90 % compiles one after another, gemms 8 arms x 2
+# batches x 5 kinds of 16-layer programs. Their rows say whether it paid (compiled_ahead_s; the
+# decode rows' compile_ahead_wall_s against their sum)
 DECODE_COMPILE_THREADS = 4
 
 
@@ -859,8 +860,8 @@ def part_gemms(shape: Shape, args, log, env) -> dict:
     argv = [sys.executable, os.path.join(HERE, "decode_gemm_sweep.py"), "--budget-s", str(0.75 * timeout)]
     # 16 layers of distinct weights (1.6 GB, 32x an H200's L2) keep a launch's host cost a few %
     # of a call while compiling half of 28's
-    argv += ["--tiny", "--interpret"] if shape.model == "tiny" else ["--gemm-blockings", GEMM_BLOCKINGS,
-                                                                      "--layers", "16"]
+    argv += ["--tiny", "--interpret", "--compile-threads", "2"] if shape.model == "tiny" else [
+        "--gemm-blockings", GEMM_BLOCKINGS, "--layers", "16", "--compile-threads", str(DECODE_COMPILE_THREADS)]
     code, out = run_part("gemms", argv, timeout, log, env)
     lines = json_lines(out)
     result = {"rows": [r for r in lines if "best_gemm_blocking" not in r]}

@@ -281,6 +281,7 @@ def test_decode_kernel_parts_run_at_the_tiny_shape(tmp_path):
     assert {(r["kind"], r["arm"]) for r in gemms["rows"]} == {
         (k, a) for k in ("layer", "qkv", "o", "gate_up", "down") for a in ("xla", "xla:cublas", "ours")}
     assert all(r["us_per_layer"] > 0 and r.get("max_diff_vs_xla", 0) < 0.1 for r in gemms["rows"]), gemms
+    assert all(r["compiled_ahead_s"] > 0 for r in gemms["rows"]), gemms  # each arm compiled ahead
     decode = {(r["attention"], r["sampler"]): r for r in parts["decode"]["result"]["rows"]}
     layer = decode.pop(("pallas_gpu_packed_layer", "fused"))
     # the decode part's fused-GEMM arm runs the blocking the gemms part measured best
