@@ -125,6 +125,21 @@ def test_bad_arguments_are_clear_errors(ex):
             ex.submit("print(1)", timeout=bad)
 
 
+def test_a_call_too_large_to_send_is_the_models_error_and_no_worker_dies(ex):
+    """A call over wire.MAX_CALL_BYTES as sent is answered at submit as an error of the call
+    (not of the environment, so not retried), and the workers that would have died of its
+    frame serve on."""
+    from rstarjax.env.wire import MAX_CALL_BYTES
+
+    workers = {w.pid for w in ex._workers if w is not None}
+    r = ex.run("#" * (MAX_CALL_BYTES + 1) + "\nprint('ran')", timeout=5)
+    assert r.kind == "error" and not r.infra_error and "limit" in r.text and "MiB" in r.text, r.text[:300]
+    v = ex.submit_verify("x" * (MAX_CALL_BYTES + 1), "1").result(timeout=10)
+    assert not v and "limit" in v.error
+    assert ex.run("print(6 * 7)", timeout=5).text == "42\n"
+    assert {w.pid for w in ex._workers if w is not None} == workers
+
+
 def test_verify_in_the_pool(ex):
     assert ex.submit_verify(r"<answer>\boxed{\frac{1}{2}}</answer>", "0.5").result(60) == VerifyResult(True)
     assert bool(ex.verify(r"<answer>\boxed{1,000}</answer>", 1000)) is True

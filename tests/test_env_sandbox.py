@@ -105,6 +105,26 @@ def test_output_then_error_keeps_the_output(ex):
     assert r.kind == "error" and r.text.startswith("partial\n") and r.text.endswith("ValueError: bad")
 
 
+def test_output_printed_before_a_timeout_or_a_crash_is_kept(ex):
+    """Unflushed prints are the output so far: the sandbox's stdout is line-buffered, since a
+    timeout and a crash end it with a signal no buffer survives."""
+    r = run_hostile(ex, "print('partial 123')\nwhile True:\n    pass")
+    assert r.kind == "timeout" and r.text.startswith("partial 123\n"), r
+    r = run_hostile(ex, "import ctypes\nprint('before the crash')\nctypes.string_at(0)")
+    assert r.kind == "error" and r.text.startswith("before the crash\n") and "SIGSEGV" in r.text, r
+
+
+def test_what_the_code_defines_lives_in_main_so_pickle_and_multiprocessing_find_it(ex):
+    r = ex.run("import pickle\ndef sq(x):\n    return x * x\nclass P:\n    pass\n"
+               "print(pickle.loads(pickle.dumps(sq))(3), type(pickle.loads(pickle.dumps(P()))).__name__)")
+    assert (r.kind, r.text) == ("stdout", "9 P\n"), r
+    r = ex.run("from multiprocessing import Pool\ndef sq(x):\n    return x * x\n"
+               "if __name__ == '__main__':\n    with Pool(2) as p:\n        print(p.map(sq, range(4)))", timeout=10)
+    assert (r.kind, r.text) == ("stdout", "[0, 1, 4, 9]\n"), r
+    r = ex.run("x = 5\nimport __main__\nprint(__main__.x, sorted(k for k in vars(__main__) if not k.startswith('_')))")
+    assert (r.kind, r.text) == ("stdout", "5 ['x']\n"), r  # the code's own module, nothing of ours
+
+
 def test_syntax_error_is_compact(ex):
     r = ex.run("x = (1,\nprint(x)")
     assert r.kind == "error" and "SyntaxError" in r.text and "/" not in r.text.replace("<code>", "")
@@ -320,6 +340,14 @@ def test_recursion_overflow(ex):
     r = run_hostile(ex, "def f(n):\n    return f(n + 1)\nf(0)")
     assert r.kind == "error" and "RecursionError" in r.text
     assert "more time" in r.text and len(r.text) < 2000  # repeated frames collapsed
+
+
+def test_a_very_deep_recursion_is_an_error_in_time_not_a_timeout(ex):
+    """At a depth of 10**6, formatting every frame took longer than the call's limit; the
+    traceback keeps the first and last frames and says how many it left out."""
+    r = run_hostile(ex, "import sys\nsys.setrecursionlimit(10**6)\ndef f(n):\n    return f(n + 1)\nf(0)", timeout=15)
+    assert r.kind == "error" and r.text.endswith("RecursionError: maximum recursion depth exceeded"), r.text[-300:]
+    assert "more frames ...]" in r.text and len(r.text) < 4000, r.text
 
 
 def test_segfault_via_ctypes(ex):

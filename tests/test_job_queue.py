@@ -31,6 +31,20 @@ def test_staged_dispatch_hands_out_tool_calls_first_each_stage_in_arrival_order(
     assert ids(q.get_batch(3, 0.0, timeout=0)) == [("verify", 2)]
 
 
+def test_a_batch_is_cut_to_fit_a_frame_and_a_call_alone_always_goes():
+    """get_batch(max_bytes=): calls of 40 MB each, 100 MB allowed: two a batch, in order (a
+    worker dies of a frame over wire.MAX_FRAME, with every call in flight on it); one call over
+    the bound still goes alone (the executor refuses those at submit)."""
+    q = JobQueue(10)
+    for i, size in enumerate((40, 40, 40, 150, 10)):
+        j = job(i, "exec")
+        j.wire_bytes = size << 20
+        q.put(j, timeout=0)
+    batches = [ids(q.get_batch(8, 0.0, timeout=0, max_bytes=100 << 20)) for _ in range(4)]
+    assert batches == [[("exec", 0), ("exec", 1)], [("exec", 2)], [("exec", 3)], [("exec", 4)]]
+    assert len(q) == 0
+
+
 def test_fifo_dispatch_hands_out_in_arrival_order():
     q = JobQueue(10, dispatch="fifo")
     for j in arrivals():

@@ -51,7 +51,7 @@ from .official_reward import REWARD_MODES
 from .results import ERROR, ExecResult, VerifyResult
 from .routing import HEAVY, LEAN, choose_tier
 from .sandbox import SAFE_ENV, SandboxLimits
-from .wire import FrameReader, send_frame
+from .wire import BATCH_BYTES, MAX_CALL_BYTES, FrameReader, json_bytes, send_frame
 
 _ZYGOTE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
 _executor_seq = itertools.count()
@@ -453,14 +453,27 @@ class CodeExecutor:
         fut.set_running_or_notify_cancel()  # cancel() cannot drop a call: it is answered once
         has_lean = LEAN in self._worker_tier
         tier = choose_tier(payload["code"]) if (op == "exec" and has_lean) else HEAVY
-        return Job(next(self._ids), op, payload, timeout, fut, time.monotonic(), tier=tier)
+        job = Job(next(self._ids), op, payload, timeout, fut, time.monotonic(), tier=tier)
+        job.wire_bytes = json_bytes(job.wire())
+        return job
 
     def _submit(self, op: str, payload: dict, timeout: float) -> concurrent.futures.Future:
         job = self._make_job(op, payload, timeout)
         self._count("submitted")
-        if not self._queues[job.tier].put(job, timeout=self.config.submit_timeout):
+        if job.wire_bytes > MAX_CALL_BYTES:  # the model's doing: answered now, never sent
+            self._count("oversized")
+            self._resolve(job, self._oversized_result(job))
+        elif not self._queues[job.tier].put(job, timeout=self.config.submit_timeout):
             self._reject(job)
         return job.future
+
+    @staticmethod
+    def _oversized_result(job: Job):
+        why = (f"the call is {job.wire_bytes / 2**20:.0f} MiB as sent, over the code environment's "
+               f"limit of {MAX_CALL_BYTES >> 20} MiB for one call")
+        if job.op == "verify":
+            return VerifyResult(False, timed_out=False, error=f"the response to verify: {why}")
+        return ExecResult(ERROR, f"ToolCallError: {why} (its code and stdin together)")
 
     def _reject(self, job: Job) -> None:
         self._count("rejected")
@@ -564,7 +577,8 @@ class CodeExecutor:
                         break
                     self._capacity[i].wait(0.1)
                 free = self.capacity - len(h.inflight)
-            batch = queue.get_batch(min(cfg.batch_size, free), cfg.flush_s, timeout=0.1)
+            batch = queue.get_batch(min(cfg.batch_size, free), cfg.flush_s, timeout=0.1,
+                                    max_bytes=BATCH_BYTES)
             if not batch:
                 if queue.closed:
                     return

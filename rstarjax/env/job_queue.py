@@ -27,6 +27,7 @@ class Job:
     t_sent: float = 0.0  # the batch holding this call was written to the worker's socket
     resolved: bool = False
     tier: str = HEAVY
+    wire_bytes: int = 0  # ``wire()`` as JSON: batches are cut to fit a frame (get_batch)
 
     def wire(self) -> dict:
         return {"id": self.id, "op": self.op, "timeout": self.timeout, **self.payload}
@@ -80,14 +81,21 @@ class JobQueue:
             self.cv.notify_all()
             return True
 
-    def _take(self, n: int) -> list[Job]:
-        batch = []
+    def _take(self, n: int, max_bytes: int | None) -> list[Job]:
+        batch, size = [], 0
         for lane in self.lanes.values():  # in stage order
             while lane and len(batch) < n:
+                if batch and max_bytes is not None and size + lane[0].wire_bytes > max_bytes:
+                    return batch  # the rest waits for the next batch (one call alone always goes)
+                size += lane[0].wire_bytes
                 batch.append(lane.popleft())
         return batch
 
-    def get_batch(self, max_n: int, flush_s: float, timeout: float) -> list[Job]:
+    def get_batch(self, max_n: int, flush_s: float, timeout: float,
+                  max_bytes: int | None = None) -> list[Job]:
+        """Up to ``max_n`` queued calls, waiting up to ``timeout`` for a first and ``flush_s``
+        for more; at most ``max_bytes`` of their ``wire_bytes`` together, unless one alone is
+        more."""
         deadline = time.monotonic() + timeout
         with self.cv:
             while not len(self) and not self.closed:
@@ -101,7 +109,7 @@ class JobQueue:
                 if left <= 0:
                     break
                 self.cv.wait(left)
-            batch = self._take(max_n)
+            batch = self._take(max_n, max_bytes)
             self.cv.notify_all()
             return batch
 

@@ -29,6 +29,7 @@ import select
 import signal
 import sys
 import traceback
+import types
 
 from rstarjax.env import isolation, seccomp, wire
 from rstarjax.env.official_reward import score
@@ -216,13 +217,38 @@ def scrub_paths(text: str, workdir: str | None = None) -> str:
     return text
 
 
+TRACEBACK_END_FRAMES = 50  # frames kept at each end of a deeper traceback
+
+
+def code_frames(tb, keep: int = TRACEBACK_END_FRAMES) -> tuple[list, int]:
+    """The model's own frames of a traceback, at most ``keep`` from each end, and how many were
+    left out between them. Walking the chain is cheap, extracting a frame (its source line) is
+    not: a RecursionError at a depth of 10**6 took longer to format than the call's time limit."""
+    chain = []
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == CODE_FILENAME:
+            chain.append(tb)
+        tb = tb.tb_next
+    omitted = max(0, len(chain) - 2 * keep)
+    if omitted:
+        chain = chain[:keep] + chain[-keep:]
+    frames = traceback.StackSummary.extract(((t.tb_frame, t.tb_lineno) for t in chain), lookup_lines=True)
+    return list(frames), omitted
+
+
 def format_exception_compact(exc: BaseException, workdir: str | None = None) -> str:
-    """Traceback restricted to the model's own frames, repeated frames collapsed, no host paths."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == CODE_FILENAME]
+    """Traceback restricted to the model's own frames, repeated frames collapsed, no host paths;
+    of a deep one, its first and last ``TRACEBACK_END_FRAMES``."""
+    frames, omitted = code_frames(exc.__traceback__)
     lines = []
     if frames:
         lines.append("Traceback (most recent call last):\n")
-        lines.extend(traceback.StackSummary.from_list(frames).format())
+        if omitted:
+            head = traceback.StackSummary.from_list(frames[:TRACEBACK_END_FRAMES]).format()
+            tail = traceback.StackSummary.from_list(frames[TRACEBACK_END_FRAMES:]).format()
+            lines += [*head, f"  [... {omitted} more frames ...]\n", *tail]
+        else:
+            lines.extend(traceback.StackSummary.from_list(frames).format())
     lines.extend(traceback.format_exception_only(type(exc), exc))
     return scrub_paths("".join(lines), workdir).rstrip("\n")
 
@@ -239,14 +265,26 @@ OK = {"status": "ok", "text": ""}  # shared: never mutated (see write_result)
 OK_LINE = (json.dumps(OK) + "\n").encode()
 
 
+def fresh_main_module() -> dict:
+    """A new, empty ``__main__`` module installed as ``sys.modules["__main__"]``, as a script
+    or a notebook runs in; its namespace is the one returned. So what the code defines can be
+    found by name (pickle, hence multiprocessing and ProcessPoolExecutor, look functions and
+    classes up in ``sys.modules["__main__"]``), and ``import __main__`` is the code's own
+    module, not the process's launcher."""
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__builtins__=builtins, __file__=CODE_FILENAME)
+    sys.modules["__main__"] = module
+    return module.__dict__
+
+
 def run_code(code: str, workdir: str | None, max_chars: int) -> dict:
-    """Execute `code` in a fresh __main__ namespace. Returns {"status": ok|display|error, "text"}.
+    """Execute `code` in a fresh __main__ module. Returns {"status": ok|display|error, "text"}.
 
     ok: finished, nothing to display (the worker turns it into "stdout" if anything was printed);
     display: the repr of the trailing expression; error: compact traceback.
     """
     linecache.cache[CODE_FILENAME] = (len(code), None, code.splitlines(True), CODE_FILENAME)
-    namespace = {"__name__": "__main__", "__builtins__": builtins, "__file__": CODE_FILENAME}
+    namespace = fresh_main_module()
     try:
         tree = ast.parse(code, CODE_FILENAME, "exec")
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
@@ -274,7 +312,10 @@ def install_stdio() -> None:
     0-2 are its pipes and memfd by the same numbers. The zygote and its workers never write to
     stdout, and stderr is line-buffered, so a fork inherits empty buffers."""
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace")
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace")
+    # Line-buffered: what the code printed before a timeout or a crash (both end it with
+    # SIGKILL, which no buffer survives) is its output so far, as a terminal would have shown.
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+                                  line_buffering=True)
     sys.stderr = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
     )

@@ -17,7 +17,17 @@ import socket
 import struct
 
 HEADER = struct.Struct(">I")
-MAX_FRAME = 256 << 20
+MAX_FRAME = 256 << 20  # a worker refuses (and dies of) a longer frame: the trainer never sends one
+# One call as sent (its JSON: code and stdin escaped) may take at most this much of a frame; a
+# longer one is the model's error, answered at submit (CodeExecutor), and a batch of calls is
+# cut to fit a frame (JobQueue.get_batch's max_bytes).
+MAX_CALL_BYTES = MAX_FRAME // 4
+BATCH_BYTES = MAX_FRAME - (1 << 20)  # the batch's own JSON around its calls fits in the rest
+
+
+def json_bytes(obj) -> int:
+    """Bytes of ``obj`` as a frame carries it (what ``MAX_CALL_BYTES`` bounds)."""
+    return len(json.dumps(obj).encode())
 
 
 def encode_frame(obj) -> bytes:
