@@ -21,6 +21,8 @@ import base  # noqa: E402
 
 
 def get_config(arg=None):
+    if arg:  # this preset has one form; a typo (configs/eval.py:x) would otherwise pass unnoticed
+        raise ValueError(f"configs/eval.py takes no variant, got {arg!r}: use --config=configs/eval.py")
     c = base.get_config("rl")
     c.mode = "eval"
     # rStar2-Agent §5.1's k=16 samples at temperature 0.6, up to 30K tokens and 30 turns:

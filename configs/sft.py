@@ -14,6 +14,8 @@ import base  # noqa: E402
 
 
 def get_config(arg=None):
+    if arg:  # this preset has one form; a typo (configs/sft.py:x) would otherwise pass unnoticed
+        raise ValueError(f"configs/sft.py takes no variant, got {arg!r}: use --config=configs/sft.py")
     c = base.get_config("rl")
     c.mode = "sft"
 

@@ -108,6 +108,9 @@ def config_from_argv(argv: Sequence[str]):
         unknown = unknown_key_errors(argv, config) if config is not None else []
         if unknown:
             raise ConfigError("\n".join(unknown)) from None
+        if "Error whilst parsing config file" in str(e):  # the preset itself raised: its last line says why
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            raise ConfigError(f"--config: the config file raised {lines[-1]}") from None
         raise ConfigError(f"the command line does not parse: {type(e).__name__}: {e} "
                           "(a --config.KEY that the config does not have, or a value of the wrong type)") from e
     if len(rest) > 1:

@@ -12,8 +12,11 @@ managed cluster where ``jax.distributed.initialize()`` finds them itself).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 
 import jax
@@ -23,9 +26,11 @@ from ml_collections import config_flags
 from rstarjax.check_config import config_from_argv
 from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
+from rstarjax.io.data import DataError
 from rstarjax.layout import distributed_trainers
 from rstarjax.recipes import build, demo, demo_compare, evaluate, preemption, rl, sft, stage3_filter
 from rstarjax.recipes.config import MODES, RENAMED, DistributedConfig, RunConfig, as_flags, device_rules, parse
+from rstarjax.recipes.rl import StageError
 from rstarjax.rl import mailbox
 from rstarjax.rl.trajectory import RolloutsFailed
 from rstarjax.validation import ConfigError
@@ -73,9 +78,45 @@ def run(config, workdir: str, explicit=frozenset()) -> None:
     errors = device_rules(typed, jax.device_count(), jax.process_count())
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-    os.makedirs(workdir, exist_ok=True)
     compile_cache.enable_persistent_cache(typed.compilation_cache_dir)
-    RECIPES[typed.mode](typed, workdir)
+    with workdir_lock(workdir, take=jax.process_index() == 0):
+        RECIPES[typed.mode](typed, workdir)
+
+
+LOCK_NAME = ".rstarjax.lock"
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str, take: bool = True):
+    """The run's hold on ``workdir`` for its duration: the directory made and checked writable
+    (a ``ConfigError`` naming ``--workdir`` before any work, not an ``OSError`` after it), and,
+    on the process that ``take``s it, an exclusive ``flock`` on ``WORKDIR/.rstarjax.lock``. Two
+    runs in one workdir would otherwise both run, each deleting the other's checkpoints. The
+    lock goes with the process (a killed run leaves none behind); the file keeps its pid."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=workdir, prefix=".write-test-")
+        probe.close()
+    except OSError as e:
+        raise ConfigError(f"--workdir={workdir!r} cannot be written: {e.strerror or e} "
+                          "(give a directory this process can create files in)") from None
+    if not take:
+        yield
+        return
+    path = os.path.join(workdir, LOCK_NAME)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise ConfigError(f"--workdir={workdir!r} is in use by another run (pid {holder}, lock {path}): "
+                              "wait for it to end, or give this run its own --workdir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def run_to_exit_status(config, workdir: str, explicit=frozenset()) -> int:
@@ -97,10 +138,37 @@ def run_to_exit_status(config, workdir: str, explicit=frozenset()) -> int:
     except ckpt_lib.CheckpointError as e:  # no checkpoint to resume from reads and verifies: why each, one line
         print(f"rstarjax: {e}", file=sys.stderr, flush=True)
         return 2
+    except (DataError, StageError) as e:  # a data file with no usable row; a stage hand-off refused
+        print(f"rstarjax: {e}", file=sys.stderr, flush=True)
+        return 2
     except RolloutsFailed as e:  # e.g. the rollout process died: what happened and what was saved
         print("rstarjax: " + "\n".join([str(e), *getattr(e, "__notes__", [])]), file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def exit_with(status: int) -> None:
+    """End the process with ``run_to_exit_status``'s status; after a stop signal, at once."""
+    if status > 128:  # stopped on a signal, after saving: exit now, as a signalled process would
+        exit_now(status)
+    sys.exit(status)
+
+
+def exit_now(status: int) -> None:
+    """Flush and end the process without Python's shutdown. After a stop signal the rollout
+    threads, the code pool's and XLA's may still be inside a device call: tearing the
+    interpreter down under them aborted the process (exit 134, "terminate called after
+    throwing ...") in most stops mid-rollout, which a scheduler reads as a crash. What the
+    run must keep is on disk by now (the stage saved and closed before ``Interrupted``)."""
+    import logging as std_logging
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    std_logging.shutdown()
+    os._exit(status)
 
 
 def renamed_flags(argv) -> list[str]:
@@ -148,7 +216,7 @@ def main(argv=None) -> None:
         workdir = flags.FLAGS.workdir or os.path.join("runs", str(config.get("mode", "run")))
         print(f"rstarjax: mode={config.get('mode')} workdir={os.path.abspath(workdir)}", flush=True)
         explicit = frozenset(config_flags.get_override_values(flags.FLAGS["config"]))
-        sys.exit(run_to_exit_status(config, workdir, explicit))
+        exit_with(run_to_exit_status(config, workdir, explicit))
 
     app.run(_main, argv=argv)
 

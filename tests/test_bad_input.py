@@ -185,3 +185,92 @@ def test_sft_data_needs_a_messages_column(tmp_path):
         parse(c)
     data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     parse(c)
+
+
+# ---- at the start of a run (rstarjax.main.run_to_exit_status): found only once it reads it all --------
+def _stage1(user_inputs, data, workdir, **checkpoint):
+    """run_to_exit_status of a tiny stage 1 on ``data``: (status, its stderr lines)."""
+    from test_stages import _load, _rl_sizes
+
+    c = _rl_sizes(_load("stage1"), 1)
+    c.model.hf_path, c.data.train_path = str(user_inputs / "model"), str(data)
+    c.rl.num_tool_workers = 1
+    for key, value in checkpoint.items():
+        setattr(c.checkpoint, key, value)
+    return c, str(workdir)
+
+
+def _exit(capsys, c, workdir):
+    from rstarjax.main import run_to_exit_status
+
+    status = run_to_exit_status(c, workdir)
+    err = capsys.readouterr().err
+    return status, [line for line in err.splitlines() if line.startswith("rstarjax") or line.startswith("--")]
+
+
+def test_a_data_file_without_a_usable_row_is_one_line_not_a_traceback(user_inputs, tmp_path, capsys):
+    data = tmp_path / "fractions.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"Half of {i}?", "answer": f"\\frac{{{i}}}{{2}}"}) + "\n"
+                            for i in range(1, 9, 2)))
+    status, lines = _exit(capsys, *_stage1(user_inputs, data, tmp_path / "w"))
+    assert status == 2 and len(lines) == 1 and "no usable rows" in lines[0], lines
+    assert "non_integer_answer=4" in lines[0] and "data.answer_filter=any" in lines[0], lines
+
+
+def test_init_from_a_runs_workdir_names_its_checkpoints(user_inputs, tmp_path, capsys):
+    """An easy mistake: the previous stage's WORKDIR for its WORKDIR/checkpoints."""
+    previous = tmp_path / "stage1"
+    (previous / "checkpoints").mkdir(parents=True)
+    status, lines = _exit(capsys, *_stage1(user_inputs, user_inputs / "problems.jsonl", tmp_path / "w",
+                                           init_from=str(previous)))
+    assert status == 2 and len(lines) == 1, lines
+    assert f"give its checkpoints, --config.checkpoint.init_from={previous / 'checkpoints'}" in lines[0], lines
+
+
+def test_a_workdir_in_use_or_not_writable_is_refused_before_any_work(user_inputs, tmp_path, capsys):
+    """Two runs in one workdir deleted each other's checkpoints; an unwritable one failed with an
+    OSError after the work (eval lost its results)."""
+    from rstarjax.main import workdir_lock
+
+    workdir = tmp_path / "w"
+    c, _ = _stage1(user_inputs, user_inputs / "problems.jsonl", workdir)
+    with workdir_lock(str(workdir)):  # another run holds it
+        status, lines = _exit(capsys, c, str(workdir))
+    assert status == 2 and f"--workdir={str(workdir)!r} is in use by another run (pid {os.getpid()}" in lines[-1], lines
+    assert not (workdir / "checkpoints").exists()
+    (tmp_path / "a_file").write_text("")
+    status, lines = _exit(capsys, c, str(tmp_path / "a_file" / "run"))
+    assert status == 2 and "cannot be written" in lines[-1] and "a_file/run" in lines[-1], lines
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--config.seed=-1", "--config.seed=-1 must be in [0, 2**32)"),
+    ("--config.optim.learning_rate=inf", "--config.optim.learning_rate=inf must be a finite number > 0"),
+])
+def test_values_that_would_crash_later_are_refused_at_start(user_inputs, capsys, at_root, flag, message):
+    status, lines = _check(capsys, user_inputs / "model", user_inputs / "problems.jsonl", flag)
+    assert status == 2 and message in lines, lines
+
+
+def test_benchmarks_whose_files_share_a_name_are_told_apart(tmp_path):
+    """HF downloads are often all test.parquet: one result overwrote the other's."""
+    from rstarjax.recipes.evaluate import dataset_names, load_benchmarks
+
+    assert dataset_names(["/d/aime24/test.parquet", "/d/math500/test.parquet", "x/amc.jsonl"]) == [
+        "aime24/test", "math500/test", "amc"]
+    for name, n in (("a", 2), ("b", 3)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "problems.jsonl").write_text(
+            "".join(json.dumps({"problem": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(n)))
+    got = load_benchmarks([str(tmp_path / "a" / "problems.jsonl"), str(tmp_path / "b" / "problems.jsonl")])
+    assert {k: len(v) for k, v in got.items()} == {"a/problems": 2, "b/problems": 3}
+
+
+@pytest.mark.parametrize("preset, message", [
+    ("eval.py:bogus", "--config: the config file raised ValueError: configs/eval.py takes no variant, got 'bogus'"),
+    ("demo.py:cii", "--config: the config file raised ValueError: configs/demo.py takes '', 'ci'"),
+])
+def test_a_misspelled_preset_variant_is_one_line(capsys, at_root, preset, message):
+    status = check_config.main(["--devices=8", f"--config=configs/{preset}"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1 and lines[0].startswith(message), lines

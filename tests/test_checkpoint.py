@@ -459,3 +459,14 @@ def test_the_copy_off_the_device_skips_pinned_host_memory_when_asked(tmp_path, m
         assert meta["step"] == 1 and isinstance(restored, TrainState)
         for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_checkpoint_without_fingerprints_restores_with_a_warning(tmp_path, caplog):
+    """Its arrays cannot be checked: say so rather than restore them silently."""
+    import logging
+
+    from rstarjax.io import checkpoint as ckpt_lib
+
+    with caplog.at_level(logging.WARNING):
+        ckpt_lib.verify_fingerprints({"w": np.zeros(3)}, None, str(tmp_path / "4"))
+    assert "records no fingerprints" in caplog.text and str(tmp_path / "4") in caplog.text

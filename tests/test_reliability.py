@@ -148,7 +148,7 @@ def stage1_worker(workdir, overrides):
     """A tiny stage 1 through ``rstarjax.main`` (real engine, code pool, verifier), exiting with
     the status the command line would. ``overrides``: "section.key" -> value, plus total_steps.
     ``SLOW_STOP`` (seconds) delays the save after a stop signal: time for a second signal."""
-    from rstarjax.main import run_to_exit_status
+    from rstarjax.main import exit_with, run_to_exit_status
     from rstarjax.recipes import rl
     from test_stages import _load, _rl_sizes
 
@@ -166,7 +166,7 @@ def stage1_worker(workdir, overrides):
     for key, value in overrides.items():
         section, name = key.split(".")
         setattr(getattr(c, section), name, value)
-    sys.exit(run_to_exit_status(c, workdir))
+    exit_with(run_to_exit_status(c, workdir))  # as rstarjax.main exits
 
 
 

@@ -236,3 +236,29 @@ def test_a_lora_sft_resume_refuses_another_base_or_full_parameters(tok, tmp_path
         with pytest.raises(BaseMismatch, match=message):
             sft.train_sft(_tiny_model(tok), tok, convs, cfg, fmt=ct.COMPACT, mesh=_one_device_mesh(), workdir=str(workdir),
                           checkpoint_cfg=ckpt_lib.CheckpointConfig(async_save=False), meta=meta)
+
+
+def test_sigterm_saves_the_step_that_finished_and_stops(tok, tmp_path):
+    """A SIGTERM during step 2 (sent from the metrics writer, in the process's main thread):
+    step 2 finishes, is saved although no periodic save was due, and the run stops with
+    ``Interrupted`` (rstarjax.main: exit 143); a rerun resumes from step 2."""
+    import signal
+
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.recipes import preemption
+
+    class SignalAtStep2:
+        def write(self, step, metrics):
+            if step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    convs = [_conversation(i) for i in range(8)]
+    cfg = SFTConfig(epochs=6, batch_size=4, learning_rate=1e-3, warmup_ratio=0.0, seq_len=512)
+    ckpt_cfg = ckpt_lib.CheckpointConfig(every_steps=100, async_save=False, preemption_grace_s=60.0)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(preemption.Interrupted) as e:
+        sft.train_sft(_tiny_model(tok), tok, convs, cfg, fmt=ct.COMPACT, workdir=str(tmp_path),
+                      mesh=_one_device_mesh(), checkpoint_cfg=ckpt_cfg, metrics_writer=SignalAtStep2())
+    assert (e.value.exit_status, e.value.last_step, e.value.saved) == (143, 2, True)
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the stage's alone
+    assert sft.resume_step(str(tmp_path), ckpt_cfg) == 2

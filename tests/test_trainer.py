@@ -1,5 +1,6 @@
 """Trainer: micro-batched and sharded updates against an independent full-batch reference."""
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -298,6 +299,44 @@ def test_stage3_filter_drops_only_problems_solved_k_of_k(tmp_path):
     # a problem whose rollouts did not all come back is an error, not silently kept or dropped
     with pytest.raises(ValueError, match="expected 8 rollouts"):
         F.filter_problems(records, lambda recs, n, s, v: rollout_fn(recs, n, s, v)[:-1], 8, 3, 0)
+
+
+def test_an_interrupted_filter_keeps_its_finished_batches_and_resumes_from_them(tmp_path):
+    """A stop signal during the third batch: the two finished batches are in the progress file
+    and ``Interrupted`` says so; the rerun rolls out only the batches not finished and keeps
+    the same problems as a run never stopped. A changed problem set redoes its batches."""
+    import signal
+
+    from rstarjax.recipes import preemption
+    from rstarjax.recipes import stage3_filter as F
+
+    records = [{"problem": f"p{i}", "answer": str(i)} for i in range(7)]
+    solved = {0: 8, 1: 7, 2: 0, 3: 8, 4: 1, 5: 8, 6: 4}
+    calls = []
+
+    def rollout_fn(recs, n, seed, version):
+        calls.append([r["problem"] for r in recs])
+        if len(calls) == 3 and stop:
+            os.kill(os.getpid(), signal.SIGTERM)  # inside the rollouts: the batch is abandoned
+            time.sleep(5)
+        return [_traj(float(j < solved[int(r["answer"])]), 0, 0, 1, group=g)
+                for g, r in enumerate(recs) for j in range(n)]
+
+    path = str(tmp_path / "f.jsonl.progress.jsonl")
+    stop = True
+    with preemption.SignalGuard(60.0) as guard, pytest.raises(preemption.Interrupted) as e:
+        F.filter_problems(records, rollout_fn, k=8, batch_prompts=2, seed=0, progress_path=path, guard=guard)
+    assert e.value.exit_status == 143 and "4 of 7 problems are filtered and kept in" in str(e.value)
+    assert len(open(path).read().splitlines()) == 2
+    stop, calls[:] = False, []
+    kept, summary = F.filter_problems(records, rollout_fn, k=8, batch_prompts=2, seed=0, progress_path=path)
+    assert calls == [["p4", "p5"], ["p6"]] and summary["resumed_problems"] == 4
+    assert [r["problem"] for r in kept] == ["p1", "p2", "p4", "p6"]
+    calls[:] = []
+    changed = [dict(records[0], answer="10"), records[1]]  # p0's answer changed: its batch runs again
+    solved[10] = 0
+    F.filter_problems(changed, rollout_fn, k=8, batch_prompts=2, seed=0, progress_path=path)
+    assert calls == [["p0", "p1"]]
 
 
 def test_run_filter_writes_the_stage3_dataset(tmp_path):

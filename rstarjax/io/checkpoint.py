@@ -234,8 +234,11 @@ def check_structure(abstract, record: dict | None, step_dir: str) -> None:
 def verify_fingerprints(tree, record: dict | None, step_dir: str) -> None:
     """``UnreadableCheckpoint`` unless every leaf of ``tree`` (restored from ``step_dir``) has the
     fingerprint recorded when it was saved. A leaf restored in another dtype than it was saved in
-    (a widening cast) is cast back first. Checkpoints written before fingerprints: no check."""
+    (a widening cast) is cast back first. Checkpoints written before fingerprints: no check, and
+    a warning saying so (its arrays restore unverified)."""
     if not record:
+        log.warning("checkpoint %s records no fingerprints (written by an older version, or its meta was "
+                    "edited): its arrays are restored without a check that they are the ones saved", step_dir)
         return
     if record.get("algorithm") != FINGERPRINT_ALGORITHM:
         log.warning("checkpoint %s: fingerprints of an unknown algorithm %r, not checked", step_dir,

@@ -68,6 +68,11 @@ _DAPO_SUFFIX = re.compile(r"\s*Remember to put your answer on its own line after
 DATA_HANDLINGS = ("paper", "official")
 
 
+class DataError(ValueError):
+    """A data file a run cannot use at all (no usable row, too few for one batch): said in one
+    line, exit status 2 (``rstarjax.main``), as a configuration error is."""
+
+
 class BadRow(ValueError):
     """A row that cannot be normalised; ``reason`` is the counter key."""
 
@@ -462,7 +467,9 @@ def load_problems(paths: str | Iterable[str], integer_only: bool = True,
                     "data.answer_filter=any keeps every answer the verifier can compare (docs/data.md)",
                     dropped, report.total)
     if not records:
-        raise ValueError(f"no usable rows in {list(paths)} ({report})")
+        hint = ("; data.answer_filter=any keeps every answer the verifier can compare (docs/data.md)"
+                if dropped else "")
+        raise DataError(f"no usable rows in {list(paths)} ({report}){hint}")
     return records, report
 
 
@@ -509,7 +516,7 @@ def _load_official(paths: str | Iterable[str]) -> tuple[list[dict[str, str]], Da
                  "(data.handling='official'): rows %s%s", len(repeats), ", ".join(repeats[:EXAMPLE_ROWS]),
                  ", ..." if len(repeats) > EXAMPLE_ROWS else "")
     if not records:
-        raise ValueError(f"no usable rows in {list(paths)} ({report})")
+        raise DataError(f"no usable rows in {list(paths)} ({report})")
     return records, report
 
 
@@ -617,7 +624,8 @@ def make_dataset(
     if len(ds) == 0:
         raise ValueError(f"host {process_index}/{process_count} got no records out of {len(records)}")
     if drop_remainder and len(ds) < batch_size:
-        raise ValueError(f"{len(ds)} records on this host cannot fill one batch of {batch_size}")
+        raise DataError(f"{len(ds)} usable records on this host cannot fill one batch of {batch_size} prompts "
+                        f"(--config.rl.prompts_per_step, over the processes that read data)")
     if shuffle:
         ds = ds.shuffle(seed=seed)  # grain reshuffles with a new permutation each epoch of repeat()
     return RowBatches(ds.repeat(num_epochs).to_iter_dataset(), batch_size, drop_remainder)
@@ -661,7 +669,8 @@ class OfficialOrder:
                  num_epochs: int | None = None, shuffle: bool = True):
         self.per_epoch = len(records) // global_batch * global_batch
         if self.per_epoch == 0:
-            raise ValueError(f"{len(records)} records cannot fill one batch of {global_batch}")
+            raise DataError(f"{len(records)} usable records cannot fill one batch of {global_batch} prompts "
+                        f"(--config.rl.prompts_per_step)")
         if global_batch % process_count:
             raise ValueError(f"a batch of {global_batch} rows does not split over {process_count} processes")
         self.records, self.index, self.count = records, process_index, process_count

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import re
 import typing
@@ -291,8 +292,10 @@ class SFTConfig:
         at_least_one = [(getattr(self, n) >= 1, f"{n}={getattr(self, n)} must be >= 1")
                         for n in ("epochs", "batch_size", "seq_len")]
         require(*at_least_one,
-                (self.learning_rate > 0, f"learning_rate={self.learning_rate} must be > 0"),
+                (math.isfinite(self.learning_rate) and self.learning_rate > 0,
+                 f"learning_rate={self.learning_rate} must be a finite number > 0"),
                 (0.0 <= self.warmup_ratio < 1.0, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)"),
+                (0 <= self.seed < 2**32, f"seed={self.seed} must be in [0, 2**32)"),
                 (self.micro_batch_size >= 0, f"micro_batch_size={self.micro_batch_size} must be >= 0"),
                 one_of("chat_format", self.chat_format, CHAT_FORMATS))
 
@@ -560,6 +563,8 @@ def _run_rules(run: RunConfig) -> list[str]:
     """The rules a mode puts on several sections or on files."""
     errs: list[str] = []
     mode, m, ck = run.mode, run.model, run.checkpoint
+    if not 0 <= run.seed < 2**32:  # jax's and numpy's seeds
+        errs.append(f"--config.seed={run.seed} must be in [0, 2**32)")
     if mode in ("rl", "filter", "sft", "eval") and not m.random_init:
         errs += _require_file(m.hf_path, "--config.model.hf_path", "a HF model dir (config.json + *.safetensors)")
         if m.hf_path and os.path.exists(m.hf_path) and not os.path.isdir(m.hf_path):

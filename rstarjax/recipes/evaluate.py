@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from rstarjax.env.verify import extract_final_answer, normalize_integer
-from rstarjax.io.data import load_problems
+from rstarjax.io.data import DataError, load_problems
 from rstarjax.recipes import build
 from rstarjax.recipes.config import RunConfig
 from rstarjax.rl.trajectory import RolloutFn, Trajectory, group_indices, trajectories_of
@@ -181,6 +181,19 @@ def evaluate_records(datasets: Mapping[str, Sequence[Mapping[str, str]]],
     return per_dataset
 
 
+def dataset_names(paths: Sequence[str]) -> list[str]:
+    """Each file's stem, or, where two files share one (HF downloads are often all
+    ``test.parquet``), as many trailing path parts as tell them apart: ``aime24/test``."""
+    parts = [os.path.splitext(os.path.normpath(os.path.abspath(p)))[0].split(os.sep) for p in paths]
+    names = []
+    for mine in parts:
+        depth = 1
+        while depth < len(mine) and sum(p[-depth:] == mine[-depth:] for p in parts) > 1:
+            depth += 1
+        names.append("/".join(mine[-depth:]))
+    return names
+
+
 def load_benchmarks(paths: Sequence[str], names: Sequence[str] | None = None,
                     limit: int = 0, handling: str = "paper") -> dict[str, list[dict[str, str]]]:
     """Benchmark files -> {dataset name: records}. Answers are kept as written (MATH-500 has
@@ -190,9 +203,11 @@ def load_benchmarks(paths: Sequence[str], names: Sequence[str] | None = None,
         paths = [p for p in paths.split(",") if p]
     if not paths:
         raise ValueError("eval needs at least one benchmark file (--config.eval.paths=a.jsonl,b.parquet)")
-    names = list(names) if names else [os.path.splitext(os.path.basename(p))[0] for p in paths]
+    names = list(names) if names else dataset_names(paths)
     if len(names) != len(paths):
         raise ValueError(f"{len(names)} dataset names for {len(paths)} files")
+    if len(set(names)) != len(names):  # one result would overwrite the other's
+        raise DataError(f"two benchmarks are named alike in {names}: give each its own name")
     out = {}
     for name, path in zip(names, paths):
         if not os.path.exists(path):

@@ -52,14 +52,17 @@ class Interrupted(Exception):
     """The stage stopped on a signal after step ``last_step``; ``saved``: that step is on disk
     (False: no step finished since the start, there was nothing to save)."""
 
-    def __init__(self, signum: int, last_step: int, saved: bool, abandoned: bool):
+    def __init__(self, signum: int, last_step: int, saved: bool, abandoned: bool, done: str | None = None):
         self.signum, self.last_step, self.saved = int(signum), int(last_step), bool(saved)
         name = signal.Signals(self.signum).name
         what = "abandoned the step in progress; " if abandoned else ""
-        done = (f"step {last_step} is saved" if saved
-                else f"no step finished since the start (step {last_step}): nothing to save")
-        super().__init__(f"rstarjax: stopped on {name}: {what}{done}; the same command resumes from the "
-                         f"newest checkpoint (exit status {exit_status(self.signum)})")
+        resumes = "what was saved"  # ``done``: what is kept, for a recipe whose unit is not a step
+        if done is None:
+            resumes = "the newest checkpoint"
+            done = (f"step {last_step} is saved" if saved
+                    else f"no step finished since the start (step {last_step}): nothing to save")
+        super().__init__(f"rstarjax: stopped on {name}: {what}{done}; the same command resumes from "
+                         f"{resumes} (exit status {exit_status(self.signum)})")
 
     @property
     def exit_status(self) -> int:

@@ -170,8 +170,11 @@ def _initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig
     try:
         src_step, src_meta = ckpt_lib.read_checkpoint_meta(init_from)
     except FileNotFoundError:
+        inner = os.path.join(init_from, "checkpoints")
+        hint = (f": it is a run's workdir, give its checkpoints, --config.checkpoint.init_from={inner}"
+                if os.path.isdir(inner) else " (did the previous stage save one?)")
         raise StageError(f"--config.checkpoint.init_from={run.checkpoint.init_from!r} holds no finished "
-                         "checkpoint (did the previous stage save one?)") from None
+                         f"checkpoint{hint}") from None
     src = ckpt_lib.Checkpointer(init_from, ckpt_lib.CheckpointConfig(async_save=False))
     try:
         from_sft = src_meta.get("stage") == "sft"

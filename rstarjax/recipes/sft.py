@@ -16,6 +16,7 @@ assistant token of the step (token-mean over the batch, as verl's SFT trainer).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -30,11 +31,11 @@ import numpy as np
 from flax import nnx
 
 from rstarjax.io import checkpoint as ckpt_lib
-from rstarjax.io.data import read_rows
+from rstarjax.io.data import DataError, read_rows
 from rstarjax.io.metrics_log import MetricsWriter
 from rstarjax.models import chat_template as ct
 from rstarjax.models import save_hf
-from rstarjax.recipes import build, lora_base
+from rstarjax.recipes import build, lora_base, preemption
 from rstarjax.recipes.config import RunConfig, SFTConfig, wandb_init_args
 from rstarjax.rl import loss as loss_lib
 from rstarjax.rl.batch import SEQUENCE_KEYS, pack_first_fit, place_rows
@@ -58,17 +59,17 @@ def load_conversations(path: str) -> list[list[dict]]:
         raise FileNotFoundError(f"SFT data file {path!r} does not exist (set --config.sft.data_path)")
     rows, bad = read_rows(path)
     if bad:
-        raise ValueError(f"{path}: {sum(bad.values())} line(s) are not valid JSON or not UTF-8 ({dict(bad)})")
+        raise DataError(f"{path}: {sum(bad.values())} line(s) are not valid JSON or not UTF-8 ({dict(bad)})")
     out = []
     for i, row in enumerate(rows):
         msgs = row.get("messages") if isinstance(row, Mapping) else None
         if isinstance(msgs, str):  # parquet exports sometimes store the list as a JSON string
             msgs = json.loads(msgs)
         if not isinstance(msgs, list) or not msgs:
-            raise ValueError(f"{path}: row {i} has no 'messages' list")
+            raise DataError(f"{path}: row {i} has no 'messages' list")
         out.append(msgs)
     if not out:
-        raise ValueError(f"{path}: no conversations")
+        raise DataError(f"{path}: no conversations")
     return out
 
 
@@ -214,19 +215,29 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
     t0 = time.time()
     last: dict[str, float] = {}
     losses = []
-    for s in range(start, total):
-        arrays = pack_rows(examples, plan[s], num_rows, cfg.seq_len, tokenizer.pad_id)
-        last = trainer.train_step(arrays)
-        losses.append(last["sft/loss"])
-        last["sft/epoch"] = (s + 1) * cfg.epochs / max(total, 1) if not cfg.max_steps else float("nan")
-        if metrics_writer is not None:
-            metrics_writer.write(s + 1, last)
-        if log_every and ((s + 1) % log_every == 0 or s + 1 == total):
-            log.info("sft step %d/%d loss %.4f lr %.2e", s + 1, total, last["sft/loss"], last["sft/lr"])
-        if ckpt is not None and ckpt.should_save(s + 1, total):
-            ckpt.save(s + 1, trainer.state, base_meta)
-    if ckpt is not None:
-        ckpt.close()
+    # SIGTERM / SIGINT: the step in progress finishes, is saved, and the run stops (as RL's
+    # stages do, recipes/preemption.py); without a checkpointer the signal keeps its default
+    guard = (preemption.SignalGuard(checkpoint_cfg.preemption_grace_s, can_abandon=False)
+             if ckpt is not None else contextlib.nullcontext())
+    try:
+        with guard:
+            for s in range(start, total):
+                arrays = pack_rows(examples, plan[s], num_rows, cfg.seq_len, tokenizer.pad_id)
+                last = trainer.train_step(arrays)
+                losses.append(last["sft/loss"])
+                last["sft/epoch"] = (s + 1) * cfg.epochs / max(total, 1) if not cfg.max_steps else float("nan")
+                if metrics_writer is not None:
+                    metrics_writer.write(s + 1, last)
+                if log_every and ((s + 1) % log_every == 0 or s + 1 == total):
+                    log.info("sft step %d/%d loss %.4f lr %.2e", s + 1, total, last["sft/loss"], last["sft/lr"])
+                stop = guard.stop_signal(s + 1) if ckpt is not None else 0
+                if ckpt is not None and (stop or ckpt.should_save(s + 1, total)):
+                    ckpt.save(s + 1, trainer.state, base_meta)
+                if stop:  # (the finally below waits for the save before this reaches the caller)
+                    raise preemption.Interrupted(stop, s + 1, True, False)
+    finally:
+        if ckpt is not None:
+            ckpt.close()
     summary = {"steps": total, "examples": len(examples), "dropped": drop_stats, "rows_per_step": num_rows,
                "final_loss": losses[-1] if losses else float("nan"), "first_loss": losses[0] if losses else float("nan"),
                "seconds": time.time() - t0}

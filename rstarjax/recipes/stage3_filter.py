@@ -7,6 +7,8 @@ reads the stage-2 policy, the original problem set from ``config.data.train_path
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -18,7 +20,7 @@ from flax import nnx
 
 from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.models import lora
-from rstarjax.recipes import build, lora_base
+from rstarjax.recipes import build, lora_base, preemption
 from rstarjax.recipes.config import RunConfig
 from rstarjax.rl.trajectory import RolloutFn, group_indices, trajectories_of
 
@@ -41,27 +43,79 @@ def keep_problem(correct: int, total: int, k: int) -> bool:
     return correct < k
 
 
+def batch_key(chunk: Sequence[dict], start: int, k: int, seed: int) -> str:
+    """What a finished batch's line in the progress file must match to be reused: its place, its
+    problems and answers, k and the seed (a changed data file or setting redoes the batch)."""
+    text = json.dumps([start, k, seed, [[r.get("problem"), r.get("answer")] for r in chunk]], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def read_progress(path: str | None) -> dict[str, dict]:
+    """The finished batches of an earlier run of the filter, by ``batch_key`` (a torn last line
+    from a kill is ignored: its batch runs again)."""
+    done = {}
+    if path and os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                    done[row["key"]] = row
+                except (ValueError, KeyError, TypeError):
+                    continue
+    return done
+
+
 def filter_problems(records: Sequence[dict], rollout_fn: RolloutFn, k: int, batch_prompts: int, seed: int,
-                    progress: Callable[[int], None] | None = None) -> tuple[list[dict], dict]:
+                    progress: Callable[[int], None] | None = None, progress_path: str | None = None,
+                    guard: preemption.SignalGuard | None = None) -> tuple[list[dict], dict]:
     """Run k rollouts per problem in batches of ``batch_prompts`` and keep the unsolved ones.
 
+    ``progress_path``: each finished batch's counts are appended there, and the batches an
+    earlier run finished (same problems, k, seed) are read from it instead of rolled out again,
+    so an interrupted filter resumes. ``guard``: a stop signal abandons the batch in progress
+    (its rollouts, ``SignalGuard.rollouts``) and raises ``preemption.Interrupted``.
     Returns (kept records, each with an added ``"stage2_pass_rate"``; summary counts).
     """
     kept: list[dict] = []
     hist = [0] * (k + 1)  # problems by number of correct rollouts
-    infra = 0
-    for start in range(0, len(records), batch_prompts):
-        chunk = list(records[start:start + batch_prompts])
-        trajs = trajectories_of(rollout_fn(chunk, k, seed + start, -1))
-        infra += sum(bool(getattr(t, "infra_error", False)) for t in trajs)
-        for rec, (correct, total) in zip(chunk, solve_counts(trajs, len(chunk))):
-            hist[correct] += 1
-            if keep_problem(correct, total, k):
-                kept.append(dict(rec, stage2_pass_rate=correct / k))
-        if progress is not None:
-            progress(len(chunk))
+    infra, resumed, finished = 0, 0, 0
+    done = read_progress(progress_path)
+    log_file = open(progress_path, "a") if progress_path else None
+    try:
+        for start in range(0, len(records), batch_prompts):
+            chunk = list(records[start:start + batch_prompts])
+            key = batch_key(chunk, start, k, seed)
+            if key in done:
+                counts, batch_infra = [tuple(c) for c in done[key]["counts"]], int(done[key]["infra"])
+                resumed += len(chunk)
+            else:
+                try:
+                    with guard.rollouts() if guard is not None else contextlib.nullcontext():
+                        trajs = trajectories_of(rollout_fn(chunk, k, seed + start, -1))
+                except preemption.StepAbandoned:
+                    raise preemption.Interrupted(
+                        guard.request.signum, finished, True, True,
+                        done=f"{finished} of {len(records)} problems are filtered and kept in {progress_path}"
+                        if progress_path else f"{finished} of {len(records)} problems were filtered") from None
+                counts = solve_counts(trajs, len(chunk))
+                batch_infra = sum(bool(getattr(t, "infra_error", False)) for t in trajs)
+                if log_file is not None:
+                    log_file.write(json.dumps({"key": key, "start": start, "counts": counts, "infra": batch_infra}) + "\n")
+                    log_file.flush()
+                    os.fsync(log_file.fileno())
+            infra += batch_infra
+            finished += len(chunk)
+            for rec, (correct, total) in zip(chunk, counts):
+                hist[correct] += 1
+                if keep_problem(correct, total, k):
+                    kept.append(dict(rec, stage2_pass_rate=correct / k))
+            if progress is not None:
+                progress(len(chunk))
+    finally:
+        if log_file is not None:
+            log_file.close()
     summary = {"total": len(records), "kept": len(kept), "dropped_all_correct": hist[k],
-               "correct_histogram": hist, "k": k, "infra_error_rollouts": infra}
+               "correct_histogram": hist, "k": k, "infra_error_rollouts": infra, "resumed_problems": resumed}
     return kept, summary
 
 
@@ -86,7 +140,10 @@ def run_filter(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None
                                      build.tokenizer(run.model) if rollout_fn is None else None,
                                      run.data.answer_filter, run.data.handling)
     executor = None
+    policy = "the given rollouts"
     if rollout_fn is None:
+        policy = (f"the policy in {run.checkpoint.init_from}" if run.checkpoint.init_from
+                  else f"the base model {run.model.hf_path or run.model.preset} (no --config.checkpoint.init_from)")
         mesh = build.mesh(run.mesh)
         if model is None:  # init_from's params replace the built ones: no need to read HF's
             model = build.policy(run.model, mesh, run.seed,  # (LoRA: init_from holds adapters only)
@@ -105,18 +162,28 @@ def run_filter(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None
         executor = build.executor(run.rl.num_tool_workers, run.env.allow_unconfined)
         rollout_fn = build.rollouts(model, build.tokenizer(run.model), executor, run.agent(), run.rl.sampling(),
                                     run.rl.max_prompt_len, run.rl.chat_format, run.serving)
-    bar = tqdm.tqdm(total=len(records), desc="filter", disable=not run.logging.progress_bar)
-    try:
-        kept, summary = filter_problems(records, rollout_fn, run.filter.k, run.filter.batch_prompts, run.seed,
-                                        progress=bar.update)
-    finally:
-        bar.close()
-        if executor is not None:
-            executor.close()
-    summary["data_report"] = str(report)
     out = run.filter.output_path or os.path.join(workdir, "filtered.jsonl")
+    progress_path = out + ".progress.jsonl"  # finished batches: a rerun after a stop resumes from them
+    print(f"rstarjax: stage-3 filter of {len(records)} problems ({run.filter.k} rollouts each) with {policy}"
+          + (f"; {len(read_progress(progress_path))} batches finished earlier are reused ({progress_path})"
+             if os.path.exists(progress_path) else ""), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    bar = tqdm.tqdm(total=len(records), desc="filter", disable=not run.logging.progress_bar)
+    with preemption.SignalGuard(run.checkpoint.preemption_grace_s) as guard:  # a stop keeps the batches done
+        try:
+            kept, summary = filter_problems(records, rollout_fn, run.filter.k, run.filter.batch_prompts,
+                                            run.seed, progress=bar.update, progress_path=progress_path,
+                                            guard=guard)
+        finally:
+            bar.close()
+            if executor is not None:
+                executor.close(drain_timeout=0.0 if guard.request is not None else None)
+    summary["data_report"] = str(report)
     write_jsonl_atomic(out, kept)
     with open(out + ".summary.json", "w") as f:
         json.dump(summary, f, indent=1)
-    log.info("stage-3 filter: kept %d of %d problems -> %s", summary["kept"], summary["total"], out)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(progress_path)  # the dataset is written: a rerun filters afresh
+    print(f"rstarjax: stage-3 filter: kept {summary['kept']} of {summary['total']} problems "
+          f"({summary['dropped_all_correct']} solved {run.filter.k}/{run.filter.k} dropped) -> {out}", flush=True)
     return summary

@@ -9,6 +9,7 @@ does in verl (no norm/bias mask), so a run here can be compared with a verl run 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 import optax
@@ -29,9 +30,13 @@ class OptimConfig:
     eps: float = 1e-8
 
     def __post_init__(self):
-        require((self.learning_rate > 0, f"learning_rate={self.learning_rate} must be > 0"),
+        finite = math.isfinite
+        require((finite(self.learning_rate) and self.learning_rate > 0,
+                 f"learning_rate={self.learning_rate} must be a finite number > 0"),
                 (self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps} must be >= 0"),
-                (self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0"),
+                (finite(self.weight_decay) and self.weight_decay >= 0,
+                 f"weight_decay={self.weight_decay} must be a finite number >= 0"),
+                (finite(self.eps) and self.eps > 0, f"eps={self.eps} must be a finite number > 0"),
                 (0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0,
                  f"b1={self.b1} and b2={self.b2} (Adam's betas) must lie in [0, 1)"))
 
