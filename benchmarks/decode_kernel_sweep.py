@@ -358,10 +358,10 @@ def engine_main():
                     break
                 if arm in failed:
                     continue
-                set_arm(engine, arm)
                 length = float(np.mean([engine.slot_length(r) for r in range(batch)]))
                 t = time.perf_counter()
-                try:
+                try:  # an arm the engine refuses (set_arm) or the device does not compile is a row
+                    set_arm(engine, arm)
                     state, block = engine.decode(engine.params, state)
                 except Exception as exc:  # noqa: BLE001  (compiled before it runs: state intact)
                     if rnd:

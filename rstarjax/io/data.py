@@ -625,7 +625,7 @@ def make_dataset(
         raise ValueError(f"host {process_index}/{process_count} got no records out of {len(records)}")
     if drop_remainder and len(ds) < batch_size:
         raise DataError(f"{len(ds)} usable records on this host cannot fill one batch of {batch_size} prompts "
-                        f"(--config.rl.prompts_per_step, over the processes that read data)")
+                        f"(the prompts per step, over the processes that read data)")
     if shuffle:
         ds = ds.shuffle(seed=seed)  # grain reshuffles with a new permutation each epoch of repeat()
     return RowBatches(ds.repeat(num_epochs).to_iter_dataset(), batch_size, drop_remainder)
@@ -670,7 +670,7 @@ class OfficialOrder:
         self.per_epoch = len(records) // global_batch * global_batch
         if self.per_epoch == 0:
             raise DataError(f"{len(records)} usable records cannot fill one batch of {global_batch} prompts "
-                        f"(--config.rl.prompts_per_step)")
+                        f"(the prompts per step)")
         if global_batch % process_count:
             raise ValueError(f"a batch of {global_batch} rows does not split over {process_count} processes")
         self.records, self.index, self.count = records, process_index, process_count
