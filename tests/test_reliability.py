@@ -704,9 +704,15 @@ from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.rl.trainer import TrainState
 
 state = TrainState({"w": jax.random.normal(jax.random.key(0), (256, 1024))}, {}, jnp.int32(0))
-with ckpt_lib.Checkpointer(os.path.join(sys.argv[1], "checkpoints")) as ck:  # async saves
-    for step in (1, 2, 3):
-        ck.save(step, state, {"step": step})
+try:
+    with ckpt_lib.Checkpointer(os.path.join(sys.argv[1], "checkpoints")) as ck:  # async saves
+        for step in (1, 2, 3):
+            ck.save(step, state, {"step": step})
+except ckpt_lib.CheckpointWriteError as e:  # in one write: the Orbax threads print to stderr meanwhile
+    import traceback
+    lines = "".join(traceback.format_exception(e)).splitlines()
+    os.write(2, f"\\n{type(e).__module__}.{type(e).__qualname__}: {e}\\ntraceback lines: {len(lines)}\\n".encode())
+    os._exit(1)
 """
 
 
@@ -730,17 +736,9 @@ def test_a_full_disk_during_an_async_save_is_named_in_one_line(tmp_path):
              "no checkpoint is complete")
     lines = r.stderr.strip().splitlines()
     assert error in lines, r.stderr[-3000:]
-    # the traceback that ends in it is short; what may follow is asyncio's own "Exception ignored
-    # ... Event loop is closed" from Orbax's threads at interpreter exit (timing-dependent)
-    # (Orbax's threads may also print asyncio's own traceback before it: take the last one that
-    # starts before the error, the one that ends in it)
-    end = lines.index(error)
-    start = max(i for i, line in enumerate(lines[:end]) if line == "Traceback (most recent call last):")
-    traceback_lines = lines[start:end + 1]
-    assert len(traceback_lines) < 10, r.stderr[-3000:]
-    assert all(line.startswith(("Exception ignored", "Traceback", " ")) or "Event loop is closed" in line
-               or not line.strip() for line in lines[lines.index(error) + 1:]), r.stderr[-3000:]
-
+    # the exception's whole traceback is short (the worker wrote it in one write, as Orbax's
+    # threads may print their own tracebacks to stderr at the same time)
+    assert int(lines[lines.index(error) + 1].split(": ")[1]) < 10, r.stderr[-3000:]
 
 
 # ============================================================================ 9. who may use the policy server
