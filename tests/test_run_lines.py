@@ -52,3 +52,18 @@ def test_a_stage_says_fresh_or_resumed_and_one_line_per_step(tmp_path, monkeypat
                         "checkpoint of step 2, which did not restore (the warning above says why); training to "
                         "total_steps=3")
     assert [line.split()[2] for line in lines[1:]] == ["2/3", "3/3"]
+
+
+def test_a_stage_from_a_given_policy_names_it_not_the_presets_random_weights(tmp_path):
+    """The demo hands RL its SFT policy: the start line names that checkpoint, not the preset's
+    random initialisation that the config (``model.random_init``) describes."""
+    from rstarjax.recipes.rl import given_policy_origin, start_line
+
+    (tmp_path / "train.jsonl").write_text(json.dumps({"problem": "p", "answer": "1"}) + "\n")
+    run = parse(run_config(str(tmp_path), 2))
+    sft = {"source": "checkpoint", "path": "/runs/demo/sft/checkpoints", "step": 4}
+    assert start_line(run, {}, None, 0, given_policy_origin(sft)) == (
+        "rstarjax: rl stage fresh at step 0 from the given policy (step 4 of /runs/demo/sft/checkpoints); "
+        "training to total_steps=2")
+    assert "from the given policy;" in start_line(run, {}, None, 0, given_policy_origin(None))
+    assert "from tiny with random weights (seed 0);" in start_line(run, {}, None, 0)

@@ -320,8 +320,8 @@ def _run_rl(run: RunConfig, workdir: str, rollout_fn, model, on_update, model_so
         ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), run.checkpoint)
         executor, before_update = None, None
         try:
-            base_record = None
-            if model is None:
+            base_record, model_built = None, model is None
+            if model_built:
                 model = build.policy(run.model, mesh, run.seed,
                                      read_weights=not checkpoint_replaces_weights(run, ckpt))
             elif run.model.lora_rank and not model.config.lora_rank:  # a given policy (the demo's SFT) is the base
@@ -348,7 +348,8 @@ def _run_rl(run: RunConfig, workdir: str, rollout_fn, model, on_update, model_so
             # function that does not say, e.g. a scripted one: no count)
             serving_dtype = getattr(rollout_fn, "serving_dtype", None)
             return _train_stage(run, workdir, trainer, ckpt, meta, records, rollout_fn, on_update, export_meta,
-                                before_update, guard, serving_dtype)
+                                before_update, guard, serving_dtype,
+                                given_policy=None if model_built else given_policy_origin(model_source))
         finally:
             ckpt.close()  # waits for the last async save
             if executor is not None:  # the code-execution pool this stage started
@@ -358,12 +359,13 @@ def _run_rl(run: RunConfig, workdir: str, rollout_fn, model, on_update, model_so
 
 def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout_fn, on_update, export_meta,
                  before_update=None, guard: preemption.SignalGuard | None = None,
-                 serving_dtype=None) -> Trainer:
+                 serving_dtype=None, given_policy: str | None = None) -> Trainer:
     """``run_rl``'s loop, from the stage's starting state to ``run.total_steps``: draw a round
     from the stage's rollout source (``recipes.sources``: the rollout mode lives there), train on
     it, hand the update to the engines, checkpoint, log. ``guard`` (installed by the caller) says
     when a signal asks it to stop. ``serving_dtype``: the dtype the rollouts are served in (None:
-    unknown, e.g. a scripted ``rollout_fn``; no log-prob gap count)."""
+    unknown, e.g. a scripted ``rollout_fn``; no log-prob gap count). ``given_policy``: where a
+    policy handed to ``run_rl`` comes from, for the start line (None: the model was built here)."""
     guard = guard or preemption.SignalGuard(0.0, can_abandon=False)  # never installed: never asks
     data_iter, base_key, restart, record = _stage_data(run, meta, problems, export_meta)
     if on_update is not None:
@@ -372,7 +374,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
     save = _saver(trainer, ckpt, base_key, dict(record, **_reference_record(trainer, run, meta)),
                   source.keeps_in_flight)
     start, is_main = trainer.step, jax.process_index() == 0
-    writer, bar = _open_log(run, workdir, meta, ckpt, start, is_main)
+    writer, bar = _open_log(run, workdir, meta, ckpt, start, is_main, given_policy)
     empty = EmptyBatchStreak(run.rl.max_rejected_batches)  # batches in a row that trained no group
     nonfinite = NonFiniteStreak(run.trainer.max_nonfinite_steps)
     # the data position after the last finished step and the prompts then in flight: what its
@@ -478,13 +480,14 @@ def step_seed(base_key, step: int, attempts: int) -> int:
     return int(jax.random.randint(step_key, (), 0, 2**31 - 1))
 
 
-def _open_log(run: RunConfig, workdir: str, meta: dict, ckpt, start: int, is_main: bool):
+def _open_log(run: RunConfig, workdir: str, meta: dict, ckpt, start: int, is_main: bool,
+              given_policy: str | None = None):
     """The stage's metrics writer and progress bar, after its start line."""
     # the steps after ``start`` that a killed run logged are logged again: kept once
     writer = MetricsWriter(os.path.join(workdir, "logs"), enabled=is_main, tensorboard=run.logging.tensorboard,
                            wandb=wandb_init_args(run, workdir), resume_step=start)
     if is_main:
-        print(start_line(run, meta, ckpt, start), flush=True)
+        print(start_line(run, meta, ckpt, start, given_policy), flush=True)
     if start >= run.total_steps and is_main:
         print(f"rstarjax: {workdir} is already at global step {start} >= total_steps={run.total_steps}: "
               "nothing to train (raise --config.total_steps to train on)", flush=True)
@@ -568,10 +571,20 @@ def _save_last(step: int, start: int, save, data_state, ckpt) -> bool:
     return step in ckpt.all_steps()
 
 
-def start_line(run: RunConfig, meta: dict, ckpt: ckpt_lib.Checkpointer, step: int) -> str:
-    """The line a stage prints as it starts: fresh (from the model as built, or from which
-    checkpoint of ``checkpoint.init_from``) or resumed from step N (which checkpoint, and the
-    newer ones skipped because they did not restore), and where it trains to."""
+def given_policy_origin(model_source: dict | None) -> str:
+    """How the start line names a policy handed to ``run_rl`` (the demo's SFT policy), from its
+    ``recipes.lora_base`` record when the caller gave one."""
+    if model_source and model_source.get("source") == "checkpoint":
+        return f"the given policy (step {model_source.get('step', '?')} of {model_source['path']})"
+    return "the given policy"
+
+
+def start_line(run: RunConfig, meta: dict, ckpt: ckpt_lib.Checkpointer, step: int,
+               given_policy: str | None = None) -> str:
+    """The line a stage prints as it starts: fresh (from the model as built, from ``given_policy``
+    when the caller handed one in, or from which checkpoint of ``checkpoint.init_from``) or
+    resumed from step N (which checkpoint, and the newer ones skipped because they did not
+    restore), and where it trains to."""
     if meta.get("resumed"):
         line = f"resumed from step {step} ({ckpt.step_dir(meta.get('resumed_step', step))})"
         skipped = meta.get("skipped_steps") or []
@@ -581,9 +594,11 @@ def start_line(run: RunConfig, meta: dict, ckpt: ckpt_lib.Checkpointer, step: in
     elif meta.get("init_from"):
         line = (f"fresh at step {step} from step {meta.get('init_from_step')} of {meta['init_from']} "
                 f"(a {meta.get('init_from_stage', 'rl')} checkpoint)")
+    elif given_policy:  # the preset's random_init describes the model the caller started from, not this one
+        line = f"fresh at step {step} from {given_policy}"
     else:
         source = (f"{run.model.preset} with random weights (seed {run.seed})" if run.model.random_init
-                  else run.model.hf_path or "the given policy")
+                  else run.model.hf_path or run.model.preset)
         line = f"fresh at step {step} from {source}"
     return f"rstarjax: rl stage {line}; training to total_steps={run.total_steps}"
 
