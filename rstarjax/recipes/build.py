@@ -70,11 +70,12 @@ def policy(src: ModelSource, mesh: Mesh, seed: int, *, read_weights: bool = True
 
 
 def check_vocab(model, tok: Tokenizer) -> None:
-    """The model must have an embedding row for every token the tokenizer can produce."""
+    """The model must have an embedding row for every token the tokenizer can produce: a
+    ``ConfigError`` (one line at the command line) naming the settings that pick the tokenizer."""
     if len(tok) > model.config.vocab_size:
-        raise ValueError(f"the tokenizer has {len(tok)} tokens but the model only {model.config.vocab_size} "
-                         "embedding rows: set --config.model.tokenizer_num_regular_tokens (or "
-                         "--config.model.tokenizer_path) to the model's tokenizer")
+        raise ConfigError(f"the tokenizer has {len(tok)} tokens but the model only {model.config.vocab_size} "
+                          "embedding rows: set model.tokenizer_num_regular_tokens (or model.tokenizer_path) "
+                          "to the model's tokenizer")
 
 
 def model_meta(model, tok: Tokenizer, chat_format: str = "rstar2") -> dict[str, Any]:
