@@ -106,6 +106,9 @@ def render(workdir: str, out_dir: str | None = None) -> list[str]:
             path = os.path.join(out_dir, f"{stem}.png")
             plot_lines(path, title, series)
             written.append(path)
+    if not written:  # a run that logged no step yet (or none of the panels' keys): say so, not a silent exit 0
+        raise ValueError(f"nothing to plot: {', '.join(files)} hold{'s' if len(files) == 1 else ''} no step "
+                         "with a metric the panels draw (a run that has not finished a step yet)")
     return written
 
 

@@ -62,6 +62,10 @@ def test_bad_input(tmp_path):
     # a torn last line (killed mid-write) is tolerated
     (tmp_path / "logs" / "metrics.jsonl").write_text('{"step": 1, "sft/loss": 1.0}\n{"step": 2, "sft/lo')
     assert [p.rsplit("/", 1)[1] for p in report.render(str(tmp_path))] == ["sft_loss.png"]
+    # a run that logged no step yet: an error saying so, not an exit 0 that wrote nothing
+    (tmp_path / "logs" / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="nothing to plot.*no step"):
+        report.render(str(tmp_path))
     r = subprocess.run([sys.executable, "-m", "rstarjax.report", str(tmp_path / "nothing")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "no metrics.jsonl" in r.stderr
