@@ -46,6 +46,12 @@ out of time costs only itself):
   default copy through pinned host memory against the pageable one
   (``checkpoint.pinned_host_transfer=False``), alternating, each write waited for and deleted,
   beside a plain ``jax.device_get`` of the same arrays (~2 min on an H100, predicted).
+* ``lora`` (optional, issue 45 item 5): ``configs/stage1.py`` on Qwen3-8B-shaped random weights
+  (the preset's, no HF directory written) with LoRA rank 16, sized by the memory plan as
+  ``h100`` is (``--h100-mem-fraction`` holds it to 80 GB too): 2 prompts x 2G = 32 rollouts of up
+  to 2,048 tokens, 2 RL steps and a checkpoint; the plan's peak beside the measured one. Random
+  weights call no tool, so this shows whether the 8B LoRA step fits one GPU and what it costs,
+  nothing of tool use (~3 min predicted, at most 300 s).
 * ``serving_<preset>``: decode tokens/s and fraction of the HBM roofline at 64 and 256 rollouts, Qwen3-1.7B
   and 8B shapes (``benchmarks/serving.py --device gpu``), with a trace of one decode call each.
 * ``kernels2``, ``gemms``, ``decode`` (optional, issue 46): the decode kernels alone at 256 rows x 4K
@@ -587,19 +593,7 @@ def part_agent(shape: Shape, args, log, env, scratch: str) -> dict:
     if args.out and metrics:
         with open(os.path.join(args.out, "h100_metrics.jsonl"), "w") as f:
             f.writelines(json.dumps(x) + "\n" for x in metrics)
-    kind = getattr(args, "device_kind", "")
-    steps = []
-    for m in metrics:
-        s = step_summary(m, result.get("prompt_tokens", 0) * a.prompts)
-        s.update({k: round(m[v], 4) for k, v in AGENT_KEYS.items() if isinstance(m.get(v), (int, float))})
-        mfu = update_mfu(s, result, kind)
-        if mfu is not None:
-            s["update_mfu"] = round(mfu, 4)
-        s.update(decode_roofline(s, result, kind))
-        if "peak_device_gb" in s and plan.get("peak_gb"):
-            s["peak_vs_plan"] = f"{s['peak_device_gb']:.1f} / {plan['peak_gb']:.1f} GB"
-        steps.append(s)
-    result["steps"] = steps
+    result["steps"] = run_steps(metrics, result, plan, a.prompts, getattr(args, "device_kind", ""))
     by_step = programs_by_step(out, [m["wall_time"] for m in metrics if "wall_time" in m])
     result["compiled_programs"] = {k: [name for name, _ in v] for k, v in by_step.items()}
     # The step-2 compile fix (058d7df): the rollouts' prefill-phase programs compiled on step 2, with
@@ -615,6 +609,147 @@ def part_agent(shape: Shape, args, log, env, scratch: str) -> dict:
             json.dump(result, f, indent=1)
     if code != 0:
         raise PartFailed(f"the stage-1 job exited {code}: {tail(out)} (after {len(metrics)} steps)", result)
+    return result
+
+
+def run_steps(metrics: list[dict], inputs: dict, plan: dict, prompts: int, device_kind: str,
+              mfu: bool = True) -> list[dict]:
+    """One summary a step of a stage-1 job sized by the memory plan: ``step_summary``, the
+    ``AGENT_KEYS`` figures, the update's MFU (``mfu``: full fine-tuning's FLOPs), the decode
+    against its roofline, the measured peak beside the plan's."""
+    steps = []
+    for m in metrics:
+        s = step_summary(m, inputs.get("prompt_tokens", 0) * prompts)
+        s.update({k: round(m[v], 4) for k, v in AGENT_KEYS.items() if isinstance(m.get(v), (int, float))})
+        update = update_mfu(s, inputs, device_kind) if mfu else None
+        if update is not None:
+            s["update_mfu"] = round(update, 4)
+        s.update(decode_roofline(s, inputs, device_kind))
+        if "peak_device_gb" in s and plan.get("peak_gb"):
+            s["peak_vs_plan"] = f"{s['peak_device_gb']:.1f} / {plan['peak_gb']:.1f} GB"
+        steps.append(s)
+    return steps
+
+
+# ---- lora: stage 1 of the 8B shape with LoRA on one GPU (issue 45, item 5) --------------------------
+@dataclasses.dataclass(frozen=True)
+class LoraShape:
+    """The ``lora`` part's sizes: configs/stage1.py on the preset's random weights (no HF
+    directory to write first: 16 GB at 8B) with LoRA adapters, sized by the memory plan as a
+    user's one-GPU run is. Random weights never call the tool and decode every rollout to its
+    cap, so the responses are short: the part measures whether the 8B LoRA step fits beside the
+    serving copy and the pool, and the plan's peak against the measured one, not tool use."""
+    preset: str
+    tokenizer_regular_tokens: int  # 0: Qwen3's full tokenizer
+    lora_rank: int
+    prompts: int
+    samples: int
+    group: int
+    prompt_len: int
+    response_len: int
+    steps: int
+    plan_device_gb: float  # the plan's device where jax reports none (CPU)
+    timeout_s: int
+
+
+LORA_SHAPES = {
+    # predicted on an H100 (not yet run): start and random init ~40 s, step 1 ~100 s with its
+    # compiles (32 rollouts x 2,048 tokens at ~8 ms a decode step: ~20 s), step 2 ~35 s
+    "gpu": LoraShape(preset="qwen3-8b", tokenizer_regular_tokens=0, lora_rank=16, prompts=2, samples=16,
+                     group=8, prompt_len=1024, response_len=2048, steps=2, plan_device_gb=80.0, timeout_s=300),
+    # the tiny preset's 512-token table holds a 400-token BPE: the prompts are ~1,250 tokens of it
+    "tiny": LoraShape(preset="tiny", tokenizer_regular_tokens=400, lora_rank=4, prompts=2, samples=4,
+                      group=2, prompt_len=1536, response_len=32, steps=2, plan_device_gb=80.0, timeout_s=600),
+}
+
+MAKE_LORA_INPUTS = r"""
+import json, sys
+import jax, jax.numpy as jnp
+from rstarjax.models import ModelConfig, load_tokenizer
+from rstarjax.models.chat_template import RSTAR2, encode_prompt
+from rstarjax.models.kv_cache import kv_bytes_per_token
+from rstarjax.recipes import demo_tasks
+from rstarjax.recipes.config import as_flags
+from rstarjax.serving.sizing import choose_colocated, decode_weight_bytes_read
+a = json.loads(sys.argv[1])
+tok = load_tokenizer(a["regular"] or None)
+cfg = ModelConfig.preset(a["preset"], dtype=jnp.bfloat16)
+device = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
+choice = choose_colocated(cfg, rows=a["rows"], seq_len=a["seq_len"], lora_rank=a["lora_rank"],
+                          device_bytes=device or int(a["plan_device_gb"] * 1e9))
+print(json.dumps({"plan": {"remat_policy": choice.remat_policy, "micro_batch": choice.micro_batch,
+                           "kv_pages": choice.kv_pages, "kv_memory_fraction": choice.kv_memory_fraction,
+                           "device_gb": round((device or a["plan_device_gb"] * 1e9) / 1e9, 2),
+                           "device_reported": bool(device), **choice.plan.as_dict()},
+                  "problems": [as_flags(p) for p in choice.problems]}), flush=True)
+if choice.problems:
+    sys.exit(3)
+rows = demo_tasks.make_dataset(a["problems"], "train", seed=0)
+with open(a["data"], "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+print(json.dumps({"params_b": cfg.num_params / 1e9, "vocab": cfg.vocab_size,
+                  "decode_weight_bytes": decode_weight_bytes_read(cfg, 0),
+                  "kv_bytes_per_token": kv_bytes_per_token(cfg, jnp.bfloat16),
+                  "prompt_tokens": round(sum(len(encode_prompt(tok, r["problem"], RSTAR2)) for r in rows) / len(rows))}))
+"""
+
+
+def lora_rl_argv(l: LoraShape, plan: dict, data_path: str, workdir: str) -> list[str]:
+    """configs/stage1.py on the preset's random weights with LoRA, only model, data and sizes
+    overridden: the remat policy the plan picked; on a device that reports its memory the job
+    sizes its micro-batch and pool itself (as ``agent_rl_argv``). One checkpoint, at the end (the
+    adapters and their optimizer state: ~0.2 GB at rank 16)."""
+    o = {"model.preset": l.preset, "model.random_init": True, "model.lora_rank": l.lora_rank,
+         "data.train_path": data_path, "total_steps": l.steps, "rl.prompts_per_step": l.prompts,
+         "rl.oversample": l.samples, "rl.group_size": l.group, "rl.max_prompt_len": l.prompt_len,
+         "rl.max_response_len": l.response_len, "rl.reject_equal_reward": False,
+         "model.remat_policy": plan["remat_policy"], "checkpoint.every_steps": l.steps,
+         "logging.progress_bar": False, **tiny_overrides(l.preset)}
+    if l.tokenizer_regular_tokens:
+        o["model.tokenizer_num_regular_tokens"] = l.tokenizer_regular_tokens
+    if not plan.get("device_reported"):
+        o["trainer.micro_batch_size"] = plan["micro_batch"]
+    return ([sys.executable, "-m", "rstarjax.main", f"--config={ROOT}/configs/stage1.py",
+             f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in o.items()])
+
+
+def part_lora(shape: Shape, args, log, env, scratch: str) -> dict:
+    """``lora``: stage 1 of the 8B shape with LoRA on one GPU, sized by the memory plan, held to
+    an H100's memory with ``--h100-mem-fraction`` like the ``h100`` part."""
+    l = LORA_SHAPES[args.shape]
+    if args.h100_mem_fraction:
+        env = dict(env, XLA_PYTHON_CLIENT_MEM_FRACTION=str(args.h100_mem_fraction))
+    d = os.path.join(scratch, "lora")
+    os.makedirs(d, exist_ok=True)
+    data_path, workdir = os.path.join(d, "problems.jsonl"), os.path.join(d, "rl")
+    t0 = time.perf_counter()
+    spec = dict(preset=l.preset, regular=l.tokenizer_regular_tokens, rows=l.prompts * l.group,
+                seq_len=l.prompt_len + l.response_len, lora_rank=l.lora_rank,
+                plan_device_gb=l.plan_device_gb, problems=8 * l.prompts * l.steps, data=data_path)
+    code, out = run_part("lora/inputs", [sys.executable, "-c", MAKE_LORA_INPUTS, json.dumps(spec)],
+                         min(120, l.timeout_s), log, env)
+    lines = json_lines(out)
+    plan = lines[0]["plan"] if lines else {}
+    result = {"model": l.preset, "lora_rank": l.lora_rank, "plan": plan, "inputs_s": round(time.perf_counter() - t0, 1),
+              "rollouts_per_step": l.prompts * l.samples, "response_len": l.response_len}
+    if code == 3:
+        raise PartFailed("the memory plan refuses the shape: " + " ".join(lines[0]["problems"]), result)
+    if code != 0:
+        raise RuntimeError(f"writing the inputs failed: {tail(out)}")
+    result.update(lines[-1])
+    t1 = time.perf_counter()
+    code, out = run_part("lora", lora_rl_argv(l, plan, data_path, workdir),
+                         l.timeout_s - (time.perf_counter() - t0), log, env)
+    result["job_s"], result["exit"] = round(time.perf_counter() - t1, 1), code
+    result["run_plan"] = next((x.split("rstarjax: ", 1)[1] for x in out.splitlines()
+                               if x.startswith("rstarjax: memory plan")), "")
+    metrics = read_metrics(os.path.join(workdir, "logs", "metrics.jsonl"))
+    # LoRA trains no base weight: full fine-tuning's FLOPs would overstate the update's MFU
+    result["steps"] = run_steps(metrics, result, plan, l.prompts, getattr(args, "device_kind", ""), mfu=False)
+    ckpts = os.path.join(workdir, "checkpoints")
+    result["checkpoints"] = sorted(x for x in os.listdir(ckpts) if x.isdigit()) if os.path.isdir(ckpts) else []
+    if code != 0:
+        raise PartFailed(f"the LoRA stage-1 job exited {code}: {tail(out)} (after {len(metrics)} steps)", result)
     return result
 
 
@@ -1014,6 +1149,32 @@ def agent_rows(part: PartResult | None) -> list[tuple[str, str]]:
     return rows
 
 
+LORA_ROW_KEYS = ("rollout_s", "decode_s", "prefill_s", "old_logprobs_s", "update_s", "handoff_s",
+                 "checkpoint_s", "compile_s", "decode_tok_s", "trained_tok_s", "decode_roofline_fraction",
+                 "peak_vs_plan")
+
+
+def lora_rows(part: PartResult | None) -> list[tuple[str, str]]:
+    """The ``lora`` part's rows: the plan, what the job sized itself, one row per RL step."""
+    if part is None:
+        return []
+    r, rows = part.result, []
+    p = r.get("plan") or {}
+    if p:
+        rows.append((f"lora plan ({r.get('model')}, rank {r.get('lora_rank')})",
+                     f"remat {p.get('remat_policy')}, micro-batch {p.get('micro_batch')}, KV pool "
+                     f"{p.get('kv_pool_gb')} GB, predicted peak {p.get('peak_gb')} GB of {p.get('device_gb')} GB"))
+    if r.get("run_plan"):
+        rows.append(("lora run sized", r["run_plan"]))
+    for i, s in enumerate(r.get("steps", []), 1):
+        rows.append((f"lora step {i}", " ".join(
+            f"{k}={s[k]:.3g}" if isinstance(s.get(k), float) else f"{k}={s.get(k)}"
+            for k in LORA_ROW_KEYS if k in s)))
+    if part.ok:
+        rows.append(("lora job", f"{r.get('job_s')} s, checkpoints {r.get('checkpoints')}"))
+    return rows
+
+
 def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
     """(figure, value) rows of the table printed last."""
     rows = []
@@ -1040,6 +1201,7 @@ def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
             rows.append(("main job", f"{main.result.get('job_s')} s, checkpoints "
                                      f"{main.result.get('checkpoints')}"))
     rows += agent_rows(results.get("h100"))
+    rows += lora_rows(results.get("lora"))
     ckpt = results.get("ckpt")
     if ckpt is not None and ckpt.ok:
         c = ckpt.result
@@ -1118,7 +1280,9 @@ def parse_args(argv=None):
                     help="comma-separated subset of env,main,serving,train and the optional "
                          "h100 (stage 1 on one GPU after a short SFT on tool traces, sized by the memory "
                          "plan; about 6.5 min on an H100), ckpt (the checkpoint wait of the 1.7B state, "
-                         "Orbax's pinned-host copy against the pageable one, ~2 min), "
+                         "Orbax's pinned-host copy against the pageable one, ~2 min), lora (stage 1 of "
+                         "the 8B shape with LoRA rank 16 on the preset's random weights, sized by the memory "
+                         "plan; ~3 min predicted), "
                          "blocking (the first serving preset with each --blockings spec), "
                          "kernels (the paged-attention kernels alone: Triton with the engine's "
                          "and the --blockings blocking, cuDNN), kernels2, gemms and decode (issue 46: "
@@ -1140,7 +1304,7 @@ def parse_args(argv=None):
                          "--parts lists them, each limit cut to what is left, and a part with under "
                          f"{MIN_PART_S:.0f} s left is skipped (a lent device: 10 minutes a command)")
     ap.add_argument("--h100-mem-fraction", type=float, default=0.0,
-                    help="h100: XLA_PYTHON_CLIENT_MEM_FRACTION of that part's processes only (0: the "
+                    help="h100 and lora: XLA_PYTHON_CLIENT_MEM_FRACTION of that part's processes only (0: the "
                          "command's); 0.54 holds an H200 to an H100's 80 GB while the other parts "
                          "keep the whole card")
     ap.add_argument("--sft-steps", type=int, default=0, help="h100: SFT steps (0: the shape's)")
@@ -1175,6 +1339,7 @@ def main(argv=None) -> int:
     plan.append(("main", lambda log: part_main(shape, args, log, env, scratch)))
     plan.append(("h100", lambda log: part_agent(shape, args, log, env, scratch)))
     plan.append(("ckpt", lambda log: part_ckpt(shape, args, log, env, scratch)))
+    plan.append(("lora", lambda log: part_lora(shape, args, log, env, scratch)))
     for preset in (args.serving_presets.split(",") if args.serving_presets else shape.serving_presets):
         name = f"serving_{preset}"
         plan.append((name, lambda log, p=preset, n=name: part_serving(shape, p, n, log, env, trace_dir)))

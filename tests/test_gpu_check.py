@@ -305,3 +305,27 @@ def test_decode_kernel_parts_run_at_the_tiny_shape(tmp_path):
     assert "decode b4 ctx160 ragged exact cublas" in proc.stdout
     # rope and layer (fused, XLA's GEMMs) were both measured: the per-batch choice is printed
     assert "decode best per batch ctx24 fused xla" in proc.stdout
+
+
+@pytest.mark.slow  # a tiny LoRA stage 1 of 2 steps: ~80 s on a 2-core CPU
+def test_the_lora_part_runs_stage_1_with_adapters_at_the_tiny_shape(tmp_path):
+    """``lora`` (issue 45 item 5): configs/stage1.py on the preset's random weights with LoRA,
+    the memory plan's choice given to the job; its steps and checkpoint come back, and the table
+    has a row a step beside the plan's."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--shape", "tiny",
+                           "--out", str(out), "--commit", "test", "--parts", "env,lora"],
+                          capture_output=True, text=True, env=_env(), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lora = json.loads((out / "gpu_check.json").read_text())["parts"]["lora"]
+    assert lora["ok"], lora["error"]
+    r = lora["result"]
+    assert r["lora_rank"] == 4 and (2 * 2) % r["plan"]["micro_batch"] == 0  # 2 prompts x G=2 trained rows
+    assert len(r["steps"]) == 2 and r["checkpoints"] == ["2"]
+    for s in r["steps"]:
+        assert s["decode_s"] > 0 and s["update_s"] > 0 and 0 < s["trained_tokens"] <= 2 * 2 * 32, s
+        assert "update_mfu" not in s  # full fine-tuning's FLOPs would overstate a LoRA update
+    log = (out / "gpu_check.log").read_text()
+    assert "--config.model.lora_rank=4" in log and "--config.model.random_init=True" in log
+    assert re.search(r"rl stage fresh at step 0 from tiny with random weights", log)
+    assert "lora step 2" in proc.stdout and "lora plan (tiny, rank 4)" in proc.stdout
