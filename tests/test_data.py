@@ -49,7 +49,9 @@ def test_layouts_normalised():
 @pytest.mark.parametrize(
     "raw, canon",
     [("204", "204"), ("-3", "-3"), ("\\boxed{42}", "42"), ("$1{,}000$", "1000"), ("1,000,000", "1000000"),
-     ("12.0", "12"), ("+5", "5"), ("1/2", None), ("\\frac{1}{2}", None), ("3.5", None), ("x=4", None), ("1,00", None)],
+     ("12.0", "12"), ("+5", "5"), ("1/2", None), ("\\frac{1}{2}", None), ("3.5", None), ("x=4", None), ("1,00", None),
+     # ASCII digits only: the verifier (math-verify) reads no Arabic-Indic or full-width integer
+     ("١٢", None), ("１２", None), ("1٢", None)],
 )
 def test_integer_answer(raw, canon):
     assert integer_answer(raw) == canon
@@ -203,3 +205,57 @@ def test_answer_filter_is_a_checked_data_setting(tmp_path):
     c.data.answer_filter = "all"
     with pytest.raises(ConfigError, match=r"--config.data.answer_filter='all': choose one of \['any', 'integer'\]"):
         parse(c)
+
+
+def test_a_json_array_under_a_jsonl_name_loads_its_rows(tmp_path):
+    """A JSON array file (pretty-printed or on one line) named .jsonl: its rows, as written, not
+    one bad_json (or not_a_mapping) row per line and a run refused with a misleading message."""
+    from rstarjax.io.data import dataset_problems
+
+    rows = [{"problem": "What is 7 * 8?", "answer": "56"}, {"problem": "2 + 2?", "answer": 4}]
+    for name, text in [("pretty.jsonl", json.dumps(rows, indent=2)), ("one_line.jsonl", json.dumps(rows) + "\n")]:
+        path = tmp_path / name
+        path.write_text(text)
+        assert dataset_problems(str(path)) == []
+        records, report = load_problems(str(path))
+        assert [(r["problem"], r["answer"]) for r in records] == [("What is 7 * 8?", "56"), ("2 + 2?", "4")]
+        assert (report.total, report.kept) == (2, 2)
+
+
+def test_a_compressed_data_file_is_said_so(tmp_path):
+    """A gzip'd .jsonl is refused in one line that says it is compressed, not as rows that are
+    not UTF-8."""
+    import gzip
+
+    from rstarjax.io.data import dataset_problems
+
+    path = tmp_path / "d.jsonl"
+    with gzip.open(path, "wt") as f:
+        f.write('{"problem": "p", "answer": "1"}\n')
+    assert dataset_problems(str(path)) == ["is gzip-compressed: decompress it first (gunzip) (docs/data.md)"]
+
+
+def test_no_prompt_short_enough_is_a_data_error(tmp_path):
+    """Every prompt over rl.max_prompt_len is a data file the run cannot use: a DataError (one
+    line, exit 2, rstarjax.main), not a ValueError's traceback."""
+    from rstarjax.io.data import DataError, DataReport, drop_long_prompts
+
+    report = DataReport(total=1, kept=1)
+    with pytest.raises(DataError, match=r"every prompt is longer than --config.rl.max_prompt_len=8 tokens"):
+        drop_long_prompts([{"problem": "long", "uid": "d.jsonl:1"}], report, lambda problem: 9, 8,
+                          "--config.rl.max_prompt_len")
+
+
+@pytest.mark.parametrize("handling", ["paper", "official"])
+def test_a_lone_surrogate_escape_is_a_row_that_is_not_utf8(tmp_path, handling):
+    """``"\\ud800"`` is valid JSON but no Unicode text: the tokenizer would read U+FFFD and the
+    stage-3 filter's / evaluation's UTF-8 outputs would fail to write it after all the rollouts.
+    Such a row is skipped and counted as not_utf8 at load, in either handling."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"problem": "bad \\ud800 text", "answer": "1"}\n{"problem": "ok", "answer": "\\udfff"}\n'
+                    '{"problem": "fine", "answer": "2"}\n')
+    records, report = load_problems(str(path), handling=handling)
+    assert [(r["problem"], r["answer"]) for r in records] == [("fine", "2")]
+    assert dict(report.skipped) == {"not_utf8": 2} and report.rows["not_utf8"][0].startswith("d.jsonl:1 [")
+    for r in records:
+        json.dumps(r, ensure_ascii=False).encode("utf-8")  # what the filter and the evaluation write

@@ -70,3 +70,28 @@ def test_works_off_the_main_thread():
 def test_pure_check_on_the_sympy_and_integer_paths():
     assert is_correct(r"<answer>\boxed{\frac{1}{2}}</answer>", "0.5") is True
     assert is_correct(r"<answer>\boxed{7}</answer>", "8") is False
+
+
+def _math_verify_verdict(answer: str, gold: str) -> bool:
+    """math-verify itself on the boxed answer (the paper's reward), the reference the integer fast
+    path must agree with."""
+    from math_verify import parse, verify
+
+    return bool(verify(parse("\\boxed{" + gold + "}", parsing_timeout=None),
+                       parse("\\boxed{" + answer + "}", parsing_timeout=None), timeout_seconds=None))
+
+
+@pytest.mark.parametrize("answer, gold", [("1 2", "12"), ("1 000", "1000"), ("1 000", "0"), ("1000", "1 000"),
+                                          ("12 345", "12345"), ("- 3", "-3"), ("$ 42 $", "42"),
+                                          (r"\text{ 42 }", "42")])
+def test_digits_split_by_a_space_get_math_verifys_verdict(answer, gold):
+    """``\\boxed{1 2}`` is two numbers (or a hedge), not 12: the integer fast path must not join
+    digits across white space, where math-verify reads no such integer."""
+    assert is_correct(rf"<answer>\boxed{{{answer}}}</answer>", gold) is _math_verify_verdict(answer, gold)
+
+
+@pytest.mark.parametrize("answer, gold", [("١٢", "12"), ("１２", "12"), ("12", "１２"), ("𝟏𝟐", "12"), ("٣", "3")])
+def test_digits_of_other_scripts_get_math_verifys_verdict(answer, gold):
+    """Python's ``\\d`` is any Unicode digit (Arabic-Indic, full-width, mathematical bold): the
+    integer fast path reads ASCII digits only, as math-verify does."""
+    assert is_correct(rf"<answer>\boxed{{{answer}}}</answer>", gold) is _math_verify_verdict(answer, gold)

@@ -18,10 +18,14 @@ from rstarjax.protocol import ANSWER_CLOSE, ANSWER_OPEN
 _ANSWER_BLOCK = re.compile(f"{re.escape(ANSWER_OPEN)}(.*?)(?:{re.escape(ANSWER_CLOSE)}|$)", re.DOTALL)
 _BOX_OPENERS = ("\\boxed", "\\fbox")
 # "1000", "-17", "+3", "1,000,000" (thousands separators only in the canonical 3-digit groups).
-_INTEGER = re.compile(r"[+-]?(?:\d+|\d{1,3}(?:,\d{3})+)")
+# ASCII digits only: Python's \d is any Unicode digit ("١٢", "１２"), which math-verify does not read.
+_INTEGER = re.compile(r"[+-]?(?:\d+|\d{1,3}(?:,\d{3})+)", re.ASCII)
 # "32, 349" is a list of two numbers, never 32349: a comma followed by white space separates items
 # (math-verify's own test cases read it so); only a bare comma can group thousands.
 _COMMA_THEN_SPACE = re.compile(r",\s")
+# "1 2" (a hedge, two numbers) and "1 000" are no integer math-verify reads (it multiplies or
+# keeps the text): digits split by white space go to math-verify, never joined into 12 or 1000.
+_DIGITS_SPLIT_BY_SPACE = re.compile(r"\d\s+\d", re.ASCII)
 _STRIP_WRAPPERS = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$", re.DOTALL)
 MAX_ANSWER_CHARS = 1000  # longer "answers" are not answers; they also feed sympy pathologies
 
@@ -75,7 +79,7 @@ def normalize_integer(text: str) -> int | None:
     if m:
         s = m.group(1).strip()
     s = s.replace("\\!", "").replace("{,}", ",")
-    if _COMMA_THEN_SPACE.search(s):  # checked before the spaces go: "1, 000" is not 1000
+    if _COMMA_THEN_SPACE.search(s) or _DIGITS_SPLIT_BY_SPACE.search(s):  # checked before the spaces go
         return None
     s = s.replace(" ", "")
     if s.endswith("."):

@@ -240,7 +240,8 @@ def normalize_row(row: Any) -> dict[str, str]:
     return {"problem": problem, "answer": answer}
 
 
-_INT_RE = re.compile(r"^[+-]?\d+(?:\.0+)?$")
+# ASCII digits only (Python's \d is any Unicode digit): the verifier reads no "１２" as an integer
+_INT_RE = re.compile(r"^[+-]?\d+(?:\.0+)?$", re.ASCII)
 
 # data.answer_filter: which answers an RL run trains on (docs/data.md "Answers")
 #   "integer": integers only, written canonically (rStar2-Agent §4.2: equivalence of expressions is
@@ -261,7 +262,7 @@ def integer_answer(answer: str) -> str | None:
     if m:
         a = m.group(1).strip()
     a = a.replace("{,}", "").replace("\\,", "").replace("\\!", "").replace(" ", "")
-    if re.fullmatch(r"[+-]?\d{1,3}(,\d{3})+(\.0+)?", a):
+    if re.fullmatch(r"[+-]?\d{1,3}(,\d{3})+(\.0+)?", a, re.ASCII):
         a = a.replace(",", "")
     if not _INT_RE.match(a):
         return None
@@ -298,7 +299,8 @@ def read_numbered_rows(path: str) -> list[tuple[int, Any]]:
     """(row number, raw row) of each row of a .jsonl/.json/.parquet file, numbered from 1 (a
     .jsonl file's line numbers; blank lines are no rows). A .jsonl row that does not decode (not
     UTF-8, not JSON) is a ``BadRow`` in its place; a .json file is one document, so a byte that
-    is not UTF-8 or a JSON error in it raises, naming the file and the line."""
+    is not UTF-8 or a JSON error in it raises, naming the file and the line. A .jsonl file that is
+    one JSON array (a common mistake) is read as that array, rows numbered by their place in it."""
     ext = os.path.splitext(path)[1].lower()
     if ext == ".parquet":
         try:  # lazily: pyarrow is large and only parquet files need it
@@ -311,6 +313,10 @@ def read_numbered_rows(path: str) -> list[tuple[int, Any]]:
     with open(path, "rb") as f:
         data = f.read()
     data = data.removeprefix(codecs.BOM_UTF8)
+    if ext == ".jsonl" and data.lstrip().startswith(b"["):
+        rows = _one_json_array(data)
+        if rows is not None:  # a JSON array under a .jsonl name: its rows, not one bad row per line
+            return list(enumerate(rows, start=1))
     if ext == ".json" and data.lstrip().startswith(b"["):
         try:
             rows = json.loads(data.decode("utf-8"), parse_int=_json_int)
@@ -325,6 +331,16 @@ def read_numbered_rows(path: str) -> list[tuple[int, Any]]:
             raise ValueError(f"{path}: a .json dataset must be a list of rows")
         return list(enumerate(rows, start=1))
     return [(number, _decode_line(line)) for number, line in enumerate(data.split(b"\n"), start=1) if line.strip()]
+
+
+def _one_json_array(data: bytes) -> list | None:
+    """The rows of ``data`` when the whole of it is one JSON array, else None (JSON lines whose
+    first row is a list; what does not decode is then counted line by line)."""
+    try:
+        rows = json.loads(data.decode("utf-8"), parse_int=_json_int)
+    except ValueError:  # UnicodeDecodeError, JSONDecodeError
+        return None
+    return rows if isinstance(rows, list) else None
 
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet")
@@ -350,7 +366,7 @@ def _head_rows(path: str, n: int) -> list[Any]:
 
         batch = next(pq.ParquetFile(path).iter_batches(batch_size=n), None)
         return [] if batch is None else batch.to_pylist()
-    if ext == ".json":
+    if ext in (".json", ".jsonl"):
         with open(path, "rb") as f:
             first = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
         if first.startswith(b"["):  # one document: read whole (read_numbered_rows says where it breaks)
@@ -375,6 +391,25 @@ ROW_LAYOUTS = {
 }
 
 
+# a .jsonl/.json file whose first bytes are one of these is no text: said as what it is, where its
+# lines would only read as rows that are not UTF-8
+_BINARY_SIGNATURES = {
+    b"\x1f\x8b": "is gzip-compressed: decompress it first (gunzip)",
+    b"\x28\xb5\x2f\xfd": "is zstd-compressed: decompress it first (zstd -d)",
+    b"BZh": "is bzip2-compressed: decompress it first (bunzip2)",
+    b"\xfd7zXZ\x00": "is xz-compressed: decompress it first (unxz)",
+    b"PK\x03\x04": "is a zip archive: extract the data file from it",
+    b"PAR1": "is a parquet file: give it the .parquet extension",
+}
+
+
+def _binary_kind(path: str) -> str | None:
+    """What ``_BINARY_SIGNATURES`` says a .jsonl/.json file's first bytes are, or None."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    return next((what for magic, what in _BINARY_SIGNATURES.items() if head.startswith(magic)), None)
+
+
 def dataset_problems(path: str, kind: str = "problems") -> list[str]:
     """What makes ``path`` unusable as a data file of ``kind`` (``ROW_LAYOUTS``), found cheaply
     before a run (its first ``HEAD_ROWS`` rows): not a readable file of a supported type, empty,
@@ -391,6 +426,9 @@ def dataset_problems(path: str, kind: str = "problems") -> list[str]:
         return ["is not readable (check its permissions)"]
     if os.path.getsize(path) == 0:
         return ["is empty"]
+    binary = _binary_kind(path) if os.path.splitext(path)[1].lower() != ".parquet" else None
+    if binary:
+        return [f"{binary} (docs/data.md)"]
     try:
         rows = _head_rows(path, HEAD_ROWS)
     except (OSError, ValueError) as e:  # a .json document that does not parse, a damaged parquet file
@@ -491,10 +529,24 @@ def _readable_rows(paths: list, read: Callable[[Any], dict[str, str]], report: D
             yield rec, where, source
 
 
+def _unicode_text(rec: dict[str, str]) -> dict[str, str]:
+    """``rec`` when its problem and answer are Unicode text; a JSON ``\\ud800`` escape (a lone
+    surrogate) decodes to none: the tokenizer would read it as U+FFFD, and the stage-3 filter's
+    and the evaluation's UTF-8 outputs would fail on it after all their rollouts. Raises BadRow
+    ``not_utf8``, as for a byte that is not UTF-8."""
+    for field in ("problem", "answer"):
+        try:
+            rec[field].encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadRow("not_utf8", f"the {field} holds a lone surrogate {rec[field][e.start]!r} "
+                                     "(a JSON \\u escape)") from None
+    return rec
+
+
 def _official_record(row: Any) -> dict[str, str]:
     if isinstance(row, BadRow):  # a .jsonl line that did not decode
         raise row
-    return official_row(row)
+    return _unicode_text(official_row(row))
 
 
 def _load_official(paths: str | Iterable[str]) -> tuple[list[dict[str, str]], DataReport]:
@@ -544,7 +596,7 @@ def _checked_record(row: Any, answer_filter: str) -> dict[str, str]:
     every answer as written); raises BadRow."""
     if isinstance(row, BadRow):
         raise row
-    rec = normalize_row(row)
+    rec = _unicode_text(normalize_row(row))
     if answer_filter:
         canon = integer_answer(rec["answer"])
         if canon is None:
@@ -563,8 +615,8 @@ def _checked_record(row: Any, answer_filter: str) -> dict[str, str]:
 def drop_long_prompts(records: list[dict], report: DataReport, prompt_len, max_len: int, flag: str) -> list[dict]:
     """``records`` without those whose prompt is longer than ``max_len`` tokens
     (``prompt_len(problem)`` measures it as the rollouts will encode it), each counted in
-    ``report`` as ``prompt_too_long`` with its row (a record's ``uid``). Raises, naming ``flag``,
-    when none is left."""
+    ``report`` as ``prompt_too_long`` with its row (a record's ``uid``). Raises DataError (a data
+    file the run cannot use), naming ``flag``, when none is left."""
     kept = []
     for rec in records:
         if prompt_len(rec["problem"]) > max_len:
@@ -576,7 +628,7 @@ def drop_long_prompts(records: list[dict], report: DataReport, prompt_len, max_l
         log.warning("dataset: %d prompts longer than %s=%d tokens skipped; %s", len(records) - len(kept), flag,
                     max_len, report.describe("prompt_too_long"))
     if not kept:
-        raise ValueError(f"every prompt is longer than {flag}={max_len} tokens ({report})")
+        raise DataError(f"every prompt is longer than {flag}={max_len} tokens ({report})")
     return kept
 
 
