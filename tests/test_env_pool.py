@@ -158,6 +158,20 @@ def test_pathological_verification_times_out_as_reward_zero(ex):
     assert r == VerifyResult(False, timed_out=True, error=r.error) and not r
     assert ex.stats["verify_timeouts"] == before + 1
     assert bool(ex.verify(r"<answer>\boxed{3}</answer>", "3")) is True  # the pool still serves
+    # the rollout takes the pool's verdict as the answer's doing: reward 0, counted as a verifier
+    # timeout, not an infrastructure error that would drop the rollout from the update
+    from types import SimpleNamespace
+
+    from rstarjax.rl import agent_loop
+    from rstarjax.rl.trajectory import FinishReason
+
+    answered = concurrent.futures.Future()
+    answered.set_result(r)
+    traj = SimpleNamespace(reward=None, error="", finish=FinishReason.ANSWERED)
+    episode = SimpleNamespace(traj=traj, verify_future=answered, verify_submitted=time.monotonic(),
+                              config=SimpleNamespace(verify_wait_s=5.0))
+    assert agent_loop._collect_rewards([episode], time.monotonic()) == {"verify_timeouts": 1, "verify_infra_errors": 0}
+    assert traj.reward == 0.0 and traj.finish == FinishReason.ANSWERED and traj.error == ""
 
 
 def test_verification_from_a_worker_thread_is_not_silently_zero(ex):

@@ -358,8 +358,8 @@ def _collect_rewards(episodes: Sequence[AgentEpisode], rollouts_end: float) -> d
             verdict, why = None, f"the verifier did not answer within {ep.config.verify_wait_s:g} s"
         except Exception as e:  # the executor failed
             verdict, why = None, f"the verifier failed: {e!r}"
-        else:
-            why = getattr(verdict, "error", "")
+        else:  # a verifier the sandbox stopped at its time limit decided (reward 0), whatever it says why
+            why = "" if getattr(verdict, "timed_out", False) else getattr(verdict, "error", "")
             if why:
                 verdict, why = None, f"the verifier failed: {why}"
         if verdict is None:
