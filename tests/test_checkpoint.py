@@ -470,3 +470,47 @@ def test_a_checkpoint_without_fingerprints_restores_with_a_warning(tmp_path, cap
     with caplog.at_level(logging.WARNING):
         ckpt_lib.verify_fingerprints({"w": np.zeros(3)}, None, str(tmp_path / "4"))
     assert "records no fingerprints" in caplog.text and str(tmp_path / "4") in caplog.text
+
+
+_FAILED_RESTORES = r"""
+import gc, glob, os, sys, time
+import jax, jax.numpy as jnp, numpy as np
+from rstarjax.io import checkpoint as ckpt_lib
+from rstarjax.rl.trainer import TrainState
+directory, how = sys.argv[1], sys.argv[2]
+rng = np.random.default_rng(0)
+params = {f"w{i}": jnp.asarray(rng.normal(size=(64, 128)).astype(np.float32)) for i in range(12)}
+with ckpt_lib.Checkpointer(directory, ckpt_lib.CheckpointConfig(async_save=False)) as ck:
+    ck.save(1, TrainState(params, {}, jnp.int32(1)), {"step": 1})
+for path in glob.glob(os.path.join(directory, "1", "state", "**", "d", "*"), recursive=True):
+    with open(path, "r+b") as f:
+        f.truncate(0 if how == "cut" else os.path.getsize(path) // 3)
+for manifest in glob.glob(os.path.join(directory, "1", "state", "**", "manifest.ocdbt"), recursive=True):
+    if how == "manifest":
+        with open(manifest, "r+b") as f:
+            f.truncate(os.path.getsize(manifest) // 2)
+abstract = ckpt_lib.abstract_like(params)
+for _ in range(10):
+    try:
+        ckpt_lib.restore_params(directory, abstract, 1)
+        raise SystemExit("restored a damaged checkpoint")
+    except ckpt_lib.UnreadableCheckpoint as e:
+        reason = e.reason
+    gc.collect()
+time.sleep(0.5)
+gc.collect()
+print("unreadable:", reason)
+"""
+
+
+@pytest.mark.parametrize("how", ["cut", "manifest"])
+def test_a_failed_restore_leaves_no_tracebacks_behind(tmp_path, how):
+    """A restore of damaged arrays fails in one line (``UnreadableCheckpoint``), and nothing else:
+    the reads Orbax abandoned when its event loop closed used to print dozens of tracebacks
+    ("Event loop is closed", "Task exception was never retrieved") per damaged checkpoint."""
+    r = subprocess.run([sys.executable, "-c", _FAILED_RESTORES, str(tmp_path / "c"), how], env=worker_env(1),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "unreadable:" in r.stdout, (r.stdout, r.stderr[-3000:])
+    noise = [line for line in r.stderr.splitlines() if "Traceback" in line or "never retrieved" in line
+             or "Exception ignored" in line]
+    assert not noise, r.stderr[-3000:]

@@ -262,3 +262,32 @@ def test_sigterm_saves_the_step_that_finished_and_stops(tok, tmp_path):
     assert (e.value.exit_status, e.value.last_step, e.value.saved) == (143, 2, True)
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is the stage's alone
     assert sft.resume_step(str(tmp_path), ckpt_cfg) == 2
+
+
+def test_a_rerun_of_a_finished_sft_run_says_so_and_keeps_its_summary(tok, tmp_path, capsys):
+    """``run_sft`` again in a finished workdir trains nothing, says so, and leaves
+    ``sft_summary.json`` as the run wrote it (it was overwritten with NaN losses and 0 s)."""
+    import sys
+
+    from rstarjax.recipes.config import parse
+
+    sys.path.insert(0, os.path.join(ROOT, "configs"))
+    import sft as sft_config
+
+    save_hf(_tiny_model(tok), str(tmp_path / "hf"), tokenizer=tok)
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"messages": _conversation(i)}) + "\n" for i in range(8)))
+    c = sft_config.get_config()
+    c.model.hf_path, c.sft.data_path, c.model.dtype = str(tmp_path / "hf"), str(data), "float32"
+    c.sft.chat_format, c.sft.epochs, c.sft.batch_size, c.sft.seq_len = "compact", 1, 4, 512
+    c.sft.micro_batch_size, c.sft.export_hf, c.logging.tensorboard = 0, False, False
+    c.mesh.fsdp = -1
+    run = parse(c, num_devices=jax.device_count())
+    workdir = tmp_path / "run"
+    first = sft.run_sft(run, str(workdir))
+    written = json.loads((workdir / "sft_summary.json").read_text())
+    assert np.isfinite(written["final_loss"]) and written == json.loads(json.dumps(first))
+    capsys.readouterr()
+    again = sft.run_sft(run, str(workdir))
+    assert f"rstarjax: sft in {workdir} is already at step 2 >= 2: nothing to train" in capsys.readouterr().out
+    assert json.loads((workdir / "sft_summary.json").read_text()) == written == again

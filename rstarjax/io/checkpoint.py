@@ -21,7 +21,9 @@ import dataclasses
 import errno
 import logging
 import os
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -130,6 +132,52 @@ def _quiet_orbax_thread_errors() -> None:
     absl_logger = logging.getLogger("absl")  # Orbax logs through absl
     if not any(isinstance(f, _OrbaxThreadErrorsOneLine) for f in absl_logger.filters):
         absl_logger.addFilter(_OrbaxThreadErrorsOneLine())
+    if not getattr(sys.unraisablehook, "drops_abandoned_reads", False):
+        sys.unraisablehook = _dropping_abandoned_reads(sys.unraisablehook)
+    asyncio_logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _AbandonedReadTasks) for f in asyncio_logger.filters):
+        asyncio_logger.addFilter(_AbandonedReadTasks())
+
+
+class _AbandonedReadTasks(logging.Filter):
+    """asyncio's "Task / Future / _GatheringFuture exception was never retrieved" for Orbax's
+    array reads: the reads a failed restore abandoned (see ``abandoned_read``), failing in turn
+    once the loop is gone. Told by what the record's text names: Orbax's code, its read error, or
+    TensorStore's OCDBT store."""
+
+    SIGNS = (f"{os.sep}orbax{os.sep}checkpoint{os.sep}", "Encountered error while reading array", "OCDBT database")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not ("exception was never retrieved" in text and any(sign in text for sign in self.SIGNS))
+
+
+def abandoned_read(unraisable) -> bool:
+    """Whether an exception Python could not raise anywhere (``sys.unraisablehook``) is what a
+    failed restore leaves behind. Orbax reads a checkpoint's arrays concurrently in an event loop
+    of its own and closes it as soon as one read fails; the reads still in flight then end in the
+    background, each as a traceback on stderr: a TensorStore callback finding the loop closed
+    (``Event loop is closed`` in asyncio's ``call_soon_threadsafe``), or Orbax's read coroutine
+    raising as it is closed. Dozens of them per damaged checkpoint, while the failure itself is
+    already reported in one line (``UnreadableCheckpoint``)."""
+    exc = unraisable.exc_value
+    frames = [f.name for f in traceback.extract_tb(unraisable.exc_traceback)] if unraisable.exc_traceback else []
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and "call_soon_threadsafe" in frames:
+        return True
+    code = getattr(unraisable.object, "cr_code", None)  # a coroutine of Orbax's
+    return code is not None and f"{os.sep}orbax{os.sep}checkpoint{os.sep}" in code.co_filename
+
+
+def _dropping_abandoned_reads(previous):
+    """``sys.unraisablehook`` that drops ``abandoned_read``s (to the debug log) and passes every
+    other unraisable exception to ``previous``."""
+    def hook(unraisable):
+        if abandoned_read(unraisable):
+            log.debug("after a failed checkpoint read: %s", _first_line(unraisable.exc_value))
+            return
+        previous(unraisable)
+    hook.drops_abandoned_reads = True
+    return hook
 
 
 class NonFiniteState(ValueError):

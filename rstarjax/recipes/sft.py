@@ -210,6 +210,8 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
             source = "fresh at step 0"
         print(f"rstarjax: sft {source}; training to step {total} on {len(examples)} conversations",
               flush=True)
+        if start >= total:  # a rerun of a finished run: said, not a silent no-op
+            print(f"rstarjax: sft in {workdir} is already at step {start} >= {total}: nothing to train", flush=True)
     base_meta = dict(meta or {})
     base_meta.update(stage="sft", total_steps=total)
     t0 = time.time()
@@ -281,6 +283,10 @@ def run_sft(run: RunConfig, workdir: str) -> dict[str, Any]:
         # (a LoRA policy unmerged: save_hf merges it into float32 weights, no bf16 rounding)
         save_hf(trainer.trainer.lora_model(), os.path.join(workdir, "hf"), tokenizer=tokenizer,
                 chat_format=run.sft.chat_format)
-    with open(os.path.join(workdir, "sft_summary.json"), "w") as f:
+    summary_path = os.path.join(workdir, "sft_summary.json")
+    if start is not None and start >= summary["steps"] and os.path.exists(summary_path):
+        with open(summary_path) as f:  # nothing trained now: the run's own summary (its losses) stays
+            return json.load(f)
+    with open(summary_path, "w") as f:
         json.dump(summary, f, indent=2)
     return summary
