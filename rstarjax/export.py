@@ -20,6 +20,13 @@ stops with one line, exit status 2.
 A LoRA checkpoint (meta ``lora``) holds adapters: its base is rebuilt from the meta's ``lora_base``
 record (hash checked), the adapters merged into float32 weights; ``--peft_out DIR`` also writes
 them as a HF PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``) for that base.
+
+``--out`` (and ``--peft_out``) must be new, empty, or an earlier export (which it replaces whole):
+the files are written into a directory beside it and renamed into place only once complete, with
+``rstarjax_export.json`` (what was exported), so a failed export leaves nothing behind and a
+directory never mixes two exports or an export with a model's own files (transformers would load
+a stale ``model.safetensors`` there rather than the export's shards). A ``--out`` that cannot be
+written, or holds other files, is one line and exit status 2 before any checkpoint is read.
 """
 from __future__ import annotations
 
@@ -27,7 +34,9 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -95,19 +104,25 @@ def _finished_steps(checkpoint_dir: str) -> list[int]:
     finally:
         ckpt.close()
     if not steps:
-        raise FileNotFoundError(f"no finished checkpoint in {checkpoint_dir}")
+        inner = os.path.join(checkpoint_dir, "checkpoints")
+        hint = (f": it is a run's workdir, give its checkpoints, --checkpoint {inner}"
+                if os.path.isdir(inner) else "")
+        raise FileNotFoundError(f"no finished checkpoint in {checkpoint_dir}{hint}")
     return steps
 
 
 def _load_step(checkpoint_dir: str, step: int, model_config: str | None, preset: str | None,
                tokenizer_num_regular_tokens: int | None):
+    step_dir = os.path.join(os.path.abspath(checkpoint_dir), str(step))
     try:
         step, meta = ckpt_lib.read_checkpoint_meta(checkpoint_dir, step)
-    except FileNotFoundError:
-        raise
+    except FileNotFoundError as e:
+        if not os.path.isdir(step_dir):  # no such step: the caller's choice, not damage
+            raise
+        # the step is there but its meta file is gone: damaged, skipped like any other
+        raise ckpt_lib.UnreadableCheckpoint(step_dir, ckpt_lib._first_line(e)) from e
     except Exception as e:  # noqa: BLE001 - a torn meta (JSONDecodeError, OSError): the checkpoint is damaged
-        raise ckpt_lib.UnreadableCheckpoint(os.path.join(os.path.abspath(checkpoint_dir), str(step)),
-                                            ckpt_lib._first_line(e)) from e
+        raise ckpt_lib.UnreadableCheckpoint(step_dir, ckpt_lib._first_line(e)) from e
     cfg, source = resolve_model_config(checkpoint_dir, meta, model_config, preset)
     cfg = cfg.replace(dtype=jnp.float32, param_dtype=jnp.float32)
     if meta.get("lora"):
@@ -181,23 +196,94 @@ def load_lora_policy(checkpoint_dir: str, step: int, meta: dict, cfg) -> Qwen3:
     return nnx.merge(graphdef, adapters, frozen)
 
 
+EXPORT_RECORD = "rstarjax_export.json"  # written last into every export: what a later one may replace
+
+
+def out_dir_problem(out_dir: str, flag: str = "--out") -> str | None:
+    """Why ``out_dir`` cannot take an export (one line), or None: it must be new, empty, or an
+    earlier export (it holds ``EXPORT_RECORD``). Any other file there would sit beside the export's
+    (a base model's ``model.safetensors``, which transformers prefers to the export's shards)."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        return f"{flag} {out_dir!r} is a file: give a directory"
+    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    if names and EXPORT_RECORD not in names:
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        return (f"{flag} {out_dir!r} already holds files that no export wrote ({shown}): give a new or empty "
+                "directory (an export there would mix its files with these)")
+    return None
+
+
+def staging_dir(out_dir: str, flag: str = "--out") -> str:
+    """A fresh directory beside ``out_dir`` to write the export into (so its parent is known to
+    be writable before any checkpoint is read); ``ValueError`` when ``out_dir`` cannot take one."""
+    problem = out_dir_problem(out_dir, flag)
+    if problem:
+        raise ValueError(problem)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.export-", dir=parent)
+    except OSError as e:
+        raise ValueError(f"{flag} {out_dir!r} cannot be written: {e.strerror or e} (give a directory this "
+                         "process can create files in)") from None
+
+
+def publish(staging: str, out_dir: str, record: dict) -> bool:
+    """Write ``record`` as ``EXPORT_RECORD`` into the complete ``staging`` directory and rename
+    it to ``out_dir``, replacing an empty directory or an earlier export there (returns whether
+    one was replaced). Renames within one directory: ``out_dir`` is never half-written."""
+    with open(os.path.join(staging, EXPORT_RECORD), "w") as f:
+        json.dump(record, f, indent=2)
+    old, replaced = None, os.path.isdir(out_dir) and bool(os.listdir(out_dir))
+    if os.path.isdir(out_dir):  # empty or an earlier export (out_dir_problem)
+        old = staging + ".replaced"
+        os.rename(out_dir, old)
+    try:
+        os.rename(staging, out_dir)
+    except OSError:
+        if old is not None:
+            os.rename(old, out_dir)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return replaced
+
+
 def export_checkpoint(checkpoint_dir: str, out_dir: str, step: int | None = None, model_config: str | None = None,
                       preset: str | None = None, dtype: str | None = None, tokenizer_num_regular_tokens: int | None = None,
                       peft_dir: str | None = None) -> dict:
     """Write ``out_dir`` from the checkpoint's params (a LoRA checkpoint: its adapters merged
     into its base, float32 unless ``dtype``); with ``peft_dir`` also its adapters as a HF PEFT
-    adapter (LoRA checkpoints only); returns what was exported."""
-    model, tokenizer, info = load_checkpoint(checkpoint_dir, step, model_config, preset,
-                                             tokenizer_num_regular_tokens)
-    if peft_dir and not model.config.lora_rank:
-        raise ValueError(f"--peft_out: checkpoint {checkpoint_dir} holds full parameters, not LoRA adapters")
-    save_hf(model, out_dir, tokenizer=tokenizer, dtype=jnp.dtype(dtype) if dtype else None,
-            chat_format=info["chat_format"])
-    out = {"step": info["step"], "out": out_dir, "config_source": info["config_source"],
-           "num_params": info["num_params"], "chat_format": info["chat_format"]}
-    if peft_dir:
-        save_peft_adapter(model, peft_dir, info["lora_base"].get("path", ""))
-        out["peft_out"] = peft_dir
+    adapter (LoRA checkpoints only); returns what was exported. ``out_dir`` and ``peft_dir``
+    appear complete or not at all (``publish``)."""
+    if peft_dir and os.path.abspath(peft_dir) == os.path.abspath(out_dir):
+        raise ValueError(f"--peft_out {peft_dir!r} is --out too: give the adapter its own directory")
+    stagings = {out_dir: staging_dir(out_dir)}
+    try:
+        if peft_dir:
+            stagings[peft_dir] = staging_dir(peft_dir, "--peft_out")
+        model, tokenizer, info = load_checkpoint(checkpoint_dir, step, model_config, preset,
+                                                 tokenizer_num_regular_tokens)
+        if peft_dir and not model.config.lora_rank:
+            raise ValueError(f"--peft_out: checkpoint {checkpoint_dir} holds full parameters, not LoRA adapters")
+        save_hf(model, stagings[out_dir], tokenizer=tokenizer, dtype=jnp.dtype(dtype) if dtype else None,
+                chat_format=info["chat_format"])
+        out = {"step": info["step"], "out": out_dir, "config_source": info["config_source"],
+               "num_params": info["num_params"], "chat_format": info["chat_format"]}
+        if model.config.lora_rank:  # say what was written: the merged weights, not the adapters
+            out["lora"] = (f"rank-{model.config.lora_rank} adapters merged into the base's weights "
+                           f"({jnp.dtype(dtype or jnp.float32).name})")
+        if peft_dir:
+            save_peft_adapter(model, stagings[peft_dir], info["lora_base"].get("path", ""))
+            out["peft_out"] = peft_dir
+        record = {"checkpoint": os.path.abspath(checkpoint_dir), "step": info["step"],
+                  "config_source": info["config_source"], "dtype": dtype or "float32"}
+        for final, staged in stagings.items():
+            if publish(staged, final, record):
+                out.setdefault("replaced", []).append(final)
+    finally:
+        for staged in stagings.values():
+            shutil.rmtree(staged, ignore_errors=True)  # (gone already once published)
     return out
 
 
@@ -220,6 +306,10 @@ def main(argv=None) -> int:
                                 args.tokenizer_num_regular_tokens, args.peft_out)
     except (FileNotFoundError, ValueError, ckpt_lib.CheckpointError) as e:  # one line each
         print(f"export failed: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # e.g. a full disk while writing: nothing was left in --out
+        print(f"export failed: {e.strerror or e}{f': {e.filename}' if e.filename else ''} "
+              f"({args.out!r} is unchanged)", file=sys.stderr)
         return 2
     print(json.dumps(out))
     return 0

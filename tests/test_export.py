@@ -156,3 +156,82 @@ def test_export_skips_a_damaged_checkpoint_and_refuses_when_none_verifies(tmp_pa
     assert len(err) == 1 and err[0].startswith(f"export failed: no checkpoint in {directory} restores: "), err
     assert "/7 does not restore" in err[0] and "/6 does not restore" in err[0]
     assert not os.path.exists(tmp_path / "hf2" / "config.json")
+
+
+def test_an_out_that_cannot_take_the_export_is_one_line_before_any_read(checkpoint, tmp_path, capsys):
+    """A file, a directory of other files (a base model's, whose model.safetensors transformers
+    would load instead of the export's shards) and an unwritable place: exit 2, one line, nothing
+    changed there. Once the checkpoint was read a write error (a full disk) leaves no --out."""
+    import errno
+    import os
+
+    root, _, _ = checkpoint
+    args = ["--checkpoint", str(root / "checkpoints"), "--out"]
+    (tmp_path / "file").write_text("x")
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "model.safetensors").write_bytes(b"the base")
+    for out, message in ((tmp_path / "file", "is a file"), (base, "already holds files that no export wrote"),
+                         ("/proc/rstarjax-export-test/hf", "cannot be written")):
+        assert export.main(args + [str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert sorted(os.listdir(base)) == ["model.safetensors"] and (tmp_path / "file").read_text() == "x"
+
+    def full_disk(model, path, **kw):
+        (tmp_path / "staged").write_text(path)
+        with open(os.path.join(path, "model-00001-of-00001.safetensors"), "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    original = export.save_hf
+    export.save_hf = full_disk
+    try:
+        assert export.main(args + [str(tmp_path / "hf")]) == 2
+    finally:
+        export.save_hf = original
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0], err
+    assert not (tmp_path / "hf").exists() and not os.path.exists((tmp_path / "staged").read_text())
+
+
+def test_an_export_replaces_an_earlier_export_whole(checkpoint, tmp_path):
+    """Exporting again into an earlier export's directory replaces it: no file of the first
+    (here one it never had, as a larger model's extra shard would be) is left beside the new one."""
+    import os
+
+    root, _, _ = checkpoint
+    first = export.export_checkpoint(str(root / "checkpoints"), str(tmp_path / "hf"))
+    assert "replaced" not in first and (tmp_path / "hf" / export.EXPORT_RECORD).exists()
+    (tmp_path / "hf" / "model-00002-of-00002.safetensors").write_bytes(b"stale")
+    again = export.export_checkpoint(str(root / "checkpoints"), str(tmp_path / "hf"), dtype="bfloat16")
+    assert again["replaced"] == [str(tmp_path / "hf")]
+    assert not (tmp_path / "hf" / "model-00002-of-00002.safetensors").exists()
+    assert json.loads((tmp_path / "hf" / export.EXPORT_RECORD).read_text())["dtype"] == "bfloat16"
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # no staging directory left beside it
+
+
+def test_export_skips_a_checkpoint_whose_meta_file_is_gone(tmp_path, caplog, capsys):
+    """The newest checkpoint's meta file deleted: damage like any other, skipped with one warning
+    for the one before (it stopped the export with exit 2)."""
+    import os
+
+    model, tok, trainer = tiny_trainer()
+    directory = str(tmp_path / "checkpoints")
+    with ckpt_lib.Checkpointer(directory, ckpt_lib.CheckpointConfig(async_save=False)) as c:
+        for step in (6, 7):
+            c.save(step, trainer.state, model_meta(model, tok))
+    os.remove(os.path.join(directory, "7", "meta", "metadata"))
+    with caplog.at_level("WARNING"):
+        assert export.main(["--checkpoint", directory, "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 6
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name.startswith("rstarjax")]
+    assert len(warnings) == 1 and f"checkpoint {directory}/7 does not restore (" in warnings[0], warnings
+
+
+def test_a_runs_workdir_given_as_checkpoint_names_its_checkpoints(tmp_path):
+    """``--checkpoint runs/stage3`` (the workdir): the refusal names ``runs/stage3/checkpoints``."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    r = subprocess.run([sys.executable, "-m", "rstarjax.export", "--checkpoint", str(tmp_path / "run"),
+                        "--out", str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and f"give its checkpoints, --checkpoint {tmp_path / 'run' / 'checkpoints'}" in r.stderr, r.stderr
