@@ -12,6 +12,10 @@ class ConfigError(ValueError):
     """A configuration that cannot run; one problem per line, each saying how to fix it."""
 
 
+class StageError(ValueError):
+    """A workdir / init_from combination that cannot be resumed or started (the message says why)."""
+
+
 def require(*rules: tuple[bool, str]) -> None:
     """Raise ConfigError listing the message of every rule whose condition is False."""
     broken = [message for ok, message in rules if not ok]

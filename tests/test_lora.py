@@ -243,6 +243,7 @@ def test_merged_hf_export_and_peft_adapter_match_transformers(lora_checkpoint, t
     root, trainer, tok = lora_checkpoint
     out = export.export_checkpoint(str(root / "checkpoints"), str(tmp_path / "hf"), peft_dir=str(tmp_path / "peft"))
     assert out["step"] == 7 and out["peft_out"] == str(tmp_path / "peft")
+    assert "adapters merged into the base's weights (float32)" in out["lora"]  # says what it wrote
     ids = tok.encode("<|im_start|>user\nCompute 1234 * 5678.<|im_end|>")
     ours = np.asarray(trainer.lora_model()(jnp.asarray([ids], jnp.int32)))
     base_logits = np.asarray(nnx.merge(trainer.graphdef, jax.tree.map(jnp.zeros_like, trainer.state.params),

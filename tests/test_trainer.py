@@ -393,3 +393,57 @@ def test_tokens_over_the_gap_threshold_are_counted_and_found_in_the_callers_rows
     assert m["train/logprob_gap_max"] == pytest.approx(3.0, abs=1e-4)
     m = tr.train(batch)  # no threshold: no count
     assert "train/logprob_gap_tokens_over" not in m and len(tr.logprob_gap_outliers) == 0
+
+
+def test_a_resumed_filter_reuses_only_batches_of_the_same_policy(tmp_path):
+    """A filter stopped after its first batch, rerun with another ``checkpoint.init_from``: that
+    batch is rolled out again (it was reused, so the dataset mixed two policies' pass counts);
+    rerun with the same one, it is reused. An init_from without a checkpoint is one line
+    (``StageError``) before any rollout."""
+    import json
+    import sys
+
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
+    import stage3
+
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.recipes import stage3_filter as F
+    from rstarjax.recipes.config import parse
+    from rstarjax.recipes.rl import StageError
+
+    data = tmp_path / "rl.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"q{i}", "answer": str(i)}) + "\n" for i in range(4)))
+    policies = {}
+    for name, value in (("a", 1.0), ("b", 2.0)):
+        policies[name] = str(tmp_path / name / "checkpoints")
+        with ckpt_lib.Checkpointer(policies[name], ckpt_lib.CheckpointConfig(async_save=False)) as ck:
+            ck.save(3, {"params": {"w": jnp.full((4,), value)}}, {"step": 3})
+    (tmp_path / "empty").mkdir()
+    calls, fail_at = [], [2]
+
+    def rollout_fn(recs, n, seed, version):
+        calls.append([r["problem"] for r in recs])
+        if len(calls) == fail_at[0]:
+            raise RuntimeError("stopped")
+        return [_traj(0.0, 0, 0, 1, group=g) for g in range(len(recs)) for _ in range(n)]
+
+    def run(init_from):
+        c = stage3.get_config("filter")
+        c.data.train_path, c.checkpoint.init_from = str(data), init_from
+        c.filter.batch_prompts, c.logging.progress_bar = 2, False
+        c.model.random_init, c.model.preset = True, "tiny"
+        calls.clear()
+        return F.run_filter(parse(c), str(tmp_path / "filter"), rollout_fn=rollout_fn)
+
+    with pytest.raises(RuntimeError, match="stopped"):
+        run(policies["a"])  # the first batch finished with policy a, then the run stopped
+    with pytest.raises(RuntimeError, match="stopped"):
+        run(policies["b"])
+    assert calls == [["q0", "q1"], ["q2", "q3"]]  # policy b: nothing of a's reused
+    fail_at[0] = 0
+    assert run(policies["b"])["resumed_problems"] == 2 and calls == [["q2", "q3"]]
+    with pytest.raises(StageError, match="holds no finished checkpoint"):
+        run(str(tmp_path / "empty"))
+    assert calls == []

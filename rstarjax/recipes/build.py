@@ -16,18 +16,20 @@ from rstarjax.env import CodeExecutor
 from rstarjax.layout import layout_of
 from rstarjax.env.isolation import require_confined
 from rstarjax.models import ModelConfig, Qwen3, load_hf, lora
+from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import data as data_lib
 from rstarjax.models.chat_template import chat_format, encode_prompt
 from rstarjax.models.hf import read_config
 from rstarjax.models.sharding import make_mesh, shard_model
 from rstarjax.models.tokenizer import Tokenizer, load_tokenizer_for
+from rstarjax.recipes import lora_base
 from rstarjax.recipes.config import PROFILES, MeshConfig, ModelSource, RunConfig, as_flags, parse
 from rstarjax.rl.agent_loop import AgentConfig, ColocatedRollouts
 from rstarjax.rl.config import RLConfig
 from rstarjax.serving import sizing
 from rstarjax.serving.colocated import ServingConfig
 from rstarjax.serving.sampling import SamplingParams
-from rstarjax.validation import ConfigError
+from rstarjax.validation import ConfigError, StageError
 
 
 def mesh(cfg: MeshConfig, serving: ServingConfig | None = None) -> Mesh:
@@ -221,3 +223,45 @@ def sized_by_memory_plan(run: RunConfig, explicit=frozenset(), deferred: ConfigE
     serving = run.serving if "serving.kv_memory_fraction" not in planned else dataclasses.replace(
         run.serving, kv_memory_fraction=round(choice.kv_memory_fraction, 6))
     return dataclasses.replace(run, trainer=trainer, serving=serving)
+
+
+def init_from_checkpoint(init_from: str) -> tuple[int, dict]:
+    """``(step, meta)`` of the newest checkpoint in ``init_from``, the policy a run that only
+    samples (this filter, an evaluation) starts from, read before any model is built: one line
+    (``StageError``) when it holds none, naming its checkpoints when it is a run's workdir."""
+    try:
+        return ckpt_lib.read_checkpoint_meta(init_from)
+    except FileNotFoundError:
+        inner = os.path.join(init_from, "checkpoints")
+        hint = (f": it is a run's workdir, give its checkpoints, --config.checkpoint.init_from={inner}"
+                if os.path.isdir(inner) else " (did the previous stage save one?)")
+        raise StageError(f"--config.checkpoint.init_from={init_from!r} holds no finished checkpoint{hint}") from None
+    except Exception as e:  # noqa: BLE001 - a torn meta (JSONDecodeError, OSError): one line, not a traceback
+        raise ckpt_lib.CheckpointError(f"--config.checkpoint.init_from={init_from!r}: its newest checkpoint's "
+                                       f"meta does not read ({ckpt_lib._first_line(e)})") from e
+
+
+def restore_policy(model, init_from: str, mesh) -> tuple[object, int]:
+    """``(model, step)``: ``model`` (as built) with the policy of ``init_from``'s newest checkpoint
+    in place of its weights, to sample from: a LoRA stage's adapters merged into their base, else
+    its params. A checkpoint that does not fit the model (LoRA or not, another shape, another
+    base) is a ``StageError`` naming it; damaged arrays an ``UnreadableCheckpoint``."""
+    step, meta = init_from_checkpoint(init_from)
+    holds_adapters = "lora_base" in meta
+    if holds_adapters != bool(model.config.lora_rank):
+        raise StageError(f"--config.checkpoint.init_from={init_from!r} holds "
+                         + (f"LoRA adapters: give --config.model.lora_rank={meta.get('lora', {}).get('rank', 'R')}"
+                            if holds_adapters else "full parameters: unset --config.model.lora_rank"))
+    try:
+        if holds_adapters:
+            model, step = lora_base.restore_lora_policy(model, init_from)
+            return lora.merged_model(model, mesh), step
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        shardings = jax.tree.map(lambda x: x.sharding, params)
+        params, _, step = ckpt_lib.restore_params(init_from, ckpt_lib.abstract_like(params, shardings), step)
+        return nnx.merge(graphdef, params, rest), step
+    except ckpt_lib.UnreadableCheckpoint:
+        raise
+    except ValueError as e:  # a model of another shape (check_structure), a LoRA base that differs
+        raise StageError(f"--config.checkpoint.init_from={init_from!r} does not fit the model of "
+                         f"--config.model: {e}") from e

@@ -20,10 +20,12 @@ import jax
 
 from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.models import lora as lora_lib
+from rstarjax.validation import StageError
 
 
-class BaseMismatch(ValueError):
-    """The frozen base rebuilt for a LoRA checkpoint is not the one its adapters were trained on."""
+class BaseMismatch(StageError):
+    """The frozen base rebuilt for a LoRA checkpoint is not the one its adapters were trained on
+    (a ``StageError``: one line at the command line, exit 2)."""
 
 
 def model_record(model_src, seed: int) -> dict:

@@ -32,7 +32,7 @@ from rstarjax.rl.step import EmptyBatchStreak, rl_step
 from rstarjax.rl.trainer import Trainer, TrainState
 from rstarjax.rl.trajectory import RolloutFn, RolloutsFailed
 from rstarjax.serving import sizing
-from rstarjax.validation import ConfigError
+from rstarjax.validation import ConfigError, StageError  # noqa: F401  (StageError: its import path of old)
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,6 @@ def problem_batches(run: RunConfig, seed: int, records: list[dict]):
     return data_lib.make_dataset(records, sources.prompts_per_process(run), seed=seed,
                                  num_epochs=run.data.num_epochs or None, shuffle=run.data.shuffle,
                                  handling=run.data.handling)
-
-
-class StageError(ValueError):
-    """A workdir / init_from combination that cannot be resumed or started (the message says why)."""
 
 
 class NonFiniteTraining(RuntimeError):

@@ -16,11 +16,9 @@ from collections.abc import Callable, Sequence
 
 import jax
 import tqdm
-from flax import nnx
 
 from rstarjax.io import checkpoint as ckpt_lib
-from rstarjax.models import lora
-from rstarjax.recipes import build, lora_base, preemption
+from rstarjax.recipes import build, preemption
 from rstarjax.recipes.config import RunConfig
 from rstarjax.rl.trajectory import RolloutFn, group_indices, trajectories_of
 
@@ -43,10 +41,12 @@ def keep_problem(correct: int, total: int, k: int) -> bool:
     return correct < k
 
 
-def batch_key(chunk: Sequence[dict], start: int, k: int, seed: int) -> str:
+def batch_key(chunk: Sequence[dict], start: int, k: int, seed: int, policy: str = "") -> str:
     """What a finished batch's line in the progress file must match to be reused: its place, its
-    problems and answers, k and the seed (a changed data file or setting redoes the batch)."""
-    text = json.dumps([start, k, seed, [[r.get("problem"), r.get("answer")] for r in chunk]], sort_keys=True)
+    problems and answers, k, the seed and the policy that rolled it out (``policy_identity``: a
+    changed data file, setting or checkpoint redoes the batch)."""
+    text = json.dumps([start, k, seed, [[r.get("problem"), r.get("answer")] for r in chunk]]
+                      + ([policy] if policy else []), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -67,12 +67,13 @@ def read_progress(path: str | None) -> dict[str, dict]:
 
 def filter_problems(records: Sequence[dict], rollout_fn: RolloutFn, k: int, batch_prompts: int, seed: int,
                     progress: Callable[[int], None] | None = None, progress_path: str | None = None,
-                    guard: preemption.SignalGuard | None = None) -> tuple[list[dict], dict]:
+                    guard: preemption.SignalGuard | None = None, policy: str = "") -> tuple[list[dict], dict]:
     """Run k rollouts per problem in batches of ``batch_prompts`` and keep the unsolved ones.
 
     ``progress_path``: each finished batch's counts are appended there, and the batches an
     earlier run finished (same problems, k, seed) are read from it instead of rolled out again,
-    so an interrupted filter resumes. ``guard``: a stop signal abandons the batch in progress
+    so an interrupted filter resumes (``policy``: what rolls out, part of each batch's key: a
+    batch another checkpoint or sampling setting filtered is not reused). ``guard``: a stop signal abandons the batch in progress
     (its rollouts, ``SignalGuard.rollouts``) and raises ``preemption.Interrupted``.
     Returns (kept records, each with an added ``"stage2_pass_rate"``; summary counts).
     """
@@ -84,7 +85,7 @@ def filter_problems(records: Sequence[dict], rollout_fn: RolloutFn, k: int, batc
     try:
         for start in range(0, len(records), batch_prompts):
             chunk = list(records[start:start + batch_prompts])
-            key = batch_key(chunk, start, k, seed)
+            key = batch_key(chunk, start, k, seed, policy)
             if key in done:
                 counts, batch_infra = [tuple(c) for c in done[key]["counts"]], int(done[key]["infra"])
                 resumed += len(chunk)
@@ -119,6 +120,18 @@ def filter_problems(records: Sequence[dict], rollout_fn: RolloutFn, k: int, batc
     return kept, summary
 
 
+def policy_identity(run: RunConfig, init_from_step: int | None = None, meta: dict | None = None) -> str:
+    """What decides the filter's rollouts besides the problems, k and the seed: the weights (the
+    checkpoint's path, step and recorded fingerprints, or the base model) and the sampling
+    settings, hashed."""
+    weights = ({"init_from": os.path.abspath(run.checkpoint.init_from), "step": init_from_step,
+                "arrays": (meta or {}).get(ckpt_lib.FINGERPRINT_KEY)} if run.checkpoint.init_from
+               else {"base": run.model.hf_path or run.model.preset, "lora_rank": run.model.lora_rank})
+    rl = run.rl
+    sampling = [repr(rl.sampling()), rl.max_turns, rl.max_prompt_len, rl.max_response_len, rl.chat_format]
+    return hashlib.sha256(json.dumps([weights, sampling], sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
 def write_jsonl_atomic(path: str, rows: Sequence[dict]) -> None:
     """Write to PATH.tmp then rename: a killed filter never leaves a half-written dataset."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -141,6 +154,8 @@ def run_filter(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None
                                      run.data.answer_filter, run.data.handling)
     executor = None
     policy = "the given rollouts"
+    # the checkpoint is checked before any model is built (a missing one is one line at once)
+    init_from_step, init_meta = build.init_from_checkpoint(run.checkpoint.init_from) if run.checkpoint.init_from else (None, None)
     if rollout_fn is None:
         policy = (f"the policy in {run.checkpoint.init_from}" if run.checkpoint.init_from
                   else f"the base model {run.model.hf_path or run.model.preset} (no --config.checkpoint.init_from)")
@@ -148,16 +163,8 @@ def run_filter(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None
         if model is None:  # init_from's params replace the built ones: no need to read HF's
             model = build.policy(run.model, mesh, run.seed,  # (LoRA: init_from holds adapters only)
                                  read_weights=not run.checkpoint.init_from or run.model.lora_rank > 0)
-        if run.checkpoint.init_from and model.config.lora_rank:  # a LoRA stage's policy, merged to serve
-            model, step = lora_base.restore_lora_policy(model, run.checkpoint.init_from)
-            model = lora.merged_model(model, mesh)
-            log.info("filtering with the LoRA policy of step %d from %s", step, run.checkpoint.init_from)
-        elif run.checkpoint.init_from:
-            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-            shardings = jax.tree.map(lambda x: x.sharding, params)
-            params, _, step = ckpt_lib.restore_params(run.checkpoint.init_from,
-                                                      ckpt_lib.abstract_like(params, shardings))
-            model = nnx.merge(graphdef, params, rest)
+        if run.checkpoint.init_from:  # (a LoRA stage's policy merged to serve)
+            model, step = build.restore_policy(model, run.checkpoint.init_from, mesh)
             log.info("filtering with the policy of step %d from %s", step, run.checkpoint.init_from)
         executor = build.executor(run.rl.num_tool_workers, run.env.allow_unconfined)
         rollout_fn = build.rollouts(model, build.tokenizer(run.model), executor, run.agent(), run.rl.sampling(),
@@ -165,7 +172,8 @@ def run_filter(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None
     out = run.filter.output_path or os.path.join(workdir, "filtered.jsonl")
     progress_path = out + ".progress.jsonl"  # finished batches: a rerun after a stop resumes from them
     print(f"rstarjax: stage-3 filter of {len(records)} problems ({run.filter.k} rollouts each) with {policy}"
-          + (f"; {len(read_progress(progress_path))} batches finished earlier are reused ({progress_path})"
+          + (f"; {len(read_progress(progress_path))} batches finished earlier are on record ({progress_path}): "
+             "those of the same problems, settings and policy are reused"
              if os.path.exists(progress_path) else ""), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     bar = tqdm.tqdm(total=len(records), desc="filter", disable=not run.logging.progress_bar)
@@ -173,7 +181,7 @@ def run_filter(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None
         try:
             kept, summary = filter_problems(records, rollout_fn, run.filter.k, run.filter.batch_prompts,
                                             run.seed, progress=bar.update, progress_path=progress_path,
-                                            guard=guard)
+                                            guard=guard, policy=policy_identity(run, init_from_step, init_meta))
         finally:
             bar.close()
             if executor is not None:
