@@ -158,3 +158,94 @@ def test_run_eval_end_to_end(tmp_path):
         for s in r["samples"]:
             assert s["response_length"] <= 24
             assert s["reward"] == float(is_correct(s["response"], r["gold"])) or s["finish"] == "max_length"
+
+
+def test_run_eval_evaluates_the_checkpoint_init_from_names(tmp_path, monkeypatch):
+    """With ``checkpoint.init_from`` (a run's checkpoints) the evaluated policy holds that
+    checkpoint's weights, not ``model.hf_path``'s (they were ignored: the base model was scored);
+    an init_from without a checkpoint is one line before any model is built."""
+    import contextlib
+    import sys
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.models import ModelConfig, Qwen3, load_tokenizer, save_hf
+    from rstarjax.recipes.config import parse
+    from rstarjax.recipes.rl import StageError
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "configs"))
+    import eval as eval_config
+
+    tok = load_tokenizer(1000)
+    cfg = ModelConfig.preset("tiny", vocab_size=tok.num_tokens, dtype=jnp.float32,
+                             bos_token_id=tok.endoftext_id, eos_token_id=tok.eos_id)
+    save_hf(Qwen3(cfg, rngs=nnx.Rngs(0)), str(tmp_path / "hf"), tokenizer=tok)
+    trained = nnx.state(Qwen3(cfg, rngs=nnx.Rngs(5)), nnx.Param)
+    with ckpt_lib.Checkpointer(str(tmp_path / "run" / "checkpoints"), ckpt_lib.CheckpointConfig(async_save=False)) as ck:
+        ck.save(4, {"params": trained}, {"step": 4})
+    (tmp_path / "empty").mkdir()
+    bench = tmp_path / "toy.jsonl"
+    bench.write_text(json.dumps({"problem": "Compute 1 + 1.", "answer": "2"}) + "\n")
+
+    class Built(Exception):
+        pass
+
+    def rollouts(model, *args, **kwargs):  # where the run starts sampling: the policy it samples from
+        raise Built(model)
+
+    monkeypatch.setattr(ev.build, "rollouts", rollouts)
+    monkeypatch.setattr(ev.build, "executor", lambda *a, **k: contextlib.nullcontext())
+    c = eval_config.get_config()
+    c.model.hf_path, c.model.dtype, c.model.tokenizer_num_regular_tokens = str(tmp_path / "hf"), "float32", 1000
+    c.eval.paths, c.mesh.fsdp = str(bench), -1
+    c.checkpoint.init_from = str(tmp_path / "run" / "checkpoints")
+    with pytest.raises(Built) as e:
+        ev.run_eval(parse(c), str(tmp_path / "eval"))
+    got = nnx.state(e.value.args[0], nnx.Param)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(trained)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    c.checkpoint.init_from = str(tmp_path / "run")  # the workdir, not its checkpoints
+    monkeypatch.setattr(ev.build, "policy", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(StageError, match="give its checkpoints"):
+        ev.run_eval(parse(c), str(tmp_path / "eval"))
+
+
+def test_an_over_long_benchmark_prompt_is_skipped_and_counted_before_any_model(tmp_path, monkeypatch, caplog):
+    """A benchmark problem whose prompt is longer than ``eval.max_prompt_len`` is skipped with a
+    warning naming its row, before the model is built (it failed the whole evaluation after the
+    model and the code pool were up); a benchmark left with none is one line (DataError)."""
+    import sys
+
+    from rstarjax.io.data import DataError
+    from rstarjax.recipes.config import parse
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "configs"))
+    import eval as eval_config
+
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps({"problem": "Compute 1 + 1.", "answer": "2"}) + "\n"
+                     + json.dumps({"problem": "word " * 3000, "answer": "3"}) + "\n")
+    c = eval_config.get_config()
+    c.model.preset, c.model.random_init, c.model.tokenizer_num_regular_tokens = "tiny", True, 400
+    c.eval.paths, c.eval.max_prompt_len, c.mesh.fsdp = str(bench), 2048, -1
+    built = {}
+    monkeypatch.setattr(ev.build, "policy", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("built")))
+    monkeypatch.setattr(ev, "evaluate_records", lambda datasets, *a, **k: built.update(datasets) or {})
+    with pytest.raises(RuntimeError, match="built"):  # reached the model: the long row was dropped first
+        with caplog.at_level("WARNING"):
+            ev.run_eval(parse(c), str(tmp_path / "eval"))
+    assert "prompt_too_long=1 (rows bench.jsonl:2)" in caplog.text
+    bench.write_text(json.dumps({"problem": "word " * 3000, "answer": "3"}) + "\n")
+    with pytest.raises(DataError, match="every prompt is longer than --config.eval.max_prompt_len=2048"):
+        ev.run_eval(parse(c), str(tmp_path / "eval"))
+
+
+def test_digits_split_by_white_space_vote_apart_from_the_integer():
+    """maj@k: "1 000" (which math-verify and the verifier score apart from 1000) is not the vote of
+    "1000"; white space elsewhere still does not split a vote."""
+    assert ev.answer_key("1 000") != ev.answer_key("1000") == ev.answer_key("1,000")
+    assert ev.answer_key("x = 3") == ev.answer_key("x=3")
+    assert ev.answer_key(r"\frac{1}{2}") == ev.answer_key(r"\frac {1} {2}")

@@ -14,13 +14,16 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from rstarjax.env.verify import extract_final_answer, normalize_integer
+from rstarjax.io import data as data_lib
 from rstarjax.io.data import DataError, load_problems
+from rstarjax.models.chat_template import chat_format, encode_prompt
 from rstarjax.recipes import build
 from rstarjax.recipes.config import RunConfig
 from rstarjax.rl.trajectory import RolloutFn, Trajectory, group_indices, trajectories_of
@@ -48,13 +51,20 @@ def mean_pass_at_1(correct: Sequence[bool]) -> float:
     return float(np.mean(np.asarray(correct, np.float64)))
 
 
+# white space between two digits: "1 000" is no 1000 to math-verify (nor to env/verify.py)
+_DIGIT_GAP = re.compile(r"(?<=\d)\s+(?=\d)", re.ASCII)
+
+
 def answer_key(answer: str | None) -> str | None:
     """Vote key of an extracted answer: integers canonically ("1,000" == "1000"), else the text
-    with spaces removed. None (no answer) never votes."""
+    with white space removed, except between two digits ("1 000" votes apart from "1000", which
+    the verifier scores differently). None (no answer) never votes."""
     if answer is None or not answer.strip():
         return None
     as_int = normalize_integer(answer)
-    return str(as_int) if as_int is not None else answer.replace(" ", "")
+    if as_int is not None:
+        return str(as_int)
+    return "".join(_DIGIT_GAP.sub("\u2423", answer).split())
 
 
 def majority_vote(answers: Sequence[str | None], correct: Sequence[bool]) -> bool:
@@ -217,6 +227,22 @@ def load_benchmarks(paths: Sequence[str], names: Sequence[str] | None = None,
     return out
 
 
+def without_long_prompts(datasets: Mapping[str, list[dict]], tokenizer, chat: str, max_prompt_len: int
+                         ) -> dict[str, list[dict]]:
+    """Each benchmark without the problems whose prompt (as the rollouts encode it) is longer
+    than ``max_prompt_len`` tokens, skipped and counted in a warning line naming their rows, before
+    any model is built (one of them failed the whole evaluation after the model and the code
+    pool were up); a benchmark left with none is a ``DataError``. The results' ``num_problems``
+    says how many were scored."""
+    fmt = chat_format(chat)
+    out = {}
+    for name, records in datasets.items():
+        report = data_lib.DataReport(total=len(records), kept=len(records))
+        out[name] = data_lib.drop_long_prompts(records, report, lambda p: len(encode_prompt(tokenizer, p, fmt)),
+                                               max_prompt_len, "--config.eval.max_prompt_len")
+    return out
+
+
 def per_problem(rollout_fn: RolloutFn, seed: int = 0):
     """``(records, k) -> k trajectories per record`` from a ``RolloutFn`` (whose trajectories
     carry ``group_id`` = record index)."""
@@ -235,12 +261,23 @@ def per_problem(rollout_fn: RolloutFn, seed: int = 0):
 def run_eval(run: RunConfig, workdir: str) -> dict[str, dict[str, float]]:
     """``mode=eval``: ``eval.k`` samples per problem of every benchmark file in ``eval.paths``
     through the agent loop, with the evaluation's sampling and budgets (§5.1: T=0.6, 30K tokens,
-    30 turns); writes eval_table.md, eval_results.json, eval_samples.jsonl."""
+    30 turns); writes eval_table.md, eval_results.json, eval_samples.jsonl. The policy is
+    ``model.hf_path``'s, or with ``checkpoint.init_from`` (a run's WORKDIR/checkpoints) that
+    checkpoint's newest, on the architecture and tokenizer of ``model.hf_path``."""
     e = run.eval
     datasets = load_benchmarks(e.path_list, list(e.names) if e.names else None, e.limit, run.data.handling)
+    init_from = run.checkpoint.init_from
+    if init_from:  # a run's checkpoint, checked before the model is built (a missing one: one line)
+        build.init_from_checkpoint(init_from)
     mesh = build.mesh(run.mesh)
     tokenizer = build.tokenizer(run.model)
-    model = build.policy(run.model, mesh, run.seed, **build.vocabulary_of(tokenizer))
+    datasets = without_long_prompts(datasets, tokenizer, e.chat_format, e.max_prompt_len)
+    # with init_from its weights replace the built ones (LoRA: the adapters' base is read)
+    model = build.policy(run.model, mesh, run.seed, read_weights=not init_from or run.model.lora_rank > 0,
+                         **build.vocabulary_of(tokenizer))
+    if init_from:  # evaluate the checkpoint's policy, never silently the base model it was built from
+        model, step = build.restore_policy(model, init_from, mesh)
+        print(f"rstarjax: evaluating the policy of step {step} of {init_from}", flush=True)
     t0 = time.time()
     with build.executor(run.rl.num_tool_workers, run.env.allow_unconfined) as executor:
         rollouts = build.rollouts(model, tokenizer, executor, run.eval_agent(), e.sampling(), e.max_prompt_len,
