@@ -378,7 +378,19 @@ def prompt_token_count(shape: Shape, prompt_tokens_mean: float | None) -> dict[i
 
 # ---- h100: stage 1 as a user runs it on one 80 GB GPU, with tool calls --------------------------
 @dataclasses.dataclass(frozen=True)
-class AgentShape:
+class RLShape:
+    """The RL steps' sizes the ``h100`` and ``lora`` parts share: ``prompts`` x ``samples``
+    rollouts a step (Resample-on-Correct keeps ``group`` of each prompt's), their token caps."""
+    prompts: int
+    samples: int
+    group: int
+    prompt_len: int
+    response_len: int
+    steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentShape(RLShape):
     """The ``h100`` part's sizes: a short SFT on the demo's tool traces (the random model learns
     the tool-call format), then stage 1 from it at 2 prompts x 2G = 32 rollouts (G = 8: the H200
     runs' count, so the tables compare), the micro-batch, remat policy and KV pool from the memory
@@ -390,12 +402,6 @@ class AgentShape:
     sft_batch: int
     sft_seq: int
     sft_lr: float
-    prompts: int
-    samples: int
-    group: int
-    prompt_len: int
-    response_len: int
-    steps: int
     plan_device_gb: float  # the plan's device where jax reports none (CPU); else the device's own
     timeouts: dict
 
@@ -413,6 +419,22 @@ AGENT_SHAPES = {
                        timeouts={"inputs": 120, "sft": 1500, "rl": 600}),
 }
 
+# The memory plan for the job's shape on this device (or ``plan_device_gb`` where it reports no
+# memory), printed as the inputs script's first JSON line; exit 3 when the plan finds no fit.
+# Spliced into both inputs scripts below ("{PLAN}"), which define ``a`` and ``cfg`` first.
+PRINT_PLAN = r"""
+device = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
+choice = choose_colocated(cfg, rows=a["rows"], seq_len=a["seq_len"], lora_rank=a.get("lora_rank", 0),
+                          device_bytes=device or int(a["plan_device_gb"] * 1e9))
+print(json.dumps({"plan": {"remat_policy": choice.remat_policy, "micro_batch": choice.micro_batch,
+                           "kv_pages": choice.kv_pages, "kv_memory_fraction": choice.kv_memory_fraction,
+                           "device_gb": round((device or a["plan_device_gb"] * 1e9) / 1e9, 2),
+                           "device_reported": bool(device), **choice.plan.as_dict()},
+                  "problems": [as_flags(p) for p in choice.problems]}), flush=True)
+if choice.problems:
+    sys.exit(3)
+"""
+
 MAKE_AGENT_INPUTS = r"""
 import json, sys
 import jax, jax.numpy as jnp
@@ -428,16 +450,7 @@ tok = load_tokenizer(a["regular"] or None)
 overrides = {} if not a["regular"] else dict(vocab_size=tok.num_tokens, bos_token_id=tok.endoftext_id,
                                              eos_token_id=tok.eos_id, max_position_embeddings=8192)
 cfg = ModelConfig.preset(a["model"], param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, **overrides)
-device = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
-choice = choose_colocated(cfg, rows=a["rows"], seq_len=a["seq_len"],
-                          device_bytes=device or int(a["plan_device_gb"] * 1e9))
-print(json.dumps({"plan": {"remat_policy": choice.remat_policy, "micro_batch": choice.micro_batch,
-                           "kv_pages": choice.kv_pages, "kv_memory_fraction": choice.kv_memory_fraction,
-                           "device_gb": round((device or a["plan_device_gb"] * 1e9) / 1e9, 2),
-                           "device_reported": bool(device), **choice.plan.as_dict()},
-                  "problems": [as_flags(p) for p in choice.problems]}), flush=True)
-if choice.problems:
-    sys.exit(3)
+{PLAN}
 save_hf(Qwen3(cfg, rngs=nnx.Rngs(0)), a["hf"], tokenizer=tok, dtype=jnp.bfloat16)
 rows = demo_tasks.make_dataset(a["problems"], "train", seed=0)
 with open(a["data"], "w") as f:  # the demo's problems: the Python tool answers them
@@ -452,7 +465,7 @@ print(json.dumps({"params_b": cfg.num_params / 1e9, "vocab": cfg.vocab_size, "sf
                   "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
                   "flops_matmul": cfg.train_flops_per_token(0) - attention, "flops_attention": attention,
                   "prompt_tokens": round(sum(len(encode_prompt(tok, r["problem"], RSTAR2)) for r in rows) / len(rows))}))
-"""
+""".replace("{PLAN}", PRINT_PLAN)
 
 
 def tiny_overrides(model: str) -> dict:
@@ -633,7 +646,7 @@ def run_steps(metrics: list[dict], inputs: dict, plan: dict, prompts: int, devic
 
 # ---- lora: stage 1 of the 8B shape with LoRA on one GPU (issue 45, item 5) --------------------------
 @dataclasses.dataclass(frozen=True)
-class LoraShape:
+class LoraShape(RLShape):
     """The ``lora`` part's sizes: configs/stage1.py on the preset's random weights (no HF
     directory to write first: 16 GB at 8B) with LoRA adapters, sized by the memory plan as a
     user's one-GPU run is. Random weights never call the tool and decode every rollout to its
@@ -642,12 +655,6 @@ class LoraShape:
     preset: str
     tokenizer_regular_tokens: int  # 0: Qwen3's full tokenizer
     lora_rank: int
-    prompts: int
-    samples: int
-    group: int
-    prompt_len: int
-    response_len: int
-    steps: int
     plan_device_gb: float  # the plan's device where jax reports none (CPU)
     timeout_s: int
 
@@ -674,16 +681,7 @@ from rstarjax.serving.sizing import choose_colocated, decode_weight_bytes_read
 a = json.loads(sys.argv[1])
 tok = load_tokenizer(a["regular"] or None)
 cfg = ModelConfig.preset(a["preset"], dtype=jnp.bfloat16)
-device = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
-choice = choose_colocated(cfg, rows=a["rows"], seq_len=a["seq_len"], lora_rank=a["lora_rank"],
-                          device_bytes=device or int(a["plan_device_gb"] * 1e9))
-print(json.dumps({"plan": {"remat_policy": choice.remat_policy, "micro_batch": choice.micro_batch,
-                           "kv_pages": choice.kv_pages, "kv_memory_fraction": choice.kv_memory_fraction,
-                           "device_gb": round((device or a["plan_device_gb"] * 1e9) / 1e9, 2),
-                           "device_reported": bool(device), **choice.plan.as_dict()},
-                  "problems": [as_flags(p) for p in choice.problems]}), flush=True)
-if choice.problems:
-    sys.exit(3)
+{PLAN}
 rows = demo_tasks.make_dataset(a["problems"], "train", seed=0)
 with open(a["data"], "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -691,7 +689,7 @@ print(json.dumps({"params_b": cfg.num_params / 1e9, "vocab": cfg.vocab_size,
                   "decode_weight_bytes": decode_weight_bytes_read(cfg, 0),
                   "kv_bytes_per_token": kv_bytes_per_token(cfg, jnp.bfloat16),
                   "prompt_tokens": round(sum(len(encode_prompt(tok, r["problem"], RSTAR2)) for r in rows) / len(rows))}))
-"""
+""".replace("{PLAN}", PRINT_PLAN)
 
 
 def lora_rl_argv(l: LoraShape, plan: dict, data_path: str, workdir: str) -> list[str]:
