@@ -398,7 +398,8 @@ def test_tokens_over_the_gap_threshold_are_counted_and_found_in_the_callers_rows
 def test_a_resumed_filter_reuses_only_batches_of_the_same_policy(tmp_path):
     """A filter stopped after its first batch, rerun with another ``checkpoint.init_from``: that
     batch is rolled out again (it was reused, so the dataset mixed two policies' pass counts);
-    rerun with the same one, it is reused. An init_from without a checkpoint is one line
+    rerun with the same one, it is reused; a finished filter rerun rolls out nothing again (it
+    rolled out every problem anew). An init_from without a checkpoint is one line
     (``StageError``) before any rollout."""
     import json
     import sys
@@ -444,6 +445,10 @@ def test_a_resumed_filter_reuses_only_batches_of_the_same_policy(tmp_path):
     assert calls == [["q0", "q1"], ["q2", "q3"]]  # policy b: nothing of a's reused
     fail_at[0] = 0
     assert run(policies["b"])["resumed_problems"] == 2 and calls == [["q2", "q3"]]
+    out = tmp_path / "filter" / "filtered.jsonl"
+    first = out.read_text()
+    out.unlink()  # a finished filter rerun as it was: nothing rolled out again, the same dataset
+    assert run(policies["b"])["resumed_problems"] == 4 and calls == [] and out.read_text() == first
     with pytest.raises(StageError, match="holds no finished checkpoint"):
         run(str(tmp_path / "empty"))
     assert calls == []

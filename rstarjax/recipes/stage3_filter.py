@@ -190,8 +190,8 @@ def run_filter(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None
     write_jsonl_atomic(out, kept)
     with open(out + ".summary.json", "w") as f:
         json.dump(summary, f, indent=1)
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(progress_path)  # the dataset is written: a rerun filters afresh
+    # the progress file stays: a rerun of the same command (same problems, settings, policy)
+    # rewrites this dataset from it instead of rolling out every problem again
     print(f"rstarjax: stage-3 filter: kept {summary['kept']} of {summary['total']} problems "
           f"({summary['dropped_all_correct']} solved {run.filter.k}/{run.filter.k} dropped) -> {out}", flush=True)
     return summary
