@@ -274,3 +274,155 @@ def test_a_misspelled_preset_variant_is_one_line(capsys, at_root, preset, messag
     status = check_config.main(["--devices=8", f"--config=configs/{preset}"])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert status == 2 and len(lines) == 1 and lines[0].startswith(message), lines
+
+
+# ---- settings that parsed, then crashed mid-run or silently did something else (refused at start) ----
+MODE_ARGS = {  # a good command line of each mode, on a tiny random model (paths filled in by _parse)
+    "rl": ["--config=configs/stage1.py", "--config.trainer.micro_batch_size=0", "--config.data.train_path={data}"],
+    "filter": ["--config=configs/stage3.py:filter", "--config.data.train_path={data}"],
+    "sft": ["--config=configs/sft.py", "--config.sft.data_path={sft}"],
+    "eval": ["--config=configs/eval.py", "--config.eval.paths={data}"],
+    "demo": ["--config=configs/demo.py:ci"],
+}
+
+
+@pytest.fixture
+def inputs(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "problems.jsonl").write_text('{"problem": "What is 1 + 1?", "answer": "2"}\n')
+    (tmp_path / "sft.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, '
+                                        '{"role": "assistant", "content": "hello"}]}\n')
+    return tmp_path
+
+
+def _parse(inputs, mode, *extra):
+    """check_config's typed config of a ``mode`` command line with ``extra`` flags (``{data}``,
+    ``{sft}``, ``{dir}``: the fixture's files) on one device; ConfigError when refused."""
+    paths = dict(data=inputs / "problems.jsonl", sft=inputs / "sft.jsonl", dir=inputs)
+    tiny = [] if mode == "demo" else ["--config.model.preset=tiny", "--config.model.random_init=True"]
+    argv = [a.format(**paths) for a in (*MODE_ARGS[mode], *tiny, *extra)]
+    return check_config.check(argv, 1, 1)
+
+
+def _refusal(inputs, mode, *extra) -> list[str]:
+    from rstarjax.validation import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _parse(inputs, mode, *extra)
+    return [line.strip() for line in str(e.value).splitlines() if line.strip() != "invalid config:"]
+
+
+@pytest.mark.parametrize("mode, flag", [
+    ("rl", "--config.rl.rollout_timeout_s=inf"),  # the scheduler's Thread.join(inf): OverflowError
+    ("eval", "--config.eval.timeout_s=inf"),
+    ("rl", "--config.serving.admit_reserve_fraction=inf"),  # int(inf * max_len): OverflowError
+    ("rl", "--config.checkpoint.preemption_grace_s=inf"),  # threading.Timer(inf) at the first SIGTERM
+    ("rl", "--config.rl.length_penalty_coef=inf"),  # inf rewards, NaN advantages
+    ("rl", "--config.loss.kl_coef=inf"),  # an inf loss: every update skipped as non-finite
+    ("rl", "--config.optim.grad_clip_norm=nan"),
+    ("sft", "--config.sft.grad_clip_norm=nan"),
+    ("rl", "--config.distributed.silence_s=inf"),
+])
+def test_a_non_finite_value_is_refused_at_start(inputs, mode, flag):
+    assert _refusal(inputs, mode, flag) == [f"{flag} must be a finite number"]
+
+
+def test_inf_stays_a_value_where_it_means_no_cap(inputs):
+    run = _parse(inputs, "rl", "--config.loss.decoupled_cap=inf", "--config.loss.eps_high=inf")
+    assert run.loss.decoupled_cap == run.loss.eps_high == float("inf")
+    # a section's own message about the value is kept, not doubled
+    assert _refusal(inputs, "rl", "--config.optim.learning_rate=nan") == [
+        "--config.optim.learning_rate=nan must be a finite number > 0"]
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--config.sft.max_steps=-1", "--config.sft.max_steps=-1 must be >= 0"),  # plan[:-1] dropped a step
+    ("--config.sft.min_lr_ratio=-1", "--config.sft.min_lr_ratio=-1.0 must be in [0, 1]"),  # an LR below 0
+    ("--config.sft.min_lr_ratio=2", "--config.sft.min_lr_ratio=2.0 must be in [0, 1]"),
+    ("--config.sft.weight_decay=-0.1", "--config.sft.weight_decay=-0.1 must be >= 0"),
+    # found only by the trainer, built after the model
+    ("--config.sft.compute_dtype=float33", "--config.sft.compute_dtype='float33' is not a dtype name"),
+])
+def test_sft_settings_that_misbehaved_are_refused(inputs, flag, message):
+    [line] = _refusal(inputs, "sft", flag)
+    assert line.startswith(message), line
+
+
+def test_eval_names_are_one_per_file_and_its_flags_are_its_own(inputs):
+    """``--config.eval.names=a,b`` arrived as the one name 'a,b'; with two files the run failed
+    with a ValueError after loading; a bad eval.timeout_s named a flag that does not exist."""
+    two = f"--config.eval.paths={inputs / 'problems.jsonl'},{inputs / 'problems.jsonl'}"
+    assert _parse(inputs, "eval", two, "--config.eval.names=aime,math").eval.names == ("aime", "math")
+    [line] = _refusal(inputs, "eval", "--config.eval.names=aime,math")
+    assert line.startswith("--config.eval.names='aime,math' gives 2 names for the 1 files of --config.eval.paths")
+    [line] = _refusal(inputs, "eval", "--config.eval.timeout_s=0")
+    assert line.startswith("--config.eval.timeout_s=0.0 must be > 0"), line
+    [line] = _refusal(inputs, "eval", "--config.eval.num_slots=-1")
+    assert line.startswith("--config.eval.num_slots=-1 must be >= 0"), line
+
+
+def test_the_filter_never_overwrites_its_input_nor_samples_one_rollout_k_times(inputs):
+    """Its output is written after every rollout: a directory there failed at the end, and the
+    data file itself was overwritten with the filtered set."""
+    [line] = _refusal(inputs, "filter", "--config.filter.output_path={dir}")
+    assert line == f"--config.filter.output_path={str(inputs)!r} is a directory: give the .jsonl file to write"
+    [line] = _refusal(inputs, "filter", "--config.filter.output_path={data}")
+    assert "is --config.data.train_path: the filtered set would overwrite the problems" in line, line
+    [line] = _refusal(inputs, "filter", "--config.rl.temperature=0")
+    assert line.startswith("--config.rl.temperature=0 samples the same rollout --config.filter.k=8 times"), line
+    _parse(inputs, "filter", "--config.rl.temperature=0", "--config.filter.k=1")
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--config.demo.task_kinds=bogus", "--config.demo.task_kinds='bogus': ['bogus'] unknown; choose among multiply,"),
+    ("--config.demo.num_eval_problems=0", "--config.demo.num_eval_problems=0 must be >= 1"),  # accuracy NaN
+    ("--config.demo.num_rl_problems=-1", "--config.demo.num_rl_problems=-1 must be >= 1"),
+    ("--config.demo.num_slots=-1", "--config.demo.num_slots=-1 must be >= 0"),
+    ("--config.demo.in_head_fraction.count_divisible=2.0",
+     "--config.demo.in_head_fraction.count_divisible=2.0 must be a share in [0, 1]"),
+    ("--config.demo.model.num_attention_heads=3", "--config.demo.model (ModelConfig fields over model.preset='tiny'): "
+                                                  "num_attention_heads=3 must be a multiple of num_key_value_heads=2"),
+    ("--config.checkpoint.init_from={dir}", "--config.checkpoint.init_from="),  # the demo never reads it
+])
+def test_the_demo_section_is_checked_at_start(inputs, flag, message):
+    [line] = _refusal(inputs, "demo", flag)
+    assert line.startswith(message), line
+
+
+def test_demo_task_kinds_take_a_comma_separated_list(inputs):
+    assert _parse(inputs, "demo", "--config.demo.task_kinds=multiply,modpow").demo.task_kinds == ("multiply", "modpow")
+
+
+def test_settings_the_run_would_not_read_are_refused(inputs):
+    """An SFT run never reads checkpoint.init_from; a tokenizer_path that is not there fell back
+    to Qwen3's full tokenizer, both without a word."""
+    [line] = _refusal(inputs, "sft", "--config.checkpoint.init_from={dir}")
+    assert line.startswith(f"--config.checkpoint.init_from={str(inputs)!r} is not read by mode='sft': drop it"), line
+    [line] = _refusal(inputs, "rl", "--config.model.tokenizer_path=/nonexistent/tok")
+    assert line.startswith("--config.model.tokenizer_path='/nonexistent/tok' is not a directory"), line
+    [line] = _refusal(inputs, "rl", "--config.model.tokenizer_path={dir}")
+    assert line.startswith(f"--config.model.tokenizer_path={str(inputs)!r} has no tokenizer.json"), line
+
+
+def test_a_kv_pool_too_small_for_one_rollout_is_refused_before_the_model(inputs):
+    """The engine refuses it too, but only once the (14B) model is built."""
+    [line] = _refusal(inputs, "rl", "--config.serving.kv_pages=639")  # 2048 + 8192 tokens: 640 pages of 16
+    assert line.startswith("--config.serving.kv_pages=639 cannot hold one maximum-length rollout: 10240 tokens"), line
+    assert "set --config.serving.kv_pages=640 or more" in line
+    _parse(inputs, "rl", "--config.serving.kv_pages=640")
+    [line] = _refusal(inputs, "eval", "--config.serving.kv_pages=640")  # eval's budgets: 2048 + 30720
+    assert "need 2048 pages" in line, line
+
+
+def test_a_demo_typo_exits_2_before_writing_anything(tmp_path):
+    """Through the entry point: it wrote config.json, generated data and raised a traceback."""
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "rstarjax.main", "--config=configs/demo.py:ci", f"--workdir={tmp_path}",
+                        "--config.demo.task_kinds=multiply,modpw"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and lines[-2:] == [
+        "invalid config:", "  --config.demo.task_kinds='multiply,modpw': ['modpw'] unknown; choose among multiply,"
+        "modpow,count_divisible,digit_sum_power,count_divisible_large (none = multiply,modpow,count_divisible,"
+        "digit_sum_power)"], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and not os.listdir(tmp_path)

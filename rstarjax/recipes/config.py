@@ -27,8 +27,10 @@ from rstarjax.io.checkpoint import CheckpointConfig
 from rstarjax.io.data import ANSWER_FILTERS, DATA_HANDLINGS, dataset_problems
 from rstarjax.layout import Layout, layout_of
 from rstarjax.models.chat_template import CHAT_FORMATS
-from rstarjax.models.config import DTYPES, LORA_TARGETS, PRESETS, REMAT_POLICIES
+from rstarjax.models.config import DTYPES, LORA_TARGETS, PRESETS, REMAT_POLICIES, ModelConfig
 from rstarjax.models.hf_check import model_dir_problems
+from rstarjax.models.kv_cache import pages_for
+from rstarjax.recipes import demo_tasks
 from rstarjax.rl.agent_loop import AgentConfig
 from rstarjax.rl.config import RLConfig
 from rstarjax.rl.loss import LossConfig
@@ -264,7 +266,26 @@ class FilterConfig:
 
     def __post_init__(self):
         require((self.k >= 1, f"k={self.k} must be >= 1"),
-                (self.batch_prompts >= 1, f"batch_prompts={self.batch_prompts} must be >= 1"))
+                (self.batch_prompts >= 1, f"batch_prompts={self.batch_prompts} must be >= 1"),
+                # written only after every rollout: a directory there failed at the very end
+                (not os.path.isdir(self.output_path),
+                 f"output_path={self.output_path!r} is a directory: give the .jsonl file to write"))
+
+
+def trainer_rules(compute_dtype) -> list[tuple[bool, str]]:
+    """``TrainerConfig``'s rule on ``compute_dtype``, for a section that hands it one (SFT builds its
+    trainer only after the model: a bad dtype would be found there)."""
+    try:
+        TrainerConfig(compute_dtype=compute_dtype)
+    except ConfigError as e:
+        return [(False, line) for line in str(e).splitlines()]
+    return []
+
+
+def comma_split(values) -> tuple[str, ...]:
+    """A tuple setting given as ``--config.KEY=a,b`` arrives as ``("a,b",)``: its items, split as
+    the comma-separated path settings are."""
+    return tuple(part.strip() for v in values for part in str(v).split(",") if part.strip())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,6 +318,12 @@ class SFTConfig:
                 (0.0 <= self.warmup_ratio < 1.0, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)"),
                 (0 <= self.seed < 2**32, f"seed={self.seed} must be in [0, 2**32)"),
                 (self.micro_batch_size >= 0, f"micro_batch_size={self.micro_batch_size} must be >= 0"),
+                # plan[:max_steps]: -1 would silently drop the last step
+                (self.max_steps >= 0, f"max_steps={self.max_steps} must be >= 0 (0 = every step of the epochs)"),
+                # the cosine ends at learning_rate * min_lr_ratio: < 0 would ascend, > 1 grow
+                (0.0 <= self.min_lr_ratio <= 1.0, f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]"),
+                (self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0"),
+                *trainer_rules(self.compute_dtype),
                 one_of("chat_format", self.chat_format, CHAT_FORMATS))
 
 
@@ -324,13 +351,18 @@ class EvalConfig:
         return [p for p in str(self.paths).split(",") if p]
 
     def __post_init__(self):
+        object.__setattr__(self, "names", comma_split(self.names))
         rules = [(self.k >= 1, f"k={self.k} must be >= 1"), (self.limit >= 0, f"limit={self.limit} must be >= 0"),
                  (self.max_prompt_len >= 1, f"max_prompt_len={self.max_prompt_len} must be >= 1"),
+                 (self.num_slots >= 0, f"num_slots={self.num_slots} must be >= 0 (0 = serving.num_slots)"),
+                 (not self.names or len(self.names) == len(self.path_list),
+                  f"names={','.join(self.names)!r} gives {len(self.names)} names for the {len(self.path_list)} "
+                  "files of eval.paths: one name per file, in order (or none: the file stems)"),
                  one_of("chat_format", self.chat_format, CHAT_FORMATS)]
         try:  # the rollout layer's own rules on the values it takes from this section
             RLConfig().agent(**self.budgets()), self.sampling()
-        except ValueError as e:
-            rules += [(False, line) for line in str(e).splitlines()]
+        except ValueError as e:  # (in this section's names: its timeout_s is the agent's rollout_timeout_s)
+            rules += [(False, re.sub(r"^rollout_timeout_s\b", "timeout_s", line)) for line in str(e).splitlines()]
         require(*rules)
 
     def budgets(self) -> dict:
@@ -357,6 +389,23 @@ class DemoConfig:
     export_hf: bool = True
     overwrite: bool = False
     sft_checkpoint: str = ""  # an earlier run's WORKDIR/sft/checkpoints: start RL from it, skip SFT
+
+    def __post_init__(self):
+        object.__setattr__(self, "task_kinds", comma_split(self.task_kinds))
+        unknown = [k for k in self.task_kinds if k not in demo_tasks.ALL_KINDS]
+        counts = [("num_rl_problems", 1), ("num_eval_problems", 1),
+                  ("num_sft_problems", 0 if self.sft_checkpoint else 1)]  # with sft_checkpoint SFT is skipped
+        rules = [(getattr(self, n) >= least, f"{n}={getattr(self, n)} must be >= {least}") for n, least in counts]
+        rules += [(not unknown, f"task_kinds={','.join(self.task_kinds)!r}: {unknown} unknown; choose among "
+                                f"{','.join(demo_tasks.ALL_KINDS)} (none = {','.join(demo_tasks.TASK_KINDS)})"),
+                  (self.num_slots >= 0, f"num_slots={self.num_slots} must be >= 0 (0 = serving.num_slots)")]
+        for name in ("in_head_fraction", "recover_fraction"):  # kind -> the share of its SFT traces
+            for kind, share in dict(getattr(self, name)).items():
+                rules += [(kind in demo_tasks.ALL_KINDS,
+                           f"{name}.{kind}: no such task kind; choose among {','.join(demo_tasks.ALL_KINDS)}"),
+                          (isinstance(share, (int, float)) and 0.0 <= share <= 1.0,
+                           f"{name}.{kind}={share} must be a share in [0, 1]")]
+        require(*rules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -481,6 +530,26 @@ def profile_sections(config, profile: str, explicit=frozenset()) -> dict[str, di
     return sections
 
 
+# The float settings for which inf means something (no cap, no upper clip: LossConfig's
+# comments); everywhere else inf is a value no run can use (an ``int(inf)`` sizing a reserve,
+# a thread's ``join(inf)`` overflowing, an inf loss term) and NaN never is one.
+INFINITY_ALLOWED = frozenset({"loss.decoupled_cap", "loss.tis_cap", "loss.dual_clip_c", "loss.eps_high",
+                              "loss.gspo_eps_high"})
+
+
+def non_finite_settings(name: str, items: Mapping) -> dict[str, float]:
+    """The float values of section ``name`` that no run can use: NaN anywhere, inf outside
+    ``INFINITY_ALLOWED``. (``--config.rl.rollout_timeout_s=inf`` parsed, then crashed the first
+    rollout step with an OverflowError.)"""
+    return {k: v for k, v in items.items() if isinstance(v, float) and not math.isfinite(v)
+            and (math.isnan(v) or f"{name}.{k}" not in INFINITY_ALLOWED)}
+
+
+def _names_setting(line: str, key: str) -> bool:
+    """Whether a rule's message names the setting ``key`` (not a longer key that ends in it)."""
+    return re.search(rf"(?<![\w.]){re.escape(key)}\b", line) is not None
+
+
 def _parse_section(name: str, section: Mapping, errors: list[str]):
     cls = SECTIONS[name]
     fields = {f.name for f in dataclasses.fields(cls)}
@@ -490,11 +559,16 @@ def _parse_section(name: str, section: Mapping, errors: list[str]):
             hint = RENAMED.get(f"{name}.{key}")
             errors.append(f"--config.{name}.{key} " + (f"was replaced: use {hint}" if hint else
                                                       f"is not a key of this section (known: {sorted(fields)})"))
+    lines: list[str] = []
     try:
-        return cls(**{k: v for k, v in items.items() if k in fields})
-    except (ConfigError, ValueError, TypeError) as e:
-        errors.extend(as_flags(f"--config.{name}.{line}") for line in str(e).splitlines())
-        return None
+        parsed = cls(**{k: v for k, v in items.items() if k in fields})
+    except (ConfigError, ValueError, TypeError, OverflowError) as e:
+        lines, parsed = str(e).splitlines(), None
+    # a non-finite value the section's own rules let through (or named only in passing) gets its line
+    lines += [f"{key}={value} must be a finite number" for key, value in non_finite_settings(name, items).items()
+              if key in fields and not any(_names_setting(line, key) for line in lines)]
+    errors.extend(as_flags(f"--config.{name}.{line}") for line in lines)
+    return None if lines else parsed
 
 
 def parse(config, num_devices: int | None = None, num_processes: int = 1, explicit=frozenset()) -> RunConfig:
@@ -574,6 +648,7 @@ def _run_rules(run: RunConfig) -> list[str]:
         elif m.hf_path and os.path.isdir(m.hf_path):  # its headers against its config, its tokenizer's size
             errs += [as_flags(f"--config.model.hf_path={m.hf_path!r}: {p}") for p in
                      model_dir_problems(m.hf_path, m.tokenizer_path, m.tokenizer_num_regular_tokens)]
+    errs += _tokenizer_path_rules(m)
     if mode in ("rl", "filter"):
         errs += _problems_file(run.data.train_path, "--config.data.train_path", "a jsonl/parquet of problems")
         if ck.init_from and not os.path.isdir(ck.init_from):
@@ -617,6 +692,16 @@ def _run_rules(run: RunConfig) -> list[str]:
             and not os.path.isdir(run.demo.sft_checkpoint):
         errs.append(f"--config.demo.sft_checkpoint={run.demo.sft_checkpoint!r} is not a directory "
                     "(give an earlier demo run's WORKDIR/sft/checkpoints)")
+    if mode == "filter":
+        errs += _filter_rules(run)
+    if ck.init_from and mode in ("sft", *DEMO_MODES):  # these recipes never read it
+        start = "--config.demo.sft_checkpoint=OLD_WORKDIR/sft/checkpoints" if mode in DEMO_MODES else \
+            "--config.model.hf_path (a checkpoint's policy: rstarjax.export to HF first)"
+        errs.append(f"--config.checkpoint.init_from={ck.init_from!r} is not read by mode={mode!r}: drop it; "
+                    f"to start from earlier weights use {start}")
+    if mode in DEMO_MODES and run.demo is not None:
+        errs += _demo_model_rules(run)
+    errs += _kv_pages_rules(run)
     if mode == "sft" and run.sft is not None:
         errs += _problems_file(run.sft.data_path, "--config.sft.data_path",
                                'a jsonl/parquet of {"messages": [...]} chat records', "conversations")
@@ -626,6 +711,62 @@ def _run_rules(run: RunConfig) -> list[str]:
         for path in run.eval.path_list:
             errs += _problems_file(path, "--config.eval.paths", "a benchmark jsonl/parquet")
     return errs
+
+
+def _tokenizer_path_rules(m: ModelSource) -> list[str]:
+    """A ``model.tokenizer_path`` that is not there, or holds no tokenizer.json, was silently
+    replaced by Qwen3's full tokenizer (``models.tokenizer.load_tokenizer_for``)."""
+    path, flag = m.tokenizer_path, "--config.model.tokenizer_path"
+    if not path:
+        return []
+    if not os.path.isdir(path):
+        return [f"{flag}={path!r} is not a directory: give the one holding the model's tokenizer.json "
+                "(or leave it empty)"]
+    if not m.tokenizer_num_regular_tokens and not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return [f"{flag}={path!r} has no tokenizer.json: point it at the model's tokenizer "
+                "(or set --config.model.tokenizer_num_regular_tokens)"]
+    return []
+
+
+def _filter_rules(run: RunConfig) -> list[str]:
+    """The stage-3 filter's output must not be its input, and its k rollouts must differ."""
+    errs, out, data = [], run.filter.output_path, run.data.train_path
+    if out and data and os.path.exists(data) and os.path.realpath(out) == os.path.realpath(data):
+        errs.append(f"--config.filter.output_path={out!r} is --config.data.train_path: the filtered set would "
+                    "overwrite the problems it is read from; write it elsewhere (default: WORKDIR/filtered.jsonl)")
+    if run.filter.k > 1 and run.rl.temperature == 0:  # greedy rollouts of one problem are all one rollout
+        errs.append(f"--config.rl.temperature=0 samples the same rollout --config.filter.k={run.filter.k} times: "
+                    "give a temperature > 0 (e.g. 1.0) or --config.filter.k=1")
+    return errs
+
+
+def _demo_model_rules(run: RunConfig) -> list[str]:
+    """``demo.model``: ModelConfig fields over the ``model.preset``; a wrong one failed only once the
+    data was generated and the tokenizer built (``recipes.demo.demo_policy``)."""
+    try:
+        ModelConfig.preset(run.model.preset, **dict(run.demo.model))
+    except (TypeError, ValueError) as e:
+        reason = str(e).replace("ModelConfig.__init__() got an ", "")
+        return [f"--config.demo.model (ModelConfig fields over model.preset={run.model.preset!r}): {reason}"]
+    return []
+
+
+def _kv_pages_rules(run: RunConfig) -> list[str]:
+    """An explicit ``serving.kv_pages`` too small for one maximum-length rollout: the engine says so
+    (``serving.sizing.plan_kv``), but only once the model is built; the page count needs no model."""
+    sv = run.serving
+    if not sv.kv_pages or run.mode == "sft":
+        return []
+    budgets = ((run.eval.max_prompt_len, run.eval.max_response_len, "eval") if run.mode == "eval" and run.eval
+               else (run.rl.max_prompt_len, run.rl.max_response_len, "rl"))
+    prompt, response, section = budgets
+    need = pages_for(prompt + response, sv.page_size)
+    if sv.kv_pages >= need:
+        return []
+    return [f"--config.serving.kv_pages={sv.kv_pages} cannot hold one maximum-length rollout: {prompt + response} "
+            f"tokens (--config.{section}.max_prompt_len + max_response_len) need {need} pages of "
+            f"--config.serving.page_size={sv.page_size}; set --config.serving.kv_pages={need} or more "
+            "(0 = sized from memory)"]
 
 
 def device_rules(run: RunConfig, num_devices: int, num_processes: int = 1) -> list[str]:
