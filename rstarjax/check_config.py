@@ -159,6 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for arg in argv:
         name, _, value = arg.partition("=")
         if name in counts:
+            if not value.isdigit() or int(value) < 1:
+                print(f"check_config: {arg!r}: {name} takes a count >= 1, e.g. {name}=8", file=sys.stderr)
+                return 2
             counts[name] = int(value)
         else:
             rest.append(arg)

@@ -426,3 +426,22 @@ def test_a_demo_typo_exits_2_before_writing_anything(tmp_path):
         "modpow,count_divisible,digit_sum_power,count_divisible_large (none = multiply,modpow,count_divisible,"
         "digit_sum_power)"], r.stderr[-2000:]
     assert "Traceback" not in r.stderr and not os.listdir(tmp_path)
+
+
+def test_a_tool_response_cap_and_admission_reserve_out_of_range_are_refused(inputs):
+    """A negative cap cut the official protocol's tool text at text[:-n] (0 meant no cut in one
+    protocol, an empty text in the other); a reserve above 1 only blocks admissions."""
+    [line] = _refusal(inputs, "rl", "--config.rl.max_tool_response_chars=-1")
+    assert line.startswith("--config.rl.max_tool_response_chars=-1 must be >= 1"), line
+    assert _refusal(inputs, "rl", "--config.rl.max_tool_response_chars=0")
+    [line] = _refusal(inputs, "rl", "--config.serving.admit_reserve_fraction=1.5")
+    assert "admit_reserve_fraction=1.5 must be in [0, 1]" in line, line
+    _parse(inputs, "rl", "--config.serving.admit_reserve_fraction=1.0", "--config.rl.max_tool_response_chars=1")
+
+
+@pytest.mark.parametrize("arg", ["--devices=abc", "--devices=0", "--processes=-2"])
+def test_check_config_counts_that_are_no_count_are_one_line(arg, capsys):
+    """int('abc') raised a ValueError traceback out of check_config.main."""
+    assert check_config.main(["--devices=8", arg, "--config=configs/stage1.py"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"check_config: {arg!r}: ") and "takes a count >= 1" in line, line

@@ -101,6 +101,11 @@ class AgentConfig:
         require(one_of("reward_mode", self.reward_mode, REWARD_MODES),
                 (self.max_turns >= 1, f"max_turns={self.max_turns} must be >= 1"),
                 (self.max_response_len >= 2, f"max_response_len={self.max_response_len} must be >= 2"),
+                # (a negative one cut the official protocol's text at text[:-n]; 0 meant "no cut" in one
+                # protocol and an empty text behind a marker in the other)
+                (self.max_tool_response_chars >= 1,
+                 f"max_tool_response_chars={self.max_tool_response_chars} must be >= 1 (the characters of a "
+                 "tool's output the model is shown)"),
                 (0 < self.tool_timeout_s <= pool_limit,
                  f"tool_timeout_s={self.tool_timeout_s} must be in (0, {pool_limit:g}] seconds, the code pool's "
                  "limit per call: outside it every tool call fails as an infrastructure error"),

@@ -84,8 +84,8 @@ class ServingConfig:
                 (0.0 < self.kv_memory_fraction <= 1.0,
                  f"kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1]"),
                 (self.num_slots >= 0, f"num_slots={self.num_slots} must be >= 0 (0 = the engine's default)"),
-                (self.admit_reserve_fraction >= 0.0,
-                 f"admit_reserve_fraction={self.admit_reserve_fraction} must be >= 0 (1.0 never preempts)"),
+                (0.0 <= self.admit_reserve_fraction <= 1.0,  # (above 1 it only blocks admissions)
+                 f"admit_reserve_fraction={self.admit_reserve_fraction} must be in [0, 1] (1.0 never preempts)"),
                 (self.tensor_parallel >= 0,
                  f"tensor_parallel={self.tensor_parallel} must be >= 0 (0 = no slices: serve the trainer's arrays)"),
                 (self.slices_per_host >= 0,
