@@ -8,6 +8,7 @@ own slice from the map, so the host never holds two full copies of the weights.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from rstarjax.models.config import ModelConfig
 from rstarjax.models.qwen3 import Qwen3
 from rstarjax.models.sharding import DEFAULT_RULES, state_shardings
 from rstarjax.models.tokenizer import load_tokenizer
+from rstarjax.validation import ConfigError
 
 SAFETENSORS_DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -35,6 +37,31 @@ SAFETENSORS_DTYPES = {
 _DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 # Tensors some exporters write that carry no information we need.
 IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+# The dtypes a weight may be stored in: an integer or bool tensor under a weight's name is a
+# quantized or damaged checkpoint, and casting it to float would load a silently wrong model.
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointDirError(ConfigError):
+    """A HF model directory that cannot be loaded as it is: one line naming the file and what is
+    wrong. A ``ConfigError`` so that a run prints the line (exit 2) rather than a traceback: the
+    fix is another ``model.hf_path`` or a repaired directory."""
+
+
+class MissingTensorError(CheckpointDirError, KeyError):
+    """A tensor the config implies that no file of the directory holds (a KeyError, as before)."""
+
+    def __str__(self):  # KeyError's str() would quote the whole message
+        return str(self.args[0])
+
+
+class MissingFileError(CheckpointDirError, FileNotFoundError):
+    """config.json or the safetensors files are not there (a FileNotFoundError, as before)."""
+
+    def __str__(self):  # one argument, the message: no errno prefix
+        return str(self.args[0])
 
 
 @dataclass(frozen=True)
@@ -78,24 +105,39 @@ class SafetensorsFile:
 
     def __init__(self, path: str):
         self.path = path
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise ValueError(f"{path}: truncated safetensors file (no header length)")
-            (n,) = struct.unpack("<Q", raw)
-            if n > os.path.getsize(path) - 8:
-                raise ValueError(f"{path}: header length {n} exceeds the file size")
-            header = json.loads(f.read(n))
+        try:
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                raw = f.read(8)
+                if len(raw) != 8:
+                    raise CheckpointDirError(f"{path}: {size} bytes, too short for a safetensors file "
+                                             "(truncated?)")
+                (n,) = struct.unpack("<Q", raw)
+                if n > size - 8:
+                    raise CheckpointDirError(f"{path}: header length {n} exceeds the file size "
+                                             "(truncated, or not a safetensors file)")
+                header_bytes = f.read(n)
+        except OSError as e:
+            raise CheckpointDirError(f"{path}: cannot be read ({e.strerror or e})") from None
+        header = _parse_header(path, header_bytes)
         header.pop("__metadata__", None)
+        data_bytes = size - 8 - n
+        for name, info in header.items():
+            problem = _header_entry_problem(info, data_bytes)
+            if problem:
+                raise CheckpointDirError(f"{path}: tensor {name!r} {problem}")
         self.header = header
         self._data_start = 8 + n
-        self._map = np.memmap(path, dtype=np.uint8, mode="r")
+        self._map = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
 
     def keys(self):
         return self.header.keys()
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.header[name]["shape"])
+
+    def dtype_name(self, name: str) -> str:
+        return self.header[name]["dtype"]
 
     def __getitem__(self, name: str) -> np.ndarray:
         info = self.header[name]
@@ -105,6 +147,44 @@ class SafetensorsFile:
         dtype = SAFETENSORS_DTYPES[info["dtype"]]
         buf = self._map[self._data_start + start:self._data_start + end]
         return buf.view(dtype).reshape(info["shape"])
+
+
+def _parse_header(path: str, header_bytes: bytes) -> dict:
+    """The JSON header of a safetensors file; one line naming the file when it is not one."""
+    try:
+        header = json.loads(header_bytes)
+    except (UnicodeDecodeError, ValueError):
+        raise CheckpointDirError(f"{path}: its header is not JSON (a damaged or a different kind "
+                                 "of file)") from None
+    if not isinstance(header, dict):
+        raise CheckpointDirError(f"{path}: its header is not a JSON object")
+    return header
+
+
+def _header_entry_problem(info, data_bytes: int) -> str | None:
+    """What is wrong with one tensor's header entry in a file of ``data_bytes`` bytes after the
+    header, or None. Checked on open, so that a truncated download is refused naming the file
+    instead of failing later inside a device callback (or being read past its end)."""
+    if not isinstance(info, dict):
+        return f"has a malformed header entry {info!r}"
+    dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
+    if dtype is None:
+        return (f"has dtype {info.get('dtype')!r}, which this loader does not read "
+                f"(known: {sorted(SAFETENSORS_DTYPES)}; a quantized checkpoint?)")
+    try:
+        start, end = (int(x) for x in info["data_offsets"])
+        shape = [int(d) for d in info["shape"]]
+    except (KeyError, TypeError, ValueError):
+        return f"has a malformed header entry {info!r}"
+    if min(shape, default=0) < 0 or not 0 <= start <= end:
+        return f"has a malformed header entry {info!r}"
+    if end - start != math.prod(shape) * dtype.itemsize:
+        return (f"of shape {shape} {info['dtype']} needs {math.prod(shape) * dtype.itemsize} bytes, "
+                f"its header gives it {end - start}")
+    if end > data_bytes:
+        return (f"ends at byte {end} of the data but the file holds only {data_bytes} "
+                "(truncated: download it again)")
+    return None
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
@@ -129,24 +209,63 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
             f.write(arr.reshape(-1).view(np.uint8).data)
 
 
-def _open_checkpoint(path: str) -> dict[str, SafetensorsFile]:
-    """HF tensor name -> the file holding it (single file or sharded with an index)."""
-    index_path = os.path.join(path, "model.safetensors.index.json")
-    single_path = os.path.join(path, "model.safetensors")
-    if os.path.exists(index_path):
+def _read_weight_map(index_path: str) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file name) of a safetensors index."""
+    try:
         with open(index_path) as f:
             weight_map = json.load(f)["weight_map"]
-        files = {fn: SafetensorsFile(os.path.join(path, fn)) for fn in sorted(set(weight_map.values()))}
+    except OSError as e:
+        raise CheckpointDirError(f"{index_path}: cannot be read ({e.strerror or e})") from None
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointDirError(f"{index_path}: not a safetensors index (JSON with a "
+                                 "\"weight_map\")") from None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CheckpointDirError(f"{index_path}: its weight_map is not tensor name -> file name")
+    return weight_map
+
+
+def _no_weights_message(path: str) -> str:
+    """Why ``path`` has no weights we can read, naming the files it does have."""
+    others = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".gguf"))) \
+        if os.path.isdir(path) else []
+    if others:
+        return (f"{path}: has no {SINGLE_FILE} or {INDEX_FILE}, only {others[:3]}: only safetensors "
+                "are read; convert it (transformers: save_pretrained(dir, safe_serialization=True))")
+    return f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE}"
+
+
+def _open_checkpoint(path: str) -> dict[str, SafetensorsFile]:
+    """HF tensor name -> the file holding it (single file or sharded with an index).
+
+    A shard's header is what it holds: a tensor a shard holds that the index forgot is still
+    found (as transformers reads whole shards); the index may not send us to the wrong file."""
+    index_path = os.path.join(path, INDEX_FILE)
+    single_path = os.path.join(path, SINGLE_FILE)
+    if os.path.exists(index_path):
+        weight_map = _read_weight_map(index_path)
+        files = {}
+        for fn in sorted(set(weight_map.values())):
+            if not os.path.isfile(os.path.join(path, fn)):
+                raise CheckpointDirError(f"{index_path}: names {fn}, which is missing (an "
+                                         "incomplete download?)")
+            files[fn] = SafetensorsFile(os.path.join(path, fn))
         where = {}
+        for fn, f in files.items():
+            for name in f.keys():
+                if name in where:
+                    raise CheckpointDirError(f"{path}: tensor {name!r} is in both "
+                                             f"{os.path.basename(where[name].path)} and {fn}")
+                where[name] = f
         for name, fn in weight_map.items():
             if name not in files[fn].header:
-                raise ValueError(f"index says tensor {name!r} is in {fn}, but it is not there")
-            where[name] = files[fn]
+                raise CheckpointDirError(f"{index_path}: says tensor {name!r} is in {fn}, "
+                                         "but it is not there")
         return where
     if os.path.exists(single_path):
         f = SafetensorsFile(single_path)
         return {name: f for name in f.keys()}
-    raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
+    raise MissingFileError(_no_weights_message(path))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,14 +293,107 @@ def _read_slice(where, spec: TensorSpec, index, dtype, num_layers: int) -> np.nd
     return np.stack([one(spec.hf.format(i=i), rest) for i in layers])
 
 
+# config.json fields that size the model: a string or a float here would fail deep inside JAX.
+_POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                        "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+def _rope_problem(hf: dict) -> str | None:
+    """Why the config's RoPE is not the plain one this model computes, or None. Both fields are
+    read: transformers 5 applies a ``rope_scaling`` even next to a default ``rope_parameters``."""
+    for field in ("rope_parameters", "rope_scaling"):
+        value = hf.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            return f"field {field!r}={value!r} is not an object"
+        kind = value.get("rope_type", value.get("type"))
+        if kind is None and field == "rope_scaling" and value:
+            return f"field 'rope_scaling'={value} has no rope_type (transformers cannot run it either)"
+        if kind not in (None, "default"):
+            return (f"field {field!r} has rope_type={kind!r}: only the default RoPE is supported "
+                    "(remove the scaling, or use a checkpoint without it)")
+    return None
+
+
+def config_problem(hf) -> str | None:
+    """What in a config.json dict this loader would otherwise ignore or misread, or None: the
+    settings that change the model's function (RoPE scaling, sliding-window layers, quantized
+    weights) and size fields of the wrong type. ``ModelConfig.from_hf_dict`` checks the rest."""
+    if not isinstance(hf, dict):
+        return f"is not a JSON object (got {type(hf).__name__})"
+    for key in _POSITIVE_INT_FIELDS:
+        value = hf.get(key)
+        if value is None and key in ("num_key_value_heads", "head_dim"):
+            continue  # optional: defaults from the other fields
+        if key in hf and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            return f"field {key!r}={value!r} must be a positive integer"
+    tie = hf.get("tie_word_embeddings")
+    if tie is not None and not isinstance(tie, bool):  # bool("false") would tie an untied model
+        return f"field 'tie_word_embeddings'={tie!r} must be true or false"
+    rope = _rope_problem(hf)
+    if rope:
+        return rope
+    layer_types = hf.get("layer_types")
+    if layer_types is not None:
+        other = sorted({str(t) for t in layer_types if t != "full_attention"}) \
+            if isinstance(layer_types, list) else [layer_types]
+        if other:
+            return f"field 'layer_types' has {other} layers: only full attention is supported"
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method") \
+            if isinstance(hf["quantization_config"], dict) else None
+        return (f"field 'quantization_config' (quant_method={method!r}): quantized checkpoints "
+                "are unsupported; use the bf16/fp32 weights")
+    return None
+
+
 def read_config(path: str, **overrides) -> ModelConfig:
     """The ``ModelConfig`` of the HF model directory ``path`` (its config.json), without reading
-    any weight; ``overrides``: fields the run sets itself (dtype, remat_policy, ...)."""
+    any weight; ``overrides``: fields the run sets itself (dtype, remat_policy, ...).
+    ``CheckpointDirError`` (one line naming config.json) when it cannot be read or has a setting
+    the model would silently ignore."""
     cfg_path = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_path):
-        raise FileNotFoundError(f"{cfg_path} not found")
-    with open(cfg_path) as f:
-        return ModelConfig.from_hf_dict(json.load(f), **overrides)
+    if not os.path.isfile(cfg_path):
+        raise MissingFileError(f"{cfg_path} not found")
+    try:
+        with open(cfg_path) as f:
+            hf = json.load(f)
+    except OSError as e:
+        raise CheckpointDirError(f"{cfg_path}: cannot be read ({e.strerror or e})") from None
+    except ValueError as e:  # JSON (or UTF-8) that does not parse
+        raise CheckpointDirError(f"{cfg_path}: not JSON ({e})") from None
+    problem = config_problem(hf)
+    if problem:
+        raise CheckpointDirError(f"{cfg_path}: {problem}")
+    try:
+        return ModelConfig.from_hf_dict(hf, **overrides)
+    except (ValueError, TypeError, AttributeError) as e:
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointDirError(f"{cfg_path}: {message.removeprefix('config.json ')}") from None
+
+
+def _tied_head_differs(where, embed: str = "model.embed_tokens.weight",
+                       head: str = "lm_head.weight", rows_per_chunk: int = 4096) -> bool:
+    """Whether the checkpoint's lm_head holds other values than its embedding, compared a block
+    of rows at a time (the memory maps: never a full copy of either)."""
+    a, b = where[embed][embed], where[head][head]
+    for start in range(0, a.shape[0], rows_per_chunk):
+        rows = slice(start, start + rows_per_chunk)
+        if a.dtype == b.dtype:  # exact copies are what exporters write: compare the bits
+            if not np.array_equal(a[rows].view(np.uint8), b[rows].view(np.uint8)):
+                return True
+        elif not np.array_equal(np.asarray(a[rows], np.float32), np.asarray(b[rows], np.float32)):
+            return True
+    return False
+
+
+def _missing_tensor_message(path: str, name: str) -> str:
+    if name == "lm_head.weight":  # the usual cause: a tied model whose config omits the flag
+        return (f"{path}: no tensor 'lm_head.weight', but config.json says tie_word_embeddings="
+                "false (or omits it: false is transformers' default); set it to true if the "
+                "model ties its embeddings")
+    return f"{path}: no file holds tensor {name!r}, which config.json implies"
 
 
 def load_hf(path: str, dtype=jnp.bfloat16, param_dtype=jnp.float32, mesh: Mesh | None = None,
@@ -217,17 +429,31 @@ def load_hf(path: str, dtype=jnp.bfloat16, param_dtype=jnp.float32, mesh: Mesh |
             else [spec.hf]
         for name in names:
             if name not in where:
-                raise KeyError(f"checkpoint {path} lacks tensor {name!r}")
+                raise MissingTensorError(_missing_tensor_message(path, name))
+            file = where[name].path
             got = where[name].shape(name)
             if got != want:
-                raise ValueError(f"tensor {name!r} has shape {got}, config implies {want}")
+                raise CheckpointDirError(f"{file}: tensor {name!r} has shape {got}, config.json "
+                                         f"implies {want}")
+            if where[name].dtype_name(name) not in FLOAT_DTYPES:
+                raise CheckpointDirError(f"{file}: tensor {name!r} is {where[name].dtype_name(name)}, "
+                                         f"not a float dtype {FLOAT_DTYPES} (a quantized checkpoint?)")
             consumed.add(name)
-    if cfg.tie_word_embeddings:
-        consumed.add("lm_head.weight")  # some exporters write the tied head anyway
+    if cfg.tie_word_embeddings and "lm_head.weight" in where:
+        # Some exporters write the tied head anyway, a copy. A head that differs is an untied model
+        # under a tied config: transformers 5 would keep the head, 4.x drop it; neither is safe.
+        head, embed = where["lm_head.weight"], where["model.embed_tokens.weight"]
+        if head.shape("lm_head.weight") != embed.shape("model.embed_tokens.weight") or (
+                read_weights and _tied_head_differs(where)):
+            raise CheckpointDirError(
+                f"{os.path.join(path, 'config.json')}: tie_word_embeddings=true, but the checkpoint's "
+                "lm_head.weight differs from model.embed_tokens.weight; set tie_word_embeddings=false "
+                "if the model was trained untied")
+        consumed.add("lm_head.weight")
     unexpected = [n for n in where if n not in consumed and not n.endswith(IGNORABLE_SUFFIXES)]
     if unexpected:
-        raise ValueError(f"checkpoint {path} has tensors this config does not use: "
-                         f"{sorted(unexpected)[:8]}")
+        raise CheckpointDirError(f"{path}: has tensors this config does not use: "
+                                 f"{sorted(unexpected)[:8]} (another architecture or size?)")
 
     new_flat = []
     for spec in specs:

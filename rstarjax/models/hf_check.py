@@ -13,7 +13,7 @@ import os
 import struct
 
 from rstarjax.models.config import ModelConfig
-from rstarjax.models.hf import IGNORABLE_SUFFIXES, SAFETENSORS_DTYPES, _expected_hf_shape, tensor_specs
+from rstarjax.models.hf import IGNORABLE_SUFFIXES, SAFETENSORS_DTYPES, _expected_hf_shape, config_problem, tensor_specs
 from rstarjax.models.tokenizer import QWEN3_ADDED_TOKENS, QWEN3_NUM_REGULAR_TOKENS, saved_num_regular_tokens
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -126,6 +126,9 @@ def model_dir_problems(path: str, tokenizer_path: str = "", num_regular_tokens: 
     try:
         with open(cfg_path) as f:
             hf = json.load(f)
+        problem = config_problem(hf)  # what the loader refuses (RoPE scaling, sliding windows, ...)
+        if problem:
+            return [f"config.json {problem}"]
         cfg = ModelConfig.from_hf_dict(hf)
     except OSError as e:
         return [f"config.json cannot be read: {e.strerror}"]

@@ -32,6 +32,7 @@ import numpy as np
 import tiktoken
 
 from rstarjax.models.chat_template import CHAT_FORMATS, jinja_chat_template
+from rstarjax.validation import ConfigError
 from rstarjax.protocol import (END_OF_TEXT, IM_END, IM_START, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_RESPONSE_CLOSE,
                                TOOL_RESPONSE_OPEN)
 
@@ -78,6 +79,11 @@ QWEN3_NUM_REGULAR_TOKENS = 151643
 QWEN3_VOCAB_SIZE = 151936  # rows of Qwen3's embedding / lm_head (config.json "vocab_size")
 MIN_REGULAR_TOKENS = 256  # the 256 single bytes: every string stays encodable
 SMALL_VOCAB_MULTIPLE = 128  # small variants pad the embedding rows to a multiple of this
+
+
+class TokenizerFileError(ConfigError):
+    """A model directory's tokenizer that is not one this module can reproduce, or not the
+    model's: one line naming the file. A ``ConfigError``: a run prints it instead of a traceback."""
 
 
 def _qwen_tiktoken_path() -> pathlib.Path:
@@ -354,28 +360,114 @@ def load_tokenizer(num_regular_tokens: int | None = None) -> Tokenizer:
     return Tokenizer(encoding=encoding, num_regular_tokens=num_regular, vocab_size=vocab_size)
 
 
+VOCAB_SAMPLE_STRIDE = 97  # tokenizer.json ids compared with Qwen's BPE: every 97th, and the last
+
+
+def _vocab_problem(vocab: dict, n: int) -> str | None:
+    """Why ``vocab`` (a tokenizer.json's ``n`` entries) is not Qwen's first ``n`` BPE ranks, or
+    None. A sample of ids suffices: another BPE of the same size disagrees almost everywhere,
+    and its text would be encoded to ids the model never learnt."""
+    byte_chars = _bytes_to_unicode()
+    table = {b: byte_chars[b] for b in range(256)}  # str.translate of the latin-1 decoding
+    by_id = {i: t for t, i in vocab.items()}
+    ranks = load_qwen_bpe_ranks()
+    wanted = set(range(0, n, VOCAB_SAMPLE_STRIDE)) | {n - 1}
+    for token, rank in ranks.items():
+        if rank in wanted and by_id.get(rank) != token.decode("latin-1").translate(table):
+            return (f"has {by_id.get(rank)!r} at id {rank}, Qwen's BPE has "
+                    f"{token.decode('latin-1').translate(table)!r} (another model's tokenizer?)")
+    return None
+
+
+def _added_tokens_problem(added: list, n: int) -> str | None:
+    """Why a tokenizer.json's added tokens are not a prefix of Qwen3's at ids n, n+1, ..., or
+    None. Qwen2/2.5 files hold fewer (a prefix); a token we do not know would be split into
+    pieces by our encoder while the model learnt it as one id."""
+    ours = {n + i: content for i, (content, _) in enumerate(QWEN3_ADDED_TOKENS)}
+    for token in added:
+        if not isinstance(token, dict):
+            return f"has a malformed added token {token!r}"
+        i, content = token.get("id"), token.get("content")
+        if ours.get(i) != content:
+            expected = f"Qwen3 has {ours[i]!r} there" if i in ours else \
+                f"Qwen3's added tokens are ids {n}..{n + len(QWEN3_ADDED_TOKENS) - 1}"
+            return f"has added token {content!r} at id {i!r}; {expected}"
+    return None
+
+
 def saved_num_regular_tokens(directory: str | os.PathLike) -> int | None:
     """The ``num_regular_tokens`` of the Qwen BPE ``tokenizer.json`` in ``directory`` (what
     ``save_pretrained`` writes, or Qwen3's own file), or None when the directory has none.
-    Raises when the file is not a prefix of Qwen's BPE followed by Qwen3's added tokens."""
+    ``TokenizerFileError`` (a ValueError) naming the file when it is not a prefix of Qwen's BPE
+    followed by (a prefix of) Qwen3's added tokens: we would encode text differently."""
     path = pathlib.Path(directory) / "tokenizer.json"
     if not path.is_file():
         return None
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    vocab = (data.get("model") or {}).get("vocab")
-    added = {t.get("content"): t.get("id") for t in data.get("added_tokens") or []}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise TokenizerFileError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except ValueError as e:  # bad JSON or bad UTF-8
+        raise TokenizerFileError(f"{path}: not JSON ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model") or {}, dict):
+        raise TokenizerFileError(f"{path}: not a HF tokenizer.json (no \"model\" object)")
+    vocab = data["model"].get("vocab") if data.get("model") else None
+    added_list = data.get("added_tokens") or []
+    if not isinstance(added_list, list):
+        raise TokenizerFileError(f"{path}: its added_tokens is not a list")
+    added = {t.get("content"): t.get("id") for t in added_list if isinstance(t, dict)}
     n = len(vocab) if isinstance(vocab, dict) else -1
     if not MIN_REGULAR_TOKENS <= n <= QWEN3_NUM_REGULAR_TOKENS or added.get(END_OF_TEXT) != n:
-        raise ValueError(f"{path} is not a Qwen BPE tokenizer (its first added token <|endoftext|> must follow "
-                         f"the {n} regular tokens); set the tokenizer size explicitly")
+        raise TokenizerFileError(f"{path} is not a Qwen BPE tokenizer (its first added token <|endoftext|> must "
+                                 f"follow the {n} regular tokens); set the tokenizer size explicitly")
+    problem = _added_tokens_problem(added_list, n) or _vocab_problem(vocab, n)
+    if problem:
+        raise TokenizerFileError(f"{path}: {problem}")
     return n
+
+
+def model_ids_problem(tok: Tokenizer, hf_config: dict) -> str | None:
+    """Why ``tok`` is not the tokenizer of the model whose config.json is ``hf_config``, or None.
+    Qwen models name special tokens as their bos/eos ids (<|endoftext|>, <|im_end|>): such an id
+    that has an embedding row but is a regular token of ``tok`` means ``tok``'s ids are shifted
+    against the model's (e.g. a smaller demo tokenizer beside a model trained with another)."""
+    if not isinstance(hf_config, dict):
+        return None
+    rows = hf_config.get("vocab_size")
+    for key in ("bos_token_id", "eos_token_id"):
+        value = hf_config.get(key)
+        for i in value if isinstance(value, list) else [value]:
+            if not isinstance(i, int) or isinstance(i, bool) or (isinstance(rows, int) and i >= rows):
+                continue  # unset, or an id without a row (nothing the model could emit)
+            if not tok.num_regular_tokens <= i < tok.num_tokens:
+                return (f"its {key}={i} is no special token of a tokenizer with "
+                        f"{tok.num_regular_tokens} regular tokens (its special ids are "
+                        f"{tok.num_regular_tokens}..{tok.num_tokens - 1}): the tokenizer is not the model's")
+    return None
+
+
+def _hf_config_of(model_dir: str | os.PathLike) -> dict | None:
+    """config.json of ``model_dir`` when there is a readable one (``models.hf.read_config``
+    reports a broken one; the tokenizer only uses it to check its ids)."""
+    path = pathlib.Path(model_dir) / "config.json"
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def load_tokenizer_for(model_dir: str | os.PathLike = "", num_regular_tokens: int = 0) -> Tokenizer:
     """A model's tokenizer: ``num_regular_tokens`` > 0 names a small-vocabulary variant; else the
-    one saved in ``model_dir`` (``saved_num_regular_tokens``), else Qwen3's full tokenizer."""
+    one saved in ``model_dir`` (``saved_num_regular_tokens``), else Qwen3's full tokenizer.
+    ``TokenizerFileError`` when ``model_dir``'s config.json names special ids the tokenizer does
+    not have there (``model_ids_problem``)."""
     n = int(num_regular_tokens or 0)
     if not n and model_dir:
         n = saved_num_regular_tokens(model_dir) or 0
-    return load_tokenizer(n if n and n != QWEN3_NUM_REGULAR_TOKENS else None)
+    tok = load_tokenizer(n if n and n != QWEN3_NUM_REGULAR_TOKENS else None)
+    problem = model_ids_problem(tok, _hf_config_of(model_dir)) if model_dir else None
+    if problem:
+        raise TokenizerFileError(f"{pathlib.Path(model_dir) / 'config.json'}: {problem}")
+    return tok
