@@ -264,6 +264,14 @@ def test_a_tokenizer_whose_ids_are_shifted_against_the_model_is_refused(dirs, tm
     with pytest.raises(ConfigError, match="bos_token_id=512 is no special token .* not the model's"):
         load_tokenizer_for(str(path))
     assert len(load_tokenizer_for(str(path), num_regular_tokens=512)) == big.num_tokens  # the right one
+    # the tokenizer kept apart (model.tokenizer_path): checked against the model's config.json too
+    from rstarjax.recipes import build
+    from rstarjax.recipes.config import ModelSource
+    apart = tmp_path / "tokenizer"
+    apart.mkdir()
+    shutil.copy(path / "tokenizer.json", apart / "tokenizer.json")
+    with pytest.raises(ConfigError, match="bos_token_id=512 is no special token"):
+        build.tokenizer(ModelSource(hf_path=str(path), tokenizer_path=str(apart)))
 
 
 def test_qwen_tokenizers_still_load(dirs, tmp_path):

@@ -458,16 +458,19 @@ def _hf_config_of(model_dir: str | os.PathLike) -> dict | None:
         return None
 
 
-def load_tokenizer_for(model_dir: str | os.PathLike = "", num_regular_tokens: int = 0) -> Tokenizer:
+def load_tokenizer_for(model_dir: str | os.PathLike = "", num_regular_tokens: int = 0,
+                       config_dir: str | os.PathLike | None = None) -> Tokenizer:
     """A model's tokenizer: ``num_regular_tokens`` > 0 names a small-vocabulary variant; else the
     one saved in ``model_dir`` (``saved_num_regular_tokens``), else Qwen3's full tokenizer.
-    ``TokenizerFileError`` when ``model_dir``'s config.json names special ids the tokenizer does
-    not have there (``model_ids_problem``)."""
+    ``TokenizerFileError`` when the model's config.json (in ``config_dir``, default ``model_dir``:
+    a tokenizer kept apart from its model is checked against the model's) names special ids the
+    tokenizer does not have there (``model_ids_problem``)."""
     n = int(num_regular_tokens or 0)
     if not n and model_dir:
         n = saved_num_regular_tokens(model_dir) or 0
     tok = load_tokenizer(n if n and n != QWEN3_NUM_REGULAR_TOKENS else None)
-    problem = model_ids_problem(tok, _hf_config_of(model_dir)) if model_dir else None
+    config_dir = model_dir if config_dir is None else config_dir
+    problem = model_ids_problem(tok, _hf_config_of(config_dir)) if config_dir else None
     if problem:
-        raise TokenizerFileError(f"{pathlib.Path(model_dir) / 'config.json'}: {problem}")
+        raise TokenizerFileError(f"{pathlib.Path(config_dir) / 'config.json'}: {problem}")
     return tok

@@ -45,7 +45,9 @@ def tokenizer(src: ModelSource) -> Tokenizer:
     variant; else the ``tokenizer.json`` in ``tokenizer_path`` (default ``hf_path``) says which (so
     an exported small model reloads with its own); else Qwen3's."""
     path = src.tokenizer_path or ("" if src.random_init else src.hf_path)
-    return load_tokenizer_for(path, src.tokenizer_num_regular_tokens)
+    # a tokenizer_path apart from the model is checked against the model's config.json's ids
+    return load_tokenizer_for(path, src.tokenizer_num_regular_tokens,
+                              config_dir=src.tokenizer_path if src.random_init else src.hf_path)
 
 
 def vocabulary_of(tok: Tokenizer) -> dict[str, Any]:
