@@ -426,6 +426,40 @@ def test_the_rl_loop_logs_the_checkpoint_wait_and_its_write_apart(tmp_path, monk
     assert recs[-1]["time/checkpoint_write"] > 0
 
 
+def test_a_save_is_due_when_a_step_jumps_over_its_multiple_or_past_the_end(tmp_path):
+    """An RL step with ``trainer.mini_batches`` > 1 advances the global step by several updates:
+    a save point it jumps over, or a last step it passes, is still due."""
+    from rstarjax.io import checkpoint as ckpt_lib
+
+    with ckpt_lib.Checkpointer(str(tmp_path / "ck"), ckpt_lib.CheckpointConfig(every_steps=3)) as ck:
+        assert ck.should_save(3) and not ck.should_save(4) and ck.should_save(7, 7)
+        assert ck.should_save(4, 10, previous_step=2) and not ck.should_save(5, 10, previous_step=3)
+        assert ck.should_save(8, 7, previous_step=6)  # passed the stage's end
+
+
+def test_mini_batches_save_every_due_step_and_the_last(tmp_path, monkeypatch):
+    """``trainer.mini_batches=2``: each RL step is two updates (global steps 2, 4, 6, 8 to reach
+    total_steps=7); every_steps=3 is due at 4 (it passed 3), 6, and 8 (past the end). Before,
+    only 6 was saved: the stage's last step, 8 != 7, was never written."""
+    import jax
+
+    from rstarjax.io.metrics_log import read_metrics
+    from rstarjax.models import sharding as sharding_lib
+    from rstarjax.recipes import build
+    from rstarjax.recipes.config import parse
+    from rstarjax.recipes.rl import run_rl
+
+    monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    workdir = str(tmp_path / "run")
+    write_data(workdir)
+    c = in_process_config(workdir, 7)
+    c.trainer.mini_batches, c.checkpoint.every_steps, c.checkpoint.keep = 2, 3, 10
+    run_rl(parse(c), workdir, rollout_fn=fake_rollout_fn)
+    steps = [r["step"] for r in read_metrics(os.path.join(workdir, "logs", "metrics.jsonl"))]
+    assert steps == [2, 4, 6, 8]
+    assert committed_steps(os.path.join(workdir, "checkpoints")) == [4, 6, 8]
+
+
 def test_the_copy_off_the_device_skips_pinned_host_memory_when_asked(tmp_path, monkeypatch):
     """``checkpoint.pinned_host_transfer=False`` (the A/B of the 22.6 s wait on an H200) reaches Orbax:
     with the backend taken for a GPU (Orbax's default pins there; this CPU has pinned host memory too)

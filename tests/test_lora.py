@@ -291,7 +291,9 @@ def test_rl_stage_with_lora_from_sft_checkpoint_resumes_exactly(tmp_path, monkey
     """``model.lora_rank`` through ``run_rl`` (scripted rollouts): from a full-parameter SFT
     checkpoint the SFT params become the frozen base and the engine first serves exactly them
     (B = 0); the checkpoints hold adapters only; 2 steps + a resume to 3 end with the adapters
-    and optimizer state of 3 straight steps; a resume with another base is refused."""
+    and optimizer state of 3 straight steps; a resume with another base, or adapters of another
+    LoRA setting, is refused."""
+    import dataclasses
     import json as json_lib
 
     from rstarjax.io import checkpoint as ckpt_lib
@@ -363,6 +365,29 @@ def test_rl_stage_with_lora_from_sft_checkpoint_resumes_exactly(tmp_path, monkey
         ck.save(step, state, meta)
     with pytest.raises(ValueError, match="hashes to"):
         run("c", 4)
+
+    # adapters of another alpha (they would restore and train another policy) or rank (Orbax's
+    # shape error) are refused by name, resumed or continued by the next stage
+    other_alpha = config(str(tmp_path / "a"), 4)
+    other_alpha = dataclasses.replace(other_alpha, model=dataclasses.replace(other_alpha.model, lora_alpha=ALPHA / 2))
+    with pytest.raises(StageError, match=f"another LoRA setting: resume with --config.model.lora_alpha={ALPHA}"):
+        run_rl(other_alpha, str(tmp_path / "a"), rollout_fn=fake_rollout_fn)
+    next_stage = config(str(tmp_path / "d"), 4)
+    next_stage = dataclasses.replace(
+        next_stage, model=dataclasses.replace(next_stage.model, lora_rank=RANK * 2),
+        checkpoint=dataclasses.replace(next_stage.checkpoint, init_from=str(tmp_path / "a" / "checkpoints")))
+    with pytest.raises(StageError, match=f"continue them with --config.model.lora_rank={RANK} "):
+        run_rl(next_stage, str(tmp_path / "d"), rollout_fn=fake_rollout_fn)
+
+
+def test_lora_setting_flags_name_what_differs():
+    from rstarjax.recipes.lora_base import lora_setting_flags
+
+    saved = {"rank": 4, "alpha": 32.0, "targets": ["q_proj", "v_proj"]}
+    assert lora_setting_flags(saved, 4, 32, ("v_proj", "q_proj")) == ""  # the order of targets is no setting
+    assert lora_setting_flags(None, 8, 16, ()) == ""  # full parameters: other checks say so
+    assert lora_setting_flags(saved, 8, 16.0, ("q_proj",)) == (
+        "--config.model.lora_rank=4 --config.model.lora_alpha=32.0 --config.model.lora_targets=q_proj,v_proj")
 
 
 # ------------------------------------------------------------------ the demo's LoRA variant

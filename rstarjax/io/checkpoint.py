@@ -392,8 +392,13 @@ class Checkpointer:
         self._failed = False  # a write error was raised: later waits on it stay quiet
         _quiet_orbax_thread_errors()
 
-    def should_save(self, step: int, last_step: int | None = None) -> bool:
-        return step % self.cfg.every_steps == 0 or (last_step is not None and step == last_step)
+    def should_save(self, step: int, last_step: int | None = None, previous_step: int | None = None) -> bool:
+        """Whether ``step`` is due for a checkpoint: a multiple of ``every_steps`` lies in
+        (previous_step, step] (an RL step with ``trainer.mini_batches`` > 1 advances the step by
+        several updates, jumping over multiples), or ``step`` reached ``last_step`` (or passed it)."""
+        previous = step - 1 if previous_step is None else previous_step
+        every = self.cfg.every_steps
+        return step // every > previous // every or (last_step is not None and step >= last_step)
 
     def save(self, step: int, state, meta: dict[str, Any], force: bool = False) -> bool:
         """Start saving (returns at once when async). Every process must call it.

@@ -86,6 +86,23 @@ def check_same_base(saved: dict, now: dict, directory: str) -> None:
             "(set --config.model.hf_path to the base it was trained on)")
 
 
+def lora_setting_flags(saved: dict | None, rank: int, alpha: float, targets) -> str:
+    """The flags that give a run the LoRA setting of adapters saved with ``saved`` (a checkpoint's
+    ``lora`` record: rank, alpha, targets), or "" when ``rank``, ``alpha`` and ``targets`` (the
+    run's) are it. Another rank fails in Orbax's restore with a shape error; another alpha or
+    target set would restore and silently train or sample another policy."""
+    if not saved:
+        return ""
+    flags = []
+    if int(saved.get("rank", rank)) != int(rank):
+        flags.append(f"--config.model.lora_rank={saved['rank']}")
+    if float(saved.get("alpha", alpha)) != float(alpha):
+        flags.append(f"--config.model.lora_alpha={saved['alpha']}")
+    if saved.get("targets") is not None and sorted(saved["targets"]) != sorted(targets):
+        flags.append(f"--config.model.lora_targets={','.join(saved['targets'])}")
+    return " ".join(flags)
+
+
 def restore_lora_policy(model, directory: str):
     """A LoRA ``model`` (as built, on its mesh) with the adapters of the newest checkpoint in
     ``directory`` on the base its record names (hash checked): for a run that only samples
@@ -98,11 +115,15 @@ def restore_lora_policy(model, directory: str):
         step = ckpt.latest_step()
         if step is None:
             raise FileNotFoundError(f"no finished checkpoint in {directory}")
-        record = ckpt.read_meta(step).get("lora_base")
+        meta = ckpt.read_meta(step)
     finally:
         ckpt.close()
+    record, cfg = meta.get("lora_base"), model.config
     if not record:
         raise BaseMismatch(f"{directory} holds full parameters, not LoRA adapters: unset --config.model.lora_rank")
+    flags = lora_setting_flags(meta.get("lora"), cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+    if flags:
+        raise BaseMismatch(f"{directory} holds adapters of another LoRA setting: give {flags}")
     shardings = jax.tree.map(lambda x: x.sharding, frozen)
     if record.get("source") == "checkpoint":
         frozen, _, _ = ckpt_lib.restore_params(record["path"], ckpt_lib.abstract_like(frozen, shardings),

@@ -152,6 +152,9 @@ def _initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig
                 raise StageError(f"{ckpt.directory} holds {'LoRA adapters' if 'lora_base' in meta else 'full parameters'}"
                                  f" but --config.model.lora_rank={run.model.lora_rank}: resume with the setting "
                                  "it was trained with")
+            flags = trainer.lora and _lora_flags(meta, run)
+            if flags:
+                raise StageError(f"{ckpt.directory} holds adapters of another LoRA setting: resume with {flags}")
 
         abstract = ckpt_lib.abstract_like(trainer.state, trainer.state_sharding)
         # the newest checkpoint that restores: a torn or corrupt newer one is skipped, with a warning
@@ -187,6 +190,11 @@ def _initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig
                              f"continue it with --config.model.lora_rank={src_meta.get('lora', {}).get('rank', 'R')} "
                              "(or export it merged, rstarjax.export, and start from that HF directory)")
         elif trainer.lora:
+            mismatch = _lora_flags(src_meta, run)
+            if mismatch:
+                raise StageError(f"--config.checkpoint.init_from={run.checkpoint.init_from!r} holds adapters of "
+                                 f"another LoRA setting: continue them with {mismatch} (or export them merged, "
+                                 "rstarjax.export, and start new adapters from that HF directory)")
             base = lora_base.restore_base(trainer, src_meta["lora_base"])
         if trainer.lora and "lora_base" not in src_meta:
             pass  # fresh adapters and optimizer on the new base, set above
@@ -206,6 +214,12 @@ def _initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig
     return {"step": trainer.step, "stage_start_step": trainer.step, "init_from": init_from,
             "init_from_step": int(src_step), "init_from_stage": "sft" if from_sft else "rl",
             **({"lora_base": base} if base is not None else {})}
+
+
+def _lora_flags(meta: dict, run: RunConfig) -> str:
+    """The flags that give this run the LoRA setting of the checkpoint with ``meta`` ("" = it has it)."""
+    m = run.model
+    return lora_base.lora_setting_flags(meta.get("lora"), m.lora_rank, m.lora_alpha, m.lora_target_names)
 
 
 def checkpoint_replaces_weights(run: RunConfig, ckpt: ckpt_lib.Checkpointer) -> bool:
@@ -411,7 +425,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
             t_handoff = time.perf_counter()
             source.after_update(trainer)  # the engines serve the new policy (now, or between rounds)
             metrics["time/handoff"] = time.perf_counter() - t_handoff
-            _checkpoint_and_log(run, trainer.step, metrics, save, finished_data, ckpt, writer, nonfinite,
+            _checkpoint_and_log(run, step, trainer.step, metrics, save, finished_data, ckpt, writer, nonfinite,
                                 compiled_before, is_main)
             bar.update(1)
             bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}",
@@ -512,14 +526,15 @@ def nothing_left_to_learn(empty: EmptyBatchStreak, metrics: dict, step: int) -> 
         "failing. Check the rollout metrics (filter/infra_trajectories) and the tool pool's log")
 
 
-def _checkpoint_and_log(run: RunConfig, new_step: int, metrics: dict, save, finished_data, ckpt, writer,
-                        nonfinite: NonFiniteStreak, compiled_before: float, is_main: bool) -> None:
-    """After the update to ``new_step``: stop on a non-finite streak, save when due, log."""
+def _checkpoint_and_log(run: RunConfig, old_step: int, new_step: int, metrics: dict, save, finished_data, ckpt,
+                        writer, nonfinite: NonFiniteStreak, compiled_before: float, is_main: bool) -> None:
+    """After the update from ``old_step`` to ``new_step`` (several updates apart with
+    ``trainer.mini_batches`` > 1): stop on a non-finite streak, save when due, log."""
     diverged = nonfinite.observe(new_step, metrics, ckpt.latest_step())
     if diverged is not None:  # logged, never saved: the newest checkpoint stays the last good one
         writer.write(new_step, metrics)
         raise diverged
-    if ckpt.should_save(new_step, run.total_steps):
+    if ckpt.should_save(new_step, run.total_steps, previous_step=old_step):
         t_save = time.perf_counter()
         save(new_step, finished_data)
         # with async_save, the part the loop waits for: the finite check and fingerprints on the
