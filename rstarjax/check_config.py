@@ -22,7 +22,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from rstarjax.recipes.config import RENAMED, RunConfig, parse
+from rstarjax.recipes.config import RENAMED, RunConfig, parse, trainer_device_count
 from rstarjax.validation import ConfigError
 
 
@@ -141,9 +141,13 @@ def check(argv: Sequence[str], num_devices: int, num_processes: int | None = Non
 
 
 def describe(run: RunConfig, num_devices: int, num_processes: int) -> str:
-    mesh = run.mesh.resolved(num_devices)
+    # disaggregated, the trainer's mesh spans only the devices the rollouts leave it
+    trainer_devices = trainer_device_count(run.serving, num_devices, num_processes)
+    mesh = run.mesh.resolved(trainer_devices)
     line = (f"ok: mode={run.mode} on {num_devices} devices in {num_processes} process(es); mesh "
             + " ".join(f"{k}={v}" for k, v in mesh.items()))
+    if trainer_devices != num_devices:
+        line += f" on the trainer's {trainer_devices} devices"
     if run.mode in ("rl", "demo"):
         rows = run.rl.prompts_per_step * run.rl.group_size
         micro = run.trainer.micro_batch_size or rows // run.trainer.mini_batches

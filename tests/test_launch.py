@@ -170,6 +170,20 @@ def test_the_checker_refuses_what_a_launch_refuses(user_paths, monkeypatch, argv
         check(_argv(user_paths, *argv_extra), devices, processes)
 
 
+def test_the_checker_describes_the_trainers_mesh_of_a_disaggregated_run(user_paths, monkeypatch):
+    """Disaggregated, the trainer's mesh spans the devices the rollouts leave it (as a launch
+    builds it): 4 devices with 2 for rollouts give fsdp=2 and 1 row of each 2-row micro-batch per
+    device (the checker printed fsdp=4 and "0 per device")."""
+    from rstarjax.check_config import check, describe
+
+    monkeypatch.chdir(ROOT)
+    argv = _argv(user_paths, "--config.serving.placement=disaggregated", "--config.serving.rollout_devices=2",
+                 "--config.trainer.micro_batch_size=2", "--config.rl.prompts_per_step=2",
+                 "--config.rl.group_size=2", "--config.rl.oversample=4", base=["--config=configs/stage1.py"])
+    line = describe(check(argv, 4, 1), 4, 1)
+    assert "mesh data=1 fsdp=2 tensor=1 on the trainer's 2 devices" in line and "(1 per device)" in line, line
+
+
 def test_the_checker_refuses_a_missing_config_file_and_bad_process_ids(user_paths, monkeypatch):
     from rstarjax.check_config import check
     from rstarjax.validation import ConfigError

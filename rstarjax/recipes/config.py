@@ -769,6 +769,15 @@ def _kv_pages_rules(run: RunConfig) -> list[str]:
             "(0 = sized from memory)"]
 
 
+def trainer_device_count(sv, num_devices: int, num_processes: int = 1) -> int:
+    """The devices the trainer's mesh spans, of ``num_devices`` in ``num_processes`` processes:
+    all of them colocated; disaggregated in one process the others than ``rollout_devices``;
+    across processes the training processes' own (``serving.trainer_processes`` of them)."""
+    if layout_of(sv, num_processes, 0).kind is Layout.ROLLOUT_PROCESSES:
+        return sv.trainer_processes * (num_devices // num_processes)
+    return num_devices - sv.rollout_devices if sv.disaggregated else num_devices
+
+
 def device_rules(run: RunConfig, num_devices: int, num_processes: int = 1) -> list[str]:
     """The rules the devices and processes put on the mesh and the batch sizes."""
     sv = run.serving
@@ -784,15 +793,15 @@ def device_rules(run: RunConfig, num_devices: int, num_processes: int = 1) -> li
             return [f"--config.serving.trainer_processes={trainers} of {num_processes} processes: each training "
                     f"process drives as many rollout processes as the others, so the {num_processes - trainers} "
                     f"left must be a positive multiple of {trainers}"]
-        num_devices, num_processes = trainers * per, trainers  # the trainer's mesh spans the training processes
     elif sv.trainer_processes > 1:
         return [f"--config.serving.trainer_processes={sv.trainer_processes} needs a multi-process run with "
                 "placement='disaggregated' (processes apart for rollouts); this run has one process"]
     elif sv.disaggregated and sv.rollout_devices >= num_devices:
         return [f"--config.serving.rollout_devices={sv.rollout_devices} must leave the trainer some of the "
                 f"{num_devices} devices of its process"]
-    if sv.disaggregated and not across:
-        num_devices -= sv.rollout_devices  # the trainer's mesh takes the others
+    # the trainer's mesh: the training processes' devices, or the others than the rollout slices'
+    num_devices = trainer_device_count(sv, num_devices, num_processes)
+    num_processes = sv.trainer_processes if across else num_processes
     sizes = run.mesh.resolved(num_devices)
     if sizes is None:
         return [f"mesh (data, fsdp, tensor)={list(run.mesh.sizes)} does not fit the {num_devices} devices "
