@@ -261,7 +261,16 @@ def test_a_streak_of_equal_reward_groups_ends_the_stage_cleanly(tmp_path, monkey
     out = capsys.readouterr().out
     assert "nothing left to learn at step 0" in out and "in 3 batches in a row" in out
     assert "(50% all-wrong, 50% all-correct; no infrastructure error)" in out
-    assert "No step was trained, nothing saved." in out
+    # nothing trained, but the policy it started from is kept for the next stage's init_from
+    assert "No step was trained; the policy it started from is saved as step 0" in out
+    assert [d for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit()] == ["0"]
+    # and the next stage starts from it (it found no checkpoint: "did the previous stage save one?")
+    nxt = run_config(str(tmp_path / "next"), 2, max_rejected_batches=3)
+    nxt.checkpoint.init_from = os.path.join(workdir, "checkpoints")
+    os.makedirs(tmp_path / "next")
+    _stuck_data(str(tmp_path / "next"))
+    run_rl(parse(nxt), str(tmp_path / "next"), rollout_fn=scripted(REWARDS.get))
+    assert "fresh at step 0 from step 0 of " in capsys.readouterr().out
 
 
 def test_a_streak_short_of_rollouts_by_infrastructure_errors_stops_the_run(tmp_path, monkeypatch):

@@ -433,8 +433,8 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
         if stop_signal:
             saved = _save_last(trainer.step, start, save, finished_data, ckpt)
             raise preemption.Interrupted(stop_signal, trainer.step, saved, guard.abandoned)
-        if ended:
-            saved = _save_last(trainer.step, start, save, finished_data, ckpt)
+        if ended:  # a stage that trained nothing still leaves its policy for the next stage's init_from
+            saved = _save_last(trainer.step, start, save, finished_data, ckpt, keep_unchanged=True)
             _say_ended(run, ended, len(problems), trainer.step, start, saved, empty, is_main)
     except RolloutsFailed as failure:  # the rollouts' infrastructure, not the model: keep what finished
         _note_saved(failure, trainer.step, start, save, finished_data, ckpt, workdir)
@@ -573,10 +573,13 @@ def _note_saved(failure: Exception, step: int, start: int, save, finished_data, 
         failure.add_note(f"step {step} could not be saved in {workdir}")
 
 
-def _save_last(step: int, start: int, save, data_state, ckpt) -> bool:
+def _save_last(step: int, start: int, save, data_state, ckpt, keep_unchanged: bool = False) -> bool:
     """Save ``step``, the last finished one, unless it is on disk already or this run finished
-    none; wait for the write. Whether ``step`` is on disk now."""
-    if step > start and step not in ckpt.all_steps():
+    none; wait for the write. Whether ``step`` is on disk now. ``keep_unchanged``: a stage that
+    ended having trained nothing and holding no checkpoint saves the policy it started from, so
+    that the next stage (``checkpoint.init_from``) starts from it instead of finding nothing."""
+    unchanged_but_needed = keep_unchanged and step == start and not ckpt.all_steps()
+    if (step > start or unchanged_but_needed) and step not in ckpt.all_steps():
         save(step, data_state)
     ckpt.wait()
     return step in ckpt.all_steps()
@@ -619,8 +622,7 @@ def solved_message(run: RunConfig, num_problems: int, step: int, start: int, sav
     """Why a stage stopped early when ``rl.max_rejected_batches`` batches in a row had only
     equal-reward groups (none short of rollouts by an infrastructure error): which share of them
     the policy answered all wrong and all right, and what was saved."""
-    ended = (f"{step - start} steps ran in this run. "
-             + (f"Step {step} is saved. " if saved else "No step was trained, nothing saved. "))
+    ended = f"{step - start} steps ran in this run. " + _saved_words(step, start, saved)
     if streak.all_correct_only:
         return (f"the policy answered every rollout right in {streak.batches} batches in a row at step "
                 f"{step} (before total_steps={run.total_steps}): equal rewards carry no advantage, so there is "
@@ -634,6 +636,16 @@ def solved_message(run: RunConfig, num_problems: int, step: int, start: int, sav
             "all-correct ones are solved.")
 
 
+def _saved_words(step: int, start: int, saved: bool) -> str:
+    """What an early end left on disk, in the words of its message."""
+    if not saved:
+        return "No step was trained, nothing saved. "
+    if step == start:
+        return (f"No step was trained; the policy it started from is saved as step {step}, for the next "
+                "stage's --config.checkpoint.init_from. ")
+    return f"Step {step} is saved. "
+
+
 def data_ran_out_message(run: RunConfig, num_problems: int, step: int, start: int, saved: bool) -> str:
     """Why a stage with finite data stopped before ``total_steps``, and how to go on."""
     per_step = run.rl.prompts_per_step
@@ -641,5 +653,5 @@ def data_ran_out_message(run: RunConfig, num_problems: int, step: int, start: in
     return (f"the data ran out at step {step}, before total_steps={run.total_steps}: {step - start} steps ran in "
             f"this run; data.num_epochs={epochs} pass{'es' if epochs != 1 else ''} over {num_problems} problems at "
             f"{per_step} per step give {num_problems * epochs // per_step} steps. "
-            + (f"Step {step} is saved. " if saved else "No step was trained, nothing saved. ")
+            + _saved_words(step, start, saved)
             + "Raise --config.data.num_epochs (0 = repeat forever) to train on.")
