@@ -104,9 +104,7 @@ def _finished_steps(checkpoint_dir: str) -> list[int]:
     finally:
         ckpt.close()
     if not steps:
-        inner = os.path.join(checkpoint_dir, "checkpoints")
-        hint = (f": it is a run's workdir, give its checkpoints, --checkpoint {inner}"
-                if os.path.isdir(inner) else "")
+        hint = ckpt_lib.workdir_hint(checkpoint_dir, "--checkpoint ")
         raise FileNotFoundError(f"no finished checkpoint in {checkpoint_dir}{hint}")
     return steps
 

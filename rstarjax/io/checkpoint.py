@@ -579,6 +579,13 @@ def wait_reporting(ckpt: Checkpointer, report: Callable[[], None]) -> None:
         raise
 
 
+def workdir_hint(directory: str, flag: str) -> str:
+    """When ``directory`` holds no checkpoint but is a run's workdir (it has ``checkpoints/``):
+    the words that point ``flag`` (e.g. ``--checkpoint ``) at those; else ""."""
+    inner = os.path.join(directory, "checkpoints")
+    return f": it is a run's workdir, give its checkpoints, {flag}{inner}" if os.path.isdir(inner) else ""
+
+
 def read_checkpoint_meta(directory: str, step: int | None = None) -> tuple[int, dict[str, Any]]:
     """``(step, meta)`` of a checkpoint directory's ``step`` (default: its latest finished one),
     no array read: what a stage hand-off, an export or a reuse of SFT weights decides on before

@@ -119,11 +119,11 @@ class SafetensorsFile:
                 header_bytes = f.read(n)
         except OSError as e:
             raise CheckpointDirError(f"{path}: cannot be read ({e.strerror or e})") from None
-        header = _parse_header(path, header_bytes)
+        header = parse_header(path, header_bytes)
         header.pop("__metadata__", None)
         data_bytes = size - 8 - n
         for name, info in header.items():
-            problem = _header_entry_problem(info, data_bytes)
+            problem = header_entry_problem(info, data_bytes)
             if problem:
                 raise CheckpointDirError(f"{path}: tensor {name!r} {problem}")
         self.header = header
@@ -149,8 +149,9 @@ class SafetensorsFile:
         return buf.view(dtype).reshape(info["shape"])
 
 
-def _parse_header(path: str, header_bytes: bytes) -> dict:
-    """The JSON header of a safetensors file; one line naming the file when it is not one."""
+def parse_header(path: str, header_bytes: bytes) -> dict:
+    """The JSON header of a safetensors file; one line naming the file (``path``, or the name a
+    caller shows) when it is not one."""
     try:
         header = json.loads(header_bytes)
     except (UnicodeDecodeError, ValueError):
@@ -161,10 +162,11 @@ def _parse_header(path: str, header_bytes: bytes) -> dict:
     return header
 
 
-def _header_entry_problem(info, data_bytes: int) -> str | None:
+def header_entry_problem(info, data_bytes: int | None = None) -> str | None:
     """What is wrong with one tensor's header entry in a file of ``data_bytes`` bytes after the
-    header, or None. Checked on open, so that a truncated download is refused naming the file
-    instead of failing later inside a device callback (or being read past its end)."""
+    header (None: not checked here, the caller checks the file's size), or None. Checked on open,
+    so that a truncated download is refused naming the file instead of failing later inside a
+    device callback (or being read past its end)."""
     if not isinstance(info, dict):
         return f"has a malformed header entry {info!r}"
     dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
@@ -181,7 +183,7 @@ def _header_entry_problem(info, data_bytes: int) -> str | None:
     if end - start != math.prod(shape) * dtype.itemsize:
         return (f"of shape {shape} {info['dtype']} needs {math.prod(shape) * dtype.itemsize} bytes, "
                 f"its header gives it {end - start}")
-    if end > data_bytes:
+    if data_bytes is not None and end > data_bytes:
         return (f"ends at byte {end} of the data but the file holds only {data_bytes} "
                 "(truncated: download it again)")
     return None

@@ -8,12 +8,12 @@ login node). ``models.hf.load_hf`` makes the same checks of the config and shape
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 
 from rstarjax.models.config import ModelConfig
-from rstarjax.models.hf import IGNORABLE_SUFFIXES, SAFETENSORS_DTYPES, _expected_hf_shape, config_problem, tensor_specs
+from rstarjax.models.hf import (IGNORABLE_SUFFIXES, _expected_hf_shape, config_problem, header_entry_problem,
+                                parse_header, tensor_specs)
 from rstarjax.models.tokenizer import QWEN3_ADDED_TOKENS, QWEN3_NUM_REGULAR_TOKENS, saved_num_regular_tokens
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -35,25 +35,13 @@ def safetensors_header(path: str) -> dict:
         if n > min(size - 8, MAX_HEADER_BYTES):
             raise ValueError(f"{name}: its header claims {n} bytes, the file has {size - 8} after the length "
                              "(truncated, or not a safetensors file)")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, ValueError):
-            raise ValueError(f"{name}: its header is not JSON (a damaged or a different kind of file)") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{name}: its header is not a JSON object")
+        header = parse_header(name, f.read(n))
     header.pop("__metadata__", None)
-    end = 0
-    for tensor, info in header.items():
-        try:
-            dtype = SAFETENSORS_DTYPES[info["dtype"]]
-            start, stop = (int(x) for x in info["data_offsets"])
-            shape = tuple(int(d) for d in info["shape"])
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{name}: tensor {tensor!r} has a malformed header entry {info!r}") from None
-        if stop - start != math.prod(shape) * dtype.itemsize:
-            raise ValueError(f"{name}: tensor {tensor!r} of shape {list(shape)} {info['dtype']} needs "
-                             f"{math.prod(shape) * dtype.itemsize} bytes, its header gives it {stop - start}")
-        end = max(end, stop)
+    for tensor, info in header.items():  # (the file's size against the last tensor's end: below)
+        problem = header_entry_problem(info)
+        if problem:
+            raise ValueError(f"{name}: tensor {tensor!r} {problem}")
+    end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
     if size != 8 + n + end:
         raise ValueError(f"{name} is {size} bytes but its header describes {8 + n + end} "
                          f"({'truncated' if size < 8 + n + end else 'bytes past the last tensor'})")

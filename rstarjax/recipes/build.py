@@ -234,9 +234,8 @@ def init_from_checkpoint(init_from: str) -> tuple[int, dict]:
     try:
         return ckpt_lib.read_checkpoint_meta(init_from)
     except FileNotFoundError:
-        inner = os.path.join(init_from, "checkpoints")
-        hint = (f": it is a run's workdir, give its checkpoints, --config.checkpoint.init_from={inner}"
-                if os.path.isdir(inner) else " (did the previous stage save one?)")
+        hint = (ckpt_lib.workdir_hint(init_from, "--config.checkpoint.init_from=")
+                or " (did the previous stage save one?)")
         raise StageError(f"--config.checkpoint.init_from={init_from!r} holds no finished checkpoint{hint}") from None
     except Exception as e:  # noqa: BLE001 - a torn meta (JSONDecodeError, OSError): one line, not a traceback
         raise ckpt_lib.CheckpointError(f"--config.checkpoint.init_from={init_from!r}: its newest checkpoint's "

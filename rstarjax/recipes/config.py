@@ -117,6 +117,12 @@ class RewardConfig:
                  "(or set --config.reward.mode=answer)"))
 
 
+def comma_split(values) -> tuple[str, ...]:
+    """A tuple setting given as ``--config.KEY=a,b`` arrives as ``("a,b",)``: its items, split as
+    the comma-separated path settings are."""
+    return tuple(part.strip() for v in values for part in str(v).split(",") if part.strip())
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
     """The ``model`` section: where the policy and its tokenizer come from (``build.policy``)."""
@@ -138,7 +144,7 @@ class ModelSource:
 
     @property
     def lora_target_names(self) -> tuple[str, ...]:
-        return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+        return comma_split((self.lora_targets,))
 
     def __post_init__(self):
         bad_targets = [t for t in self.lora_target_names if t not in LORA_TARGETS]
@@ -280,12 +286,6 @@ def trainer_rules(compute_dtype) -> list[tuple[bool, str]]:
     except ConfigError as e:
         return [(False, line) for line in str(e).splitlines()]
     return []
-
-
-def comma_split(values) -> tuple[str, ...]:
-    """A tuple setting given as ``--config.KEY=a,b`` arrives as ``("a,b",)``: its items, split as
-    the comma-separated path settings are."""
-    return tuple(part.strip() for v in values for part in str(v).split(",") if part.strip())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -614,7 +614,7 @@ def wandb_init_args(run: RunConfig, workdir: str) -> dict | None:
     if not lg.wandb:
         return None
     workdir = os.path.abspath(workdir)
-    tags = [run.mode] + [t.strip() for t in lg.wandb_tags.split(",") if t.strip()]
+    tags = [run.mode] + list(comma_split((lg.wandb_tags,)))
     return {"project": lg.wandb_project, "entity": lg.wandb_entity or None,
             "name": lg.wandb_name or os.path.basename(workdir), "tags": list(dict.fromkeys(tags)),
             "config": {**dataclasses.asdict(run), "workdir": workdir}}

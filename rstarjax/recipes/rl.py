@@ -166,14 +166,7 @@ def _initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig
         return dict(meta, resumed=True, resumed_step=int(step), skipped_steps=[int(s) for s in on_disk if s > step])
     if not init_from:
         return {"step": 0, "stage_start_step": 0}
-    try:
-        src_step, src_meta = ckpt_lib.read_checkpoint_meta(init_from)
-    except FileNotFoundError:
-        inner = os.path.join(init_from, "checkpoints")
-        hint = (f": it is a run's workdir, give its checkpoints, --config.checkpoint.init_from={inner}"
-                if os.path.isdir(inner) else " (did the previous stage save one?)")
-        raise StageError(f"--config.checkpoint.init_from={run.checkpoint.init_from!r} holds no finished "
-                         f"checkpoint{hint}") from None
+    src_step, src_meta = build.init_from_checkpoint(run.checkpoint.init_from)
     src = ckpt_lib.Checkpointer(init_from, ckpt_lib.CheckpointConfig(async_save=False))
     try:
         from_sft = src_meta.get("stage") == "sft"
