@@ -5,9 +5,13 @@ vendored verbatim in ``benchmarks/baseline_dense_engine.py`` (from commit 01727d
 same process on the same weights and workloads.
 
 CPU (``--device cpu``):
-(1) decode tokens/s: ``generate`` on the paged engine vs HF transformers ``generate``
-    (PyTorch, default dynamic KV cache) and vs the dense engine; same config, same weights
-    (greedy tokens checked identical), same batch; compiles excluded (a warm-up call first).
+(1) decode tokens/s: ``generate`` on the paged engine vs HF transformers ``generate`` and vs
+    the dense engine; same config, same weights (greedy tokens checked identical), same batch;
+    compiles excluded (a warm-up call first). HF runs in every arm of ``--hf-arms``: its default
+    dynamic KV cache (``dynamic``), a static cache (``static``), and a static cache with the
+    forward under ``torch.compile`` (``compiled``; transformers skips its own auto-compile on
+    CPU); ``decode_speedup_vs_hf`` is against the fastest arm of each run, named in
+    ``decode_hf_fastest_arm``, each arm's tokens/s beside it.
 (2) host syncs per decode step and per generated token, in the paged run of (1), next to the
     dense engine's in the same run (its explicit ``jax.device_get`` calls, counted: one per
     step). Per token divides by the batch, so the dense engine's one sync per step already
@@ -64,6 +68,9 @@ ap.add_argument("--smoke", action="store_true",
 ap.add_argument("--slices", type=int, default=2)
 ap.add_argument("--repeat", type=int, default=0, help="alternating runs (default 1 quick, 3)")
 ap.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
+ap.add_argument("--hf-arms", default="",
+                help="comma-separated HF generate arms: dynamic, static, compiled (default: all; "
+                     "--smoke: dynamic)")
 ap.add_argument("--reserve-fraction", type=float, default=0.125,
                 help="admission growth reserve, fraction of L (configs/base.py default)")
 ap.add_argument("--adaptive-reserve", type=int, default=None, choices=(0, 1),
@@ -122,6 +129,10 @@ TOOL = "execute_python_code_with_standard_io"
 ADAPTIVE = (bool(args.adaptive_reserve) if args.adaptive_reserve is not None
             else bool(ServingConfig().adaptive_reserve))
 args.quick = args.quick or args.smoke
+HF_ARMS = ("dynamic", "static", "compiled")
+hf_arms = [a for a in (args.hf_arms or ("dynamic" if args.smoke else ",".join(HF_ARMS))).split(",") if a]
+if unknown := [a for a in hf_arms if a not in HF_ARMS]:
+    ap.error(f"--hf-arms: {unknown} not in {HF_ARMS}")
 REPEAT = args.repeat or (1 if args.quick else 3)
 
 
@@ -142,8 +153,8 @@ def median_figures(runs: list[dict]) -> tuple[dict, dict]:
             out[k] = statistics.median(vals)
             if len(vals) > 1 and min(vals) != max(vals):
                 spread[k] = [min(vals), max(vals)]
-        else:
-            out[k] = vals[0]
+        else:  # a name (e.g. the fastest HF arm): one value, or each run's when they differ
+            out[k] = vals[0] if all(v == vals[0] for v in vals) else vals
     return out, spread
 
 
@@ -195,10 +206,8 @@ def bench_decode(quick: bool) -> list[dict]:
              "host_syncs_per_decode_step_dense_engine": y["dense_syncs"] / max(1, x["steps"]),
              "host_sync_reduction_vs_dense_engine": y["dense_syncs"] / max(1, x["syncs"]),
              "decode_batch": batch, "decode_new_tokens": new}
-        if "t_hf" in y:
-            r.update({"decode_tok_s_hf": n / y["t_hf"], "decode_speedup_vs_hf": y["t_hf"] / x["t"],
-                      "decode_greedy_match_hf": float(np.mean(
-                          [t == h for t, h in zip(x["tokens"], y["hf_tokens"])]))})
+        if hf_run is not None:
+            r.update(hf_figures(x, y, n))
         runs.append(r)
     return runs
 
@@ -220,7 +229,24 @@ def counting_device_gets():
         jax.device_get = real
 
 
+def hf_figures(ours: dict, hf: dict, n: int) -> dict:
+    """One run's HF figures: each arm's tokens/s and greedy match, the speedup against the
+    fastest arm (the strongest baseline of the run)."""
+    r = {}
+    for arm in hf_arms:
+        r[f"decode_tok_s_hf_{arm}"] = n / hf[f"t_hf_{arm}"]
+        r[f"decode_greedy_match_hf_{arm}"] = float(np.mean(
+            [t == h for t, h in zip(ours["tokens"], hf[f"hf_tokens_{arm}"])]))
+    fastest = min(hf_arms, key=lambda arm: hf[f"t_hf_{arm}"])
+    r.update({"decode_tok_s_hf": n / hf[f"t_hf_{fastest}"], "decode_hf_fastest_arm": fastest,
+              "decode_speedup_vs_hf": hf[f"t_hf_{fastest}"] / ours["t"],
+              "decode_greedy_match_hf": min(r[f"decode_greedy_match_hf_{arm}"] for arm in hf_arms)})
+    return r
+
+
 def _hf_decoder(model, prompts, new):
+    """A function timing one greedy ``generate`` of every HF arm (``hf_arms``), each its own
+    model instance on the same weights, warmed up (and, for ``compiled``, compiled) first."""
     import torch
     import transformers
 
@@ -230,18 +256,27 @@ def _hf_decoder(model, prompts, new):
     dev = "cuda" if args.device == "gpu" else "cpu"
     with tempfile.TemporaryDirectory() as d:
         save_hf(model, d, tokenizer=False)  # random ids: the benchmark needs no tokenizer
-        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(dev).eval()
+        models = {arm: transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+                  .to(dev).eval() for arm in hf_arms}
+    if "compiled" in models:
+        models["compiled"].forward = torch.compile(models["compiled"].forward, dynamic=False)
     ids = torch.tensor(prompts, device=dev)
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    arm_kw = {"dynamic": {}, "static": {"cache_implementation": "static"},
+              "compiled": {"cache_implementation": "static"}}
     with torch.no_grad():
-        hf.generate(ids, **kw)  # warm-up
+        for arm, hf in models.items():
+            hf.generate(ids, **kw, **arm_kw[arm])  # warm-up (the compile, for ``compiled``)
 
     def run():
-        with torch.no_grad():
-            t0 = time.perf_counter()
-            out = hf.generate(ids, **kw)
-            dt = time.perf_counter() - t0
-        return {"t_hf": dt, "hf_tokens": out[:, len(prompts[0]):].cpu().numpy().tolist()}
+        out = {}
+        for arm, hf in models.items():
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                tokens = hf.generate(ids, **kw, **arm_kw[arm])
+                out[f"t_hf_{arm}"] = time.perf_counter() - t0
+            out[f"hf_tokens_{arm}"] = tokens[:, len(prompts[0]):].cpu().numpy().tolist()
+        return out
 
     return run
 

@@ -18,18 +18,21 @@ KEYS = ("paged_concurrency_ratio", "prompt_prefill_reduction", "host_syncs_per_t
         "decode_idle_frac", "decode_idle_frac_fifo_dispatch", "makespan_speedup_vs_fifo_dispatch")
 
 
-@pytest.mark.slow  # ~100 s on 2 cores
+@pytest.mark.slow  # ~150 s on 2 cores (HF's torch.compile arm ~40 s of it)
 def test_quick_cpu_run_prints_every_figure_and_its_checks_hold():
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("XLA_FLAGS", None)  # the benchmark's own 2 slices on the host's devices
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "serving.py"),
-                          "--device", "cpu", "--smoke"], capture_output=True, text=True,
-                         env=env, timeout=900)
+                          "--device", "cpu", "--smoke", "--hf-arms", "dynamic,static,compiled"],
+                         capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert not [k for k in KEYS if k not in line]
     # Outside references: HF transformers' greedy tokens, the dense engine's rollouts.
     assert line["decode_greedy_match_hf"] == 1.0
+    for arm in ("dynamic", "static", "compiled"):  # every HF arm decodes the same greedy tokens
+        assert line[f"decode_greedy_match_hf_{arm}"] == 1.0 and line[f"decode_tok_s_hf_{arm}"] > 0
+    assert line["decode_hf_fastest_arm"] in ("dynamic", "static", "compiled")
     assert line["decode_greedy_match_dense_engine"] == 1.0
     assert line["prompt_prefill_same_tokens"] == 1.0
     assert line["rollouts_same_tokens_as_dense_engine"] == 1.0
