@@ -280,6 +280,7 @@ def test_metrics_writer_jsonl_and_tensorboard(tmp_path):
 def test_stage3_filter_drops_only_problems_solved_k_of_k(tmp_path):
     import json
 
+    from rstarjax.io import files
     from rstarjax.recipes import stage3_filter as F
 
     records = [{"problem": f"p{i}", "answer": str(i)} for i in range(7)]
@@ -294,7 +295,7 @@ def test_stage3_filter_drops_only_problems_solved_k_of_k(tmp_path):
     assert [r["stage2_pass_rate"] for r in kept] == [7 / 8, 0.0, 1 / 8, 4 / 8]
     assert summary["dropped_all_correct"] == 3 and summary["kept"] == 4
     out = tmp_path / "f.jsonl"
-    F.write_jsonl_atomic(str(out), kept)
+    files.write_jsonl_atomic(str(out), kept, ensure_ascii=False)
     assert [json.loads(x)["answer"] for x in out.read_text().splitlines()] == ["1", "2", "4", "6"]
     # a problem whose rollouts did not all come back is an error, not silently kept or dropped
     with pytest.raises(ValueError, match="expected 8 rollouts"):

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from rstarjax.io import files
+
 
 def _jsonable(v):
     if isinstance(v, (np.floating, np.integer)):
@@ -34,8 +36,7 @@ def _start_wandb(init_args: Mapping, logdir: str):
             run_id = f.read().strip()
     else:
         run_id = uuid.uuid4().hex[:12]  # W&B ids: letters and digits
-        with open(id_path, "w") as f:
-            f.write(run_id + "\n")
+        files.write_atomic(id_path, run_id + "\n")  # (an empty id left by a kill would start another run)
     return wandb.init(dir=logdir, id=run_id, resume="allow", **init_args)
 
 
@@ -43,7 +44,7 @@ def drop_records_after(path: str, step: int) -> int | None:
     """Rewrite the metrics log at ``path`` without its records of steps after ``step`` (a
     resumed run logs those again) or lines that are not JSON (torn by a kill mid-write), and
     return the last step it held (None: no file or no record). The rewrite goes through a
-    temporary file, so a kill leaves the old or the new log."""
+    temporary file (``files.write_jsonl_atomic``), so a kill leaves the old or the new log."""
     if not os.path.exists(path):
         return None
     records, unreadable = [], 0
@@ -56,14 +57,9 @@ def drop_records_after(path: str, step: int) -> int | None:
             except json.JSONDecodeError:  # a torn line of a killed write: not a record to keep
                 unreadable += 1
     records = [r for r in records if isinstance(r, dict) and isinstance(r.get("step"), int)]
-    if not records:
-        return None
-    last = max(r["step"] for r in records)
-    if last > step or unreadable:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records if r["step"] <= step)
-        os.replace(tmp, path)
+    last = max((r["step"] for r in records), default=None)
+    if unreadable or (last is not None and last > step):  # (a log of torn lines alone is emptied too)
+        files.write_jsonl_atomic(path, [r for r in records if r["step"] <= step])
     return last
 
 
@@ -96,6 +92,7 @@ class MetricsWriter:
             return
         os.makedirs(logdir, exist_ok=True)
         path = os.path.join(logdir, "metrics.jsonl")
+        files.cut_torn_tail(path)  # a record a killed run cut short: appended after, the next one is lost with it
         logged_through = drop_records_after(path, resume_step) if resume_step is not None else None
         self._jsonl = open(path, "a", buffering=1)
         if tensorboard:

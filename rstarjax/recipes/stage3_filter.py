@@ -18,6 +18,7 @@ import jax
 import tqdm
 
 from rstarjax.io import checkpoint as ckpt_lib
+from rstarjax.io import files
 from rstarjax.recipes import build, preemption
 from rstarjax.recipes.config import RunConfig
 from rstarjax.rl.trajectory import RolloutFn, group_indices, trajectories_of
@@ -81,6 +82,8 @@ def filter_problems(records: Sequence[dict], rollout_fn: RolloutFn, k: int, batc
     hist = [0] * (k + 1)  # problems by number of correct rollouts
     infra, resumed, finished = 0, 0, 0
     done = read_progress(progress_path)
+    if progress_path:  # a line a killed filter cut short: a batch appended after it would be lost with it
+        files.cut_torn_tail(progress_path)
     log_file = open(progress_path, "a") if progress_path else None
     try:
         for start in range(0, len(records), batch_prompts):
@@ -132,16 +135,6 @@ def policy_identity(run: RunConfig, init_from_step: int | None = None, meta: dic
     return hashlib.sha256(json.dumps([weights, sampling], sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def write_jsonl_atomic(path: str, rows: Sequence[dict]) -> None:
-    """Write to PATH.tmp then rename: a killed filter never leaves a half-written dataset."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-
-
 def run_filter(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None, model=None) -> dict:
     """``mode=filter``: the stage-2 policy (``checkpoint.init_from``) rolls out ``filter.k`` times
     per problem of ``data.train_path``; single process writes (see docs/training.md)."""
@@ -187,9 +180,9 @@ def run_filter(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None
             if executor is not None:
                 executor.close(drain_timeout=0.0 if guard.request is not None else None)
     summary["data_report"] = str(report)
-    write_jsonl_atomic(out, kept)
-    with open(out + ".summary.json", "w") as f:
-        json.dump(summary, f, indent=1)
+    # each file whole or not at all: a killed filter never leaves a half-written dataset or summary
+    files.write_jsonl_atomic(out, kept, ensure_ascii=False)
+    files.write_json_atomic(out + ".summary.json", summary, indent=1)
     # the progress file stays: a rerun of the same command (same problems, settings, policy)
     # rewrites this dataset from it instead of rolling out every problem again
     print(f"rstarjax: stage-3 filter: kept {summary['kept']} of {summary['total']} problems "

@@ -1,0 +1,161 @@
+"""What a run killed at an unlucky moment (SIGKILL, an out-of-memory kill, power loss: no handler
+runs, unlike SIGTERM / SIGINT in tests/test_reliability.py) leaves for the next one: a JSONL log
+torn mid-line, a summary cut mid-write, a checkpoint mid-save, the workdir's lock. The next run,
+``rstarjax.report`` and the stage-3 filter's resume must read past it: no traceback, no hang, no
+finished work lost, no damaged data used.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from process_support import worker_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORN = '{"step": 3, "wall_time": 17.5, "train/lo'  # a record a kill cut short: no closing brace, no newline
+
+
+class Killed(BaseException):
+    """A kill in the middle of a write, simulated: nothing after it runs (no ``except Exception``)."""
+
+
+def kill_while_encoding(monkeypatch, is_target, after_chunks=3):
+    """Every JSON encoding of an object ``is_target`` accepts stops with ``Killed`` after
+    ``after_chunks`` pieces: ``json.dump`` has written those to the file by then (streamed),
+    ``json.dumps`` has written nothing. Other JSON (the metrics, Orbax's meta) is untouched."""
+    original = json.JSONEncoder.iterencode
+
+    def iterencode(self, o, _one_shot=False):
+        chunks = original(self, o, _one_shot)
+        if not is_target(o):
+            yield from chunks
+            return
+        for i, chunk in enumerate(chunks):
+            if i == after_chunks:
+                raise Killed
+            yield chunk
+
+    monkeypatch.setattr(json.JSONEncoder, "iterencode", iterencode)
+
+
+# ============================================================================ the metrics log
+def test_a_metrics_log_torn_in_its_first_record_reads_whole_after_the_resume(tmp_path):
+    """Killed while writing step 1's record: the resumed run (from step 0) logs steps 1 and 2
+    after it. The torn record was kept (there was no whole record to rewrite the log from) and
+    step 1 was glued onto it: ``read_metrics`` (the report, the demo's comparison) raised."""
+    from rstarjax.io.metrics_log import MetricsWriter, read_metrics
+
+    logdir = tmp_path / "logs"
+    logdir.mkdir()
+    (logdir / "metrics.jsonl").write_text(TORN)
+    with MetricsWriter(str(logdir), tensorboard=False, resume_step=0) as w:
+        w.write(1, {"train/loss": 1.0})
+        w.write(2, {"train/loss": 0.5})
+    assert [(r["step"], r["train/loss"]) for r in read_metrics(str(logdir / "metrics.jsonl"))] == [(1, 1.0), (2, 0.5)]
+
+
+def test_a_writer_without_a_resume_step_appends_after_a_torn_line_on_a_line_of_its_own(tmp_path):
+    """The demo's SFT writer (no resume step) appends to the log of a demo killed mid-record:
+    the first new record was glued onto the torn line, which then sat mid-file, and
+    ``rstarjax.report`` failed on it ("line 3 is not JSON")."""
+    from rstarjax import report
+    from rstarjax.io.metrics_log import MetricsWriter, read_metrics
+
+    logdir = tmp_path / "sft" / "logs"
+    logdir.mkdir(parents=True)
+    whole = [json.dumps({"step": s, "sft/loss": 2.0 / s}) + "\n" for s in (1, 2)]
+    (logdir / "metrics.jsonl").write_text("".join(whole) + TORN)
+    with MetricsWriter(str(logdir), tensorboard=False) as w:
+        for s in (1, 2, 3):
+            w.write(s, {"sft/loss": 1.0 / s})
+    records = read_metrics(str(logdir / "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2, 1, 2, 3]  # the rerun's steps, the last of each wins
+    assert report.curve(records, "sft/loss") == ([1, 2, 3], [1.0, 0.5, 1.0 / 3])
+    assert report.main([str(tmp_path), "--out", str(tmp_path / "plots")]) == 0
+
+
+def test_a_last_record_whole_but_for_its_newline_is_kept(tmp_path):
+    from rstarjax.io.metrics_log import MetricsWriter, read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "x": 1.0}))
+    with MetricsWriter(str(tmp_path), tensorboard=False, resume_step=1) as w:
+        w.write(2, {"x": 2.0})
+    assert [r["x"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [1.0, 2.0]
+
+
+# ============================================================================ the stage-3 filter
+def _trajectories(records, n, solved):
+    from rstarjax.rl.trajectory import FinishReason, Segment, SegmentKind, ToolErrorCounts, Trajectory
+
+    return [Trajectory(prompt_ids=np.ones(4), segments=[Segment(SegmentKind.MODEL, np.ones(3), np.zeros(3))],
+                       turns=1, tool_calls=0, tool_errors=ToolErrorCounts(), answer_tags=1,
+                       finish=FinishReason.ANSWERED, reward=float(j < solved[r["problem"]]), group_id=g)
+            for g, r in enumerate(records) for j in range(n)]
+
+
+def test_a_filter_progress_file_torn_by_a_kill_keeps_the_batches_finished_after_it(tmp_path):
+    """Killed while writing batch 2's line of the progress file: the rerun rolls out batches 2
+    and 3 and records them, and a third run rolls out nothing. Batch 2's new line was glued onto
+    the torn one and lost: the third run rolled it out again (hours of rollouts at full size)."""
+    from rstarjax.recipes import stage3_filter as F
+
+    records = [{"problem": f"p{i}", "answer": str(i)} for i in range(6)]
+    solved = {"p0": 4, "p1": 3, "p2": 4, "p3": 0, "p4": 4, "p5": 1}
+    calls = []
+
+    def rollout_fn(recs, n, seed, version):
+        calls.append([r["problem"] for r in recs])
+        return _trajectories(recs, n, solved)
+
+    path = str(tmp_path / "filtered.jsonl.progress.jsonl")
+    F.filter_problems(records[:2], rollout_fn, k=4, batch_prompts=2, seed=0, progress_path=path)
+    with open(path, "a") as f:  # batch 2's line, cut short
+        f.write('{"key": "0123456789abcdef0123", "start": 2, "cou')
+    calls.clear()
+    kept, summary = F.filter_problems(records, rollout_fn, k=4, batch_prompts=2, seed=0, progress_path=path)
+    assert calls == [["p2", "p3"], ["p4", "p5"]] and summary["resumed_problems"] == 2
+    calls.clear()
+    again, summary = F.filter_problems(records, rollout_fn, k=4, batch_prompts=2, seed=0, progress_path=path)
+    assert calls == [] and summary["resumed_problems"] == 6
+    assert [r["problem"] for r in again] == [r["problem"] for r in kept] == ["p1", "p3", "p5"]
+
+
+# ============================================================================ summaries
+def test_a_summary_cut_mid_write_leaves_the_old_file_or_none(tmp_path, monkeypatch):
+    """``write_json_atomic``, ``write_jsonl_atomic``: a kill while the new contents are written
+    leaves the old file whole (and no file where there was none)."""
+    from rstarjax.io import files
+
+    path = str(tmp_path / "summary.json")
+    files.write_json_atomic(path, {"kept": 1, "total": 2})
+    kill_while_encoding(monkeypatch, lambda o: isinstance(o, dict) and o.get("kept") == 5)
+    with pytest.raises(Killed):
+        files.write_json_atomic(path, {"kept": 5, "total": 9, "histogram": [1, 2, 3]})
+    assert json.loads(open(path).read()) == {"kept": 1, "total": 2}
+    with pytest.raises(Killed):
+        files.write_json_atomic(str(tmp_path / "new.json"), {"kept": 5, "total": 9})
+    assert not os.path.exists(tmp_path / "new.json")
+
+
+# ============================================================================ the workdir lock
+def test_a_workdir_whose_run_was_killed_holding_its_lock_starts_the_next_run(tmp_path):
+    """The lock is an ``flock``, dropped by the kernel with the killed process; the pid it
+    left in the file does not refuse the next run."""
+    from rstarjax.main import LOCK_NAME, workdir_lock
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from rstarjax.main import workdir_lock\n"
+                               "with workdir_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)",
+                               str(tmp_path)], env=worker_env(1), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        stale = (tmp_path / LOCK_NAME).read_text().strip()
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+    assert stale == str(holder.pid)
+    with workdir_lock(str(tmp_path)):
+        assert (tmp_path / LOCK_NAME).read_text().strip() == str(os.getpid())
