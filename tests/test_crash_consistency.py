@@ -141,6 +141,43 @@ def test_a_summary_cut_mid_write_leaves_the_old_file_or_none(tmp_path, monkeypat
     assert not os.path.exists(tmp_path / "new.json")
 
 
+def test_an_sft_run_killed_while_writing_its_summary_reruns_cleanly(tmp_path, monkeypatch, capsys):
+    """Killed while ``sft_summary.json`` was written, after the last checkpoint: the rerun
+    trains nothing and returns the summary on disk. The summary was written in place (open
+    "w", then streamed), so the kill left it cut short and the rerun's ``json.load`` raised a
+    JSONDecodeError traceback."""
+    import jax
+
+    sys.path.insert(0, os.path.join(ROOT, "configs"))
+    import sft as sft_config
+    from test_sft import NUM_REGULAR, _conversation, _tiny_model
+
+    from rstarjax.models import load_tokenizer, save_hf
+    from rstarjax.recipes import sft
+    from rstarjax.recipes.config import parse
+
+    tok = load_tokenizer(NUM_REGULAR)
+    save_hf(_tiny_model(tok), str(tmp_path / "hf"), tokenizer=tok)
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"messages": _conversation(i)}) + "\n" for i in range(4)))
+    c = sft_config.get_config()
+    c.model.hf_path, c.sft.data_path, c.model.dtype = str(tmp_path / "hf"), str(data), "float32"
+    c.sft.chat_format, c.sft.epochs, c.sft.batch_size, c.sft.seq_len = "compact", 1, 4, 512
+    c.sft.micro_batch_size, c.sft.export_hf, c.logging.tensorboard = 0, False, False
+    c.mesh.fsdp = -1
+    run = parse(c, num_devices=jax.device_count())
+    workdir = tmp_path / "run"
+    with monkeypatch.context() as m:
+        kill_while_encoding(m, lambda o: isinstance(o, dict) and "final_loss" in o)
+        with pytest.raises(Killed):
+            sft.run_sft(run, str(workdir))
+    summary = workdir / "sft_summary.json"
+    assert not summary.exists() or json.loads(summary.read_text())
+    again = sft.run_sft(run, str(workdir))
+    assert "nothing to train" in capsys.readouterr().out
+    assert json.loads(summary.read_text())["steps"] == again["steps"] == 1
+
+
 # ============================================================================ the workdir lock
 def test_a_workdir_whose_run_was_killed_holding_its_lock_starts_the_next_run(tmp_path):
     """The lock is an ``flock``, dropped by the kernel with the killed process; the pid it

@@ -40,6 +40,7 @@ from flax import nnx
 import rstarjax
 from rstarjax import report
 from rstarjax.io import checkpoint as ckpt_lib
+from rstarjax.io import files
 from rstarjax.io.checkpoint import CheckpointConfig
 from rstarjax.io.metrics_log import MetricsWriter
 from rstarjax.models import save_hf
@@ -69,14 +70,6 @@ def demo_policy(run: RunConfig, tokenizer, mesh) -> nnx.Module:
                         bos_token_id=tokenizer.endoftext_id, eos_token_id=tokenizer.eos_id,
                         max_position_embeddings=int(run.rl.max_prompt_len + run.rl.max_response_len),
                         **run.demo.model)
-
-
-def write_jsonl(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
 
 
 def greedy_accuracy(rollouts: ColocatedRollouts, records: Sequence[Mapping[str, str]], policy_version: int = 0
@@ -211,16 +204,15 @@ def prepare(run: RunConfig, workdir: str, summary_name: str) -> DemoSetup:
     summary_path = os.path.join(workdir, summary_name)
     if os.path.exists(summary_path) and not run.demo.overwrite:
         raise FileExistsError(f"{summary_path} exists: pick a new --workdir (the demo is not resumable)")
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config_json(run))
+    files.write_atomic(os.path.join(workdir, "config.json"), config_json(run))
     prov = provenance(run)
     tokenizer = build.tokenizer(run.model)
     mesh = build.mesh(run.mesh)
     data = demo_datasets(run)
-    write_jsonl(os.path.join(workdir, "sft_traces.jsonl"), [{"messages": m} for m in data["sft_traces"]])
+    files.write_jsonl_atomic(os.path.join(workdir, "sft_traces.jsonl"), [{"messages": m} for m in data["sft_traces"]])
     rl_path = os.path.join(workdir, "rl_train.jsonl")
-    write_jsonl(rl_path, data["rl_rows"])
-    write_jsonl(os.path.join(workdir, "heldout.jsonl"), data["eval_rows"])
+    files.write_jsonl_atomic(rl_path, data["rl_rows"])
+    files.write_jsonl_atomic(os.path.join(workdir, "heldout.jsonl"), data["eval_rows"])
     _say(f"{len(data['sft_traces'])} SFT traces, {len(data['rl_rows'])} RL problems, "
          f"{len(data['eval_rows'])} held-out problems ({time.time() - t_start:.0f}s)")
     return DemoSetup(tokenizer, mesh, data, rl_path, t_start, prov)
@@ -334,8 +326,7 @@ def run_demo(run: RunConfig, workdir: str) -> dict[str, Any]:
         summary["plots"] = report.render(workdir)
     except Exception as e:  # plots are a convenience; never lose the run's figures over them
         log.warning("report failed: %s", e)
-    with open(summary_path, "w") as f:
-        json.dump(summary, f, indent=2)
+    files.write_json_atomic(summary_path, summary)  # whole or not at all: seed_table reads it
     _say(f"summary: {json.dumps({k: summary[k] for k in ('sft_accuracy', 'rl_accuracy', 'num_eval_problems', 'wall_seconds')})}")
     return summary
 
@@ -374,4 +365,4 @@ def _write_eval_samples(path: str, records, sft_trajs, rl_trajs) -> None:
         rows.append({"problem": r["problem"], "answer": r["answer"],
                      "sft": {"reward": a.reward, "response": a.response_text},
                      "rl": {"reward": b.reward, "response": b.response_text}})
-    write_jsonl(path, rows)
+    files.write_jsonl_atomic(path, rows)

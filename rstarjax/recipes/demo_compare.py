@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from rstarjax import report
+from rstarjax.io import files
 from rstarjax.io.metrics_log import read_metrics
 from rstarjax.recipes import build, demo
 from rstarjax.recipes.config import RunConfig
@@ -189,8 +190,7 @@ def run_compare(run: RunConfig, workdir: str) -> dict[str, Any]:
         comparison["plots"] = plot_comparison(arms, os.path.join(workdir, "plots"))
     except Exception as e:  # plots are a convenience; never lose the run's figures over them
         demo.log.warning("comparison plots failed: %s", e)
-    with open(os.path.join(workdir, "comparison.json"), "w") as f:
-        json.dump(_json_safe(comparison), f, indent=2)
+    files.write_json_atomic(os.path.join(workdir, "comparison.json"), _json_safe(comparison))
     demo._say(f"comparison: targets {json.dumps(comparison['targets'])}, wall {comparison['wall_seconds']:.0f}s")
     return comparison
 

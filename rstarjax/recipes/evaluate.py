@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -22,6 +21,7 @@ import numpy as np
 
 from rstarjax.env.verify import extract_final_answer, normalize_integer
 from rstarjax.io import data as data_lib
+from rstarjax.io import files
 from rstarjax.io.data import DataError, load_problems
 from rstarjax.models.chat_template import chat_format, encode_prompt
 from rstarjax.recipes import build
@@ -180,14 +180,11 @@ def evaluate_records(datasets: Mapping[str, Sequence[Mapping[str, str]]],
         all_results.extend(results)
         log.info("eval %s: %s", name, per_dataset[name])
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "eval_samples.jsonl"), "w") as f:
-            for r in all_results:
-                f.write(json.dumps(r.to_json(), ensure_ascii=False) + "\n")
-        with open(os.path.join(out_dir, "eval_results.json"), "w") as f:
-            json.dump(per_dataset, f, indent=2)
-        with open(os.path.join(out_dir, "eval_table.md"), "w") as f:
-            f.write(format_table(per_dataset, k))
+        # each file whole or not at all: a kill mid-write left it cut short for whoever reads it next
+        files.write_jsonl_atomic(os.path.join(out_dir, "eval_samples.jsonl"), [r.to_json() for r in all_results],
+                                 ensure_ascii=False)
+        files.write_json_atomic(os.path.join(out_dir, "eval_results.json"), per_dataset)
+        files.write_atomic(os.path.join(out_dir, "eval_table.md"), format_table(per_dataset, k))
     return per_dataset
 
 

@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from rstarjax.io import checkpoint as ckpt_lib
+from rstarjax.io import files
 from rstarjax.io.data import DataError, read_rows
 from rstarjax.io.metrics_log import MetricsWriter
 from rstarjax.models import chat_template as ct
@@ -287,6 +288,5 @@ def run_sft(run: RunConfig, workdir: str) -> dict[str, Any]:
     if start is not None and start >= summary["steps"] and os.path.exists(summary_path):
         with open(summary_path) as f:  # nothing trained now: the run's own summary (its losses) stays
             return json.load(f)
-    with open(summary_path, "w") as f:
-        json.dump(summary, f, indent=2)
+    files.write_json_atomic(summary_path, summary)  # whole or not at all: the rerun above reads it
     return summary
