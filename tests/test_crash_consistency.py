@@ -178,6 +178,63 @@ def test_an_sft_run_killed_while_writing_its_summary_reruns_cleanly(tmp_path, mo
     assert json.loads(summary.read_text())["steps"] == again["steps"] == 1
 
 
+# ============================================================================ a checkpoint mid-save
+KILLED_MID_SAVE = """
+import asyncio, sys
+import numpy as np
+from orbax.checkpoint._src.path import atomicity
+from rstarjax.io import checkpoint as ckpt_lib
+
+async def hang(self):  # step 2's arrays and meta are written; the rename that commits it never comes
+    print("writing step 2", flush=True)
+    await asyncio.sleep(600)
+
+ckpt = ckpt_lib.Checkpointer(sys.argv[1], ckpt_lib.CheckpointConfig(async_save=True))
+ckpt.save(1, {"w": np.full((64, 64), 1.0, np.float32)}, {"step": 1})
+ckpt.wait()
+atomicity.AtomicRenameTemporaryPath.finalize = hang
+ckpt.save(2, {"w": np.full((64, 64), 2.0, np.float32)}, {"step": 2})
+ckpt.wait()
+"""
+
+
+def test_a_run_killed_mid_save_resumes_from_the_last_committed_step_and_saves_that_step_again(tmp_path):
+    """SIGKILL while step 2's checkpoint is written: Orbax left ``2.orbax-checkpoint-tmp`` (no
+    rename, so no step 2), the resume restores step 1, and saving step 2 again replaces the
+    leftover directory (Orbax removes an unfinished one of the same step)."""
+    import jax
+    import jax.numpy as jnp
+
+    from rstarjax.io import checkpoint as ckpt_lib
+
+    directory = str(tmp_path / "checkpoints")
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_SAVE, directory], env=worker_env(1),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("writing step 2"):
+                break
+        else:
+            pytest.fail("the save never reached its commit:\n" + "".join(lines)[-3000:])
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert sorted(os.listdir(directory)) == ["1", "2.orbax-checkpoint-tmp"]
+    abstract = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(
+        jax.devices()[0]))}
+    ckpt = ckpt_lib.Checkpointer(directory, ckpt_lib.CheckpointConfig(async_save=False))
+    try:
+        assert ckpt.all_steps() == [1]
+        state, meta, step = ckpt.restore_newest(abstract)
+        assert step == 1 and meta["step"] == 1 and float(state["w"][0, 0]) == 1.0
+        assert ckpt.save(2, {"w": jnp.full((64, 64), 2.0)}, {"step": 2})
+    finally:
+        ckpt.close()
+    assert sorted(os.listdir(directory)) == ["1", "2"]
+
+
 # ============================================================================ the workdir lock
 def test_a_workdir_whose_run_was_killed_holding_its_lock_starts_the_next_run(tmp_path):
     """The lock is an ``flock``, dropped by the kernel with the killed process; the pid it
