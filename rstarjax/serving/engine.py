@@ -61,6 +61,24 @@ def default_buckets(max_len: int, min_bucket: int = 16) -> tuple[int, ...]:
     return tuple(out)
 
 
+def check_token_ids(ids, vocab_size: int, what: str) -> None:
+    """Refuse ids outside ``[0, vocab_size)``. The embedding lookup would not fail on them
+    (``jnp.take`` fills NaN past the table and wraps negative ids): it would write NaN, or
+    another token's, K/V into pages that later requests reuse, whose decoding then turns NaN."""
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if outside.size:
+        raise ValueError(f"{what}: token id {int(outside[0])} is outside the vocabulary "
+                         f"[0, {vocab_size})")
+
+
+def forced_ids(forced) -> np.ndarray:
+    """The teacher-forced ids of a forced-token array (negative entries sample, as in
+    ``sampling.sample_tokens``)."""
+    forced = np.asarray(forced, np.int64).reshape(-1)
+    return forced[forced >= 0]
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -277,11 +295,16 @@ class Engine:
                 raise ValueError(f"slot {slot} holds no request")
             if info.active:
                 raise ValueError(f"slot {slot} is still decoding")
+            self._check_ids(tokens, f"extend of slot {slot}")
+            self._check_ids(forced_ids(forced), f"forced token of slot {slot}")
             feed = np.concatenate([[info.pending], np.asarray(tokens, np.int32).reshape(-1)])
             if info.length + len(feed) > self.max_len:
                 raise ValueError(f"slot {slot}: {info.length} + {len(feed)} tokens exceed "
                                  f"max_len {self.max_len}")
             budget = info.budget if max_new is None else int(max_new)
+            if budget < 1:  # the token sampled here would be past the budget
+                raise ValueError(f"extend of slot {slot} needs a budget of at least one token, "
+                                 f"got {budget}")
             rows.append((slot, info, feed.astype(np.int32), budget, forced))
         need = sum(self.pages_to_grow(slot, len(feed)) for slot, _, feed, _, _ in rows)
         if need > self.pages.num_free:
@@ -304,6 +327,7 @@ class Engine:
         A group whose prompt's full pages another group of the same call writes (different
         prompts with the same whole-page head) shares those pages and feeds only the rest, in
         feeds that run after the writer's: a page is never read before it is written."""
+        self._check_start(requests)
         version = self._weights_version(params)
         plan = plan_start(requests, self.pages, self.max_len, version)
         need = start_cost(plan, self.page_size)
@@ -343,7 +367,7 @@ class Engine:
         full = pages[: n // self.page_size]
         samples = []
         for r in group.members:
-            budget = r.sampling.max_new_tokens - r.counter if r.budget is None else r.budget
+            budget = r.start_budget
             if r is leader:
                 slot_pages, copy = pages, None
             else:  # share the leader's full pages, copy its last partial page
@@ -413,6 +437,8 @@ class Engine:
         steps = self.decode_steps if steps is None else int(steps)
         if not 1 <= steps <= self.decode_steps:
             raise ValueError(f"steps must be in [1, {self.decode_steps}], got {steps}")
+        if forced is not None:
+            self._check_ids(forced_ids(forced), "decode's forced tokens")
         active = self.slots.decoding()
         need = sum(self.pages_to_grow(s, steps) for s in active)
         if need > self.pages.num_free:
@@ -582,6 +608,23 @@ class Engine:
         power of two of pages (bounded compiles) from ``min_context``."""
         need = max(self.min_context_pages, pages_for(tokens, self.page_size))
         return min(self.table_width, _pow2_at_least(need))
+
+    def _check_start(self, requests: Sequence[StartRequest]) -> None:
+        """Refuse a ``start`` that would fail halfway, before it takes any page or slot (a
+        failure after it had would leak both: pages allocated, slots bound but never fed)."""
+        slots = [r.slot for r in requests]
+        if len(set(slots)) < len(slots):
+            raise ValueError(f"requests share a slot: {slots}")
+        for i, r in enumerate(requests):
+            self.slots.check(r.slot)
+            if self.slots[r.slot] is not None:
+                raise ValueError(f"slot {r.slot} holds a request")
+            stop_row(r.sampling)  # at most MAX_STOP_IDS stop ids
+            self._check_ids(r.history, f"request {i}'s history")
+            self._check_ids(forced_ids(r.forced), f"request {i}'s forced token")
+
+    def _check_ids(self, ids, what: str) -> None:
+        check_token_ids(ids, self.model_config.vocab_size, what)
 
     def _weights_version(self, params) -> int | None:
         """The registry version of pages written with ``params``: the served copy's version;

@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from rstarjax.models.kv_cache import pages_for
-from rstarjax.serving.engine import Engine
+from rstarjax.serving.engine import Engine, forced_ids
 from rstarjax.serving.programs import FeedRow, FeedSample
 from rstarjax.serving.programs import DecodeState, DoneReason, stop_row
 from rstarjax.serving.sampling import SamplingParams
@@ -71,6 +71,8 @@ class JetStreamContractEngine(Engine):
         if n < 1 or n > tokens.shape[0]:
             raise ValueError(f"true_length {n} must be in [1, {tokens.shape[0]}]")
         tokens = tokens[:n]
+        self._check_ids(tokens, "prefill")
+        self._check_ids(forced_ids(forced_token), "prefill's forced token")
         if existing_prefix is not None:
             if existing_prefix.inserted:
                 raise ValueError("the prefix was inserted into a slot already")

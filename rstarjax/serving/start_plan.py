@@ -30,6 +30,12 @@ class StartRequest:
     budget: int | None = None  # tokens it may sample from here, this one included
     forced: int = -1
 
+    @property
+    def start_budget(self) -> int:
+        """Tokens it may sample from here, this one included (default: what is left of
+        ``sampling.max_new_tokens``)."""
+        return self.sampling.max_new_tokens - self.counter if self.budget is None else int(self.budget)
+
 
 @dataclasses.dataclass
 class StartGroup:
@@ -64,6 +70,8 @@ def group_requests(requests: Sequence[StartRequest], max_len: int
             raise ValueError("a request needs at least one token of history")
         if len(r.history) > max_len:
             raise ValueError(f"history of {len(r.history)} tokens exceeds max_len {max_len}")
+        if r.start_budget < 1:  # its first token would be sampled past its budget
+            raise ValueError(f"a request needs a budget of at least one token, got {r.start_budget}")
         if r.prompt_len == len(r.history):
             key = tuple(int(t) for t in r.history)
             if key in groups:
