@@ -101,7 +101,8 @@ class Episode(Protocol):
         ...
 
     def on_tool_ready(self, ids: Sequence[int], free_tokens_in_slot: int) -> Finish | Extend:
-        ...
+        """``free_tokens_in_slot``: tokens the conversation may still grow by (to
+        ``max_rollout_len``, or the slot's end); an ``Extend`` must leave room for one more."""
 
     def on_abort(self, why: str) -> None:
         ...
@@ -425,12 +426,30 @@ class _SliceDriver:
             r.episode.on_abort(f"tool call failed: {exc!r}")
             self._release(r)
             return False
-        action = r.episode.on_tool_ready(ids, self.engine.max_len - len(r.history))
+        action = r.episode.on_tool_ready(ids, self._room(r))
         if isinstance(action, Finish):
             self._release(r)
             return False
-        r.append = (list(action.ids), int(action.max_new_tokens))
+        r.append = (list(action.ids), self._tool_turn_budget(r, action))
         return True
+
+    def _room(self, r: _Rollout) -> int:
+        """Tokens ``r``'s conversation may still grow by: to the rollout length cap where it is
+        below the slot size, else to the slot's end."""
+        return (self.engine.max_len if self.cap is None else self.cap) - len(r.history)
+
+    def _tool_turn_budget(self, r: _Rollout, action: Extend) -> int:
+        """The budget of the turn after ``action``'s tool ids, cut to the rollout length cap as
+        ``_start_request`` cuts the first turn's (without the cap the slot's CONTEXT stop is it)."""
+        budget = int(action.max_new_tokens)
+        if self.cap is None:
+            return budget
+        room = self._room(r) - len(action.ids)
+        if room < 1:
+            raise ValueError(f"an episode appended {len(action.ids)} tool tokens to a rollout of "
+                             f"{len(r.history)}, past max_rollout_len {self.cap}: it is told the "
+                             f"room left (on_tool_ready's free_tokens_in_slot) and must finish")
+        return min(budget, room)
 
     def _timed_out(self, r: _Rollout) -> bool:
         if time.monotonic() - r.wait_since <= self.s.tool_timeout_s:
