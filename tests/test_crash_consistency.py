@@ -253,3 +253,24 @@ def test_a_workdir_whose_run_was_killed_holding_its_lock_starts_the_next_run(tmp
     assert stale == str(holder.pid)
     with workdir_lock(str(tmp_path)):
         assert (tmp_path / LOCK_NAME).read_text().strip() == str(os.getpid())
+
+
+# ============================================================================ the next stage's init_from
+def test_a_stage_started_from_a_stage_that_stopped_short_of_its_total_steps_says_so(tmp_path):
+    """Stage 1 killed at step 6 of 10 (its newest checkpoint: step 6), then stage 2 started from
+    it (a chain run with ``;``, or by hand): its start line said only "from step 6 of ...", and
+    stage 2 trained on from a stage that had not finished, unnoticed."""
+    from rstarjax.recipes.config import parse
+    from rstarjax.recipes.rl import start_line
+    from tiny_run import tiny_rl_config
+
+    (tmp_path / "train.jsonl").write_text(json.dumps({"problem": "p", "answer": "1"}) + "\n")
+    run = parse(tiny_rl_config(tmp_path / "train.jsonl", 4, **{"trainer.micro_batch_size": 2}))
+    meta = {"init_from": "/runs/stage1/checkpoints", "init_from_step": 6, "init_from_stage": "rl",
+            "init_from_total_steps": 10}
+    line = start_line(run, meta, None, 6)
+    assert line.startswith("rstarjax: rl stage fresh at step 6 from step 6 of /runs/stage1/checkpoints (a rl "
+                           "checkpoint; that stage ended at step 6 of its total_steps=10")
+    assert line.endswith("; training to total_steps=4")
+    finished = dict(meta, init_from_step=10)
+    assert "ended at" not in start_line(run, finished, None, 10)

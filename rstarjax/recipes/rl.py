@@ -206,6 +206,8 @@ def _initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig
     # a new stage reads its data from the start, in a new order (stage_data_seed)
     return {"step": trainer.step, "stage_start_step": trainer.step, "init_from": init_from,
             "init_from_step": int(src_step), "init_from_stage": "sft" if from_sft else "rl",
+            # the total that stage was to reach (SFT's meta: total_steps): the start line says when it fell short
+            "init_from_total_steps": src_meta.get("total_steps" if from_sft else "stage_total_steps"),
             **({"lora_base": base} if base is not None else {})}
 
 
@@ -600,7 +602,7 @@ def start_line(run: RunConfig, meta: dict, ckpt: ckpt_lib.Checkpointer, step: in
                      f"{', '.join(map(str, skipped))}, which did not restore (the warning above says why)")
     elif meta.get("init_from"):
         line = (f"fresh at step {step} from step {meta.get('init_from_step')} of {meta['init_from']} "
-                f"(a {meta.get('init_from_stage', 'rl')} checkpoint)")
+                f"(a {meta.get('init_from_stage', 'rl')} checkpoint{_short_of_total(meta)})")
     elif given_policy:  # the preset's random_init describes the model the caller started from, not this one
         line = f"fresh at step {step} from {given_policy}"
     else:
@@ -608,6 +610,18 @@ def start_line(run: RunConfig, meta: dict, ckpt: ckpt_lib.Checkpointer, step: in
                   else run.model.hf_path or run.model.preset)
         line = f"fresh at step {step} from {source}"
     return f"rstarjax: rl stage {line}; training to total_steps={run.total_steps}"
+
+
+def _short_of_total(meta: dict) -> str:
+    """When ``init_from``'s checkpoint is short of the total its stage was to train to: words
+    that say so. A stage killed mid-way (SIGKILL, no message) leaves a valid checkpoint that the
+    next stage would otherwise start from unnoticed (a stage that ran out of data or of things
+    to learn stops short too, and said why)."""
+    step, total = meta.get("init_from_step"), meta.get("init_from_total_steps")
+    if not isinstance(step, int) or not isinstance(total, int) or step >= total:
+        return ""
+    return (f"; that stage ended at step {step} of its total_steps={total}: if it was interrupted, resume it "
+            "in its own workdir first")
 
 
 def solved_message(run: RunConfig, num_problems: int, step: int, start: int, saved: bool,
