@@ -55,7 +55,7 @@ def _start_of_last_line(f, size: int, chunk: int = 1 << 16) -> int:
 
 def cut_torn_tail(path: str) -> bool:
     """Make the JSONL file at ``path`` end with a whole line before it is appended to: a last
-    line without its newline that is a whole JSON value gets the newline; one that is not (a
+    line without its newline that is a whole JSON object gets the newline; one that is not (a
     record a kill cut short) is removed, with a warning. Returns whether it removed one."""
     if not os.path.exists(path):
         return False
@@ -67,8 +67,10 @@ def cut_torn_tail(path: str) -> bool:
         f.seek(start)
         tail = f.read()
         try:
-            json.loads(tail)
+            whole = isinstance(json.loads(tail), dict)  # every record of these logs is an object
         except ValueError:  # (UnicodeDecodeError too: a kill can cut a character in two)
+            whole = False
+        if not whole:
             f.truncate(start)
             log.warning("%s: dropped its last line, %d bytes cut short (a run killed while writing it): %r",
                         path, len(tail), tail[:80])
