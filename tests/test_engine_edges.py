@@ -364,6 +364,22 @@ def test_preempted_sampled_tool_rollouts_equal_a_roomy_run_and_the_full_forward(
     assert not bad, "\n".join(bad[:20])
 
 
+def test_prompts_and_resumes_fed_in_chunks_equal_the_full_forward(model):
+    """Feeds longer than ``prefill_chunk`` go in chunks, and rows past ``max_prefill_tokens`` in
+    further calls (a long prompt, a long rollout re-prefilled after preemption): the same
+    preempted workload through 8-token chunks, at most 16 tokens a call."""
+    eng = Engine(model, num_slots=SLOTS, max_len=MAX_LEN, buckets=(8, 16), page_size=PAGE,
+                 cache_dtype=jnp.float32, prefill_chunk=8, max_prefill_tokens=16, kv_pages=10)
+    _poison(eng, seed=3)
+    eps = _workload(6)
+    stats = RolloutScheduler([eng], max_rollout_len=MAX_LEN, admit_reserve_tokens=0,
+                             decode_steps=4, tool_timeout_s=0.3).run(eps)
+    assert stats.slices[0].preemptions > 0 and eng.free_pages == eng.num_pages
+    assert max(len(e.prompt_ids) for e in eps) > 8, "a prompt longer than one chunk"
+    bad = mismatches(model, [e.t for e in eps])
+    assert not bad, "\n".join(bad[:20])
+
+
 def test_tool_turns_keep_a_rollout_within_max_rollout_len(model):
     """With a rollout length cap below the slot size, the episode is told the room left under
     the cap and a tool turn's budget is cut to it: the first turn was capped, later ones too."""
@@ -376,6 +392,22 @@ def test_tool_turns_keep_a_rollout_within_max_rollout_len(model):
     assert ep.reasons[-1] == DoneReason.BUDGET
     bad = mismatches(model, [ep.t])
     assert not bad, "\n".join(bad)
+
+
+def test_the_fused_sampler_in_the_engine_keeps_the_vocab_limit_and_the_full_forwards_logprobs(model):
+    """The engine's fused sampler (one pass over the logits) on a preempted sampled workload: no
+    id at or past ``vocab_limit`` is drawn, and every log-prob is the full forward's over the
+    whole vocabulary."""
+    limit = 300
+    eng = _engine(model, kv_pages=10, sampler="fused", vocab_limit=limit)
+    eps = _workload(5)
+    stats = RolloutScheduler([eng], max_rollout_len=MAX_LEN, admit_reserve_tokens=0,
+                             decode_steps=4, tool_timeout_s=0.3).run(eps)
+    assert stats.slices[0].preemptions > 0
+    tokens = [tok for e in eps for _, tok, _ in e.t.sampled]
+    assert max(tokens) < limit and len(tokens) > 50
+    bad = mismatches(model, [e.t for e in eps])
+    assert not bad, "\n".join(bad[:20])
 
 
 # ---- bad input ---------------------------------------------------------------------------------
