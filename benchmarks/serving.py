@@ -235,6 +235,7 @@ def hf_figures(ours: dict, hf: dict, n: int) -> dict:
     r = {}
     for arm in hf_arms:
         r[f"decode_tok_s_hf_{arm}"] = n / hf[f"t_hf_{arm}"]
+        r[f"decode_speedup_vs_hf_{arm}"] = hf[f"t_hf_{arm}"] / ours["t"]
         r[f"decode_greedy_match_hf_{arm}"] = float(np.mean(
             [t == h for t, h in zip(ours["tokens"], hf[f"hf_tokens_{arm}"])]))
     fastest = min(hf_arms, key=lambda arm: hf[f"t_hf_{arm}"])
