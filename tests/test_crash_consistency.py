@@ -146,26 +146,12 @@ def test_an_sft_run_killed_while_writing_its_summary_reruns_cleanly(tmp_path, mo
     trains nothing and returns the summary on disk. The summary was written in place (open
     "w", then streamed), so the kill left it cut short and the rerun's ``json.load`` raised a
     JSONDecodeError traceback."""
-    import jax
+    from test_sft import NUM_REGULAR, tiny_sft_run
 
-    sys.path.insert(0, os.path.join(ROOT, "configs"))
-    import sft as sft_config
-    from test_sft import NUM_REGULAR, _conversation, _tiny_model
-
-    from rstarjax.models import load_tokenizer, save_hf
+    from rstarjax.models import load_tokenizer
     from rstarjax.recipes import sft
-    from rstarjax.recipes.config import parse
 
-    tok = load_tokenizer(NUM_REGULAR)
-    save_hf(_tiny_model(tok), str(tmp_path / "hf"), tokenizer=tok)
-    data = tmp_path / "sft.jsonl"
-    data.write_text("".join(json.dumps({"messages": _conversation(i)}) + "\n" for i in range(4)))
-    c = sft_config.get_config()
-    c.model.hf_path, c.sft.data_path, c.model.dtype = str(tmp_path / "hf"), str(data), "float32"
-    c.sft.chat_format, c.sft.epochs, c.sft.batch_size, c.sft.seq_len = "compact", 1, 4, 512
-    c.sft.micro_batch_size, c.sft.export_hf, c.logging.tensorboard = 0, False, False
-    c.mesh.fsdp = -1
-    run = parse(c, num_devices=jax.device_count())
+    run = tiny_sft_run(load_tokenizer(NUM_REGULAR), tmp_path, conversations=4)
     workdir = tmp_path / "run"
     with monkeypatch.context() as m:
         kill_while_encoding(m, lambda o: isinstance(o, dict) and "final_loss" in o)

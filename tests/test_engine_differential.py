@@ -28,7 +28,7 @@ from rstarjax.models.config import ModelConfig
 from rstarjax.models.qwen3 import Qwen3
 from rstarjax.serving import Engine, RolloutScheduler, SamplingParams, slice_meshes
 from rstarjax.serving.scheduler import CallTool, Extend, Finish
-from model_support import chaotic
+from model_support import chaotic, full_forward_logprobs, poison_pool
 
 MAX_LEN = 64
 PAGE = 8
@@ -135,26 +135,9 @@ def workload(seed: int, num_prompts: int = 6, max_turns: int = 3) -> list[Conver
 
 # ---- the reference ----------------------------------------------------------------------------
 
-_forward = jax.jit(lambda state, tokens, graphdef: nnx.merge(graphdef, state)(tokens),
-                   static_argnums=(2,))
-
-
 def reference_logprobs(model: Qwen3, convos: list[list[int]]) -> list[np.ndarray]:
-    """log_softmax (float64) of the model's uncached training forward over each whole
-    conversation, REF_ROWS conversations per call, right-padded to MAX_LEN (attention is
-    causal: padding after a conversation cannot change its logits)."""
-    graphdef, state = nnx.split(model)
-    out = []
-    for i in range(0, len(convos), REF_ROWS):
-        chunk = convos[i:i + REF_ROWS]
-        tokens = np.zeros((REF_ROWS, MAX_LEN), np.int32)
-        for j, c in enumerate(chunk):
-            tokens[j, : len(c)] = c
-        logits = np.asarray(_forward(state, jnp.asarray(tokens), graphdef), np.float64)
-        m = logits.max(-1, keepdims=True)
-        lp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
-        out += [lp[j, : len(c)] for j, c in enumerate(chunk)]
-    return out
+    """The uncached forward's log-probs of each whole conversation (``model_support``)."""
+    return full_forward_logprobs(model, convos, rows=REF_ROWS, width=MAX_LEN)
 
 
 def mismatches(model: Qwen3, convos: list[Conversation], logprob_tol: float = LOGPROB_TOL,
@@ -230,20 +213,6 @@ LANES = {
     "pallas_tpu": Lane("pallas_tpu", decode_steps=4, ks=(4,), seeds=(12,), num_prompts=2,
                        max_turns=2, logprob_tol=2e-2),
 }
-
-
-def poison_pool(engine: Engine, seed: int) -> None:
-    """Fill every page of the engine's pool with large junk (as a pool holds what earlier
-    rollouts left there, only worse): a read of a page nobody wrote in this run moves the
-    logits far beyond the tolerance. Masked positions are safe to hold junk: their attention
-    weight is exactly 0."""
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 2 * len(engine._k)))
-
-    def junk(x):
-        return jax.device_put(30.0 * jax.random.normal(next(keys), x.shape, x.dtype), x.sharding)
-
-    engine._k = tuple(junk(x) for x in engine._k)
-    engine._v = tuple(junk(x) for x in engine._v)
 
 
 def run_lane(model, lane: Lane) -> tuple[list[Conversation], int]:

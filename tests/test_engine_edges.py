@@ -24,7 +24,7 @@ from rstarjax.models.qwen3 import Qwen3
 from rstarjax.serving import DoneReason, Engine, SamplingParams, StartRequest
 from rstarjax.serving.sampling import sample_tokens, sample_tokens_fused
 from rstarjax.serving.scheduler import CallTool, Extend, Finish, RolloutScheduler
-from model_support import chaotic
+from model_support import chaotic, full_forward_logprobs, poison_pool
 
 MAX_LEN = 64
 PAGE = 8
@@ -46,35 +46,12 @@ def _engine(model, **kw):
                   cache_dtype=jnp.float32, **kw)
 
 
-def _poison(engine: Engine, seed: int = 0) -> None:
-    """Every page full of large junk: a read of a position nobody wrote moves the logits far past
-    the tolerance (masked positions may hold junk: their attention weight is exactly 0)."""
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 2 * len(engine._k)))
-    engine._k = tuple(30.0 * jax.random.normal(next(keys), x.shape, x.dtype) for x in engine._k)
-    engine._v = tuple(30.0 * jax.random.normal(next(keys), x.shape, x.dtype) for x in engine._v)
-
-
 # ---- the reference ----------------------------------------------------------------------------
 
-_forward = jax.jit(lambda state, tokens, graphdef: nnx.merge(graphdef, state)(tokens),
-                   static_argnums=(2,))
-
-
 def full_logprobs(model, convos) -> list[np.ndarray]:
-    """log_softmax (float64) of the uncached forward over each whole conversation, right-padded
-    to 2 * MAX_LEN (causal attention: padding after a conversation cannot change its logits)."""
-    graphdef, state = nnx.split(model)
-    out = []
-    for i in range(0, len(convos), REF_ROWS):
-        chunk = convos[i:i + REF_ROWS]
-        tokens = np.zeros((REF_ROWS, 2 * MAX_LEN), np.int32)
-        for j, c in enumerate(chunk):
-            tokens[j, : len(c)] = c
-        logits = np.asarray(_forward(state, jnp.asarray(tokens), graphdef), np.float64)
-        m = logits.max(-1, keepdims=True)
-        lp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
-        out += [lp[j, : len(c)] for j, c in enumerate(chunk)]
-    return out
+    """The uncached forward's log-probs of each whole conversation, right-padded to 2 * MAX_LEN
+    (``model_support``)."""
+    return full_forward_logprobs(model, convos, rows=REF_ROWS, width=2 * MAX_LEN)
 
 
 @dataclasses.dataclass
@@ -132,7 +109,7 @@ def test_prompts_and_turns_on_page_boundaries_equal_the_full_forward(model):
     third sample of the prompt starts on its registered pages."""
     rng = np.random.default_rng(0)
     eng = _engine(model)
-    _poison(eng)
+    poison_pool(eng)
     state = eng.init_decode_state()
     transcripts = []
     for n in (1, PAGE - 1, PAGE, PAGE + 1, 2 * PAGE):
@@ -245,7 +222,7 @@ def test_group_samples_read_their_shared_pages_after_the_writer_is_gone(model):
     prompt = rng.integers(1, 512, size=2 * PAGE + 3).tolist()
     other = rng.integers(1, 512, size=PAGE + 5).tolist()
     eng = _engine(model)
-    _poison(eng, seed=2)
+    poison_pool(eng, seed=2)
     state = eng.init_decode_state()
     sps = [SamplingParams(temperature=1.0, seed=40 + s, max_new_tokens=30) for s in range(3)]
     state, outs = eng.start(eng.params, state, [StartRequest(s, prompt, sps[s], prompt_len=len(prompt))
@@ -345,7 +322,7 @@ def test_preempted_sampled_tool_rollouts_equal_a_roomy_run_and_the_full_forward(
     runs = {}
     for kv_pages in (0, 10):
         eng = _engine(model, kv_pages=kv_pages, decode_steps=8)
-        _poison(eng, seed=kv_pages)
+        poison_pool(eng, seed=kv_pages)
         eps = _workload(5)
         stats = RolloutScheduler([eng], max_rollout_len=MAX_LEN, admit_reserve_tokens=0,
                                  decode_steps=4, tool_timeout_s=0.5).run(eps)
@@ -370,7 +347,7 @@ def test_prompts_and_resumes_fed_in_chunks_equal_the_full_forward(model):
     preempted workload through 8-token chunks, at most 16 tokens a call."""
     eng = Engine(model, num_slots=SLOTS, max_len=MAX_LEN, buckets=(8, 16), page_size=PAGE,
                  cache_dtype=jnp.float32, prefill_chunk=8, max_prefill_tokens=16, kv_pages=10)
-    _poison(eng, seed=3)
+    poison_pool(eng, seed=3)
     eps = _workload(6)
     stats = RolloutScheduler([eng], max_rollout_len=MAX_LEN, admit_reserve_tokens=0,
                              decode_steps=4, tool_timeout_s=0.3).run(eps)

@@ -264,9 +264,9 @@ def test_sigterm_saves_the_step_that_finished_and_stops(tok, tmp_path):
     assert sft.resume_step(str(tmp_path), ckpt_cfg) == 2
 
 
-def test_a_rerun_of_a_finished_sft_run_says_so_and_keeps_its_summary(tok, tmp_path, capsys):
-    """``run_sft`` again in a finished workdir trains nothing, says so, and leaves
-    ``sft_summary.json`` as the run wrote it (it was overwritten with NaN losses and 0 s)."""
+def tiny_sft_run(tok, tmp_path, conversations: int):
+    """``configs/sft.py`` parsed for a tiny float32 model saved under ``tmp_path/hf`` and
+    ``conversations`` rows of SFT data: one epoch of batches of 4, no export, no TensorBoard."""
     import sys
 
     from rstarjax.recipes.config import parse
@@ -276,13 +276,19 @@ def test_a_rerun_of_a_finished_sft_run_says_so_and_keeps_its_summary(tok, tmp_pa
 
     save_hf(_tiny_model(tok), str(tmp_path / "hf"), tokenizer=tok)
     data = tmp_path / "sft.jsonl"
-    data.write_text("".join(json.dumps({"messages": _conversation(i)}) + "\n" for i in range(8)))
+    data.write_text("".join(json.dumps({"messages": _conversation(i)}) + "\n" for i in range(conversations)))
     c = sft_config.get_config()
     c.model.hf_path, c.sft.data_path, c.model.dtype = str(tmp_path / "hf"), str(data), "float32"
     c.sft.chat_format, c.sft.epochs, c.sft.batch_size, c.sft.seq_len = "compact", 1, 4, 512
     c.sft.micro_batch_size, c.sft.export_hf, c.logging.tensorboard = 0, False, False
     c.mesh.fsdp = -1
-    run = parse(c, num_devices=jax.device_count())
+    return parse(c, num_devices=jax.device_count())
+
+
+def test_a_rerun_of_a_finished_sft_run_says_so_and_keeps_its_summary(tok, tmp_path, capsys):
+    """``run_sft`` again in a finished workdir trains nothing, says so, and leaves
+    ``sft_summary.json`` as the run wrote it (it was overwritten with NaN losses and 0 s)."""
+    run = tiny_sft_run(tok, tmp_path, conversations=8)
     workdir = tmp_path / "run"
     first = sft.run_sft(run, str(workdir))
     written = json.loads((workdir / "sft_summary.json").read_text())
