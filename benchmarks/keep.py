@@ -36,6 +36,7 @@ from rstarjax.io.files import write_json_atomic  # noqa: E402
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "torch", "transformers")
 CODE_DIRS = ("rstarjax", "benchmarks", "configs", "setup.py")
+NOT_CODE = (":!benchmarks/results", ":!benchmarks/profiles")  # where figures are kept, not made
 
 
 def git(*args: str) -> str:
@@ -45,7 +46,7 @@ def git(*args: str) -> str:
 
 def uncommitted_code() -> list[str]:
     """Paths under the code directories whose working-tree contents differ from HEAD's."""
-    out = git("status", "--porcelain", "--", *CODE_DIRS)
+    out = git("status", "--porcelain", "--", *CODE_DIRS, *NOT_CODE)
     return [line[3:] for line in out.splitlines() if line.strip()]
 
 
