@@ -41,7 +41,7 @@ NOT_CODE = (":!benchmarks/results", ":!benchmarks/profiles")  # where figures ar
 
 def git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          check=True).stdout.strip()
+                          check=True).stdout.rstrip()
 
 
 def uncommitted_code() -> list[str]:
