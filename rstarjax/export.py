@@ -26,7 +26,9 @@ the files are written into a directory beside it and renamed into place only onc
 ``rstarjax_export.json`` (what was exported), so a failed export leaves nothing behind and a
 directory never mixes two exports or an export with a model's own files (transformers would load
 a stale ``model.safetensors`` there rather than the export's shards). A ``--out`` that cannot be
-written, or holds other files, is one line and exit status 2 before any checkpoint is read.
+written, or holds other files, is one line and exit status 2 before any checkpoint is read. The
+directory written into is locked while its export lives; an export removes those that killed
+exports to the same ``--out`` left (``io.files.remove_abandoned_stagings``).
 """
 from __future__ import annotations
 
@@ -34,15 +36,14 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from rstarjax.io import checkpoint as ckpt_lib
+from rstarjax.io import files
 from rstarjax.models import ModelConfig, Qwen3, load_hf, load_tokenizer, save_hf
 from rstarjax.models import lora as lora_lib
 from rstarjax.models.hf import save_peft_adapter
@@ -211,16 +212,15 @@ def out_dir_problem(out_dir: str, flag: str = "--out") -> str | None:
     return None
 
 
-def staging_dir(out_dir: str, flag: str = "--out") -> str:
+def staging_dir(out_dir: str, flag: str = "--out") -> files.Staging:
     """A fresh directory beside ``out_dir`` to write the export into (so its parent is known to
-    be writable before any checkpoint is read); ``ValueError`` when ``out_dir`` cannot take one."""
+    be writable before any checkpoint is read), after removing what killed exports there left;
+    ``ValueError`` when ``out_dir`` cannot take one."""
     problem = out_dir_problem(out_dir, flag)
     if problem:
         raise ValueError(problem)
-    parent = os.path.dirname(os.path.abspath(out_dir))
     try:
-        os.makedirs(parent, exist_ok=True)
-        return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.export-", dir=parent)
+        return files.new_staging(out_dir)
     except OSError as e:
         raise ValueError(f"{flag} {out_dir!r} cannot be written: {e.strerror or e} (give a directory this "
                          "process can create files in)") from None
@@ -229,22 +229,9 @@ def staging_dir(out_dir: str, flag: str = "--out") -> str:
 def publish(staging: str, out_dir: str, record: dict) -> bool:
     """Write ``record`` as ``EXPORT_RECORD`` into the complete ``staging`` directory and rename
     it to ``out_dir``, replacing an empty directory or an earlier export there (returns whether
-    one was replaced). Renames within one directory: ``out_dir`` is never half-written."""
-    with open(os.path.join(staging, EXPORT_RECORD), "w") as f:
-        json.dump(record, f, indent=2)
-    old, replaced = None, os.path.isdir(out_dir) and bool(os.listdir(out_dir))
-    if os.path.isdir(out_dir):  # empty or an earlier export (out_dir_problem)
-        old = staging + ".replaced"
-        os.rename(out_dir, old)
-    try:
-        os.rename(staging, out_dir)
-    except OSError:
-        if old is not None:
-            os.rename(old, out_dir)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return replaced
+    one was replaced). ``out_dir`` is never half-written (``files.replace_dir``)."""
+    files.write_json_atomic(os.path.join(staging, EXPORT_RECORD), record)
+    return files.replace_dir(staging, out_dir)
 
 
 def export_checkpoint(checkpoint_dir: str, out_dir: str, step: int | None = None, model_config: str | None = None,
@@ -264,7 +251,7 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, step: int | None = None
                                                  tokenizer_num_regular_tokens)
         if peft_dir and not model.config.lora_rank:
             raise ValueError(f"--peft_out: checkpoint {checkpoint_dir} holds full parameters, not LoRA adapters")
-        save_hf(model, stagings[out_dir], tokenizer=tokenizer, dtype=jnp.dtype(dtype) if dtype else None,
+        save_hf(model, stagings[out_dir].path, tokenizer=tokenizer, dtype=jnp.dtype(dtype) if dtype else None,
                 chat_format=info["chat_format"])
         out = {"step": info["step"], "out": out_dir, "config_source": info["config_source"],
                "num_params": info["num_params"], "chat_format": info["chat_format"]}
@@ -272,16 +259,16 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, step: int | None = None
             out["lora"] = (f"rank-{model.config.lora_rank} adapters merged into the base's weights "
                            f"({jnp.dtype(dtype or jnp.float32).name})")
         if peft_dir:
-            save_peft_adapter(model, stagings[peft_dir], info["lora_base"].get("path", ""))
+            save_peft_adapter(model, stagings[peft_dir].path, info["lora_base"].get("path", ""))
             out["peft_out"] = peft_dir
         record = {"checkpoint": os.path.abspath(checkpoint_dir), "step": info["step"],
                   "config_source": info["config_source"], "dtype": dtype or "float32"}
         for final, staged in stagings.items():
-            if publish(staged, final, record):
+            if publish(staged.path, final, record):
                 out.setdefault("replaced", []).append(final)
     finally:
         for staged in stagings.values():
-            shutil.rmtree(staged, ignore_errors=True)  # (gone already once published)
+            staged.close()
     return out
 
 

@@ -4,6 +4,7 @@ torn mid-line, a summary cut mid-write, a checkpoint mid-save, the workdir's loc
 ``rstarjax.report`` and the stage-3 filter's resume must read past it: no traceback, no hang, no
 finished work lost, no damaged data used.
 """
+import dataclasses
 import json
 import os
 import signal
@@ -164,6 +165,30 @@ def test_an_sft_run_killed_while_writing_its_summary_reruns_cleanly(tmp_path, mo
     assert json.loads(summary.read_text())["steps"] == again["steps"] == 1
 
 
+def test_an_sft_export_killed_mid_write_leaves_the_last_whole_model(tmp_path, monkeypatch):
+    """``sft.export_hf`` wrote WORKDIR/hf in place: a rerun killed while writing the shards'
+    index left the old shards under a torn index (a model that fails to load, or, with other
+    shards, loads a mix). Now the directory is written beside it and renamed in whole."""
+    from test_sft import NUM_REGULAR, tiny_sft_run
+
+    from rstarjax.models import load_hf, load_tokenizer
+    from rstarjax.recipes import sft
+
+    run = tiny_sft_run(load_tokenizer(NUM_REGULAR), tmp_path, conversations=4)
+    run = dataclasses.replace(run, sft=dataclasses.replace(run.sft, export_hf=True))
+    workdir = tmp_path / "run"
+    sft.run_sft(run, str(workdir))
+    hf = workdir / "hf"
+    index = (hf / "model.safetensors.index.json").read_text()
+    with monkeypatch.context() as m:
+        kill_while_encoding(m, lambda o: isinstance(o, dict) and "weight_map" in o)
+        with pytest.raises(Killed):
+            sft.run_sft(run, str(workdir))
+    assert (hf / "model.safetensors.index.json").read_text() == index
+    load_hf(str(hf))  # loads whole
+    assert sorted(p.name for p in workdir.iterdir() if p.name.startswith(".hf")) == []
+
+
 # ============================================================================ a checkpoint mid-save
 KILLED_MID_SAVE = """
 import asyncio, sys
@@ -260,3 +285,44 @@ def test_a_stage_started_from_a_stage_that_stopped_short_of_its_total_steps_says
     assert line.endswith("; training to total_steps=4")
     finished = dict(meta, init_from_step=10)
     assert "ended at" not in start_line(run, finished, None, 10)
+
+
+# ============================================================================ export
+def test_an_export_killed_mid_write_leaves_a_staging_folder_the_next_export_removes(tmp_path):
+    """A killed export's hidden ``.OUT.export-*`` folder (a whole model copy) was left for good;
+    the next export beside it removes it, and keeps one a live export still writes into."""
+    from rstarjax.export import staging_dir
+    from rstarjax.io.files import remove_abandoned_stagings
+
+    out = tmp_path / "hf"
+    script = ("import sys, time; from rstarjax.export import staging_dir\n"
+              "s = staging_dir(sys.argv[1]); open(s.path + '/model-00001.safetensors', 'w').write('x' * 1000)\n"
+              "print(s.path, flush=True); time.sleep(60)")
+    writers = [subprocess.Popen([sys.executable, "-c", script, str(out)], env=worker_env(1),
+                                stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    killed, live = writers
+    try:
+        killed_path, live_path = (w.stdout.readline().strip() for w in writers)
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.wait(timeout=30)
+        assert os.path.isdir(killed_path)  # what a kill leaves
+        (tmp_path / ".hf2.export-keep").mkdir()  # another --out's staging: not ours to judge
+        (tmp_path / ".hf.export-old").mkdir()  # from before staging folders had locks
+        (tmp_path / ".hf.export-old.replaced").mkdir()
+        mine = staging_dir(str(out))
+        try:
+            assert not os.path.exists(killed_path) and not os.path.exists(killed_path + ".lock")
+            assert os.path.isdir(live_path) and os.path.exists(live_path + ".lock")
+            assert not (tmp_path / ".hf.export-old").exists()
+            assert not (tmp_path / ".hf.export-old.replaced").exists()
+            assert (tmp_path / ".hf2.export-keep").is_dir()
+            assert remove_abandoned_stagings(str(out)) == []  # the live one and ours are held
+        finally:
+            mine.close()
+        assert not os.path.exists(mine.path) and not os.path.exists(mine.lock_path)
+    finally:
+        for w in writers:
+            w.kill()
+            w.wait(timeout=30)
+    assert remove_abandoned_stagings(str(out)) == [live_path]  # killed too now
+    assert os.listdir(tmp_path) == [".hf2.export-keep"]

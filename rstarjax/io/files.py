@@ -6,14 +6,22 @@ half-written for the next run, ``rstarjax.report``, export or eval to read:
 * an append-only JSONL log (``metrics.jsonl``, the filter's progress) torn by a kill mid-line
   is cut back to its last whole line before anything is appended (``cut_torn_tail``): the next
   line would otherwise be glued onto the torn one, one unreadable line that loses the record
-  appended with it.
+  appended with it;
+* a directory read as one thing (an exported HuggingFace model) is written beside it and renamed
+  into place once complete (``staged_dir``, ``new_staging`` + ``replace_dir``); the staging
+  folders a kill leaves are found by their lock and removed by the next write.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -77,3 +85,133 @@ def cut_torn_tail(path: str) -> bool:
             return True
         f.write(b"\n")
         return False
+
+
+STAGING_INFIX = ".export-"  # .OUT.export-XXXX beside OUT, with its lock .OUT.export-XXXX.lock
+
+
+@dataclasses.dataclass
+class Staging:
+    """The directory a directory ``OUT`` is written into beside it before it is renamed into place
+    (``replace_dir``), and the lock file beside it that this process holds (``flock``) until
+    ``close``: a later write of ``OUT`` finds the leftovers of one that was killed (SIGKILL, out of
+    memory) by their lock no longer being held."""
+    path: str
+    lock_path: str
+    fd: int
+
+    def close(self) -> None:
+        """Remove what is left of the staging (nothing once published), then the lock."""
+        for leftover in (self.path, self.path + ".replaced"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        try:
+            os.unlink(self.lock_path)
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)
+
+
+def _staging_prefix(out_dir: str) -> tuple[str, str]:
+    out = os.path.abspath(out_dir)
+    return os.path.dirname(out), f".{os.path.basename(out)}{STAGING_INFIX}"
+
+
+def remove_abandoned_stagings(out_dir: str) -> list[str]:
+    """Remove the staging directories that killed writes of ``out_dir`` left beside it (an export's
+    is a whole model copy, hidden by its leading dot) and return them. One whose lock a live export
+    holds is kept; a lock is taken before its directory is made and unlinked after it is
+    removed, so a staging directory without its lock file is abandoned too."""
+    parent, prefix = _staging_prefix(out_dir)
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(prefix)]
+    except OSError:
+        return []
+    locked = {n[:-len(".lock")] for n in names if n.endswith(".lock")}
+    removed = []
+
+    def remove(stem: str) -> None:
+        for name in (stem, stem + ".replaced"):
+            if name in names:
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+                removed.append(os.path.join(parent, name))
+
+    for stem in sorted(locked):
+        try:
+            fd = os.open(os.path.join(parent, stem + ".lock"), os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live export
+            remove(stem)
+            os.unlink(os.path.join(parent, stem + ".lock"))
+        finally:
+            os.close(fd)
+    for stem in sorted({n.removesuffix(".replaced") for n in names if not n.endswith(".lock")} - locked):
+        remove(stem)
+    if removed:
+        log.warning("removed %d folder(s) left beside %s by a write (an export) that was killed: %s", len(removed),
+                    out_dir, ", ".join(os.path.basename(r) for r in removed))
+    return removed
+
+
+def _locked_staging(parent: str, prefix: str) -> Staging:
+    """A new staging directory under a lock this process holds (checked still to be the file at
+    its path: a concurrent cleaner may have taken and unlinked it between its creation and our
+    flock, so then try again)."""
+    while True:
+        fd, lock_path = tempfile.mkstemp(prefix=prefix, suffix=".lock", dir=parent)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
+                path = lock_path[:-len(".lock")]
+                os.mkdir(path)
+                return Staging(path, lock_path, fd)
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def new_staging(out_dir: str) -> Staging:
+    """A locked staging directory beside ``out_dir`` (its parent made), after removing what
+    killed writes of ``out_dir`` left there. ``OSError`` when the parent cannot be written."""
+    parent, prefix = _staging_prefix(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    remove_abandoned_stagings(out_dir)
+    return _locked_staging(parent, prefix)
+
+
+def replace_dir(staging: str, out_dir: str) -> bool:
+    """Rename the complete directory ``staging`` to ``out_dir``, replacing what was there (the
+    caller has checked it may); returns whether a non-empty directory was replaced. Renames
+    within one directory, so ``out_dir`` is the old one or the new one whole, never a mix (a
+    kill between the two renames leaves no ``out_dir`` and the old one as ``STAGING.replaced``,
+    removed by the next write)."""
+    old, replaced = None, os.path.isdir(out_dir) and bool(os.listdir(out_dir))
+    if os.path.isdir(out_dir):
+        old = staging + ".replaced"
+        os.rename(out_dir, old)
+    try:
+        os.rename(staging, out_dir)
+    except OSError:
+        if old is not None:
+            os.rename(old, out_dir)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return replaced
+
+
+@contextlib.contextmanager
+def staged_dir(out_dir: str) -> Iterator[str]:
+    """``with staged_dir(OUT) as d:`` write the files into ``d``; when the block ends without an
+    exception, ``d`` replaces ``OUT`` whole (a kill or an error leaves ``OUT`` as it was): for a
+    directory another program reads as one thing (a HuggingFace model: shards, index, tokenizer)."""
+    staging = new_staging(out_dir)
+    try:
+        yield staging.path
+        replace_dir(staging.path, out_dir)
+    finally:
+        staging.close()

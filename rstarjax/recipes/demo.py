@@ -306,7 +306,8 @@ def run_demo(run: RunConfig, workdir: str) -> dict[str, Any]:
 
     _write_eval_samples(os.path.join(workdir, "heldout_samples.jsonl"), data["eval_rows"], sft_trajs, rl_trajs)
     if run.demo.export_hf:
-        save_hf(trainer.lora_model(), os.path.join(workdir, "hf"), tokenizer=setup.tokenizer)  # LoRA: merged in f32
+        with files.staged_dir(os.path.join(workdir, "hf")) as hf_dir:  # whole or not at all
+            save_hf(trainer.lora_model(), hf_dir, tokenizer=setup.tokenizer)  # LoRA: merged in f32
     summary = {
         "sft_accuracy": sft_acc,
         "rl_accuracy": rl_acc,

@@ -282,8 +282,8 @@ def run_sft(run: RunConfig, workdir: str) -> dict[str, Any]:
             metrics_writer=mw)
     if run.sft.export_hf:
         # (a LoRA policy unmerged: save_hf merges it into float32 weights, no bf16 rounding)
-        save_hf(trainer.trainer.lora_model(), os.path.join(workdir, "hf"), tokenizer=tokenizer,
-                chat_format=run.sft.chat_format)
+        with files.staged_dir(os.path.join(workdir, "hf")) as hf_dir:  # whole or not at all
+            save_hf(trainer.trainer.lora_model(), hf_dir, tokenizer=tokenizer, chat_format=run.sft.chat_format)
     summary_path = os.path.join(workdir, "sft_summary.json")
     if start is not None and start >= summary["steps"] and os.path.exists(summary_path):
         with open(summary_path) as f:  # nothing trained now: the run's own summary (its losses) stays
