@@ -162,11 +162,15 @@ def test_max_turns_and_max_length(tok, engine, executor):
     assert len(t.response_ids) == budget
     assert t.segments[-1].kind == SegmentKind.MODEL and len(t.segments[-1].ids) == 5
 
-    # The tool response itself does not fit: truncated before appending it.
-    trajs, _ = run_rollouts(engine, tok, executor, [request(tok, many_calls)],
-                            AgentConfig(max_turns=10, max_response_len=first + 3))
-    t = trajs[0]
-    assert t.finish == FinishReason.MAX_LENGTH and len(t.segments) == 1
+    # The tool response itself does not fit: truncated before appending it, and the call is
+    # not run (it was, its output discarded); at the closing tag's own token too.
+    for room in (3, 0):
+        counting = FlakyExecutor(executor)
+        trajs, _ = run_rollouts(engine, tok, counting, [request(tok, many_calls)],
+                                AgentConfig(max_turns=10, max_response_len=first + room))
+        t = trajs[0]
+        assert t.finish == FinishReason.MAX_LENGTH and len(t.segments) == 1
+        assert (counting.submitted, t.tool_calls) == (0, 0), room
 
 
 def test_static_and_dynamic_schedulers_agree(tok, model, engine, executor):

@@ -188,6 +188,7 @@ class AgentEpisode:
         self.infra_retries = 0  # tool calls resubmitted after an infrastructure answer
         self.done = False
         self._scripted = 0  # script tokens consumed by finished turns
+        self._tool_turn_floor: int | None = None  # _shortest_tool_turn, computed once
         self._lock = threading.Lock()  # tool callbacks run on executor threads
 
     # ---- scheduler hooks ------------------------------------------------------------------
@@ -220,8 +221,21 @@ class AgentEpisode:
             return self._finish(FinishReason.ANSWERED if t.answer_tags else FinishReason.NO_TOOL_CALL)
         if t.turns >= self.config.max_turns:
             return self._finish(FinishReason.MAX_TURNS)
+        if self.config.max_response_len - len(t.response_ids) < self._shortest_tool_turn() + 1:
+            # no tool turn and one more model token fit (on_tool_ready would end it so): the call
+            # is not run, its output could not be appended
+            return self._finish(FinishReason.MAX_LENGTH)
         t.tool_calls += 1
         return CallTool(self._dispatch(call))
+
+    def _shortest_tool_turn(self) -> int:
+        """A floor on any tool turn's tokens: the turn around an empty output, less one (an
+        output's first token may merge with the wrapper's)."""
+        if self._tool_turn_floor is None:
+            wrapper = encode_tool_response_turn(self.tokenizer, "", close_assistant_turn=self.fmt.stops_at_tool_call,
+                                                fmt=self.fmt)
+            self._tool_turn_floor = max(1, len(wrapper) - 1)
+        return self._tool_turn_floor
 
     def on_tool_ready(self, ids, free_tokens_in_slot: int):
         room = self.config.max_response_len - len(self.traj.response_ids)
