@@ -168,14 +168,14 @@ def make_batch(b, l, vocab, seed=0):
                 rollout_logprobs=old)
 
 
-def full_logits_forward(graphdef, rest, params, batch, compute_dtype, with_entropy=True):
+def full_logits_forward(graphdef, rest, params, batch, compute_dtype, with_entropy=True, temperature=1.0):
     """The trainer's forward before chunked vocabularies: [B, L, V] float32 logits, then the
-    log-softmax (what ``trainer.forward_logprobs`` computed until then)."""
+    log-softmax (what ``trainer.forward_logprobs`` computed until then; its signature now)."""
     if compute_dtype is not None:
         params = trainer_lib.cast_floating(params, compute_dtype)
     model = nnx.merge(graphdef, params, rest)
     logits = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"])
-    logprobs, entropy = token_logprobs_and_entropy(logits.astype(jnp.float32), batch["tokens"])
+    logprobs, entropy = token_logprobs_and_entropy(logits.astype(jnp.float32) / temperature, batch["tokens"])
     return logprobs, (entropy if with_entropy else None)
 
 
@@ -410,11 +410,12 @@ def padding(args) -> dict:
             "max_param_diff": diff, "skip_peak_bytes": peaks[0], "all_rows_peak_bytes": peaks[1]}
 
 
-def growth(values: dict) -> float:
-    """Largest ratio between consecutive lengths' values, per doubling of the length."""
+def growth(values: dict) -> float | None:
+    """Largest ratio between consecutive lengths' values, per doubling of the length (None for
+    one length: nothing to compare)."""
     keys = sorted(values)
     ratios = [(values[b] / values[a]) ** (1.0 / np.log2(b / a)) for a, b in zip(keys, keys[1:])]
-    return round(max(ratios), 3)
+    return round(max(ratios), 3) if ratios else None
 
 
 def memory_scan(args) -> dict:

@@ -95,3 +95,19 @@ def test_optimizer_guard_benchmark_runs_and_both_guards_agree():
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert line["same_params_and_moments"] is True
     assert line["branch_step_ms"] > 0 and line["select_step_ms"] > 0
+
+
+@pytest.mark.slow
+def test_the_previous_step_baseline_runs_beside_ours():
+    """``--baseline previous`` (the step before chunked vocabularies: full [B, L, V] logits)
+    traces the trainer's step with an old forward patched in; it broke silently when the
+    forward's signature grew (a TypeError at its first trace), as no test ran it."""
+    out = _bench("--batch", "4", "--seq", "64", "--steps", "1", "--vocab", "512", "--baseline", "previous",
+                 "--dtype", "float32")
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["baseline_step_s"] > 0 and res["trainer_step_s"] > 0
+    scan = _bench("--memory-scan", "--lengths", "256,512", "--vocab", "512")  # its baseline: the same
+    assert scan.returncode == 0, scan.stderr[-2000:]
+    res = json.loads(scan.stdout.strip().splitlines()[-1])
+    assert res["growth_per_doubling_max"] > 0
