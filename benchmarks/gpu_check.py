@@ -37,15 +37,17 @@ out of time costs only itself):
   Predicted on an H100 (not yet run): inputs ~45 s (the random model's write 25 s, the traces
   10 s), SFT ~150 s (start 15 s, compile 30 s, 120 steps of ~9K tokens ~60 s at ~0.5 s each,
   the 20.6 GB checkpoint ~40 s),
-  RL ~170 s (start and restore 25 s, step 1 ~80 s with its compiles, steps 2-4 ~15 s each when
-  the SFT taught the format, the checkpoint ~20 s); ~6.5 min in all, at most 90 + 220 + 250 s
+  RL ~190 s (start and restore 25 s, step 1 ~80 s with its compiles, steps 2-4 ~15 s each when
+  the SFT taught the format, the checkpoints at steps 2 and 4 ~40 s, mostly behind the steps);
+  ~7 min in all, at most 90 + 220 + 250 s
   (its time limits). Its result is also written to ``h100_result.json`` as it stands when a
   phase fails or runs out of time. A model the SFT did not teach decodes every rollout to 8,192 tokens: the
   RL phase then runs into its limit and reports the steps it finished.
-* ``ckpt`` (optional, issue 45): the save's wait for the 1.7B train state (20.6 GB), Orbax's
-  default copy through pinned host memory against the pageable one
-  (``checkpoint.pinned_host_transfer=False``), alternating, each write waited for and deleted,
-  beside a plain ``jax.device_get`` of the same arrays (~2 min on an H100, predicted).
+* ``ckpt`` (optional, issue 45): what one save of the 1.7B train state (20.6 GB) adds to a step:
+  the shipped copy behind the next rollouts (``checkpoint.background_copy``, the rollouts emulated
+  by ~10 s of HBM-bound work) and the copy in the loop, each through pinned host memory and
+  pageable memory (``checkpoint.pinned_host_transfer``), each write waited for and deleted,
+  beside a plain ``jax.device_get`` of the same arrays (~2.5 min on an H100, predicted).
 * ``lora`` (optional, issue 45 item 5): ``configs/stage1.py`` on Qwen3-8B-shaped random weights
   (the preset's, no HF directory written) with LoRA rank 16, sized by the memory plan as
   ``h100`` is (``--h100-mem-fraction`` holds it to 80 GB too): 2 prompts x 2G = 32 rollouts of up
@@ -91,6 +93,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 
 from hardware import bf16_peak_flops, hbm_peak_gbps  # benchmarks/, this script's folder
@@ -307,7 +310,8 @@ STEP_KEYS = {  # summary name -> metrics.jsonl key
     "decode_s": "timing/rollout_decode_s", "tool_wait_s": "timing/tool_exec_wait_s",
     "verify_wait_s": "timing/verify_wait_s", "roc_batch_s": "time/prepare",
     "old_logprobs_s": "time/old_logprobs", "update_s": "time/update", "train_s": "time/train",
-    "handoff_s": "time/handoff", "checkpoint_s": "time/checkpoint",
+    "handoff_s": "time/handoff", "checkpoint_s": "time/checkpoint", "checkpoint_copy_s": "time/checkpoint_copy",
+    "checkpoint_copy_wait_s": "time/checkpoint_copy_wait",
     "generated_tokens": "timing/rollout_generated_tokens",
     "decode_steps": "timing/rollout_decode_steps", "decode_kv_tokens": "timing/rollout_decode_kv_tokens",
     "prefill_tokens": "timing/rollout_prefill_tokens", "preemptions": "timing/rollout_preemptions",
@@ -491,16 +495,18 @@ def agent_rl_argv(a: AgentShape, plan: dict, hf_dir: str, data_path: str, init_f
     GPU"), and nothing else of the plan's: on a device that reports its memory ``rstarjax.main``
     sizes the micro-batch and the KV pool's share itself (recipes/build.sized_by_memory_plan; no
     fixed serving.kv_pages: the engine sizes the pool from what is free). On CPU (no memory
-    statistics) the micro-batch is given, as there. One checkpoint, at the last step (a second one
-    would not fit the lent machine's 64 GB disk beside the SFT's: 20.6 GB each at 1.7B; the
-    ``ckpt`` part measures the wait). Rewards of random-ish weights are mostly equal, so
-    rl.reject_equal_reward=False as in ``main``."""
+    statistics) the micro-batch is given, as there. A checkpoint half-way and one at the last
+    step, the last kept (``checkpoint.keep=1``): the step after the first shows its copy behind
+    the rollouts and what its update waited for it (20.6 GB each at 1.7B: the SFT's is removed
+    once the job has started, ``removed_once_logged``, so that they fit the 64 GB disk). Rewards
+    of random-ish weights are mostly equal, so rl.reject_equal_reward=False as in ``main``."""
     o = {"model.hf_path": hf_dir, "data.train_path": data_path, "checkpoint.init_from": init_from,
          "total_steps": a.steps, "rl.prompts_per_step": a.prompts, "rl.oversample": a.samples,
          "rl.group_size": a.group, "rl.max_prompt_len": a.prompt_len,
          "rl.max_response_len": a.response_len, "rl.reject_equal_reward": False,
          "model.remat_policy": plan["remat_policy"],
-         "checkpoint.every_steps": a.steps, "logging.progress_bar": False, **tiny_overrides(a.model)}
+         "checkpoint.every_steps": max(1, a.steps // 2), "checkpoint.keep": 1, "logging.progress_bar": False,
+         **tiny_overrides(a.model)}
     if not plan.get("device_reported"):
         o["trainer.micro_batch_size"] = plan["micro_batch"]
     return ([sys.executable, "-m", "rstarjax.main", f"--config={ROOT}/configs/stage1.py",
@@ -593,9 +599,10 @@ def part_agent(shape: Shape, args, log, env, scratch: str) -> dict:
         raise RuntimeError(f"the SFT exited {code}: {tail(out)}")
     t2 = time.perf_counter()
     rl_env = dict(env, JAX_LOG_COMPILES="1")  # which programs each step compiles (item: step 2 none)
-    code, out = run_part("h100", agent_rl_argv(a, plan, paths["hf"], paths["data"],
-                                               os.path.join(sft_dir, "checkpoints"), rl_dir),
-                         a.timeouts["rl"], log, rl_env)
+    sft_checkpoints = os.path.join(sft_dir, "checkpoints")
+    with removed_once_logged(sft_checkpoints, os.path.join(rl_dir, "logs", "metrics.jsonl")):
+        code, out = run_part("h100", agent_rl_argv(a, plan, paths["hf"], paths["data"], sft_checkpoints, rl_dir),
+                             a.timeouts["rl"], log, rl_env)
     result["job_s"] = round(time.perf_counter() - t2, 1)
     result["exit"] = code
     # what rstarjax.main sized itself (one device that reports its memory: recipes/build.py), beside
@@ -623,6 +630,32 @@ def part_agent(shape: Shape, args, log, env, scratch: str) -> dict:
     if code != 0:
         raise PartFailed(f"the stage-1 job exited {code}: {tail(out)} (after {len(metrics)} steps)", result)
     return result
+
+
+class removed_once_logged:
+    """While the stage-1 job runs: remove ``directory`` (the SFT's checkpoint, 20.6 GB at 1.7B,
+    read only at the job's start) once the job's metrics log holds its first step, so that its
+    two checkpoints fit the lent machine's 64 GB disk beside the HF weights. Polls twice a
+    second; stops with the job."""
+
+    def __init__(self, directory: str, metrics_log: str):
+        self.directory, self.metrics_log = directory, metrics_log
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.5):
+            if os.path.exists(self.metrics_log) and os.path.getsize(self.metrics_log) > 0:
+                shutil.rmtree(self.directory, ignore_errors=True)
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join(5)
 
 
 def run_steps(metrics: list[dict], inputs: dict, plan: dict, prompts: int, device_kind: str,
@@ -792,7 +825,7 @@ def programs_by_step(out: str, wall_times: list[float]) -> dict[str, list[tuple[
     return by_step
 
 
-# ---- ckpt: the checkpoint wait, Orbax's pinned-host copy against the pageable one (issue 45) ---------
+# ---- ckpt: the checkpoint wait, with the copy behind the next rollouts or in the loop (issue 45) ---
 CKPT_AB = r"""
 import json, os, shutil, statistics, sys, time
 import jax, jax.numpy as jnp, numpy as np
@@ -813,42 +846,75 @@ t = time.perf_counter()
 host = jax.device_get(state)  # the plain pageable copy: the link's bandwidth as jax gets it
 get_s = time.perf_counter() - t
 del host
+
+# the next step's rollouts, as the copy behind them sees them: HBM-bound passes over a buffer
+# (decode reads weights and KV), a fixed amount of work timed alone and under each copy
+buf = jnp.ones((a["work_elems"],), jnp.bfloat16)
+@jax.jit
+def passes(x):
+    return jax.lax.fori_loop(0, 64, lambda _, y: y * jnp.bfloat16(0.999) + jnp.bfloat16(0.001), x)
+def work(calls):
+    t = time.perf_counter()
+    y = buf
+    for _ in range(calls):
+        y = passes(y)
+    jax.block_until_ready(y)
+    return time.perf_counter() - t
+work(1)
+calls = max(1, int(a["work_s"] / max(work(2) / 2, 1e-6)))
+work_alone_s = work(calls)
 out = {"state_gb": round(nbytes / 1e9, 2), "arrays": len(jax.tree.leaves(state)), "device_get_s": round(get_s, 3),
-       "device_get_gbps": round(nbytes / 1e9 / get_s, 2), "runs": []}
+       "device_get_gbps": round(nbytes / 1e9 / get_s, 2), "work_alone_s": round(work_alone_s, 3), "runs": []}
 started = time.perf_counter()
 for i, arm in enumerate(a["arms"]):
     if i and time.perf_counter() - started > a["budget_s"]:
         break
+    background, pinned = arm.startswith("background"), arm.endswith("pinned")
     directory = os.path.join(a["dir"], f"{i}_{arm}")
-    cfg_ck = ckpt_lib.CheckpointConfig(every_steps=1, keep=1, pinned_host_transfer=(arm == "pinned"))
+    cfg_ck = ckpt_lib.CheckpointConfig(every_steps=1, keep=1, pinned_host_transfer=pinned, background_copy=background)
     ck = ckpt_lib.Checkpointer(directory, cfg_ck)
     t = time.perf_counter()
-    ck.save(1, state, {"step": 1})  # what the RL loop waits for: the check pass and Orbax's copy
+    ck.save(1, state, {"step": 1})  # what the RL loop waits for at the save
     wait_s = time.perf_counter() - t
+    run = {"arm": arm, "wait_s": round(wait_s, 3)}
+    if background:  # the next rollouts run while the copy goes on; then the update waits for the rest
+        work_s = work(calls)
+        update_wait_s = ck.wait_copied()
+        run.update(work_s=round(work_s, 3), update_wait_s=round(update_wait_s, 3),
+                   step_increase_s=round(wait_s + update_wait_s + max(0.0, work_s - work_alone_s), 3))
+    else:
+        run["step_increase_s"] = run["wait_s"]
     ck.wait()
-    run = {"arm": arm, "wait_s": round(wait_s, 3), "copy_s": round(ck.copy_seconds, 3),
-           "write_s": round(ck.write_seconds() or 0.0, 3)}
+    run.update(copy_s=round(ck.copy_seconds, 3), write_s=round(ck.write_seconds() or 0.0, 3))
     ck.close()
     shutil.rmtree(directory, ignore_errors=True)  # the lent machine's disk holds few 20 GB states
     out["runs"].append(run)
     print(json.dumps(run), flush=True)
-for arm in ("pinned", "pageable"):
-    waits = [r["wait_s"] for r in out["runs"] if r["arm"] == arm]
-    if waits:
-        out[f"{arm}_wait_s_median"] = round(statistics.median(waits), 3)
-        out[f"{arm}_gbps"] = round(nbytes / 1e9 / statistics.median(waits), 2)
+for arm in a["arms"]:
+    increases = [r["step_increase_s"] for r in out["runs"] if r["arm"] == arm]
+    if increases:
+        out[f"{arm}_step_increase_s"] = round(statistics.median(increases), 3)
+        out[f"{arm}_copy_gbps"] = round(nbytes / 1e9 / statistics.median(
+            r["copy_s"] for r in out["runs"] if r["arm"] == arm), 2)
 print(json.dumps(out), flush=True)
 """
 
+CKPT_ARMS = ("background_pinned", "pinned", "background_pageable", "pageable")
+
 
 def part_ckpt(shape: Shape, args, log, env, scratch: str) -> dict:
-    """The wait of one save of the 1.7B train state (float32 weights and two AdamW moments, 20.6 GB,
-    the arrays the trainer holds): Orbax's default copy through pinned host memory against the
-    pageable one (``checkpoint.pinned_host_transfer=False``), arms alternating, each write
-    waited for and deleted; and a plain ``jax.device_get`` of the same arrays (the link's
-    pageable bandwidth)."""
-    spec = {"model": "tiny" if shape.model == "tiny" else "qwen3-1.7b", "dir": os.path.join(scratch, "ckpt"),
-            "arms": ["pageable", "pinned", "pageable", "pinned"], "budget_s": 0.6 * BUDGET.clip(shape.timeouts["ckpt"])}
+    """What one save of the 1.7B train state (float32 weights and two AdamW moments, 20.6 GB, the
+    arrays the trainer holds) adds to a step, in four arms, the shipped one first: the copy off
+    the device behind the next step's rollouts (``checkpoint.background_copy``, emulated by ~10 s
+    of HBM-bound work timed alone too; the update then waits for what is left) or in the loop,
+    each through Orbax's pinned host memory or pageable memory
+    (``checkpoint.pinned_host_transfer``); each write waited for and deleted; and a plain
+    ``jax.device_get`` of the same arrays (the link's pageable bandwidth). ``step_increase_s``:
+    the loop's wait at the save, plus the update's wait and the rollouts' slowdown behind a copy."""
+    tiny = shape.model == "tiny"
+    spec = {"model": "tiny" if tiny else "qwen3-1.7b", "dir": os.path.join(scratch, "ckpt"),
+            "arms": list(CKPT_ARMS), "budget_s": 0.6 * BUDGET.clip(shape.timeouts["ckpt"]),
+            "work_s": 0.3 if tiny else 10.0, "work_elems": 1 << 20 if tiny else 1 << 30}
     return benchmark_result("ckpt", [sys.executable, "-c", CKPT_AB, json.dumps(spec)], shape.timeouts["ckpt"],
                             log, env)
 
@@ -1113,7 +1179,8 @@ def best_decode_choices(rows: list[dict]) -> list[dict]:
 
 # ---- summary -------------------------------------------------------------------------------------
 AGENT_ROW_KEYS = ("rollout_s", "decode_s", "prefill_s", "tool_wait_s", "old_logprobs_s", "update_s",
-                  "update_mfu", "handoff_s", "checkpoint_s", "compile_s", "decode_tok_s", "trained_tok_s",
+                  "update_mfu", "handoff_s", "checkpoint_s", "checkpoint_copy_s", "checkpoint_copy_wait_s",
+                  "compile_s", "decode_tok_s", "trained_tok_s",
                   "tool_calls_per_rollout", "tool_call_rate", "rollout_vs_roofline",
                   "decode_roofline_fraction", "peak_vs_plan")
 
@@ -1203,11 +1270,13 @@ def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
     ckpt = results.get("ckpt")
     if ckpt is not None and ckpt.ok:
         c = ckpt.result
-        rows.append(("ckpt wait", f"{c.get('state_gb')} GB in {c.get('arrays')} arrays: pinned "
-                                  f"{c.get('pinned_wait_s_median')} s, pageable {c.get('pageable_wait_s_median')} s "
-                                  f"(medians of {len(c.get('runs', []))} alternating saves; writes "
-                                  f"{', '.join(str(r['write_s']) for r in c.get('runs', []))} s); device_get "
-                                  f"{c.get('device_get_s')} s ({c.get('device_get_gbps')} GB/s)"))
+        rows.append(("ckpt", f"{c.get('state_gb')} GB in {c.get('arrays')} arrays; device_get "
+                             f"{c.get('device_get_s')} s ({c.get('device_get_gbps')} GB/s); rollouts alone "
+                             f"{c.get('work_alone_s')} s"))
+        for r in c.get("runs", []):  # the step's wall-clock increase per arm (target <= 2 s)
+            behind = (f", rollouts {r['work_s']} s, update waited {r['update_wait_s']} s" if "work_s" in r else "")
+            rows.append((f"ckpt {r['arm']}", f"step +{r['step_increase_s']} s (save {r['wait_s']} s{behind}); "
+                                             f"copy {r['copy_s']} s, write {r['write_s']} s"))
     for serving in results.values():
         if not (serving.name.startswith(("serving", "blocking")) and serving.ok):
             continue
@@ -1277,8 +1346,8 @@ def parse_args(argv=None):
     ap.add_argument("--parts", default="env,main,serving,train",
                     help="comma-separated subset of env,main,serving,train and the optional "
                          "h100 (stage 1 on one GPU after a short SFT on tool traces, sized by the memory "
-                         "plan; about 6.5 min on an H100), ckpt (the checkpoint wait of the 1.7B state, "
-                         "Orbax's pinned-host copy against the pageable one, ~2 min), lora (stage 1 of "
+                         "plan; about 6.5 min on an H100), ckpt (what a save of the 1.7B state adds to a step: "
+                         "the copy behind the next rollouts or in the loop, pinned or pageable, ~2.5 min), lora (stage 1 of "
                          "the 8B shape with LoRA rank 16 on the preset's random weights, sized by the memory "
                          "plan; ~3 min predicted), "
                          "blocking (the first serving preset with each --blockings spec), "

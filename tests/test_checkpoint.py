@@ -401,10 +401,9 @@ def test_the_loop_waits_for_the_copy_not_the_write(tmp_path):
     assert waited < written / 3, (waited, written)
 
 
-def test_the_rl_loop_logs_the_checkpoint_wait_and_its_write_apart(tmp_path, monkeypatch):
-    """Each saving step logs the loop's wait (``time/checkpoint``) and Orbax's part of it
-    (``time/checkpoint_copy``); the background write (``time/checkpoint_write``) is logged once it
-    committed, the stage's last one with its last step."""
+def _run_logged_stage(tmp_path, monkeypatch, steps: int, **checkpoint):
+    """A tiny in-process RL stage saving every step, with these ``checkpoint`` settings; its
+    metrics records."""
     import jax
 
     from rstarjax.io.metrics_log import read_metrics
@@ -416,14 +415,113 @@ def test_the_rl_loop_logs_the_checkpoint_wait_and_its_write_apart(tmp_path, monk
     monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     workdir = str(tmp_path / "run")
     write_data(workdir)
-    c = in_process_config(workdir, 2)
+    c = in_process_config(workdir, steps)
     c.checkpoint.async_save = True
+    for key, value in checkpoint.items():
+        setattr(c.checkpoint, key, value)
     run_rl(parse(c), workdir, rollout_fn=fake_rollout_fn)
-    recs = read_metrics(os.path.join(workdir, "logs", "metrics.jsonl"))
+    return read_metrics(os.path.join(workdir, "logs", "metrics.jsonl")), workdir
+
+
+def test_the_rl_loop_logs_the_checkpoint_wait_and_its_write_apart(tmp_path, monkeypatch):
+    """With the copy in the loop (``background_copy=False``) each saving step logs the loop's
+    wait (``time/checkpoint``) and Orbax's copy off the device within it
+    (``time/checkpoint_copy``); the background write (``time/checkpoint_write``) is logged once it
+    committed, the stage's last one with its last step."""
+    recs, _ = _run_logged_stage(tmp_path, monkeypatch, 2, background_copy=False)
     assert [r["step"] for r in recs] == [1, 2]
     for r in recs:
         assert 0 < r["time/checkpoint_copy"] <= r["time/checkpoint"], r
+        assert "time/checkpoint_copy_wait" not in r
     assert recs[-1]["time/checkpoint_write"] > 0
+
+
+def test_the_checkpoint_copy_runs_behind_the_next_rollouts(tmp_path, monkeypatch):
+    """``background_copy`` (the default): a save returns after the finite check, its copy off the
+    device (made slow here: 2 s, as 20 GB over PCIe would be) runs behind the next step's
+    rollouts (1.2 s), and only that step's update waits, for what is left of it
+    (``time/checkpoint_copy_wait``), before it donates the arrays being copied. Each checkpoint
+    restores the parameters of its own step, not those of the update after it (without the hold
+    the update deletes the arrays under the copy: the save fails)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from rstarjax.io import checkpoint as ckpt_lib
+
+    slow_s, rollout_s = 2.0, 1.2
+    save, copy = ckpt_lib.Checkpointer.save, ckpt_lib.Checkpointer._copy_and_write
+    saved_params = {}  # the parameters the loop handed to each save, as they were then
+
+    def noting_save(self, step, state, meta, force=False):
+        saved_params[step] = [np.array(x) for x in jax.tree.leaves(state.params)]
+        return save(self, step, state, meta, force)
+
+    def slow_copy(self, step, state, meta, force):
+        time.sleep(slow_s)  # the arrays stay the caller's meanwhile: the update must not donate them
+        return copy(self, step, state, meta, force)
+
+    monkeypatch.setattr(ckpt_lib.Checkpointer, "save", noting_save)
+    monkeypatch.setattr(ckpt_lib.Checkpointer, "_copy_and_write", slow_copy)
+    monkeypatch.setenv("WORKER_SLOW", str(rollout_s))  # each round of rollouts takes this long
+    recs, workdir = _run_logged_stage(tmp_path, monkeypatch, 3)
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    for r in recs[1:]:  # the loop's part: the finite check and fingerprints (compiled at step 1), a thread started
+        assert r["time/checkpoint"] < slow_s / 4, r
+    assert "time/checkpoint_copy" not in recs[0] and "time/checkpoint_copy_wait" not in recs[0]
+    for r in recs[1:]:  # the previous save's copy, and what this step's update waited for it
+        assert r["time/checkpoint_copy"] >= slow_s, r
+        assert r["time/update"] > slow_s - rollout_s - 0.5, r
+    assert slow_s - rollout_s - 0.5 < recs[1]["time/checkpoint_copy_wait"] < slow_s - rollout_s + 0.5, recs[1]
+    # the stage's last step waits for its own copy too (and its write), as any stage end
+    assert recs[2]["time/checkpoint_copy_wait"] > slow_s, recs[2]
+
+    for step in (2, 3):  # keep=2
+        state = ocp.StandardCheckpointer().restore(os.path.join(workdir, "checkpoints", str(step), "state"))
+        got = jax.tree.leaves(state["params"])
+        assert len(got) == len(saved_params[step])
+        for x, want in zip(got, saved_params[step]):
+            np.testing.assert_array_equal(np.asarray(x), want)
+    assert saved_params[2][0].tobytes() != saved_params[3][0].tobytes()
+
+
+def test_a_background_copy_that_fails_or_hangs_is_one_line_at_the_next_wait(tmp_path, monkeypatch):
+    """A copy running behind the loop that raises is raised again, as one ``CheckpointWriteError``
+    line naming the step, by the next wait for it (the update's hold, a save, ``wait``); one that
+    does not end within ``checkpoint.copy_timeout_s`` stops the loop with an error naming the
+    flag, instead of letting an update change the arrays under it, or waiting forever."""
+    import threading
+
+    from rstarjax.io import checkpoint as ckpt_lib
+
+    def broken_copy(self, step, state, meta, force):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt_lib.Checkpointer, "_copy_and_write", broken_copy)
+    with ckpt_lib.Checkpointer(str(tmp_path / "a"), ckpt_lib.CheckpointConfig(every_steps=1)) as ck:
+        assert ck.save(1, _small_state(1), {"step": 1})  # started: the error is the thread's
+        with pytest.raises(ckpt_lib.CheckpointWriteError) as e:
+            ck.wait_copied()
+        assert len(str(e.value).splitlines()) == 1
+        assert "checkpoint 1 could not be written" in str(e.value) and "the disk is full" in str(e.value)
+        assert ck.wait_copied() == 0.0  # raised once
+
+    release = threading.Event()
+
+    def hung_copy(self, step, state, meta, force):
+        release.wait(30)
+        return False
+
+    monkeypatch.setattr(ckpt_lib.Checkpointer, "_copy_and_write", hung_copy)
+    ck = ckpt_lib.Checkpointer(str(tmp_path / "b"), ckpt_lib.CheckpointConfig(every_steps=1, copy_timeout_s=0.3))
+    try:
+        ck.save(1, _small_state(1), {"step": 1})
+        t0 = time.perf_counter()
+        with pytest.raises(ckpt_lib.CheckpointWriteError, match=r"checkpoint 1 .*copy_timeout_s=0.3 s"):
+            ck.wait_copied()
+        assert time.perf_counter() - t0 < 5
+    finally:
+        release.set()
+        ck.close()
 
 
 def test_a_save_is_due_when_a_step_jumps_over_its_multiple_or_past_the_end(tmp_path):

@@ -22,6 +22,7 @@ import errno
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -58,10 +59,19 @@ class CheckpointConfig:
     # pinned host memory, one device_put per array); False copies straight to pageable host memory
     # (copy_to_host_async), the A/B of the 22.6 s checkpoint wait on an H200 (docs/training.md)
     pinned_host_transfer: bool = True
+    # with async_save and one training process: the copy off the device runs in a thread of its
+    # own, behind what the loop does next (an RL step's rollouts), and only the next update, which
+    # donates the arrays, waits for what is left of it (time/checkpoint_copy_wait); False: the loop
+    # waits for the copy at the save, as Orbax's own async save does
+    background_copy: bool = True
+    # the longest the loop waits for a copy off the device before it stops with an error
+    copy_timeout_s: float = 1800.0
 
     def __post_init__(self):
         require((self.every_steps >= 1, f"every_steps={self.every_steps} must be >= 1"),
                 (self.keep >= 1, f"keep={self.keep} must be >= 1"),
+                (0 < self.copy_timeout_s < float("inf"), f"copy_timeout_s={self.copy_timeout_s} must be a number of "
+                 "seconds > 0"),
                 (self.preemption_grace_s > 0, f"preemption_grace_s={self.preemption_grace_s} must be > 0 (seconds "
                  "from the first SIGTERM / SIGINT to the exit)"))
 
@@ -388,8 +398,17 @@ class Checkpointer:
         self._writing: int | None = None  # the step of the async save in flight
         self._save_started = 0.0  # perf_counter at the start of the save in flight
         self._written: float | None = None  # seconds of the last write, until write_seconds() took it
-        self.copy_seconds = 0.0  # of the last save, the part Orbax held the caller (the copy off the device)
+        self.copy_seconds = 0.0  # of the last save, Orbax's synchronous part (the copy off the device)
         self._failed = False  # a write error was raised: later waits on it stay quiet
+        # the copy of the last save when it runs behind the loop (``cfg.background_copy``): its
+        # thread owns the manager until joined (``wait_copied``); what it raised; the seconds the
+        # copy took and the loop waited for it, until ``take_timings`` took them
+        self._background = cfg.async_save and cfg.background_copy and processes.training_count() == 1
+        self._copy: threading.Thread | None = None
+        self._copying: int | None = None  # its step
+        self._copy_error: CheckpointWriteError | None = None
+        self._copied: float | None = None
+        self._copy_waited: float | None = None
         _quiet_orbax_thread_errors()
 
     def should_save(self, step: int, last_step: int | None = None, previous_step: int | None = None) -> bool:
@@ -404,7 +423,13 @@ class Checkpointer:
         """Start saving (returns at once when async). Every process must call it.
 
         A state with an inf or nan anywhere is refused (``NonFiniteState``): a resume could never
-        recover from it, and with ``keep`` it would push the good checkpoints out."""
+        recover from it, and with ``keep`` it would push the good checkpoints out.
+
+        With ``background_copy`` the copy off the device runs in a thread and this returns after
+        the finite check: until ``wait_copied`` the arrays of ``state`` must not change (the
+        caller holds the next update for it: ``Trainer.hold_state``), and True means the save was
+        started (it failed if ``wait_copied`` raises)."""
+        self.wait_copied()  # one save at a time: the manager is the copy thread's while it runs
         self.copy_seconds = 0.0
         if step in self._manager.all_steps():
             return False
@@ -413,9 +438,20 @@ class Checkpointer:
             raise NonFiniteState(f"checkpoint {step} not written to {self.directory}: the train state holds "
                                  "inf or nan values")
         meta = {**meta, FINGERPRINT_KEY: fingerprint_record(state, prints)}
+        if not self._background:
+            return self._copy_and_write(step, state, meta, force)
+        self._copy, self._copying = threading.Thread(
+            target=self._copy_in_background, args=(step, state, meta, force),
+            name=f"rstarjax-checkpoint-copy-{step}", daemon=True), step
+        self._copy.start()
+        return True
+
+    def _copy_and_write(self, step: int, state, meta: dict[str, Any], force: bool) -> bool:
+        """Orbax's save: the copy off the device (this much holds the calling thread), then the
+        write in Orbax's background thread when async."""
+        started = time.perf_counter()
         if self._alone and processes.training_count() == 1:  # orbax refuses arrays of one process in a
             state = jax.device_get(state)  # multi-process run: their host copy (restored as any other)
-        started = time.perf_counter()
         try:  # an async save's error surfaces here, at the next save (or in wait / close)
             # Orbax waits for the previous write, copies the arrays off the device (that much
             # holds the caller: the next update may overwrite them) and writes in the background
@@ -426,7 +462,7 @@ class Checkpointer:
             )
         except Exception as exc:  # noqa: BLE001 - Orbax and TensorStore raise many types; named in one line
             raise self._write_error(self._writing if self._writing is not None else step, exc) from None
-        self.copy_seconds = time.perf_counter() - started
+        self.copy_seconds = self._copied = time.perf_counter() - started
         self._save_started = started
         if saved and not self.cfg.async_save:
             self._written = self.copy_seconds
@@ -434,6 +470,53 @@ class Checkpointer:
         if saved:
             log.info("checkpoint %d -> %s (async=%s)", step, self.directory, self.cfg.async_save)
         return saved
+
+    def _copy_in_background(self, step: int, state, meta: dict[str, Any], force: bool) -> None:
+        """The copy thread: what it raised is raised again by ``wait_copied``."""
+        started = time.perf_counter()
+        try:
+            self._copy_and_write(step, state, meta, force)
+            self.copy_seconds = self._copied = time.perf_counter() - started  # all of the thread's part
+        except CheckpointWriteError as exc:
+            self._copy_error = exc
+        except BaseException as exc:  # noqa: BLE001 - anything else (e.g. jax's device_get) in one line too
+            self._copy_error = self._write_error(step, exc)
+
+    def wait_copied(self) -> float:
+        """Wait until the copy off the device of the save started last is done, so that its
+        arrays may change (0 when it ran in the caller, or is done); the seconds waited. Raises
+        ``CheckpointWriteError`` when the copy failed, or took over ``copy_timeout_s``."""
+        thread = self._copy
+        if thread is None:
+            return 0.0
+        started = time.perf_counter()
+        thread.join(self.cfg.copy_timeout_s)
+        waited = time.perf_counter() - started
+        if thread.is_alive():  # the arrays are still being read: nothing may change them, stop here
+            raise CheckpointWriteError(
+                f"checkpoint {self._copying} could not be written to {self.directory}: its copy off the device "
+                f"took over checkpoint.copy_timeout_s={self.cfg.copy_timeout_s:g} s")
+        self._copy = None
+        self._copy_waited = (self._copy_waited or 0.0) + waited
+        error, self._copy_error = self._copy_error, None
+        if error is not None:  # the copy thread's frames add nothing to its one line
+            raise error.with_traceback(None)
+        return waited
+
+    def take_timings(self) -> dict[str, float]:
+        """What became known of the saves since the last call, once, for the step's metrics log:
+        ``checkpoint_copy`` (seconds of the copy off the device), ``checkpoint_copy_wait`` (what
+        the loop waited for a copy running behind it), ``checkpoint_write`` (from a save's start
+        to its write committed on disk)."""
+        out = {}
+        if self._copied is not None:
+            out["checkpoint_copy"], self._copied = self._copied, None
+        if self._copy_waited is not None:
+            out["checkpoint_copy_wait"], self._copy_waited = self._copy_waited, None
+        written = self.write_seconds()
+        if written is not None:
+            out["checkpoint_write"] = written
+        return out
 
     def _write_committed(self) -> None:
         """Orbax's finalize thread, once a background write is committed."""
@@ -460,15 +543,18 @@ class Checkpointer:
         return CheckpointWriteError(f"{which} could not be written to {self.directory}: {cause}; {newest}")
 
     def latest_step(self) -> int | None:
+        self.wait_copied()  # (the manager is the copy thread's while it runs)
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
+        self.wait_copied()
         return list(self._manager.all_steps())
 
     def restore(self, abstract_state, step: int | None = None):
         """(state, meta) of ``step`` (default the latest finished one) onto ``abstract_state``'s
         shapes and shardings (see ``abstract_like``), its arrays checked against the fingerprints
         recorded at the save (``UnreadableCheckpoint`` when they differ)."""
+        self.wait_copied()
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
@@ -538,6 +624,7 @@ class Checkpointer:
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         """The ``meta`` item of ``step`` (default the latest finished one) alone: no array is read."""
+        self.wait_copied()
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
@@ -547,6 +634,7 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until the pending async save is on disk (``CheckpointWriteError`` if it failed;
         once a failure was raised, the same failure is not raised again)."""
+        self.wait_copied()
         try:
             self._manager.wait_until_finished()
         except Exception as exc:  # noqa: BLE001

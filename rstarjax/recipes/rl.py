@@ -468,9 +468,11 @@ def _saver(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, base_key, record: dict
     """``save(step, (data_state, prompts in flight))``: a checkpoint of the stage at ``step``."""
     def save(step: int, finished) -> bool:
         data_state, pending = finished
-        return ckpt.save(step, trainer.state, {
+        saved = ckpt.save(step, trainer.state, {
             "step": step, "rng": ckpt_lib.key_to_json(base_key), "data_state": data_state, **record,
             **sources.in_flight_record(keeps_in_flight, data_state, pending)})
+        trainer.hold_state(ckpt.wait_copied)  # a copy off the device behind the next rollouts
+        return saved
     return save
 
 
@@ -533,14 +535,15 @@ def _checkpoint_and_log(run: RunConfig, old_step: int, new_step: int, metrics: d
         t_save = time.perf_counter()
         save(new_step, finished_data)
         # with async_save, the part the loop waits for: the finite check and fingerprints on the
-        # device, then Orbax's copy off the device (time/checkpoint_copy); the write goes on behind
+        # device, and Orbax's copy off the device unless it runs behind the next step's rollouts
+        # (checkpoint.background_copy: its update waits for what is left, time/checkpoint_copy_wait);
+        # the write goes on behind
         metrics["time/checkpoint"] = time.perf_counter() - t_save
-        metrics["time/checkpoint_copy"] = ckpt.copy_seconds
         if new_step >= run.total_steps:  # the stage ends: its last write is waited for anyway
             ckpt_lib.wait_reporting(ckpt, lambda: writer.write(new_step, metrics))
-    written = ckpt.write_seconds()  # the last save's background write, once it committed
-    if written is not None:
-        metrics["time/checkpoint_write"] = written
+    # what became known since the last step: the copy's seconds, the update's wait for it, and the
+    # write's seconds once it committed
+    metrics.update({f"time/{name}": seconds for name, seconds in ckpt.take_timings().items()})
     metrics.update(device_memory_metrics())
     metrics["time/compile"] = compile_cache.compile_seconds() - compiled_before
     writer.write(new_step, metrics)

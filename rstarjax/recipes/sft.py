@@ -165,6 +165,10 @@ class SFTTrainer:
         return {"sft/loss": float(m["loss"]), "sft/grad_norm": float(m["grad_norm"]),
                 "sft/tokens": float(m["tokens"]), "sft/lr": lr}
 
+    def hold_state(self, wait) -> None:
+        """``Trainer.hold_state``: the next step waits for ``wait()`` before it changes the state."""
+        self.trainer.hold_state(wait)
+
     def model(self) -> nnx.Module:
         return self.trainer.model()
 
@@ -236,6 +240,7 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
                 stop = guard.stop_signal(s + 1) if ckpt is not None else 0
                 if ckpt is not None and (stop or ckpt.should_save(s + 1, total)):
                     ckpt.save(s + 1, trainer.state, base_meta)
+                    trainer.hold_state(ckpt.wait_copied)  # the copy goes on while the next rows are packed
                 if stop:  # (the finally below waits for the save before this reaches the caller)
                     raise preemption.Interrupted(stop, s + 1, True, False)
     finally:

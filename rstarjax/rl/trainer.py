@@ -320,6 +320,8 @@ class Trainer:
         # The frozen reference policy of the KL term (k3, ``loss_cfg.kl_coef > 0``): a copy of the
         # initial params unless ``set_reference`` replaces it. None (no memory) without the KL.
         self.ref_params = self._copy_params(params) if self._kl else None
+        # waits that must end before the next update donates ``state`` (``hold_state``)
+        self._state_holds: list[Callable[[], object]] = []
 
     @property
     def _kl(self) -> bool:
@@ -471,9 +473,21 @@ class Trainer:
         num_micro = self.num_micro(rows)
         skip = self.cfg.skip_padding and num_micro > 1 and not bool(jax.device_get(
             _every_micro_batch_trained(batch["loss_mask"], num_micro)))
+        self._release_state()
         with jax.set_mesh(self.mesh):
             self.state, metrics = self.step_fn(rows, micro_loss, skip)(self.state, batch, denom_arr)
         return metrics
+
+    def hold_state(self, wait: Callable[[], object]) -> None:
+        """Something reads the arrays of ``state`` behind the caller's back (a checkpoint's copy
+        off the device: ``Checkpointer.wait_copied``): the next update, which donates them,
+        calls ``wait()`` first. Rollouts and log-probs, which only read them, go on meanwhile."""
+        self._state_holds.append(wait)
+
+    def _release_state(self) -> None:
+        holds, self._state_holds = self._state_holds, []
+        for wait in holds:
+            wait()
 
     def verl_loss_scale(self, arrays: Mapping[str, np.ndarray], denom: float | None) -> np.ndarray:
         """``loss.verl_loss_scale`` of each contiguous mini-batch of this process's host rows:
