@@ -19,10 +19,10 @@ out of time costs only itself):
 * ``h100`` (optional, issue 45: stage 1 as a user runs it on one 80 GB H100, with tool calls):
   a random bf16 Qwen3-1.7B, the demo's problems (``recipes/demo_tasks.py``: the Python tool
   answers them) and 2,400 of its tool traces (every one calls the tool; its code really run).
-  The memory plan (``serving/sizing.py`` ``choose_colocated``, from the device's own
-  ``bytes_limit``) picks the remat policy and predicts the micro-batch, the KV pool's share and
-  the peak, or refuses the shape naming the flags (the part then fails with that message); the
-  job is given the remat policy only and sizes the rest itself from the same plan
+  The memory plan (``serving/sizing.py`` ``size_colocated``, from the device's own
+  ``bytes_limit``) predicts the remat policy, the micro-batch, the KV pool's share and the peak,
+  or refuses the shape naming the flags (the part then fails with that message); the job is
+  given none of them and sizes them itself from the same plan
   (``recipes/build.sized_by_memory_plan``, its line recorded as ``run_plan``). Then
   ``configs/sft.py`` for 120 steps of 16 traces (lr 5e-4 after a 10 % warm-up, ~60-100 s of
   training: the random model learns the tool-call format), and ``configs/stage1.py`` from its checkpoint with only model,
@@ -428,8 +428,9 @@ AGENT_SHAPES = {
 # Spliced into both inputs scripts below ("{PLAN}"), which define ``a`` and ``cfg`` first.
 PRINT_PLAN = r"""
 device = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
-choice = choose_colocated(cfg, rows=a["rows"], seq_len=a["seq_len"], lora_rank=a.get("lora_rank", 0),
-                          device_bytes=device or int(a["plan_device_gb"] * 1e9))
+choice = size_colocated(cfg, rows=a["rows"], seq_len=a["seq_len"], lora_rank=a.get("lora_rank", 0),
+                        device_bytes=device or int(a["plan_device_gb"] * 1e9), remat_policies=REMAT_BY_SPEED,
+                        rollouts=a["rollouts"])
 print(json.dumps({"plan": {"remat_policy": choice.remat_policy, "micro_batch": choice.micro_batch,
                            "kv_pages": choice.kv_pages, "kv_memory_fraction": choice.kv_memory_fraction,
                            "device_gb": round((device or a["plan_device_gb"] * 1e9) / 1e9, 2),
@@ -448,7 +449,7 @@ from rstarjax.models.chat_template import RSTAR2, encode_prompt
 from rstarjax.recipes import demo_tasks
 from rstarjax.recipes.config import as_flags
 from rstarjax.models.kv_cache import kv_bytes_per_token
-from rstarjax.serving.sizing import choose_colocated, decode_weight_bytes_read
+from rstarjax.serving.sizing import REMAT_BY_SPEED, decode_weight_bytes_read, size_colocated
 a = json.loads(sys.argv[1])
 tok = load_tokenizer(a["regular"] or None)
 overrides = {} if not a["regular"] else dict(vocab_size=tok.num_tokens, bos_token_id=tok.endoftext_id,
@@ -491,11 +492,11 @@ def agent_sft_argv(a: AgentShape, hf_dir: str, sft_path: str, workdir: str) -> l
 def agent_rl_argv(a: AgentShape, plan: dict, hf_dir: str, data_path: str, init_from: str,
                   workdir: str) -> list[str]:
     """configs/stage1.py from the SFT checkpoint, only model, data and sizes overridden (its 8K
-    responses kept), as a user runs it: the remat policy the plan picked (docs/launch.md "One
-    GPU"), and nothing else of the plan's: on a device that reports its memory ``rstarjax.main``
-    sizes the micro-batch and the KV pool's share itself (recipes/build.sized_by_memory_plan; no
-    fixed serving.kv_pages: the engine sizes the pool from what is free). On CPU (no memory
-    statistics) the micro-batch is given, as there. A checkpoint half-way and one at the last
+    responses kept), as a user runs it: on a device that reports its memory ``rstarjax.main``
+    picks the remat policy, the micro-batch and the KV pool's share itself
+    (recipes/build.sized_by_memory_plan; no fixed serving.kv_pages: the engine sizes the pool
+    from what is free). On CPU (no memory statistics) the plan's remat policy and micro-batch are
+    given, as there. A checkpoint half-way and one at the last
     step, the last kept (``checkpoint.keep=1``): the step after the first shows its copy behind
     the rollouts and what its update waited for it (20.6 GB each at 1.7B: the SFT's is removed
     once the job has started, ``removed_once_logged``, so that they fit the 64 GB disk). Rewards
@@ -504,11 +505,10 @@ def agent_rl_argv(a: AgentShape, plan: dict, hf_dir: str, data_path: str, init_f
          "total_steps": a.steps, "rl.prompts_per_step": a.prompts, "rl.oversample": a.samples,
          "rl.group_size": a.group, "rl.max_prompt_len": a.prompt_len,
          "rl.max_response_len": a.response_len, "rl.reject_equal_reward": False,
-         "model.remat_policy": plan["remat_policy"],
-         "checkpoint.every_steps": max(1, a.steps // 2), "checkpoint.keep": 1, "logging.progress_bar": False,
-         **tiny_overrides(a.model)}
+         "checkpoint.every_steps": max(1, a.steps // 2), "checkpoint.keep": 1, "logging.progress_bar": False}
     if not plan.get("device_reported"):
-        o["trainer.micro_batch_size"] = plan["micro_batch"]
+        o.update({"model.remat_policy": plan["remat_policy"], "trainer.micro_batch_size": plan["micro_batch"]})
+    o.update(tiny_overrides(a.model))
     return ([sys.executable, "-m", "rstarjax.main", f"--config={ROOT}/configs/stage1.py",
              f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in o.items()])
 
@@ -573,6 +573,7 @@ def part_agent(shape: Shape, args, log, env, scratch: str) -> dict:
     os.makedirs(d, exist_ok=True)
     t0 = time.perf_counter()
     spec = dict(model=a.model, regular=a.tokenizer_regular_tokens, rows=a.prompts * a.group,
+                rollouts=a.prompts * a.samples,
                 seq_len=a.prompt_len + a.response_len, plan_device_gb=a.plan_device_gb,
                 problems=8 * a.prompts * a.steps, traces=a.sft_traces, **paths)
     code, out = run_part("h100/inputs", [sys.executable, "-c", MAKE_AGENT_INPUTS, json.dumps(spec)],
@@ -710,7 +711,7 @@ from rstarjax.models.chat_template import RSTAR2, encode_prompt
 from rstarjax.models.kv_cache import kv_bytes_per_token
 from rstarjax.recipes import demo_tasks
 from rstarjax.recipes.config import as_flags
-from rstarjax.serving.sizing import choose_colocated, decode_weight_bytes_read
+from rstarjax.serving.sizing import REMAT_BY_SPEED, decode_weight_bytes_read, size_colocated
 a = json.loads(sys.argv[1])
 tok = load_tokenizer(a["regular"] or None)
 cfg = ModelConfig.preset(a["preset"], dtype=jnp.bfloat16)
@@ -727,19 +728,19 @@ print(json.dumps({"params_b": cfg.num_params / 1e9, "vocab": cfg.vocab_size,
 
 def lora_rl_argv(l: LoraShape, plan: dict, data_path: str, workdir: str) -> list[str]:
     """configs/stage1.py on the preset's random weights with LoRA, only model, data and sizes
-    overridden: the remat policy the plan picked; on a device that reports its memory the job
-    sizes its micro-batch and pool itself (as ``agent_rl_argv``). One checkpoint, at the end (the
+    overridden: on a device that reports its memory the job picks its remat policy, micro-batch
+    and pool itself (as ``agent_rl_argv``). One checkpoint, at the end (the
     adapters and their optimizer state: ~0.2 GB at rank 16)."""
     o = {"model.preset": l.preset, "model.random_init": True, "model.lora_rank": l.lora_rank,
          "data.train_path": data_path, "total_steps": l.steps, "rl.prompts_per_step": l.prompts,
          "rl.oversample": l.samples, "rl.group_size": l.group, "rl.max_prompt_len": l.prompt_len,
          "rl.max_response_len": l.response_len, "rl.reject_equal_reward": False,
-         "model.remat_policy": plan["remat_policy"], "checkpoint.every_steps": l.steps,
-         "logging.progress_bar": False, **tiny_overrides(l.preset)}
+         "checkpoint.every_steps": l.steps, "logging.progress_bar": False}
     if l.tokenizer_regular_tokens:
         o["model.tokenizer_num_regular_tokens"] = l.tokenizer_regular_tokens
     if not plan.get("device_reported"):
-        o["trainer.micro_batch_size"] = plan["micro_batch"]
+        o.update({"model.remat_policy": plan["remat_policy"], "trainer.micro_batch_size": plan["micro_batch"]})
+    o.update(tiny_overrides(l.preset))
     return ([sys.executable, "-m", "rstarjax.main", f"--config={ROOT}/configs/stage1.py",
              f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in o.items()])
 
@@ -755,6 +756,7 @@ def part_lora(shape: Shape, args, log, env, scratch: str) -> dict:
     data_path, workdir = os.path.join(d, "problems.jsonl"), os.path.join(d, "rl")
     t0 = time.perf_counter()
     spec = dict(preset=l.preset, regular=l.tokenizer_regular_tokens, rows=l.prompts * l.group,
+                rollouts=l.prompts * l.samples,
                 seq_len=l.prompt_len + l.response_len, lora_rank=l.lora_rank,
                 plan_device_gb=l.plan_device_gb, problems=8 * l.prompts * l.steps, data=data_path)
     code, out = run_part("lora/inputs", [sys.executable, "-c", MAKE_LORA_INPUTS, json.dumps(spec)],

@@ -62,6 +62,39 @@ def test_given_sizes_that_cannot_fit_are_refused_naming_the_flag():
     assert not c.problems and c.micro_batch == 1  # a given micro-batch that fits is kept
 
 
+def test_the_plan_takes_the_fastest_remat_policy_that_costs_the_rollouts_no_pool():
+    """Left open, the remat policy is the fastest (dots_attention, attention, full: the update's MFU
+    on an H200) whose KV pool holds as many maximum-length rollouts as full's, or all of a step's:
+    on an H100 at issue 45's shape dots_attention with one row a micro-step holds the 15 rollouts
+    that full with two does; for an 8B LoRA at 9K tokens, attention (the faster policy that fits)
+    would hold 5 where full holds 9, so full; at 3K tokens, where full holds more than the step's
+    32, attention holds them all too, and dots_attention fits none beside 8."""
+    def held(c, seq):
+        return c.kv_pages // (seq // 16)
+
+    def planned(cfg, seq, lora):
+        return size_colocated(cfg, rows=ROWS, seq_len=seq, device_bytes=H100, lora_rank=lora,
+                              remat_policies=sizing.REMAT_BY_SPEED, rollouts=32)
+
+    def fixed(cfg, seq, lora, remat):
+        return size_colocated(cfg, rows=ROWS, seq_len=seq, device_bytes=H100, lora_rank=lora, remat_policy=remat)
+
+    c = planned(QWEN17, SEQ, 0)
+    assert (c.remat_policy, c.micro_batch) == ("dots_attention", 1)
+    full = fixed(QWEN17, SEQ, 0, "full")
+    assert full.micro_batch == 2 and held(c, SEQ) >= held(full, SEQ) == 15
+    # the same pool arithmetic as the plan's: one row of dots_attention beside 15 rollouts fits
+    assert update_with_pool(1, 15 * SEQ * KV_TOKEN) - plan_memory(QWEN17, rows=ROWS, seq_len=SEQ, micro_batch=1).activations \
+        + plan_memory(QWEN17, rows=ROWS, seq_len=SEQ, micro_batch=1, remat_policy="dots_attention").activations <= 0.95 * H100
+
+    q8 = ModelConfig.preset("qwen3-8b", remat_policy="full")
+    c = planned(q8, SEQ, 16)
+    assert c.remat_policy == "full" and held(fixed(q8, SEQ, 16, "attention"), SEQ) == 5 and held(c, SEQ) == 9
+    c = planned(q8, 3072, 16)
+    assert c.remat_policy == "attention" and held(c, 3072) >= 32 and held(fixed(q8, 3072, 16, "full"), 3072) > 32
+    assert held(fixed(q8, 3072, 16, "dots_attention"), 3072) < 32
+
+
 def _stage1_run(tmp_path, explicit=frozenset(), **overrides):
     """configs/stage1.py at issue 45's shape, parsed as rstarjax.main does (configs/base.py's 64-row
     micro-batch does not divide its 16 rows: left open for the plan unless ``explicit``)."""
@@ -94,12 +127,15 @@ def test_a_one_gpu_rl_run_takes_what_the_command_line_leaves_open_from_the_plan(
     run = _stage1_run(tmp_path)
     assert (run.trainer.micro_batch_size, run.serving.kv_memory_fraction) == (0, 0.9)  # opened; configs/base.py
     planned = build.sized_by_memory_plan(run)
-    want = size_colocated(QWEN17, rows=ROWS, seq_len=SEQ, device_bytes=H100)
+    want = size_colocated(QWEN17, rows=ROWS, seq_len=SEQ, device_bytes=H100, remat_policies=sizing.REMAT_BY_SPEED,
+                          rollouts=32)
+    assert planned.model.remat_policy == want.remat_policy == "dots_attention"  # configs: full
     assert planned.trainer.micro_batch_size == want.micro_batch
     assert planned.serving.kv_memory_fraction == pytest.approx(want.kv_memory_fraction, abs=1e-6)
     line = capsys.readouterr().out.strip()
     assert line.count("\n") == 0 and line.startswith("rstarjax: memory plan")
     assert f"trainer.micro_batch_size={want.micro_batch} (plan)" in line
+    assert "model.remat_policy=dots_attention (plan)" in line
     assert f"predicted peak {want.plan.peak / 1e9:.1f} GB" in line
 
     # a value the command line gave is kept, the other planned beside it
@@ -107,8 +143,19 @@ def test_a_one_gpu_rl_run_takes_what_the_command_line_leaves_open_from_the_plan(
     planned = build.sized_by_memory_plan(run, explicit={"trainer.micro_batch_size"})
     assert planned.trainer.micro_batch_size == 1 and planned.serving.kv_memory_fraction != 0.9
     assert "trainer.micro_batch_size=1 (given)" in capsys.readouterr().out
-    # both given: kept as they are (the start check judges them)
+    # a remat policy the command line gave is kept
+    run = _stage1_run(tmp_path, {"model.remat_policy"}, **{"model.remat_policy": "full"})
+    planned = build.sized_by_memory_plan(run, explicit={"model.remat_policy"})
+    assert planned.model.remat_policy == "full" and planned.trainer.micro_batch_size == 2
+    assert "model.remat_policy=full (given)" in capsys.readouterr().out
+    # all three given: kept as they are (the start check judges them); both sizes given, the
+    # fastest policy that fits beside them, and when none does, the start check judges them too
     both = {"trainer.micro_batch_size", "serving.kv_memory_fraction"}
+    given = _stage1_run(tmp_path, both | {"model.remat_policy"}, **{"trainer.micro_batch_size": 1,
+                                                                   "serving.kv_memory_fraction": 0.1})
+    assert build.sized_by_memory_plan(given, explicit=both | {"model.remat_policy"}) is given
+    assert build.sized_by_memory_plan(given, explicit=both).model.remat_policy == "dots_attention"
+    assert "model.remat_policy=dots_attention (plan)" in capsys.readouterr().out
     given = _stage1_run(tmp_path, both, **{"trainer.micro_batch_size": 2, "serving.kv_memory_fraction": 0.9})
     assert build.sized_by_memory_plan(given, explicit=both) is given
     # a given share that leaves the update no room: refused at the start, naming the flag
@@ -145,7 +192,8 @@ def test_rows_the_config_files_micro_batch_does_not_divide_are_sized_by_the_plan
     monkeypatch.setattr(build.jax, "device_count", lambda: 1)
     monkeypatch.setattr(sizing, "device_bytes_limit", lambda device=None: H100)
     main.run(c, str(tmp_path / "w"))
-    want = size_colocated(QWEN17, rows=ROWS, seq_len=SEQ, device_bytes=H100)
-    assert ran[0].trainer.micro_batch_size == want.micro_batch
+    want = size_colocated(QWEN17, rows=ROWS, seq_len=SEQ, device_bytes=H100, remat_policies=sizing.REMAT_BY_SPEED,
+                          rollouts=32)
+    assert (ran[0].model.remat_policy, ran[0].trainer.micro_batch_size) == (want.remat_policy, want.micro_batch)
     with pytest.raises(ConfigError, match=r"micro_batch_size=64 must divide"):  # given: judged as given
         main.run(c, str(tmp_path / "w"), explicit={"trainer.micro_batch_size"})

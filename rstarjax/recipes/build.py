@@ -160,7 +160,7 @@ def rollouts(model, tok: Tokenizer, executor: CodeExecutor, agent: AgentConfig, 
 
 
 # the sizes a colocated run on one device takes from the memory plan unless the command line gives them
-PLANNED_KEYS = ("trainer.micro_batch_size", "serving.kv_memory_fraction")
+PLANNED_KEYS = ("model.remat_policy", "trainer.micro_batch_size", "serving.kv_memory_fraction")
 
 
 def model_config(src: ModelSource) -> ModelConfig:
@@ -191,10 +191,12 @@ def parse_sizes_open(config, explicit, error: ConfigError) -> RunConfig:
 def sized_by_memory_plan(run: RunConfig, explicit=frozenset(), deferred: ConfigError | None = None) -> RunConfig:
     """``mode=rl``, colocated on one device that reports its memory (a GPU or TPU): the keys of
     ``PLANNED_KEYS`` that neither the command line (``explicit``) nor ``--config.profile`` set
-    become the memory plan's (``serving.sizing.size_colocated``: the micro-batch whose update fits
-    beside the serving copy and the KV pool, the pool's share of what the trainer leaves), and one
-    line says them with the predicted peak; ConfigError naming the flags when nothing fits. The
-    config files' values (64 rows, 0.9) are for CPU and several devices, where ``run`` is kept.
+    become the memory plan's (``serving.sizing.size_colocated``: the fastest remat policy that
+    costs the rollouts no KV pool, the micro-batch whose update fits beside the serving copy and
+    the pool, the pool's share of what the trainer leaves), and one line says them with the
+    predicted peak; ConfigError naming the flags when nothing fits (sizes both given that no
+    policy fits are left to the start check). The config files' values (remat ``full``, 64 rows,
+    0.9) are for CPU and several devices, where ``run`` is kept.
     ``deferred``: the first parse's error when ``parse_sizes_open`` made ``run``; raised unless the
     plan sets the micro-batch."""
     device = sizing.device_bytes_limit() if run.mode == "rl" and jax.device_count() == 1 \
@@ -207,7 +209,8 @@ def sized_by_memory_plan(run: RunConfig, explicit=frozenset(), deferred: ConfigE
     if run.serving.kv_pages > 0:  # an explicit pool: the fraction is not used
         given.add("serving.kv_memory_fraction")
     planned = tuple(k for k in PLANNED_KEYS if k not in given)
-    if not planned:  # both given: the start check (recipes/rl.py check_update_room) judges them
+    sizes_given = not any(k in planned for k in PLANNED_KEYS[1:])
+    if not planned:  # all given: the start check (recipes/rl.py check_update_room) judges them
         return run  # (deferred: the micro-batch was given, so parse_sizes_open raised already)
     rl = run.rl
     choice = sizing.size_colocated(
@@ -216,15 +219,20 @@ def sized_by_memory_plan(run: RunConfig, explicit=frozenset(), deferred: ConfigE
         micro_batch=None if "trainer.micro_batch_size" in planned else run.trainer.micro_batch_size,
         kv_memory_fraction=None if "serving.kv_memory_fraction" in planned else run.serving.kv_memory_fraction,
         kv_pages=run.serving.kv_pages, page_size=run.serving.page_size, lora_rank=run.model.lora_rank,
-        release_during_update=run.serving.release_during_update)
+        release_during_update=run.serving.release_during_update, remat_policy=run.model.remat_policy,
+        remat_policies=sizing.REMAT_BY_SPEED if "model.remat_policy" in planned else (),
+        rollouts=rl.prompts_per_step * rl.oversample)
+    if choice.problems and sizes_given:  # no policy fits the sizes given: the start check judges them
+        return run
     if choice.problems:
         raise ConfigError(as_flags("invalid config:\n  " + "\n  ".join(choice.problems)))
     print("rstarjax: " + sizing.describe_choice(choice, device_bytes=device, planned=planned,
                                                 kv_pages=run.serving.kv_pages), flush=True)
+    model = dataclasses.replace(run.model, remat_policy=choice.remat_policy)
     trainer = dataclasses.replace(run.trainer, micro_batch_size=choice.micro_batch)
     serving = run.serving if "serving.kv_memory_fraction" not in planned else dataclasses.replace(
         run.serving, kv_memory_fraction=round(choice.kv_memory_fraction, 6))
-    return dataclasses.replace(run, trainer=trainer, serving=serving)
+    return dataclasses.replace(run, model=model, trainer=trainer, serving=serving)
 
 
 def init_from_checkpoint(init_from: str) -> tuple[int, dict]:

@@ -348,17 +348,26 @@ def device_bytes_limit(device: jax.Device | None = None) -> int | None:
 def size_colocated(cfg: ModelConfig, *, rows: int, seq_len: int, device_bytes: int,
                    micro_batch: int | None = None, kv_memory_fraction: float | None = None,
                    kv_pages: int = 0, page_size: int = 16, lora_rank: int = 0,
-                   release_during_update: bool = False, remat_policy: str | None = None) -> ColocatedChoice:
+                   release_during_update: bool = False, remat_policy: str | None = None,
+                   remat_policies: tuple[str, ...] = (), rollouts: int = 0) -> ColocatedChoice:
     """The micro-batch and the KV pool's share of a colocated run on one device of ``device_bytes``,
     each from the memory plan where the run leaves it open (None), the run's own where it set it.
 
-    The run's remat policy is kept (``remat_policy``, default ``cfg.remat_policy``). With the
-    pool open, ``choose_colocated`` picks the largest micro-batch (or checks the given one) beside
-    a pool of at least 8 maximum-length rollouts, else of one, and gives the pool the rest. With
-    the pool set (``kv_memory_fraction`` of the memory the trainer's state and the serving copy
-    leave, or ``kv_pages``), the micro-batch is the largest whose update fits beside that pool.
-    ``problems`` (one line, naming the flags) when nothing fits."""
-    remat = remat_policy or cfg.remat_policy
+    The remat policy is the run's (``remat_policy``, default ``cfg.remat_policy``), or with
+    ``remat_policies`` (fastest first) the plan's: ``fastest_remat_keeping_the_pool`` of their
+    choices, ``rollouts`` being a step's. With the pool open, ``choose_colocated`` picks the
+    largest micro-batch (or checks the given one) beside a pool of at least 8 maximum-length
+    rollouts, else of one, and gives the pool the rest. With the pool set (``kv_memory_fraction``
+    of the memory the trainer's state and the serving copy leave, or ``kv_pages``), the
+    micro-batch is the largest whose update fits beside that pool. ``problems`` (one line, naming
+    the flags) when nothing fits."""
+    if len(remat_policies) > 1:
+        choices = [size_colocated(cfg, rows=rows, seq_len=seq_len, device_bytes=device_bytes, micro_batch=micro_batch,
+                                  kv_memory_fraction=kv_memory_fraction, kv_pages=kv_pages, page_size=page_size,
+                                  lora_rank=lora_rank, release_during_update=release_during_update,
+                                  remat_policy=remat) for remat in remat_policies]
+        return fastest_remat_keeping_the_pool(choices, pages_for(seq_len, page_size), rollouts)
+    remat = (remat_policies[0] if remat_policies else None) or remat_policy or cfg.remat_policy
     micro_batches = None if micro_batch is None else (micro_batch or rows,)
     page_bytes = kv_bytes_per_token(cfg, jnp.bfloat16) * page_size
     per_rollout = pages_for(seq_len, page_size)
@@ -395,6 +404,23 @@ def size_colocated(cfg: ModelConfig, *, rows: int, seq_len: int, device_bytes: i
     return dataclasses.replace(choice, problems=(problem,))
 
 
+def fastest_remat_keeping_the_pool(choices: list[ColocatedChoice], pages_per_rollout: int,
+                                   rollouts: int) -> ColocatedChoice:
+    """Of one sizing per remat policy (``choices``, fastest policy first, the slowest last), the
+    fastest that fits and whose KV pool holds as many maximum-length rollouts at once as the
+    slowest's does, or all of a step's ``rollouts`` (0: no cap): on one device the rollouts are
+    most of a step (46.5 of 49 s on an H200, docs/launch.md) and the update a few percent, so a
+    faster update (45.4 % against 39.5 % MFU) must not cost the rollouts concurrency. The slowest
+    policy's choice (its problems included) when none does better."""
+    def held(c: ColocatedChoice) -> int:
+        return c.kv_pages // pages_per_rollout
+    slowest = choices[-1]
+    if slowest.problems:  # the policy with the smallest activations does not fit: none does
+        return slowest
+    need = held(slowest) if rollouts <= 0 else min(held(slowest), rollouts)
+    return next(c for c in choices if not c.problems and held(c) >= need)
+
+
 def describe_choice(choice: ColocatedChoice, *, device_bytes: int, planned: tuple[str, ...],
                     kv_pages: int = 0) -> str:
     """One line for the start of a run: the micro-batch, the pool and the predicted peak;
@@ -406,7 +432,8 @@ def describe_choice(choice: ColocatedChoice, *, device_bytes: int, planned: tupl
     pool = (f"serving.kv_pages={kv_pages} (given)" if kv_pages > 0 else
             f"serving.kv_memory_fraction={choice.kv_memory_fraction:.4f} ({tag('serving.kv_memory_fraction')})")
     return (f"memory plan (serving/sizing.py) for {device_bytes / GB:.1f} GB: "
+            f"model.remat_policy={choice.remat_policy} ({tag('model.remat_policy')}), "
             f"trainer.micro_batch_size={choice.micro_batch} ({tag('trainer.micro_batch_size')}), {pool}: "
-            f"a {p.kv_pool / GB:.1f} GB KV pool, remat {choice.remat_policy}; predicted peak {p.peak / GB:.1f} GB "
+            f"a {p.kv_pool / GB:.1f} GB KV pool; predicted peak {p.peak / GB:.1f} GB "
             f"(weights + AdamW {p.state / GB:.1f}, gradients {p.grads / GB:.1f}, activations "
             f"{p.activations / GB:.1f}, serving copy {p.serving / GB:.1f})")
