@@ -133,7 +133,7 @@ SHAPES = {
                  train_batches=(1, 4), train_repeats=3,
                  timeouts={"env": 60, "main": 330, "serving_qwen3-1.7b": 70,
                            "serving_qwen3-8b": 80, "train_1x8k": 60, "train_4x8k": 70,
-                           "blocking": 75, "remat": 75, "kernels": 150, "ckpt": 170}),
+                           "blocking": 75, "remat": 75, "kernels": 150, "ckpt": 200}),
     "tiny": Shape(model="tiny", tokenizer_regular_tokens=4000, prompts=2, samples=4, group=2,
                   response_len=48, prompt_len=1024, micro_batch=0, steps=2,
                   serving_presets=("tiny",), serving_batches="4", serving_quick=True,
