@@ -450,11 +450,15 @@ class Checkpointer:
         """Orbax's save: the copy off the device (this much holds the calling thread), then the
         write in Orbax's background thread when async."""
         started = time.perf_counter()
-        if self._alone and processes.training_count() == 1:  # orbax refuses arrays of one process in a
-            state = jax.device_get(state)  # multi-process run: their host copy (restored as any other)
         try:  # an async save's error surfaces here, at the next save (or in wait / close)
-            # Orbax waits for the previous write, copies the arrays off the device (that much
-            # holds the caller: the next update may overwrite them) and writes in the background
+            # the previous write first (Orbax's save would wait for it too), so that its commit is
+            # timed from its own start and this one's from here, before it can commit
+            self._manager.wait_until_finished()
+            self._save_started = time.perf_counter()
+            if self._alone and processes.training_count() == 1:  # orbax refuses arrays of one process in a
+                state = jax.device_get(state)  # multi-process run: their host copy (restored as any other)
+            # Orbax copies the arrays off the device (that much holds the caller: the next update
+            # may overwrite them) and writes in the background
             saved = self._manager.save(
                 step,
                 args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))),
@@ -463,7 +467,6 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001 - Orbax and TensorStore raise many types; named in one line
             raise self._write_error(self._writing if self._writing is not None else step, exc) from None
         self.copy_seconds = self._copied = time.perf_counter() - started
-        self._save_started = started
         if saved and not self.cfg.async_save:
             self._written = self.copy_seconds
         self._writing = step if saved and self.cfg.async_save else None
