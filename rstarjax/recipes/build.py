@@ -209,7 +209,6 @@ def sized_by_memory_plan(run: RunConfig, explicit=frozenset(), deferred: ConfigE
     if run.serving.kv_pages > 0:  # an explicit pool: the fraction is not used
         given.add("serving.kv_memory_fraction")
     planned = tuple(k for k in PLANNED_KEYS if k not in given)
-    sizes_given = not any(k in planned for k in PLANNED_KEYS[1:])
     if not planned:  # all given: the start check (recipes/rl.py check_update_room) judges them
         return run  # (deferred: the micro-batch was given, so parse_sizes_open raised already)
     rl = run.rl
@@ -222,7 +221,8 @@ def sized_by_memory_plan(run: RunConfig, explicit=frozenset(), deferred: ConfigE
         release_during_update=run.serving.release_during_update, remat_policy=run.model.remat_policy,
         remat_policies=sizing.REMAT_BY_SPEED if "model.remat_policy" in planned else (),
         rollouts=rl.prompts_per_step * rl.oversample)
-    if choice.problems and sizes_given:  # no policy fits the sizes given: the start check judges them
+    if choice.problems and planned == ("model.remat_policy",):  # no policy fits the sizes given: the
+        # start check judges them
         return run
     if choice.problems:
         raise ConfigError(as_flags("invalid config:\n  " + "\n  ".join(choice.problems)))

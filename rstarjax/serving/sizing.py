@@ -361,13 +361,13 @@ def size_colocated(cfg: ModelConfig, *, rows: int, seq_len: int, device_bytes: i
     of the memory the trainer's state and the serving copy leave, or ``kv_pages``), the
     micro-batch is the largest whose update fits beside that pool. ``problems`` (one line, naming
     the flags) when nothing fits."""
-    if len(remat_policies) > 1:
+    if remat_policies:
         choices = [size_colocated(cfg, rows=rows, seq_len=seq_len, device_bytes=device_bytes, micro_batch=micro_batch,
                                   kv_memory_fraction=kv_memory_fraction, kv_pages=kv_pages, page_size=page_size,
                                   lora_rank=lora_rank, release_during_update=release_during_update,
                                   remat_policy=remat) for remat in remat_policies]
         return fastest_remat_keeping_the_pool(choices, pages_for(seq_len, page_size), rollouts)
-    remat = (remat_policies[0] if remat_policies else None) or remat_policy or cfg.remat_policy
+    remat = remat_policy or cfg.remat_policy
     micro_batches = None if micro_batch is None else (micro_batch or rows,)
     page_bytes = kv_bytes_per_token(cfg, jnp.bfloat16) * page_size
     per_rollout = pages_for(seq_len, page_size)
