@@ -6,7 +6,9 @@
     python benchmarks/decode_kernel_sweep.py --engine --batches 256,64,32   # inside the engine
 
 ``--arms packed`` adds our kernel (``models/decode_kernel.py``) with each ``--packed-blockings``
-spec, in the order given (gpu_check.py gives them in predicted order, under ``--budget-s``).
+spec, in the order given (gpu_check.py gives them in predicted order, under ``--budget-s``);
+``--arms mosaic`` our Mosaic GPU kernel (``models/decode_kernel_mgpu.py``, Hopper) with each
+``--mosaic-blockings`` spec.
 ``--engine``: the engine's whole decode step instead (Qwen3-1.7B, random bf16 weights, every
 row a ``--prompt-len`` prompt), one engine per batch whose decode program is compiled once per
 ``--engine-arms`` entry (attention path x sampler); the arms alternate call by call for
@@ -15,7 +17,7 @@ the HBM-roofline fraction (weights + live KV bytes per step / step time / peak b
 ``benchmarks/serving.py``); ``--trace-dir`` keeps a ``jax.profiler`` trace of one more call of
 ``--trace-arms`` (with its ``*.xplane.pb``, the compiled HLO ``profile_summary.py`` names the
 fusions from); ``--compile-threads N`` compiles every arm's program ahead, N at a time (a 1.7B
-decode program is ~17 s of compile on a GPU host, so 7 arms x 3 batches is most of the part).
+decode program is ~17 s of compile on a GPU host, so 8 arms x 3 batches is most of the part).
 
 The decode profile on an H200 (docs/serving.md) puts ~60 % of a Qwen3-1.7B decode step in this
 kernel at about a quarter of the HBM bandwidth. The engine picks its knobs from the page-table
@@ -58,7 +60,11 @@ ap.add_argument("--warps", default="4,8")
 ap.add_argument("--stages", default="2")
 ap.add_argument("--iters", type=int, default=20)
 ap.add_argument("--arms", default="triton", help="comma-separated: triton (the knob sweep), "
-                "cudnn, cudnn_packed, packed (ours, each --packed-blockings spec)")
+                "cudnn, cudnn_packed, packed (ours, each --packed-blockings spec), mosaic (ours on "
+                "Mosaic GPU, each --mosaic-blockings spec)")
+ap.add_argument("--mosaic-blockings", default="64,3;64,2;128,2;64,4",
+                help="';'-separated BLOCK_TOKENS,STAGES (models/decode_kernel_mgpu.py "
+                     "MosaicBlocking), run in this order")
 ap.add_argument("--packed-blockings", default="4,8,1024,4,3;4,8,1024,4,3,1;2,8,1024,4,4;8,8,1024,8,3;4,8,1048576,4,3",
                 help="';'-separated PAGES_PER_BLOCK,MAX_K_SPLITS,TARGET_PROGRAMS,NUM_WARPS,NUM_STAGES[,TENSOR_CORES] "
                      "(models/decode_kernel.py PackedBlocking), run in this order")
@@ -71,6 +77,8 @@ ap.add_argument("--engine-arms", default="pallas_gpu:exact,pallas_gpu_packed:exa
 ap.add_argument("--preset", default="qwen3-1.7b", help="--engine: the model shape")
 ap.add_argument("--packed-blocking", default="", help="--engine: the blocking of the engine's "
                 "pallas_gpu_packed arms (one --packed-blockings spec; default: the engine's)")
+ap.add_argument("--mosaic-blocking", default="", help="--engine: the blocking of the engine's "
+                "pallas_mgpu_packed arms (one --mosaic-blockings spec; default: the engine's)")
 ap.add_argument("--gemm-blocking", default="", help="--engine: the blocking of the "
                 "pallas_gpu_packed_layer arms' GEMMs (BLOCK_ROWS,BLOCK_COLS,BLOCK_K,TARGET_PROGRAMS,"
                 "MIN_COLS,NUM_WARPS,NUM_STAGES: models/decode_gemm.py GemmBlocking; default: the engine's)")
@@ -105,6 +113,7 @@ if args.tiny:
     args.kv_heads, args.q_heads, args.head_dim = 2, 4, 16
     args.per_block, args.k_splits, args.warps = "2,4", "1,2", "4"
     args.packed_blockings = "2,2,1024,4,3;4,8,1,4,3"
+    args.mosaic_blockings = "16,2"
     args.preset, args.rounds = "tiny", 2
     args.prompt_len = 24 if args.prompt_len == 512 else args.prompt_len  # the default: tiny's
 
@@ -179,6 +188,19 @@ def packed_arm(blocking):
         q, k, v, t, n, blocking=blocking, scale=1.0, interpret=args.interpret))
 
 
+def mosaic_blockings():
+    from rstarjax.models.decode_kernel_mgpu import MosaicBlocking
+
+    return [MosaicBlocking(*map(int, spec.split(","))) for spec in args.mosaic_blockings.split(";") if spec]
+
+
+def mosaic_arm(blocking):
+    from rstarjax.models.decode_kernel_mgpu import decode_attention_mosaic
+
+    return jax.jit(lambda q, k, v, t, n: decode_attention_mosaic(
+        q, k, v, t, n, blocking=blocking, scale=1.0, interpret=args.interpret))
+
+
 def engine_default(width: int) -> tuple[int, int]:
     """What the engine picks today: (pages per compute block, k splits)."""
     return PALLAS_GPU_BLOCKING.for_width(width)
@@ -217,15 +239,29 @@ def main():
                            q, k, v, t, n, block_h=16, pages_per_compute_block=per, k_splits=ks,
                            num_warps=w, num_stages=st, interpret=args.interpret)), (k, v))
                   for per, ks, w, st in configs]
+        ours = {"packed": [], "mosaic": []}
         if "packed" in arms:
             for blocking in packed_blockings():
                 per, splits = blocking.for_shape(batch, args.kv_heads, args.max_tokens // page_size,
                                                  page_size)
-                trials.append((dict(arm="packed", per_block=per, k_splits=splits,
-                                    warps=blocking.num_warps, stages=blocking.num_stages,
-                                    target_programs=blocking.target_programs,
-                                    tensor_cores=blocking.tensor_cores),
-                               lambda b=blocking: packed_arm(b), (k, v)))
+                ours["packed"].append((dict(arm="packed", per_block=per, k_splits=splits,
+                                            warps=blocking.num_warps, stages=blocking.num_stages,
+                                            target_programs=blocking.target_programs,
+                                            tensor_cores=blocking.tensor_cores),
+                                       lambda b=blocking: packed_arm(b), (k, v)))
+        if "mosaic" in arms:
+            from rstarjax.models.decode_kernel_mgpu import swizzle_bytes
+
+            for blocking in mosaic_blockings():
+                width, quantum = args.max_tokens // page_size, swizzle_bytes(args.head_dim, jnp.bfloat16) // 2
+                ours["mosaic"].append((dict(arm="mosaic", per_block=blocking.for_width(width, page_size, quantum),
+                                            stages=blocking.stages,
+                                            shared_kb=blocking.shared_bytes(width, page_size, args.head_dim) // 1024),
+                                       lambda b=blocking: mosaic_arm(b), (k, v)))
+        # our two kernels' blockings taken in turn, each list in its predicted order, so that a
+        # budget that runs out has measured the likeliest of both
+        for pair in itertools.zip_longest(ours["packed"], ours["mosaic"]):
+            trials += [t for t in pair if t is not None]
         for arm in ("cudnn", "cudnn_packed"):
             if arm in arms:
                 pages = (jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1))
@@ -313,6 +349,11 @@ def engine_main():
     if args.packed_blocking:  # read when the decode programs are traced
         decode_kernel.PACKED_BLOCKING = decode_kernel.PackedBlocking(
             *map(int, args.packed_blocking.split(",")))
+    if args.mosaic_blocking:
+        from rstarjax.models import decode_kernel_mgpu
+
+        decode_kernel_mgpu.MOSAIC_BLOCKING = decode_kernel_mgpu.MosaicBlocking(
+            *map(int, args.mosaic_blocking.split(",")))
     t_start = time.perf_counter()
     arms = [parse_arm(a) for a in args.engine_arms.split(",") if a]
     peak = peak_gbps()

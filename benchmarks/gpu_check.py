@@ -973,7 +973,7 @@ def part_train(shape: Shape, batch: int, name: str, log, env, trace_dir: str,
 
 
 # ---- kernels2 / decode: our decode kernel and sampler against jax's (issue 46) -------------------
-# decode: 7 arms x 3 batches, each a ~17 s compile of the 1.7B decode program (the serving part's
+# decode: 8 arms x 3 batches, each a ~17 s compile of the 1.7B decode program (the serving part's
 # runs, 2026-11-27), ~7 min; what is left of the budget cuts the 32-row batch first
 DECODE_TIMEOUTS = {"gpu": {"kernels2": 150, "gemms": 100, "decode": 400, "decode_4k": 180},
                    "tiny": {"kernels2": 300, "gemms": 200, "decode": 400, "decode_4k": 300}}
@@ -986,13 +986,18 @@ DECODE_4K_ARMS = ("pallas_gpu:exact,pallas_gpu_packed_rope:fused,pallas_gpu_pack
 # predicted order, best first (docs/serving.md "Our decode kernel"), so a part that runs out of
 # time has measured the likeliest winners; jax's Triton kernel with the engine's blocking runs first.
 PACKED_BLOCKINGS = "4,8,1024,4,3;4,8,1024,4,3,1;2,8,1024,4,4;8,8,1024,8,3;4,8,1048576,4,3"
+# The Mosaic GPU kernel's (BLOCK_TOKENS,STAGES; models/decode_kernel_mgpu.py), taken in turn with
+# the packed ones: 3 blocks of 64 tokens in flight (112 KB of shared memory, two programs an SM),
+# 2 (80 KB, two an SM), 2 of 128 tokens (144 KB, one an SM), 4 of 64 (144 KB)
+MOSAIC_BLOCKINGS = "64,3;64,2;128,2;64,4"
 # The engine's decode, attention path x sampler [x GEMMs], alternating; the issue's target batches
 # first. Each arm one change on the one before (jax's kernel; ours; the one-pass sampler; ours
 # writing the step's K/V; norming and rotating q/k too; the projections as our fused GEMMs,
 # models/decode_gemm.py), so their differences are each change's; the last, cuBLAS GEMMs, is a
-# change on the rope arm. DECODE_TRACED are traced at 256 and 64 rows, their HLO kept, for the next
+# change on the rope arm. Our Mosaic GPU kernel (pallas_mgpu_packed) is a change on jax's kernel
+# beside ours. DECODE_TRACED are traced at 256 and 64 rows, their HLO kept, for the next
 # fusions: the rope arm (XLA's GEMMs and small kernels) and the fused-GEMM arm (ours in the engine).
-DECODE_ARMS = ("pallas_gpu:exact,pallas_gpu_packed:exact,pallas_gpu_packed:fused,"
+DECODE_ARMS = ("pallas_gpu:exact,pallas_gpu_packed:exact,pallas_mgpu_packed:exact,pallas_gpu_packed:fused,"
                "pallas_gpu_packed_append:fused,pallas_gpu_packed_rope:fused,"
                "pallas_gpu_packed_layer:fused,pallas_gpu_packed_rope:fused:cublas")
 DECODE_TRACED = "pallas_gpu_packed_rope:fused,pallas_gpu_packed_layer:fused"
@@ -1006,26 +1011,28 @@ DECODE_COMPILE_THREADS = 4
 # kernels2's second sweep: 64 rows of the engine's ~640 tokens, where the default blocking's two
 # splits cost a combine kernel a layer; the same kernel in one split (target 512 programs) beside it
 SHORT_ROW_BLOCKINGS = "4,8,1024,4,3;4,8,512,4,3"
+SHORT_ROW_MOSAIC = "64,3;64,2"
 
 
 def part_kernels2(shape: Shape, args, log, env) -> dict:
     """The decode kernels alone at 256 rows x 4,096 tokens (Qwen3-1.7B: 16 q / 8 kv heads, one
     layer's 16-token pages scattered over the pool, then 64-token ones): jax's Triton kernel with
-    the engine's blocking, then ours with each ``PACKED_BLOCKINGS`` spec, each against a float32
-    reference, with its share of the HBM peak (benchmarks/decode_kernel_sweep.py); then 64 rows
-    x 640 tokens, ``SHORT_ROW_BLOCKINGS`` (two splits and a combine, or one)."""
+    the engine's blocking, then ours with each ``PACKED_BLOCKINGS`` spec and our Mosaic GPU
+    kernel with each ``MOSAIC_BLOCKINGS`` spec, in turn, each against a float32 reference, with
+    its share of the HBM peak (benchmarks/decode_kernel_sweep.py); then 64 rows
+    x 640 tokens, ``SHORT_ROW_BLOCKINGS`` (two splits and a combine, or one) and ``SHORT_ROW_MOSAIC``."""
     timeout = BUDGET.clip(DECODE_TIMEOUTS[args.shape]["kernels2"])
     started = time.perf_counter()
-    sweep = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"), "--arms", "packed"]
+    sweep = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"), "--arms", "packed,mosaic"]
     if shape.model == "tiny":
         runs = [["--tiny", "--interpret", "--iters", "1", "--packed-blockings", PACKED_BLOCKINGS]]
     else:
         # 16-token pages (the engine's) first; 64-token ones, the page-size lever (4 KB -> 16 KB
         # contiguous reads a page), after
         runs = [["--batches", "256", "--contexts", "4096", "--page-sizes", "16,64", "--iters", "20",
-                 "--packed-blockings", PACKED_BLOCKINGS],
+                 "--packed-blockings", PACKED_BLOCKINGS, "--mosaic-blockings", MOSAIC_BLOCKINGS],
                 ["--batches", "64", "--contexts", "640", "--page-sizes", "16", "--iters", "20",
-                 "--packed-blockings", SHORT_ROW_BLOCKINGS]]
+                 "--packed-blockings", SHORT_ROW_BLOCKINGS, "--mosaic-blockings", SHORT_ROW_MOSAIC]]
     rows = []
     for i, extra in enumerate(runs):
         left = timeout - (time.perf_counter() - started)
@@ -1111,8 +1118,11 @@ def decode_rows(results: dict) -> list[tuple[str, str]]:
     rows = []
     kernels = results.get("kernels2")
     for r in (kernels.result.get("rows", []) if kernels is not None else []):
-        arm = (f"{r['arm']} {r.get('per_block')},{r.get('k_splits')},{r.get('warps')},{r.get('stages')}"
-               + (" tc" if r.get("tensor_cores") else "") + f" page{r.get('page_size')}")
+        if r["arm"] == "mosaic":  # pages a block, blocks in flight, shared memory a program
+            arm = f"mosaic {r.get('per_block')},{r.get('stages')} {r.get('shared_kb')}KB page{r.get('page_size')}"
+        else:
+            arm = (f"{r['arm']} {r.get('per_block')},{r.get('k_splits')},{r.get('warps')},{r.get('stages')}"
+                   + (" tc" if r.get("tensor_cores") else "") + f" page{r.get('page_size')}")
         rows.append((f"kernel2 b{r['batch']} ctx{r['context']} {arm}",
                      f"{r['us']} us, {r['gbps']} GB/s ({100 * r.get('hbm_fraction', 0):.0f} % of HBM), "
                      f"max diff {r['max_diff_vs_reference']:.3g}" if "us" in r

@@ -10,7 +10,10 @@ Triton lowering (block shapes, every op of the kernel body translated to Triton 
 verifies) and for TPU the Mosaic lowering. The Triton IR is only compiled to PTX/AMDGCN when XLA
 compiles the program on the device itself (Triton's own passes: layouts, shared memory per
 ``num_stages``, register allocation), and that needs the GPU: a kernel that lowers here can
-still fail there for too much shared memory, never for an op Pallas cannot lower.
+still fail there for too much shared memory, never for an op Pallas cannot lower. The Mosaic GPU
+kernel (``pallas_mgpu_packed``) goes further here: Mosaic GPU's lowering picks every register
+layout and shared-memory transfer plan on CPU (a layout it cannot serve fails here); only the
+PTX is made on the device.
 """
 import jax
 import jax.numpy as jnp
@@ -70,7 +73,8 @@ def _lower(decode_call, platform, attention):
 
 @pytest.mark.parametrize("platform, attention", [
     ("cuda", "pallas_gpu"), ("cuda", "pallas_gpu_packed"), ("cuda", "pallas_gpu_packed_append"),
-    ("cuda", "pallas_gpu_packed_rope"), ("cuda", "pallas_gpu_packed_layer"), ("cuda", "ragged"),
+    ("cuda", "pallas_gpu_packed_rope"), ("cuda", "pallas_gpu_packed_layer"),
+    ("cuda", "pallas_mgpu_packed"), ("cuda", "ragged"),
     ("rocm", "auto"), ("rocm", "pallas_gpu_packed"), ("rocm", "pallas_gpu_packed_append"),
     ("rocm", "pallas_gpu_packed_rope"), ("rocm", "pallas_gpu_packed_layer"),
     ("tpu", "auto"), ("tpu", "ragged"),
@@ -83,7 +87,7 @@ def test_decode_program_lowers_for_the_platform(decode_call, platform, attention
               "pallas_gpu_packed_append": "__gpu$xla.gpu.triton",
               "pallas_gpu_packed_rope": "__gpu$xla.gpu.triton",
               "pallas_gpu_packed_layer": "__gpu$xla.gpu.triton",
-              "pallas_tpu": "tpu_custom_call"}.get(attention)
+              "pallas_mgpu_packed": "mosaic_gpu_v2", "pallas_tpu": "tpu_custom_call"}.get(attention)
     if kernel:  # the kernel itself is in the program, not a fallback
         assert kernel in text, (platform, attention)
 
@@ -218,3 +222,32 @@ def _lower_fused_decode_gemms(model: str, rows: int, blockings) -> None:
                 *args).mlir_module()
             assert "__gpu$xla.gpu.triton" in text
             _assert_kernels_profile_as(text, "decode_gemm_", "matmul")
+
+
+def _gpu_check_mosaic_blockings() -> list[tuple[int, ...]]:
+    """The Mosaic GPU kernel's blockings benchmarks/gpu_check.py's kernels2 part runs."""
+    return [tuple(map(int, b.split(","))) for b in
+            _gpu_check_specs("MOSAIC_BLOCKINGS") + _gpu_check_specs("SHORT_ROW_MOSAIC")]
+
+
+@pytest.mark.parametrize("blocking", sorted(set(_gpu_check_mosaic_blockings())))
+def test_mosaic_kernel_variants_lower_for_cuda_at_qwen3_shapes(blocking):
+    """Every blocking of the Mosaic GPU kernel kernels2 runs (the engine's default among them),
+    at Qwen3-1.7B (16 q / 8 kv heads) and 8B (32 / 8) decode shapes, 256 and 32 rows, 4,608-token
+    tables of 16- and 64-token pages: Mosaic GPU's lowering (register layouts, shared-memory
+    transfer plans) and a shared-memory footprint an H100/H200 program can hold (227 KB)."""
+    from rstarjax.models.decode_kernel_mgpu import (MOSAIC_BLOCKING, MosaicBlocking,
+                                                    decode_attention_mosaic)
+
+    assert MOSAIC_BLOCKING in [MosaicBlocking(*b) for b in _gpu_check_mosaic_blockings()]
+    blocking = MosaicBlocking(*blocking)
+    sd = jax.ShapeDtypeStruct
+    for q_heads, rows, page in ((16, 256, 16), (32, 256, 16), (16, 32, 16), (16, 256, 64)):
+        assert blocking.shared_bytes(4608 // page, page, 128) <= 227 * 1024, (blocking, page)
+        pool = sd((8, 65536 // page, page, 128), jnp.bfloat16)
+        args = (sd((rows, q_heads, 128), jnp.bfloat16), pool, pool, sd((rows, 4608 // page), jnp.int32),
+                sd((rows,), jnp.int32))
+        text = export.export(jax.jit(lambda *a: decode_attention_mosaic(*a, blocking=blocking)),
+                             platforms=["cuda"])(*args).mlir_module()
+        assert "mosaic_gpu_v2" in text
+        _assert_kernels_profile_as(text, "decode_attention_", "attention")

@@ -26,6 +26,9 @@
   and also applying the q/k RMSNorm and the rotary embedding (``pallas_gpu_packed_rope``: the
   QKV projection's output goes straight into the kernel); ``pallas_gpu_packed_layer`` is that
   kernel with the layer's projections as ``decode_gemm`` kernels (``qwen3.decode_layer_fused``).
+  ``pallas_mgpu_packed`` is the packed kernel's work as a Mosaic GPU kernel for Hopper
+  (``decode_kernel_mgpu.py``): the pages copied by the TMA several blocks ahead, both products
+  on the tensor cores; bfloat16/float16 pools, NVIDIA H100/H200 only.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ from rstarjax.models.kv_cache import NO_PAGE
 
 DECODE_IMPLEMENTATIONS = ("reference", "ragged", "pallas_gpu", "pallas_gpu_packed",
                           "pallas_gpu_packed_append", "pallas_gpu_packed_rope",
-                          "pallas_gpu_packed_layer", "pallas_tpu")
+                          "pallas_gpu_packed_layer", "pallas_mgpu_packed", "pallas_tpu")
 QUERY_BLOCK = 256  # queries per block in the reference: bounds the [T, context] logits buffer
 RAGGED_CHUNK = 64  # pages per iteration of the ragged decode attention
 RAGGED_LIST_STEP = 16  # a list of at most RAGGED_CHUNK pages is padded to a multiple of this
@@ -227,8 +230,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """One query per row: q [B, N, H] attends to the row's first ``lengths[b]`` tokens
     (including the one just written). -> [B, N, H].
 
-    ``interpret=True`` runs either kernel in its interpreter (CPU tests): Pallas' for the GPU
-    kernel, the TPU interpreter (``pltpu.force_tpu_interpret_mode``, which also works around
+    ``interpret=True`` runs the kernel in its interpreter (CPU tests): Pallas' for the Triton
+    kernels, Mosaic GPU's for ``pallas_mgpu_packed``, the TPU interpreter (``pltpu.force_tpu_interpret_mode``, which also works around
     the call) for the TPU one. ``kv_sharding``: the pool's sharding on a tensor-parallel slice; where it splits the
     kv heads, a Pallas kernel runs once per device on that device's heads (``shard_map``:
     XLA cannot partition a kernel call itself)."""
@@ -271,6 +274,12 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         return decode_kernel.decode_attention_packed(q, k_pages, v_pages, table, lengths,
                                                      blocking=decode_kernel.PACKED_BLOCKING,
                                                      interpret=interpret)
+    if implementation == "pallas_mgpu_packed":
+        from rstarjax.models import decode_kernel_mgpu
+
+        return decode_kernel_mgpu.decode_attention_mosaic(
+            q, k_pages, v_pages, table, lengths, blocking=decode_kernel_mgpu.MOSAIC_BLOCKING,
+            interpret=interpret)
     raise ValueError(f"decode attention {implementation!r} not in {DECODE_IMPLEMENTATIONS}")
 
 

@@ -50,7 +50,8 @@ class ServingConfig:
     # the CUDA default until a GPU measures it ("pallas_gpu_packed_append": the same, writing the
     # step's K/V itself; "pallas_gpu_packed_rope": also norming and rotating q/k;
     # "pallas_gpu_packed_layer": also the projections as Pallas GEMMs with the norms, SwiGLU and
-    # residual adds fused in, models/decode_gemm.py); "ragged" the
+    # residual adds fused in, models/decode_gemm.py); "pallas_mgpu_packed" the packed kernel's
+    # work as a Mosaic GPU kernel for Hopper (models/decode_kernel_mgpu.py); "ragged" the
     # portable path, "reference" the oracle. One path per batch size: "ARM@ROWS,...,ARM", e.g.
     # "pallas_gpu_packed_layer@64,pallas_gpu_packed_rope" (serving/decode_choice.py)
     decode_attention: str = "auto"
