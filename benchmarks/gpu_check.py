@@ -979,9 +979,9 @@ DECODE_TIMEOUTS = {"gpu": {"kernels2": 150, "gemms": 100, "decode": 400, "decode
                    "tiny": {"kernels2": 300, "gemms": 200, "decode": 400, "decode_4k": 300}}
 # decode_4k: the issue's 4K-context rows, where the pool holds them (64 rows on an H100, 128 on
 # an H200; 256 x 4K is 120 GB of KV): jax's kernel against the predicted fastest, with and
-# without cuBLAS GEMMs
-DECODE_4K_ARMS = ("pallas_gpu:exact,pallas_gpu_packed_rope:fused,pallas_gpu_packed_layer:fused,"
-                  "pallas_gpu_packed_rope:fused:cublas")
+# without cuBLAS GEMMs, and our Mosaic GPU kernel (where attention is most of the step)
+DECODE_4K_ARMS = ("pallas_gpu:exact,pallas_mgpu_packed:exact,pallas_gpu_packed_rope:fused,"
+                  "pallas_gpu_packed_layer:fused,pallas_gpu_packed_rope:fused:cublas")
 # Our kernel's blockings (PAGES_PER_BLOCK,MAX_K_SPLITS,TARGET_PROGRAMS,NUM_WARPS,NUM_STAGES[,TENSOR_CORES]) in
 # predicted order, best first (docs/serving.md "Our decode kernel"), so a part that runs out of
 # time has measured the likeliest winners; jax's Triton kernel with the engine's blocking runs first.
