@@ -87,6 +87,23 @@ def test_the_mosaic_kernel_refuses_what_it_cannot_run_in_one_line():
         decode_attention_mosaic(q, k, v, table[:, :6], lengths, interpret=True)
 
 
+def test_the_mosaic_kernel_names_a_gpu_without_wgmma():
+    """An A100, a Blackwell or an AMD GPU is refused in one line before Mosaic GPU compiles
+    anything; a Hopper GPU and a CPU (lowering for CUDA from here) are not."""
+    from types import SimpleNamespace
+
+    from rstarjax.models.decode_kernel_mgpu import device_problem
+
+    def gpu(capability="", version="cuda 12.9"):
+        return SimpleNamespace(platform="gpu", compute_capability=capability,
+                               client=SimpleNamespace(platform_version=version))
+    assert "8.0" in device_problem(gpu("8.0"))
+    assert "10.0" in device_problem(gpu("10.0"))
+    assert "AMD" in device_problem(gpu(version="rocm 7.0.1"))
+    assert device_problem(gpu("9.0")) is None
+    assert device_problem(jax.devices()[0]) is None  # CPU: jax.export lowers for CUDA from here
+
+
 def test_decode_through_the_mosaic_kernel_equals_reference_decode():
     """The engine's paged forward (bf16 tiny model) with the kernel as its decode attention,
     through ``paged_forward``'s switch, against the same forward with the reference."""

@@ -100,6 +100,21 @@ def problems(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype,
     return out
 
 
+def device_problem(device=None) -> str | None:
+    """Why the first device cannot run the kernel (None: it can, or it is not a GPU: lowering
+    for CUDA elsewhere, as jax.export does). WGMMA is Hopper's (compute capability 9.x): neither
+    an A100 nor a Blackwell GPU nor an AMD one has it."""
+    device = device or jax.devices()[0]
+    if device.platform != "gpu":
+        return None
+    if "rocm" in str(getattr(getattr(device, "client", None), "platform_version", "")).lower():
+        return "an AMD GPU (a Hopper GPU: H100, H200)"
+    capability = str(getattr(device, "compute_capability", ""))
+    if capability and not capability.startswith("9."):
+        return f"a GPU of compute capability {capability} (Hopper's 9.x: H100, H200)"
+    return None
+
+
 def _kernel(lengths, table, q, k_pool, v_pool, o, qo_smem, k_smem, v_smem, k_ready, v_ready,
             q_ready, *, page_size: int, per_block: int, stages: int, scale: float,
             interpret: bool):
@@ -199,6 +214,8 @@ def decode_attention_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     group = n // kh
     width = page_table.shape[1]
     refused = problems(n, kh, dim, page_size, k_pages.dtype, width, blocking)
+    if not interpret and (on_device := device_problem()):
+        refused.append(on_device)
     if refused:
         raise ValueError("decode_attention='pallas_mgpu_packed' cannot run " + "; ".join(refused))
     itemsize = jnp.dtype(k_pages.dtype).itemsize
