@@ -250,11 +250,10 @@ def main():
                                             tensor_cores=blocking.tensor_cores),
                                        lambda b=blocking: packed_arm(b), (k, v)))
         if "mosaic" in arms:
-            from rstarjax.models.decode_kernel_mgpu import swizzle_bytes
-
             for blocking in mosaic_blockings():
-                width, quantum = args.max_tokens // page_size, swizzle_bytes(args.head_dim, jnp.bfloat16) // 2
-                ours["mosaic"].append((dict(arm="mosaic", per_block=blocking.for_width(width, page_size, quantum),
+                width = args.max_tokens // page_size
+                ours["mosaic"].append((dict(arm="mosaic", per_block=blocking.pages_per_block(
+                                                width, page_size, args.head_dim, jnp.bfloat16),
                                             stages=blocking.stages,
                                             shared_kb=blocking.shared_bytes(width, page_size, args.head_dim) // 1024),
                                        lambda b=blocking: mosaic_arm(b), (k, v)))

@@ -104,11 +104,17 @@ def test_the_mosaic_kernel_names_a_gpu_without_wgmma():
     assert device_problem(jax.devices()[0]) is None  # CPU: jax.export lowers for CUDA from here
 
 
-def test_decode_through_the_mosaic_kernel_equals_reference_decode():
+@pytest.fixture(scope="module")
+def tiny_bf16():
+    """The tiny Qwen3 in bfloat16 (the kernel's pools are bf16/f16)."""
+    cfg = ModelConfig.preset("tiny", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    return cfg, Qwen3(cfg, rngs=nnx.Rngs(0))
+
+
+def test_decode_through_the_mosaic_kernel_equals_reference_decode(tiny_bf16):
     """The engine's paged forward (bf16 tiny model) with the kernel as its decode attention,
     through ``paged_forward``'s switch, against the same forward with the reference."""
-    cfg = ModelConfig.preset("tiny", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    cfg, model = tiny_bf16
     scfg = serving_config(cfg)
     w = serving_weights(model, jnp.bfloat16)
     q, k, v, table, lengths, _ = _case(2, cfg.num_attention_heads, cfg.num_key_value_heads,
@@ -124,14 +130,13 @@ def test_decode_through_the_mosaic_kernel_equals_reference_decode():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=5e-2)
 
 
-def test_the_engine_decodes_with_the_mosaic_kernel_as_with_the_reference():
+def test_the_engine_decodes_with_the_mosaic_kernel_as_with_the_reference(tiny_bf16):
     """Through the engine and scheduler (idle slots, clamped table entries, 4 steps a call):
     greedy tokens equal to the reference attention's, log-probs within bf16 rounding."""
     from rstarjax.serving import Engine
     from rstarjax.serving.completions import generate
 
-    cfg = ModelConfig.preset("tiny", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    _, model = tiny_bf16
     prompts = [[1, 2, 3, 4, 5], list(range(10, 40))]
     out = {}
     for attention in ("reference", "pallas_mgpu_packed"):

@@ -61,12 +61,15 @@ class MosaicBlocking:
         within = [d for d in fits if d * page_size <= self.block_tokens]
         return max(within) if within else min(fits)
 
+    def pages_per_block(self, width: int, page_size: int, head_dim: int, dtype) -> int | None:
+        """``for_width`` with WGMMA's step for rows of ``head_dim`` in ``dtype``."""
+        return self.for_width(width, page_size, swizzle_bytes(head_dim, dtype) // jnp.dtype(dtype).itemsize)
+
     def shared_bytes(self, width: int, page_size: int, head_dim: int, dtype=jnp.bfloat16) -> int:
         """Shared memory a program holds for a table ``width`` wide: the q/output tile and the
         K and V slots."""
-        itemsize = jnp.dtype(dtype).itemsize
-        per_block = self.for_width(width, page_size, swizzle_bytes(head_dim, dtype) // itemsize) or 0
-        return (TILE_ROWS + 2 * self.stages * per_block * page_size) * head_dim * itemsize
+        per_block = self.pages_per_block(width, page_size, head_dim, dtype) or 0
+        return (TILE_ROWS + 2 * self.stages * per_block * page_size) * head_dim * jnp.dtype(dtype).itemsize
 
 
 # Read when a decode program is traced (benchmarks/decode_kernel_sweep.py --mosaic-blockings).
@@ -93,8 +96,8 @@ def problems(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype,
     if page_size % 8:
         out.append(f"page_size {page_size} (a multiple of 8: one page is whole 8-row tiles)")
     elif width is not None and not out:
-        quantum = swizzle_bytes(head_dim, dtype) // jnp.dtype(dtype).itemsize
-        if (blocking or MOSAIC_BLOCKING).for_width(width, page_size, quantum) is None:
+        if (blocking or MOSAIC_BLOCKING).pages_per_block(width, page_size, head_dim, dtype) is None:
+            quantum = swizzle_bytes(head_dim, dtype) // jnp.dtype(dtype).itemsize
             out.append(f"a page table {width} pages wide (no divisor of it makes a multiple of "
                        f"{quantum} tokens of {page_size}-token pages)")
     return out
@@ -206,7 +209,6 @@ def decode_attention_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     over each row's first ``lengths[b]`` tokens (>= 1) of its pages ``page_table[b]`` (entries
     past the live ones must be valid page ids; the positions mask them) -> [B, N, H]. GQA:
     query head n reads kv head ``n // (N // K)``. The contract of ``decode_attention_packed``."""
-    from jax.experimental import pallas as pl  # noqa: F401  (jax's Pallas, imported on use)
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     b, n, dim = q.shape
@@ -220,7 +222,7 @@ def decode_attention_mosaic(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
         raise ValueError("decode_attention='pallas_mgpu_packed' cannot run " + "; ".join(refused))
     itemsize = jnp.dtype(k_pages.dtype).itemsize
     swizzle = swizzle_bytes(dim, k_pages.dtype)
-    per_block = blocking.for_width(width, page_size, swizzle // itemsize)
+    per_block = blocking.pages_per_block(width, page_size, dim, k_pages.dtype)
     tokens = per_block * page_size
     layout = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
     q8 = jnp.pad(q.astype(k_pages.dtype).reshape(b, kh, group, dim),
