@@ -79,6 +79,8 @@ ap.add_argument("--packed-blocking", default="", help="--engine: the blocking of
                 "pallas_gpu_packed arms (one --packed-blockings spec; default: the engine's)")
 ap.add_argument("--mosaic-blocking", default="", help="--engine: the blocking of the engine's "
                 "pallas_mgpu_packed arms (one --mosaic-blockings spec; default: the engine's)")
+ap.add_argument("--mosaic-append-blocking", default="", help="--engine: the same for its "
+                "pallas_mgpu_packed_rope arms (default: the engine's)")
 ap.add_argument("--gemm-blocking", default="", help="--engine: the blocking of the "
                 "pallas_gpu_packed_layer arms' GEMMs (BLOCK_ROWS,BLOCK_COLS,BLOCK_K,TARGET_PROGRAMS,"
                 "MIN_COLS,NUM_WARPS,NUM_STAGES: models/decode_gemm.py GemmBlocking; default: the engine's)")
@@ -353,6 +355,11 @@ def engine_main():
 
         decode_kernel_mgpu.MOSAIC_BLOCKING = decode_kernel_mgpu.MosaicBlocking(
             *map(int, args.mosaic_blocking.split(",")))
+    if args.mosaic_append_blocking:
+        from rstarjax.models import decode_kernel_mgpu
+
+        decode_kernel_mgpu.MOSAIC_APPEND_BLOCKING = decode_kernel_mgpu.MosaicBlocking(
+            *map(int, args.mosaic_append_blocking.split(",")))
     t_start = time.perf_counter()
     arms = [parse_arm(a) for a in args.engine_arms.split(",") if a]
     peak = peak_gbps()
@@ -452,6 +459,12 @@ def engine_main():
                 row["roofline_fraction"] = round(moved / (peak * 1e9) / step, 4)
             if arm[0] == "pallas_gpu_packed_layer":  # the only path that runs our GEMMs
                 row["gemm_blocking"] = decode_gemm.GEMM_BLOCKING.spec()
+            if arm[0].startswith("pallas_mgpu"):  # the Mosaic GPU kernel's (BLOCK_TOKENS, STAGES)
+                from rstarjax.models import decode_kernel_mgpu
+
+                mosaic = (decode_kernel_mgpu.MOSAIC_APPEND_BLOCKING if arm[0].endswith("_rope")
+                          else decode_kernel_mgpu.MOSAIC_BLOCKING)
+                row["mosaic_blocking"] = f"{mosaic.block_tokens},{mosaic.stages}"
             row.update(traces.get(arm, {}))
             print(json.dumps(row), flush=True)
         del engine, state

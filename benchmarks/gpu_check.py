@@ -979,8 +979,9 @@ DECODE_TIMEOUTS = {"gpu": {"kernels2": 150, "gemms": 100, "decode": 400, "decode
                    "tiny": {"kernels2": 300, "gemms": 200, "decode": 400, "decode_4k": 300}}
 # decode_4k: the issue's 4K-context rows, where the pool holds them (64 rows on an H100, 128 on
 # an H200; 256 x 4K is 120 GB of KV): jax's kernel against the predicted fastest, with and
-# without cuBLAS GEMMs, and our Mosaic GPU kernel (where attention is most of the step)
-DECODE_4K_ARMS = ("pallas_gpu:exact,pallas_mgpu_packed:exact,pallas_gpu_packed_rope:fused,"
+# without cuBLAS GEMMs, and the same work on our Mosaic GPU kernel (where attention is most of
+# the step)
+DECODE_4K_ARMS = ("pallas_gpu:exact,pallas_gpu_packed_rope:fused,pallas_mgpu_packed_rope:fused,"
                   "pallas_gpu_packed_layer:fused,pallas_gpu_packed_rope:fused:cublas")
 # Our kernel's blockings (PAGES_PER_BLOCK,MAX_K_SPLITS,TARGET_PROGRAMS,NUM_WARPS,NUM_STAGES[,TENSOR_CORES]) in
 # predicted order, best first (docs/serving.md "Our decode kernel"), so a part that runs out of
@@ -994,11 +995,12 @@ MOSAIC_BLOCKINGS = "64,3;64,2;128,2;64,4"
 # first. Each arm one change on the one before (jax's kernel; ours; the one-pass sampler; ours
 # writing the step's K/V; norming and rotating q/k too; the projections as our fused GEMMs,
 # models/decode_gemm.py), so their differences are each change's; the last, cuBLAS GEMMs, is a
-# change on the rope arm. Our Mosaic GPU kernel (pallas_mgpu_packed) is a change on jax's kernel
-# beside ours. DECODE_TRACED are traced at 256 and 64 rows, their HLO kept, for the next
-# fusions: the rope arm (XLA's GEMMs and small kernels) and the fused-GEMM arm (ours in the engine).
-DECODE_ARMS = ("pallas_gpu:exact,pallas_gpu_packed:exact,pallas_mgpu_packed:exact,pallas_gpu_packed:fused,"
-               "pallas_gpu_packed_append:fused,pallas_gpu_packed_rope:fused,"
+# change on the rope arm, and so is our Mosaic GPU kernel doing the rope arm's work
+# (pallas_mgpu_packed_rope; the two kernels alone are kernels2's). DECODE_TRACED are traced at
+# 256 and 64 rows, their HLO kept, for the next fusions: the rope arm (XLA's GEMMs and small
+# kernels) and the fused-GEMM arm (ours in the engine).
+DECODE_ARMS = ("pallas_gpu:exact,pallas_gpu_packed:exact,pallas_gpu_packed:fused,"
+               "pallas_gpu_packed_append:fused,pallas_gpu_packed_rope:fused,pallas_mgpu_packed_rope:fused,"
                "pallas_gpu_packed_layer:fused,pallas_gpu_packed_rope:fused:cublas")
 DECODE_TRACED = "pallas_gpu_packed_rope:fused,pallas_gpu_packed_layer:fused"
 # The decode and gemms parts compile each batch's arms ahead, side by side (timing.compile_in_threads;

@@ -11,10 +11,12 @@ from flax import nnx
 from jax import export
 
 from rstarjax.models.config import ModelConfig
-from rstarjax.models.decode_kernel_mgpu import MosaicBlocking, decode_attention_mosaic
+from rstarjax.models.decode_kernel_mgpu import (MosaicBlocking, decode_attention_mosaic,
+                                                decode_attention_mosaic_append)
 from rstarjax.models.kv_cache import NO_PAGE, PagedKVCache
-from rstarjax.models.paged_attention import paged_attention_reference
-from rstarjax.models.qwen3 import Qwen3, paged_forward, serving_config, serving_weights
+from rstarjax.models.paged_attention import paged_attention_reference, write_kv_pages, write_targets
+from rstarjax.models.qwen3 import (Qwen3, apply_rope, paged_forward, rms_norm, rope_angles,
+                                   serving_config, serving_weights)
 
 
 def _case(seed, q_heads, kv_heads, head_dim, page, width, dtype=jnp.bfloat16):
@@ -85,6 +87,15 @@ def test_the_mosaic_kernel_refuses_what_it_cannot_run_in_one_line():
                                 interpret=True)
     with pytest.raises(ValueError, match="6 pages wide"):  # 8, 16, 24 or 48 tokens: none a multiple of 64
         decode_attention_mosaic(q, k, v, table[:, :6], lengths, interpret=True)
+    new = jnp.zeros((q.shape[0], 2, 64), q.dtype)
+    angles = (jnp.zeros((q.shape[0], 32)),) * 2
+    with pytest.raises(ValueError, match="pallas_mgpu_packed_rope.*head_dim 64 with the rotary"):
+        decode_attention_mosaic_append(q, new, new, lengths - 1, k, v, table, lengths, rope=angles,
+                                       interpret=True)
+    q, k, v, table, lengths, _ = _case(1, 4, 2, 16, 16, 4)  # 32-byte rows
+    new = jnp.zeros((q.shape[0], 2, 16), q.dtype)
+    with pytest.raises(ValueError, match="pallas_mgpu_packed_append.*head_dim 16 with the K/V write"):
+        decode_attention_mosaic_append(q, new, new, lengths - 1, k, v, table, lengths, interpret=True)
 
 
 def test_the_mosaic_kernel_names_a_gpu_without_wgmma():
@@ -111,10 +122,23 @@ def tiny_bf16():
     return cfg, Qwen3(cfg, rngs=nnx.Rngs(0))
 
 
-def test_decode_through_the_mosaic_kernel_equals_reference_decode(tiny_bf16):
+@pytest.fixture(scope="module")
+def tiny_bf16_wide():
+    """The same with Qwen3's 128-dim heads (the kernel's rotary embedding needs 256-byte rows)."""
+    cfg = ModelConfig.preset("tiny", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, head_dim=128)
+    return cfg, Qwen3(cfg, rngs=nnx.Rngs(0))
+
+
+# each switch of the kernel, with the model it runs (the plain kernel on 32-byte rows)
+SWITCHES = [("pallas_mgpu_packed", "tiny_bf16"), ("pallas_mgpu_packed_rope", "tiny_bf16_wide")]
+
+
+@pytest.mark.parametrize("attention, model", SWITCHES)
+def test_decode_through_the_mosaic_kernel_equals_reference_decode(attention, model, request):
     """The engine's paged forward (bf16 tiny model) with the kernel as its decode attention,
-    through ``paged_forward``'s switch, against the same forward with the reference."""
-    cfg, model = tiny_bf16
+    through ``paged_forward``'s switch, against the same forward with the reference; with
+    ``_rope``, the kernel writes the step's K/V and norms and rotates q and k itself."""
+    cfg, model = request.getfixturevalue(model)
     scfg = serving_config(cfg)
     w = serving_weights(model, jnp.bfloat16)
     q, k, v, table, lengths, _ = _case(2, cfg.num_attention_heads, cfg.num_key_value_heads,
@@ -123,26 +147,88 @@ def test_decode_through_the_mosaic_kernel_equals_reference_decode(tiny_bf16):
     rows = jnp.asarray([0, 2, 4])  # lengths 1, 17, 64: the next token goes at these positions
     cache = PagedKVCache(pool(k), pool(v), table[rows], lengths[rows] - 1)
     tok = jnp.asarray([[3], [4], [5]], jnp.int32)
-    ref, _ = paged_forward(scfg, w, tok, cache, jnp.ones(3, jnp.int32))
-    got, _ = paged_forward(scfg, w, tok, cache, jnp.ones(3, jnp.int32),
-                           decode_attention="pallas_mgpu_packed", interpret=True)
+    ref, ref_cache = paged_forward(scfg, w, tok, cache, jnp.ones(3, jnp.int32))
+    # under jit, as the engine runs it: eagerly, the ops queued behind the interpreted kernel
+    # can deadlock with the interpreter's own callbacks (they dispatch jax ops too)
+    forward = jax.jit(lambda w, cache: paged_forward(scfg, w, tok, cache, jnp.ones(3, jnp.int32),
+                                                     decode_attention=attention, interpret=True))
+    got, got_cache = forward(w, cache)
     assert float(jnp.max(jnp.abs(ref))) > 0.1
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=5e-2)
+    # the first layer writes the reference's K/V bit for bit; later ones see the attention's rounding
+    for layer, pools in enumerate(zip(got_cache.k + got_cache.v, ref_cache.k + ref_cache.v)):
+        a, b = (np.asarray(x, np.float32) for x in pools)
+        if layer % cfg.num_hidden_layers == 0:
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, atol=5e-2)
 
 
-def test_the_engine_decodes_with_the_mosaic_kernel_as_with_the_reference(tiny_bf16):
+@pytest.mark.parametrize("attention, model", SWITCHES)
+def test_the_engine_decodes_with_the_mosaic_kernel_as_with_the_reference(attention, model, request):
     """Through the engine and scheduler (idle slots, clamped table entries, 4 steps a call):
     greedy tokens equal to the reference attention's, log-probs within bf16 rounding."""
     from rstarjax.serving import Engine
     from rstarjax.serving.completions import generate
 
-    _, model = tiny_bf16
+    _, model = request.getfixturevalue(model)
     prompts = [[1, 2, 3, 4, 5], list(range(10, 40))]
     out = {}
-    for attention in ("reference", "pallas_mgpu_packed"):
+    for name in ("reference", attention):
         engine = Engine(model, max_len=96, num_slots=4, page_size=16, kv_pages=40, decode_steps=4,
-                        dtype=jnp.bfloat16, decode_attention=attention, interpret=True)
-        out[attention] = generate(None, prompts, 20, engine=engine)
-    for ref, got in zip(out["reference"], out["pallas_mgpu_packed"]):
+                        dtype=jnp.bfloat16, decode_attention=name, interpret=True)
+        out[name] = generate(None, prompts, 20, engine=engine)
+    for ref, got in zip(out["reference"], out[attention]):
         assert got.token_ids == ref.token_ids
         np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-2)
+
+
+@pytest.mark.parametrize("head_dim, page, width, blocking, prepare", [
+    # Qwen3's shapes in the engine's dtype: the q/k RMSNorm and the rotary embedding in the
+    # kernel; 4 pages a block, the full row 4 blocks behind the new token's over 3 slots
+    (128, 16, 16, MosaicBlocking(64, 3), "norm"),
+    # the rotary embedding without the norm (Qwen2.5); 128-token blocks of 8 pages, 2 slots
+    (128, 16, 16, MosaicBlocking(128, 2), "rope"),
+    # the write alone, 128-byte rows of 64 dims: 8-token pages, 8 a block, 2 slots
+    (64, 8, 32, MosaicBlocking(64, 2), ""),
+])
+def test_the_mosaic_append_kernel_equals_write_then_reference(head_dim, page, width, blocking,
+                                                               prepare):
+    """``pallas_mgpu_packed_rope``'s kernel: its pools are ``write_kv_pages``' of the model's
+    own normed and rotated key (``rms_norm``, ``apply_rope``), bit for bit in bfloat16, at a
+    page's first position (lengths 1 and page + 1), its last (a full page) and mid-page; a
+    dropped write (row 3, idle) leaves the pool as it was; its output is the reference
+    attention's over the written pools. Each case also lowers for CUDA."""
+    q, k, v, table, lengths, _ = _case(3, 8, 2, head_dim, page, width)
+    rng = np.random.default_rng(4)
+    b, kh = q.shape[0], k.shape[0]
+    k_new, v_new = (jnp.asarray(rng.normal(size=(b, kh, head_dim)), jnp.bfloat16) for _ in range(2))
+    positions = lengths - 1
+    valid = jnp.asarray([True, True, True, False, True])
+    q_in, k_in, extra = q, k_new, {}
+    if prepare:  # the model's own functions make the reference's q and k
+        sin, cos = rope_angles(positions[:, None], head_dim, 1e6)
+        norms = tuple(jnp.asarray(1 + 0.5 * rng.normal(size=head_dim), jnp.bfloat16) for _ in range(2))
+        extra = dict(rope=(sin[:, 0], cos[:, 0]), qk_norm=norms if prepare == "norm" else None)
+        if prepare == "norm":
+            q_in, k_in = rms_norm(q_in, norms[0], 1e-6), rms_norm(k_in, norms[1], 1e-6)
+        q_in, k_in = (apply_rope(x[:, None], sin, cos)[:, 0] for x in (q_in, k_in))
+    k_ref, v_ref = write_kv_pages(k, v, k_in[:, None], v_new[:, None], table, positions[:, None],
+                                  valid[:, None])
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    ref = paged_attention_reference(f32(q_in)[:, None], f32(k_ref), f32(v_ref), table,
+                                    positions[:, None])[:, 0]
+    page_id, offset = write_targets(table, positions[:, None], valid[:, None], k.shape[1], page)
+    slots = jnp.where(page_id[:, 0] < k.shape[1], page_id[:, 0] * page + offset[:, 0], -1)
+    assert list(slots == -1) == [False, False, False, True, False]
+    out, k_got, v_got = decode_attention_mosaic_append(q, k_new, v_new, slots, k, v, table, lengths,
+                                                       blocking=blocking, interpret=True, **extra)
+    np.testing.assert_array_equal(np.asarray(f32(k_got)), np.asarray(f32(k_ref)))
+    np.testing.assert_array_equal(np.asarray(f32(v_got)), np.asarray(f32(v_ref)))
+    at = table[3, positions[3] // page], positions[3] % page  # row 3's write: dropped
+    np.testing.assert_array_equal(np.asarray(f32(k_got))[:, at[0], at[1]], np.asarray(f32(k))[:, at[0], at[1]])
+    assert not np.array_equal(np.asarray(f32(k_got)), np.asarray(f32(k)))
+    live = np.asarray(valid)
+    np.testing.assert_allclose(np.asarray(f32(out))[live], np.asarray(ref)[live], atol=TOLERANCE)
+    text = export.export(jax.jit(lambda *a: decode_attention_mosaic_append(*a, blocking=blocking, **extra)),
+                         platforms=["cuda"])(q, k_new, v_new, slots, k, v, table, lengths).mlir_module()
+    assert "mosaic_gpu_v2" in text

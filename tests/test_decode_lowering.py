@@ -71,14 +71,17 @@ def _lower(decode_call, platform, attention):
     return exported.mlir_module()
 
 
-@pytest.mark.parametrize("platform, attention", [
+LOWERED = [
     ("cuda", "pallas_gpu"), ("cuda", "pallas_gpu_packed"), ("cuda", "pallas_gpu_packed_append"),
     ("cuda", "pallas_gpu_packed_rope"), ("cuda", "pallas_gpu_packed_layer"),
-    ("cuda", "pallas_mgpu_packed"), ("cuda", "ragged"),
+    ("cuda", "pallas_mgpu_packed"), ("cuda", "pallas_mgpu_packed_rope"), ("cuda", "ragged"),
     ("rocm", "auto"), ("rocm", "pallas_gpu_packed"), ("rocm", "pallas_gpu_packed_append"),
     ("rocm", "pallas_gpu_packed_rope"), ("rocm", "pallas_gpu_packed_layer"),
     ("tpu", "auto"), ("tpu", "ragged"),
-])
+]
+
+
+@pytest.mark.parametrize("platform, attention", LOWERED)
 def test_decode_program_lowers_for_the_platform(decode_call, platform, attention):
     if attention == "auto":  # what the engine picks there for a bf16 pool of 16-token pages
         attention = default_decode_implementation(platform, head_dim=128, page_size=16)
@@ -87,9 +90,19 @@ def test_decode_program_lowers_for_the_platform(decode_call, platform, attention
               "pallas_gpu_packed_append": "__gpu$xla.gpu.triton",
               "pallas_gpu_packed_rope": "__gpu$xla.gpu.triton",
               "pallas_gpu_packed_layer": "__gpu$xla.gpu.triton",
-              "pallas_mgpu_packed": "mosaic_gpu_v2", "pallas_tpu": "tpu_custom_call"}.get(attention)
+              "pallas_mgpu_packed": "mosaic_gpu_v2", "pallas_mgpu_packed_rope": "mosaic_gpu_v2",
+              "pallas_tpu": "tpu_custom_call"}.get(attention)
     if kernel:  # the kernel itself is in the program, not a fallback
         assert kernel in text, (platform, attention)
+
+
+def test_every_engine_arm_the_gpu_check_runs_is_lowered_above():
+    """Each attention path of gpu_check's ``decode`` and ``decode_4k`` arms (ATTENTION:SAMPLER[:GEMMS])
+    is one the test above lowers for CUDA, so no arm first fails to compile on a lent GPU."""
+    arms = ",".join(_gpu_check_specs("DECODE_ARMS") + _gpu_check_specs("DECODE_4K_ARMS"))
+    attentions = {arm.split(":")[0] for arm in arms.split(",")}
+    assert attentions <= {a for p, a in LOWERED if p == "cuda"}, attentions
+    assert "pallas_mgpu_packed_rope" in attentions
 
 
 def test_auto_picks_a_kernel_on_tpu_and_the_portable_path_on_rocm():
@@ -235,9 +248,12 @@ def test_mosaic_kernel_variants_lower_for_cuda_at_qwen3_shapes(blocking):
     """Every blocking of the Mosaic GPU kernel kernels2 runs (the engine's default among them),
     at Qwen3-1.7B (16 q / 8 kv heads) and 8B (32 / 8) decode shapes, 256 and 32 rows, 4,608-token
     tables of 16- and 64-token pages: Mosaic GPU's lowering (register layouts, shared-memory
-    transfer plans) and a shared-memory footprint an H100/H200 program can hold (227 KB)."""
+    transfer plans) and a shared-memory footprint an H100/H200 program can hold (227 KB); the
+    same for the kernel that writes the step's K/V and norms and rotates q/k
+    (``pallas_mgpu_packed_rope``, the engine's arm)."""
     from rstarjax.models.decode_kernel_mgpu import (MOSAIC_BLOCKING, MosaicBlocking,
-                                                    decode_attention_mosaic)
+                                                    decode_attention_mosaic,
+                                                    decode_attention_mosaic_append)
 
     assert MOSAIC_BLOCKING in [MosaicBlocking(*b) for b in _gpu_check_mosaic_blockings()]
     blocking = MosaicBlocking(*blocking)
@@ -249,5 +265,15 @@ def test_mosaic_kernel_variants_lower_for_cuda_at_qwen3_shapes(blocking):
                 sd((rows,), jnp.int32))
         text = export.export(jax.jit(lambda *a: decode_attention_mosaic(*a, blocking=blocking)),
                              platforms=["cuda"])(*args).mlir_module()
+        assert "mosaic_gpu_v2" in text
+        _assert_kernels_profile_as(text, "decode_attention_", "attention")
+        assert blocking.shared_bytes(4608 // page, page, 128, append=True, rope=True) <= 227 * 1024
+        new, angles, norm = sd((rows, 8, 128), jnp.bfloat16), sd((rows, 64), jnp.float32), sd((128,), jnp.bfloat16)
+
+        def rope_kernel(q, k_new, v_new, slots, k, v, table, lengths, sin, cos, w_q, w_k):
+            return decode_attention_mosaic_append(q, k_new, v_new, slots, k, v, table, lengths,
+                                                  rope=(sin, cos), qk_norm=(w_q, w_k), blocking=blocking)
+        text = export.export(jax.jit(rope_kernel), platforms=["cuda"])(
+            args[0], new, new, args[4], pool, pool, args[3], args[4], angles, angles, norm, norm).mlir_module()
         assert "mosaic_gpu_v2" in text
         _assert_kernels_profile_as(text, "decode_attention_", "attention")

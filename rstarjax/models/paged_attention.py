@@ -28,7 +28,9 @@
   kernel with the layer's projections as ``decode_gemm`` kernels (``qwen3.decode_layer_fused``).
   ``pallas_mgpu_packed`` is the packed kernel's work as a Mosaic GPU kernel for Hopper
   (``decode_kernel_mgpu.py``): the pages copied by the TMA several blocks ahead, both products
-  on the tensor cores; bfloat16/float16 pools, NVIDIA H100/H200 only.
+  on the tensor cores; bfloat16/float16 pools, NVIDIA H100/H200 only. ``pallas_mgpu_packed_rope``
+  is that kernel with ``pallas_gpu_packed_rope``'s work in it (``paged_decode_append(mosaic=True)``:
+  the step's K/V written, the q/k RMSNorm and the rotary embedding applied in the kernel).
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ from rstarjax.models.kv_cache import NO_PAGE
 
 DECODE_IMPLEMENTATIONS = ("reference", "ragged", "pallas_gpu", "pallas_gpu_packed",
                           "pallas_gpu_packed_append", "pallas_gpu_packed_rope",
-                          "pallas_gpu_packed_layer", "pallas_mgpu_packed", "pallas_tpu")
+                          "pallas_gpu_packed_layer", "pallas_mgpu_packed", "pallas_mgpu_packed_rope",
+                          "pallas_tpu")
 QUERY_BLOCK = 256  # queries per block in the reference: bounds the [T, context] logits buffer
 RAGGED_CHUNK = 64  # pages per iteration of the ragged decode attention
 RAGGED_LIST_STEP = 16  # a list of at most RAGGED_CHUNK pages is padded to a multiple of this
@@ -288,16 +291,17 @@ def paged_decode_append(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_page
                         valid: jax.Array, *, interpret: bool = False,
                         kv_sharding: jax.sharding.NamedSharding | None = None,
                         rope: tuple[jax.Array, jax.Array] | None = None,
-                        qk_norm: tuple[jax.Array, jax.Array] | None = None, eps: float = 1e-6
-                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        qk_norm: tuple[jax.Array, jax.Array] | None = None, eps: float = 1e-6,
+                        mosaic: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decode step's write and attention in one kernel (``decode_kernel.decode_attention_append``):
     q [B, N, H], k_new/v_new [B, K, H] at ``positions`` [B] -> (out [B, N, H], k_pages,
     v_pages). What ``write_kv_pages`` then ``paged_decode_attention`` over ``positions + 1``
     tokens give, the same writes dropped (``valid`` false, no page); a row whose write is
     dropped attends to its new K/V all the same (the caller ignores it). ``rope`` (sin, cos
     [B, H/2]) and ``qk_norm`` (weights [H]): q and k_new are the projections' output, normed
-    and rotated in the kernel."""
-    from rstarjax.models import decode_kernel
+    and rotated in the kernel. ``mosaic``: the Mosaic GPU kernel
+    (``decode_kernel_mgpu.decode_attention_mosaic_append``, Hopper) instead of the Triton one."""
+    from rstarjax.models import decode_kernel, decode_kernel_mgpu
 
     num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
     page, offset = write_targets(page_table, positions[:, None], valid[:, None], num_pages,
@@ -307,6 +311,11 @@ def paged_decode_append(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_page
     table = jnp.maximum(page_table, 0).astype(jnp.int32)
 
     def local(q, k_new, v_new, k_pages, v_pages, slots, table, lengths, rope, qk_norm):
+        if mosaic:
+            return decode_kernel_mgpu.decode_attention_mosaic_append(
+                q, k_new, v_new, slots, k_pages, v_pages, table, lengths, rope=rope,
+                qk_norm=qk_norm, eps=eps, blocking=decode_kernel_mgpu.MOSAIC_APPEND_BLOCKING,
+                interpret=interpret)
         return decode_kernel.decode_attention_append(
             q, k_new, v_new, slots, k_pages, v_pages, table, lengths, rope=rope,
             qk_norm=qk_norm, eps=eps, blocking=decode_kernel.PACKED_BLOCKING, interpret=interpret)

@@ -478,10 +478,11 @@ def paged_forward(cfg: ModelConfig, w: ServingWeights, tokens: jax.Array, cache:
     # our decode kernels that write the step's K/V themselves (and with "_rope" also apply the
     # q/k norm and the rotary embedding): one kernel between the QKV and output projections
     # ("_layer": also the layer's projections as decode_gemm kernels, norms, SwiGLU and residual
-    # adds fused into them: decode_layer_fused)
+    # adds fused into them: decode_layer_fused; "pallas_mgpu_": the Mosaic GPU kernel)
     in_kernel = t == 1 and decode_attention in ("pallas_gpu_packed_append", "pallas_gpu_packed_rope",
-                                                "pallas_gpu_packed_layer")
-    prepares_qk = t == 1 and decode_attention in ("pallas_gpu_packed_rope", "pallas_gpu_packed_layer")
+                                                "pallas_gpu_packed_layer", "pallas_mgpu_packed_rope")
+    prepares_qk = t == 1 and decode_attention in ("pallas_gpu_packed_rope", "pallas_gpu_packed_layer",
+                                                  "pallas_mgpu_packed_rope")
     fused_layer = t == 1 and decode_attention == "pallas_gpu_packed_layer"
     sums = None  # the fused layer's sums of squares of x, handed from layer to layer
     for i, p in enumerate(w.layers):
@@ -494,7 +495,7 @@ def paged_forward(cfg: ModelConfig, w: ServingWeights, tokens: jax.Array, cache:
                 out, keys[i], values[i] = paged_decode_append(
                     q[:, 0], k[:, 0], v[:, 0], keys[i], values[i], cache.page_table,
                     positions[:, 0], valid[:, 0], interpret=interpret, kv_sharding=kv_sharding,
-                    **extra)
+                    mosaic=decode_attention.startswith("pallas_mgpu"), **extra)
                 return out[:, None], None
             keys[i], values[i] = write_kv_pages(keys[i], values[i], k, v, cache.page_table,
                                                 positions, valid)
