@@ -9,6 +9,12 @@
 spec, in the order given (gpu_check.py gives them in predicted order, under ``--budget-s``);
 ``--arms mosaic`` our Mosaic GPU kernel (``models/decode_kernel_mgpu.py``, Hopper) with each
 ``--mosaic-blockings`` spec.
+``--canary``: each Mosaic GPU kernel called once (the first ``--mosaic-blockings`` spec, and the
+kernel that writes the K/V and applies the rotary embedding, ``pallas_mgpu_packed_rope``, with
+``--mosaic-append-blocking``) at the given shapes against the float32 reference, a row each with
+``ok``: gpu_check.py's kernels2 part runs it first, in a process of its own with a short
+timeout, so that a Mosaic GPU kernel that fails or hangs on a device costs seconds, not the
+parts that would run it.
 ``--engine``: the engine's whole decode step instead (Qwen3-1.7B, random bf16 weights, every
 row a ``--prompt-len`` prompt), one engine per batch whose decode program is compiled once per
 ``--engine-arms`` entry (attention path x sampler); the arms alternate call by call for
@@ -96,6 +102,8 @@ ap.add_argument("--trace-arms", default="", help="--engine: ATTENTION:SAMPLER ar
 ap.add_argument("--trace-batches", default="256,64", help="--engine: the batches traced")
 ap.add_argument("--peak-gbps", type=float, default=0.0, help="HBM peak (default: by device kind)")
 ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting configs after this")
+ap.add_argument("--canary", action="store_true", help="each Mosaic GPU kernel once against the "
+                "reference (module doc)")
 ap.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke run)")
 ap.add_argument("--interpret", action="store_true")
 args = ap.parse_args()
@@ -291,6 +299,56 @@ def main():
         print(json.dumps({"best": True, **row}), flush=True)
 
 
+def canary_arms():
+    """(name, function of the sweep's inputs -> output, pools expected back or None) per Mosaic
+    GPU kernel. The writing kernel gets the rows' last tokens from the pool as its new K/V and
+    the identity rotation (sin 0, cos 1), so its output is the plain attention's and its write
+    leaves the pool as it was: both are checked."""
+    from rstarjax.models import decode_kernel_mgpu as mgpu
+
+    plain = mosaic_arm(mosaic_blockings()[0])
+    blocking = (mgpu.MosaicBlocking(*map(int, args.mosaic_append_blocking.split(",")))
+                if args.mosaic_append_blocking else mgpu.MOSAIC_APPEND_BLOCKING)
+
+    @jax.jit
+    def rope(q, k, v, table, lengths):
+        page_size = k.shape[2]
+        last = lengths - 1
+        page = jnp.take_along_axis(table, (last // page_size)[:, None], axis=1)[:, 0]
+        slots = page * page_size + last % page_size
+        k_new, v_new = (jnp.swapaxes(x[:, page, last % page_size], 0, 1) for x in (k, v))
+        half = q.shape[-1] // 2
+        angles = (jnp.zeros((q.shape[0], half)), jnp.ones((q.shape[0], half)))
+        return mgpu.decode_attention_mosaic_append(
+            q, k_new, v_new, slots, k, v, table, lengths, rope=angles, scale=1.0,
+            blocking=blocking, interpret=args.interpret)
+    return [("mosaic", plain, False), ("mosaic_rope", rope, True)]
+
+
+def canary_main():
+    """``--canary``: one call of each Mosaic GPU kernel, a row each (module doc)."""
+    for page_size, batch, context in itertools.product(*(map(int, x.split(",")) for x in
+                                                         (args.page_sizes, args.batches, args.contexts))):
+        q, k, v, table, lengths = inputs(batch, context, page_size)
+        expected = jax.jit(reference)(q, k, v, table, lengths)
+        for name, fn, writes in canary_arms():
+            row = {"canary": True, "arm": name, "batch": batch, "context": context,
+                   "page_size": page_size, "head_dim": args.head_dim, "ok": False}
+            t = time.perf_counter()
+            try:
+                out = fn(q, k, v, table, lengths)
+                if writes:
+                    out, k_back, v_back = out
+                    row["pools_unchanged"] = bool(jnp.array_equal(k_back, k) & jnp.array_equal(v_back, v))
+                diff = float(jnp.max(jnp.abs(out.astype(jnp.float32) - expected)))
+                row.update(max_diff_vs_reference=diff, seconds=round(time.perf_counter() - t, 2))
+                row["ok"] = diff < 0.05 and row.get("pools_unchanged", True)  # bf16 p: ~0.02
+            except Exception as exc:  # noqa: BLE001  (a kernel that fails is the result)
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            print(json.dumps(row), flush=True)
+    return 0
+
+
 def parse_arm(spec: str) -> tuple[str, str, str]:
     """ATTENTION:SAMPLER[:GEMMS] -> (attention, sampler, gemms); GEMMS (``serving.decode_gemms``,
     default xla) sets XLA options of the decode program alone, so arms alternate in one process."""
@@ -472,4 +530,4 @@ def engine_main():
 
 
 if __name__ == "__main__":
-    sys.exit(engine_main() if args.engine else main())
+    sys.exit(engine_main() if args.engine else canary_main() if args.canary else main())

@@ -1014,6 +1014,12 @@ DECODE_COMPILE_THREADS = 4
 # splits cost a combine kernel a layer; the same kernel in one split (target 512 programs) beside it
 SHORT_ROW_BLOCKINGS = "4,8,1024,4,3;4,8,512,4,3"
 SHORT_ROW_MOSAIC = "64,3;64,2"
+# kernels2's first step: each Mosaic GPU kernel once at a small shape, in a process of its own
+# (decode_kernel_sweep.py --canary). Neither has run on a device yet: one that fails or hangs
+# there costs this timeout, and the sweeps and the decode parts then leave the Mosaic kernels out
+# instead of losing their other rows to it
+MOSAIC_CANARY_S = {"gpu": 60, "tiny": 240}
+MOSAIC_CANARY_SHAPE = ["--batches", "8", "--contexts", "300", "--max-tokens", "512", "--page-sizes", "16"]
 
 
 def part_kernels2(shape: Shape, args, log, env) -> dict:
@@ -1022,10 +1028,14 @@ def part_kernels2(shape: Shape, args, log, env) -> dict:
     the engine's blocking, then ours with each ``PACKED_BLOCKINGS`` spec and our Mosaic GPU
     kernel with each ``MOSAIC_BLOCKINGS`` spec, in turn, each against a float32 reference, with
     its share of the HBM peak (benchmarks/decode_kernel_sweep.py); then 64 rows
-    x 640 tokens, ``SHORT_ROW_BLOCKINGS`` (two splits and a combine, or one) and ``SHORT_ROW_MOSAIC``."""
+    x 640 tokens, ``SHORT_ROW_BLOCKINGS`` (two splits and a combine, or one) and ``SHORT_ROW_MOSAIC``.
+    First the Mosaic GPU canary (``MOSAIC_CANARY_S``): where a Mosaic kernel fails there, the
+    sweeps run without it and ``mosaic_canary.ok`` tells the decode parts to leave it out too."""
     timeout = BUDGET.clip(DECODE_TIMEOUTS[args.shape]["kernels2"])
     started = time.perf_counter()
-    sweep = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"), "--arms", "packed,mosaic"]
+    canary = mosaic_canary(shape, args, log, env)
+    arms = "packed,mosaic" if canary["ok"] else "packed"
+    sweep = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"), "--arms", arms]
     if shape.model == "tiny":
         runs = [["--tiny", "--interpret", "--iters", "1", "--packed-blockings", PACKED_BLOCKINGS]]
     else:
@@ -1045,8 +1055,37 @@ def part_kernels2(shape: Shape, args, log, env) -> dict:
                              share * left, log, env)
         rows += json_lines(out)
         if code != 0:  # the rows it printed before are kept
-            raise PartFailed(f"exit {code}: {tail(out)}", {"rows": [r for r in rows if not r.get("best")]})
-    return {"rows": [r for r in rows if not r.get("best")]}
+            raise PartFailed(f"exit {code}: {tail(out)}", {"rows": [r for r in rows if not r.get("best")],
+                                                           "mosaic_canary": canary})
+    return {"rows": [r for r in rows if not r.get("best")], "mosaic_canary": canary}
+
+
+def mosaic_canary(shape: Shape, args, log, env) -> dict:
+    """Each Mosaic GPU kernel once against the reference, in a process of its own under
+    ``MOSAIC_CANARY_S``: {"ok": both ran and matched, "rows", and "error" where not}."""
+    argv = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"), "--canary",
+            "--mosaic-blockings", MOSAIC_BLOCKINGS.split(";")[0]]
+    argv += ["--interpret", "--batches", "3", "--contexts", "40", "--max-tokens", "128",
+             "--kv-heads", "2", "--q-heads", "4"] if shape.model == "tiny" else MOSAIC_CANARY_SHAPE
+    code, out = run_part("kernels2", argv, min(MOSAIC_CANARY_S[args.shape], BUDGET.clip(1e9)), log, env)
+    rows = [r for r in json_lines(out) if r.get("canary")]
+    ok = code == 0 and {r["arm"] for r in rows if r.get("ok")} == {"mosaic", "mosaic_rope"}
+    result = {"ok": ok, "rows": rows}
+    if not ok:
+        result["error"] = ("ran past its time" if code is None else f"exit {code}" if code else
+                           "a kernel failed or differed") + f": {tail(out)}"
+    return result
+
+
+def mosaic_arms_out(results: dict, arms: str) -> tuple[str, str]:
+    """``arms`` without the Mosaic GPU kernel's (``pallas_mgpu*``) where kernels2's canary ran in
+    this run and failed; (the arms, why they went or "")."""
+    kernels2 = results.get("kernels2")
+    canary = (kernels2.result or {}).get("mosaic_canary") if kernels2 else None
+    if canary is None or canary.get("ok"):
+        return arms, ""
+    kept = ",".join(a for a in arms.split(",") if not a.startswith("pallas_mgpu"))
+    return kept, f"the Mosaic GPU arms left out: kernels2's canary failed ({canary.get('error', '')[:120]})"
 
 
 # gemms: our decode GEMMs' blockings (models/decode_gemm.py GemmBlocking: BLOCK_ROWS,BLOCK_COLS,
@@ -1085,17 +1124,18 @@ def part_gemms(shape: Shape, args, log, env) -> dict:
 
 
 def part_decode(shape: Shape, args, log, env, trace_dir: str, name: str = "decode",
-                gemm_blocking: str = "") -> dict:
+                gemm_blocking: str = "", results: dict | None = None) -> dict:
     """``decode``: the engine's decode step at 256, 64 and 32 rows (512-token prompts, the shape
     benchmarks/serving.py measures) with each ``DECODE_ARMS`` entry, the arms alternating call by
     call, median of 3 calls of 16 steps each, tokens/s and HBM-roofline fraction; one traced
     call of each ``DECODE_TRACED`` arm at 256 and 64 rows (into ``trace_dir``). ``decode_4k``: the same
-    at 4,096-token prompts, 64 and 128 rows, ``DECODE_4K_ARMS``, no trace."""
+    at 4,096-token prompts, 64 and 128 rows, ``DECODE_4K_ARMS``, no trace. Where kernels2 ran
+    before and its Mosaic GPU canary failed, the Mosaic arms are left out (``mosaic_arms_out``)."""
     timeout = BUDGET.clip(DECODE_TIMEOUTS[args.shape][name])
     long = name == "decode_4k"
+    arms, left_out = mosaic_arms_out(results or {}, DECODE_4K_ARMS if long else DECODE_ARMS)
     argv = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"), "--engine",
-            "--engine-arms", DECODE_4K_ARMS if long else DECODE_ARMS,
-            "--budget-s", str(0.85 * timeout)]
+            "--engine-arms", arms, "--budget-s", str(0.85 * timeout)]
     if not long:
         argv += ["--trace-dir", os.path.join(trace_dir, "decode"), "--trace-arms", DECODE_TRACED]
     if gemm_blocking:  # the gemms part's best, for the arm that runs our GEMMs
@@ -1110,6 +1150,8 @@ def part_decode(shape: Shape, args, log, env, trace_dir: str, name: str = "decod
         argv += ["--rounds", "3", "--compile-threads", str(DECODE_COMPILE_THREADS)]
     code, out = run_part(name, argv, timeout, log, env)
     rows = {"rows": json_lines(out)}
+    if left_out:
+        rows["left_out"] = left_out
     if code != 0:  # the batches it finished are kept
         raise PartFailed(f"exit {code}: {tail(out)}", rows)
     return rows
@@ -1119,6 +1161,11 @@ def decode_rows(results: dict) -> list[tuple[str, str]]:
     """Summary rows of the kernels2, decode and decode_4k parts."""
     rows = []
     kernels = results.get("kernels2")
+    canary = (kernels.result or {}).get("mosaic_canary") if kernels is not None else None
+    if canary is not None:
+        rows.append(("kernel2 mosaic canary", "ok: " + ", ".join(
+            f"{r['arm']} max diff {r.get('max_diff_vs_reference', float('nan')):.3g}" for r in canary["rows"])
+            if canary["ok"] else f"failed, the Mosaic GPU kernels left out: {canary.get('error', '')[:120]}"))
     for r in (kernels.result.get("rows", []) if kernels is not None else []):
         if r["arm"] == "mosaic":  # pages a block, blocks in flight, shared memory a program
             arm = f"mosaic {r.get('per_block')},{r.get('stages')} {r.get('shared_kb')}KB page{r.get('page_size')}"
@@ -1147,6 +1194,9 @@ def decode_rows(results: dict) -> list[tuple[str, str]]:
                      f"XLA at b{best.get('batches')}"))
     decode = [r for part in ("decode", "decode_4k") if results.get(part) is not None
               for r in results[part].result.get("rows", [])]
+    for part in ("decode", "decode_4k"):
+        if results.get(part) is not None and results[part].result.get("left_out"):
+            rows.append((f"{part} arms", results[part].result["left_out"][:160]))
     for r in decode:
         if "error" in r:  # a pool that could not hold the rows, or an arm that did not compile
             arm = " ".join(x for x in (r.get("attention"), r.get("sampler"), r.get("gemms")) if x)
@@ -1442,10 +1492,12 @@ def main(argv=None) -> int:
         gemms = results.get("gemms")
         return (gemms.result.get("best") or {}).get("best_gemm_blocking", "") if gemms else ""
     plan.append(("decode", lambda log: part_decode(shape, args, log, kernel_env, trace_dir,
-                                                   gemm_blocking=measured_gemm_blocking())))
+                                                   gemm_blocking=measured_gemm_blocking(),
+                                                   results=results)))
     plan.append(("decode_4k", lambda log: part_decode(shape, args, log, kernel_env, trace_dir,
                                                       name="decode_4k",
-                                                      gemm_blocking=measured_gemm_blocking())))
+                                                      gemm_blocking=measured_gemm_blocking(),
+                                                      results=results)))
     for policy in args.remat_policy.split(","):
         for b in shape.train_batches:
             name = f"remat_{policy}_{b}x"

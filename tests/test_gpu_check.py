@@ -160,6 +160,40 @@ def test_budget_cuts_each_limit_and_skips_the_parts_that_do_not_fit(tmp_path, mo
     assert ("ckpt", parts["ckpt"]["error"]) in g.summary_rows({k: g.PartResult(**v) for k, v in parts.items()})
 
 
+def test_a_mosaic_kernel_that_fails_its_canary_is_left_out_of_the_later_parts(tmp_path, monkeypatch):
+    """kernels2 first calls each Mosaic GPU kernel once in a process of its own: where that ran
+    past its time (a kernel hung on the device) or a kernel failed, kernels2's sweeps run without
+    the Mosaic kernel and the decode parts without its arms, said in their results and the table;
+    where it passed, or kernels2 did not run, the arms stay."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check as g
+    monkeypatch.setattr(g.BUDGET, "deadline", None)
+    commands = []
+
+    def run_part(name, argv, timeout_s, log, env=None, cwd=None):
+        commands.append((name, argv, timeout_s))
+        if "--canary" in argv:
+            return None, '{"canary": true, "arm": "mosaic", "ok": true}\n'  # then it hung
+        return 0, ""
+
+    monkeypatch.setattr(g, "run_part", run_part)
+    monkeypatch.setattr(g, "part_env", lambda *a: {"device_kind": "cpu"})
+    assert g.main(["--shape", "tiny", "--parts", "env,kernels2,decode", "--out", str(tmp_path)]) == 0
+    canary, *sweeps = [c for c in commands if c[0] == "kernels2"]
+    assert canary[2] == g.MOSAIC_CANARY_S["tiny"]
+    assert sweeps and all(argv[argv.index("--arms") + 1] == "packed" for _, argv, _ in sweeps)
+    decodes = [argv[argv.index("--engine-arms") + 1] for name, argv, _ in commands if name.startswith("decode")]
+    assert len(decodes) == 2 and not any("pallas_mgpu" in arms for arms in decodes), decodes
+    assert all("pallas_gpu_packed_rope:fused" in arms for arms in decodes)
+    parts = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
+    assert not parts["kernels2"]["result"]["mosaic_canary"]["ok"]
+    assert "ran past its time" in parts["decode"]["result"]["left_out"]
+    table = dict(g.summary_rows({k: g.PartResult(**v) for k, v in parts.items()}))
+    assert table["kernel2 mosaic canary"].startswith("failed") and "decode arms" in table
+    # kernels2 not run in this command: the decode part keeps the Mosaic arms
+    assert g.mosaic_arms_out({}, g.DECODE_ARMS) == (g.DECODE_ARMS, "")
+
+
 def test_the_best_decode_choice_runs_each_batch_with_its_fastest_path():
     """The decode part's rows -> a ``serving.decode_attention`` per (prompt, sampler, GEMMs): the
     fused layer wins at 32 and 64 rows, the rope arm at 256; a batch one path did not measure
@@ -222,8 +256,8 @@ def test_parts_are_picked_by_name_or_by_family(tmp_path, monkeypatch):
     monkeypatch.setattr(g.BUDGET, "deadline", None)
     ran = []
     monkeypatch.setattr(g, "part_env", lambda *a: {"device_kind": "cpu"})
-    monkeypatch.setattr(g, "part_decode", lambda *a, name="decode", gemm_blocking="": ran.append(
-        (name, gemm_blocking)) or {"rows": []})
+    monkeypatch.setattr(g, "part_decode", lambda *a, name="decode", gemm_blocking="", results=None:
+                        ran.append((name, gemm_blocking)) or {"rows": []})
     monkeypatch.setattr(g, "part_gemms", lambda *a: ran.append(("gemms", "")) or {
         "rows": [], "best": {"best_gemm_blocking": "64,128,128,256,64,4,4"}})
     measured = "64,128,128,256,64,4,4"
@@ -283,6 +317,10 @@ def test_decode_kernel_parts_run_at_the_tiny_shape(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     parts = json.loads((out / "gpu_check.json").read_text())["parts"]
     rows = parts["kernels2"]["result"]["rows"]
+    # first each Mosaic GPU kernel once, in a process of its own: both ran and matched
+    canary = parts["kernels2"]["result"]["mosaic_canary"]
+    assert canary["ok"] and [r["arm"] for r in canary["rows"]] == ["mosaic", "mosaic_rope"], canary
+    assert "kernel2 mosaic canary" in proc.stdout
     # jax's kernel first; then our Triton kernel's blockings and our Mosaic GPU kernel's, in turn
     assert [r["arm"] for r in rows] == ["triton", "packed", "mosaic", "packed"], rows
     assert all("us" in r and r["max_diff_vs_reference"] < 0.05 for r in rows), rows
