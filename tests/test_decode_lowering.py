@@ -17,6 +17,7 @@ PTX is made on the device.
 """
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from jax import export
@@ -277,3 +278,28 @@ def test_mosaic_kernel_variants_lower_for_cuda_at_qwen3_shapes(blocking):
             args[0], new, new, args[4], pool, pool, args[3], args[4], angles, angles, norm, norm).mlir_module()
         assert "mosaic_gpu_v2" in text
         _assert_kernels_profile_as(text, "decode_attention_", "attention")
+
+
+def test_the_mosaic_writing_kernel_lowers_for_cuda_on_a_slice():
+    """On a tensor-parallel slice the writing Mosaic GPU kernel runs per device on its kv heads
+    (``paged_decode_append(kv_sharding=...)``'s ``shard_map``, as the Triton one): that program
+    lowers for CUDA. (Mosaic GPU's interpreter cannot run two devices' kernels at once, so the
+    split is checked against the unsplit call only for the Triton kernel, tests/test_paged_attention.py.)"""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from rstarjax.models.paged_attention import paged_decode_append
+
+    sd = jax.ShapeDtypeStruct
+    split = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("tensor",)), PartitionSpec("tensor"))
+    rows, bf = 8, jnp.bfloat16
+    pool = sd((4, 64, 16, 128), bf, sharding=split)
+
+    def step(q, k_new, v_new, k, v, table, positions, valid, sin, cos, w_q, w_k):
+        return paged_decode_append(q, k_new, v_new, k, v, table, positions, valid, rope=(sin, cos),
+                                   qk_norm=(w_q, w_k), mosaic=True, kv_sharding=split)
+    text = export.export(jax.jit(step), platforms=["cuda"])(
+        sd((rows, 8, 128), bf), sd((rows, 4, 128), bf), sd((rows, 4, 128), bf), pool, pool,
+        sd((rows, 8), jnp.int32), sd((rows,), jnp.int32), sd((rows,), jnp.bool_),
+        sd((rows, 64), jnp.float32), sd((rows, 64), jnp.float32), sd((128,), bf), sd((128,), bf)
+    ).mlir_module()
+    assert "mosaic_gpu_v2" in text
