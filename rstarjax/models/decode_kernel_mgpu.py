@@ -197,10 +197,10 @@ def _kernel(*refs, grid: str, page_size: int, per_block: int, stages: int, swizz
     pl.run_scoped(program, **scratch)
 
 
-def _program(gmem, where, *, qo_smem, k_smem, v_smem, k_ready, v_ready, first_ready, k_row=None,
-             v_row=None, sin_smem=None, cos_smem=None, q_norm_smem=None, k_norm_smem=None, page_size: int, per_block: int,
-             stages: int, scale: float, interpret: bool, append: bool, rope: bool, norm: bool,
-             eps: float):
+def _program(gmem, where, *, qo_smem, k_smem, v_smem, k_ready, v_ready, first_ready,
+             k_row=None, v_row=None, sin_smem=None, cos_smem=None, q_norm_smem=None,
+             k_norm_smem=None, page_size: int, per_block: int, stages: int, scale: float,
+             interpret: bool, append: bool, rope: bool, norm: bool, eps: float):
     """The program's work (``_kernel``'s docstring). The stream of blocks it reads: with
     ``append``, first the new token (slot 0, filled from k_new / v_new, its K normed and rotated
     there when ``rope``), then the row's cached tokens from the pool; pool block i sits in slot
@@ -284,7 +284,8 @@ def _program(gmem, where, *, qo_smem, k_smem, v_smem, k_ready, v_ready, first_re
 
         @pl.when(slot_id >= 0)
         def _write():  # the new token's K and V (row 0 of the untiled rows) into the pool
-            page, at = lax.div(slot_id, jnp.int32(page_size)), pl.ds(lax.rem(slot_id, jnp.int32(page_size)), 1)
+            size = jnp.int32(page_size)
+            page, at = lax.div(slot_id, size), pl.ds(lax.rem(slot_id, size), 1)
             plgpu.copy_smem_to_gmem(k_row.at[pl.ds(0, 1)], gmem["k_out"].at[h, page, at])
             plgpu.copy_smem_to_gmem(v_row.at[pl.ds(0, 1)], gmem["v_out"].at[h, page, at])
 
