@@ -204,6 +204,14 @@ def mosaic_blockings():
     return [MosaicBlocking(*map(int, spec.split(","))) for spec in args.mosaic_blockings.split(";") if spec]
 
 
+def mosaic_append_blocking():
+    """The writing Mosaic GPU kernel's blocking: ``--mosaic-append-blocking``, else the engine's."""
+    from rstarjax.models import decode_kernel_mgpu as mgpu
+
+    spec = args.mosaic_append_blocking
+    return mgpu.MosaicBlocking(*map(int, spec.split(","))) if spec else mgpu.MOSAIC_APPEND_BLOCKING
+
+
 def mosaic_arm(blocking):
     from rstarjax.models.decode_kernel_mgpu import decode_attention_mosaic
 
@@ -305,18 +313,19 @@ def canary_arms():
     the identity rotation (sin 0, cos 1), so its output is the plain attention's and its write
     leaves the pool as it was: both are checked."""
     from rstarjax.models import decode_kernel_mgpu as mgpu
+    from rstarjax.models.paged_attention import write_targets
 
     plain = mosaic_arm(mosaic_blockings()[0])
-    blocking = (mgpu.MosaicBlocking(*map(int, args.mosaic_append_blocking.split(",")))
-                if args.mosaic_append_blocking else mgpu.MOSAIC_APPEND_BLOCKING)
+    blocking = mosaic_append_blocking()
 
     @jax.jit
     def rope(q, k, v, table, lengths):
-        page_size = k.shape[2]
-        last = lengths - 1
-        page = jnp.take_along_axis(table, (last // page_size)[:, None], axis=1)[:, 0]
-        slots = page * page_size + last % page_size
-        k_new, v_new = (jnp.swapaxes(x[:, page, last % page_size], 0, 1) for x in (k, v))
+        num_pages, page_size = k.shape[1], k.shape[2]
+        last = (lengths - 1)[:, None]
+        page, offset = (x[:, 0] for x in write_targets(table, last, jnp.ones_like(last, bool),
+                                                        num_pages, page_size))
+        slots = page * page_size + offset
+        k_new, v_new = (jnp.swapaxes(x[:, page, offset], 0, 1) for x in (k, v))
         half = q.shape[-1] // 2
         angles = (jnp.zeros((q.shape[0], half)), jnp.ones((q.shape[0], half)))
         return mgpu.decode_attention_mosaic_append(
@@ -416,8 +425,7 @@ def engine_main():
     if args.mosaic_append_blocking:
         from rstarjax.models import decode_kernel_mgpu
 
-        decode_kernel_mgpu.MOSAIC_APPEND_BLOCKING = decode_kernel_mgpu.MosaicBlocking(
-            *map(int, args.mosaic_append_blocking.split(",")))
+        decode_kernel_mgpu.MOSAIC_APPEND_BLOCKING = mosaic_append_blocking()
     t_start = time.perf_counter()
     arms = [parse_arm(a) for a in args.engine_arms.split(",") if a]
     peak = peak_gbps()

@@ -1067,7 +1067,7 @@ def mosaic_canary(shape: Shape, args, log, env) -> dict:
             "--mosaic-blockings", MOSAIC_BLOCKINGS.split(";")[0]]
     argv += ["--interpret", "--batches", "3", "--contexts", "40", "--max-tokens", "128",
              "--kv-heads", "2", "--q-heads", "4"] if shape.model == "tiny" else MOSAIC_CANARY_SHAPE
-    code, out = run_part("kernels2", argv, min(MOSAIC_CANARY_S[args.shape], BUDGET.clip(1e9)), log, env)
+    code, out = run_part("kernels2", argv, BUDGET.clip(MOSAIC_CANARY_S[args.shape]), log, env)
     rows = [r for r in json_lines(out) if r.get("canary")]
     ok = code == 0 and {r["arm"] for r in rows if r.get("ok")} == {"mosaic", "mosaic_rope"}
     result = {"ok": ok, "rows": rows}
@@ -1077,11 +1077,16 @@ def mosaic_canary(shape: Shape, args, log, env) -> dict:
     return result
 
 
+def canary_of(results: dict) -> dict | None:
+    """kernels2's Mosaic GPU canary in this run's results (None: kernels2 did not run)."""
+    kernels2 = results.get("kernels2")
+    return (kernels2.result or {}).get("mosaic_canary") if kernels2 is not None else None
+
+
 def mosaic_arms_out(results: dict, arms: str) -> tuple[str, str]:
     """``arms`` without the Mosaic GPU kernel's (``pallas_mgpu*``) where kernels2's canary ran in
     this run and failed; (the arms, why they went or "")."""
-    kernels2 = results.get("kernels2")
-    canary = (kernels2.result or {}).get("mosaic_canary") if kernels2 else None
+    canary = canary_of(results)
     if canary is None or canary.get("ok"):
         return arms, ""
     kept = ",".join(a for a in arms.split(",") if not a.startswith("pallas_mgpu"))
@@ -1161,7 +1166,7 @@ def decode_rows(results: dict) -> list[tuple[str, str]]:
     """Summary rows of the kernels2, decode and decode_4k parts."""
     rows = []
     kernels = results.get("kernels2")
-    canary = (kernels.result or {}).get("mosaic_canary") if kernels is not None else None
+    canary = canary_of(results)
     if canary is not None:
         rows.append(("kernel2 mosaic canary", "ok: " + ", ".join(
             f"{r['arm']} max diff {r.get('max_diff_vs_reference', float('nan')):.3g}" for r in canary["rows"])
