@@ -86,9 +86,9 @@ ap.add_argument("--packed-blocking", default="", help="--engine: the blocking of
 ap.add_argument("--mosaic-blocking", default="", help="--engine: the blocking of the engine's "
                 "pallas_mgpu_packed arms (one --mosaic-blockings spec; default: the engine's)")
 ap.add_argument("--mosaic-append-blocking", default="", help="--engine: the same for its "
-                "pallas_mgpu_packed_rope arms (default: the engine's)")
+                "pallas_mgpu_packed_rope and _layer arms (default: the engine's)")
 ap.add_argument("--gemm-blocking", default="", help="--engine: the blocking of the "
-                "pallas_gpu_packed_layer arms' GEMMs (BLOCK_ROWS,BLOCK_COLS,BLOCK_K,TARGET_PROGRAMS,"
+                "pallas_gpu_packed_layer and pallas_mgpu_packed_layer arms' GEMMs (BLOCK_ROWS,BLOCK_COLS,BLOCK_K,TARGET_PROGRAMS,"
                 "MIN_COLS,NUM_WARPS,NUM_STAGES: models/decode_gemm.py GemmBlocking; default: the engine's)")
 ap.add_argument("--prompt-len", type=int, default=512, help="--engine: tokens per row at the start")
 ap.add_argument("--rounds", type=int, default=3, help="--engine: alternating calls per arm")
@@ -523,13 +523,13 @@ def engine_main():
                            compile_threads=args.compile_threads)
             if peak:
                 row["roofline_fraction"] = round(moved / (peak * 1e9) / step, 4)
-            if arm[0] == "pallas_gpu_packed_layer":  # the only path that runs our GEMMs
+            if arm[0].endswith("_layer"):  # the paths that run our GEMMs
                 row["gemm_blocking"] = decode_gemm.GEMM_BLOCKING.spec()
             if arm[0].startswith("pallas_mgpu"):  # the Mosaic GPU kernel's (BLOCK_TOKENS, STAGES)
                 from rstarjax.models import decode_kernel_mgpu
 
-                mosaic = (decode_kernel_mgpu.MOSAIC_APPEND_BLOCKING if arm[0].endswith("_rope")
-                          else decode_kernel_mgpu.MOSAIC_BLOCKING)
+                mosaic = (decode_kernel_mgpu.MOSAIC_BLOCKING if arm[0] == "pallas_mgpu_packed"
+                          else decode_kernel_mgpu.MOSAIC_APPEND_BLOCKING)  # the writing kernel's
                 row["mosaic_blocking"] = f"{mosaic.block_tokens},{mosaic.stages}"
             row.update(traces.get(arm, {}))
             print(json.dumps(row), flush=True)

@@ -1003,6 +1003,13 @@ DECODE_ARMS = ("pallas_gpu:exact,pallas_gpu_packed:exact,pallas_gpu_packed:fused
                "pallas_gpu_packed_append:fused,pallas_gpu_packed_rope:fused,pallas_mgpu_packed_rope:fused,"
                "pallas_gpu_packed_layer:fused,pallas_gpu_packed_rope:fused:cublas")
 DECODE_TRACED = "pallas_gpu_packed_rope:fused,pallas_gpu_packed_layer:fused"
+# The decode parts' arms that are a change on the rope arm (our fused GEMMs, cuBLAS GEMMs) run on
+# the faster of our two kernels alone (kernels2's rows, ``faster_kernel``), so that a loan's last
+# arms compose the best of each change: as listed above on the Triton one, or, where kernels2
+# timed the Mosaic GPU one faster, on it (the rope arms of both kernels stay as they are)
+ON_MOSAIC = {"pallas_gpu_packed_layer:fused": "pallas_mgpu_packed_layer:fused",
+             "pallas_gpu_packed_rope:fused:cublas": "pallas_mgpu_packed_rope:fused:cublas"}
+MOSAIC_MAX_DIFF = 0.05  # a kernels2 row further than this from the float32 reference is not a time
 # The decode and gemms parts compile each batch's arms ahead, side by side (timing.compile_in_threads;
 # the device host has 16 cores): decode was ~90 % compiles one after another, gemms 8 arms x 2
 # batches x 5 kinds of 16-layer programs. Their rows say whether it paid (compiled_ahead_s; the
@@ -1093,6 +1100,36 @@ def mosaic_arms_out(results: dict, arms: str) -> tuple[str, str]:
     return kept, f"the Mosaic GPU arms left out: kernels2's canary failed ({canary.get('error', '')[:120]})"
 
 
+def faster_kernel(results: dict) -> tuple[bool, str]:
+    """Whether kernels2 timed our Mosaic GPU kernel faster than our Triton one, alone: the
+    geometric mean, over the shapes of 16-token pages (the engine's) both ran, of each kernel's
+    best time (rows within ``MOSAIC_MAX_DIFF`` of the reference), Mosaic over Triton, below 1.
+    -> (faster, what the rows say)."""
+    kernels = results.get("kernels2")
+    best: dict[tuple, float] = {}
+    for r in (kernels.result or {}).get("rows", []) if kernels is not None else []:
+        if (r.get("arm") in ("packed", "mosaic") and "us" in r and r.get("page_size") == 16
+                and r.get("max_diff_vs_reference", math.inf) <= MOSAIC_MAX_DIFF):
+            key = (r["arm"], r["batch"], r["context"])
+            best[key] = min(best.get(key, math.inf), r["us"])
+    ratios = {(b, c): t / best["packed", b, c] for (arm, b, c), t in sorted(best.items())
+              if arm == "mosaic" and ("packed", b, c) in best}
+    if not ratios:
+        return False, "kernels2 timed no Mosaic GPU kernel beside the Triton one"
+    mean = math.exp(sum(map(math.log, ratios.values())) / len(ratios))
+    shapes = ", ".join(f"b{b} ctx{c} {x:.2f}x" for (b, c), x in ratios.items())
+    return mean < 1, f"kernels2, Mosaic GPU over Triton alone: {shapes}, geometric mean {mean:.2f}x"
+
+
+def composed_arms(results: dict, arms: str) -> tuple[str, dict]:
+    """``arms`` with the ``ON_MOSAIC`` ones on the Mosaic GPU kernel where kernels2 timed it
+    faster; (the arms, {"kernel": "mosaic" or "triton", "why"})."""
+    mosaic, why = faster_kernel(results)
+    if mosaic:
+        arms = ",".join(ON_MOSAIC.get(a, a) for a in arms.split(","))
+    return arms, {"kernel": "mosaic" if mosaic else "triton", "why": why}
+
+
 # gemms: our decode GEMMs' blockings (models/decode_gemm.py GemmBlocking: BLOCK_ROWS,BLOCK_COLS,
 # BLOCK_K,TARGET_PROGRAMS,MIN_COLS,NUM_WARPS,NUM_STAGES), the engine's first. Then along the
 # axis the arithmetic says matters (docs/serving.md "gemms"): each program re-reads all its rows
@@ -1135,14 +1172,21 @@ def part_decode(shape: Shape, args, log, env, trace_dir: str, name: str = "decod
     call, median of 3 calls of 16 steps each, tokens/s and HBM-roofline fraction; one traced
     call of each ``DECODE_TRACED`` arm at 256 and 64 rows (into ``trace_dir``). ``decode_4k``: the same
     at 4,096-token prompts, 64 and 128 rows, ``DECODE_4K_ARMS``, no trace. Where kernels2 ran
-    before and its Mosaic GPU canary failed, the Mosaic arms are left out (``mosaic_arms_out``)."""
+    before and its Mosaic GPU canary failed, the Mosaic arms are left out (``mosaic_arms_out``);
+    where it timed the Mosaic GPU kernel faster, the ``ON_MOSAIC`` arms run on it (``composed_arms``;
+    not at the tiny shape, whose arms are fixed)."""
     timeout = BUDGET.clip(DECODE_TIMEOUTS[args.shape][name])
     long = name == "decode_4k"
     arms, left_out = mosaic_arms_out(results or {}, DECODE_4K_ARMS if long else DECODE_ARMS)
+    traced = DECODE_TRACED
+    composed = None
+    if shape.model != "tiny":
+        arms, composed = composed_arms(results or {}, arms)
+        traced, _ = composed_arms(results or {}, traced)
     argv = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"), "--engine",
             "--engine-arms", arms, "--budget-s", str(0.85 * timeout)]
     if not long:
-        argv += ["--trace-dir", os.path.join(trace_dir, "decode"), "--trace-arms", DECODE_TRACED]
+        argv += ["--trace-dir", os.path.join(trace_dir, "decode"), "--trace-arms", traced]
     if gemm_blocking:  # the gemms part's best, for the arm that runs our GEMMs
         argv += ["--gemm-blocking", gemm_blocking]
     if shape.model == "tiny":  # the kernels in their interpreter; one arm per path is enough
@@ -1157,6 +1201,8 @@ def part_decode(shape: Shape, args, log, env, trace_dir: str, name: str = "decod
     rows = {"rows": json_lines(out)}
     if left_out:
         rows["left_out"] = left_out
+    if composed:
+        rows["composed_on"] = composed
     if code != 0:  # the batches it finished are kept
         raise PartFailed(f"exit {code}: {tail(out)}", rows)
     return rows
@@ -1202,6 +1248,9 @@ def decode_rows(results: dict) -> list[tuple[str, str]]:
     for part in ("decode", "decode_4k"):
         if results.get(part) is not None and results[part].result.get("left_out"):
             rows.append((f"{part} arms", results[part].result["left_out"][:160]))
+        if results.get(part) is not None and results[part].result.get("composed_on"):
+            on = results[part].result["composed_on"]
+            rows.append((f"{part} _layer and cublas arms", f"on the {on['kernel']} kernel: {on['why'][:160]}"))
     for r in decode:
         if "error" in r:  # a pool that could not hold the rows, or an arm that did not compile
             arm = " ".join(x for x in (r.get("attention"), r.get("sampler"), r.get("gemms")) if x)

@@ -173,12 +173,14 @@ def test_fused_decode_layer_refuses_unmerged_adapters():
         decode_layer_fused(serving_config(cfg), p, jnp.zeros((1, 1, 64)), lambda q, k, v: (q, None))
 
 
-def test_engine_refuses_the_fused_layer_on_a_tensor_parallel_slice():
-    """Its GEMMs are single-device kernels: on a slice the error names the switch to use."""
+@pytest.mark.parametrize("layer, rope", [("pallas_gpu_packed_layer", "pallas_gpu_packed_rope"),
+                                         ("pallas_mgpu_packed_layer", "pallas_mgpu_packed_rope")])
+def test_engine_refuses_the_fused_layer_on_a_tensor_parallel_slice(layer, rope):
+    """Its GEMMs are single-device kernels: on a slice the error names the switch to use (the
+    same attention kernel, with XLA's GEMMs)."""
     from rstarjax.serving import Engine, slice_meshes
 
     [mesh] = slice_meshes(jax.devices()[:2], tensor_parallel=2, num_slices=1)
     model = Qwen3(ModelConfig.preset("tiny", dtype=jnp.float32), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="pallas_gpu_packed_rope"):
-        Engine(model, max_len=64, num_slots=2, kv_pages=16, mesh=mesh,
-               decode_attention="pallas_gpu_packed_layer")
+    with pytest.raises(ValueError, match=f"{layer}.*'{rope}'"):
+        Engine(model, max_len=64, num_slots=2, kv_pages=16, mesh=mesh, decode_attention=layer)

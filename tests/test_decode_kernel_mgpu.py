@@ -129,8 +129,10 @@ def tiny_bf16_wide():
     return cfg, Qwen3(cfg, rngs=nnx.Rngs(0))
 
 
-# each switch of the kernel, with the model it runs (the plain kernel on 32-byte rows)
-SWITCHES = [("pallas_mgpu_packed", "tiny_bf16"), ("pallas_mgpu_packed_rope", "tiny_bf16_wide")]
+# each switch of the kernel, with the model it runs (the plain kernel on 32-byte rows; "_layer":
+# the writing kernel inside the layer of our fused GEMMs, models/decode_gemm.py)
+SWITCHES = [("pallas_mgpu_packed", "tiny_bf16"), ("pallas_mgpu_packed_rope", "tiny_bf16_wide"),
+            ("pallas_mgpu_packed_layer", "tiny_bf16_wide")]
 
 
 @pytest.mark.parametrize("attention, model", SWITCHES)

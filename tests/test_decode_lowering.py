@@ -15,6 +15,9 @@ kernel (``pallas_mgpu_packed``) goes further here: Mosaic GPU's lowering picks e
 layout and shared-memory transfer plan on CPU (a layout it cannot serve fails here); only the
 PTX is made on the device.
 """
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,7 +78,8 @@ def _lower(decode_call, platform, attention):
 LOWERED = [
     ("cuda", "pallas_gpu"), ("cuda", "pallas_gpu_packed"), ("cuda", "pallas_gpu_packed_append"),
     ("cuda", "pallas_gpu_packed_rope"), ("cuda", "pallas_gpu_packed_layer"),
-    ("cuda", "pallas_mgpu_packed"), ("cuda", "pallas_mgpu_packed_rope"), ("cuda", "ragged"),
+    ("cuda", "pallas_mgpu_packed"), ("cuda", "pallas_mgpu_packed_rope"),
+    ("cuda", "pallas_mgpu_packed_layer"), ("cuda", "ragged"),
     ("rocm", "auto"), ("rocm", "pallas_gpu_packed"), ("rocm", "pallas_gpu_packed_append"),
     ("rocm", "pallas_gpu_packed_rope"), ("rocm", "pallas_gpu_packed_layer"),
     ("tpu", "auto"), ("tpu", "ragged"),
@@ -87,23 +91,28 @@ def test_decode_program_lowers_for_the_platform(decode_call, platform, attention
     if attention == "auto":  # what the engine picks there for a bf16 pool of 16-token pages
         attention = default_decode_implementation(platform, head_dim=128, page_size=16)
     text = _lower(decode_call, platform, attention)
-    kernel = {"pallas_gpu": "__gpu$xla.gpu.triton", "pallas_gpu_packed": "__gpu$xla.gpu.triton",
-              "pallas_gpu_packed_append": "__gpu$xla.gpu.triton",
-              "pallas_gpu_packed_rope": "__gpu$xla.gpu.triton",
-              "pallas_gpu_packed_layer": "__gpu$xla.gpu.triton",
-              "pallas_mgpu_packed": "mosaic_gpu_v2", "pallas_mgpu_packed_rope": "mosaic_gpu_v2",
-              "pallas_tpu": "tpu_custom_call"}.get(attention)
-    if kernel:  # the kernel itself is in the program, not a fallback
-        assert kernel in text, (platform, attention)
+    triton, mosaic = "__gpu$xla.gpu.triton", "mosaic_gpu_v2"
+    kernels = {"pallas_gpu": [triton], "pallas_gpu_packed": [triton],
+               "pallas_gpu_packed_append": [triton], "pallas_gpu_packed_rope": [triton],
+               "pallas_gpu_packed_layer": [triton], "pallas_mgpu_packed": [mosaic],
+               "pallas_mgpu_packed_rope": [mosaic],
+               # the Mosaic GPU attention between our Triton GEMMs
+               "pallas_mgpu_packed_layer": [mosaic, triton],
+               "pallas_tpu": ["tpu_custom_call"]}.get(attention, [])
+    for kernel in kernels:  # the kernels themselves are in the program, not a fallback
+        assert kernel in text, (platform, attention, kernel)
 
 
 def test_every_engine_arm_the_gpu_check_runs_is_lowered_above():
-    """Each attention path of gpu_check's ``decode`` and ``decode_4k`` arms (ATTENTION:SAMPLER[:GEMMS])
-    is one the test above lowers for CUDA, so no arm first fails to compile on a lent GPU."""
-    arms = ",".join(_gpu_check_specs("DECODE_ARMS") + _gpu_check_specs("DECODE_4K_ARMS"))
+    """Each attention path of gpu_check's ``decode`` and ``decode_4k`` arms (ATTENTION:SAMPLER[:GEMMS]),
+    as listed and as composed on the Mosaic GPU kernel (``ON_MOSAIC``), is one the test above
+    lowers for CUDA, so no arm first fails to compile on a lent GPU."""
+    gpu_check = _gpu_check()
+    arms = ",".join([gpu_check.DECODE_ARMS, gpu_check.DECODE_4K_ARMS, *gpu_check.ON_MOSAIC.values()])
     attentions = {arm.split(":")[0] for arm in arms.split(",")}
     assert attentions <= {a for p, a in LOWERED if p == "cuda"}, attentions
-    assert "pallas_mgpu_packed_rope" in attentions
+    assert {"pallas_mgpu_packed_rope", "pallas_mgpu_packed_layer"} <= attentions
+    assert set(gpu_check.ON_MOSAIC) <= set(arms.split(","))  # each composes an arm that runs
 
 
 def test_auto_picks_a_kernel_on_tpu_and_the_portable_path_on_rocm():
@@ -112,17 +121,19 @@ def test_auto_picks_a_kernel_on_tpu_and_the_portable_path_on_rocm():
     assert default_decode_implementation("rocm", head_dim=128, page_size=16) == "ragged"
 
 
-def _gpu_check_specs(name: str) -> list[str]:
-    """The blocking specs a constant of benchmarks/gpu_check.py lists (read as text: the script
-    parses its flags on import), a one-line string or a parenthesised run of them."""
-    import os
-    import re
+def _gpu_check():
+    """benchmarks/gpu_check.py as a module (its flags are parsed in ``main``, not on import)."""
+    benchmarks = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    import gpu_check
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
-                        "gpu_check.py")
-    with open(path) as f:
-        [value] = re.findall(rf'^{name} = (\("[^)]*"\)|"[^"]*")$', f.read(), re.M)
-    return [b for b in "".join(re.findall(r'"([^"]*)"', value)).split(";") if b]
+    return gpu_check
+
+
+def _gpu_check_specs(name: str) -> list[str]:
+    """The ';'-separated specs a constant of benchmarks/gpu_check.py lists."""
+    return [b for b in getattr(_gpu_check(), name).split(";") if b]
 
 
 def _gpu_check_blockings() -> list[tuple[int, ...]]:
@@ -168,9 +179,7 @@ def test_packed_kernel_variants_lower_for_cuda_at_qwen3_shapes(blocking):
 def _assert_kernels_profile_as(text: str, prefix: str, group: str) -> None:
     """The Pallas kernels named ``prefix...`` in a lowered program fall in ``group`` when
     benchmarks/profile_summary.py reads a trace of them (it goes by kernel names)."""
-    import os
     import re
-    import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                     "benchmarks"))

@@ -194,6 +194,76 @@ def test_a_mosaic_kernel_that_fails_its_canary_is_left_out_of_the_later_parts(tm
     assert g.mosaic_arms_out({}, g.DECODE_ARMS) == (g.DECODE_ARMS, "")
 
 
+def _kernels2_rows(mosaic_us: float, packed_us: float, **mosaic_fields) -> list[dict]:
+    """kernels2's rows at its two 16-token-page shapes (each kernel's better blocking counts),
+    and at 64-token pages, where the Mosaic GPU kernel is always far ahead (not the engine's)."""
+    rows = []
+    for batch, context in ((256, 4096), (64, 640)):
+        rows += [{"arm": "packed", "batch": batch, "context": context, "page_size": 16,
+                  "us": packed_us * f, "gbps": 1.0, "max_diff_vs_reference": 0.004} for f in (1.3, 1.0)]
+        rows += [{"arm": "mosaic", "batch": batch, "context": context, "page_size": 16,
+                  "us": mosaic_us * f, "gbps": 1.0, "max_diff_vs_reference": 0.004, **mosaic_fields} for f in (1.0, 1.2)]
+        rows.append({"arm": "mosaic", "batch": batch, "context": context, "page_size": 64, "us": 1.0, "gbps": 1.0,
+                     "max_diff_vs_reference": 0.004})
+    return rows
+
+
+def test_the_composed_decode_arms_run_on_the_kernel_kernels2_timed_faster(tmp_path, monkeypatch):
+    """The decode parts' arms that change the rope arm (our fused GEMMs, cuBLAS GEMMs) run on
+    the Mosaic GPU kernel where kernels2 timed it faster than the Triton one alone at the
+    engine's pages, and as listed where it was slower, gave wrong answers or was not timed; the
+    two rope arms stay either way, the traced fused-GEMM arm follows, the table says which."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check as g
+
+    def composed(rows):
+        return g.composed_arms({"kernels2": g.PartResult("kernels2", True, 1.0, {"rows": rows})},
+                               g.DECODE_ARMS)
+
+    arms, on = composed(_kernels2_rows(mosaic_us=90.0, packed_us=100.0))
+    assert on["kernel"] == "mosaic" and "0.90x" in on["why"], on
+    arms = arms.split(",")
+    assert {"pallas_mgpu_packed_layer:fused", "pallas_mgpu_packed_rope:fused:cublas"} <= set(arms)
+    assert {"pallas_gpu_packed_rope:fused", "pallas_mgpu_packed_rope:fused"} <= set(arms)
+    assert not {"pallas_gpu_packed_layer:fused", "pallas_gpu_packed_rope:fused:cublas"} & set(arms)
+    assert len(arms) == len(g.DECODE_ARMS.split(","))
+    for rows in (_kernels2_rows(mosaic_us=110.0, packed_us=100.0),  # slower
+                 _kernels2_rows(mosaic_us=50.0, packed_us=100.0, max_diff_vs_reference=0.3),  # wrong
+                 [r for r in _kernels2_rows(50.0, 100.0) if r["arm"] == "packed"],  # not timed
+                 []):
+        assert composed(rows)[0] == g.DECODE_ARMS, rows
+    assert g.composed_arms({}, g.DECODE_4K_ARMS) == (g.DECODE_4K_ARMS, {
+        "kernel": "triton", "why": "kernels2 timed no Mosaic GPU kernel beside the Triton one"})
+
+    # wired into the decode parts at the GPU shape (each part's process faked)
+    monkeypatch.setattr(g.BUDGET, "deadline", None)
+    commands = []
+
+    def run_part(name, argv, timeout_s, log, env=None, cwd=None):
+        commands.append((name, argv))
+        if "--canary" in argv:
+            return 0, "".join(json.dumps({"canary": True, "arm": a, "ok": True, "max_diff_vs_reference": 0.01})
+                              + "\n" for a in ("mosaic", "mosaic_rope"))
+        if name == "kernels2" and "256" in argv:
+            return 0, "".join(json.dumps(r) + "\n" for r in _kernels2_rows(mosaic_us=80.0, packed_us=100.0))
+        return 0, ""
+
+    monkeypatch.setattr(g, "run_part", run_part)
+    monkeypatch.setattr(g, "part_env", lambda *a: {"device_kind": "cpu"})
+    assert g.main(["--parts", "env,kernels2,decode", "--out", str(tmp_path)]) == 0
+    decodes = {name: argv for name, argv in commands if name.startswith("decode")}
+    assert set(decodes) == {"decode", "decode_4k"}
+    for argv in decodes.values():
+        arms = argv[argv.index("--engine-arms") + 1].split(",")
+        assert "pallas_mgpu_packed_rope:fused:cublas" in arms and "pallas_gpu_packed_rope:fused" in arms
+    traced = decodes["decode"][decodes["decode"].index("--trace-arms") + 1]
+    assert traced == "pallas_gpu_packed_rope:fused,pallas_mgpu_packed_layer:fused"
+    parts = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
+    assert parts["decode"]["result"]["composed_on"]["kernel"] == "mosaic"
+    table = dict(g.summary_rows({k: g.PartResult(**v) for k, v in parts.items()}))
+    assert table["decode _layer and cublas arms"].startswith("on the mosaic kernel: kernels2")
+
+
 def test_the_best_decode_choice_runs_each_batch_with_its_fastest_path():
     """The decode part's rows -> a ``serving.decode_attention`` per (prompt, sampler, GEMMs): the
     fused layer wins at 32 and 64 rows, the rope arm at 256; a batch one path did not measure

@@ -30,7 +30,8 @@
   (``decode_kernel_mgpu.py``): the pages copied by the TMA several blocks ahead, both products
   on the tensor cores; bfloat16/float16 pools, NVIDIA H100/H200 only. ``pallas_mgpu_packed_rope``
   is that kernel with ``pallas_gpu_packed_rope``'s work in it (``paged_decode_append(mosaic=True)``:
-  the step's K/V written, the q/k RMSNorm and the rotary embedding applied in the kernel).
+  the step's K/V written, the q/k RMSNorm and the rotary embedding applied in the kernel), and
+  ``pallas_mgpu_packed_layer`` is ``pallas_gpu_packed_layer`` with that kernel as its attention.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from rstarjax.models.kv_cache import NO_PAGE
 DECODE_IMPLEMENTATIONS = ("reference", "ragged", "pallas_gpu", "pallas_gpu_packed",
                           "pallas_gpu_packed_append", "pallas_gpu_packed_rope",
                           "pallas_gpu_packed_layer", "pallas_mgpu_packed", "pallas_mgpu_packed_rope",
-                          "pallas_tpu")
+                          "pallas_mgpu_packed_layer", "pallas_tpu")
 QUERY_BLOCK = 256  # queries per block in the reference: bounds the [T, context] logits buffer
 RAGGED_CHUNK = 64  # pages per iteration of the ragged decode attention
 RAGGED_LIST_STEP = 16  # a list of at most RAGGED_CHUNK pages is padded to a multiple of this

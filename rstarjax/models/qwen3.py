@@ -152,7 +152,8 @@ def decode_layer_fused(cfg: ModelConfig, p: dict, x: jax.Array,
                        attention: Callable[[jax.Array, jax.Array, jax.Array], tuple], *,
                        sums: jax.Array | None = None, interpret: bool = False):
     """``decoder_layer`` for a decode step of a served model (one token a row, merged weights,
-    ``attention`` applying the q/k norm and the rotary embedding: ``pallas_gpu_packed_layer``),
+    ``attention`` applying the q/k norm and the rotary embedding: ``pallas_gpu_packed_layer``, and
+    ``pallas_mgpu_packed_layer`` with the Mosaic GPU kernel as that attention),
     with its projections as ``decode_gemm``'s kernels, each taking in the work beside it: the
     input norm and the q/k/v projections in one kernel, the output projection with the residual
     add, the post-attention norm with the gate/up projections and SwiGLU, the down projection
@@ -480,10 +481,10 @@ def paged_forward(cfg: ModelConfig, w: ServingWeights, tokens: jax.Array, cache:
     # ("_layer": also the layer's projections as decode_gemm kernels, norms, SwiGLU and residual
     # adds fused into them: decode_layer_fused; "pallas_mgpu_": the Mosaic GPU kernel)
     in_kernel = t == 1 and decode_attention in ("pallas_gpu_packed_append", "pallas_gpu_packed_rope",
-                                                "pallas_gpu_packed_layer", "pallas_mgpu_packed_rope")
-    prepares_qk = t == 1 and decode_attention in ("pallas_gpu_packed_rope", "pallas_gpu_packed_layer",
-                                                  "pallas_mgpu_packed_rope")
-    fused_layer = t == 1 and decode_attention == "pallas_gpu_packed_layer"
+                                                "pallas_gpu_packed_layer", "pallas_mgpu_packed_rope",
+                                                "pallas_mgpu_packed_layer")
+    prepares_qk = in_kernel and decode_attention != "pallas_gpu_packed_append"
+    fused_layer = in_kernel and decode_attention.endswith("_layer")
     sums = None  # the fused layer's sums of squares of x, handed from layer to layer
     for i, p in enumerate(w.layers):
         def attention(q, k, v, i=i, p=p):

@@ -52,7 +52,8 @@ class ServingConfig:
     # "pallas_gpu_packed_layer": also the projections as Pallas GEMMs with the norms, SwiGLU and
     # residual adds fused in, models/decode_gemm.py); "pallas_mgpu_packed" the packed kernel's
     # work as a Mosaic GPU kernel for Hopper (models/decode_kernel_mgpu.py; "pallas_mgpu_packed_rope"
-    # that kernel writing the K/V and norming and rotating q/k); "ragged" the
+    # that kernel writing the K/V and norming and rotating q/k, "pallas_mgpu_packed_layer" that
+    # with the Pallas GEMMs); "ragged" the
     # portable path, "reference" the oracle. One path per batch size: "ARM@ROWS,...,ARM", e.g.
     # "pallas_gpu_packed_layer@64,pallas_gpu_packed_rope" (serving/decode_choice.py)
     decode_attention: str = "auto"

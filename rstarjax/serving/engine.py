@@ -215,11 +215,11 @@ class Engine:
                     f"{self.model_config.num_key_value_heads} kv heads do not divide over "
                     f"{self.tensor_parallel} devices: use 'ragged' or 'reference', or a "
                     f"serving.tensor_parallel that divides the kv heads")
-            if self.tensor_parallel > 1 and name == "pallas_gpu_packed_layer":
+            if self.tensor_parallel > 1 and name.endswith("_layer"):
                 raise ValueError(
-                    f"decode_attention 'pallas_gpu_packed_layer' runs its projections as single-device "
+                    f"decode_attention {name!r} runs its projections as single-device "
                     f"kernels; on a slice of {self.tensor_parallel} devices use "
-                    f"'pallas_gpu_packed_rope' (the same attention, XLA's split GEMMs)")
+                    f"{name.removesuffix('_layer') + '_rope'!r} (the same attention, XLA's split GEMMs)")
         return choice
 
     # ---- slots and their decode state ------------------------------------------------------
