@@ -204,22 +204,25 @@ def test_without_root_an_unprivileged_user_namespace_gives_the_same_default_deny
             assert all(open(p).read() for p in {readable!r})  # the trainer itself can read them
             with CodeExecutor(num_workers=1, lean_workers=0, slots_per_worker=2) as ex:
                 iso = ex.isolation
-                print({{k: iso.get(k) for k in ('root', 'userns', 'fresh_root', 'pidns', 'call_mounts', 'seccomp')}})
+                print({{k: iso.get(k) for k in ('root', 'userns', 'fresh_root', 'pidns', 'call_mounts', 'seccomp',
+                                                 'own_tmp')}})
                 print(confinement_gap(iso))
                 caps = "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('Cap')])"
                 print(ex.run(caps).text.strip())
+                print(ex.run("open('/tmp/x', 'w').write('y'); print(open('/tmp/x').read())").text.strip()[-80:])
                 print(ex.run({hostile_code(planted)!r}, timeout=120).text)
         """))
     os.chmod(script, 0o644)
     out = as_unprivileged(sys.executable, script)
     assert out.returncode == 0, out.stderr[-3000:]
-    iso, gap, caps, text = out.stdout.split("\n", 3)
+    iso, gap, caps, tmp, text = out.stdout.split("\n", 4)
     iso = eval(iso)  # noqa: S307 - our own repr
     if not iso["userns"]:
         pytest.skip(f"this kernel refuses unprivileged user namespaces: {iso}")
     assert iso["fresh_root"] and not iso["root"] and gap == "None", (iso, gap)
     inheritable, permitted, effective, _, ambient = eval(caps)  # noqa: S307 (the bounding set is any user's)
     assert {inheritable, permitted, effective, ambient} == {"0000000000000000"}, caps
+    assert (tmp == "y") == bool(iso["own_tmp"]), (iso, tmp)  # its own /tmp where the probe found one
     assert "open 0'" in text and GOLD not in text, text
 
 
@@ -263,3 +266,23 @@ def test_a_confined_pool_passes_the_check(tmp_path):
         require_fresh_root(ex)
         assert isolation.confinement_gap(ex.isolation) is None
         isolation.require_confined(ex.isolation, allow_unconfined=False)
+
+
+def test_what_a_calls_own_tmp_binds_back():
+    """``isolation.call_tmp_binds``: the top-level /tmp entries of what the fresh root exposes
+    below /tmp (a virtualenv, a checkout's imported files), once each; None wherever a call must
+    keep the zygote's /tmp (covering it would hide the interpreter or the working directory)."""
+    info = {"fresh_root": True, "call_mounts": True,
+            "exposed": ["/usr", "/tmp/tmp.ab/venv", "/tmp/tmp.ab/venv/lib/python3.11/site-packages",
+                        "/tmp/ci/rstarjax/env/worker.py", "/tmp/ci/rstarjax/protocol.py", "/etc/localtime"]}
+    work = "/tmp/rstarjax-sandbox-x"
+    assert isolation.call_tmp_binds(info, work) == ("/tmp/ci", "/tmp/tmp.ab")
+    assert isolation.call_tmp_binds({**info, "exposed": ["/usr", "/root/.pyenv/versions/3.11"]}, work) == ()
+    for changed in ({"fresh_root": False}, {"call_mounts": False}, {"exposed": ["/usr", "/tmp"]},
+                    {"exposed": ["/tmp/rstarjax-sandbox-x/lib"]}):
+        assert isolation.call_tmp_binds({**info, **changed}, work) is None, changed
+    # a working directory elsewhere (TMPDIR=/scratch, or deeper in /tmp) has its place in the call's /tmp
+    assert isolation.call_tmp_binds(info, "/scratch/rstarjax-sandbox-x") == ("/tmp/ci", "/tmp/tmp.ab")
+    assert isolation.call_tmp_binds(info, "/tmp/gw0/rstarjax-sandbox-x") == ("/tmp/ci", "/tmp/tmp.ab")
+    assert isolation.call_tmp_binds(info, "/tmp/ci/rstarjax-sandbox-x") is None  # in what is bound back
+    assert isolation.call_tmp_binds(info, "/scratch/ci") is None  # its place is /tmp/ci

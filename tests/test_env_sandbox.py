@@ -265,6 +265,48 @@ def test_writes_outside_its_directory(ex):
             assert "left_behind" not in ex.run("import os\nprint(os.listdir('/dev/shm'))").text
 
 
+def test_model_code_has_a_writable_tmp_of_its_own(ex):
+    """Code that writes ``/tmp/x`` (much code does) works as on any machine: each call has its
+    own /tmp (the working directory in it, and whatever the fresh root shows below /tmp bound
+    back read-only); nothing of it reaches the host or the next call."""
+    iso = ex.isolation
+    if not (iso.get("fresh_root") and iso.get("call_mounts")):
+        pytest.skip(f"no fresh root or no mount namespace per call here ({iso})")
+    assert iso.get("own_tmp"), iso.get("own_tmp_refused")  # the probe found it works: on this kind of host it must
+    marker = "rstarjax_tmp_" + uuid.uuid4().hex
+    code = (f"import os\nopen('/tmp/{marker}', 'w').write('kept')\n"
+            f"print(open('/tmp/{marker}').read(), sorted(os.listdir('/tmp')), os.getcwd(), sep='|')")
+    r = run_hostile(ex, code)
+    assert r.kind == "stdout", r
+    kept, listed, cwd = r.text.split("|")
+    assert kept == "kept" and not os.path.exists(f"/tmp/{marker}")
+    below = os.path.relpath(cwd.strip(), "/tmp")  # the working directory: at its path below /tmp
+    place = os.path.basename(cwd.strip()) if below.startswith("..") else below.split("/")[0]
+    assert eval(listed) == sorted({marker, place}  # noqa: S307 - our own repr of a list of str
+                                  | {os.path.basename(p) for p in iso["call_tmp_binds"]}), r.text
+    for path in iso["call_tmp_binds"]:  # what the fresh root shows below /tmp stays read-only
+        r = ex.run(f"open({os.path.join(path, marker)!r}, 'w')")
+        assert r.kind == "error" and "Read-only file system" in r.text, r
+    for _ in range(2 * ex.config.num_workers * ex.config.slots_per_worker):
+        assert marker not in ex.run("import os\nprint(os.listdir('/tmp'))").text
+
+
+def test_a_calls_tmp_and_working_directory_share_its_disk_limit():
+    """One size limit for both (``SandboxLimits.disk_bytes``): a call cannot double its space by
+    writing to /tmp as well as to its working directory."""
+    limits = SandboxLimits(disk_bytes=8 << 20)
+    with CodeExecutor(config=ExecutorConfig(num_workers=1, lean_workers=0, slots_per_worker=1, limits=limits)) as ex:
+        if not ex.isolation.get("own_tmp"):
+            pytest.skip("calls keep the zygote's read-only /tmp here")
+        code = ("import os\nblock = b'x' * (1 << 20)\nwritten = 0\ntry:\n"
+                "    for path in ('/tmp/a', 'b'):\n        with open(path, 'wb') as f:\n"
+                "            for _ in range(5):\n                f.write(block); f.flush(); written += 1\n"
+                "except OSError as e:\n    print(written, e.errno)")
+        r = ex.run(code, timeout=30)
+    written, errno_ = map(int, r.text.split())
+    assert 5 <= written < 10 and errno_ == 28, r  # ENOSPC: the second file did not fit beside the first
+
+
 def test_cannot_read_the_parents_secrets(ex):
     me = os.getpid()
     code = (

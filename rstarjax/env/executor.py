@@ -284,7 +284,8 @@ class CodeExecutor:
         """What the host allowed (the heavy zygote's probes, see docs/code_env.md): root, userns
         (an unprivileged user namespace instead of root), netns, mountns, fresh_root (the
         default-deny file system; else fresh_root_refused says why), exposed (the host paths it
-        shows), private_tmp, host_readonly, pidns, call_mounts, ipcns, uid_drop, seccomp,
+        shows), private_tmp, host_readonly, pidns, call_mounts, own_tmp (each call a writable
+        /tmp of its own; call_tmp_binds what it shows of the fresh root's), ipcns, uid_drop, seccomp,
         worker_realtime, huge_page_bytes, and call_budget ("cgroup-v2", "cgroup-v1" or "rlimits").
         ``isolation.confinement_gap`` reads it."""
         if HEAVY not in self._zygotes:

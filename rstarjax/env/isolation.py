@@ -20,9 +20,10 @@ once the preloaded libraries are imported):
 Per sandbox, by the flags it is cloned with (see forker.py) and `mount_call_filesystems`:
 * a PID namespace (the sandbox is its PID 1: everything it starts dies with it) with its own
   /proc, which shows the call's processes and nothing of the host;
-* a mount namespace with two fresh size-limited tmpfs: its working directory (also HOME and
-  TMPDIR) and /dev/shm. A call cannot fill another's space, and everything it wrote is gone
-  with its last process: there is nothing to clean up.
+* a mount namespace with two fresh size-limited tmpfs: its own /tmp holding its working
+  directory (also HOME and TMPDIR; in the fresh root, see `call_tmp_binds`; elsewhere the
+  working directory alone) and /dev/shm. A call cannot fill another's space, and everything it
+  wrote is gone with its last process: there is nothing to clean up.
 
 Only the standard library is imported (the zygote loads this module).
 """
@@ -39,7 +40,7 @@ CLONE_NEWIPC = 0x08000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
+MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x2000, 0x4000, 0x40000
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME, MS_STRICTATIME = 0x400, 0x800, 0x200000, 0x1000000
 _MOUNT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
                 "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
@@ -478,16 +479,73 @@ def probe_unprivileged_imports(uid: int) -> bool:
 # per sandbox (in the child, as root, before the uid drop)
 
 
-def mount_call_filesystems(workdir: str, uid: int | None, disk_bytes: int, own_proc: bool) -> None:
+def mount_call_filesystems(workdir: str, uid: int | None, disk_bytes: int, own_proc: bool,
+                           tmp_binds: tuple[str, ...] | None = None) -> None:
     """In the sandbox's own mount namespace: /proc of its PID namespace, and fresh tmpfs for its
-    working directory (owned by its uid) and /dev/shm. Raises OSError when the kernel refuses."""
+    working directory (owned by its uid) and /dev/shm. With ``tmp_binds`` (``call_tmp_binds``:
+    the fresh root's /tmp holds the working directory's mount point and those entries only), the
+    working directory's tmpfs becomes the call's own writable /tmp, the working directory a folder
+    in it and those entries bound back read-only, so that code writing ``/tmp/x`` works as on
+    any machine, within the same size limit, and leaves nothing for the next call. Raises
+    OSError when the kernel refuses."""
     owner = b"" if uid is None else b",uid=%d,gid=%d" % (uid, uid)
     size = b"size=%d,nr_inodes=%d" % (disk_bytes, CALL_INODES)
-    steps = [(b"tmpfs", workdir, b"tmpfs", MS_NOSUID | MS_NODEV, size + b",mode=0700" + owner),
-             (b"tmpfs", "/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, size + b",mode=1777")]
+    if tmp_binds is None:
+        _must(mount(b"tmpfs", workdir, b"tmpfs", MS_NOSUID | MS_NODEV, size + b",mode=0700" + owner),
+              f"mount tmpfs on {workdir}")
+    else:
+        _own_tmp(workdir, uid, size, tmp_binds)
+    _must(mount(b"tmpfs", "/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, size + b",mode=1777"),
+          "mount tmpfs on /dev/shm")
     if own_proc:
-        steps.append((b"proc", "/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None))
-    for source, target, fstype, flags, data in steps:
-        err = mount(source, target, fstype, flags, data)
-        if err:
-            raise OSError(err, f"mount {fstype.decode()} on {target}: {os.strerror(err)}")
+        _must(mount(b"proc", "/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC), "mount proc on /proc")
+
+
+def _own_tmp(workdir: str, uid: int | None, size: bytes, tmp_binds: tuple[str, ...]) -> None:
+    """A tmpfs built at the working directory's mount point (a sticky, world-writable /tmp with
+    the working directory in it at its path below /tmp, or by its name where it lies elsewhere,
+    and ``tmp_binds`` bound back), then moved over /tmp; a working directory outside /tmp is that
+    folder bound back at its own path (one size limit for both)."""
+    _must(mount(b"tmpfs", workdir, b"tmpfs", MS_NOSUID | MS_NODEV, size + b",mode=1777"),
+          f"mount tmpfs on {workdir}")
+    inner = _inner_path(workdir)
+    if os.path.dirname(inner) != "/tmp":
+        os.makedirs(workdir + os.path.dirname(inner)[len("/tmp"):], mode=0o755)
+    os.mkdir(workdir + inner[len("/tmp"):], 0o700)
+    if uid is not None:
+        os.chown(workdir + inner[len("/tmp"):], uid, uid)
+    for top in tmp_binds:
+        _bind(top, workdir, top[len("/tmp"):])
+    _must(mount(workdir.encode(), "/tmp", None, MS_MOVE), "move the call's tmpfs to /tmp")
+    if inner != os.path.normpath(workdir):
+        _must(mount(inner.encode(), workdir, None, MS_BIND), f"bind {inner} at {workdir}")
+
+
+def _inner_path(workdir: str) -> str:
+    """Where the working directory lies in a call's own /tmp: its own path below /tmp, or
+    /tmp/<its name> where it lies elsewhere (``TMPDIR=/scratch``)."""
+    workdir = os.path.normpath(workdir)
+    return workdir if _within(workdir, "/tmp") and workdir != "/tmp" else "/tmp/" + os.path.basename(workdir)
+
+
+def call_tmp_binds(info: dict, workdir: str) -> tuple[str, ...] | None:
+    """What a call's own /tmp must show again of the fresh root's /tmp (``mount_call_filesystems``):
+    the top-level entries below /tmp of what the fresh root exposes (a virtualenv, a checkout's
+    imported files, where they live below /tmp); None where calls keep the zygote's /tmp (no
+    fresh root or no mount namespace per call, an exposed path that is /tmp itself, or one whose
+    top-level entry holds the working directory or lies in it)."""
+    if not (info.get("fresh_root") and info.get("call_mounts")):
+        return None
+    workdir = os.path.normpath(workdir)
+    inner = _inner_path(workdir)
+    tops = set()
+    for path in info.get("exposed", []):
+        path = os.path.normpath(path)
+        if _within(path, "/tmp"):
+            if path == "/tmp":
+                return None
+            top = "/tmp/" + os.path.relpath(path, "/tmp").split("/")[0]
+            if _within(inner, top) or _within(top, inner) or _within(path, workdir):
+                return None
+            tops.add(top)
+    return tuple(sorted(tops))

@@ -67,6 +67,9 @@ class Confinement:
     call_mounts: bool  # its own tmpfs for workdir and /dev/shm (it has its own mount namespace)
     own_proc: bool  # and a /proc of its own PID namespace
     drop_caps: bool = False  # no uid drop, but capabilities (a user namespace's): drop them all
+    # its own writable /tmp holding workdir, these entries of the fresh root's /tmp bound back
+    # (isolation.call_tmp_binds); None: the zygote's /tmp, read-only to the call
+    tmp_binds: tuple[str, ...] | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,7 +172,8 @@ def confine_before_call(confinement: Confinement, limits: SandboxLimits) -> None
     except OSError:
         pass
     if confinement.call_mounts:
-        isolation.mount_call_filesystems(confinement.workdir, confinement.uid, limits.disk_bytes, confinement.own_proc)
+        isolation.mount_call_filesystems(confinement.workdir, confinement.uid, limits.disk_bytes, confinement.own_proc,
+                                         confinement.tmp_binds)
     os.chdir(confinement.workdir)
     os.environ["HOME"] = confinement.workdir
     os.environ["TMPDIR"] = confinement.workdir

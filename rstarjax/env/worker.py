@@ -95,6 +95,7 @@ class Worker:
         self.uid_drop = bool(host["uid_drop"])
         self.drop_caps = bool(host.get("userns"))  # the zygote's user namespace gave us capabilities
         self.call_mounts = bool(host.get("call_mounts"))
+        self.tmp_binds = tuple(host["call_tmp_binds"]) if host.get("own_tmp") else None
         self.clone_flags = forker.clone_flags(host)
         self.tid_offset = host.get("tid_offset")
         self.seccomp = bool(host.get("seccomp"))
@@ -125,7 +126,8 @@ class Worker:
 
     def confinement(self, slot: int, workdir: str) -> Confinement:
         return Confinement(workdir=workdir, uid=self.slot_uid(slot), call_mounts=self.call_mounts,
-                           own_proc=self.call_mounts and self.use_pidns, drop_caps=self.drop_caps)
+                           own_proc=self.call_mounts and self.use_pidns, drop_caps=self.drop_caps,
+                           tmp_binds=self.tmp_binds)
 
     def start_forkers(self) -> None:
         """One forker per slot, forked now, while this process has read nothing."""

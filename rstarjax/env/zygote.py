@@ -123,6 +123,46 @@ def probe_realtime() -> bool:
     return os.waitstatus_to_exitcode(status) == 0
 
 
+def probe_own_tmp(workdir: str, binds: tuple[str, ...], tid_offset: int | None, timeout_s: float = 10.0) -> str:
+    """Can a call have its own /tmp here (``isolation.mount_call_filesystems`` with ``binds``)?
+    Tried in a throwaway child in a mount namespace of its own: /tmp writable, the working
+    directory and the bound-back entries in it. Returns "" where it can, else why not (calls
+    then keep the zygote's /tmp). A child still running after ``timeout_s`` is killed and the
+    probe tried once more, as ``forker.probe_clone_flags`` does."""
+    why = ""
+    for _ in range(2):
+        read_end, write_end = os.pipe()
+        try:
+            pid = forker.clone(isolation.CLONE_NEWNS, tid_offset, sibling=False)
+        except OSError as exc:
+            os.close(read_end)
+            os.close(write_end)
+            return f"clone: {exc}"
+        if pid == 0:
+            os.close(read_end)
+            try:
+                isolation.mount_call_filesystems(workdir, None, 1 << 20, False, binds)
+                with open("/tmp/probe", "w") as f:
+                    f.write("x")
+                missing = [p for p in (workdir, *binds) if not os.path.exists(p)]
+                if missing:
+                    raise FileNotFoundError(f"not in the call's /tmp: {missing}")
+                os._exit(0)
+            except BaseException as exc:  # noqa: BLE001
+                os.write(write_end, f"{type(exc).__name__}: {exc}".encode()[:500])
+                os._exit(1)
+        os.close(write_end)
+        ok = forker.exited_ok(pid, timeout_s)
+        with os.fdopen(read_end, "rb") as f:
+            why = f.read().decode(errors="replace") if ok is not None else ""
+        if ok:
+            return ""
+        if ok is False:
+            return why or "the probe child failed"
+        why = f"the probe child did not exit within {timeout_s} s"
+    return why
+
+
 def probe(config: dict, info: dict) -> dict:
     """What every sandbox can get here: namespaces per call, the uid drop."""
     isolate = bool(config.get("isolate", True))
@@ -130,6 +170,15 @@ def probe(config: dict, info: dict) -> dict:
     tid = info["tid_offset"]
     info["pidns"] = isolate and forker.probe_clone_flags(isolation.CLONE_NEWPID, tid)
     info["call_mounts"] = bool(info["mountns"]) and forker.probe_clone_flags(isolation.CLONE_NEWNS, tid)
+    binds = isolation.call_tmp_binds(info, config["workdir_root"])
+    refused = ("no fresh root or no mount namespace per call, or what the fresh root shows below /tmp "
+               "holds the working directory") if binds is None else probe_own_tmp(
+        config["workdir_root"], binds, tid)
+    info["own_tmp"] = not refused
+    if refused:
+        info["own_tmp_refused"] = refused
+    else:
+        info["call_tmp_binds"] = list(binds)
     info["worker_realtime"] = bool(config.get("worker_realtime", True)) and probe_realtime()
     info["uid_drop"] = isolate and info["root"]
     if info["uid_drop"] and not isolation.probe_unprivileged_imports(int(config["uid_base"])):
