@@ -508,12 +508,14 @@ def _own_tmp(workdir: str, uid: int | None, size: bytes, tmp_binds: tuple[str, .
     folder bound back at its own path (one size limit for both)."""
     _must(mount(b"tmpfs", workdir, b"tmpfs", MS_NOSUID | MS_NODEV, size + b",mode=1777"),
           f"mount tmpfs on {workdir}")
+    def staged(path: str) -> str:  # where a path of the call's /tmp is while the tmpfs is built
+        return workdir + path[len("/tmp"):]
+
     inner = _inner_path(workdir)
-    if os.path.dirname(inner) != "/tmp":
-        os.makedirs(workdir + os.path.dirname(inner)[len("/tmp"):], mode=0o755)
-    os.mkdir(workdir + inner[len("/tmp"):], 0o700)
+    os.makedirs(staged(os.path.dirname(inner)), mode=0o755, exist_ok=True)
+    os.mkdir(staged(inner), 0o700)
     if uid is not None:
-        os.chown(workdir + inner[len("/tmp"):], uid, uid)
+        os.chown(staged(inner), uid, uid)
     for top in tmp_binds:
         _bind(top, workdir, top[len("/tmp"):])
     _must(mount(workdir.encode(), "/tmp", None, MS_MOVE), "move the call's tmpfs to /tmp")
