@@ -1121,13 +1121,10 @@ def faster_kernel(results: dict) -> tuple[bool, str]:
     return mean < 1, f"kernels2, Mosaic GPU over Triton alone: {shapes}, geometric mean {mean:.2f}x"
 
 
-def composed_arms(results: dict, arms: str) -> tuple[str, dict]:
-    """``arms`` with the ``ON_MOSAIC`` ones on the Mosaic GPU kernel where kernels2 timed it
-    faster; (the arms, {"kernel": "mosaic" or "triton", "why"})."""
-    mosaic, why = faster_kernel(results)
-    if mosaic:
-        arms = ",".join(ON_MOSAIC.get(a, a) for a in arms.split(","))
-    return arms, {"kernel": "mosaic" if mosaic else "triton", "why": why}
+def on_faster_kernel(arms: str, mosaic: bool) -> str:
+    """``arms`` (comma-separated) with the ``ON_MOSAIC`` ones on the Mosaic GPU kernel where it
+    was the faster (``faster_kernel``), as they are where not."""
+    return ",".join(ON_MOSAIC.get(a, a) for a in arms.split(",")) if mosaic else arms
 
 
 # gemms: our decode GEMMs' blockings (models/decode_gemm.py GemmBlocking: BLOCK_ROWS,BLOCK_COLS,
@@ -1173,16 +1170,16 @@ def part_decode(shape: Shape, args, log, env, trace_dir: str, name: str = "decod
     call of each ``DECODE_TRACED`` arm at 256 and 64 rows (into ``trace_dir``). ``decode_4k``: the same
     at 4,096-token prompts, 64 and 128 rows, ``DECODE_4K_ARMS``, no trace. Where kernels2 ran
     before and its Mosaic GPU canary failed, the Mosaic arms are left out (``mosaic_arms_out``);
-    where it timed the Mosaic GPU kernel faster, the ``ON_MOSAIC`` arms run on it (``composed_arms``;
+    where it timed the Mosaic GPU kernel faster, the ``ON_MOSAIC`` arms run on it (``faster_kernel``;
     not at the tiny shape, whose arms are fixed)."""
     timeout = BUDGET.clip(DECODE_TIMEOUTS[args.shape][name])
     long = name == "decode_4k"
     arms, left_out = mosaic_arms_out(results or {}, DECODE_4K_ARMS if long else DECODE_ARMS)
-    traced = DECODE_TRACED
-    composed = None
+    traced, composed = DECODE_TRACED, None
     if shape.model != "tiny":
-        arms, composed = composed_arms(results or {}, arms)
-        traced, _ = composed_arms(results or {}, traced)
+        mosaic, why = faster_kernel(results or {})
+        arms, traced = on_faster_kernel(arms, mosaic), on_faster_kernel(traced, mosaic)
+        composed = {"kernel": "mosaic" if mosaic else "triton", "why": why}
     argv = [sys.executable, os.path.join(HERE, "decode_kernel_sweep.py"), "--engine",
             "--engine-arms", arms, "--budget-s", str(0.85 * timeout)]
     if not long:

@@ -216,13 +216,12 @@ def test_the_composed_decode_arms_run_on_the_kernel_kernels2_timed_faster(tmp_pa
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import gpu_check as g
 
-    def composed(rows):
-        return g.composed_arms({"kernels2": g.PartResult("kernels2", True, 1.0, {"rows": rows})},
-                               g.DECODE_ARMS)
+    def faster(rows):
+        return g.faster_kernel({"kernels2": g.PartResult("kernels2", True, 1.0, {"rows": rows})})
 
-    arms, on = composed(_kernels2_rows(mosaic_us=90.0, packed_us=100.0))
-    assert on["kernel"] == "mosaic" and "0.90x" in on["why"], on
-    arms = arms.split(",")
+    mosaic, why = faster(_kernels2_rows(mosaic_us=90.0, packed_us=100.0))
+    assert mosaic and "geometric mean 0.90x" in why, why
+    arms = g.on_faster_kernel(g.DECODE_ARMS, mosaic).split(",")
     assert {"pallas_mgpu_packed_layer:fused", "pallas_mgpu_packed_rope:fused:cublas"} <= set(arms)
     assert {"pallas_gpu_packed_rope:fused", "pallas_mgpu_packed_rope:fused"} <= set(arms)
     assert not {"pallas_gpu_packed_layer:fused", "pallas_gpu_packed_rope:fused:cublas"} & set(arms)
@@ -231,9 +230,9 @@ def test_the_composed_decode_arms_run_on_the_kernel_kernels2_timed_faster(tmp_pa
                  _kernels2_rows(mosaic_us=50.0, packed_us=100.0, max_diff_vs_reference=0.3),  # wrong
                  [r for r in _kernels2_rows(50.0, 100.0) if r["arm"] == "packed"],  # not timed
                  []):
-        assert composed(rows)[0] == g.DECODE_ARMS, rows
-    assert g.composed_arms({}, g.DECODE_4K_ARMS) == (g.DECODE_4K_ARMS, {
-        "kernel": "triton", "why": "kernels2 timed no Mosaic GPU kernel beside the Triton one"})
+        assert not faster(rows)[0], rows
+    assert g.faster_kernel({}) == (False, "kernels2 timed no Mosaic GPU kernel beside the Triton one")
+    assert g.on_faster_kernel(g.DECODE_4K_ARMS, False) == g.DECODE_4K_ARMS
 
     # wired into the decode parts at the GPU shape (each part's process faked)
     monkeypatch.setattr(g.BUDGET, "deadline", None)
