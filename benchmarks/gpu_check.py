@@ -7,7 +7,8 @@ A session lent a GPU has minutes of device time, so everything it should learn r
 one command, each part in its own process with its own time limit (a part that fails or runs
 out of time costs only itself):
 
-* ``env``: device, driver, jax / flax / orbax versions.
+* ``env``: device, driver, jax / flax / orbax versions; the code pool started once (whether its
+  sandboxes are confined here: where not, the RL jobs get ``env.allow_unconfined``, ``allows_unconfined``).
 * ``main``: ``python -m rstarjax.main --config=configs/stage1.py`` with only the model, the data
   and sizes overridden: a Qwen3-1.7B-shaped HF directory with random bf16 weights written on
   the spot, a synthetic problem file, 2 prompts x 2G = 32 rollouts with the real code pool, a
@@ -251,6 +252,21 @@ def nvidia_smi() -> dict:
         return {}
 
 
+# The code pool as the RL jobs will start it, once: whether its sandboxes are confined here
+# (isolation.confinement_gap) and a call runs
+CODE_POOL_SCRIPT = r"""
+import json
+from rstarjax.env import CodeExecutor
+from rstarjax.env.isolation import confinement_gap
+with CodeExecutor(num_workers=1, lean_workers=0, slots_per_worker=1) as ex:
+    iso = ex.isolation
+    ran = ex.run("print(6 * 7)", timeout=30).text.strip() == "42"
+print(json.dumps({"ran": ran, "gap": confinement_gap(iso),
+                  **{k: iso.get(k) for k in ("root", "userns", "fresh_root", "pidns", "uid_drop", "seccomp",
+                                             "own_tmp", "call_budget")}}))
+"""
+
+
 def part_env(shape: Shape, args, log, env) -> dict:
     code, out = run_part("env", [sys.executable, "-c", ENV_SCRIPT], shape.timeouts["env"], log, env)
     result = last_json_line(out)
@@ -258,7 +274,19 @@ def part_env(shape: Shape, args, log, env) -> dict:
     result.update(commit=args.commit, date=datetime.date.today().isoformat(), shape=args.shape)
     if code != 0:
         raise RuntimeError(f"jax did not start: {tail(out)}")
+    code, out = run_part("env/code_pool", [sys.executable, "-c", CODE_POOL_SCRIPT], shape.timeouts["env"], log, env)
+    result["code_pool"] = last_json_line(out) if code == 0 else {"ran": False, "error": tail(out)[-300:]}
     return result
+
+
+def allows_unconfined(results: dict) -> bool:
+    """Whether the RL jobs get ``env.allow_unconfined=True``: where the env part found the code
+    pool running but unconfined here (its sandboxes could read this machine's files), rather than
+    have the job refuse and the loan lose its parts; a lent machine holds only random weights and
+    generated problems. The table's ``code pool`` row says which."""
+    part = results.get("env")
+    pool = (part.result or {}).get("code_pool", {}) if part is not None else {}
+    return bool(pool.get("ran")) and pool.get("gap") is not None
 
 
 # ---- main: the stage-1 job end to end ------------------------------------------------------------
@@ -284,7 +312,7 @@ print(json.dumps({"params_b": cfg.num_params / 1e9, "vocab": cfg.vocab_size,
 """
 
 
-def main_job_argv(shape: Shape, hf_dir: str, data_path: str, workdir: str) -> list[str]:
+def main_job_argv(shape: Shape, hf_dir: str, data_path: str, workdir: str, unconfined: bool = False) -> list[str]:
     """The README's main command on configs/stage1.py; every override is the model, the data
     or a size, except reject_equal_reward (random weights: all rewards 0)."""
     rollouts = shape.prompts * shape.samples
@@ -301,6 +329,8 @@ def main_job_argv(shape: Shape, hf_dir: str, data_path: str, workdir: str) -> li
     }
     if shape.model == "tiny":  # CPU: float32 and no remat, as the tiny tests run it
         o.update({"model.dtype": "float32", "model.remat_policy": "none"})
+    if unconfined:  # allows_unconfined
+        o["env.allow_unconfined"] = True
     return ([sys.executable, "-m", "rstarjax.main", f"--config={ROOT}/configs/stage1.py",
              f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in o.items()])
 
@@ -335,7 +365,7 @@ def step_summary(m: dict, prompt_tokens: int) -> dict:
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items() if v is not None}
 
 
-def part_main(shape: Shape, args, log, env, scratch: str) -> dict:
+def part_main(shape: Shape, args, log, env, scratch: str, unconfined: bool = False) -> dict:
     hf_dir, data_path = os.path.join(scratch, "hf"), os.path.join(scratch, "problems.jsonl")
     workdir = os.path.join(scratch, "run")
     t0 = time.perf_counter()
@@ -349,7 +379,7 @@ def part_main(shape: Shape, args, log, env, scratch: str) -> dict:
               "rollouts_per_step": shape.prompts * shape.samples, "response_len": shape.response_len}
     left = shape.timeouts["main"] - (time.perf_counter() - t0)
     t1 = time.perf_counter()
-    code, out = run_part("main", main_job_argv(shape, hf_dir, data_path, workdir), left, log, env)
+    code, out = run_part("main", main_job_argv(shape, hf_dir, data_path, workdir, unconfined), left, log, env)
     result["job_s"] = round(time.perf_counter() - t1, 1)
     result["exit"] = code
     metrics_path = os.path.join(workdir, "logs", "metrics.jsonl")
@@ -490,7 +520,7 @@ def agent_sft_argv(a: AgentShape, hf_dir: str, sft_path: str, workdir: str) -> l
 
 
 def agent_rl_argv(a: AgentShape, plan: dict, hf_dir: str, data_path: str, init_from: str,
-                  workdir: str) -> list[str]:
+                  workdir: str, unconfined: bool = False) -> list[str]:
     """configs/stage1.py from the SFT checkpoint, only model, data and sizes overridden (its 8K
     responses kept), as a user runs it: on a device that reports its memory ``rstarjax.main``
     picks the remat policy, the micro-batch and the KV pool's share itself
@@ -509,6 +539,8 @@ def agent_rl_argv(a: AgentShape, plan: dict, hf_dir: str, data_path: str, init_f
     if not plan.get("device_reported"):
         o.update({"model.remat_policy": plan["remat_policy"], "trainer.micro_batch_size": plan["micro_batch"]})
     o.update(tiny_overrides(a.model))
+    if unconfined:  # allows_unconfined
+        o["env.allow_unconfined"] = True
     return ([sys.executable, "-m", "rstarjax.main", f"--config={ROOT}/configs/stage1.py",
              f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in o.items()])
 
@@ -559,7 +591,7 @@ def compiled_programs(log_text: str) -> list[tuple[str, tuple[str, ...]]]:
             for m in map(COMPILING.search, log_text.splitlines()) if m]
 
 
-def part_agent(shape: Shape, args, log, env, scratch: str) -> dict:
+def part_agent(shape: Shape, args, log, env, scratch: str, unconfined: bool = False) -> dict:
     """``h100``: SFT on tool traces, then stage 1's RL steps from it, sized by the memory plan."""
     a = AGENT_SHAPES[args.shape]
     a = dataclasses.replace(a, **{k: v for k, v in (("sft_steps", args.sft_steps), ("sft_lr", args.sft_lr),
@@ -602,7 +634,7 @@ def part_agent(shape: Shape, args, log, env, scratch: str) -> dict:
     rl_env = dict(env, JAX_LOG_COMPILES="1")  # which programs each step compiles (item: step 2 none)
     sft_checkpoints = os.path.join(sft_dir, "checkpoints")
     with removed_once_logged(sft_checkpoints, os.path.join(rl_dir, "logs", "metrics.jsonl")):
-        code, out = run_part("h100", agent_rl_argv(a, plan, paths["hf"], paths["data"], sft_checkpoints, rl_dir),
+        code, out = run_part("h100", agent_rl_argv(a, plan, paths["hf"], paths["data"], sft_checkpoints, rl_dir, unconfined),
                              a.timeouts["rl"], log, rl_env)
     result["job_s"] = round(time.perf_counter() - t2, 1)
     result["exit"] = code
@@ -726,7 +758,7 @@ print(json.dumps({"params_b": cfg.num_params / 1e9, "vocab": cfg.vocab_size,
 """.replace("{PLAN}", PRINT_PLAN)
 
 
-def lora_rl_argv(l: LoraShape, plan: dict, data_path: str, workdir: str) -> list[str]:
+def lora_rl_argv(l: LoraShape, plan: dict, data_path: str, workdir: str, unconfined: bool = False) -> list[str]:
     """configs/stage1.py on the preset's random weights with LoRA, only model, data and sizes
     overridden: on a device that reports its memory the job picks its remat policy, micro-batch
     and pool itself (as ``agent_rl_argv``). One checkpoint, at the end (the
@@ -741,11 +773,13 @@ def lora_rl_argv(l: LoraShape, plan: dict, data_path: str, workdir: str) -> list
     if not plan.get("device_reported"):
         o.update({"model.remat_policy": plan["remat_policy"], "trainer.micro_batch_size": plan["micro_batch"]})
     o.update(tiny_overrides(l.preset))
+    if unconfined:  # allows_unconfined
+        o["env.allow_unconfined"] = True
     return ([sys.executable, "-m", "rstarjax.main", f"--config={ROOT}/configs/stage1.py",
              f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in o.items()])
 
 
-def part_lora(shape: Shape, args, log, env, scratch: str) -> dict:
+def part_lora(shape: Shape, args, log, env, scratch: str, unconfined: bool = False) -> dict:
     """``lora``: stage 1 of the 8B shape with LoRA on one GPU, sized by the memory plan, held to
     an H100's memory with ``--h100-mem-fraction`` like the ``h100`` part."""
     l = LORA_SHAPES[args.shape]
@@ -771,7 +805,7 @@ def part_lora(shape: Shape, args, log, env, scratch: str) -> dict:
         raise RuntimeError(f"writing the inputs failed: {tail(out)}")
     result.update(lines[-1])
     t1 = time.perf_counter()
-    code, out = run_part("lora", lora_rl_argv(l, plan, data_path, workdir),
+    code, out = run_part("lora", lora_rl_argv(l, plan, data_path, workdir, unconfined),
                          l.timeout_s - (time.perf_counter() - t0), log, env)
     result["job_s"], result["exit"] = round(time.perf_counter() - t1, 1), code
     result["run_plan"] = next((x.split("rstarjax: ", 1)[1] for x in out.splitlines()
@@ -1363,6 +1397,13 @@ def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
         e = env.result
         rows.append(("device", f"{e.get('gpu') or e.get('device_kind')} driver {e.get('driver', '-')} "
                                f"jax {e.get('jax')} ({e.get('date')}, {e.get('commit') or '-'})"))
+        pool = e.get("code_pool")
+        if pool:
+            rows.append(("code pool", f"did not run: {pool.get('error', '')[:140]}" if not pool.get("ran") else
+                         "confined: " + ", ".join(f"{k} {pool.get(k)}" for k in ("fresh_root", "own_tmp", "uid_drop",
+                                                                                 "call_budget"))
+                         if pool.get("gap") is None else
+                         f"UNCONFINED ({pool['gap'][:100]}): the RL jobs ran with env.allow_unconfined=True"))
     for name, part in results.items():
         if part.skipped:
             rows.append((name, part.error))
@@ -1518,10 +1559,10 @@ def main(argv=None) -> int:
     # the kernels' parts as before: their interpreter runs the kernels' loops, which may run slower unoptimized
     kernel_env = {k: v for k, v in env.items() if not (k == "XLA_FLAGS" and v == TINY_XLA_FLAGS)}
     plan = [("env", lambda log: part_env(shape, args, log, env))]
-    plan.append(("main", lambda log: part_main(shape, args, log, env, scratch)))
-    plan.append(("h100", lambda log: part_agent(shape, args, log, env, scratch)))
+    plan.append(("main", lambda log: part_main(shape, args, log, env, scratch, allows_unconfined(results))))
+    plan.append(("h100", lambda log: part_agent(shape, args, log, env, scratch, allows_unconfined(results))))
     plan.append(("ckpt", lambda log: part_ckpt(shape, args, log, env, scratch)))
-    plan.append(("lora", lambda log: part_lora(shape, args, log, env, scratch)))
+    plan.append(("lora", lambda log: part_lora(shape, args, log, env, scratch, allows_unconfined(results))))
     for preset in (args.serving_presets.split(",") if args.serving_presets else shape.serving_presets):
         name = f"serving_{preset}"
         plan.append((name, lambda log, p=preset, n=name: part_serving(shape, p, n, log, env, trace_dir)))

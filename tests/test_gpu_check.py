@@ -340,6 +340,45 @@ def test_parts_are_picked_by_name_or_by_family(tmp_path, monkeypatch):
         assert ran == expected, (parts, ran)
 
 
+def test_the_rl_jobs_run_unconfined_only_where_the_env_part_found_the_code_pool_so(tmp_path, monkeypatch):
+    """The env part starts the code pool once (here, confined: a call runs, no gap); the RL jobs
+    (main, h100, lora) get env.allow_unconfined=True only where the pool ran unconfined, so a lent
+    machine whose kernel refuses the sandbox's namespaces measures the job instead of losing the
+    part to the refusal; the table says which."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check as g
+
+    env = g.part_env(g.SHAPES["tiny"], g.parse_args(["--shape", "tiny", "--commit", "t"]), open(os.devnull, "w"),
+                     {**_env(), "PYTHONPATH": ROOT})
+    pool = env["code_pool"]
+    assert pool["ran"] and pool["gap"] is None, pool  # this machine confines it (tests/test_env_filesystem.py)
+    confined = {"env": g.PartResult("env", True, 1.0, env)}
+    assert not g.allows_unconfined(confined) and not g.allows_unconfined({})
+    table = dict(g.summary_rows(confined))
+    assert table["code pool"].startswith("confined: fresh_root True, own_tmp True"), table
+    gap = "no fresh root (isolate=False)"
+    unconfined = {"env": g.PartResult("env", True, 1.0, {**env, "code_pool": {**pool, "gap": gap}})}
+    assert g.allows_unconfined(unconfined)
+    assert table != dict(g.summary_rows(unconfined))
+    assert "env.allow_unconfined=True" in dict(g.summary_rows(unconfined))["code pool"]
+    assert not g.allows_unconfined({"env": g.PartResult("env", True, 1.0, {"code_pool": {"ran": False, "gap": gap}})})
+    flag = "--config.env.allow_unconfined=True"
+    shape = g.SHAPES["tiny"]
+    assert flag in g.main_job_argv(shape, "hf", "d", "w", True) and flag not in g.main_job_argv(shape, "hf", "d", "w")
+    plan = {"device_reported": True}
+    agent, lora = g.AGENT_SHAPES["tiny"], g.LORA_SHAPES["tiny"]
+    assert flag in g.agent_rl_argv(agent, plan, "hf", "d", "i", "w", True)
+    assert flag not in g.agent_rl_argv(agent, plan, "hf", "d", "i", "w")
+    assert flag in g.lora_rl_argv(lora, plan, "d", "w", True) and flag not in g.lora_rl_argv(lora, plan, "d", "w")
+    # wired: the main job of a command whose env part found the pool unconfined (processes faked)
+    monkeypatch.setattr(g.BUDGET, "deadline", None)
+    monkeypatch.setattr(g, "part_env", lambda *a: unconfined["env"].result)
+    jobs = []
+    monkeypatch.setattr(g, "run_part", lambda name, argv, *a, **k: jobs.append((name, argv)) or (0, ""))
+    g.main(["--shape", "tiny", "--parts", "env,main", "--out", str(tmp_path)])
+    assert [flag in argv for name, argv in jobs if name == "main"] == [True], jobs
+
+
 def test_the_h100_part_alone_is_held_to_an_h100s_memory(tmp_path, monkeypatch):
     """--h100-mem-fraction: the h100 part's processes get that XLA_PYTHON_CLIENT_MEM_FRACTION (an
     H200 held to 80 GB), the command's other parts keep the whole card."""
