@@ -286,3 +286,16 @@ def test_what_a_calls_own_tmp_binds_back():
     assert isolation.call_tmp_binds(info, "/tmp/gw0/rstarjax-sandbox-x") == ("/tmp/ci", "/tmp/tmp.ab")
     assert isolation.call_tmp_binds(info, "/tmp/ci/rstarjax-sandbox-x") is None  # in what is bound back
     assert isolation.call_tmp_binds(info, "/scratch/ci") is None  # its place is /tmp/ci
+
+
+def test_a_refused_own_tmp_probe_says_why():
+    """``zygote.probe_own_tmp`` reports the child's error (the zygote then keeps the old /tmp and
+    records it as ``own_tmp_refused``). Only a failing case here: a working one would mount in a
+    namespace cloned from this test's, whose mounts may propagate to the host."""
+    from rstarjax.env import forker, zygote
+
+    if os.geteuid() != 0:
+        pytest.skip("a mount namespace of its own needs root here")
+    why = zygote.probe_own_tmp("/nonexistent-rstarjax-dir/rstarjax-sandbox-x", (), forker.probe_tid_offset(),
+                               timeout_s=20)
+    assert why.startswith("FileNotFoundError") and "mount tmpfs on /nonexistent-rstarjax-dir" in why, why

@@ -129,7 +129,6 @@ def probe_own_tmp(workdir: str, binds: tuple[str, ...], tid_offset: int | None, 
     directory and the bound-back entries in it. Returns "" where it can, else why not (calls
     then keep the zygote's /tmp). A child still running after ``timeout_s`` is killed and the
     probe tried once more, as ``forker.probe_clone_flags`` does."""
-    why = ""
     for _ in range(2):
         read_end, write_end = os.pipe()
         try:
@@ -152,15 +151,12 @@ def probe_own_tmp(workdir: str, binds: tuple[str, ...], tid_offset: int | None, 
                 os.write(write_end, f"{type(exc).__name__}: {exc}".encode()[:500])
                 os._exit(1)
         os.close(write_end)
-        ok = forker.exited_ok(pid, timeout_s)
+        ok = forker.exited_ok(pid, timeout_s)  # None: it hung, and was killed
         with os.fdopen(read_end, "rb") as f:
-            why = f.read().decode(errors="replace") if ok is not None else ""
-        if ok:
-            return ""
-        if ok is False:
-            return why or "the probe child failed"
-        why = f"the probe child did not exit within {timeout_s} s"
-    return why
+            said = f.read().decode(errors="replace")
+        if ok is not None:
+            return "" if ok else said or "the probe child failed"
+    return f"the probe child did not exit within {timeout_s} s, twice"
 
 
 def probe(config: dict, info: dict) -> dict:
