@@ -1029,7 +1029,8 @@ MOSAIC_BLOCKINGS = "64,3;64,2;128,2;64,4"
 # first. Each arm one change on the one before (jax's kernel; ours; the one-pass sampler; ours
 # writing the step's K/V; norming and rotating q/k too; the projections as our fused GEMMs,
 # models/decode_gemm.py), so their differences are each change's; the last, cuBLAS GEMMs, is a
-# change on the rope arm, and so is our Mosaic GPU kernel doing the rope arm's work
+# change on the rope arm (the fused-GEMM and cuBLAS arms on the faster kernel: ON_MOSAIC below),
+# and so is our Mosaic GPU kernel doing the rope arm's work
 # (pallas_mgpu_packed_rope; the two kernels alone are kernels2's). DECODE_TRACED are traced at
 # 256 and 64 rows, their HLO kept, for the next fusions: the rope arm (XLA's GEMMs and small
 # kernels) and the fused-GEMM arm (ours in the engine).
