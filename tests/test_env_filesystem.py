@@ -292,10 +292,14 @@ def test_a_refused_own_tmp_probe_says_why():
     """``zygote.probe_own_tmp`` reports the child's error (the zygote then keeps the old /tmp and
     records it as ``own_tmp_refused``). Only a failing case here: a working one would mount in a
     namespace cloned from this test's, whose mounts may propagate to the host."""
-    from rstarjax.env import forker, zygote
-
     if os.geteuid() != 0:
         pytest.skip("a mount namespace of its own needs root here")
-    why = zygote.probe_own_tmp("/nonexistent-rstarjax-dir/rstarjax-sandbox-x", (), forker.probe_tid_offset(),
-                               timeout_s=20)
+    # in a process of its own, as in the zygote: cloned from this one, with jax's threads, the
+    # child could inherit a lock held by one of them
+    script = ("from rstarjax.env import forker, zygote\n"
+              "print(zygote.probe_own_tmp('/nonexistent-rstarjax-dir/rstarjax-sandbox-x', (), "
+              "forker.probe_tid_offset(), timeout_s=20))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=CHECKOUT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    why = out.stdout.strip()
     assert why.startswith("FileNotFoundError") and "mount tmpfs on /nonexistent-rstarjax-dir" in why, why
