@@ -312,6 +312,14 @@ print(json.dumps({"params_b": cfg.num_params / 1e9, "vocab": cfg.vocab_size,
 """
 
 
+def stage1_argv(workdir: str, overrides: dict, unconfined: bool = False) -> list[str]:
+    """The README's main command on configs/stage1.py with ``overrides`` (dotted keys), the RL
+    jobs' one form; ``unconfined`` adds env.allow_unconfined=True (``allows_unconfined``)."""
+    o = {**overrides, **({"env.allow_unconfined": True} if unconfined else {})}
+    return ([sys.executable, "-m", "rstarjax.main", f"--config={ROOT}/configs/stage1.py",
+             f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in o.items()])
+
+
 def main_job_argv(shape: Shape, hf_dir: str, data_path: str, workdir: str, unconfined: bool = False) -> list[str]:
     """The README's main command on configs/stage1.py; every override is the model, the data
     or a size, except reject_equal_reward (random weights: all rewards 0)."""
@@ -329,10 +337,7 @@ def main_job_argv(shape: Shape, hf_dir: str, data_path: str, workdir: str, uncon
     }
     if shape.model == "tiny":  # CPU: float32 and no remat, as the tiny tests run it
         o.update({"model.dtype": "float32", "model.remat_policy": "none"})
-    if unconfined:  # allows_unconfined
-        o["env.allow_unconfined"] = True
-    return ([sys.executable, "-m", "rstarjax.main", f"--config={ROOT}/configs/stage1.py",
-             f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in o.items()])
+    return stage1_argv(workdir, o, unconfined)
 
 
 STEP_KEYS = {  # summary name -> metrics.jsonl key
@@ -539,10 +544,7 @@ def agent_rl_argv(a: AgentShape, plan: dict, hf_dir: str, data_path: str, init_f
     if not plan.get("device_reported"):
         o.update({"model.remat_policy": plan["remat_policy"], "trainer.micro_batch_size": plan["micro_batch"]})
     o.update(tiny_overrides(a.model))
-    if unconfined:  # allows_unconfined
-        o["env.allow_unconfined"] = True
-    return ([sys.executable, "-m", "rstarjax.main", f"--config={ROOT}/configs/stage1.py",
-             f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in o.items()])
+    return stage1_argv(workdir, o, unconfined)
 
 
 AGENT_KEYS = {"tool_call_rate": "rollout_all/tool_call_rate", "compile_s": "time/compile",
@@ -773,10 +775,7 @@ def lora_rl_argv(l: LoraShape, plan: dict, data_path: str, workdir: str, unconfi
     if not plan.get("device_reported"):
         o.update({"model.remat_policy": plan["remat_policy"], "trainer.micro_batch_size": plan["micro_batch"]})
     o.update(tiny_overrides(l.preset))
-    if unconfined:  # allows_unconfined
-        o["env.allow_unconfined"] = True
-    return ([sys.executable, "-m", "rstarjax.main", f"--config={ROOT}/configs/stage1.py",
-             f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in o.items()])
+    return stage1_argv(workdir, o, unconfined)
 
 
 def part_lora(shape: Shape, args, log, env, scratch: str, unconfined: bool = False) -> dict:
