@@ -83,3 +83,25 @@ STOP_TOKENS = (TOOL_CALL_CLOSE, IM_END, END_OF_TEXT)
 # The official loop (microsoft/rStar, rstar2_agent/rollout/rstar2_agent_loop.py) decodes a turn to
 # the end of the assistant message and parses its calls afterwards.
 OFFICIAL_STOP_TOKENS = (IM_END, END_OF_TEXT)
+
+
+def closed_spans(text: str, open_tag: str, close_tag: str) -> list[str]:
+    """The text between each ``open_tag`` and the first ``close_tag`` after it, in order, each
+    span starting after the previous one's close: what ``re.findall(open.*?close, text,
+    re.DOTALL)`` returns with both tags escaped, in time linear in the text. (That regex tries
+    every open tag against the rest of the text, so a degenerate response repeating an open tag
+    with no close after it took seconds to parse: 3.3 s for 8,000 ``<tool_call>`` tokens.)"""
+    spans, start = [], text.find(open_tag)
+    while start >= 0:
+        body = start + len(open_tag)
+        end = text.find(close_tag, body)
+        if end < 0:  # no close after this open, so none after any later one
+            break
+        spans.append(text[body:end])
+        start = text.find(open_tag, end + len(close_tag))
+    return spans
+
+
+def tool_call_bodies(text: str) -> list[str]:
+    """The body of every complete ``<tool_call>...</tool_call>`` block in ``text``, in order."""
+    return closed_spans(text, TOOL_CALL_OPEN, TOOL_CALL_CLOSE)

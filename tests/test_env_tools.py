@@ -1,5 +1,7 @@
 """Tool-call parsing and response formatting: model text in, ToolCall / ToolCallError out."""
 import json
+import random
+import re
 
 import pytest
 
@@ -14,6 +16,8 @@ from rstarjax.env import (
     parse_tool_calls,
     wrap_tool_response,
 )
+from rstarjax.env.code_judge import official_turn_call
+from rstarjax.protocol import closed_spans
 
 NAME = "execute_python_code_with_standard_io"
 
@@ -79,6 +83,30 @@ def test_first_call_is_used_and_all_calls_listed():
     b = call_text({"name": NAME, "arguments": {"code": "2"}})
     assert parse_tool_call(a + b).code == "1"
     assert [c.code for c in parse_tool_calls(a + b)] == ["1", "2"]
+
+
+@pytest.mark.parametrize("open_tag,close_tag", [("<tool_call>", "</tool_call>"), ("<answer>", "</answer>"),
+                                               ("<|im_start|>assistant", "<|im_end|>")])
+def test_closed_spans_are_the_official_regexs_findall(open_tag, close_tag):
+    """The official code reads blocks with re.findall(open.*?close, text, re.DOTALL); ours scans
+    linearly and must give the same spans on any text, tags cut, doubled and nested included."""
+    rng = random.Random(0)
+    pieces = [open_tag, close_tag, open_tag[:4], close_tag[2:], open_tag + close_tag, close_tag + open_tag, "x", "\n"]
+    pattern = re.compile(re.escape(open_tag) + "(.*?)" + re.escape(close_tag), re.DOTALL)
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 24)))
+        assert closed_spans(text, open_tag, close_tag) == pattern.findall(text), text
+
+
+def test_a_degenerate_turn_of_open_tags_parses_to_its_first_complete_call():
+    """A repetition loop of <tool_call> (one token) after a complete call: the first call is
+    still the one run, by both layouts, and an unterminated run of open tags is one error."""
+    good = call_text({"name": NAME, "arguments": {"code": "1"}})
+    assert parse_tool_call(good + "<tool_call>" * 20000).code == "1"
+    assert [c.code for c in parse_tool_calls(good + "<tool_call>" * 20000)] == ["1"]
+    assert isinstance(parse_tool_call("<tool_call>" * 20000), ToolCallError)
+    official = good.replace(NAME, "python_code_with_standard_io")
+    assert "1" in official_turn_call(official + "<tool_call>" * 20000).code
 
 
 def test_double_encoded_arguments_are_accepted():

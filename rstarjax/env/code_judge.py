@@ -44,9 +44,8 @@ from __future__ import annotations
 
 import ast
 import json
-import re
 
-from rstarjax.protocol import OFFICIAL_TOOL_NAME, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from rstarjax.protocol import OFFICIAL_TOOL_NAME, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, tool_call_bodies
 
 from .results import DISPLAY, ERROR, STDOUT, TIMEOUT, ExecResult
 
@@ -61,8 +60,6 @@ TOOLS = (OFFICIAL_TOOL_NAME,)  # python_tool_config.yaml: the one tool the offic
 # the installed pydantic's docs version in FunctionCall's validation message (the fixture's; the
 # released run's is not recorded anywhere)
 PYDANTIC_DOCS_VERSION = "2.13"
-
-_CALL_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 
 # The program our sandbox runs: this prelude, then one line calling _cj_main with the model's code.
 # Everything it defines is prefixed _cj_; the model's code runs in its own fresh namespace.
@@ -301,7 +298,7 @@ def official_turn_call(text: str, time_limit_s: float = TIME_LIMIT_S):
     first block (verl's ``max_parallel_calls=1``) as ``official_call`` reads it."""
     if TOOL_CALL_OPEN not in text or TOOL_CALL_CLOSE not in text:
         return None
-    bodies = _CALL_BLOCK.findall(text)
+    bodies = tool_call_bodies(text)  # the official re.findall's blocks, in linear time
     return official_call(bodies[0], time_limit_s) if bodies else None
 
 

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 
 # The protocol (tool name, tags) is defined once, in a module that imports nothing.
-from rstarjax.protocol import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_NAME, TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN
+from rstarjax.protocol import (TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_NAME, TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN,
+                               tool_call_bodies)
 
 from . import code_judge
 from .results import DISPLAY, ERROR, STDOUT, TIMEOUT, ExecResult
 
 DEFAULT_MAX_CHARS = 4096
-
-_CALL_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,17 +62,17 @@ def parse_tool_call(text: str, tool_names: tuple[str, ...] = (TOOL_NAME,)) -> To
     rollout ends that turn without a call); ToolCallError for any malformed call. Never raises."""
     if not isinstance(text, str) or TOOL_CALL_OPEN not in text:
         return None
-    m = _CALL_BLOCK.search(text)
-    if m is None:
+    bodies = tool_call_bodies(text)
+    if not bodies:
         return ToolCallError(f"Tool call is not terminated: expected {TOOL_CALL_CLOSE} after {TOOL_CALL_OPEN}.")
-    return parse_tool_call_body(m.group(1), tool_names)
+    return parse_tool_call_body(bodies[0], tool_names)
 
 
 def parse_tool_calls(text: str, tool_names: tuple[str, ...] = (TOOL_NAME,)) -> list[ToolCall | ToolCallError]:
     """Every complete <tool_call> block in `text`, in order."""
     if not isinstance(text, str):
         return []
-    return [parse_tool_call_body(body, tool_names) for body in _CALL_BLOCK.findall(text)]
+    return [parse_tool_call_body(body, tool_names) for body in tool_call_bodies(text)]
 
 
 def parse_tool_call_body(body: str, tool_names: tuple[str, ...] = (TOOL_NAME,)) -> ToolCall | ToolCallError:

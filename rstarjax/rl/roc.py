@@ -38,11 +38,12 @@ positives in the official one.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Sequence
 
 import numpy as np
 
+from rstarjax.protocol import (ANSWER_CLOSE, ANSWER_OPEN, IM_END, IM_START, TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN,
+                               closed_spans)
 from rstarjax.rl.trajectory import Trajectory
 
 P_ERR_NO_TOOL_CALL = 0.5  # eq. 4: default error ratio for trajectories that never call a tool
@@ -120,10 +121,9 @@ def p_total(traj: Trajectory | RocStats) -> float:
 # microsoft/rStar, rstar2_agent/down_sample/roc.py (calc_error_ratio_penalty_weights,
 # calc_format_penalty_weights): the response is decoded with its special tokens, so it holds the
 # model turns, the tool turns and the <|im_start|>/<|im_end|> markers, but not the prompt (whose
-# "<|im_start|>assistant" opens the first model turn).
-_OFFICIAL_TOOL_RESPONSE = re.compile(r"<tool_response>.*?</tool_response>", re.DOTALL)
-_OFFICIAL_CLOSED_ANSWER = re.compile(r"<answer>.*?</answer>", re.DOTALL)
-_OFFICIAL_ASSISTANT_SPAN = re.compile(r"<\|im_start\|>assistant.*?<\|im_end\|>", re.DOTALL)
+# "<|im_start|>assistant" opens the first model turn). Its re.findall calls ("<tool_response>.*?
+# </tool_response>", "<answer>.*?</answer>", "<\|im_start\|>assistant.*?<\|im_end\|>") are
+# protocol.closed_spans here: the same spans, in linear time on a degenerate response.
 OFFICIAL_NO_TOOL_RESPONSE_PENALTY = 0.5
 
 
@@ -131,7 +131,7 @@ def official_error_ratio_penalty(response_text: str) -> float:
     """The official error-ratio penalty: of the <tool_response> blocks in the response, the
     fraction whose text contains "error" in any case (a program that prints "error" counts, a
     malformed call whose message lacks the word does not); 0.5 when there is none."""
-    responses = _OFFICIAL_TOOL_RESPONSE.findall(response_text)
+    responses = closed_spans(response_text, TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE)
     if not responses:
         return OFFICIAL_NO_TOOL_RESPONSE_PENALTY
     return sum("error" in r.lower() for r in responses) / len(responses)
@@ -144,10 +144,10 @@ def official_format_penalty(response_text: str) -> float:
     opens in the prompt and so is not one: a response without a tool turn has 0 turns and gets 1)."""
     if "<answer>" not in response_text or "</answer>" not in response_text:
         return P_FORMAT_NO_ANSWER
-    closed = len(_OFFICIAL_CLOSED_ANSWER.findall(response_text))
+    closed = len(closed_spans(response_text, ANSWER_OPEN, ANSWER_CLOSE))
     if response_text.count("<answer>") != closed or response_text.count("</answer>") != closed:
         return P_FORMAT_NO_ANSWER
-    turns = len(_OFFICIAL_ASSISTANT_SPAN.findall(response_text))
+    turns = len(closed_spans(response_text, IM_START + "assistant", IM_END))
     if turns == 0:
         return P_FORMAT_NO_ANSWER
     return min((closed - 1) / turns, 1.0)
