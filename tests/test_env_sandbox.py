@@ -378,6 +378,64 @@ def test_sys_exit_and_os_exit(ex):
     assert r.kind == "display" and r.text == ""
 
 
+def test_sys_exit_with_any_object_is_the_models_error_not_a_broken_sandbox(ex):
+    """sys.exit's argument may be any object, its == and str() the model's own: the result says
+    SystemExit, never the sandbox's own exit status (70) as if the program had exited with it."""
+    r = run_hostile(ex, "import sys\nimport numpy as np\nprint('before')\nsys.exit(np.array([1, 2]))")
+    assert (r.kind, r.text) == ("error", "before\nSystemExit: [1 2]")
+    r = run_hostile(ex, "import sys\nclass Odd:\n    def __eq__(self, other): raise ValueError\n"
+                        "    def __str__(self): raise ValueError\nsys.exit(Odd())")
+    assert (r.kind, r.text) == ("error", "SystemExit")
+    r = run_hostile(ex, "import sys\nsys.exit(False)")
+    assert (r.kind, r.text) == ("display", "")
+
+
+STREAM_PROGRAMS = {  # what a program sees of its standard streams; plain python3 is the reference
+    "reconfigure": "import sys\nsys.stdout.reconfigure(encoding='utf-8')\nsys.stderr.reconfigure(errors='replace')\n"
+                   "print('hi')",
+    "rewrapped": "import io, sys\nsys.stdout = io.TextIOWrapper(sys.stdout.buffer, encoding='utf-8')\nprint('hi')\n"
+                 "sys.stdout.flush()",
+    "seekable": "import sys\nprint(sys.stdin.seekable(), sys.stdout.seekable(), sys.stdout.buffer.seekable(),"
+                " sys.stderr.seekable())",
+    "newlines": "import sys\nprint(repr(input()), repr(sys.stdin.read()))",
+    "buffered": "import sys\nprint(sys.stdin.buffer.peek(1)[:1], type(sys.stdin.buffer.raw).__name__)\n"
+                "readline = sys.stdin.buffer.readline\nprint(readline(), readline(), readline())\n"
+                "sys.stdout.buffer.write(b'bytes\\n')",
+    "dunder": "import sys\nprint('via __stdout__', file=sys.__stdout__)\nprint(sys.__stdin__.readline(), end='')",
+}
+STREAM_STDIN = "1\r\n2\r3\n"
+
+
+@pytest.mark.parametrize("name", sorted(STREAM_PROGRAMS))
+def test_standard_streams_behave_as_plain_pythons(ex, tmp_path, name):
+    """sys.stdin/stdout/stderr as plain python3 has them with stdin from a file and stdout a
+    pipe: the streams were made in the zygote over /dev/null, so they said a pipe could seek
+    (reconfigure() and a TextIOWrapper over .buffer raised "Illegal seek"), stdin translated
+    "\\r\\n", and .buffer was an unbuffered FileIO (readline read a byte per system call)."""
+    import subprocess
+    import sys
+    code = STREAM_PROGRAMS[name]
+    stdin = tmp_path / "stdin"
+    stdin.write_text(STREAM_STDIN, newline="")
+    with open(stdin) as f:
+        plain = subprocess.run([sys.executable, "-c", code], stdin=f, capture_output=True, timeout=60)
+    assert plain.returncode == 0 and not plain.stderr, plain
+    r = ex.run(code, stdin=STREAM_STDIN, timeout=10)
+    assert (r.kind, r.text) == ("stdout", plain.stdout.decode()), r
+
+
+def test_a_threaded_program_has_the_memory_a_single_threaded_one_has(ex):
+    """Under the per-process RLIMIT_AS each thread's own malloc arena reserved 64 MB: a program
+    with 16 threads could not allocate 300 MB (MALLOC_ARENA_MAX)."""
+    code = ("import threading\nstop = threading.Event()\n"
+            "def hold():\n    junk = [bytearray(100) for _ in range(1000)]\n    stop.wait()\n"
+            "threads = [threading.Thread(target=hold) for _ in range(16)]\n"
+            "[t.start() for t in threads]\n"
+            "try:\n    big = bytearray(300 << 20)\n    print('ok')\nfinally:\n    stop.set()")
+    r = run_hostile(ex, code, timeout=10)
+    assert (r.kind, r.text) == ("stdout", "ok\n"), r
+
+
 def test_recursion_overflow(ex):
     r = run_hostile(ex, "def f(n):\n    return f(n + 1)\nf(0)")
     assert r.kind == "error" and "RecursionError" in r.text
@@ -430,7 +488,7 @@ def test_each_sandbox_starts_from_the_same_clean_state_with_fresh_randomness(ex)
     assert len(set(seeds)) == len(seeds)  # no two sandboxes share a random stream
     rest = {r.text.split(" ", 1)[1] for r in runs}
     assert len(rest) == 1
-    want_env = sorted(["HOME", "LANG", "LC_ALL", "MKL_NUM_THREADS", "MPLBACKEND", "NUMEXPR_NUM_THREADS",
+    want_env = sorted(["HOME", "LANG", "LC_ALL", "MALLOC_ARENA_MAX", "MKL_NUM_THREADS", "MPLBACKEND", "NUMEXPR_NUM_THREADS",
                        "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PATH", "PYTHONHASHSEED", "PYTHONIOENCODING",
                        "TMPDIR"])
     assert rest.pop() == f"True {want_env} {[True] * 4} True True 1 [0, 1, 4, 9] backslashreplace\n"

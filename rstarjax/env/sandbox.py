@@ -88,6 +88,11 @@ SAFE_ENV = {
     "MKL_NUM_THREADS": "1",
     "NUMEXPR_NUM_THREADS": "1",
     "MPLBACKEND": "Agg",
+    # glibc gives each new thread a malloc arena of its own, reserving 64 MB of address space
+    # each: under the call's RLIMIT_AS (1 GiB) a program with 16 threads could not allocate at
+    # all. Read when a process starts: the zygote is started with this environment, so every
+    # sandbox forked from it has two arenas, and so does every program a call starts.
+    "MALLOC_ARENA_MAX": "2",
 }
 
 
@@ -300,9 +305,13 @@ def run_code(code: str, workdir: str | None, max_chars: int) -> dict:
             return OK
         return {"status": "display", "text": middle_truncate(repr(value), max_chars)}
     except SystemExit as exc:  # sys.exit(): 0 / None is a normal end, like a script
-        if exc.code in (None, 0):
-            return OK
-        return {"status": "error", "text": middle_truncate(f"SystemExit: {exc.code}", max_chars)}
+        try:  # the code may be any object, its == and str() the model's own (and raising)
+            if exc.code is None or (type(exc.code) in (int, bool) and exc.code == 0):
+                return OK
+            text = f"SystemExit: {exc.code}"
+        except BaseException:  # noqa: BLE001
+            text = "SystemExit"
+        return {"status": "error", "text": middle_truncate(text, max_chars)}
     except BaseException as exc:  # noqa: BLE001 - everything the model raises is a result
         try:
             text = format_exception_compact(exc, workdir)
@@ -311,18 +320,45 @@ def run_code(code: str, workdir: str | None, max_chars: int) -> dict:
         return {"status": "error", "text": middle_truncate(text, max_chars)}
 
 
+def _text_stream(fd: int, mode: str, **options) -> io.TextIOWrapper:
+    """A text stream over ``fd`` as CPython builds ``sys.std*``: a FileIO, a buffer, the text
+    layer; newlines never translated."""
+    raw = io.FileIO(fd, mode, closefd=False)
+    buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
+    return io.TextIOWrapper(buffered, encoding="utf-8", newline="\n", **options)
+
+
 def install_stdio() -> None:
-    """Our own text streams over fds 0-2, made in the zygote (prepare_zygote): a sandbox's fds
-    0-2 are its pipes and memfd by the same numbers. The zygote and its workers never write to
-    stdout, and stderr is line-buffered, so a fork inherits empty buffers."""
-    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace")
-    # Line-buffered: what the code printed before a timeout or a crash (both end it with
-    # SIGKILL, which no buffer survives) is its output so far, as a terminal would have shown.
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
-                                  line_buffering=True)
-    sys.stderr = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
-    )
+    """Our own streams over fds 0-2 (also ``sys.__std*__``), made in the zygote (prepare_zygote):
+    a sandbox's fds 0-2 are its stdin memfd and its stdout and stderr pipes by the same numbers.
+    The zygote and its workers never write to stdout, and stderr is line-buffered, so a fork
+    inherits empty buffers.
+
+    A stream asks once, when it is made, whether its fd can seek. The zygote's own fds are
+    /dev/null, which can, so streams made over them told model code that a pipe could:
+    ``sys.stdout.reconfigure(...)`` or ``io.TextIOWrapper(sys.stdout.buffer)`` then failed with
+    "Illegal seek". So stdout and stderr are made while fds 1 and 2 are a pipe (stdin, a memfd
+    in the sandbox, can seek like /dev/null). Buffered as CPython's are (``sys.stdin.buffer.
+    readline`` reads blocks, not bytes; ``peek``, ``read1`` and ``.raw`` exist)."""
+    read_end, write_end = os.pipe()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    try:
+        for fd in saved:
+            os.dup2(write_end, fd)
+        sys.stdin = _text_stream(0, "r", errors="replace")
+        # Line-buffered: what the code printed before a timeout or a crash (both end it with
+        # SIGKILL, which no buffer survives) is its output so far, as a terminal would have shown.
+        sys.stdout = _text_stream(1, "w", errors="backslashreplace", line_buffering=True)
+        sys.stderr = _text_stream(2, "w", errors="backslashreplace", line_buffering=True)
+        for stream in (sys.stdin, sys.stdout, sys.stderr):
+            stream.buffer.raw.seekable()  # asked now, while the fds are what a sandbox's are
+    finally:
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(read_end)
+        os.close(write_end)
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
     sys.argv = [""]
 
 
