@@ -256,6 +256,26 @@ def test_scripted_chain_steps_warmup_data_order_and_served_weights(tmp_path, mon
         meta = ck.read_meta()
     assert meta["model_config"]["num_hidden_layers"] == 2 and meta["stage_start_step"] == 4
 
+    # stage 3's command in stage 2's workdir, with stage 2's own init_from (its command copied,
+    # the config changed): the init_from check cannot tell, its resets and its data can
+    from rstarjax.recipes.rl import StageError
+
+    rows = open(tmp_path / "train.jsonl").readlines()
+    (tmp_path / "hard.jsonl").write_text("".join(rows[:5]))  # a filtered set
+    with pytest.raises(StageError, match="drew from other problems"):
+        run_rl(parse(_scripted_config(str(tmp_path / "s2"), 6, str(tmp_path / "s1" / "checkpoints"), False,
+                                      data="hard.jsonl")), str(tmp_path / "s2"), rollout_fn=fake_rollout_fn)
+    with pytest.raises(StageError, match="checkpoint.reset_optimizer=False"):
+        run_rl(parse(_scripted_config(str(tmp_path / "s2"), 6, str(tmp_path / "s1" / "checkpoints"), True)),
+               str(tmp_path / "s2"), rollout_fn=fake_rollout_fn)
+    # the same stage with its data moved (same problems, another file): it resumes (and, at its
+    # total already, trains nothing)
+    os.makedirs(tmp_path / "moved")
+    (tmp_path / "moved" / "train.jsonl").write_text("".join(rows))
+    tr = run_rl(parse(_scripted_config(str(tmp_path / "s2"), 4, str(tmp_path / "s1" / "checkpoints"), False,
+                                       data="moved/train.jsonl")), str(tmp_path / "s2"), rollout_fn=fake_rollout_fn)
+    assert tr.step == 4
+
 
 # ============================================================================ the real chain
 def _tiny_hf_model(path):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import codecs
 import collections
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -456,6 +457,18 @@ def read_rows(path: str) -> tuple[list[Any], collections.Counter]:
         else:
             rows.append(row)
     return rows, bad
+
+
+def records_digest(records: Iterable[dict]) -> str:
+    """A digest of the problems and answers of ``records``, in order: what a stage's data
+    position indexes into (a resumed stage checks that it draws from the data its checkpoints
+    drew from). The files' paths and the rows' numbers are not in it: moved data is the same data."""
+    digest = hashlib.sha256()
+    for record in records:
+        for field in (record["problem"], record["answer"]):
+            data = str(field).encode("utf-8", "surrogatepass")
+            digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()[:16]
 
 
 def load_problems(paths: str | Iterable[str], integer_only: bool = True,

@@ -103,13 +103,16 @@ class NonFiniteStreak:
 def _same_dir(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
-def initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig, base_record: dict | None = None) -> dict:
+def initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig, base_record: dict | None = None,
+                  data_digest: str | None = None) -> dict:
     """Put the stage's starting state into ``trainer`` and return its record (the checkpoint meta
     of a resume, else ``{"step", "stage_start_step", "init_from", ...}``). The hand-off rules:
 
     * this workdir has a checkpoint of this stage: resume it (params, optimizer, step, RNG key,
       data-iterator state). A workdir holding another stage's checkpoints is refused: each stage
-      of a chain gets its own ``--workdir``;
+      of a chain gets its own ``--workdir``. Another stage: another ``init_from``, or (``stage_identity``)
+      another optimizer or reference reset at its start, or other data (``data_digest``, the
+      problems this run draws from: ``io.data.records_digest``; None: not checked);
     * else ``checkpoint.init_from`` is an SFT checkpoint (its meta says ``stage: sft``): params
       only; step 0, a fresh optimizer (so the LR warmup runs);
     * else ``init_from`` is an RL checkpoint: params + optimizer state + global step, or with
@@ -123,14 +126,14 @@ def initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig,
     checkpoint (an SFT run) makes its params the base with fresh adapters (step 0 from SFT, a
     fresh optimizer); ``init_from`` a LoRA checkpoint continues its adapters on its base.
     """
-    record = _initial_state(trainer, ckpt, run)
+    record = _initial_state(trainer, ckpt, run, data_digest)
     if trainer.lora and "lora_base" not in record:  # the base as built (``base_record``: as given)
         record["lora_base"] = lora_base.with_hash(base_record or lora_base.model_record(run.model, run.seed),
                                                   trainer.frozen)
     return record
 
 
-def _initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig) -> dict:
+def _initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig, data_digest: str | None) -> dict:
     init_from = os.path.abspath(run.checkpoint.init_from) if run.checkpoint.init_from else ""
     if init_from and _same_dir(init_from, ckpt.directory):
         raise StageError(f"--config.checkpoint.init_from={run.checkpoint.init_from!r} is this run's own "
@@ -147,6 +150,8 @@ def _initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig
                     f"{ckpt.directory} holds checkpoints of another run (started from "
                     f"{recorded or 'the base model'!r}, now at step {step}), not of a stage started "
                     f"from {init_from!r}: give this stage a new --workdir")
+            if data_digest is not None and meta.get("stage_identity"):  # (absent before 2026-12-07: cannot tell)
+                _check_stage_identity(meta, stage_identity(run, data_digest), ckpt.directory, step)
 
             if trainer.lora != ("lora_base" in meta):
                 raise StageError(f"{ckpt.directory} holds {'LoRA adapters' if 'lora_base' in meta else 'full parameters'}"
@@ -209,6 +214,34 @@ def _initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig
             # the total that stage was to reach (SFT's meta: total_steps): the start line says when it fell short
             "init_from_total_steps": src_meta.get("total_steps" if from_sft else "stage_total_steps"),
             **({"lora_base": base} if base is not None else {})}
+
+
+def stage_identity(run: RunConfig, data_digest: str) -> dict:
+    """What makes a workdir's checkpoints this stage's besides where it started (``init_from``):
+    what it reset at its start (stage 3: the optimizer and the reference) and the problems its
+    data position indexes into (``io.data.records_digest``). Every checkpoint of the stage keeps
+    it; a resume with another is refused (``_check_stage_identity``)."""
+    return {"reset_optimizer": bool(run.checkpoint.reset_optimizer),
+            "update_reference": bool(run.checkpoint.update_reference), "data_digest": data_digest}
+
+
+def _check_stage_identity(meta: dict, now: dict, directory: str, step: int) -> None:
+    """StageError when the checkpoints in ``directory`` (``meta``: the newest's) are of a stage
+    other than ``now`` (``stage_identity``): resuming would skip this stage's resets at its start
+    or read its data from another dataset's position."""
+    then = meta["stage_identity"]
+    for flag in ("reset_optimizer", "update_reference"):
+        if bool(then.get(flag)) != now[flag]:
+            raise StageError(
+                f"{directory} holds checkpoints (step {step}) of a stage run with checkpoint.{flag}={bool(then.get(flag))}, "
+                f"and this one has --config.checkpoint.{flag}={now[flag]} (stage 3 resets the optimizer and the "
+                "reference at its start): give this stage a new --workdir, or resume with the setting it was run with")
+    if then.get("data_digest") != now["data_digest"]:
+        raise StageError(
+            f"{directory} holds checkpoints (step {step}) of a stage that drew from other problems "
+            f"({meta.get('train_path', 'its data')!r}, {meta.get('num_problems', '?')} problems) than "
+            "--config.data.train_path gives now: its data position would index other rows. Give this stage a "
+            "new --workdir, or resume with the data (and data settings) it was trained on")
 
 
 def _lora_flags(meta: dict, run: RunConfig) -> str:
@@ -340,7 +373,7 @@ def _run_rl(run: RunConfig, workdir: str, rollout_fn, model, on_update, model_so
                 export_meta = {"model_config": model.config.to_hf_dict(), **build.lora_meta(model)}
             trainer = Trainer(model, run.optim, run.loss, run.trainer, mesh=mesh,
                               logit_temperature=run.rl.temperature)  # what rollouts sample at
-            meta = initial_state(trainer, ckpt, run, base_record)
+            meta = initial_state(trainer, ckpt, run, base_record, data_lib.records_digest(records))
             if rollout_fn is None:
                 check_update_room(run, model)  # before minutes of rollouts: the memory plan's start check
                 executor = build.executor(run.rl.num_tool_workers, run.env.allow_unconfined)
@@ -455,6 +488,8 @@ def _stage_data(run: RunConfig, meta: dict, problems: list, export_meta: dict) -
     record = {"stage": "rl", "init_from": meta.get("init_from", ""),
               "init_from_step": meta.get("init_from_step"), "stage_start_step": stage_start,
               "data_seed": data_seed, "stage_total_steps": run.total_steps, **export_meta,
+              "stage_identity": stage_identity(run, data_lib.records_digest(problems)),
+              "train_path": str(run.data.train_path), "num_problems": len(problems),
               **({"lora_base": meta["lora_base"]} if "lora_base" in meta else {})}
     return data_iter, base_key, restart, record
 
