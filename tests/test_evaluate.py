@@ -160,6 +160,78 @@ def test_run_eval_end_to_end(tmp_path):
             assert s["reward"] == float(is_correct(s["response"], r["gold"])) or s["finish"] == "max_length"
 
 
+def _descendant_names(pid: int) -> set[str]:
+    """The process names (``comm``) of ``pid``'s children and their children."""
+    import os
+
+    children: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except (OSError, ValueError):
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        children.setdefault(int(rest[1]), []).append(int(entry))
+        names[int(entry)] = name
+    found, stack = set(), [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.add(names[child])
+            stack.append(child)
+    return found
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_stop_signal_mid_evaluation_ends_in_one_line(tmp_path, signame):
+    """SIGINT / SIGTERM while the evaluation rolls out: one line saying what was kept, exit
+    128 + the signal, no result files. Before, Ctrl-C aborted the interpreter under the rollout
+    threads (exit 134, "terminate called after throwing ...") and SIGTERM killed it silently."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from rstarjax.models import ModelConfig, Qwen3, load_tokenizer, save_hf
+
+    tok = load_tokenizer(1000)
+    cfg = ModelConfig.preset("tiny", vocab_size=tok.num_tokens, dtype=jnp.float32,
+                             bos_token_id=tok.endoftext_id, eos_token_id=tok.eos_id)
+    save_hf(Qwen3(cfg, rngs=nnx.Rngs(0)), str(tmp_path / "hf"), tokenizer=tok)
+    bench = tmp_path / "toy.jsonl"
+    bench.write_text("\n".join(json.dumps({"problem": f"Compute {i} + {i}.", "answer": str(2 * i)}) for i in range(4)))
+    root = __import__("pathlib").Path(__file__).parents[1]
+    flags = {"model.hf_path": tmp_path / "hf", "model.dtype": "float32", "model.tokenizer_num_regular_tokens": 1000,
+             "eval.paths": bench, "eval.k": 16, "eval.max_turns": 4, "eval.max_response_len": 400,
+             "eval.max_prompt_len": 200, "eval.num_slots": 4, "eval.chat_format": "compact",
+             "rl.num_tool_workers": 1, "logging.progress_bar": False}
+    out = tmp_path / "log"
+    with open(out, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rstarjax.main", f"--config={root}/configs/eval.py",
+                                 f"--workdir={tmp_path / 'run'}", *(f"--config.{k}={v}" for k, v in flags.items())],
+                                cwd=root, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    try:
+        deadline = time.monotonic() + 300
+        while "rj-zygote" not in _descendant_names(proc.pid):  # the code pool starts right before the rollouts
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.1)
+        time.sleep(1.0)
+        proc.send_signal(getattr(signal, signame))
+        status = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    log_text = out.read_text()
+    assert status == 128 + getattr(signal, signame), log_text[-3000:]
+    assert f"stopped on {signame}: abandoned the evaluation in progress" in log_text, log_text[-3000:]
+    assert "Fatal Python error" not in log_text and "Traceback" not in log_text, log_text[-3000:]
+    assert not (tmp_path / "run" / "eval_results.json").exists()
+
+
 def test_run_eval_evaluates_the_checkpoint_init_from_names(tmp_path, monkeypatch):
     """With ``checkpoint.init_from`` (a run's checkpoints) the evaluated policy holds that
     checkpoint's weights, not ``model.hf_path``'s (they were ignored: the base model was scored);

@@ -24,7 +24,7 @@ from rstarjax.io import data as data_lib
 from rstarjax.io import files
 from rstarjax.io.data import DataError, load_problems
 from rstarjax.models.chat_template import chat_format, encode_prompt
-from rstarjax.recipes import build
+from rstarjax.recipes import build, preemption
 from rstarjax.recipes.config import RunConfig
 from rstarjax.rl.trajectory import RolloutFn, Trajectory, group_indices, trajectories_of
 
@@ -276,10 +276,22 @@ def run_eval(run: RunConfig, workdir: str) -> dict[str, dict[str, float]]:
         model, step = build.restore_policy(model, init_from, mesh)
         print(f"rstarjax: evaluating the policy of step {step} of {init_from}", flush=True)
     t0 = time.time()
-    with build.executor(run.rl.num_tool_workers, run.env.allow_unconfined) as executor:
-        rollouts = build.rollouts(model, tokenizer, executor, run.eval_agent(), e.sampling(), e.max_prompt_len,
-                                  e.chat_format, run.serving, num_slots=e.num_slots)
-        out = evaluate_records(datasets, per_problem(rollouts, run.seed), e.k, workdir)
+    # SIGTERM / SIGINT abandon the rollouts and end the run in one line (preemption.Interrupted:
+    # main exits at once, with 128 + the signal), not in an abort of threads inside device calls
+    with preemption.SignalGuard(run.checkpoint.preemption_grace_s,
+                                stopping="abandoning the evaluation (it writes no partial results) and exiting") as guard:
+        executor = build.executor(run.rl.num_tool_workers, run.env.allow_unconfined)
+        try:
+            rollouts = build.rollouts(model, tokenizer, executor, run.eval_agent(), e.sampling(), e.max_prompt_len,
+                                      e.chat_format, run.serving, num_slots=e.num_slots)
+            with guard.rollouts():
+                out = evaluate_records(datasets, per_problem(rollouts, run.seed), e.k, workdir)
+        except preemption.StepAbandoned:
+            raise preemption.Interrupted(guard.request.signum, 0, False, False,
+                                         done="abandoned the evaluation in progress; it writes its results once "
+                                              "every problem is done, so none were written") from None
+        finally:
+            executor.close(drain_timeout=0.0 if guard.request is not None else None)
     log.info("eval finished in %.0f s", time.time() - t0)
     print(format_table(out, e.k), flush=True)
     return out

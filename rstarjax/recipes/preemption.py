@@ -56,13 +56,15 @@ class Interrupted(Exception):
         self.signum, self.last_step, self.saved = int(signum), int(last_step), bool(saved)
         name = signal.Signals(self.signum).name
         what = "abandoned the step in progress; " if abandoned else ""
-        resumes = "what was saved"  # ``done``: what is kept, for a recipe whose unit is not a step
+        resumes = "resumes from what was saved"  # ``done``: what is kept, for a recipe whose unit is not a step
         if done is None:
-            resumes = "the newest checkpoint"
+            resumes = "resumes from the newest checkpoint"
             done = (f"step {last_step} is saved" if saved
                     else f"no step finished since the start (step {last_step}): nothing to save")
-        super().__init__(f"rstarjax: stopped on {name}: {what}{done}; the same command resumes from "
-                         f"{resumes} (exit status {exit_status(self.signum)})")
+        elif not saved:  # a recipe that keeps nothing partial (evaluation)
+            resumes = "runs it again from the start"
+        super().__init__(f"rstarjax: stopped on {name}: {what}{done}; the same command {resumes} "
+                         f"(exit status {exit_status(self.signum)})")
 
     @property
     def exit_status(self) -> int:
@@ -97,11 +99,14 @@ def _say(text: str) -> None:
 class SignalGuard:
     """Installs the SIGTERM / SIGINT handlers of an RL stage for the ``with`` block's duration
     (the previous handlers come back after it). ``can_abandon``: whether the first signal may
-    abandon rollouts in progress (single-process runs only)."""
+    abandon rollouts in progress (single-process runs only); ``stopping``: what the first
+    signal's line says the run does now."""
 
-    def __init__(self, grace_s: float, can_abandon: bool = True):
+    def __init__(self, grace_s: float, can_abandon: bool = True,
+                 stopping: str = "saving the last finished step and exiting"):
         self.grace_s = float(grace_s)
         self.can_abandon = can_abandon
+        self.stopping = stopping
         self.request: StopRequest | None = None
         self.abandoned = False
         self._in_rollouts = False
@@ -130,7 +135,7 @@ class SignalGuard:
             _say(f"rstarjax: second stop signal ({name}): exiting at once without saving")
             os._exit(exit_status(signum))
         self.request = StopRequest(signum, time.monotonic())
-        _say(f"rstarjax: {name} received: saving the last finished step and exiting within "
+        _say(f"rstarjax: {name} received: {self.stopping} within "
              f"{self.grace_s:g} s (--config.checkpoint.preemption_grace_s); send it again to exit at once")
         self._timer = threading.Timer(self.grace_s, self._expire, args=(signum,))
         self._timer.daemon = True
