@@ -32,6 +32,7 @@ from rstarjax.recipes import build, demo, demo_compare, evaluate, preemption, rl
 from rstarjax.recipes.config import MODES, RENAMED, DistributedConfig, RunConfig, as_flags, device_rules, parse
 from rstarjax.recipes.rl import StageError
 from rstarjax.rl import mailbox
+from rstarjax.rl.trainer import NonFiniteTraining
 from rstarjax.rl.trajectory import RolloutsFailed
 from rstarjax.validation import ConfigError
 
@@ -123,7 +124,8 @@ def run_to_exit_status(config, workdir: str, explicit=frozenset()) -> int:
     """``run`` as the command line does: the process's exit status (2: a configuration error,
     printed; 128 + the signal: stopped by SIGTERM / SIGINT after saving, recipes/preemption.py;
     1: a checkpoint could not be written, e.g. a full disk, or the rollouts' infrastructure
-    failed, e.g. the rollout process died, after saving the last finished step; in one line)."""
+    failed, e.g. the rollout process died, after saving the last finished step, or the training
+    diverged (updates not finite ``max_nonfinite_steps`` times in a row); in one line)."""
     try:
         run(config, workdir, explicit)
     except ConfigError as e:  # a lower layer's setting (serving.kv_pages) as its flag
@@ -141,6 +143,9 @@ def run_to_exit_status(config, workdir: str, explicit=frozenset()) -> int:
     except (DataError, StageError) as e:  # a data file with no usable row; a stage hand-off refused
         print(f"rstarjax: {e}", file=sys.stderr, flush=True)
         return 2
+    except NonFiniteTraining as e:  # a diverged run (RL or SFT): which steps, which settings to change
+        print(as_flags(f"rstarjax: {e}"), file=sys.stderr, flush=True)
+        return 1
     except RolloutsFailed as e:  # e.g. the rollout process died: what happened and what was saved
         print("rstarjax: " + "\n".join([str(e), *getattr(e, "__notes__", [])]), file=sys.stderr, flush=True)
         return 1

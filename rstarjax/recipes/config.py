@@ -308,10 +308,13 @@ class SFTConfig:
     seed: int = 0
     compute_dtype: str | None = None
     export_hf: bool = False  # also write WORKDIR/hf at the end
+    # an update whose loss or norms are not finite is skipped; after this many in a row the run
+    # stops with an error (it diverged: lower learning_rate), as RL's trainer.max_nonfinite_steps
+    max_nonfinite_steps: int = 3
 
     def __post_init__(self):
         at_least_one = [(getattr(self, n) >= 1, f"{n}={getattr(self, n)} must be >= 1")
-                        for n in ("epochs", "batch_size", "seq_len")]
+                        for n in ("epochs", "batch_size", "seq_len", "max_nonfinite_steps")]
         require(*at_least_one,
                 (math.isfinite(self.learning_rate) and self.learning_rate > 0,
                  f"learning_rate={self.learning_rate} must be a finite number > 0"),

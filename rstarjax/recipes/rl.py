@@ -29,7 +29,7 @@ from rstarjax.models import lora
 from rstarjax.recipes import build, lora_base, preemption, sources
 from rstarjax.recipes.config import RunConfig, as_flags, wandb_init_args
 from rstarjax.rl.step import EmptyBatchStreak, rl_step
-from rstarjax.rl.trainer import Trainer, TrainState
+from rstarjax.rl.trainer import NonFiniteStreak, NonFiniteTraining, Trainer, TrainState  # noqa: F401
 from rstarjax.rl.trajectory import RolloutFn, RolloutsFailed
 from rstarjax.serving import sizing
 from rstarjax.validation import ConfigError, StageError  # noqa: F401  (StageError: its import path of old)
@@ -54,50 +54,6 @@ def problem_batches(run: RunConfig, seed: int, records: list[dict]):
     return data_lib.make_dataset(records, sources.prompts_per_process(run), seed=seed,
                                  num_epochs=run.data.num_epochs or None, shuffle=run.data.shuffle,
                                  handling=run.data.handling)
-
-
-class NonFiniteTraining(RuntimeError):
-    """``trainer.max_nonfinite_steps`` steps in a row had their update skipped as non-finite."""
-
-
-# the per-update quantities the jitted step checks (``trainer.make_train_step``), as logged
-NONFINITE_QUANTITIES = ("train/loss", "train/grad_norm", "train/update_norm")
-
-
-def nonfinite_quantities(metrics: dict) -> list[str]:
-    """The checked quantities of a step's metrics that are inf or nan (a mean over the step's
-    updates is nan when any of them was)."""
-    return [f"{k.split('/', 1)[1]}={metrics[k]}" for k in NONFINITE_QUANTITIES
-            if k in metrics and not np.isfinite(metrics[k])]
-
-
-@dataclasses.dataclass
-class NonFiniteStreak:
-    """Steps in a row whose update the trainer skipped as non-finite, and when to give up."""
-
-    limit: int  # trainer.max_nonfinite_steps
-    count: int = 0
-    first_step: int = 0
-
-    def observe(self, step: int, metrics: dict, last_saved: int | None) -> NonFiniteTraining | None:
-        """Count finished step ``step``; the error to raise once ``limit`` are reached in a row."""
-        if metrics.get("train/skipped_nonfinite", 0.0) <= 0:
-            self.count = 0
-            return None
-        self.count += 1
-        self.first_step = self.first_step if self.count > 1 else step
-        what = ", ".join(nonfinite_quantities(metrics)) or "update"
-        log.warning("step %d: non-finite %s: the update was skipped (%d in a row; the run stops at %d)",
-                    step, what, self.count, self.limit)
-        if self.count < self.limit:
-            return None
-        steps = f"step {step}" if self.count == 1 else f"steps {self.first_step}-{step}"
-        saved = f"step {last_saved}" if last_saved is not None else "none yet"
-        return NonFiniteTraining(
-            f"{steps}: {self.count} updates in a row were not finite, the last with {what}; each was "
-            f"skipped, so the parameters are still those of step {self.first_step - 1} (newest checkpoint: "
-            f"{saved}). The run diverged or its data is bad: lower --config.optim.learning_rate, check "
-            "the data, or allow more with --config.trainer.max_nonfinite_steps")
 
 
 def _same_dir(a: str, b: str) -> bool:

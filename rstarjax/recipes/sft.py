@@ -41,7 +41,7 @@ from rstarjax.recipes.config import RunConfig, SFTConfig, wandb_init_args
 from rstarjax.rl import loss as loss_lib
 from rstarjax.rl.batch import SEQUENCE_KEYS, pack_first_fit, place_rows
 from rstarjax.rl.optim import adamw, cosine_with_warmup
-from rstarjax.rl.trainer import Trainer, TrainerConfig, TrainState
+from rstarjax.rl.trainer import NonFiniteStreak, Trainer, TrainerConfig, TrainState
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,8 @@ class SFTTrainer:
                                       self.cfg.min_lr_ratio))
         m = jax.device_get(self.trainer.update(batch, loss_lib.NLL))
         return {"sft/loss": float(m["loss"]), "sft/grad_norm": float(m["grad_norm"]),
-                "sft/tokens": float(m["tokens"]), "sft/lr": lr}
+                "sft/tokens": float(m["tokens"]), "sft/lr": lr, "sft/update_norm": float(m["update_norm"]),
+                "sft/skipped_nonfinite": float(m["skipped_nonfinite"])}
 
     def hold_state(self, wait) -> None:
         """``Trainer.hold_state``: the next step waits for ``wait()`` before it changes the state."""
@@ -226,6 +227,9 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
     # stages do, recipes/preemption.py); without a checkpointer the signal keeps its default
     guard = (preemption.SignalGuard(checkpoint_cfg.preemption_grace_s, can_abandon=False)
              if ckpt is not None else contextlib.nullcontext())
+    # a diverged run stops (its updates skipped, the newest checkpoint the last good one)
+    nonfinite = NonFiniteStreak(cfg.max_nonfinite_steps, "sft",
+                                ("sft.learning_rate", "sft.max_nonfinite_steps"))
     try:
         with guard:
             for s in range(start, total):
@@ -237,6 +241,9 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
                     metrics_writer.write(s + 1, last)
                 if log_every and ((s + 1) % log_every == 0 or s + 1 == total):
                     log.info("sft step %d/%d loss %.4f lr %.2e", s + 1, total, last["sft/loss"], last["sft/lr"])
+                diverged = nonfinite.observe(s + 1, last, ckpt.latest_step() if ckpt is not None else None)
+                if diverged is not None:
+                    raise diverged
                 stop = guard.stop_signal(s + 1) if ckpt is not None else 0
                 if ckpt is not None and (stop or ckpt.should_save(s + 1, total)):
                     ckpt.save(s + 1, trainer.state, base_meta)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -40,6 +41,8 @@ from rstarjax.rl import loss as loss_lib
 from rstarjax.rl import optim as optim_lib
 from rstarjax.rl.batch import BATCH_KEYS, REF_KEY
 from rstarjax.validation import require
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +186,57 @@ def guarded_update(optimizer: optax.GradientTransformation, params, opt_state, g
     params, opt_state = jax.lax.cond(
         finite, lambda: (optax.apply_updates(params, updates), new_state), lambda: (params, opt_state))
     return params, opt_state, grad_norm, update_norm, finite
+
+
+# ---- a run that diverged: the updates ``guarded_update`` skipped, counted by the loops ------------
+class NonFiniteTraining(RuntimeError):
+    """``NonFiniteStreak.limit`` steps in a row had their update skipped as non-finite."""
+
+
+# the per-update quantities the jitted step checks (``guarded_update``), logged under a prefix
+NONFINITE_QUANTITIES = ("loss", "grad_norm", "update_norm")
+
+
+def nonfinite_quantities(metrics: dict, prefix: str = "train") -> list[str]:
+    """The checked quantities of a step's metrics that are inf or nan (a mean over the step's
+    updates is nan when any of them was)."""
+    keys = [f"{prefix}/{name}" for name in NONFINITE_QUANTITIES]
+    return [f"{k.split('/', 1)[1]}={metrics[k]}" for k in keys if k in metrics and not np.isfinite(metrics[k])]
+
+
+@dataclasses.dataclass
+class NonFiniteStreak:
+    """Steps in a row whose update the trainer skipped as non-finite (``PREFIX/skipped_nonfinite``),
+    and when to give up: a diverged run would otherwise go on skipping every update, burning its
+    compute and logging nan, and end as if it had trained. ``prefix``: the metrics' section
+    ("train": RL, "sft": SFT); ``flags``: its learning-rate and limit settings, for the error
+    (``SECTION.KEY``: the recipes' ``as_flags`` spells them as flags)."""
+
+    limit: int  # trainer.max_nonfinite_steps / sft.max_nonfinite_steps
+    prefix: str = "train"
+    flags: tuple[str, str] = ("optim.learning_rate", "trainer.max_nonfinite_steps")
+    count: int = 0
+    first_step: int = 0
+
+    def observe(self, step: int, metrics: dict, last_saved: int | None) -> NonFiniteTraining | None:
+        """Count finished step ``step``; the error to raise once ``limit`` are reached in a row."""
+        if metrics.get(f"{self.prefix}/skipped_nonfinite", 0.0) <= 0:
+            self.count = 0
+            return None
+        self.count += 1
+        self.first_step = self.first_step if self.count > 1 else step
+        what = ", ".join(nonfinite_quantities(metrics, self.prefix)) or "update"
+        log.warning("step %d: non-finite %s: the update was skipped (%d in a row; the run stops at %d)",
+                    step, what, self.count, self.limit)
+        if self.count < self.limit:
+            return None
+        steps = f"step {step}" if self.count == 1 else f"steps {self.first_step}-{step}"
+        saved = f"step {last_saved}" if last_saved is not None else "none yet"
+        return NonFiniteTraining(
+            f"{steps}: {self.count} updates in a row were not finite, the last with {what}; each was "
+            f"skipped, so the parameters are still those of step {self.first_step - 1} (newest checkpoint: "
+            f"{saved}). The run diverged or its data is bad: lower {self.flags[0]}, check "
+            f"the data, or allow more with {self.flags[1]}")
 
 
 def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, micro_loss: loss_lib.MicroLoss,
