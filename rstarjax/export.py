@@ -105,7 +105,8 @@ def _finished_steps(checkpoint_dir: str) -> list[int]:
     finally:
         ckpt.close()
     if not steps:
-        hint = ckpt_lib.workdir_hint(checkpoint_dir, "--checkpoint ")
+        hint = ckpt_lib.checkpoint_dir_hint(checkpoint_dir, "--checkpoint ", step_flag="--step ",
+                                            hf_advice=": it is an export already (or a model to start from)")
         raise FileNotFoundError(f"no finished checkpoint in {checkpoint_dir}{hint}")
     return steps
 

@@ -227,6 +227,32 @@ def test_init_from_a_runs_workdir_names_its_checkpoints(user_inputs, tmp_path, c
     assert f"give its checkpoints, --config.checkpoint.init_from={previous / 'checkpoints'}" in lines[0], lines
 
 
+def test_init_from_a_step_or_an_hf_directory_says_what_it_is(user_inputs, tmp_path, capsys):
+    """Two more near misses, which said only "holds no finished checkpoint (did the previous stage
+    save one?)": one step of a run's checkpoints (DIR/N), and a HuggingFace model directory (it
+    goes to --config.model.hf_path). Export's --checkpoint gets the same words, with its --step."""
+    import jax.numpy as jnp
+
+    from rstarjax.export import _finished_steps
+    from rstarjax.io import checkpoint as ckpt_lib
+
+    checkpoints = tmp_path / "stage1" / "checkpoints"
+    with ckpt_lib.Checkpointer(str(checkpoints), ckpt_lib.CheckpointConfig(async_save=False)) as ck:
+        ck.save(7, {"w": jnp.ones(2)}, {"step": 7})
+    status, lines = _exit(capsys, *_stage1(user_inputs, user_inputs / "problems.jsonl", tmp_path / "w",
+                                           init_from=str(checkpoints / "7")))
+    assert status == 2 and len(lines) == 1, lines
+    assert (f"it is step 7 of a run's checkpoints, give that directory, --config.checkpoint.init_from={checkpoints} "
+            "(its newest finished step is the one used)") in lines[0], lines
+    with pytest.raises(FileNotFoundError, match=f"give that directory, --checkpoint {checkpoints} --step 7"):
+        _finished_steps(str(checkpoints / "7"))
+    status, lines = _exit(capsys, *_stage1(user_inputs, user_inputs / "problems.jsonl", tmp_path / "w2",
+                                           init_from=str(user_inputs / "model")))
+    assert status == 2 and len(lines) == 1, lines
+    assert ("it is a HuggingFace model directory, not a run's checkpoints: give it as "
+            f"--config.model.hf_path={user_inputs / 'model'}, without --config.checkpoint.init_from") in lines[0], lines
+
+
 def test_a_workdir_in_use_or_not_writable_is_refused_before_any_work(user_inputs, tmp_path, capsys):
     """Two runs in one workdir deleted each other's checkpoints; an unwritable one failed with an
     OSError after the work (eval lost its results)."""

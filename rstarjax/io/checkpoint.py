@@ -670,11 +670,32 @@ def wait_reporting(ckpt: Checkpointer, report: Callable[[], None]) -> None:
         raise
 
 
-def workdir_hint(directory: str, flag: str) -> str:
-    """When ``directory`` holds no checkpoint but is a run's workdir (it has ``checkpoints/``):
-    the words that point ``flag`` (e.g. ``--checkpoint ``) at those; else ""."""
+def checkpoint_dir_hint(directory: str, flag: str, step_flag: str = "", hf_advice: str = "") -> str:
+    """When ``directory``, given as ``flag`` (e.g. ``--checkpoint ``), holds no checkpoint but is
+    something near one, the words that say what it is and where the flag should point; else "".
+    A run's workdir (it has ``checkpoints/``): those. One step of a checkpoints directory
+    (``DIR/N``): ``DIR``, and ``step_flag`` N where the caller takes a step (else: the newest
+    finished step is used). A HuggingFace model directory (``config.json`` and safetensors):
+    ``hf_advice``."""
     inner = os.path.join(directory, "checkpoints")
-    return f": it is a run's workdir, give its checkpoints, {flag}{inner}" if os.path.isdir(inner) else ""
+    if os.path.isdir(inner):
+        return f": it is a run's workdir, give its checkpoints, {flag}{inner}"
+    parent, name = os.path.split(os.path.normpath(os.path.abspath(directory)))
+    if name.isdigit() and os.path.isdir(parent) and int(name) in _finished_steps_of(parent):
+        pick = f" {step_flag}{name}" if step_flag else " (its newest finished step is the one used)"
+        return f": it is step {name} of a run's checkpoints, give that directory, {flag}{parent}{pick}"
+    if os.path.isfile(os.path.join(directory, "config.json")) and any(
+            f.endswith(".safetensors") for f in os.listdir(directory)):
+        return f": it is a HuggingFace model directory, not a run's checkpoints{hf_advice}"
+    return ""
+
+
+def _finished_steps_of(directory: str) -> list[int]:
+    ckpt = Checkpointer(directory, CheckpointConfig(async_save=False))
+    try:
+        return ckpt.all_steps()
+    finally:
+        ckpt.close()
 
 
 def read_checkpoint_meta(directory: str, step: int | None = None) -> tuple[int, dict[str, Any]]:

@@ -242,7 +242,8 @@ def init_from_checkpoint(init_from: str) -> tuple[int, dict]:
     try:
         return ckpt_lib.read_checkpoint_meta(init_from)
     except FileNotFoundError:
-        hint = (ckpt_lib.workdir_hint(init_from, "--config.checkpoint.init_from=")
+        hint = (ckpt_lib.checkpoint_dir_hint(init_from, "--config.checkpoint.init_from=", hf_advice=(
+            f": give it as --config.model.hf_path={init_from}, without --config.checkpoint.init_from"))
                 or " (did the previous stage save one?)")
         raise StageError(f"--config.checkpoint.init_from={init_from!r} holds no finished checkpoint{hint}") from None
     except Exception as e:  # noqa: BLE001 - a torn meta (JSONDecodeError, OSError): one line, not a traceback
