@@ -114,27 +114,36 @@ def test_load_benchmarks_layouts(tmp_path):
 
 
 @pytest.mark.slow
-def test_run_eval_end_to_end(tmp_path):
-    """run_eval on a saved random tiny model: k samples per problem through the real agent loop
-    and sandbox; the table agrees with the per-sample rewards, which agree with the verifier."""
+def _tiny_eval_inputs(tmp_path, problems: int):
+    """A random tiny model (1,000-token BPE) saved under ``tmp_path/hf`` and ``problems`` sums as
+    a benchmark file: (the model's directory, the benchmark's path)."""
     import jax.numpy as jnp
     from flax import nnx
 
-    from rstarjax.env import is_correct
     from rstarjax.models import ModelConfig, Qwen3, load_tokenizer, save_hf
-
-    sys_path = __import__("sys").path
-    sys_path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "configs"))
-    import eval as eval_config
 
     tok = load_tokenizer(1000)
     cfg = ModelConfig.preset("tiny", vocab_size=tok.num_tokens, dtype=jnp.float32,
                              bos_token_id=tok.endoftext_id, eos_token_id=tok.eos_id)
     save_hf(Qwen3(cfg, rngs=nnx.Rngs(0)), str(tmp_path / "hf"), tokenizer=tok)
     bench = tmp_path / "toy.jsonl"
-    bench.write_text("\n".join(json.dumps({"problem": f"Compute {i} + {i}.", "answer": str(2 * i)}) for i in range(3)))
+    bench.write_text("\n".join(json.dumps({"problem": f"Compute {i} + {i}.", "answer": str(2 * i)})
+                               for i in range(problems)))
+    return tmp_path / "hf", bench
+
+
+def test_run_eval_end_to_end(tmp_path):
+    """run_eval on a saved random tiny model: k samples per problem through the real agent loop
+    and sandbox; the table agrees with the per-sample rewards, which agree with the verifier."""
+    from rstarjax.env import is_correct
+
+    sys_path = __import__("sys").path
+    sys_path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "configs"))
+    import eval as eval_config
+
+    hf, bench = _tiny_eval_inputs(tmp_path, 3)
     c = eval_config.get_config()
-    c.model.hf_path = str(tmp_path / "hf")
+    c.model.hf_path = str(hf)
     c.model.dtype = "float32"
     c.model.tokenizer_num_regular_tokens = 1000
     c.eval.paths = str(bench)
@@ -194,19 +203,9 @@ def test_a_stop_signal_mid_evaluation_ends_in_one_line(tmp_path, signame):
     import sys
     import time
 
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from rstarjax.models import ModelConfig, Qwen3, load_tokenizer, save_hf
-
-    tok = load_tokenizer(1000)
-    cfg = ModelConfig.preset("tiny", vocab_size=tok.num_tokens, dtype=jnp.float32,
-                             bos_token_id=tok.endoftext_id, eos_token_id=tok.eos_id)
-    save_hf(Qwen3(cfg, rngs=nnx.Rngs(0)), str(tmp_path / "hf"), tokenizer=tok)
-    bench = tmp_path / "toy.jsonl"
-    bench.write_text("\n".join(json.dumps({"problem": f"Compute {i} + {i}.", "answer": str(2 * i)}) for i in range(4)))
+    hf, bench = _tiny_eval_inputs(tmp_path, 4)
     root = __import__("pathlib").Path(__file__).parents[1]
-    flags = {"model.hf_path": tmp_path / "hf", "model.dtype": "float32", "model.tokenizer_num_regular_tokens": 1000,
+    flags = {"model.hf_path": hf, "model.dtype": "float32", "model.tokenizer_num_regular_tokens": 1000,
              "eval.paths": bench, "eval.k": 16, "eval.max_turns": 4, "eval.max_response_len": 400,
              "eval.max_prompt_len": 200, "eval.num_slots": 4, "eval.chat_format": "compact",
              "rl.num_tool_workers": 1, "logging.progress_bar": False}
