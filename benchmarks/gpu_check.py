@@ -514,8 +514,11 @@ def tiny_overrides(model: str) -> dict:
 
 
 def agent_sft_argv(a: AgentShape, hf_dir: str, sft_path: str, workdir: str) -> list[str]:
-    """configs/sft.py on the generated tool traces: ``sft_steps`` steps (the schedule spans them)."""
-    o = {"model.hf_path": hf_dir, "sft.data_path": sft_path, "sft.epochs": 1,
+    """configs/sft.py on the generated tool traces: ``sft_steps`` steps (the schedule spans them).
+    Its updates that are not finite are skipped but never stop it (``sft.max_nonfinite_steps``
+    at the step count): a diverged SFT still hands the RL job its last finite parameters, whose
+    timings are what the part is for, and the table counts the skipped steps."""
+    o = {"model.hf_path": hf_dir, "sft.data_path": sft_path, "sft.epochs": 1, "sft.max_nonfinite_steps": a.sft_steps,
          "sft.max_steps": a.sft_steps, "sft.batch_size": a.sft_batch, "sft.seq_len": a.sft_seq,
          "sft.learning_rate": a.sft_lr, "sft.warmup_ratio": 0.1, "sft.micro_batch_size": 0,
          "sft.export_hf": False, "checkpoint.every_steps": a.sft_steps, "logging.progress_bar": False,
@@ -629,7 +632,8 @@ def part_agent(shape: Shape, args, log, env, scratch: str, unconfined: bool = Fa
     sft_metrics = read_metrics(os.path.join(sft_dir, "logs", "metrics.jsonl"))
     if sft_metrics:
         result["sft"] = {"steps": len(sft_metrics), "first_loss": sft_metrics[0].get("sft/loss"),
-                         "last_loss": sft_metrics[-1].get("sft/loss")}
+                         "last_loss": sft_metrics[-1].get("sft/loss"),
+                         "skipped_nonfinite": sum(m.get("sft/skipped_nonfinite", 0) > 0 for m in sft_metrics)}
     if code != 0:
         raise RuntimeError(f"the SFT exited {code}: {tail(out)}")
     t2 = time.perf_counter()
@@ -1350,7 +1354,8 @@ def agent_rows(part: PartResult | None) -> list[tuple[str, str]]:
         rows.append(("h100 run sized", r["run_plan"]))
     if r.get("sft"):
         rows.append(("h100 SFT", f"{r['sft']['steps']} steps in {r.get('sft_s')} s, loss "
-                                 f"{r['sft']['first_loss']:.3f} -> {r['sft']['last_loss']:.3f}"))
+                                 f"{r['sft']['first_loss']:.3f} -> {r['sft']['last_loss']:.3f}, "
+                                 f"{r['sft'].get('skipped_nonfinite', 0)} updates skipped as not finite"))
     for i, s in enumerate(r.get("steps", []), 1):
         rows.append((f"h100 step {i}", " ".join(
             f"{k}={s[k]:.3g}" if isinstance(s.get(k), float) else f"{k}={s.get(k)}"

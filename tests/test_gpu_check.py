@@ -57,6 +57,7 @@ def test_gpu_check_runs_every_part_at_the_tiny_shape(tmp_path):
     assert plan["remat_policy"] in ("dots_attention", "attention", "full") and 4 % plan["micro_batch"] == 0
     assert 0 < plan["kv_memory_fraction"] <= 1 and plan["peak_gb"] <= plan["device_gb"]
     assert agent["sft"]["steps"] == 3 and agent["sft"]["last_loss"] < agent["sft"]["first_loss"]
+    assert agent["sft"]["skipped_nonfinite"] == 0  # counted from the SFT's own metrics
     assert len(agent["steps"]) == 2 and agent["checkpoints"] == ["2"]  # saved at 1 and 2, keep=1
     # step 1's save copied behind step 2's rollouts; step 2's update waited for what was left
     assert agent["steps"][1]["checkpoint_copy_s"] > 0 and agent["steps"][1]["checkpoint_copy_wait_s"] >= 0
