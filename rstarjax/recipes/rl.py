@@ -7,7 +7,6 @@ its own order (``stage_data_seed``).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
