@@ -489,7 +489,7 @@ a = json.loads(sys.argv[1])
 tok = load_tokenizer(a["regular"] or None)
 overrides = {} if not a["regular"] else dict(vocab_size=tok.num_tokens, bos_token_id=tok.endoftext_id,
                                              eos_token_id=tok.eos_id, max_position_embeddings=8192)
-cfg = ModelConfig.preset(a["model"], param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, **overrides)
+cfg = ModelConfig.preset(a["model"], param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, **{**overrides, **a["model_overrides"]})
 {PLAN}
 save_hf(Qwen3(cfg, rngs=nnx.Rngs(0)), a["hf"], tokenizer=tok, dtype=jnp.bfloat16)
 rows = demo_tasks.make_dataset(a["problems"], "train", seed=0)
@@ -596,6 +596,22 @@ def compiled_programs(log_text: str) -> list[tuple[str, tuple[str, ...]]]:
             for m in map(COMPILING.search, log_text.splitlines()) if m]
 
 
+def agent_model_overrides(args) -> dict:
+    """``--agent-model KEY=VALUE,...``: ModelConfig fields of the ``h100`` part's random model
+    changed from its preset's (e.g. the 1.7B's depth and initialisation scale on the ``tiny``
+    shape: docs/launch.md "Teaching a random model the tool-call format")."""
+    from rstarjax.models import ModelConfig
+
+    fields = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    overrides = {}
+    for item in filter(None, (getattr(args, "agent_model", "") or "").split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields or not value:
+            raise SystemExit(f"--agent-model {item!r}: give KEY=VALUE with KEY a ModelConfig field")
+        overrides[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+    return overrides
+
+
 def part_agent(shape: Shape, args, log, env, scratch: str, unconfined: bool = False) -> dict:
     """``h100``: SFT on tool traces, then stage 1's RL steps from it, sized by the memory plan."""
     a = AGENT_SHAPES[args.shape]
@@ -612,7 +628,8 @@ def part_agent(shape: Shape, args, log, env, scratch: str, unconfined: bool = Fa
     spec = dict(model=a.model, regular=a.tokenizer_regular_tokens, rows=a.prompts * a.group,
                 rollouts=a.prompts * a.samples,
                 seq_len=a.prompt_len + a.response_len, plan_device_gb=a.plan_device_gb,
-                problems=8 * a.prompts * a.steps, traces=a.sft_traces, **paths)
+                problems=8 * a.prompts * a.steps, traces=a.sft_traces, model_overrides=agent_model_overrides(args),
+                **paths)
     code, out = run_part("h100/inputs", [sys.executable, "-c", MAKE_AGENT_INPUTS, json.dumps(spec)],
                          a.timeouts["inputs"], log, env)
     lines = json_lines(out)
@@ -1539,6 +1556,8 @@ def parse_args(argv=None):
     ap.add_argument("--sft-lr", type=float, default=0.0, help="h100: SFT learning rate (0: the shape's)")
     ap.add_argument("--sft-batch", type=int, default=0, help="h100: SFT traces per step (0: the shape's)")
     ap.add_argument("--sft-traces", type=int, default=0, help="h100: SFT traces generated (0: the shape's)")
+    ap.add_argument("--agent-model", default="", help="h100: KEY=VALUE,... ModelConfig fields of its random model "
+                                                      "(e.g. num_hidden_layers=28,initializer_range=0.08)")
     return ap.parse_args(argv)
 
 

@@ -485,3 +485,30 @@ def test_the_lora_part_runs_stage_1_with_adapters_at_the_tiny_shape(tmp_path):
     assert "--config.model.lora_rank=4" in log and "--config.model.random_init=True" in log
     assert re.search(r"rl stage fresh at step 0 from tiny with random weights", log)
     assert "lora step 2" in proc.stdout and "lora plan (tiny, rank 4)" in proc.stdout
+
+
+def test_the_agent_model_flag_changes_the_random_models_fields(tmp_path):
+    """--agent-model KEY=VALUE,...: ModelConfig fields of the h100 part's random model (the
+    1.7B's depth and initialisation scale on the tiny shape, docs/launch.md), typed, checked by
+    name; the inputs script builds the model with them (its JSON line reports layers and hidden)."""
+    import argparse
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check as g
+
+    args = argparse.Namespace(agent_model="num_hidden_layers=3,hidden_size=96,head_dim=24,initializer_range=0.05")
+    overrides = g.agent_model_overrides(args)
+    assert overrides == {"num_hidden_layers": 3, "hidden_size": 96, "head_dim": 24, "initializer_range": 0.05}
+    with pytest.raises(SystemExit, match="hidden_sise"):
+        g.agent_model_overrides(argparse.Namespace(agent_model="hidden_sise=96"))
+    a = g.AGENT_SHAPES["tiny"]
+    spec = dict(model=a.model, regular=a.tokenizer_regular_tokens, rows=4, rollouts=8, seq_len=1184,
+                plan_device_gb=80.0, problems=4, traces=4, model_overrides=overrides,
+                hf=str(tmp_path / "hf"), data=str(tmp_path / "p.jsonl"), sft=str(tmp_path / "s.jsonl"))
+    out = subprocess.run([sys.executable, "-c", g.MAKE_AGENT_INPUTS, json.dumps(spec)], capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    made = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (made["layers"], made["hidden"]) == (3, 96)
+    saved = json.load(open(tmp_path / "hf" / "config.json"))
+    assert saved["initializer_range"] == 0.05 and saved["head_dim"] == 24

@@ -40,6 +40,7 @@ class ModelConfig:
     architecture: str = "Qwen3ForCausalLM"
     bos_token_id: int | None = 151643
     eos_token_id: int | list[int] | None = 151645
+    initializer_range: float = 0.02  # std of the normal a randomly initialised weight is drawn from
     # ---- ours ---------------------------------------------------------------------------
     dtype: Any = jnp.bfloat16  # compute dtype of activations/matmuls (logits are always f32)
     param_dtype: Any = jnp.float32  # storage dtype of parameters
@@ -185,6 +186,7 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             rope_theta=float(rope_theta),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            initializer_range=float(hf.get("initializer_range", 0.02)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=hf.get("max_position_embeddings", 32768),
             # Qwen2 always has q/k/v biases (the HF class hard-codes bias=True).
@@ -223,7 +225,7 @@ class ModelConfig:
             "use_sliding_window": False,
             "sliding_window": None,
             "attention_dropout": 0.0,
-            "initializer_range": 0.02,
+            "initializer_range": self.initializer_range,
             "use_cache": True,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,

@@ -190,13 +190,13 @@ def decode_layer_fused(cfg: ModelConfig, p: dict, x: jax.Array,
 # ---------------------------------------------------------------------------------------------
 # Modules
 # ---------------------------------------------------------------------------------------------
-def _param(rngs: nnx.Rngs | None, shape, dtype, axes, init: str) -> nnx.Param:
+def _param(rngs: nnx.Rngs | None, shape, dtype, axes, init: str, std: float = 0.02) -> nnx.Param:
     if init == "ones":
         value = jnp.ones(shape, dtype)
     elif init == "zeros":
         value = jnp.zeros(shape, dtype)
-    else:  # HF initializer_range 0.02
-        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    else:  # normal with HF's initializer_range (ModelConfig.initializer_range, 0.02 for Qwen)
+        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
     return nnx.Param(value, logical_axes=axes)
 
 
@@ -210,7 +210,8 @@ class DecoderLayers(nnx.Module):
         L, d, f = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
         q_dim, kv_dim, pd = cfg.num_attention_heads * cfg.head_dim, \
             cfg.num_key_value_heads * cfg.head_dim, cfg.base_param_dtype
-        P = lambda shape, axes, init="normal": _param(rngs, (L, *shape), pd, ("layers", *axes), init)
+        P = lambda shape, axes, init="normal": _param(rngs, (L, *shape), pd, ("layers", *axes), init,
+                                                      cfg.initializer_range)
         self.input_norm = P((d,), ("norm",), "ones")
         self.q_proj = P((d, q_dim), ("embed", "q_heads"))
         self.k_proj = P((d, kv_dim), ("embed", "kv_heads"))
@@ -246,11 +247,12 @@ class Qwen3(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.base_param_dtype,
-                            ("vocab", "embed"), "normal")
+                            ("vocab", "embed"), "normal", cfg.initializer_range)
         self.layers = DecoderLayers(cfg, rngs=rngs)
         self.final_norm = _param(rngs, (cfg.hidden_size,), cfg.base_param_dtype, ("norm",), "ones")
         self.lm_head = None if cfg.tie_word_embeddings else _param(
-            rngs, (cfg.hidden_size, cfg.vocab_size), cfg.base_param_dtype, ("embed", "vocab"), "normal")
+            rngs, (cfg.hidden_size, cfg.vocab_size), cfg.base_param_dtype, ("embed", "vocab"), "normal",
+            cfg.initializer_range)
 
     # ---- shared pieces ---------------------------------------------------------------------
     def _embed(self, tokens: jax.Array) -> jax.Array:
