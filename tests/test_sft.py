@@ -303,8 +303,7 @@ def test_a_diverging_sft_run_stops_in_one_line_naming_steps_and_flags(tok, tmp_p
     """At a learning rate that diverges (1e12: step 1's update is finite and huge, every gradient
     after it nan) each later update is skipped, and after ``sft.max_nonfinite_steps`` of them in
     a row the run stops naming the steps, the quantity and the flags. Before, it went on skipping
-    every update to its last step, logging nan, and ended as if it had trained (found with a
-    28-layer model at a high learning rate: 40 minutes of CPU for nothing)."""
+    every update to its last step, logging nan, and ended as if it had trained."""
     import dataclasses
 
     from rstarjax import main
@@ -324,3 +323,19 @@ def test_a_diverging_sft_run_stops_in_one_line_naming_steps_and_flags(tok, tmp_p
     monkeypatch.setattr(main, "run", lambda *a, **k: (_ for _ in ()).throw(NonFiniteTraining("steps 2-3: lower sft.learning_rate")))
     assert main.run_to_exit_status(None, str(workdir)) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == "rstarjax: steps 2-3: lower --config.sft.learning_rate"
+
+
+def test_the_epoch_is_logged_with_max_steps_too(tok, tmp_path):
+    """sft/epoch with sft.max_steps was nan at every step (TensorBoard's writer warned each
+    time): 8 conversations in batches of 4 are 2 steps an epoch, so 3 steps are 0.5, 1, 1.5."""
+    import dataclasses
+    import math
+
+    from rstarjax.io.metrics_log import read_metrics
+
+    run = tiny_sft_run(tok, tmp_path, conversations=8)
+    run = dataclasses.replace(run, sft=dataclasses.replace(run.sft, epochs=3, max_steps=3))
+    sft.run_sft(run, str(tmp_path / "run"))
+    recs = read_metrics(str(tmp_path / "run" / "logs" / "metrics.jsonl"))
+    assert [r["sft/epoch"] for r in recs] == [0.5, 1.0, 1.5]
+    assert all(math.isfinite(v) for r in recs for v in r.values() if isinstance(v, float))

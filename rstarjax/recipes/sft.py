@@ -189,6 +189,7 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
     and at the end, and resumes from the latest checkpoint there."""
     examples, drop_stats = encode_examples(tokenizer, conversations, cfg.seq_len, fmt)
     plan = plan_batches([len(e.ids) for e in examples], cfg.batch_size, cfg.epochs, cfg.seq_len, cfg.seed)
+    steps_per_epoch = len(plan) / cfg.epochs
     if cfg.max_steps:
         plan = plan[:cfg.max_steps]
     total = len(plan)
@@ -236,7 +237,8 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
                 arrays = pack_rows(examples, plan[s], num_rows, cfg.seq_len, tokenizer.pad_id)
                 last = trainer.train_step(arrays)
                 losses.append(last["sft/loss"])
-                last["sft/epoch"] = (s + 1) * cfg.epochs / max(total, 1) if not cfg.max_steps else float("nan")
+                last["sft/epoch"] = (s + 1) / steps_per_epoch  # (with sft.max_steps too: it was nan there,
+                # which TensorBoard's writer warned about at every step)
                 if metrics_writer is not None:
                     metrics_writer.write(s + 1, last)
                 if log_every and ((s + 1) % log_every == 0 or s + 1 == total):
