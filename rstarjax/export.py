@@ -99,11 +99,7 @@ def load_checkpoint(checkpoint_dir: str, step: int | None = None, model_config: 
 
 
 def _finished_steps(checkpoint_dir: str) -> list[int]:
-    ckpt = ckpt_lib.Checkpointer(checkpoint_dir, ckpt_lib.CheckpointConfig(async_save=False))
-    try:
-        steps = ckpt.all_steps()
-    finally:
-        ckpt.close()
+    steps = ckpt_lib.finished_steps(checkpoint_dir)
     if not steps:
         hint = ckpt_lib.checkpoint_dir_hint(checkpoint_dir, "--checkpoint ", step_flag="--step ",
                                             hf_advice=": it is an export already (or a model to start from)")

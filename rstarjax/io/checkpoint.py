@@ -681,7 +681,7 @@ def checkpoint_dir_hint(directory: str, flag: str, step_flag: str = "", hf_advic
     if os.path.isdir(inner):
         return f": it is a run's workdir, give its checkpoints, {flag}{inner}"
     parent, name = os.path.split(os.path.normpath(os.path.abspath(directory)))
-    if name.isdigit() and os.path.isdir(parent) and int(name) in _finished_steps_of(parent):
+    if name.isdigit() and os.path.isdir(parent) and int(name) in finished_steps(parent):
         pick = f" {step_flag}{name}" if step_flag else " (its newest finished step is the one used)"
         return f": it is step {name} of a run's checkpoints, give that directory, {flag}{parent}{pick}"
     if os.path.isfile(os.path.join(directory, "config.json")) and any(
@@ -690,7 +690,8 @@ def checkpoint_dir_hint(directory: str, flag: str, step_flag: str = "", hf_advic
     return ""
 
 
-def _finished_steps_of(directory: str) -> list[int]:
+def finished_steps(directory: str) -> list[int]:
+    """The finished checkpoint steps in ``directory`` (none: []), no array read."""
     ckpt = Checkpointer(directory, CheckpointConfig(async_save=False))
     try:
         return ckpt.all_steps()
