@@ -58,6 +58,8 @@ def test_the_profile_runs_with_the_run_scripts_settings(tmp_path):
         assert value == want, key
     assert o["actor_rollout_ref.actor.use_dynamic_bsz"] == "True" and run.loss.token_mean == "micro_batch"
     assert run.loss.micro_batch_gpus == gpus and run.loss.micro_batch_rows == "configured"
+    # verl's get_constant_schedule_with_warmup (rate 0 at the first rollout step)
+    assert run.optim.warmup_from_zero
     assert o["algorithm.adv_estimator"] == "grpo" and run.loss.advantage_estimator == "grpo"
     assert o[d + "roc_error_ratio"] == o[d + "roc_answer_format"] == "True" and run.rl.roc_penalty == "official_text"
     yaml = pytest.importorskip("yaml")
@@ -78,3 +80,4 @@ def test_the_paper_stays_the_default(tmp_path):
     run = parse(c)
     assert (run.rl.prompts_per_step, run.rl.tool_timeout_s, run.rl.chat_format, run.loss.token_mean,
             run.loss.micro_batch_rows, run.loss.micro_batch_tokens) == (512, 5.0, "rstar2", "batch", "kept", 0)
+    assert not run.optim.warmup_from_zero

@@ -183,14 +183,19 @@ def test_recompute_old_logprobs_matches_forward_and_gap_is_reported():
     assert m["train/clip_frac_low"] == m["train/clip_frac_high"] == 0.0
 
 
-def test_optimizer_matches_torch_adamw_with_clip_and_warmup():
-    """optax chain == torch clip_grad_norm_ + AdamW + LambdaLR warmup, over 4 steps."""
-    cfg = optim_lib.OptimConfig(learning_rate=1e-2, warmup_steps=3, weight_decay=0.01, grad_clip_norm=1.0)
+@pytest.mark.parametrize("from_zero,updates_per_step", [(False, 1), (True, 1), (True, 2)])
+def test_optimizer_matches_torch_adamw_with_clip_and_warmup(from_zero, updates_per_step):
+    """optax chain == torch clip_grad_norm_ + AdamW + LambdaLR warmup, over 6 updates. The
+    scheduler steps once per rollout step (after its ``updates_per_step`` updates), as verl's
+    ``update_actor`` does; ``warmup_from_zero`` is verl's get_constant_schedule_with_warmup
+    (rate k / warmup at rollout step k), the paper default starts one step further on."""
+    cfg = optim_lib.OptimConfig(learning_rate=1e-2, warmup_steps=3, weight_decay=0.01, grad_clip_norm=1.0,
+                                warmup_from_zero=from_zero)
     rng = np.random.default_rng(0)
     w0 = rng.normal(size=(5, 3)).astype(np.float32)
-    grads = [rng.normal(scale=s, size=(5, 3)).astype(np.float32) for s in (3.0, 0.1, 2.0, 0.5)]
+    grads = [rng.normal(scale=s, size=(5, 3)).astype(np.float32) for s in (3.0, 0.1, 2.0, 0.5, 1.0, 0.3)]
 
-    opt = optim_lib.make_optimizer(cfg)
+    opt = optim_lib.make_optimizer(cfg, updates_per_step)
     w, state = jnp.asarray(w0), opt.init(jnp.asarray(w0))
     for g in grads:
         upd, state = opt.update(jnp.asarray(g), state, w)
@@ -199,13 +204,20 @@ def test_optimizer_matches_torch_adamw_with_clip_and_warmup():
     tw = torch.nn.Parameter(torch.tensor(w0))
     topt = torch.optim.AdamW([tw], lr=cfg.learning_rate, betas=(cfg.b1, cfg.b2), eps=cfg.eps,
                              weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(topt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps))
-    for g in grads:
+    first = 0 if from_zero else 1
+    sched = torch.optim.lr_scheduler.LambdaLR(topt, lambda k: min(1.0, (k + first) / cfg.warmup_steps))
+    rates = []
+    for i, g in enumerate(grads):
         tw.grad = torch.tensor(g)
         torch.nn.utils.clip_grad_norm_([tw], cfg.grad_clip_norm)
+        rates.append(topt.param_groups[0]["lr"])
         topt.step()
-        sched.step()
+        if (i + 1) % updates_per_step == 0:
+            sched.step()
     np.testing.assert_allclose(np.asarray(w), tw.detach().numpy(), rtol=1e-5, atol=1e-7)
+    schedule = optim_lib.lr_schedule(cfg, updates_per_step)
+    np.testing.assert_allclose([float(schedule(i)) for i in range(len(grads))], rates, rtol=1e-6)
+    assert (rates[0] == 0.0) == from_zero
 
 
 def test_bad_shapes_fail_clearly():

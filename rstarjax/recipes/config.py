@@ -90,6 +90,8 @@ PROFILES: dict[str, dict[str, object]] = {
         "rl.tool_timeout_s": 4.0,
         # verl's policy loss: dual clip with clip_ratio_c=3; its actor: token means per micro-batch
         "loss.dual_clip_c": 3.0, "loss.token_mean": "micro_batch",
+        # verl's get_constant_schedule_with_warmup, stepped once a rollout step: step 0 at rate 0
+        "optim.warmup_from_zero": True,
         # ... of its micro-batches by token budget (use_dynamic_bsz, ppo_max_token_len_per_gpu=20480 on
         # 8 GPUs), each GPU's divided by its configured rows (train batch x rollout.n / GPUs)
         "loss.micro_batch_rows": "configured", "loss.micro_batch_tokens": 20480, "loss.micro_batch_gpus": 8,

@@ -23,6 +23,9 @@ class OptimConfig:
 
     learning_rate: float = 1e-6
     warmup_steps: int = 20
+    # False (the paper): the warmup's first rollout step already runs at lr/warmup_steps; True
+    # (the official profile, verl's scheduler): it runs at rate 0 (``lr_schedule``)
+    warmup_from_zero: bool = False
     weight_decay: float = 0.01
     grad_clip_norm: float = 1.0  # <= 0 disables clipping
     b1: float = 0.9
@@ -41,20 +44,28 @@ class OptimConfig:
                  f"b1={self.b1} and b2={self.b2} (Adam's betas) must lie in [0, 1)"))
 
 
-def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
-    """RL: linear warmup from lr/warmup to lr over ``warmup_steps`` updates, then constant.
+def lr_schedule(cfg: OptimConfig, updates_per_step: int = 1) -> optax.Schedule:
+    """RL: linear warmup over ``warmup_steps`` rollout steps, then constant (rStar2-Agent §5.1:
+    "linear warm-up over 20 rollout steps").
 
-    Step s (0-based count of updates already applied) uses lr * min(1, (s + 1) / warmup): the
-    first update is already non-zero (as torch's LambdaLR warmup in verl), the ``warmup``-th
-    reaches the full rate.
+    The update(s) of rollout step k (0-based, counted from the optimizer's start) use
+    lr * min(1, (k + 1) / warmup): every warmup step moves the weights, the last of the
+    ``warmup`` reaches the full rate. With ``warmup_from_zero`` (the official profile) they use
+    lr * min(1, k / warmup), exactly verl's ``get_constant_schedule_with_warmup`` stepped once
+    per rollout step after its update (verl/utils/torch_functional.py; workers/fsdp_workers.py
+    ``update_actor``): the first step's rate is 0, so its update only fills Adam's moments.
+    ``updates_per_step`` is the trainer's ``mini_batches``: the updates of one rollout step share
+    its rate. The argument is optax's update count, which a skipped non-finite update does not
+    advance (verl's scheduler does): after one, the warmup runs a step behind verl's.
     """
     lr = cfg.learning_rate
     if cfg.warmup_steps == 0:
         return optax.constant_schedule(lr)
+    first = 0 if cfg.warmup_from_zero else 1
 
     def schedule(count):
-        frac = jnp.minimum(1.0, (count + 1) / cfg.warmup_steps)
-        return lr * frac
+        rollout_step = count // updates_per_step
+        return lr * jnp.minimum(1.0, (rollout_step + first) / cfg.warmup_steps)
 
     return schedule
 
@@ -88,6 +99,7 @@ def adamw(schedule, weight_decay: float, grad_clip_norm: float, b1: float = 0.9,
     return opt
 
 
-def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig, updates_per_step: int = 1) -> optax.GradientTransformation:
     """The RL optimizer: ``adamw`` on ``lr_schedule``."""
-    return adamw(lr_schedule(cfg), cfg.weight_decay, cfg.grad_clip_norm, cfg.b1, cfg.b2, cfg.eps)
+    return adamw(lr_schedule(cfg, updates_per_step), cfg.weight_decay, cfg.grad_clip_norm,
+                 cfg.b1, cfg.b2, cfg.eps)

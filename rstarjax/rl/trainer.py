@@ -345,8 +345,9 @@ class Trainer:
         self.loss_cfg = loss_cfg
         self.policy_loss = loss_lib.policy_micro_loss(loss_cfg) if loss_cfg is not None else None
         self.mesh = mesh if mesh is not None else sharding_lib.make_mesh(1, -1, 1)
-        self.optimizer = optimizer if optimizer is not None else optim_lib.make_optimizer(optim_cfg)
-        self._schedule = optim_lib.lr_schedule(optim_cfg) if optimizer is None else None
+        self.optimizer = (optimizer if optimizer is not None
+                          else optim_lib.make_optimizer(optim_cfg, cfg.mini_batches))
+        self._schedule = optim_lib.lr_schedule(optim_cfg, cfg.mini_batches) if optimizer is None else None
         self.lora = getattr(getattr(model, "config", None), "lora_rank", 0) > 0
         # What trains: every parameter, or with LoRA the adapters only; the rest (the frozen
         # base with LoRA, else nothing) goes into every program as its first argument.
