@@ -51,6 +51,10 @@ FORMS = [
     ("\\boxed{2 million}", "2000000"), ("\\boxed{90^\\circ}", "90"), ("\\boxed{\\left( 1,2 \\right)}", "(1,2)"),
     ("The answer is: $\\frac{\\sqrt{3}}{2}$", "\\frac{\\sqrt3}{2}"), ("\\boxed{Interval(0, 1)}", "[0, 1]"),
     ("\\boxed{}", "0"), ("\\boxed{a_b}", "1"),
+    # handle_pi evaluates the pi-substituted text: tuples, lists and sets compare element-wise
+    ("\\boxed{(3.1416, 6.2832)}", "(\\pi, 2\\pi)"), ("\\boxed{[0, 6.2832]}", "[0, 2\\pi]"),
+    ("\\boxed{(\\pi, 2\\pi)}", "(3.1416, 6.2832)"), ("\\boxed{3.1416, 6.2832}", "\\pi, 2\\pi"),
+    ("\\boxed{[\\pi, 2)}", "[3.1416, 2)"), ("\\boxed{\\pi < 4}", "True"), ("\\boxed{-\\pi, \\pi}", "(-3.1416, 3.1416)"),
 ]
 
 

@@ -21,9 +21,10 @@ same inputs. Deliberate differences, none of which changes a verdict on a well-b
 * no per-call time limits (the official wraps sympy in 10 s ``timeout_limit``s and math-verify in
   its own): the whole reward runs in a sandbox under the pool's wall-clock kill, and a kill is
   reward 0 (``verify.py`` explains why alarm-based timeouts cannot be used there);
-* ``handle_pi`` evaluates the pi-substituted answer with an arithmetic-only evaluator, not
-  Python's ``eval`` (the official evals model text; any input that is more than arithmetic made
-  ``eval`` fail or return something no number equals);
+* ``handle_pi`` evaluates the pi-substituted answer with an evaluator of literal expressions
+  (numbers, operators, tuples, lists, sets: ``_literal_value``), not Python's ``eval`` (the
+  official evals model text); where the text calls a builtin (``abs(2*pi)``) the official value
+  and ours differ;
 * ``math_equal``'s two ``\\begin{pmatrix}`` branches are left out: the official tests for
   ``"\\begin{pmatrix}"`` in a non-raw string, i.e. with a backspace character, which no answer
   contains, so they never run.
@@ -331,25 +332,52 @@ def grade_answer(given: str | None, gold: str) -> bool:
 
 
 # ---- 1. PRIME: math_equal (grader.py) --------------------------------------------------------------
-_ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-               ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-               ast.BitXor: operator.xor, ast.USub: operator.neg, ast.UAdd: operator.pos}
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+           ast.BitXor: operator.xor, ast.BitAnd: operator.and_, ast.BitOr: operator.or_,
+           ast.LShift: operator.lshift, ast.RShift: operator.rshift}
+_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Invert: operator.invert, ast.Not: operator.not_}
+_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+            ast.Gt: operator.gt, ast.GtE: operator.ge}
+_DISPLAYS = {ast.Tuple: tuple, ast.List: list, ast.Set: set}
 
 
-def _arithmetic(text: str) -> float:
-    """The value of a plain arithmetic expression (numbers, + - * / **, parentheses); ValueError
-    for anything else. Stands in for the official ``eval`` of model text (module docstring)."""
+def _literal_value(text: str):
+    """What Python's ``eval`` gives for an expression of literals (numbers, strings, True /
+    False / None), their operators (arithmetic, bitwise, ``not`` / ``and`` / ``or``, chained
+    comparisons) and tuple, list and set displays: "(1*3.14, 2)" -> (3.14, 2); ValueError for
+    anything else (names, calls, attributes, subscripts, ...). Stands in for the official ``eval``
+    of model text (module docstring): the same value wherever that value depends on the text
+    alone, without running what is not data."""
     def value(node):
-        if isinstance(node, ast.Expression):
+        kind = type(node)
+        if kind is ast.Expression:
             return value(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) \
-                and not isinstance(node.value, bool):
+        if kind is ast.Constant and node.value is not Ellipsis and not isinstance(node.value, bytes):
             return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
-            return _ARITHMETIC[type(node.op)](value(node.left), value(node.right))
-        if isinstance(node, ast.UnaryOp) and type(node.op) in _ARITHMETIC:
-            return _ARITHMETIC[type(node.op)](value(node.operand))
-        raise ValueError("not arithmetic")
+        if kind is ast.BinOp and type(node.op) in _BINARY:
+            return _BINARY[type(node.op)](value(node.left), value(node.right))
+        if kind is ast.UnaryOp and type(node.op) in _UNARY:
+            return _UNARY[type(node.op)](value(node.operand))
+        if kind in _DISPLAYS and not any(isinstance(e, ast.Starred) for e in node.elts):
+            return _DISPLAYS[kind](value(e) for e in node.elts)
+        if kind is ast.BoolOp:  # short-circuit, returning the deciding operand, as Python
+            result = value(node.values[0])
+            for operand in node.values[1:]:
+                if bool(result) != isinstance(node.op, ast.And):
+                    return result
+                result = value(operand)
+            return result
+        if kind is ast.Compare and all(type(op) in _COMPARE for op in node.ops):
+            left = value(node.left)
+            for op, right_node in zip(node.ops, node.comparators):
+                right = value(right_node)
+                outcome = _COMPARE[type(op)](left, right)
+                if not outcome:
+                    return outcome
+                left = right
+            return outcome
+        raise ValueError("not a literal expression")
     return value(ast.parse(text, mode="eval"))
 
 
@@ -363,7 +391,7 @@ def _handle_pi(s, pi: float):
         s = s[:i] + factor + s[i + 3:]
         i = s.find("\\pi", i + 1)
     with contextlib.suppress(Exception):
-        s = _arithmetic(s)
+        s = _literal_value(s)
     return s
 
 
