@@ -234,6 +234,31 @@ def test_partial_rollouts_paused_and_continued_equal_uninterrupted_ones(model, k
         np.testing.assert_allclose([x[2] for x in a.sampled], [x[2] for x in b.sampled], atol=1e-5)
 
 
+@pytest.mark.parametrize("keep_kv", [False, True])
+def test_a_budget_pause_that_frees_the_last_slot_admits_the_queue(model, keep_kv):
+    """More one-turn rollouts than slots, no tools: every admitted rollout reaches the budget in
+    the same round and is paused, leaving nothing live. The freed slots take the queued
+    rollouts in the next round (this once raised "rollout slice stalled" with every page
+    free and a rollout queued); each pauses at the budget and the runs continue all to the
+    end, equal to one uninterrupted run."""
+    def one_turn():
+        return [_ToolTurns(p.prompt_ids, turns=1, turn_len=12, tool_ids=[], delay=0.0, seed=i)
+                for i, p in enumerate(_episodes(1))]
+    eng = _engine(model, slots=2)
+    sched = RolloutScheduler([eng], max_rollout_len=MAX_LEN, admit_reserve_tokens=0, decode_steps=4)
+    eps = one_turn()
+    stats = sched.run(eps, token_budget=4, keep_kv=keep_kv)
+    assert len(stats.paused) == len(eps)  # all six admitted and paused in the one run
+    carried, runs = stats.paused, 1
+    while carried:
+        carried, runs = sched.run([], token_budget=4, carried=carried, keep_kv=keep_kv).paused, runs + 1
+        assert runs < 20, "partial rollouts did not finish"
+    assert eng.pages.num_free == eng.num_pages
+    roomy = one_turn()
+    RolloutScheduler([_engine(model)], max_rollout_len=MAX_LEN).run(roomy)
+    assert [a.convo for a in eps] == [b.convo for b in roomy]
+
+
 def test_partial_rollout_arguments_are_checked(model):
     sched = RolloutScheduler([_engine(model)], max_rollout_len=MAX_LEN)
     with pytest.raises(ValueError, match="token_budget"):
@@ -345,6 +370,40 @@ def test_extend_equals_prefilling_the_whole_conversation(model):
     # The busy slot decoded as if alone while slot 0 was extended next to it.
     other_tokens = [other.token] + log[1]
     assert other_tokens == _greedy_reference(model, [7, 8, 9], len(other_tokens))
+
+
+def test_a_prefix_appended_to_equals_one_prefill_and_a_failed_append_keeps_its_pages(model):
+    """JetStream's ``prefill(existing_prefix=...)``: appending to a prefix equals prefilling the
+    whole text at once (its sampled token is fed first), and an append that is refused (past
+    max_len, or more pages than are free) leaves the prefix holding its pages, so releasing it
+    returns the pool whole (it once handed them over before the checks, and they leaked)."""
+    rng = np.random.default_rng(3)
+    head, tail = rng.integers(0, 512, size=11).tolist(), rng.integers(0, 512, size=9).tolist()
+    greedy = SamplingParams(temperature=0, max_new_tokens=8)
+    eng = _engine(model)
+    pre = eng.prefill(eng.params, head, sampling=greedy)
+    joined = eng.prefill(eng.params, tail, existing_prefix=pre)
+    assert joined.length == len(head) + 1 + len(tail) and pre.pages == []
+    assert joined.token == _greedy_reference(model, head + [pre.token] + tail, 1)[0]
+    eng.release(joined)
+    assert eng.pages.num_free == eng.num_pages
+
+    pre = eng.prefill(eng.params, head, sampling=greedy)
+    held = list(pre.pages)
+    with pytest.raises(ValueError, match="max_len"):
+        eng.prefill(eng.params, [1] * MAX_LEN, existing_prefix=pre)
+    assert pre.pages == held
+    eng.release(pre)
+    assert eng.pages.num_free == eng.num_pages
+
+    small = _engine(model, kv_pages=8)  # the head takes 2 pages of 8 tokens, another prompt 5
+    pre = small.prefill(small.params, head, sampling=greedy)
+    other = small.prefill(small.params, [5] * 40)
+    with pytest.raises(OutOfPages):  # 32 tokens want 2 more pages, 1 is free
+        small.prefill(small.params, [6] * 20, existing_prefix=pre)
+    small.release(pre)
+    small.release(other)
+    assert small.pages.num_free == small.num_pages
 
 
 def test_k_steps_per_device_call_one_host_sync(model):

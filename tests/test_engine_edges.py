@@ -470,3 +470,43 @@ def test_fused_and_exact_samplers_report_the_tempered_logprob_and_respect_the_vo
             np.testing.assert_allclose(lp, ref[np.arange(rows), tok], atol=1e-5, err_msg=name)
             seen.add(int(tok[4]))
         assert len(seen) > 20, f"{name}: the T=5 row should reach many ids"
+
+
+@pytest.mark.parametrize("temperature", [1e-2, 1e-3, 1e-4])
+def test_log_probs_at_temperatures_near_zero_stay_at_most_zero(temperature):
+    """Logits of a model's size divided by a small T are huge and the chosen token's log-prob
+    near 0: both samplers keep it <= 0 (the train batch refuses a positive one) and within
+    float32 rounding of the float64 log_softmax(logits / T)."""
+    rng = np.random.default_rng(5)
+    rows, vocab = 4, 512
+    logits = rng.normal(0, 4, size=(rows, vocab)).astype(np.float32)
+    logits[:, 7] = logits.max(-1) + rng.uniform(0, 2e-3, size=rows).astype(np.float32)  # near-ties
+    z = logits.astype(np.float64) / np.float64(np.float32(temperature))
+    ref = z - z.max(-1, keepdims=True)
+    ref -= np.log(np.exp(ref).sum(-1, keepdims=True))
+    t = jnp.full(rows, temperature, jnp.float32)
+    for name, fn in (("fused", sample_tokens_fused), ("exact", sample_tokens)):
+        for counter in range(8):
+            tok, lp = jax.device_get(jax.jit(fn)(jnp.asarray(logits), jnp.arange(rows, dtype=jnp.int32),
+                                                 jnp.full(rows, counter, jnp.int32), t, jnp.zeros(rows, jnp.int32),
+                                                 jnp.ones(rows, jnp.float32), jnp.full(rows, -1, jnp.int32)))
+            assert (lp <= 0).all(), f"{name}: positive log-prob {lp.max():.3g} at T={temperature}"
+            np.testing.assert_allclose(lp, ref[np.arange(rows), tok], atol=2e-7 * np.abs(z).max(),
+                                       err_msg=name)
+
+
+def test_extend_many_and_sampling_params_refuse_what_the_device_cannot_hold(model):
+    """A slot given twice to one batched extend (both feeds would write its cache positions)
+    and a seed past int32 (the engine's RNG key) are refused before anything is taken."""
+    eng = _engine(model)
+    state = eng.init_decode_state()
+    sp = SamplingParams(temperature=0.0, max_new_tokens=1)
+    state, _ = eng.start(eng.params, state, [StartRequest(0, [1, 2, 3], sp, prompt_len=3)])
+    free = eng.free_pages
+    with pytest.raises(ValueError, match="more than once"):
+        eng.extend_many(eng.params, state, [(0, [4, 5], 2, -1), (0, [6], 2, -1)])
+    assert eng.free_pages == free and eng.slot_length(0) == 3
+    for seed in (2**31, -2**31 - 1):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=seed)
+    SamplingParams(seed=2**31 - 1)

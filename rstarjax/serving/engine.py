@@ -288,6 +288,9 @@ class Engine:
         """``extend`` of several slots in batched feeds; ``items``: (slot, tokens,
         max_new_tokens or None, forced token) each."""
         rows = []
+        slots = [item[0] for item in items]
+        if len(set(slots)) != len(slots):  # two feeds would write the same cache positions
+            raise ValueError(f"extend_many got a slot more than once: {slots}")
         for slot, tokens, max_new, forced in items:
             self.slots.check(slot)
             info = self.slots[slot]

@@ -77,19 +77,25 @@ class JetStreamContractEngine(Engine):
             if existing_prefix.inserted:
                 raise ValueError("the prefix was inserted into a slot already")
             tokens = np.concatenate([[existing_prefix.token], tokens]).astype(np.int32)
-            pages, start, counter = existing_prefix.pages, existing_prefix.length, \
+            held, start, counter = list(existing_prefix.pages), existing_prefix.length, \
                 existing_prefix.counter
-            existing_prefix.pages = []  # handed to the new prefix
         else:
-            pages, start, counter = [], 0, 0
+            held, start, counter = [], 0, 0
         length = start + len(tokens)
         if length > self.max_len:
             raise ValueError(f"prompt of {length} tokens does not fit max_len {self.max_len}")
-        pages = pages + self.pages.alloc(pages_for(length, self.page_size) - len(pages))
+        added = self.pages.alloc(pages_for(length, self.page_size) - len(held))
+        pages = held + added
         sample = FeedSample(-1, sampling, counter, sampling.max_new_tokens - counter,
                             forced_token, length)
-        [(tok, lp, done)], _ = self._run_rows(params, None,
-                                              [FeedRow(pages, start, tokens, [sample])])
+        try:
+            [(tok, lp, done)], _ = self._run_rows(params, None,
+                                                  [FeedRow(pages, start, tokens, [sample])])
+        except BaseException:
+            self.pages.release(added)  # the prefix keeps its own pages (the feed wrote past them)
+            raise
+        if existing_prefix is not None:
+            existing_prefix.pages = []  # handed to the new prefix only once it exists
         return Prefix(pages=pages, length=length, token=tok, logprob=lp, sampling=sampling,
                       done=done, counter=counter + 1)
 

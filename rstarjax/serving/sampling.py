@@ -47,6 +47,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not -2**31 <= self.seed < 2**31:  # the engine keys its random stream with an int32
+            raise ValueError(f"seed must fit a 32-bit signed integer, got {self.seed}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.max_new_tokens < 1:
@@ -139,7 +141,9 @@ def sample_tokens(
     behaviour_logits = policy_logits / jnp.where(sampled_rows, temperature, 1.0)[:, None]
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(behaviour_logits, axis=-1), tokens[:, None],
                                    axis=-1)[:, 0]
-    return tokens, logprobs
+    # <= 0 by definition; at temperatures near 0 the compiled division can round a sure token's
+    # log-prob a few ulps above it, which the train batch would refuse
+    return tokens, jnp.minimum(logprobs, 0.0)
 
 
 # ---- the fused sampler: one pass over the logits in vocabulary chunks ---------------------------
@@ -209,8 +213,9 @@ def sample_tokens_fused(
     if forced is not None:
         tokens = jnp.where(forced >= 0, forced, tokens).astype(jnp.int32)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=1)[:, 0].astype(jnp.float32)
-    logprobs = chosen / scale[:, 0] - (m + jnp.log(s))
-    return tokens, logprobs
+    # (x - max) first: at temperatures near 0 both terms are huge and their difference small
+    logprobs = (chosen / scale[:, 0] - m) - jnp.log(s)
+    return tokens, jnp.minimum(logprobs, 0.0)
 
 
 def sampler(name: str):

@@ -324,8 +324,8 @@ class _SliceDriver:
                 progressed = self._settle_tools()
                 progressed |= self._resume_parked()
                 progressed |= self._admit()
-                if self.token_budget:
-                    self._pause_over_budget()
+                if self.token_budget:  # a pause frees a slot (and pages): admit into it next round
+                    progressed |= self._pause_over_budget()
                 if any(e.is_decoding(s) for s in self.live):
                     self._decode()
                     continue
@@ -383,10 +383,11 @@ class _SliceDriver:
         del self.live[r.slot]
         r.slot = None
 
-    def _pause_over_budget(self) -> None:
+    def _pause_over_budget(self) -> bool:
         """Partial rollouts: a decoding rollout that sampled ``token_budget`` tokens in this
         run leaves it: held in its slot with its KV (``keep_kv``; a later run decodes on from
-        it) or with its pages freed (a later run re-prefills it)."""
+        it) or with its pages freed (a later run re-prefills it). Returns whether any left."""
+        paused = len(self.stats.paused)
         for r in list(self.live.values()):
             if (self.engine.is_decoding(r.slot) and r.waiting is None and r.append is None
                     and r.n_sampled - r.run_start >= self.token_budget):
@@ -398,6 +399,7 @@ class _SliceDriver:
                 else:
                     self._unload(r)
                 self.stats.paused.append(r)
+        return len(self.stats.paused) > paused
 
     def _drop_held_kv(self) -> bool:
         """A run that cannot progress while paused rollouts hold pages takes them back from the
