@@ -11,6 +11,8 @@ tags, ``models.chat_template`` renders them (and the schema in the system prompt
 every one of them is an added token).
 """
 
+import re
+
 TOOL_NAME = "execute_python_code_with_standard_io"
 
 # The function schema shown to the model in the system prompt (paper Fig. 3, made valid JSON:
@@ -105,3 +107,17 @@ def closed_spans(text: str, open_tag: str, close_tag: str) -> list[str]:
 def tool_call_bodies(text: str) -> list[str]:
     """The body of every complete ``<tool_call>...</tool_call>`` block in ``text``, in order."""
     return closed_spans(text, TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
+
+
+# ---- how an integer answer may be written ------------------------------------------------------
+# LaTeX's spaces ("1\,000", "1~000", "1\ 000"), read as one plain space
+_LATEX_SPACES = re.compile(r"(?:\\[,;: ]|~|\\thinspace\b|\\enspace\b|\s)+")
+# SI-style thousands groups: "1 000", "-12 345 678"
+_GROUPED_BY_SPACE = re.compile(r"[+-]?\d{1,3}(?: \d{3})+", re.ASCII)
+
+
+def join_space_groups(text: str) -> str:
+    """``text`` with LaTeX's spaces as single plain ones and, when the whole text is an
+    SI-style grouped integer ("1\\,000", "1 000 000"), the group spaces removed."""
+    s = _LATEX_SPACES.sub(" ", text).strip()
+    return s.replace(" ", "") if _GROUPED_BY_SPACE.fullmatch(s) else s

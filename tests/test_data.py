@@ -51,7 +51,10 @@ def test_layouts_normalised():
     [("204", "204"), ("-3", "-3"), ("\\boxed{42}", "42"), ("$1{,}000$", "1000"), ("1,000,000", "1000000"),
      ("12.0", "12"), ("+5", "5"), ("1/2", None), ("\\frac{1}{2}", None), ("3.5", None), ("x=4", None), ("1,00", None),
      # ASCII digits only: the verifier (math-verify) reads no Arabic-Indic or full-width integer
-     ("١٢", None), ("１２", None), ("1٢", None)],
+     ("١٢", None), ("１２", None), ("1٢", None),
+     # thousands in SI groups are the integer; other splits are two numbers, never joined
+     ("1 000", "1000"), ("1\\,000", "1000"), ("-12 345 678", "-12345678"), ("32, 349", None), ("1 2", None),
+     ("3 5", None), ("10 00", None)],
 )
 def test_integer_answer(raw, canon):
     assert integer_answer(raw) == canon
@@ -81,6 +84,26 @@ def test_bad_rows_counted(tmp_path):
     assert rep_all.kept == 3 and "non_integer_answer" not in rep_all.skipped
     with pytest.raises(ValueError, match="no usable rows"):
         load_problems(write_jsonl(tmp_path / "bad.jsonl", [{"x": 1}]))
+
+
+def test_chat_prompts_and_json_numbers_are_read_as_written(tmp_path):
+    """A chat prompt is one user message (a system message is the template's to write); a
+    conversation (several user turns, assistant turns) is skipped and counted, never cut to its
+    first message. A JSON number answer past a float's exact integers is the integer the file
+    writes (1e23 is 10**23, not int(1e23) = 99999999999999991611392)."""
+    chat = lambda *msgs: {"prompt": [{"role": r, "content": c} for r, c in msgs], "reward_model": {"ground_truth": "4"}}
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join([
+        json.dumps(chat(("system", "Answer in French."), ("user", "What is 2+2?"))),
+        json.dumps(chat(("user", "Let x=3."), ("assistant", "ok"), ("user", "What is x+1?"))),
+        json.dumps(chat(("user", "a"), ("user", "b"))),
+        '{"problem": "What is 10^23?", "answer": 1e23}',
+        '{"problem": "big", "answer": 12345678901234567.0}',
+        '{"problem": "half", "answer": 2.5}']) + "\n")
+    records, report = load_problems(str(path), integer_only=False)
+    assert [(r["problem"], r["answer"]) for r in records] == [
+        ("What is 2+2?", "4"), ("What is 10^23?", str(10**23)), ("big", "12345678901234567"), ("half", "2.5")]
+    assert dict(report.skipped) == {"not_one_user_message": 2}
 
 
 def test_parquet_and_json_layouts(tmp_path):

@@ -81,13 +81,19 @@ def _math_verify_verdict(answer: str, gold: str) -> bool:
                        parse("\\boxed{" + answer + "}", parsing_timeout=None), timeout_seconds=None))
 
 
-@pytest.mark.parametrize("answer, gold", [("1 2", "12"), ("1 000", "1000"), ("1 000", "0"), ("1000", "1 000"),
-                                          ("12 345", "12345"), ("- 3", "-3"), ("$ 42 $", "42"),
-                                          (r"\text{ 42 }", "42")])
-def test_digits_split_by_a_space_get_math_verifys_verdict(answer, gold):
-    """``\\boxed{1 2}`` is two numbers (or a hedge), not 12: the integer fast path must not join
-    digits across white space, where math-verify reads no such integer."""
-    assert is_correct(rf"<answer>\boxed{{{answer}}}</answer>", gold) is _math_verify_verdict(answer, gold)
+@pytest.mark.parametrize("answer, gold, verdict", [
+    ("1 000", "1000", True), ("1000", "1 000", True), ("12 345", "12345", True), (r"1\,000", "1000", True),
+    ("1~000", "1000", True), ("1 000 000", "1000000", True), ("- 3", "-3", True), ("$ 42 $", "42", True),
+    (r"\text{ 42 }", "42", True), (r"1\,000", "1 000", True),
+    # math-verify reads digits split by white space as a sum or product ("3 4" -> 7, "1 000" -> 1*0):
+    # never credited against an integer
+    ("1 2", "12", False), ("1 000", "0", False), (r"1\,000", "0", False), ("7 0", "0", False),
+    ("3 4", "7", False), ("2 3", "5", False), ("10 00", "1000", False), ("1 0000", "10000", False)])
+def test_digits_split_by_white_space_are_an_integer_only_in_thousands_groups(answer, gold, verdict):
+    """SI-style thousands groups ("1 000", "1\\,000") are the integer; any other split ("1 2", a
+    hedge or two numbers) is no integer and never equals one, where math-verify would read a sum
+    or a product (the verdicts here are the integers the text writes, not math-verify's)."""
+    assert is_correct(rf"<answer>\boxed{{{answer}}}</answer>", gold) is verdict
 
 
 @pytest.mark.parametrize("answer, gold", [("١٢", "12"), ("１２", "12"), ("12", "１２"), ("𝟏𝟐", "12"), ("٣", "3")])

@@ -317,9 +317,19 @@ def test_an_over_long_benchmark_prompt_is_skipped_and_counted_before_any_model(t
         ev.run_eval(parse(c), str(tmp_path / "eval"))
 
 
-def test_digits_split_by_white_space_vote_apart_from_the_integer():
-    """maj@k: "1 000" (which math-verify and the verifier score apart from 1000) is not the vote of
-    "1000"; white space elsewhere still does not split a vote."""
-    assert ev.answer_key("1 000") != ev.answer_key("1000") == ev.answer_key("1,000")
-    assert ev.answer_key("x = 3") == ev.answer_key("x=3")
-    assert ev.answer_key(r"\frac{1}{2}") == ev.answer_key(r"\frac {1} {2}")
+def test_equal_numbers_written_differently_share_a_vote():
+    """maj@k: one vote per value where the text writes an exact number (integers with any
+    thousands grouping, decimals, integer fractions), so "12", "12.0" and "12.00" are one vote
+    as the verifier scores them; "1 2" (two numbers) stays apart from 12; white space elsewhere
+    does not split a vote."""
+    key = ev.answer_key
+    assert key("1 000") == key("1000") == key("1,000") == key("1\\,000")
+    assert key("12") == key("12.0") == key("12.00") != key("1 2")
+    assert key(r"\frac{1}{2}") == key("0.5") == key(r"\dfrac12") == key("1/2") == key(".50") != key("1/3")
+    assert key(r"-\frac{3}{4}") == key("-0.75") == key("-3/4")
+    assert key("x = 3") == key("x=3")
+    assert key(r"\frac{x}{2}") == key(r"\frac {x} {2}")
+    assert key("1/0") == "1/0" and key("3,3") != key("33")
+    assert ev.majority_vote(["12", "12.0", "12.00", "7", "7"], [True, True, True, False, False])
+
+

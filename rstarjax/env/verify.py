@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from rstarjax.protocol import ANSWER_CLOSE, ANSWER_OPEN
+from rstarjax.protocol import ANSWER_CLOSE, ANSWER_OPEN, join_space_groups
 
 _ANSWER_BLOCK = re.compile(f"{re.escape(ANSWER_OPEN)}(.*?)(?:{re.escape(ANSWER_CLOSE)}|$)", re.DOTALL)
 _BOX_OPENERS = ("\\boxed", "\\fbox")
@@ -23,8 +23,9 @@ _INTEGER = re.compile(r"[+-]?(?:\d+|\d{1,3}(?:,\d{3})+)", re.ASCII)
 # "32, 349" is a list of two numbers, never 32349: a comma followed by white space separates items
 # (math-verify's own test cases read it so); only a bare comma can group thousands.
 _COMMA_THEN_SPACE = re.compile(r",\s")
-# "1 2" (a hedge, two numbers) and "1 000" are no integer math-verify reads (it multiplies or
-# keeps the text): digits split by white space go to math-verify, never joined into 12 or 1000.
+# "1 2" (a hedge, two numbers) is no integer: never joined into 12. math-verify reads such digits
+# as a sum or a product ("3 4" -> 7, "7 0" -> 0), so an answer written so is never credited
+# against an integer gold (``_integer_verdict``).
 _DIGITS_SPLIT_BY_SPACE = re.compile(r"\d\s+\d", re.ASCII)
 _STRIP_WRAPPERS = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$", re.DOTALL)
 MAX_ANSWER_CHARS = 1000  # longer "answers" are not answers; they also feed sympy pathologies
@@ -73,12 +74,12 @@ def extract_final_answer(response_text: str) -> str | None:
 
 
 def normalize_integer(text: str) -> int | None:
-    """The integer written by `text` ("1,000", "$-3$", "\\text{42}", "7."), or None."""
+    """The integer written by `text` ("1,000", "1\\,000", "$-3$", "\\text{42}", "7."), or None."""
     s = text.strip().strip("$").strip()
     m = _STRIP_WRAPPERS.match(s)
     if m:
         s = m.group(1).strip()
-    s = s.replace("\\!", "").replace("{,}", ",")
+    s = join_space_groups(s.replace("\\!", "").replace("{,}", ","))
     if _COMMA_THEN_SPACE.search(s) or _DIGITS_SPLIT_BY_SPACE.search(s):  # checked before the spaces go
         return None
     s = s.replace(" ", "")
@@ -97,6 +98,8 @@ def _integer_verdict(answer: str | None, gold_text: str) -> bool | None:
     pred_int = normalize_integer(answer)
     if gold_int is not None and pred_int is not None:
         return gold_int == pred_int
+    if gold_int is not None and _DIGITS_SPLIT_BY_SPACE.search(join_space_groups(answer)):
+        return False  # "3 4" is no integer, though math-verify reads 7
     return None
 
 

@@ -29,9 +29,11 @@ from __future__ import annotations
 import codecs
 import collections
 import dataclasses
+import decimal
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -42,6 +44,7 @@ import jax
 import numpy as np
 
 from rstarjax import processes
+from rstarjax.protocol import join_space_groups
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +132,9 @@ def _text(x: Any) -> str | None:
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
         return str(int(x))
     if isinstance(x, (float, np.floating)) and np.isfinite(x):
-        return str(int(x)) if float(x).is_integer() else repr(float(x))
+        # the shortest text that reads back as the float: 1e23 -> "1000...0", not int(1e23)'s
+        # 99999999999999991611392 (floats past 2**53 are not the integers they were written as)
+        return str(int(decimal.Decimal(repr(float(x))))) if float(x).is_integer() else repr(float(x))
     return None
 
 
@@ -143,13 +148,23 @@ def strip_dapo_wrapper(text: str) -> str:
 
 
 def _chat_user_content(prompt: Any) -> str | None:
+    """The problem of a chat-layout prompt: its one user message (system messages are left to the
+    chat template, which writes its own). None for a prompt that is no list of messages; BadRow
+    for one that is a conversation (several user messages, or assistant turns), which no single
+    problem text can stand for."""
     if isinstance(prompt, np.ndarray):
         prompt = list(prompt)
     if not isinstance(prompt, (list, tuple)):
         return None
-    for msg in prompt:
-        if isinstance(msg, dict) and msg.get("role") == "user" and isinstance(msg.get("content"), str):
-            return msg["content"]
+    roles = [msg.get("role") if isinstance(msg, dict) else None for msg in prompt]
+    users = [msg for msg, role in zip(prompt, roles) if role == "user"]
+    others = sorted({str(role) for role in roles if role not in ("user", "system")})
+    if len(users) > 1 or others:
+        raise BadRow("not_one_user_message",
+                     f"{len(users)} user message(s)" + (f" and {'/'.join(others)} messages" if others else "")
+                     + "; a problem is one user message")
+    if users and isinstance(users[0].get("content"), str):
+        return users[0]["content"]
     return None
 
 
@@ -262,7 +277,10 @@ def integer_answer(answer: str) -> str | None:
     m = re.fullmatch(r"\\boxed\{(.*)\}", a, re.S)
     if m:
         a = m.group(1).strip()
-    a = a.replace("{,}", "").replace("\\,", "").replace("\\!", "").replace(" ", "")
+    a = join_space_groups(a.replace("{,}", "").replace("\\!", ""))
+    if re.search(r",\s|\d\s+\d", a, re.ASCII):  # "32, 349" and "1 2" are two numbers, not 32349 or 12
+        return None
+    a = a.replace(" ", "")
     if re.fullmatch(r"[+-]?\d{1,3}(,\d{3})+(\.0+)?", a, re.ASCII):
         a = a.replace(",", "")
     if not _INT_RE.match(a):
@@ -284,6 +302,17 @@ def _json_int(text: str) -> int | str:
     return text if limit and len(text.lstrip("-")) > limit else int(text)
 
 
+def _json_float(text: str) -> float | int:
+    """``json.loads``' parse_float: a literal that writes a whole number past a float's exact
+    integers ("1e23", "12345678901234567.0") is that integer, not the float nearest it."""
+    value = float(text)
+    if math.isfinite(value) and value.is_integer() and abs(value) >= 2**53:
+        exact = decimal.Decimal(text)
+        if exact == exact.to_integral_value():
+            return int(exact)
+    return value
+
+
 def _decode_line(line: bytes) -> Any:
     """One JSON-lines row, or a BadRow saying why it is none."""
     try:
@@ -291,7 +320,7 @@ def _decode_line(line: bytes) -> Any:
     except UnicodeDecodeError as e:
         return BadRow("not_utf8", f"byte {e.start + 1} of the line is {line[e.start:e.start + 1]!r}")
     try:
-        return json.loads(text, parse_int=_json_int)
+        return json.loads(text, parse_int=_json_int, parse_float=_json_float)
     except ValueError as e:  # JSONDecodeError, and whatever json raises past it
         return BadRow("bad_json", str(e).splitlines()[0][:200])
 
@@ -320,7 +349,7 @@ def read_numbered_rows(path: str) -> list[tuple[int, Any]]:
             return list(enumerate(rows, start=1))
     if ext == ".json" and data.lstrip().startswith(b"["):
         try:
-            rows = json.loads(data.decode("utf-8"), parse_int=_json_int)
+            rows = json.loads(data.decode("utf-8"), parse_int=_json_int, parse_float=_json_float)
         except UnicodeDecodeError as e:
             line = data.count(b"\n", 0, e.start) + 1
             raise ValueError(f"{path}: line {line} is not UTF-8 (byte "
@@ -338,7 +367,7 @@ def _one_json_array(data: bytes) -> list | None:
     """The rows of ``data`` when the whole of it is one JSON array, else None (JSON lines whose
     first row is a list; what does not decode is then counted line by line)."""
     try:
-        rows = json.loads(data.decode("utf-8"), parse_int=_json_int)
+        rows = json.loads(data.decode("utf-8"), parse_int=_json_int, parse_float=_json_float)
     except ValueError:  # UnicodeDecodeError, JSONDecodeError
         return None
     return rows if isinstance(rows, list) else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import fractions
 import logging
 import os
 import re
@@ -51,19 +52,46 @@ def mean_pass_at_1(correct: Sequence[bool]) -> float:
     return float(np.mean(np.asarray(correct, np.float64)))
 
 
-# white space between two digits: "1 000" is no 1000 to math-verify (nor to env/verify.py)
+# white space between two digits: "1 2" is no 12 to the verifier (thousands groups, "1 000", are
+# read by normalize_integer first)
 _DIGIT_GAP = re.compile(r"(?<=\d)\s+(?=\d)", re.ASCII)
+# a decimal number ("12.0", "-.5") or a fraction of two integers ("\frac{1}{2}", "\dfrac12", "3/4")
+_DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)", re.ASCII)
+_FRACTION = re.compile(r"([+-]?)\\[dt]?frac(?:\{([+-]?\d+)\}|(\d))(?:\{([+-]?\d+)\}|(\d))|([+-]?\d+)/([+-]?\d+)",
+                       re.ASCII)
+
+
+def _rational(answer: str) -> fractions.Fraction | None:
+    """The exact value of an answer written as a decimal or a fraction of integers, else None."""
+    s = answer.strip().strip("$")
+    if _DIGIT_GAP.search(s):  # "1 2": two numbers
+        return None
+    s = "".join(s.split())
+    if _DECIMAL.fullmatch(s):
+        return fractions.Fraction(s)
+    m = _FRACTION.fullmatch(s)
+    if not m:
+        return None
+    sign, num, num1, den, den1, plain_num, plain_den = m.groups()
+    top, bottom = int(num or num1 or plain_num), int(den or den1 or plain_den)
+    if bottom == 0:
+        return None
+    return fractions.Fraction(-top if sign == "-" else top, bottom)
 
 
 def answer_key(answer: str | None) -> str | None:
-    """Vote key of an extracted answer: integers canonically ("1,000" == "1000"), else the text
-    with white space removed, except between two digits ("1 000" votes apart from "1000", which
-    the verifier scores differently). None (no answer) never votes."""
+    """Vote key of an extracted answer: integers canonically ("1,000" == "1 000" == "1000"),
+    decimals and integer fractions by their exact value ("12.0" == "12", "0.5" == "\\frac{1}{2}"
+    == "1/2"), else the text with white space removed, except between two digits ("1 2" votes
+    apart from "12"). None (no answer) never votes."""
     if answer is None or not answer.strip():
         return None
     as_int = normalize_integer(answer)
     if as_int is not None:
         return str(as_int)
+    value = _rational(answer)
+    if value is not None:
+        return str(value)
     return "".join(_DIGIT_GAP.sub("\u2423", answer).split())
 
 
