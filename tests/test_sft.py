@@ -2,6 +2,7 @@
 schedule vs transformers' get_cosine_schedule_with_warmup, packing, bad input, learning."""
 import json
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +145,30 @@ def test_bad_input(tok, tmp_path):
         sft.encode_examples(tok, [[{"role": "assistant", "content": "x"}]], seq_len=100)
 
 
+@pytest.mark.parametrize("row, says", [
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}, {"role": "assistant", "content": "x"}]},
+     "content must be a str"),
+    ({"messages": [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "x"}]}, "role must be"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\nx"}]}, "line break"),
+    ({"messages": "[not json"}, "not JSON"),
+    ({"messages": []}, "no 'messages' list")])
+def test_a_bad_conversation_is_one_line_naming_its_row_before_the_model_is_read(tok, tmp_path, monkeypatch,
+                                                                              row, says):
+    """A conversation the template cannot render stops ``run_sft`` with a DataError (one line,
+    exit 2, from ``rstarjax.main``) naming FILE:ROW, before the model is built."""
+    from rstarjax.io.data import DataError
+    from rstarjax.recipes import build
+    p = tmp_path / "sft.jsonl"
+    p.write_text(json.dumps({"messages": _conversation(0)}) + "\n\n" + json.dumps(row) + "\n")
+    run = types.SimpleNamespace(sft=SFTConfig(data_path=str(p), chat_format="compact"), mesh=None, model=None,
+                                checkpoint=None, seed=0)
+    monkeypatch.setattr(build, "mesh", lambda cfg: None)
+    monkeypatch.setattr(build, "tokenizer", lambda cfg: tok)
+    monkeypatch.setattr(build, "policy", lambda *a, **k: pytest.fail("the model was read before the data was checked"))
+    with pytest.raises(DataError, match=f"{p}:3: .*{says}"):
+        sft.run_sft(run, str(tmp_path / "w"))
+
+
 @pytest.mark.slow
 def test_sft_learns_and_checkpoints(tok, tmp_path, capsys):
     """A few steps on 16 conversations cut the loss; the checkpoint restores the same params; each
@@ -194,7 +219,8 @@ def test_a_resumed_sft_run_does_not_read_the_hf_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "policy", policy)
     monkeypatch.setattr(build, "tokenizer", lambda src: None)
     monkeypatch.setattr(build, "vocabulary_of", lambda tok: {})
-    monkeypatch.setattr(sft, "load_conversations", lambda path: [])
+    monkeypatch.setattr(sft, "conversation_rows", lambda path: ([], []))
+    monkeypatch.setattr(sft, "encode_examples", lambda *a: ([], {}))
     c = sft_config.get_config()
     hf, data = tmp_path / "hf", tmp_path / "sft.jsonl"  # checked at start from headers; weights never read here
     tok = load_tokenizer(300)

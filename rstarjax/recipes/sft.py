@@ -16,6 +16,7 @@ assistant token of the step (token-mean over the batch, as verl's SFT trainer).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -32,7 +33,7 @@ from flax import nnx
 
 from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import files
-from rstarjax.io.data import DataError, read_rows
+from rstarjax.io.data import BadRow, DataError, read_numbered_rows
 from rstarjax.io.metrics_log import MetricsWriter
 from rstarjax.models import chat_template as ct
 from rstarjax.models import save_hf
@@ -53,37 +54,52 @@ class SFTExample:
     mask: np.ndarray  # bool[n]: True where the model generated the token (loss on it)
 
 
-def load_conversations(path: str) -> list[list[dict]]:
-    """``{"messages": [...]}`` rows of a jsonl / json / parquet file. Rows without a message list
-    raise (SFT data is curated: a silently skipped row is lost training signal)."""
+def conversation_rows(path: str) -> tuple[list[list[dict]], list[str]]:
+    """``{"messages": [...]}`` rows of a jsonl / json / parquet file and where each is
+    ("FILE:ROW"). Rows without a message list raise (SFT data is curated: a silently skipped row
+    is lost training signal)."""
     if not path or not os.path.exists(path):
         raise FileNotFoundError(f"SFT data file {path!r} does not exist (set --config.sft.data_path)")
-    rows, bad = read_rows(path)
-    if bad:
-        raise DataError(f"{path}: {sum(bad.values())} line(s) are not valid JSON or not UTF-8 ({dict(bad)})")
-    out = []
-    for i, row in enumerate(rows):
+    out, where, bad = [], [], collections.Counter()
+    for number, row in read_numbered_rows(path):
+        if isinstance(row, BadRow):
+            bad[row.reason] += 1
+            continue
         msgs = row.get("messages") if isinstance(row, Mapping) else None
         if isinstance(msgs, str):  # parquet exports sometimes store the list as a JSON string
-            msgs = json.loads(msgs)
+            try:
+                msgs = json.loads(msgs)
+            except ValueError as e:
+                raise DataError(f"{path}:{number}: 'messages' is a string that is not JSON ({e})") from None
         if not isinstance(msgs, list) or not msgs:
-            raise DataError(f"{path}: row {i} has no 'messages' list")
+            raise DataError(f"{path}:{number}: row has no 'messages' list")
         out.append(msgs)
+        where.append(f"{path}:{number}")
+    if bad:
+        raise DataError(f"{path}: {sum(bad.values())} line(s) are not valid JSON or not UTF-8 ({dict(bad)})")
     if not out:
         raise DataError(f"{path}: no conversations")
-    return out
+    return out, where
+
+
+def load_conversations(path: str) -> list[list[dict]]:
+    """The conversations of ``conversation_rows``."""
+    return conversation_rows(path)[0]
 
 
 def encode_examples(tokenizer, conversations: Sequence[Sequence[Mapping[str, Any]]], seq_len: int,
-                    fmt: ct.ChatFormat = ct.RSTAR2) -> tuple[list[SFTExample], dict[str, int]]:
+                    fmt: ct.ChatFormat = ct.RSTAR2, where: Sequence[str] | None = None,
+                    ) -> tuple[list[SFTExample], dict[str, int]]:
     """Tokenize with the chat template (assistant mask = loss mask). Conversations longer than
-    ``seq_len`` or without any assistant token are dropped and counted in the returned stats."""
+    ``seq_len`` or without any assistant token are dropped and counted in the returned stats;
+    one the template cannot render is a ``DataError`` naming it (``where[i]``, "FILE:ROW", else
+    its index)."""
     examples, stats = [], {"too_long": 0, "no_assistant_tokens": 0}
     for i, msgs in enumerate(conversations):
         try:
             enc = ct.encode_conversation(tokenizer, msgs, fmt=fmt)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"conversation {i}: {e}") from e
+        except (ValueError, TypeError, AttributeError, KeyError) as e:
+            raise DataError(f"{where[i] if where else f'conversation {i}'}: {e}") from e
         if len(enc.ids) > seq_len:
             stats["too_long"] += 1
             continue
@@ -96,7 +112,9 @@ def encode_examples(tokenizer, conversations: Sequence[Sequence[Mapping[str, Any
     if stats["too_long"] or stats["no_assistant_tokens"]:
         log.warning("SFT: dropped %s of %d conversations", stats, len(conversations))
     if not examples:
-        raise ValueError(f"no usable SFT conversation (of {len(conversations)}; {stats}); raise sft.seq_len?")
+        source = f"{where[0].rsplit(':', 1)[0]}: " if where else ""
+        raise DataError(f"{source}no usable SFT conversation (of {len(conversations)}; {stats}): each needs an "
+                        f"assistant message and at most --config.sft.seq_len={seq_len} tokens")
     return examples, stats
 
 
@@ -183,11 +201,13 @@ def fixed_num_rows(plan: Sequence[Sequence[Sequence[int]]], multiple: int) -> in
 def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, mesh=None,
               fmt: ct.ChatFormat = ct.RSTAR2, workdir: str | None = None, checkpoint_cfg=None,
               meta: Mapping[str, Any] | None = None, metrics_writer=None, log_every: int = 10,
+              encoded: tuple[list[SFTExample], dict[str, int]] | None = None,
               ) -> tuple[SFTTrainer, dict[str, Any]]:
     """Train ``model`` on ``conversations``; returns the trainer (``.model()`` is the SFT policy)
     and a summary. With ``workdir`` + ``checkpoint_cfg`` it checkpoints every ``every_steps``
-    and at the end, and resumes from the latest checkpoint there."""
-    examples, drop_stats = encode_examples(tokenizer, conversations, cfg.seq_len, fmt)
+    and at the end, and resumes from the latest checkpoint there. ``encoded``: what
+    ``encode_examples`` already made of ``conversations`` (a run checks its data first)."""
+    examples, drop_stats = encoded or encode_examples(tokenizer, conversations, cfg.seq_len, fmt)
     plan = plan_batches([len(e.ids) for e in examples], cfg.batch_size, cfg.epochs, cfg.seq_len, cfg.seed)
     steps_per_epoch = len(plan) / cfg.epochs
     if cfg.max_steps:
@@ -277,7 +297,10 @@ def run_sft(run: RunConfig, workdir: str) -> dict[str, Any]:
     os.makedirs(workdir, exist_ok=True)
     mesh = build.mesh(run.mesh)
     tokenizer = build.tokenizer(run.model)
-    conversations = load_conversations(run.sft.data_path)
+    conversations, where = conversation_rows(run.sft.data_path)
+    fmt = ct.chat_format(run.sft.chat_format)
+    # the data is checked (one line naming FILE:ROW) before the model is read
+    encoded = encode_examples(tokenizer, conversations, run.sft.seq_len, fmt, where)
     start = resume_step(workdir, run.checkpoint)
     # A resume restores every parameter before anything reads them: the HF weights are not read.
     # With LoRA the checkpoints hold adapters only: the frozen base always comes from HF.
@@ -291,9 +314,9 @@ def run_sft(run: RunConfig, workdir: str) -> dict[str, Any]:
                        tensorboard=run.logging.tensorboard, wandb=wandb_init_args(run, workdir),
                        resume_step=start or 0) as mw:  # where RL writes its metrics too (each step once)
         trainer, summary = train_sft(
-            model, tokenizer, conversations, run.sft, mesh=mesh, fmt=ct.chat_format(run.sft.chat_format),
+            model, tokenizer, conversations, run.sft, mesh=mesh, fmt=fmt,
             workdir=workdir, checkpoint_cfg=run.checkpoint, meta=meta,
-            metrics_writer=mw)
+            metrics_writer=mw, encoded=encoded)
     if run.sft.export_hf:
         # (a LoRA policy unmerged: save_hf merges it into float32 weights, no bf16 rounding)
         with files.staged_dir(os.path.join(workdir, "hf")) as hf_dir:  # whole or not at all
