@@ -346,3 +346,16 @@ def test_the_decode_attention_and_the_sampler_are_serving_settings(tmp_path):
     assert "decode_attention='flash'" in str(e.value) and "pallas_gpu_packed" in str(e.value)
     assert "sampler='greedy'" in str(e.value) and "'fused'" in str(e.value)
     assert "decode_gemms='cutlass'" in str(e.value) and "'cublas'" in str(e.value)
+
+
+@pytest.mark.parametrize("micro, message", [
+    (0, r"the 3 rows of a mini-batch \(--config.rl.prompts_per_step=1 x --config.rl.group_size=3"),
+    (3, r"--config.trainer.micro_batch_size=3 must be a multiple of data\*fsdp=2")])
+def test_rows_that_do_not_split_over_the_devices_name_the_flags_that_set_them(tmp_path, micro, message):
+    """With micro_batch_size=0 the micro-batch is the derived mini-batch: the error names the flags
+    that make it (once it named micro_batch_size=3, a value nobody set); a micro-batch set by
+    hand is named as set."""
+    c = good_config(tmp_path)
+    c.rl.prompts_per_step, c.rl.group_size, c.rl.oversample, c.trainer.micro_batch_size = 1, 3, 6, micro
+    with pytest.raises(ConfigError, match=message):
+        parse(c, num_devices=2)

@@ -820,9 +820,14 @@ def device_rules(run: RunConfig, num_devices: int, num_processes: int = 1) -> li
                         f"{num_processes} processes")
         mbs = tr.micro_batch_size or rl.prompts_per_step * rl.group_size // tr.mini_batches
         dp = sizes["data"] * sizes["fsdp"]
-        if mbs % dp:
+        if mbs % dp and tr.micro_batch_size:
             errs.append(f"--config.trainer.micro_batch_size={mbs} must be a multiple of data*fsdp={dp} "
                         "(each device takes an equal share of every micro-batch)")
+        elif mbs % dp:  # 0: one micro-batch of the whole mini-batch, whose rows are derived
+            errs.append(f"the {mbs} rows of a mini-batch (--config.rl.prompts_per_step={rl.prompts_per_step} x "
+                        f"--config.rl.group_size={rl.group_size} / --config.trainer.mini_batches={tr.mini_batches}; "
+                        f"--config.trainer.micro_batch_size=0 takes them whole) must be a multiple of "
+                        f"data*fsdp={dp} (each device takes an equal share of every micro-batch)")
     local = sv.rollout_devices if sv.disaggregated else num_devices // max(num_processes, 1)
     where = "given to rollouts (serving.rollout_devices)" if sv.disaggregated else "of each process"
     if sv.tensor_parallel > local:
