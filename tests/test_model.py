@@ -75,6 +75,19 @@ def test_config_errors_name_the_field():
         ModelConfig.preset("tiny", num_key_value_heads=3)
     with pytest.raises(ValueError, match="unknown preset"):
         ModelConfig.preset("qwen3-7b")
+    with pytest.raises(ValueError, match="attention_bias"):  # o_proj's bias has no place here
+        ModelConfig.from_hf_dict({**ModelConfig.preset("tiny").to_hf_dict(), "attention_bias": True})
+
+
+def test_a_qwen3_with_attention_bias_has_an_o_proj_bias_in_transformers():
+    """Why ``attention_bias`` is refused for Qwen3 (not read as q/k/v biases as Qwen2's): the
+    transformers class puts a bias on o_proj too."""
+    transformers = pytest.importorskip("transformers")
+    hf = ModelConfig.preset("tiny").to_hf_dict()
+    tcfg = transformers.Qwen3Config(**{**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")},
+                                       "attention_bias": True})
+    names = dict(transformers.Qwen3ForCausalLM(tcfg).named_parameters())
+    assert "model.layers.0.self_attn.o_proj.bias" in names
 
 
 # ---- forward --------------------------------------------------------------------------------

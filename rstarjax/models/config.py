@@ -171,6 +171,9 @@ class ModelConfig:
             raise ValueError(f"config.json rope_type={rope_type!r} is unsupported (default only)")
         rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         is_qwen2 = arch == "Qwen2ForCausalLM"
+        if not is_qwen2 and hf.get("attention_bias"):
+            raise ValueError(f"config.json field 'attention_bias'=true is unsupported for {arch}: transformers "
+                             "gives it biases on q/k/v and on o_proj, which this model has no place for")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                                "num_hidden_layers", "num_attention_heads") if k not in hf]
         if missing:
