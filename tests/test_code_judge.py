@@ -125,3 +125,23 @@ def test_the_router_sends_a_wrapped_program_where_its_code_would_go():
 
     assert choose_tier(cj.wrap_program("import math\nmath.pi")) == LEAN
     assert choose_tier(cj.wrap_program("import sympy")) == HEAVY
+
+
+@pytest.mark.parametrize("name", [7, [1] * 40, list(range(12)), list(range(13)), {"a" * 30: "b" * 30}, 10**60, None,
+                                  1.5, [None, True]])
+def test_a_name_that_is_no_string_gets_pydantics_own_message(name):
+    """The parser's FunctionCall(name=...) error, as the installed pydantic (the fixture's
+    version) writes it for the same value: long input values are cut around "..."."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class FunctionCall(pydantic.BaseModel):
+        arguments: str
+        name: str
+
+    body = json.dumps({"name": name, "arguments": {"code": "print(1)"}})
+    got = cj.official_call(body)
+    with pytest.raises(pydantic.ValidationError) as exc:
+        FunctionCall(name=name, arguments="{}")
+    want = f"Failed to decode tool call: {exc.value}"
+    assert got.message == want.replace(f"errors.pydantic.dev/{pydantic.VERSION.rsplit('.', 1)[0]}/",
+                                           f"errors.pydantic.dev/{cj.PYDANTIC_DOCS_VERSION}/")

@@ -29,12 +29,15 @@ Steps 2-3 happen INSIDE our sandbox, unchanged: ``wrap_program`` turns the model
 program (our own prelude, not the official text) that implements the wrapper's semantics and
 code-judge's streams and alarm in the sandboxed process, and prints one result line
 (``RESULT_MARK`` + JSON: stdout and stderr as code-judge would return them, the exit status, the
-time); ``judge_result`` turns the sandbox's answer into code-judge's response text. What cannot
-be the same: the time (measured here, printed with two decimals), output a program writes to the
-file descriptors directly (subprocesses, ``os.write``: not captured), the 256 MiB memory limit
-(the sandbox's own limits apply), and the exact point at which a block-buffered pipe would have
-been flushed (here: on ``flush()`` or once 8192 bytes were written, which matched the official
-run on every probe: 8100 bytes in 81 prints lost, 8192 in one print or 8200 in 82 kept).
+time, whether code-judge could read them); ``judge_result`` turns the sandbox's answer into
+code-judge's response text. The program's sys.stdout and sys.stderr are CPython's own
+TextIOWrapper and BufferedWriter, built as python3 builds them for a pipe in UTF-8 mode (``.buffer``,
+``fileno()``, ``encoding``, ``errors``, the points where text reaches the pipe), over a capture of
+what the pipe receives; code-judge's reading of it is reproduced: stdout split on its closing
+mark ``@@E`` (a second mark, or bytes that are not UTF-8 in either stream, is its
+``internal_error``). What cannot be the same: the time (measured here, printed with two
+decimals), output a program writes to the file descriptors directly (subprocesses, ``os.write``:
+not captured) and the 256 MiB memory limit (the sandbox's own limits apply).
 tests/test_code_judge.py compares all of it with the official code's own output
 (tests/fixtures/rstar2_official/code_judge_responses.json).
 
@@ -51,9 +54,13 @@ from .results import DISPLAY, ERROR, STDOUT, TIMEOUT, ExecResult
 
 TIME_LIMIT_S = 4  # code-judge MAX_EXECUTION_TIME as the rStar README starts its server and workers
 MAX_STREAM_CHARS = 1000  # code-judge MAX_STDOUT_ERROR_LENGTH: each stream is cut to its head
-PIPE_FLUSH_BYTES = 8192  # io.DEFAULT_BUFFER_SIZE: a block-buffered stdout has reached the pipe from here on
+# the BufferedWriter python3 puts under stdout on a pipe (its size is the pipe's st_blksize on
+# Linux); the TextIOWrapper above it holds text until 8192 bytes (its chunk size) or a flush
+PIPE_BUFFER_BYTES = 4096
+SCRIPT_ENDING_MARK = "@@E"  # code-judge's python_executor: its closing template prints it; stdout is split on it
 TIMEOUT_LINE = "Suicide from timeout.\n"  # printed (flushed) by code-judge's alarm handler
 WORKER_TIMEOUT = "worker_timeout"  # code-judge's reason for a failed run that took the whole limit
+INTERNAL_ERROR = "internal_error"  # code-judge's reason when it cannot read a run's output
 RESULT_MARK = "\x1e<rstarjax-code-judge-result>"  # starts the prelude's one result line on stdout
 WRAPPER_MARK = "# rstarjax: code-judge wrapper (env/code_judge.py)\n"  # first line of a wrapped program
 TOOLS = (OFFICIAL_TOOL_NAME,)  # python_tool_config.yaml: the one tool the official run registers
@@ -65,6 +72,7 @@ PYDANTIC_DOCS_VERSION = "2.13"
 # Everything it defines is prefixed _cj_; the model's code runs in its own fresh namespace.
 _PRELUDE = WRAPPER_MARK + r'''
 import ast as _cj_ast
+import codecs as _cj_codecs
 import io as _cj_io
 import json as _cj_json
 import os as _cj_os
@@ -74,42 +82,86 @@ import time as _cj_time
 import traceback as _cj_traceback
 
 
-class _CjStream(_cj_io.TextIOBase):
-    """A captured stream: its first `keep` characters, and how many of them a pipe would have
-    received by now (`shown`): on flush(), from PIPE_FLUSH_BYTES bytes on, and for a line-buffered
-    stream (stderr) at each write holding a line break."""
+class _CjPipe(_cj_io.RawIOBase):
+    """What code-judge's pipe receives from one stream: its first `keep` bytes, how many bytes
+    came, how many SCRIPT_ENDING_MARKs (code-judge splits stdout on it) and whether they are
+    valid UTF-8 (code-judge decodes them strictly). CPython's own TextIOWrapper and
+    BufferedWriter sit above it, built as python3 builds them for a pipe, so what reaches it
+    and when (a flush, 8192 bytes, a line of stderr) is the interpreter's doing."""
 
-    def __init__(self, keep, flush_bytes, line_buffered):
-        self.text, self.keep, self.flush_bytes, self.line_buffered = "", keep, flush_bytes, line_buffered
-        self.written = 0
-        self.shown = 0
+    def __init__(self, fd, keep):
+        self.fd, self.keep = fd, keep
+        self.head, self.received, self.marks, self.tail = bytearray(), 0, 0, b""
+        self.decoder = _cj_codecs.getincrementaldecoder("utf-8")("strict")
+        self.invalid = False
 
     def writable(self):
         return True
 
-    def write(self, s):
-        if not isinstance(s, str):
-            raise TypeError("write() argument must be str, not " + type(s).__name__)
-        if len(self.text) < self.keep:
-            self.text += s[:self.keep - len(self.text)]
-        self.written += len(s.encode("utf-8", "surrogatepass"))
-        if self.written >= self.flush_bytes or (self.line_buffered and ("\n" in s or "\r" in s)):
-            self.shown = len(self.text)
-        return len(s)
+    def fileno(self):
+        return self.fd
 
-    def flush(self):
-        self.shown = len(self.text)
+    def isatty(self):
+        return False
+
+    def write(self, data):
+        data = bytes(data)
+        if len(self.head) < self.keep:
+            self.head += data[:self.keep - len(self.head)]
+        self.received += len(data)
+        window = self.tail + data  # a mark may straddle two writes
+        self.marks += window.count(SCRIPT_ENDING_MARK)
+        self.tail = window[-(len(SCRIPT_ENDING_MARK) - 1):]
+        if not self.invalid:
+            try:
+                self.decoder.decode(data)
+            except UnicodeDecodeError:
+                self.invalid = True
+        return len(data)
+
+    def text(self):
+        """The received text (its first `keep` bytes' worth), and whether code-judge could
+        decode all of it."""
+        ok = not self.invalid
+        if ok:
+            try:
+                self.decoder.decode(b"", True)
+            except UnicodeDecodeError:  # ends inside a character
+                ok = False
+        return self.head.decode("utf-8", "ignore"), ok
 
 
-def _cj_finish(out, err, status, started, everything_shown):
+def _cj_stream(fd, errors, line_buffering):
+    pipe = _CjPipe(fd, 4 * MAX_STREAM_CHARS)
+    return pipe, _cj_io.TextIOWrapper(_cj_io.BufferedWriter(pipe, PIPE_BUFFER_BYTES), encoding="utf-8",
+                                      errors=errors, line_buffering=line_buffering)
+
+
+def _cj_flush(*streams):
+    for stream in streams:
+        try:
+            stream.flush()
+        except Exception:  # closed by the program, or replaced by something that cannot flush
+            pass
+
+
+def _cj_finish(status, started, everything_shown, script_ended=False):
+    """The result line. `everything_shown`: the interpreter exits normally (it flushes the
+    streams); `script_ended`: code-judge's closing template ran (its own mark ends stdout)."""
     if everything_shown:
-        out.flush()
-        err.flush()
-    line = _cj_json.dumps({"stdout": out.text[:out.shown], "stderr": err.text[:err.shown], "status": status,
+        _cj_flush(_cj_sys.stdout, _cj_sys.stderr, _CJ_STDOUT, _CJ_STDERR)
+    out, out_ok = _CJ_OUT_PIPE.text()
+    err, err_ok = _CJ_ERR_PIPE.text()
+    marks = _CJ_OUT_PIPE.marks + (1 if script_ended else 0)
+    # code-judge: `stdout, meta = stdout.split(MARK, 2)` fails on two marks; one from the program
+    # (a run that ended before the closing template) cuts stdout there; an undecodable stream fails
+    internal_error = marks >= 2 or not (out_ok and err_ok)
+    if marks == 1 and not script_ended:
+        out = out.split(SCRIPT_ENDING_MARK.decode(), 1)[0]
+    line = _cj_json.dumps({"stdout": out, "stderr": err, "status": status, "internal_error": internal_error,
                            "cost": _cj_time.perf_counter() - started})
-    real = _cj_sys.__stdout__
-    real.write(RESULT_MARK + line + "\n")
-    real.flush()
+    _CJ_REAL_STDOUT.write(RESULT_MARK + line + "\n")
+    _CJ_REAL_STDOUT.flush()
     _cj_os._exit(0)
 
 
@@ -154,55 +206,84 @@ def _cj_split(code):
     return code, None
 
 
+def _cj_redirected(run):
+    """`run()` with the original streams as sys.stdout / sys.stderr, the ones before restored
+    after (the official wrapper's redirect_stdout / redirect_stderr around each exec): a stream
+    the program set there is dropped, and CPython closes what it wrapped."""
+    saved = _cj_sys.stdout, _cj_sys.stderr
+    _cj_sys.stdout, _cj_sys.stderr = _CJ_STDOUT, _CJ_STDERR
+    try:
+        return run()
+    finally:
+        _cj_sys.stdout, _cj_sys.stderr = saved
+
+
 def _cj_execute(code, namespace):
     body, last = _cj_split(code)
     if body:
         try:
-            exec(compile(body, "<string>", "exec"), namespace)
+            _cj_redirected(lambda: exec(compile(body, "<string>", "exec"), namespace))
         except Exception as exc:
             raise _CjFailed(_cj_located(exc, body, 0))
     if last:
         try:
-            value = eval(compile(last, "<string>", "eval"), namespace)
+            value = _cj_redirected(lambda: eval(compile(last, "<string>", "eval"), namespace))
             if value is not None:
                 print(repr(value), file=_cj_sys.stdout)
         except Exception:
             try:  # the official wrapper runs a failing final expression again, as a statement
-                exec(compile(last, "<string>", "exec"), namespace)
+                _cj_redirected(lambda: exec(compile(last, "<string>", "exec"), namespace))
             except Exception as exc:
                 raise _CjFailed(_cj_located(exc, last, len(body.splitlines()) if body else 0))
 
 
 def _cj_main(code, time_limit):
+    global _CJ_OUT_PIPE, _CJ_ERR_PIPE, _CJ_STDOUT, _CJ_STDERR, _CJ_REAL_STDOUT
     started = _cj_time.perf_counter()
-    out = _CjStream(MAX_STREAM_CHARS, PIPE_FLUSH_BYTES, False)
-    err = _CjStream(MAX_STREAM_CHARS, PIPE_FLUSH_BYTES, True)
+    _CJ_REAL_STDOUT = _cj_sys.__stdout__
+    # python3's streams for a pipe, in the UTF-8 mode code-judge's workers run in
+    _CJ_OUT_PIPE, _CJ_STDOUT = _cj_stream(1, "surrogateescape", False)
+    _CJ_ERR_PIPE, _CJ_STDERR = _cj_stream(2, "backslashreplace", True)
 
-    def timed_out(*_):
-        out.write(TIMEOUT_LINE)
-        _cj_finish(out, err, -9, started, True)
+    def timed_out(*_):  # code-judge's alarm: print flushed, then the process group is killed
+        try:
+            print(TIMEOUT_LINE, end="", file=_cj_sys.stdout, flush=True)
+        except Exception:
+            pass
+        _cj_finish(-9, started, False)
 
     _cj_signal.signal(_cj_signal.SIGALRM, timed_out)
     _cj_signal.setitimer(_cj_signal.ITIMER_REAL, time_limit)
-    _cj_sys.stdout, _cj_sys.stderr = out, err
+    _cj_sys.stdout, _cj_sys.stderr = _CJ_STDOUT, _CJ_STDERR
+    _cj_sys.__stdout__, _cj_sys.__stderr__ = _CJ_STDOUT, _CJ_STDERR
+    _cj_sys.argv = [_cj_os.path.join(_cj_os.getcwd(), "source.py")]  # code-judge runs the file it wrote
     namespace = {"__name__": "__main__", "__file__": "<string>", "__builtins__": __builtins__}
     try:
         _cj_execute(code, namespace)
     except _CjFailed as failed:
-        print(failed.args[0], file=err)
-        _cj_finish(out, err, 1, started, False)
+        try:
+            print(failed.args[0], file=_cj_sys.stderr)
+        except Exception:
+            pass
+        _cj_finish(1, started, False)  # the wrapper's os._exit(1): unflushed output is lost
     except SystemExit as exc:  # leaves the official wrapper: the interpreter exits with its code
         status = exc.code
         if status is None:
             status = 0
         elif not isinstance(status, int):
-            print(status, file=err)
+            try:
+                print(status, file=_cj_sys.stderr)
+            except Exception:
+                pass
             status = 1
-        _cj_finish(out, err, status, started, True)
+        _cj_finish(status, started, True)
     except BaseException as exc:  # not an Exception (KeyboardInterrupt, ...): Python's own report
-        err.write("".join(_cj_traceback.format_exception(type(exc), exc, exc.__traceback__)))
-        _cj_finish(out, err, 1, started, True)
-    _cj_finish(out, err, 0, started, True)
+        try:
+            _cj_sys.stderr.write("".join(_cj_traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        except Exception:
+            pass
+        _cj_finish(1, started, True)
+    _cj_finish(0, started, True, script_ended=True)
 '''
 
 
@@ -211,8 +292,9 @@ def wrap_program(code: str, time_limit_s: float = TIME_LIMIT_S) -> str:
     then ``_cj_main(<code>, <limit>)``. Its output ends with one ``RESULT_MARK`` line."""
     if not isinstance(code, str):
         raise TypeError(f"code must be a str, got {type(code).__name__}")
-    constants = (f"MAX_STREAM_CHARS = {MAX_STREAM_CHARS}\nPIPE_FLUSH_BYTES = {PIPE_FLUSH_BYTES}\n"
-                 f"TIMEOUT_LINE = {TIMEOUT_LINE!r}\nRESULT_MARK = {RESULT_MARK!r}\n")
+    constants = (f"MAX_STREAM_CHARS = {MAX_STREAM_CHARS}\nPIPE_BUFFER_BYTES = {PIPE_BUFFER_BYTES}\n"
+                 f"TIMEOUT_LINE = {TIMEOUT_LINE!r}\nRESULT_MARK = {RESULT_MARK!r}\n"
+                 f"SCRIPT_ENDING_MARK = {SCRIPT_ENDING_MARK.encode()!r}\n")
     return f"{_PRELUDE}\n{constants}_cj_main({code!r}, {float(time_limit_s)!r})\n"
 
 
@@ -269,12 +351,15 @@ def judge_result(result: ExecResult, time_limit_s: float = TIME_LIMIT_S) -> Exec
         success = result.kind in (STDOUT, DISPLAY)
         reason = WORKER_TIMEOUT if result.kind == TIMEOUT else ""
         text = response_text(success, reason, "", "", result.duration_s)
+    elif found.get("internal_error"):  # code-judge could not read the output: its worker's error, no streams
+        success, reason = False, INTERNAL_ERROR
+        text = response_text(False, INTERNAL_ERROR, "", "", 0.0)
     else:
         success = found["status"] == 0
         reason = WORKER_TIMEOUT if not success and found["cost"] >= time_limit_s else ""
         text = response_text(success, reason, found["stdout"][:MAX_STREAM_CHARS], found["stderr"][:MAX_STREAM_CHARS],
                              found["cost"])
-    kind = STDOUT if success else (TIMEOUT if reason else ERROR)
+    kind = STDOUT if success else (TIMEOUT if reason == WORKER_TIMEOUT else ERROR)
     return ExecResult(kind, text, duration_s=result.duration_s, timings=result.timings)
 
 
@@ -302,9 +387,16 @@ def official_turn_call(text: str, time_limit_s: float = TIME_LIMIT_S):
     return official_call(bodies[0], time_limit_s) if bodies else None
 
 
+def _pydantic_input_value(value) -> str:
+    """pydantic-core's ``input_value=`` text: the repr, over 50 characters cut to its first 25
+    and last 24 around "..."."""
+    text = repr(value)
+    return text[:25] + "..." + text[-24:] if len(text) > 50 else text
+
+
 def _pydantic_string_error(value) -> str:
     return ("1 validation error for FunctionCall\nname\n  Input should be a valid string "
-            f"[type=string_type, input_value={value!r}, input_type={type(value).__name__}]\n"
+            f"[type=string_type, input_value={_pydantic_input_value(value)}, input_type={type(value).__name__}]\n"
             f"    For further information visit https://errors.pydantic.dev/{PYDANTIC_DOCS_VERSION}/v/string_type")
 
 
@@ -342,6 +434,10 @@ def official_call(body: str, time_limit_s: float = TIME_LIMIT_S):
     code, stdin = params.get("code", ""), params.get("input", "")
     if not isinstance(code, str):
         return ToolCallError(f"Error when executing tool: '{type(code).__name__}' object has no attribute 'encode'")
+    try:
+        code.encode()  # generate_tool_call_code's base64 of the code: a lone surrogate cannot be encoded
+    except UnicodeEncodeError as exc:
+        return ToolCallError(f"Error when executing tool: {exc}")
     if stdin is not None and not isinstance(stdin, str):
         return ToolCallError("Error when executing tool: run_tool_calls_on_server_async failed for 1 tool calls "
                              "after 4 attempts.")
