@@ -2,6 +2,7 @@
 tests/fixtures/rstar2_official/run_qwen3-14b_rstar2_agent_weave.sh (microsoft/rStar ecbfb94,
 examples/, verbatim) and rstar2_agent_trainer.yaml. Every override of the script that has a
 counterpart here must be what the profile runs with; the paper's values stay the default."""
+import json
 import pathlib
 import re
 import sys
@@ -60,6 +61,10 @@ def test_the_profile_runs_with_the_run_scripts_settings(tmp_path):
     assert run.loss.micro_batch_gpus == gpus and run.loss.micro_batch_rows == "configured"
     # verl's get_constant_schedule_with_warmup (rate 0 at the first rollout step)
     assert run.optim.warmup_from_zero
+    # reward/server.py scores on code-judge, under the README's MAX_EXECUTION_TIME (the fixture's)
+    cj_env = json.loads((FIXTURES / "code_judge_responses.json").read_text())["code_judge_env"]
+    assert run.reward.time_limit_s == cj_env["MAX_EXECUTION_TIME"] == 4
+    assert run.agent().verify_timeout_s == 4
     assert o["algorithm.adv_estimator"] == "grpo" and run.loss.advantage_estimator == "grpo"
     assert o[d + "roc_error_ratio"] == o[d + "roc_answer_format"] == "True" and run.rl.roc_penalty == "official_text"
     yaml = pytest.importorskip("yaml")
@@ -80,4 +85,4 @@ def test_the_paper_stays_the_default(tmp_path):
     run = parse(c)
     assert (run.rl.prompts_per_step, run.rl.tool_timeout_s, run.rl.chat_format, run.loss.token_mean,
             run.loss.micro_batch_rows, run.loss.micro_batch_tokens) == (512, 5.0, "rstar2", "batch", "kept", 0)
-    assert not run.optim.warmup_from_zero
+    assert not run.optim.warmup_from_zero and run.agent().verify_timeout_s == 30.0

@@ -67,8 +67,9 @@ PROFILES: dict[str, dict[str, object]] = {
         # what the model sees: the official template, tool name, <reason> prefill, tool turn
         "rl.chat_format": "rstar2_official", "sft.chat_format": "rstar2_official",
         "eval.chat_format": "rstar2_official",
-        # rstar2_agent/reward/compute_score.py on the whole response
-        "reward.mode": "official",
+        # rstar2_agent/reward/compute_score.py on the whole response, run by reward/server.py on
+        # code-judge (MAX_EXECUTION_TIME=4: the whole scoring program, its imports included)
+        "reward.mode": "official", "reward.time_limit_s": 4.0,
         # examples/run_qwen3-14b_rstar2_agent_weave.sh: data.train_batch_size=128 prompts a step (the
         # paper: 512); rollout.n=32 and down_sample_to_n=16 are the paper's 2G and G
         "rl.prompts_per_step": 128,
@@ -111,9 +112,14 @@ class RewardConfig:
     # model's last <answer>, verify.is_correct); "official" = the official code's compute_score
     # (PRIME grader, then math-verify) on the whole decoded response, tool outputs included
     mode: str = "answer"
+    # wall-clock limit of one rollout's scoring in the sandbox (a run past it scores 0); the
+    # official reward runs on code-judge under its 4 s limit (rstar2_official sets it)
+    time_limit_s: float = AgentConfig.verify_timeout_s
 
     def __post_init__(self):
         require(one_of("mode", self.mode, REWARD_MODES),
+                (math.isfinite(self.time_limit_s) and self.time_limit_s > 0,
+                 f"time_limit_s={self.time_limit_s} must be a finite number > 0"),
                 (self.mode != "official" or importlib.util.find_spec("pylatexenc") is not None,
                  "mode='official' needs the PRIME grader's pylatexenc: pip install pylatexenc "
                  "(or set --config.reward.mode=answer)"))
@@ -443,11 +449,11 @@ class RunConfig:
 
     def agent(self) -> AgentConfig:
         """The rollouts' budgets of an RL stage (``rl``) with the run's reward (``reward``)."""
-        return self.rl.agent(self.reward.mode)
+        return self.rl.agent(self.reward.mode, verify_timeout_s=self.reward.time_limit_s)
 
     def eval_agent(self) -> AgentConfig:
         """The evaluation's budgets (``eval``) with the run's reward."""
-        return self.rl.agent(self.reward.mode, **self.eval.budgets())
+        return self.rl.agent(self.reward.mode, verify_timeout_s=self.reward.time_limit_s, **self.eval.budgets())
 
 
 # section name -> its dataclass (a section absent from the ConfigDict keeps the defaults; sft,
