@@ -59,12 +59,15 @@ def _leaves(tree):
 
 # ============================================================================ 1. non-finite updates
 def test_a_non_finite_update_is_skipped_and_counted():
-    """A nan in the batch makes the loss nan: the jitted step keeps params and optimizer state,
-    advances the step and says so in its metrics; the next finite batch trains as usual."""
+    """A nan in the batch makes the loss nan: the jitted step keeps params and Adam's state (the
+    LR schedule's count moves on, as verl's scheduler), advances the step and says so in its
+    metrics; the next finite batch trains as usual."""
     from test_trainer import random_batch
 
+    from rstarjax.rl.optim import advance_schedule
+
     tr = _one_device_trainer(recompute_old_logprobs=False)
-    params, opt = _leaves(tr.state.params), _leaves(tr.state.opt_state)
+    params, opt = _leaves(tr.state.params), _leaves(advance_schedule(tr.state.opt_state))
     bad = random_batch()
     bad["advantages"][0, bad["loss_mask"][0] > 0] = np.nan
     m = tr.train(bad)

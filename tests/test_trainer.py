@@ -465,3 +465,68 @@ def test_a_resumed_filter_reuses_only_batches_of_the_same_policy(tmp_path):
     with pytest.raises(StageError, match="holds no finished checkpoint"):
         run(str(tmp_path / "empty"))
     assert calls == []
+
+
+def _schedule_count(tr):
+    import optax as _optax
+    return [int(s.count) for s in jax.tree.leaves(
+        tr.state.opt_state, is_leaf=lambda x: isinstance(x, _optax.ScaleByScheduleState))
+        if isinstance(s, _optax.ScaleByScheduleState)]
+
+
+def test_a_skipped_update_keeps_its_place_in_the_lr_schedule_and_an_empty_step_trains_nothing():
+    """verl steps its scheduler once a rollout step whether or not the optimizer stepped: with
+    two mini-batches, one all padding, the next step's two updates still share one rate, and a
+    non-finite update moves the schedule on too. A batch with no trained token (every group
+    rejected) is no update at all, even in one mini-batch: params, optimizer and step stay."""
+    cfg = optim_lib.OptimConfig(learning_rate=1e-3, warmup_steps=4)
+    tr = trainer_lib.Trainer(tiny_model(), cfg, LossConfig(),
+                             trainer_lib.TrainerConfig(micro_batch_size=2, mini_batches=2, recompute_old_logprobs=False),
+                             mesh=sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    half = random_batch(0)
+    half["loss_mask"][B // 2:] = 0  # the second mini-batch trains nothing
+    m = tr.train(half)
+    assert m["train/updates"] == 1 and _schedule_count(tr) == [2]
+    m = tr.train(random_batch(1))
+    assert m["train/updates"] == 2 and _schedule_count(tr) == [4]
+    assert m["train/lr"] == pytest.approx(1e-3 * 2 / 4)  # rollout step 1 of a 4-step warmup, both updates
+    bad = random_batch(2)
+    bad["advantages"][0, bad["loss_mask"][0] > 0] = np.nan
+    m = tr.train(bad)
+    assert m["train/skipped_nonfinite"] == 0.5 and _schedule_count(tr) == [6]  # 1 of its 2 updates skipped
+
+    one = trainer_lib.Trainer(tiny_model(), cfg, LossConfig(), trainer_lib.TrainerConfig(recompute_old_logprobs=False),
+                              mesh=sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    one.train(random_batch(3))
+    before = leaves(one.state.params) + leaves(one.state.opt_state)
+    empty = random_batch(4)
+    empty["loss_mask"][:] = 0
+    m = one.train(empty)
+    assert m["train/updates"] == 0 and one.step == 1
+    for a, b in zip(leaves(one.state.params) + leaves(one.state.opt_state), before):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_micro_batch_token_means_do_not_depend_on_skip_padding():
+    """loss.token_mean="micro_batch" weights each micro-batch by its own rows: the micro-batches
+    must be verl's (its real rows, in order), whether or not padding micro-batches are skipped
+    (with skip_padding off they once mixed padding and real rows: another loss)."""
+    batch = random_batch(0)
+    batch["loss_mask"][1:3] = 0
+    losses = []
+    for skip in (False, True):
+        tr = trainer_lib.Trainer(tiny_model(), optim_lib.OptimConfig(learning_rate=1e-3, warmup_steps=0),
+                                 LossConfig(token_mean="micro_batch"),
+                                 trainer_lib.TrainerConfig(micro_batch_size=2, recompute_old_logprobs=False,
+                                                           skip_padding=skip),
+                                 mesh=sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+        losses.append(tr.train({k: v.copy() for k, v in batch.items()})["train/loss"])
+    # verl's actor: the real rows in order, micro-batches of 2, each its token mean times its rows
+    model = tiny_model()
+    real = [i for i in range(B) if batch["loss_mask"][i].sum() > 0]
+    want = 0.0
+    for j in range(0, len(real), 2):
+        rows = real[j:j + 2]
+        sub = {k: v[rows] for k, v in batch.items()}
+        want += float(reference_loss(model, sub)) * len(rows) / len(real)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5) and losses[1] == pytest.approx(want, rel=1e-4)

@@ -183,3 +183,27 @@ def test_trainer_update_equals_verls_loss_on_a_model():
     assert m["train/loss"] == pytest.approx(float(want_loss), rel=1e-4, abs=1e-7)
     for got, want, g in zip(leaves(tr.state.params), leaves(want_params), leaves(grads)):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * max(1.0, np.abs(g).max()))
+
+
+def test_the_kl_penalty_is_verls_low_var_kl_with_its_cap():
+    """kl_coef's per-token KL: verl's ``kl_penalty(..., "low_var_kl")`` (core_algos.py) restated in
+    torch: the log-ratio clamped to +-20, k3 = exp(d) - d - 1 clamped to [-10, 10], and its
+    gradient (none past the cap), on tokens from near the reference to far past it."""
+    torch = pytest.importorskip("torch")
+    from rstarjax.rl.loss import kl_k3
+
+    logp = np.linspace(-30.0, -0.01, 41)
+    ref = np.full_like(logp, -1.0)
+
+    def verl_low_var_kl(lp, rf):
+        d = torch.clamp(rf - lp, min=-20, max=20)
+        return torch.clamp(torch.exp(d) - d - 1, min=-10, max=10)
+
+    tl = torch.tensor(logp, requires_grad=True)
+    want = verl_low_var_kl(tl, torch.tensor(ref))
+    want.sum().backward()
+    np.testing.assert_allclose(np.asarray(kl_k3(jnp.asarray(logp), jnp.asarray(ref))), want.detach().numpy(),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jax.grad(lambda x: jnp.sum(kl_k3(x, jnp.asarray(ref))))(jnp.asarray(logp))),
+                               tl.grad.numpy(), rtol=1e-5, atol=1e-5)
+    assert (want.detach().numpy() == 10).any() and (want.detach().numpy() < 10).any()

@@ -260,10 +260,15 @@ def behaviour_weight(proximal_logprobs: jax.Array, behaviour_logprobs: jax.Array
     return jax.lax.stop_gradient(kept), past_cap
 
 
+KL_CAP = 10.0  # verl's low_var_kl clamps each token's k3 value to [-10, 10]
+
+
 def kl_k3(logprobs: jax.Array, ref_logprobs: jax.Array) -> jax.Array:
-    """k3 estimator of KL(pi || pi_ref) per token: exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
+    """k3 estimator of KL(pi || pi_ref) per token: exp(ref - logp) - (ref - logp) - 1 (>= 0),
+    capped at ``KL_CAP`` as verl's ``low_var_kl`` (verl/trainer/ppo/core_algos.py ``kl_penalty``;
+    a capped token gives no gradient)."""
     d = jnp.clip(ref_logprobs - logprobs, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    return jnp.exp(d) - d - 1.0
+    return jnp.minimum(jnp.exp(d) - d - 1.0, KL_CAP)
 
 
 def policy_loss(

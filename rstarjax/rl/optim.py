@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -55,8 +56,9 @@ def lr_schedule(cfg: OptimConfig, updates_per_step: int = 1) -> optax.Schedule:
     per rollout step after its update (verl/utils/torch_functional.py; workers/fsdp_workers.py
     ``update_actor``): the first step's rate is 0, so its update only fills Adam's moments.
     ``updates_per_step`` is the trainer's ``mini_batches``: the updates of one rollout step share
-    its rate. The argument is optax's update count, which a skipped non-finite update does not
-    advance (verl's scheduler does): after one, the warmup runs a step behind verl's.
+    its rate. The argument is the schedule's own count of updates, which a skipped update
+    (non-finite, or an empty mini-batch of a step that trains) still advances
+    (``advance_schedule``), as verl's scheduler steps whether or not the optimizer did.
     """
     lr = cfg.learning_rate
     if cfg.warmup_steps == 0:
@@ -68,6 +70,18 @@ def lr_schedule(cfg: OptimConfig, updates_per_step: int = 1) -> optax.Schedule:
         return lr * jnp.minimum(1.0, (rollout_step + first) / cfg.warmup_steps)
 
     return schedule
+
+
+def advance_schedule(opt_state, by=1):
+    """``opt_state`` with its learning-rate schedule's count moved on by ``by`` updates and nothing
+    else (Adam's moments and bias-correction count kept): a skipped update keeps its place in
+    the schedule, as verl steps its scheduler whether or not the optimizer stepped. A state
+    without a schedule (a constant rate) is returned as it is."""
+    def bump(state):
+        if isinstance(state, optax.ScaleByScheduleState):
+            return state._replace(count=state.count + by)
+        return state
+    return jax.tree.map(bump, opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
 
 
 def cosine_with_warmup(step, total_steps: int, peak_lr: float, warmup_ratio: float = 0.04,

@@ -170,7 +170,7 @@ def guarded_update(optimizer: optax.GradientTransformation, params, opt_state, g
     """One optimizer update with its non-finite guard -> (params, opt_state, grad_norm,
     update_norm, finite). One scalar says whether the update is usable: inf or nan in the loss
     or either norm makes their sum non-finite. A non-finite update is skipped (params and
-    optimizer state, hence the LR schedule, stay as they were) but the step still counts, so
+    Adam's state stay as they were; the LR schedule moves on, as verl's) but the step still counts, so
     the host loop's clock (metrics, checkpoints, data order, RNG) runs on and it decides when
     to stop.
 
@@ -184,7 +184,8 @@ def guarded_update(optimizer: optax.GradientTransformation, params, opt_state, g
     update_norm = optax.global_norm(updates)
     finite = jnp.isfinite(loss + grad_norm + update_norm)
     params, opt_state = jax.lax.cond(
-        finite, lambda: (optax.apply_updates(params, updates), new_state), lambda: (params, opt_state))
+        finite, lambda: (optax.apply_updates(params, updates), new_state),
+        lambda: (params, optim_lib.advance_schedule(opt_state)))  # the schedule moves on regardless
     return params, opt_state, grad_norm, update_norm, finite
 
 
@@ -583,7 +584,9 @@ class Trainer:
             arrays = batch_to_dict(batch)
             if self.policy_loss is not None and loss_lib.LOSS_SCALE_KEY in self.policy_loss.keys:  # verl's micro-batches, as token weights
                 arrays[loss_lib.LOSS_SCALE_KEY] = self.verl_loss_scale(arrays, denom)
-            if self.cfg.skip_padding:
+            # real rows first in their micro-batches: the padding ones skipped, and with
+            # token_mean="micro_batch" the micro-batches verl's actor forms (its rows in order)
+            if self.cfg.skip_padding or getattr(self.loss_cfg, "token_mean", None) == "micro_batch":
                 order = self.row_order(arrays, self.cfg.mini_batches)
                 arrays = {k: np.asarray(v)[order] for k, v in arrays.items()}
             if gap_mask is not None:  # in the same row order, laid out as the loss mask
@@ -620,12 +623,15 @@ class Trainer:
         if rows % n:
             raise ValueError(f"batch of {rows} rows does not split into mini_batches={n}")
         # A mini-batch without a trained token (all rejected groups) is no update: AdamW would
-        # otherwise still move the weights (momentum, weight decay) on a zero gradient.
-        empty = np.zeros(n, bool) if n == 1 else np.asarray(jax.device_get(
-            _mini_batch_tokens(batch["loss_mask"], n))) == 0
+        # otherwise still move the weights (momentum, weight decay) on a zero gradient. Within a
+        # step that trains it keeps its place in the LR schedule (verl steps its scheduler once a
+        # rollout step); a step with nothing to train is no step (the caller skips it).
+        empty = np.asarray(jax.device_get(_mini_batch_tokens(batch["loss_mask"], n))) == 0
         per_update = []
         for i in range(n):
             if empty[i]:
+                if not empty.all():
+                    self._advance_schedule()
                 continue
             # contiguous mini-batches (verl's order); each has its own token-mean normaliser
             mini = batch
@@ -656,6 +662,13 @@ class Trainer:
         counts = optax.tree_utils.tree_get_all_with_path(self.state.opt_state, "count")
         count = max(int(jax.device_get(c)) for _, c in counts) if counts else self.step
         return float(self._schedule(max(count - 1, 0)))
+
+    def _advance_schedule(self) -> None:
+        """The LR schedule's count one update on (``optim.advance_schedule``), nothing else."""
+        with jax.set_mesh(self.mesh):
+            opt_state = jax.jit(optim_lib.advance_schedule, out_shardings=self.state_sharding.opt_state)(
+                self.state.opt_state)
+        self.state = TrainState(self.state.params, opt_state, self.state.step)
 
     def reset_optimizer(self) -> None:
         """Fresh optimizer state (rStar2-Agent §4.3, stage 3); the step counter is kept."""
