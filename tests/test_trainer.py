@@ -530,3 +530,30 @@ def test_micro_batch_token_means_do_not_depend_on_skip_padding():
         sub = {k: v[rows] for k, v in batch.items()}
         want += float(reference_loss(model, sub)) * len(rows) / len(real)
     assert losses[0] == pytest.approx(losses[1], rel=1e-5) and losses[1] == pytest.approx(want, rel=1e-4)
+
+
+def test_gspo_updates_average_sequences_whatever_the_micro_batches():
+    """GSPO's objective is a token mean per sequence, then a mean over the batch's trained
+    sequences: the trainer's default normaliser counts them, so micro-batches of 1, 2 or 8 rows
+    give the loss of one policy_loss call over the whole batch with that count."""
+    from rstarjax.rl.loss import policy_loss, trained_sequences
+
+    batch = random_batch(3)
+    batch["loss_mask"][5] = 0  # a rejected row: not a sequence of the mean
+    cfg = LossConfig(policy_loss="gspo")
+    losses = []
+    for micro in (1, 2, 8):
+        tr = trainer_lib.Trainer(tiny_model(), optim_lib.OptimConfig(learning_rate=1e-3, warmup_steps=0), cfg,
+                                 trainer_lib.TrainerConfig(micro_batch_size=micro, recompute_old_logprobs=False),
+                                 mesh=sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+        losses.append(tr.train({k: v.copy() for k, v in batch.items()})["train/loss"])
+    model = tiny_model()
+    logits = model(jnp.asarray(batch["tokens"]), positions=jnp.asarray(batch["positions"]),
+                   segment_ids=jnp.asarray(batch["segment_ids"]))
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1], -1), jnp.asarray(batch["tokens"])[:, 1:, None], -1)[..., 0]
+    cut = {k: jnp.asarray(v)[:, 1:] for k, v in batch.items()}
+    sequences = trained_sequences(cut["loss_mask"], cut["segment_ids"])
+    assert float(sequences) == B - 1
+    want, _ = policy_loss(logp, cut["old_logprobs"], cut["advantages"], cut["loss_mask"], sequences, cfg,
+                          segment_ids=cut["segment_ids"])
+    np.testing.assert_allclose(losses, [float(want)] * 3, rtol=1e-5, atol=1e-7)

@@ -104,6 +104,9 @@ class LossConfig:
             (self.token_mean == "batch" or self.advantage_estimator != "dr_grpo",
              "token_mean='micro_batch' replaces eq. 6's normaliser, which dr_grpo fixes to a constant: "
              "use one of them"),
+            (self.policy_loss != "gspo" or self.token_mean == "batch",
+             "policy_loss='gspo' averages each sequence's tokens, then the sequences (GSPO's own "
+             "objective; verl's seq-mean-token-mean): token_mean does not apply, leave it 'batch'"),
         )
 
 
@@ -183,19 +186,30 @@ def dr_grpo_denominator(num_sequences: int, max_response_len: int) -> float:
     return float(num_sequences * max_response_len)
 
 
-def sequence_mean(values: jax.Array, mask: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-    """Masked mean of ``values`` over each sequence, broadcast back to [B, L].
-
-    A sequence is a row (``segment_ids`` None) or a (row, segment id) pair in packed rows.
-    """
-    b, l = values.shape
+def _sequence_keys(shape, segment_ids: jax.Array | None) -> tuple[jax.Array, int]:
+    """One id per sequence for every token (flattened), and how many ids there can be. A sequence
+    is a row (``segment_ids`` None) or a (row, segment id) pair in packed rows."""
+    b, l = shape
     seg = jnp.ones((b, l), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    key = (jnp.arange(b, dtype=jnp.int32)[:, None] * (l + 1) + seg).reshape(-1)
-    n = b * (l + 1)
-    sums = jax.ops.segment_sum((values * mask).reshape(-1), key, num_segments=n)
-    counts = jax.ops.segment_sum(mask.reshape(-1), key, num_segments=n)
-    means = sums / jnp.maximum(counts, 1.0)
-    return means[key].reshape(b, l)
+    return (jnp.arange(b, dtype=jnp.int32)[:, None] * (l + 1) + seg).reshape(-1), b * (l + 1)
+
+
+def sequence_sum(values: jax.Array, mask: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """Masked sum of ``values`` over each sequence, broadcast back to [B, L]."""
+    key, n = _sequence_keys(values.shape, segment_ids)
+    return jax.ops.segment_sum((values * mask).reshape(-1), key, num_segments=n)[key].reshape(values.shape)
+
+
+def sequence_mean(values: jax.Array, mask: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """Masked mean of ``values`` over each sequence, broadcast back to [B, L]."""
+    return sequence_sum(values, mask, segment_ids) / jnp.maximum(sequence_sum(jnp.ones_like(mask), mask, segment_ids), 1.0)
+
+
+def trained_sequences(mask: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """How many sequences of a batch train at least one token (GSPO's normaliser)."""
+    key, n = _sequence_keys(mask.shape, segment_ids)
+    counts = jax.ops.segment_sum(mask.astype(jnp.float32).reshape(-1), key, num_segments=n)
+    return jnp.sum((counts > 0).astype(jnp.float32))
 
 
 def ppo_clip_ratio(log_ratio: jax.Array, logprobs: jax.Array, mask: jax.Array, segment_ids, cfg: LossConfig):
@@ -311,6 +325,12 @@ def policy_loss(
 
         def total(x):  # verl's micro-batch token means, token by token
             return jnp.sum(token_weight * x)
+    elif cfg.policy_loss == "gspo":  # GSPO's objective: a token mean per sequence, over ``denom`` sequences
+        token_weight = mask / jnp.maximum(sequence_sum(jnp.ones_like(mask), mask, segment_ids), 1.0)
+        inv_denom = 1.0 / jnp.maximum(jnp.asarray(denom, f32), 1.0)
+
+        def total(x):
+            return jnp.sum(token_weight * x) * inv_denom
     else:
         if cfg.token_mean == "micro_batch":
             inv_denom = micro_batch_token_mean_scale(mask, denom)
@@ -381,8 +401,8 @@ class MicroLoss:
     fn: Callable[[jax.Array, jax.Array | None, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, dict]]
     keys: tuple[str, ...]
     with_entropy: bool = True
-    # what the trainer's default ``denom`` counts: the batch's trained "tokens" (eq. 6) or its
-    # trained "rows" (loss.token_mean="micro_batch")
+    # what the trainer's default ``denom`` counts: the batch's trained "tokens" (eq. 6), its
+    # trained "rows" (loss.token_mean="micro_batch") or its trained "sequences" (GSPO)
     normaliser: str = "tokens"
 
 
@@ -396,7 +416,8 @@ def policy_micro_loss(cfg: LossConfig) -> MicroLoss:
                            entropy=entropy, segment_ids=micro["segment_ids"], loss_scale=micro.get(LOSS_SCALE_KEY))
 
     keys = BATCH_KEYS + ((REF_KEY,) if cfg.kl_coef > 0 else ()) + ((LOSS_SCALE_KEY,) if cfg.micro_batch_tokens > 0 else ())
-    return MicroLoss(fn, keys, normaliser="rows" if cfg.token_mean == "micro_batch" else "tokens")
+    normaliser = "rows" if cfg.token_mean == "micro_batch" else "sequences" if cfg.policy_loss == "gspo" else "tokens"
+    return MicroLoss(fn, keys, normaliser=normaliser)
 
 
 def masked_nll(logprobs, entropy, micro, denom):

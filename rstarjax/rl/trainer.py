@@ -274,6 +274,8 @@ def make_train_step(graphdef, rest, optimizer: optax.GradientTransformation, mic
         batch = {k: batch[k] for k in micro_loss.keys}
         if micro_loss.normaliser == "rows":  # loss.token_mean="micro_batch": the batch's trained rows
             default = jnp.sum(jnp.any(batch["loss_mask"] > 0, axis=1).astype(jnp.float32))
+        elif micro_loss.normaliser == "sequences":  # GSPO: the batch's trained sequences
+            default = loss_lib.trained_sequences(batch["loss_mask"], batch["segment_ids"])
         else:  # eq. 6: the batch's trained tokens
             default = jnp.sum(batch["loss_mask"])
         denom = jnp.where(denom > 0, denom, jnp.maximum(default, 1.0))
