@@ -271,6 +271,43 @@ def test_the_stage_trains_rounds_within_k_and_resumes_without_training_a_prompt_
     assert np.isfinite([m["train/loss"] for m in logged]).all()
 
 
+def test_prompts_in_flight_at_an_async_checkpoint_start_first_when_resumed_synchronously(tmp_path, monkeypatch):
+    """A checkpoint of asynchronous rollouts keeps the prompts of the round in flight; resumed
+    with rl.max_staleness=0 the synchronous steps start them first (they were once dropped
+    without a word, and later prompts trained in their place), and none trained twice."""
+    import jax
+
+    from rstarjax.io.checkpoint import read_checkpoint_meta
+    from rstarjax.models import sharding as sharding_lib
+    from rstarjax.recipes import build
+    from rstarjax.recipes.config import parse
+    from rstarjax.recipes.rl import run_rl
+
+    from test_checkpoint import write_data
+
+    monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    workdir = str(tmp_path)
+    write_data(workdir, n=40)
+    ref = []
+    _trainer_spy(monkeypatch, ref)
+    first = StagedRollouts(ref, fail_at=3)
+    with pytest.raises(RuntimeError, match="the rollout thread failed: OSError"):
+        run_rl(parse(_async_config(workdir, 6)), workdir, rollout_fn=first)
+    step, meta = read_checkpoint_meta(os.path.join(workdir, "checkpoints"))
+    pending = [r["problem"] for r in meta["in_flight_records"]]
+    assert step == 3 and pending
+    trained_a = {p for problems, _ in first.rounds[:3] for p in problems}
+
+    second = StagedRollouts(ref)
+    c = _async_config(workdir, 6)
+    c.rl.max_staleness = 0
+    trainer = run_rl(parse(c), workdir, rollout_fn=second)
+    assert trainer.step == 6
+    assert second.rounds[0][0] == pending
+    later = [p for problems, _ in second.rounds for p in problems]
+    assert not set(later) & trained_a and len(later) == len(set(later))
+
+
 class StagedPausingRollouts(StagedRollouts):
     """``StagedRollouts`` whose rounds are partial ones (``test_partial_rollouts.PausingRollouts``);
     logs each round's new prompts and version, and its finished (problem, sample) pairs."""

@@ -67,3 +67,43 @@ def test_each_rollout_process_gets_its_share_and_group_ids_come_back_in_round_po
     asked = {p: inboxes[p].receive(1, "a request")[1] for p in (1, 2)}
     assert asked[1]["records"] == records[:1] and asked[1]["group_ids"] == [10] and asked[1]["carried"] == []
     assert asked[2]["records"] == records[1:2] and asked[2]["group_ids"] == [11] and asked[2]["carried"] == [3]
+
+
+def test_a_rollout_process_stopped_by_a_signal_or_failing_to_start_tells_its_trainer_at_once(monkeypatch):
+    """A rollout process that stops on a signal mid-round (``recipes.rollout_process`` turns
+    SIGTERM / SIGINT into ``RolloutProcessStopped``) answers the round with one line and ends its
+    heartbeat as FAILED, so the trainer raises at once (it once waited the whole round bound,
+    hours by default, as for a deliberate stop); one that fails before its first message says
+    why, where the trainer waits on its start (it once waited 900 s in silence)."""
+    import signal
+    import threading
+
+    import jax
+
+    client = FakeClient()
+    monkeypatch.setattr(mailbox, "service_client", lambda: client)
+    rollouts = remote.RemoteRollouts(wait_s=20, silence_s=600)  # the bounds are not what ends the waits
+    monkeypatch.setattr(jax, "process_index", lambda: 1)  # the serving thread is rollout process 1
+
+    def serve(engine_rollouts, wait_s, requests, replies, trainer_beats=None):
+        requests.receive(wait_s, "the first round")
+        raise remote.RolloutProcessStopped(signal.SIGTERM)
+
+    monkeypatch.setattr(remote, "_serve", serve)
+    failed = []
+    thread = threading.Thread(target=lambda: failed.append(pytest.raises(remote.RolloutProcessStopped,
+                                                                         remote.serve_remote, None, 600)))
+    thread.start()
+    with pytest.raises(mailbox.RolloutsFailed, match="rollout process 1 failed a round:\nrollout process 1 stopped on SIGTERM"):
+        rollouts([{"problem": "p"}], 2, 0, 1)
+    thread.join(10)
+    assert failed and client.store[mailbox.keys_of(1)[2]] == mailbox.FAILED
+    assert "stopped on an error or a signal" in rollouts.peers[0].beats.silent("the next round")
+
+    client = FakeClient()
+    monkeypatch.setattr(mailbox, "service_client", lambda: client)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)  # the trainer again
+    starting = remote.RemoteRollouts(wait_s=20, hello_wait_s=20, silence_s=600)
+    remote.report_failure(mailbox.Mailbox(mailbox.keys_of(1)[1], client), RuntimeError("the code pool did not start"))
+    with pytest.raises(mailbox.RolloutsFailed, match="rollout process 1 failed to start:\n(.|\n)*the code pool did not start"):
+        starting.layout

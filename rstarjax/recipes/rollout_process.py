@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
+import threading
 
 import jax
 
 from rstarjax import processes
 from rstarjax.layout import layout_of
 from rstarjax.models.sharding import make_mesh
-from rstarjax.recipes import build
+from rstarjax.recipes import build, preemption
 from rstarjax.recipes.config import RunConfig
-from rstarjax.rl.remote import serve_remote
+from rstarjax.rl.mailbox import Mailbox, keys_of
+from rstarjax.rl.remote import RolloutProcessStopped, report_failure, serve_remote
 
 log = logging.getLogger(__name__)
 
@@ -29,16 +32,42 @@ def is_rollout_process(run: RunConfig) -> bool:
 
 
 def serve_rollouts(run: RunConfig) -> int:
-    """Serve rounds of rollouts to the trainer process until it stops; the rounds served."""
-    tokenizer = build.tokenizer(run.model)
-    mesh = make_mesh(1, -1, 1, devices=jax.local_devices())
-    # the engine's structure: the plain base model (a LoRA policy's adapters arrive merged in the
-    # serving copy), its weights replaced by the trainer process's before the first round
-    model = build.policy(dataclasses.replace(run.model, lora_rank=0), mesh, run.seed, read_weights=False)
-    executor = build.executor(run.rl.num_tool_workers, run.env.allow_unconfined)
+    """Serve rounds of rollouts to the trainer process until it stops; the rounds served. A
+    failure before the first round (the model, the engine, the code pool) is told to the trainer
+    process, which waits on this one's start; SIGTERM / SIGINT stop it (jax.distributed's own
+    handler would let SIGTERM pass unseen) and are told to the trainer process too, which saves
+    its last finished step and stops."""
+    replies = Mailbox(keys_of(jax.process_index())[1])
+    restore = _stop_on_signals()
     try:
-        rollouts = build.rollouts(model, tokenizer, executor, run.agent(), run.rl.sampling(), run.rl.max_prompt_len,
-                                  run.rl.chat_format, run.serving)
+        try:
+            return _serve_rollouts(run, replies)
+        except RolloutProcessStopped as stop:
+            raise preemption.Interrupted(stop.signum, 0, True, False,
+                                         done="a rollout process keeps nothing; its training process saves "
+                                              "the run's last finished step") from None
+    finally:
+        restore()
+
+
+def _serve_rollouts(run: RunConfig, replies: Mailbox) -> int:
+    try:
+        tokenizer = build.tokenizer(run.model)
+        mesh = make_mesh(1, -1, 1, devices=jax.local_devices())
+        # the engine's structure: the plain base model (a LoRA policy's adapters arrive merged in
+        # the serving copy), its weights replaced by the trainer process's before the first round
+        model = build.policy(dataclasses.replace(run.model, lora_rank=0), mesh, run.seed, read_weights=False)
+        executor = build.executor(run.rl.num_tool_workers, run.env.allow_unconfined)
+    except BaseException as exc:  # the trainer process waits on this one's start: tell it why not
+        report_failure(replies, exc)
+        raise
+    try:
+        try:
+            rollouts = build.rollouts(model, tokenizer, executor, run.agent(), run.rl.sampling(),
+                                      run.rl.max_prompt_len, run.rl.chat_format, run.serving)
+        except BaseException as exc:
+            report_failure(replies, exc)
+            raise
         del model
         # between two requests come an update, a checkpoint, maybe an evaluation
         rounds = serve_remote(rollouts, wait_s=2 * run.rl.rollout_timeout_s + 3600,
@@ -48,3 +77,15 @@ def serve_rollouts(run: RunConfig) -> int:
         return rounds
     finally:
         executor.close()
+
+
+def _stop_on_signals():
+    """SIGTERM and SIGINT raise ``RolloutProcessStopped`` in the main thread; returns the undo
+    (a handler installed outside Python, which signal.signal reports as None, stays replaced)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def stop(signum, frame):
+        raise RolloutProcessStopped(signum)
+    before = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    return lambda: [signal.signal(s, h) for s, h in before.items() if h is not None]

@@ -89,7 +89,14 @@ def make_source(run: RunConfig, rollout_fn, on_update: Callable | None, data_ite
             log.info("resumed with %d prompts whose rollouts were in flight at step %d: they start again "
                      "from their prompts (their unfinished rollouts were never trained)", len(restart), step)
     else:
-        partial, source = None, SynchronousSource(guarded(rollout_fn), data_iter, on_update)
+        # prompts in flight at a checkpoint of asynchronous or partial rollouts, resumed without
+        # them (or with rl.max_staleness, whose thread takes them): the synchronous steps start them first
+        resumed = [] if rl.max_staleness else list(restart)
+        partial, source = None, SynchronousSource(guarded(rollout_fn), data_iter, on_update, resumed,
+                                                  keeps_in_flight=processes.any_process(bool(resumed)))
+        if resumed:
+            log.info("resumed with %d prompts whose rollouts were in flight at step %d: the next steps "
+                     "start them first (their unfinished rollouts were never trained)", len(resumed), step)
     if not asynchronous:
         return source
     thread = start_async_rollouts(run, rollout_fn, data_iter, base_key, step, restart, partial)

@@ -31,6 +31,7 @@ REQUESTS = "rstarjax/rollout_process/requests"  # trainer -> rollout process (th
 REPLIES = "rstarjax/rollout_process/replies"  # rollout process -> trainer (then "/PROCESS")
 ALIVE = "rstarjax/rollout_process/alive"  # a process's heartbeat: a counter (then "/PROCESS")
 DONE = "done"  # a heartbeat key's value once its process stopped beating on purpose
+FAILED = "failed"  # ... once its process stopped on an error or a signal (its watchers need not wait)
 CHUNK_BYTES = 4 << 20  # one key's value at most
 HEARTBEAT_S = 2.0  # how often the rollout process beats
 POLL_S = 5.0  # how long the trainer waits for a message between two looks at the heartbeat
@@ -131,6 +132,9 @@ class Heartbeats:
         now = self.clock()
         if (beat is None and self.last is None) or beat == DONE:
             return ""  # not started yet (the start has its own bound: ``hello_wait_s``), or done
+        if beat == FAILED:
+            return (f"the {self.role} (process {self.process}) stopped on an error or a signal before the "
+                    f"{self.watcher} came to {what} (see its log)")
         if beat != self.last:
             self.last, self.seen_at = beat, now
         elif now - self.seen_at > self.silence_s:
@@ -139,10 +143,12 @@ class Heartbeats:
         return ""
 
 
-def beat(stop: threading.Event, client=None, every_s: float = HEARTBEAT_S, process: int = 1) -> threading.Thread:
+def beat(stop: threading.Event, client=None, every_s: float = HEARTBEAT_S, process: int = 1,
+         failed: threading.Event | None = None) -> threading.Thread:
     """Process ``process``'s heartbeat: a daemon thread that bumps its key (``keys_of``) every
     ``every_s`` until ``stop`` is set, then writes ``DONE`` there (a process that ends its part
-    normally is not mistaken for a dead one)."""
+    normally is not mistaken for a dead one), or ``FAILED`` when ``failed`` is set by then (its
+    watchers know at once, not after ``silence_s``)."""
     client = client if client is not None else service_client()
     key = keys_of(process)[2]
 
@@ -152,7 +158,7 @@ def beat(stop: threading.Event, client=None, every_s: float = HEARTBEAT_S, proce
             count += 1
             client.key_value_set(key, str(count), allow_overwrite=True)
             stop.wait(every_s)
-        client.key_value_set(key, DONE, allow_overwrite=True)
+        client.key_value_set(key, FAILED if failed is not None and failed.is_set() else DONE, allow_overwrite=True)
     thread = threading.Thread(target=run, name=f"heartbeat-{process}", daemon=True)
     thread.start()
     return thread

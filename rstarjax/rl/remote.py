@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 import threading
 import traceback
 
@@ -47,8 +48,8 @@ from jax.sharding import Mesh
 from rstarjax.models.sharding import describe_mesh, mesh_from_description
 from rstarjax.rl import mailbox
 from rstarjax.rl.agent_loop import RolloutRound
-from rstarjax.rl.mailbox import (Heartbeats, Mailbox, RolloutProcessDied, TrainerProcessDied, beat, exit_on_death,
-                                 keys_of, wait_until_gone, watch)
+from rstarjax.rl.mailbox import (HEARTBEAT_S, Heartbeats, Mailbox, RolloutProcessDied, TrainerProcessDied, beat,
+                                 exit_on_death, keys_of, wait_until_gone, watch)
 from rstarjax.rl.trajectory import RolloutsFailed
 from rstarjax.serving.handoff import copy_to_receiver, mesh_of, pair_mesh, specs_of, stage_in_layout
 from rstarjax.validation import ConfigError
@@ -283,20 +284,46 @@ def serve_remote(rollouts, wait_s: float, trainer: int = 0, silence_s: float | N
     wait also ends (``TrainerProcessDied``) once the trainer's heartbeat has stopped that long."""
     me = jax.process_index()
     requests, replies = (Mailbox(key) for key in keys_of(me)[:2])
-    stop = threading.Event()
-    beat(stop, requests.client, process=me)
+    stop, failed = threading.Event(), threading.Event()
+    heart = beat(stop, requests.client, process=me, failed=failed)
     trainer_beats = None if silence_s is None else Heartbeats(
         silence_s, requests.client, process=trainer, role="training process", watcher="rollout process",
         error=TrainerProcessDied)
     try:
         return _serve(rollouts, wait_s, requests, replies, trainer_beats)
+    except BaseException as exc:  # a signal (KeyboardInterrupt, Interrupted) too: the trainer hears at once
+        failed.set()
+        if not isinstance(exc, TrainerProcessDied):
+            report_failure(replies, exc)
+        raise
     finally:
         stop.set()
+        heart.join(timeout=2 * HEARTBEAT_S)  # its last write (DONE or FAILED) before the process ends
+
+
+class RolloutProcessStopped(Exception):
+    """A rollout process stopped by a signal (``recipes.rollout_process`` raises it from its
+    handler; ``serve_remote`` tells the trainer process in one line)."""
+
+    def __init__(self, signum: int):
+        self.signum = int(signum)
+        super().__init__(f"rollout process {jax.process_index()} stopped on {signal.Signals(self.signum).name}")
+
+
+def report_failure(replies: Mailbox, exc: BaseException) -> None:
+    """Tell the trainer process why this rollout process stops (an ``error`` reply, which its
+    next wait on this process raises): the message of a stop it was meant to give, else the
+    traceback. Never raises (the service may be gone already)."""
+    said = str(exc) if isinstance(exc, (ConfigError, RolloutProcessStopped)) \
+        else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        replies.send("error", said or type(exc).__name__)
+    except Exception:  # noqa: BLE001
+        log.warning("could not tell the trainer process why this rollout process stops", exc_info=True)
 
 
 def _serve(rollouts, wait_s: float, requests: Mailbox, replies: Mailbox, trainer_beats=None) -> int:
     if len(rollouts.engines) != 1:
-        replies.send("error", f"a rollout process serves one slice, this one has {len(rollouts.engines)}")
         raise ConfigError(f"a rollout process serves one slice over its devices, not {len(rollouts.engines)}: "
                           "set serving.tensor_parallel to 0 or to its device count")
     engine = rollouts.engines[0]
@@ -313,11 +340,7 @@ def _serve(rollouts, wait_s: float, requests: Mailbox, replies: Mailbox, trainer
         if kind == "weights":  # between rounds: the next one samples the new policy
             engine.serve(copy_to_receiver(engine.params, pair_mesh(mesh_from_description(payload), slice_mesh)))
             continue
-        try:
-            out = rollouts(*payload) if kind == "rollout" else paused.round(rollouts, **payload)
-        except Exception:  # the trainer raises it; this process stops too
-            replies.send("error", traceback.format_exc())
-            raise
+        out = rollouts(*payload) if kind == "rollout" else paused.round(rollouts, **payload)  # a failure: serve_remote
         replies.send("round", out)
         rounds += 1
 

@@ -12,15 +12,25 @@ from rstarjax.rl.sources.base import StepRound
 @dataclasses.dataclass
 class SynchronousSource:
     """``rollouts``: the rollout function (``trajectory.RolloutFn``); ``data``: the stage's prompt
-    iterator (``next``, ``get_state``); ``on_update(trainer)``: installs new weights in the engines
-    (None: a rollout function that needs none, e.g. a scripted one)."""
+    iterator (``next``, ``get_state``; ``take`` and ``batch_size`` with ``restart``);
+    ``on_update(trainer)``: installs new weights in the engines (None: a rollout function that
+    needs none, e.g. a scripted one). ``restart``: the prompts in flight at the checkpoint resumed
+    (one of asynchronous or partial rollouts, resumed without them): the first steps take them
+    before new ones, and until they are all taken a checkpoint keeps the rest
+    (``keeps_in_flight``, the same on every training process)."""
 
     rollouts: Callable
     data: object
     on_update: Callable | None = None
-    keeps_in_flight = False
+    restart: list = dataclasses.field(default_factory=list)
+    keeps_in_flight: bool = False
 
     def next_round(self) -> StepRound | None:
+        if self.restart:
+            size = getattr(self.data, "batch_size", None) or len(self.restart)
+            records, self.restart = self.restart[:size], self.restart[size:]
+            records += self.data.take(size - len(records))
+            return StepRound(records, self.rollouts, more_records=lambda: next(self.data))
         try:
             records = next(self.data)
         except StopIteration:  # finite data (data.num_epochs) is used up
@@ -38,7 +48,7 @@ class SynchronousSource:
             self.on_update(trainer)
 
     def snapshot(self) -> tuple[object, list]:
-        return self.data.get_state(), []
+        return self.data.get_state(), list(self.restart)
 
     def close(self) -> None:
         pass
