@@ -482,3 +482,53 @@ def test_config_refuses_staleness_without_a_correction_or_with_released_memory(t
 
 if __name__ == "__main__":
     two_process_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+
+
+def test_rollouts_that_fail_because_the_stop_reached_them_first_end_as_the_stop(tmp_path, monkeypatch):
+    """Ctrl-C reaches every process of a run: a rollout process stops its round at once and the
+    trainer's wait on it fails. With the trainer's own stop pending, that is the stop (the last
+    finished step saved, exit 128 + signal), not an infrastructure failure (exit 1); without one,
+    it is the failure."""
+    import signal
+
+    import jax
+
+    from rstarjax.io.checkpoint import read_checkpoint_meta
+    from rstarjax.models import sharding as sharding_lib
+    from rstarjax.recipes import build, preemption
+    from rstarjax.recipes.config import parse
+    from rstarjax.recipes.rl import run_rl
+    from rstarjax.rl.trajectory import RolloutsFailed
+
+    from test_checkpoint import fake_rollout_fn, in_process_config, write_data
+
+    monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    guards = []
+    init = preemption.SignalGuard.__init__
+
+    def spy(self, *a, **kw):
+        init(self, *a, **kw)
+        guards.append(self)
+
+    monkeypatch.setattr(preemption.SignalGuard, "__init__", spy)
+    for pending, dirname in ((True, "stopped"), (False, "failed")):
+        workdir = str(tmp_path / dirname)
+        write_data(workdir, n=40)
+        calls = []
+
+        def rollouts(records, n, seed, version):
+            calls.append(version)
+            if len(calls) == 3:  # step 3's round: the rollout processes stopped on the signal first
+                if pending:
+                    guards[-1].request = preemption.StopRequest(signal.SIGINT, 0.0)
+                raise RolloutsFailed("rollout process 1 failed a round:\nrollout process 1 stopped on SIGINT")
+            return fake_rollout_fn(records, n, seed, version)
+
+        if pending:
+            with pytest.raises(preemption.Interrupted, match="stopped on SIGINT: step 2 is saved") as stop:
+                run_rl(parse(in_process_config(workdir, 6)), workdir, rollout_fn=rollouts)
+            assert stop.value.exit_status == 128 + signal.SIGINT
+        else:
+            with pytest.raises(RolloutsFailed, match="stopped on SIGINT"):
+                run_rl(parse(in_process_config(workdir, 6)), workdir, rollout_fn=rollouts)
+        assert read_checkpoint_meta(os.path.join(workdir, "checkpoints"))[0] == 2

@@ -392,6 +392,13 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
             except preemption.StepAbandoned:  # the train state is still that of the last finished step
                 stop_signal = guard.request.signum
                 break
+            except RolloutsFailed:
+                if guard.request is None:
+                    raise
+                # the stop this process was told of also reached its rollout processes, which
+                # stopped the round first (Ctrl-C reaches every process of a run): a stop, not a failure
+                stop_signal = guard.request.signum
+                break
             attempts += 1
             metrics = source.settle(metrics, trainer.step, updated=trainer.step > step)
             if metrics is None:  # the round trained nothing yet: its work counts in the step that does
