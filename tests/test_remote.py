@@ -85,7 +85,7 @@ def test_a_rollout_process_stopped_by_a_signal_or_failing_to_start_tells_its_tra
     rollouts = remote.RemoteRollouts(wait_s=20, silence_s=600)  # the bounds are not what ends the waits
     monkeypatch.setattr(jax, "process_index", lambda: 1)  # the serving thread is rollout process 1
 
-    def serve(engine_rollouts, wait_s, requests, replies, trainer_beats=None):
+    def serve(engine_rollouts, wait_s, requests, replies, *rest):
         requests.receive(wait_s, "the first round")
         raise remote.RolloutProcessStopped(signal.SIGTERM)
 
@@ -107,3 +107,37 @@ def test_a_rollout_process_stopped_by_a_signal_or_failing_to_start_tells_its_tra
     remote.report_failure(mailbox.Mailbox(mailbox.keys_of(1)[1], client), RuntimeError("the code pool did not start"))
     with pytest.raises(mailbox.RolloutsFailed, match="rollout process 1 failed to start:\n(.|\n)*the code pool did not start"):
         starting.layout
+
+
+def test_a_rollout_process_started_with_other_settings_or_model_is_refused(monkeypatch):
+    """The trainer trains on the rollout processes' log-probs and rewards: one started with
+    another temperature or budget is refused at its first message, naming the setting (it once
+    trained on with the log-prob gap alarm ringing), and one serving a model of another shape at
+    the first hand-off (once a pytree traceback, or gloo aborting both processes)."""
+    import types
+
+    from flax import nnx
+
+    from rstarjax.validation import ConfigError
+
+    client = FakeClient()
+    monkeypatch.setattr(mailbox, "service_client", lambda: client)
+    here = {"sampling": {"temperature": 0.6, "top_p": 1.0}, "agent": {"max_turns": 10}, "chat_format": "rstar2"}
+    there = {"sampling": {"temperature": 1.0, "top_p": 1.0}, "agent": {"max_turns": 10}, "chat_format": "rstar2"}
+    rollouts = remote.RemoteRollouts(wait_s=20, hello_wait_s=20, silence_s=600, settings=here)
+    hello = {"specs": {}, "dtype": "bfloat16", "untie_head": False, "serving_dtype": "bfloat16",
+             "mesh": {"shape": {}}, "settings": there, "architecture": {"num_hidden_layers": 4, "hidden_size": 64}}
+    mailbox.Mailbox(mailbox.keys_of(1)[1], client).send("hello", hello)
+    with pytest.raises(ConfigError, match=r"rollout process 1 was started with other settings .*"
+                                          r"sampling.temperature: 0.6 / 1.0: here / there"):
+        rollouts.layout
+
+    same = remote.RemoteRollouts(wait_s=20, hello_wait_s=20, silence_s=600, settings=there)
+    same.peers[0].layout = hello
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.config = types.SimpleNamespace(num_hidden_layers=2, hidden_size=64)
+
+    with pytest.raises(ConfigError, match=r"another model .*model.num_hidden_layers: 2 / 4"):
+        same.stage_params(Model())

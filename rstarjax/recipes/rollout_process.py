@@ -20,7 +20,7 @@ from rstarjax.models.sharding import make_mesh
 from rstarjax.recipes import build, preemption
 from rstarjax.recipes.config import RunConfig
 from rstarjax.rl.mailbox import Mailbox, keys_of
-from rstarjax.rl.remote import RolloutProcessStopped, report_failure, serve_remote
+from rstarjax.rl.remote import RolloutProcessStopped, architecture_of, report_failure, serve_remote
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +68,25 @@ def _serve_rollouts(run: RunConfig, replies: Mailbox) -> int:
         except BaseException as exc:
             report_failure(replies, exc)
             raise
+        architecture = architecture_of(model)
         del model
         # between two requests come an update, a checkpoint, maybe an evaluation
         rounds = serve_remote(rollouts, wait_s=2 * run.rl.rollout_timeout_s + 3600,
                               trainer=processes.trainer_of(jax.process_index(), run.serving.trainer_processes),
-                              silence_s=run.distributed.silence_s)
+                              silence_s=run.distributed.silence_s, settings=rollout_settings(run),
+                              architecture=architecture)
         log.info("rollout process: served %d rounds", rounds)
         return rounds
     finally:
         executor.close()
+
+
+def rollout_settings(run: RunConfig) -> dict:
+    """What a rollout process runs its rollouts with, which its training process must share (it
+    trains on their log-probs and rewards): sampling, the episode's budgets and reward, the
+    prompt's length and template. Compared at the first message (``rl.remote.RemoteRollouts``)."""
+    return {"sampling": dataclasses.asdict(run.rl.sampling()), "agent": dataclasses.asdict(run.agent()),
+            "max_prompt_len": run.rl.max_prompt_len, "chat_format": run.rl.chat_format}
 
 
 def _stop_on_signals():

@@ -25,7 +25,7 @@ from rstarjax import processes
 from rstarjax.layout import Layout, layout_of
 from rstarjax.recipes import preemption
 from rstarjax.recipes.config import RunConfig
-from rstarjax.recipes.rollout_process import serve_rollouts
+from rstarjax.recipes.rollout_process import rollout_settings, serve_rollouts
 from rstarjax.rl.remote import RemoteRollouts
 from rstarjax.rl.partial import PartialRollouts
 from rstarjax.rl.sources.asynchronous import AsyncSource
@@ -116,7 +116,8 @@ def with_transport(run: RunConfig, rollout_fn, on_update: Callable | None, train
     if layout.kind is not Layout.ROLLOUT_PROCESSES or rollout_fn is not None:
         return train(rollout_fn, on_update)
     remote = RemoteRollouts(wait_s=round_wait_s(run), silence_s=run.distributed.silence_s,
-                            processes=layout.rollout_processes(), trainers=layout.trainers)
+                            processes=layout.rollout_processes(), trainers=layout.trainers,
+                            settings=rollout_settings(run))
     try:  # its rollout processes stop with this one, whatever ends it
         with processes.training_processes(layout.trainers):
             return train(remote, lambda tr: remote.update_params(tr.served_model()))

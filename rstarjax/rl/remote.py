@@ -81,12 +81,15 @@ class RemoteRollouts:
     (``rl.max_staleness``), as with colocated engines."""
 
     def __init__(self, wait_s: float, hello_wait_s: float = 900.0, silence_s: float = 120.0,
-                 processes: tuple[int, ...] = (1,), trainers: int = 1, on_trainer_death=None):
+                 processes: tuple[int, ...] = (1,), trainers: int = 1, on_trainer_death=None,
+                 settings: dict | None = None):
         """``wait_s``: the longest one round may take; ``hello_wait_s``: a rollout process's
         start (its model, engine and code pool); ``silence_s``: the longest a heartbeat may stop
         before its process counts as dead. This process beats its own (its rollout processes
         watch it); with ``trainers`` > 1 it watches the other training processes' too and calls
-        ``on_trainer_death`` (default ``exit_on_death``) when one goes silent."""
+        ``on_trainer_death`` (default ``exit_on_death``) when one goes silent. ``settings``: what
+        the rollouts are run with here (``recipes.rollout_process.rollout_settings``); a rollout
+        process started with others is refused at its first message."""
         if not processes:
             raise ValueError("RemoteRollouts needs at least one rollout process")
         self.wait_s, self.hello_wait_s = float(wait_s), float(hello_wait_s)
@@ -97,6 +100,7 @@ class RemoteRollouts:
             self.peers.append(Peer(process, Mailbox(requests, client), Mailbox(replies, client),
                                    Heartbeats(silence_s, client, process=process)))
         self.client = client
+        self.settings = settings
         self.closed = False
         me, self._stop_beating = jax.process_index(), threading.Event()
         beat(self._stop_beating, client, process=me)
@@ -119,6 +123,11 @@ class RemoteRollouts:
                 kind, layout = self._receive(peer, self.hello_wait_s, "the rollout process to start")
                 if kind == "error":
                     raise RolloutsFailed(f"rollout process {peer.process} failed to start:\n{layout}")
+                differ = settings_differences(self.settings, layout.get("settings"))
+                if differ:
+                    raise ConfigError(f"rollout process {peer.process} was started with other settings than its "
+                                      f"training process ({'; '.join(differ)}: here / there): start every process "
+                                      "of the run with the same command line")
                 peer.layout = layout
         first = self.peers[0].layout
         for peer in self.peers[1:]:
@@ -201,6 +210,11 @@ class RemoteRollouts:
         """The serving copy of ``model`` in the slices' layout, on this process's devices."""
         if not isinstance(model, nnx.Module):
             raise TypeError("RemoteRollouts takes a model (an nnx.Module), not a state")
+        there = self.layout.get("architecture")
+        differ = settings_differences({"model": architecture_of(model)}, None if there is None else {"model": there})
+        if differ:
+            raise ConfigError(f"the rollout processes serve another model than this training process's "
+                              f"({'; '.join(differ)}: here / there): give every process the same --config.model.*")
         graphdef, state = nnx.split(model)
         return stage_in_layout(graphdef, state, self.layout["specs"], self.slice.size,
                                dtype=self.layout["dtype"], untie_head=self.layout["untie_head"])
@@ -240,6 +254,32 @@ class RemoteRollouts:
             wait_until_gone(self.client, wait_s, [jax.process_index()] + [p.process for p in self.peers])
 
 
+ARCHITECTURE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps",
+                      "tie_word_embeddings", "attention_bias", "qk_norm")
+
+
+def architecture_of(model) -> dict | None:
+    """The fields of a model's config that shape its weights and their use (None: no config)."""
+    config = getattr(model, "config", None)
+    return None if config is None else {k: getattr(config, k) for k in ARCHITECTURE_FIELDS if hasattr(config, k)}
+
+
+def settings_differences(here: dict | None, there: dict | None, prefix: str = "") -> list[str]:
+    """"key: a / b" for every leaf where two nested settings dicts differ; [] when either side
+    is None (nothing to compare: a rollout process or a caller that says nothing)."""
+    if here is None or there is None:
+        return []
+    out = []
+    for key in sorted(set(here) | set(there)):
+        a, b = here.get(key), there.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += settings_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} / {b!r}")
+    return out
+
+
 def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous [start, stop) ranges over ``n`` items, sizes differing by at most one
     (the first ones larger): a round's prompt groups over the rollout processes."""
@@ -276,12 +316,15 @@ def merge_figures(figures: list[dict]) -> dict:
     return out
 
 
-def serve_remote(rollouts, wait_s: float, trainer: int = 0, silence_s: float | None = None) -> int:
+def serve_remote(rollouts, wait_s: float, trainer: int = 0, silence_s: float | None = None,
+                 settings: dict | None = None, architecture: dict | None = None) -> int:
     """The rollout process's loop: answer the requests of training process ``trainer`` with
     ``rollouts`` (a ``ColocatedRollouts`` over this process's devices, one slice) until it says
     stop. Returns the rounds served. ``wait_s``: the longest to wait for the next request (an
     update, a checkpoint and an evaluation may come between two); ``silence_s``: with it, the
-    wait also ends (``TrainerProcessDied``) once the trainer's heartbeat has stopped that long."""
+    wait also ends (``TrainerProcessDied``) once the trainer's heartbeat has stopped that long.
+    ``settings`` and ``architecture`` (``architecture_of`` the served model) go with the first
+    message, for the trainer to check against its own."""
     me = jax.process_index()
     requests, replies = (Mailbox(key) for key in keys_of(me)[:2])
     stop, failed = threading.Event(), threading.Event()
@@ -290,7 +333,7 @@ def serve_remote(rollouts, wait_s: float, trainer: int = 0, silence_s: float | N
         silence_s, requests.client, process=trainer, role="training process", watcher="rollout process",
         error=TrainerProcessDied)
     try:
-        return _serve(rollouts, wait_s, requests, replies, trainer_beats)
+        return _serve(rollouts, wait_s, requests, replies, trainer_beats, settings, architecture)
     except BaseException as exc:  # a signal (KeyboardInterrupt, Interrupted) too: the trainer hears at once
         failed.set()
         if not isinstance(exc, TrainerProcessDied):
@@ -322,7 +365,8 @@ def report_failure(replies: Mailbox, exc: BaseException) -> None:
         log.warning("could not tell the trainer process why this rollout process stops", exc_info=True)
 
 
-def _serve(rollouts, wait_s: float, requests: Mailbox, replies: Mailbox, trainer_beats=None) -> int:
+def _serve(rollouts, wait_s: float, requests: Mailbox, replies: Mailbox, trainer_beats=None,
+           settings: dict | None = None, architecture: dict | None = None) -> int:
     if len(rollouts.engines) != 1:
         raise ConfigError(f"a rollout process serves one slice over its devices, not {len(rollouts.engines)}: "
                           "set serving.tensor_parallel to 0 or to its device count")
@@ -331,7 +375,8 @@ def _serve(rollouts, wait_s: float, requests: Mailbox, replies: Mailbox, trainer
     replies.send("hello", {
         "specs": specs_of(engine.layout.target),
         "dtype": engine.layout.dtype.name, "untie_head": engine.layout.untie_head,
-        "serving_dtype": rollouts.serving_dtype, "mesh": describe_mesh(slice_mesh)})
+        "serving_dtype": rollouts.serving_dtype, "mesh": describe_mesh(slice_mesh),
+        "settings": settings, "architecture": architecture})
     rounds, paused = 0, PausedRollouts()
     while True:
         kind, payload = requests.receive(wait_s, "the trainer process's next request", trainer_beats)
