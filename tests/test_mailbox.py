@@ -140,3 +140,32 @@ def test_a_stopped_heartbeat_says_done():
     stop.set()
     thread.join(1)
     assert client.store[mailbox.keys_of(3)[2]] == mailbox.DONE
+
+
+def test_every_training_process_waits_for_the_others_at_exit_even_after_a_stop_signal(monkeypatch):
+    """``leave_last``: each training process (not process 0 alone) waits at its exit until every
+    training process has come to its exit, also on the exit after a stop signal, which skips
+    Python's shutdown (``main.exit_now``): process 0, which hosts the coordination service, once
+    left at once and the others aborted (status -6)."""
+    import logging
+
+    import jax
+
+    from rstarjax import main
+
+    client, asked, ended = FakeClient(), [], []
+    client.get_live_nodes = lambda ids: asked.append(list(ids)) or {i: 0 for i in ids}
+    monkeypatch.setattr(mailbox, "service_client", lambda: client)
+    monkeypatch.setattr(mailbox, "EXIT_WAITS", [])
+    monkeypatch.setattr(mailbox.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    mailbox.leave_last(2)
+    monkeypatch.setattr(jax, "process_index", lambda: 2)  # a rollout process: nothing to wait for
+    mailbox.leave_last(2)
+    assert len(mailbox.EXIT_WAITS) == 1
+    monkeypatch.setattr(main.os, "_exit", lambda status: ended.append((status, list(asked))))
+    monkeypatch.setattr(logging, "shutdown", lambda: None)  # (pytest's own log handlers stay open)
+    main.exit_now(143)
+    assert ended == [(143, [[0, 1]])] and mailbox.EXIT_WAITS == []
+    mailbox.EXIT_WAITS.append(lambda: 1 / 0)
+    mailbox.run_exit_waits()  # a service already gone: said, never raised

@@ -188,12 +188,30 @@ def exit_on_death(why: str) -> None:
 
 
 def leave_last(trainers: int, wait_s: float = 300.0) -> None:
-    """On process 0 of a recoverable run (``main.init_distributed``), which hosts the
-    coordination service: at exit, wait (``wait_s`` at most) until the other training processes
-    (1 .. ``trainers`` - 1) have left it. A recoverable service does not hold their exits at its
-    own shutdown barrier, and a service that ends before a process has left aborts that one."""
-    if trainers > 1 and jax.process_index() == 0:
-        atexit.register(lambda: wait_until_gone(service_client(), wait_s, list(range(trainers)), "training"))
+    """On each training process of a recoverable run (``main.init_distributed``): at exit, wait
+    (``wait_s`` at most) until every training process (0 .. ``trainers`` - 1) has come to its
+    exit or left. Process 0 hosts the coordination service: a recoverable one does not hold the
+    others' exits at its own shutdown barrier, and a service that ends before a process has left
+    aborts that one. Every training process waits (not process 0 alone): a process that ends
+    without leaving the service (``os._exit``) is seen gone only after the service's own timeout,
+    while one that waits too is seen at once."""
+    if trainers > 1 and jax.process_index() < trainers:
+        EXIT_WAITS.append(lambda: wait_until_gone(service_client(), wait_s, list(range(trainers)), "training"))
+        atexit.register(run_exit_waits)
+
+
+EXIT_WAITS: list = []  # what this process must wait for before it ends (``leave_last``)
+
+
+def run_exit_waits() -> None:
+    """Run (once) the waits ``leave_last`` registered: at Python's exit, or from an exit that
+    skips it (``rstarjax.main.exit_now`` after a stop signal). Never raises."""
+    while EXIT_WAITS:
+        wait = EXIT_WAITS.pop()
+        try:
+            wait()
+        except Exception:  # noqa: BLE001 - the service may be gone already
+            log.warning("waiting for the other processes to leave failed", exc_info=True)
 
 
 def wait_until_gone(client, wait_s: float, processes: list[int], who: str = "rollout") -> None:
