@@ -167,9 +167,11 @@ def exit_now(status: int) -> None:
     run must keep is on disk by now (the stage saved and closed before ``Interrupted``)."""
     import logging as std_logging
 
-    from rstarjax.rl.mailbox import run_exit_waits
+    from rstarjax.rl.mailbox import leave_service, run_exit_waits
 
-    run_exit_waits()  # process 0 hosts the coordination service: the others leave it first
+    # process 0 hosts the coordination service: the others leave it first, and it waits for them
+    leave_service()
+    run_exit_waits()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -142,30 +142,38 @@ def test_a_stopped_heartbeat_says_done():
     assert client.store[mailbox.keys_of(3)[2]] == mailbox.DONE
 
 
-def test_every_training_process_waits_for_the_others_at_exit_even_after_a_stop_signal(monkeypatch):
-    """``leave_last``: each training process (not process 0 alone) waits at its exit until every
-    training process has come to its exit, also on the exit after a stop signal, which skips
-    Python's shutdown (``main.exit_now``): process 0, which hosts the coordination service, once
-    left at once and the others aborted (status -6)."""
+def test_process_0_waits_for_the_others_at_exit_even_after_a_stop_signal(monkeypatch):
+    """``leave_last``: process 0, which hosts the coordination service, waits at its exit until
+    the other training processes have left it, also on the exit after a stop signal, which skips
+    Python's shutdown (``main.exit_now``; it once left at once and the others aborted with -6);
+    there a process other than 0 leaves the service first (else process 0 waits for the service
+    to time it out)."""
     import logging
 
     import jax
 
     from rstarjax import main
 
-    client, asked, ended = FakeClient(), [], []
+    client, asked, ended, left = FakeClient(), [], [], []
     client.get_live_nodes = lambda ids: asked.append(list(ids)) or {i: 0 for i in ids}
     monkeypatch.setattr(mailbox, "service_client", lambda: client)
     monkeypatch.setattr(mailbox, "EXIT_WAITS", [])
     monkeypatch.setattr(mailbox.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(jax.distributed, "shutdown", lambda: left.append(jax.process_index()))
+    monkeypatch.setattr(main.os, "_exit", lambda status: ended.append((status, list(asked), list(left))))
+    monkeypatch.setattr(logging, "shutdown", lambda: None)  # (pytest's own log handlers stay open)
+    from jax._src import distributed
+    monkeypatch.setattr(distributed.global_state, "client", client)
+
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     mailbox.leave_last(2)
-    monkeypatch.setattr(jax, "process_index", lambda: 2)  # a rollout process: nothing to wait for
-    mailbox.leave_last(2)
-    assert len(mailbox.EXIT_WAITS) == 1
-    monkeypatch.setattr(main.os, "_exit", lambda status: ended.append((status, list(asked))))
-    monkeypatch.setattr(logging, "shutdown", lambda: None)  # (pytest's own log handlers stay open)
+    assert mailbox.EXIT_WAITS == []
     main.exit_now(143)
-    assert ended == [(143, [[0, 1]])] and mailbox.EXIT_WAITS == []
+    assert ended == [(143, [], [1])]  # process 1 left the service, waited for nothing
+
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    mailbox.leave_last(2)
+    main.exit_now(143)
+    assert ended[-1] == (143, [[0, 1]], [1]) and mailbox.EXIT_WAITS == []  # process 0 waited, did not leave
     mailbox.EXIT_WAITS.append(lambda: 1 / 0)
     mailbox.run_exit_waits()  # a service already gone: said, never raised

@@ -188,19 +188,32 @@ def exit_on_death(why: str) -> None:
 
 
 def leave_last(trainers: int, wait_s: float = 300.0) -> None:
-    """On each training process of a recoverable run (``main.init_distributed``): at exit, wait
-    (``wait_s`` at most) until every training process (0 .. ``trainers`` - 1) has come to its
-    exit or left. Process 0 hosts the coordination service: a recoverable one does not hold the
-    others' exits at its own shutdown barrier, and a service that ends before a process has left
-    aborts that one. Every training process waits (not process 0 alone): a process that ends
-    without leaving the service (``os._exit``) is seen gone only after the service's own timeout,
-    while one that waits too is seen at once."""
-    if trainers > 1 and jax.process_index() < trainers:
+    """On process 0 of a recoverable run (``main.init_distributed``), which hosts the
+    coordination service: at exit, wait (``wait_s`` at most) until the other training processes
+    (1 .. ``trainers`` - 1) have left it. A recoverable service does not hold their exits at its
+    own shutdown barrier, and a service that ends before a process has left aborts that one.
+    An exit that skips Python's shutdown runs it too (``run_exit_waits``), and there the other
+    processes leave the service first (``leave_service``)."""
+    if trainers > 1 and jax.process_index() == 0:
         EXIT_WAITS.append(lambda: wait_until_gone(service_client(), wait_s, list(range(trainers)), "training"))
         atexit.register(run_exit_waits)
 
 
 EXIT_WAITS: list = []  # what this process must wait for before it ends (``leave_last``)
+
+
+def leave_service(wait_s: float = 10.0) -> None:
+    """On a process other than 0 of a multi-process run: leave the coordination service now
+    (``jax.distributed.shutdown``, ``wait_s`` at most), for an exit that skips Python's shutdown
+    (``main.exit_now``), which would leave process 0 waiting for the service to time this one
+    out (~90 s) before it may end. Never raises."""
+    from jax._src import distributed
+
+    if jax.process_index() == 0 or distributed.global_state.client is None:
+        return
+    thread = threading.Thread(target=jax.distributed.shutdown, name="leave-service", daemon=True)
+    thread.start()
+    thread.join(wait_s)
 
 
 def run_exit_waits() -> None:
