@@ -104,9 +104,10 @@ class LossConfig:
             (self.token_mean == "batch" or self.advantage_estimator != "dr_grpo",
              "token_mean='micro_batch' replaces eq. 6's normaliser, which dr_grpo fixes to a constant: "
              "use one of them"),
-            (self.policy_loss != "gspo" or self.token_mean == "batch",
+            (self.policy_loss != "gspo" or (self.token_mean == "batch" and self.advantage_estimator != "dr_grpo"),
              "policy_loss='gspo' averages each sequence's tokens, then the sequences (GSPO's own "
-             "objective; verl's seq-mean-token-mean): token_mean does not apply, leave it 'batch'"),
+             "objective; verl's seq-mean-token-mean): token_mean='micro_batch' and dr_grpo's constant "
+             "normaliser do not apply to it"),
         )
 
 
@@ -310,7 +311,9 @@ def policy_loss(
     packed rows. Metrics are sums / denom as well, so they add across micro-batches too.
     With ``cfg.token_mean="micro_batch"``, ``denom`` is the batch's number of trained rows and each
     sum is scaled by ``micro_batch_token_mean_scale`` instead; with ``cfg.micro_batch_tokens > 0``
-    each token by its ``loss_scale`` (``verl_loss_scale``) and ``denom`` is unused.
+    each token by its ``loss_scale`` (``verl_loss_scale``) and ``denom`` is unused. With GSPO each
+    token is weighted by 1 / its sequence's trained tokens and ``denom`` is the batch's number of
+    trained sequences (``trained_sequences``): GSPO's own objective.
     """
     f32 = jnp.float32
     logp = logprobs.astype(f32)
