@@ -214,7 +214,7 @@ class RemoteRollouts:
         differ = settings_differences({"model": architecture_of(model)}, None if there is None else {"model": there})
         if differ:
             raise ConfigError(f"the rollout processes serve another model than this training process's "
-                              f"({'; '.join(differ)}: here / there): give every process the same --config.model.*")
+                              f"({'; '.join(differ)}: here / there): give every process the same model.* settings")
         graphdef, state = nnx.split(model)
         return stage_in_layout(graphdef, state, self.layout["specs"], self.slice.size,
                                dtype=self.layout["dtype"], untie_head=self.layout["untie_head"])
