@@ -51,6 +51,7 @@ def serve_rollouts(run: RunConfig) -> int:
 
 
 def _serve_rollouts(run: RunConfig, replies: Mailbox) -> int:
+    executor = None
     try:
         tokenizer = build.tokenizer(run.model)
         mesh = make_mesh(1, -1, 1, devices=jax.local_devices())
@@ -58,18 +59,16 @@ def _serve_rollouts(run: RunConfig, replies: Mailbox) -> int:
         # the serving copy), its weights replaced by the trainer process's before the first round
         model = build.policy(dataclasses.replace(run.model, lora_rank=0), mesh, run.seed, read_weights=False)
         executor = build.executor(run.rl.num_tool_workers, run.env.allow_unconfined)
-    except BaseException as exc:  # the trainer process waits on this one's start: tell it why not
-        report_failure(replies, exc)
-        raise
-    try:
-        try:
-            rollouts = build.rollouts(model, tokenizer, executor, run.agent(), run.rl.sampling(),
-                                      run.rl.max_prompt_len, run.rl.chat_format, run.serving)
-        except BaseException as exc:
-            report_failure(replies, exc)
-            raise
+        rollouts = build.rollouts(model, tokenizer, executor, run.agent(), run.rl.sampling(),
+                                  run.rl.max_prompt_len, run.rl.chat_format, run.serving)
         architecture = architecture_of(model)
         del model
+    except BaseException as exc:  # the trainer process waits on this one's start: tell it why not
+        report_failure(replies, exc)
+        if executor is not None:
+            executor.close()
+        raise
+    try:
         # between two requests come an update, a checkpoint, maybe an evaluation
         rounds = serve_remote(rollouts, wait_s=2 * run.rl.rollout_timeout_s + 3600,
                               trainer=processes.trainer_of(jax.process_index(), run.serving.trainer_processes),
