@@ -56,7 +56,7 @@ def get_config(arg=None):
     # default demo; on in :compare.
     c.demo.recover_fraction = ml_collections.ConfigDict({})
     # 14,000 tool traces (2,800 per kind; demo.tool_balanced_kind_cycle draws the in-head kinds
-    # more often) + 8,400 in-head ones, 1,018 SFT steps: digit copying (question -> code) appears
+    # more often) + 8,400 in-head ones, 1,019 SFT steps: digit copying (question -> code) appears
     # between 200 and 500 steps of 16 tool traces and was still a knife edge at 700 (docs/demo.md:
     # one kind left at 0-22 % on some seeds and hosts; issue 48)
     c.demo.num_sft_problems = 22400
@@ -81,7 +81,7 @@ def get_config(arg=None):
     c.sft.grad_clip_norm = 1.0
     # one trace (<= 345 tokens) per row. 336 makes an SFT step 1.3-1.4x faster on 2 cores (the
     # same traces, the same loss), but its one idle run learnt nothing in RL (55.5 % -> 55.5 %,
-    # README "Demo"); 384 is the row of the measured 75 % -> 100 % run
+    # docs/demo.md); 384 is the row length of every measured demo run since
     c.sft.seq_len = 384
     c.sft.micro_batch_size = 0
     c.sft.max_steps = 0

@@ -495,7 +495,8 @@ def user_inputs(tmp_path_factory):
     return root
 
 
-SHIPPED = [("sft", None), ("stage1", None), ("stage2", None), ("stage3", None), ("stage3", "filter"),
+SHIPPED = [("sft", None), ("base", None), ("base", "filter"), ("stage1", None), ("stage1", "filter"),
+           ("stage2", None), ("stage2", "filter"), ("stage3", None), ("stage3", "filter"),
            ("eval", None), ("demo", "ci")]
 
 
