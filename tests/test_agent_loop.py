@@ -130,6 +130,9 @@ def test_episodes_with_real_tools(tok, model, engine, executor):
     t = by["hostile"]
     assert t.finish == FinishReason.NO_TOOL_CALL and t.reward == 0.0 and t.answer_tags == 0
     assert "\\boxed{42}" in t.response_text
+    # what the verifier judged (and evaluation votes on): the model's turns, no program output
+    assert t.graded_text == "".join(cases["hostile"]) and "boxed" not in t.graded_text
+    assert by["success"].graded_text == "".join(cases["success"])
 
     # Sampled (here: forced) log-probs are the policy's under the uncached forward.
     t = by["error_then_fix"]
@@ -159,6 +162,7 @@ def test_max_turns_and_max_length(tok, engine, executor):
                             AgentConfig(max_turns=10, max_response_len=budget))
     t = trajs[0]
     assert t.finish == FinishReason.MAX_LENGTH and t.truncated and t.reward == 0.0
+    assert t.graded_text is None  # cut at its length: scored 0 unverified
     assert len(t.response_ids) == budget
     assert t.segments[-1].kind == SegmentKind.MODEL and len(t.segments[-1].ids) == 5
 
@@ -401,3 +405,4 @@ def test_official_layout_episodes(tok, engine, executor):
     assert by["malformed"].tool_errors.parse == 1 and by["malformed"].reward == 0.0
     assert "Failed to decode tool call: " in by["malformed"].response_text  # the official text (issue #50)
     assert (by["printed"].finish, by["printed"].reward) == (FinishReason.NO_TOOL_CALL, 1.0)
+    assert "\\boxed{42}" in by["printed"].graded_text  # the official reward's text: tool output included

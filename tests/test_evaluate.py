@@ -52,12 +52,15 @@ def test_majority_vote_cases():
         ev.majority_vote(["1"], [True, False])
 
 
-def _traj(text, reward, n_model=3, n_tool=2):
+def _traj(text, reward, n_model=3, n_tool=2, finish=FinishReason.ANSWERED, graded=None, tool_text=""):
+    """A verified sample: the verifier judged ``text`` (``graded``: what it judged, if other);
+    ``tool_text`` is a program's output in the response (never judged)."""
     segs = [Segment(SegmentKind.MODEL, np.arange(n_model), np.zeros(n_model))]
     if n_tool:
         segs.append(Segment(SegmentKind.TOOL, np.arange(n_tool)))
-    return Trajectory(prompt_ids=np.arange(4), segments=segs, reward=reward, finish=FinishReason.ANSWERED,
-                      response_text=text)
+    verified = finish not in (FinishReason.MAX_LENGTH, FinishReason.ERROR)
+    return Trajectory(prompt_ids=np.arange(4), segments=segs, reward=reward, finish=finish,
+                      response_text=tool_text + text, graded_text=(graded or text) if verified else None)
 
 
 def _box(x):
@@ -82,6 +85,49 @@ def test_dataset_metrics_hand_computed(tmp_path):
     assert [json.loads(l)["uid"] for l in lines] == ["a", "b"]
     assert json.loads(lines[0])["answers"] == ["12", "11", "11", "11"]
     assert "| toy | 2 | 25.0 | 50.0 | 100.0 | 3 |" in (tmp_path / "eval_table.md").read_text()
+
+
+def test_votes_are_the_answers_the_verifier_judged(tmp_path):
+    """maj@k against its definition (the most frequent answer equals the gold): a program that
+    prints a box casts no vote, nor does a sample cut at its length (scored 0 unverified); the
+    winner is judged by its own verdicts, whichever sample comes first."""
+    rec = [{"uid": "a", "problem": "p", "answer": "5"}]
+    printed = "<tool_response>\\boxed{6}</tool_response>"
+    cut = _traj(_box(5), 0.0, finish=FinishReason.MAX_LENGTH)  # truncated after writing a box
+    group = [cut, _traj(_box(5), 1.0), _traj(_box(7), 0.0),
+             _traj("see above", 0.0, tool_text=printed), _traj(_box(5), 1.0, tool_text=printed),
+             _traj(_box(7), 0.0)]
+    m = ev.evaluate_records({"d": rec}, lambda recs, k: [group], k=6)["d"]
+    assert m["maj@6"] == 1.0  # votes: 5, 7, 5, 7 -> a tie that 5 reached first
+    order = [cut, _traj(_box(7), 0.0), _traj(_box(5), 1.0), _traj(_box(5), 1.0)]
+    assert ev.evaluate_records({"d": rec}, lambda recs, k: [order], k=4)["d"]["maj@4"] == 1.0
+    wrong = [_traj("x", 0.0, tool_text=printed.replace("6", "5"))] * 2 + [_traj(_box(6), 0.0)]
+    assert ev.evaluate_records({"d": rec}, lambda recs, k: [wrong], k=3)["d"]["maj@3"] == 0.0
+
+
+def test_an_answer_past_what_python_reads_as_a_number_votes_by_its_text(tmp_path):
+    huge = "9" * 5000  # int() refuses over 4,300 digits; the verifier reads no answer over 1,000 characters
+    assert ev.answer_key(huge) == huge and ev.answer_key(huge + ".5") == huge + ".5"
+    rec = [{"uid": "a", "problem": "p", "answer": "5"}]
+    group = [_traj(_box(huge), 0.0), _traj(_box(huge), 0.0), _traj(_box(5), 1.0)]
+    m = ev.evaluate_records({"d": rec}, lambda recs, k: [group], k=3, out_dir=str(tmp_path))["d"]
+    assert (m["maj@3"], m["pass@1"]) == (0.0, pytest.approx(1 / 3))
+    assert (tmp_path / "eval_results.json").exists()
+
+
+def test_infrastructure_failures_are_not_scored_as_the_model_s(tmp_path):
+    """A sample a dead sandbox or a silent verifier ended is left out of every figure and
+    counted; a problem left with none is not scored; none left at all is an error."""
+    recs = [{"uid": "a", "problem": "p", "answer": "5"}, {"uid": "b", "problem": "q", "answer": "3"}]
+    err = _traj("", 0.0, finish=FinishReason.ERROR)
+    groups = [[_traj(_box(5), 1.0), err, _traj(_box(5), 1.0), err], [err, err, err, err]]
+    m = ev.evaluate_records({"d": recs}, lambda r, k: groups, k=4, out_dir=str(tmp_path))["d"]
+    # problem a: 2 scored samples, both right; pass@4 on n = 2 caps k at 2; problem b: unscored
+    assert (m["num_problems"], m["pass@1"], m["maj@4"], m["pass@4"]) == (1, 1.0, 1.0, 1.0)
+    assert (m["infra_errors"], m["problems_unscored"]) == (6, 1)
+    assert "6 samples ended in an infrastructure failure" in (tmp_path / "eval_table.md").read_text()
+    with pytest.raises(RuntimeError, match="infrastructure failure"):
+        ev.evaluate_records({"d": recs[1:]}, lambda r, k: groups[1:], k=4)
 
 
 def test_dataset_metrics_rejects_too_few_samples():

@@ -20,14 +20,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from rstarjax.env.verify import extract_final_answer, normalize_integer
+from rstarjax.env.verify import MAX_ANSWER_CHARS, extract_final_answer, normalize_integer
 from rstarjax.io import data as data_lib
 from rstarjax.io import files
 from rstarjax.io.data import DataError, load_problems
 from rstarjax.models.chat_template import chat_format, encode_prompt
 from rstarjax.recipes import build, preemption
 from rstarjax.recipes.config import RunConfig
-from rstarjax.rl.trajectory import RolloutFn, Trajectory, group_indices, trajectories_of
+from rstarjax.rl.trajectory import FinishReason, RolloutFn, Trajectory, group_indices, trajectories_of
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +83,13 @@ def answer_key(answer: str | None) -> str | None:
     """Vote key of an extracted answer: integers canonically ("1,000" == "1 000" == "1000"),
     decimals and integer fractions by their exact value ("12.0" == "12", "0.5" == "\\frac{1}{2}"
     == "1/2"), else the text with white space removed, except between two digits ("1 2" votes
-    apart from "12"). None (no answer) never votes."""
+    apart from "12"). None (no answer) never votes. An answer longer than the verifier reads
+    (``MAX_ANSWER_CHARS``; it scores 0) votes by its text: it is no number to parse, and Python
+    refuses integers of over 4,300 digits."""
     if answer is None or not answer.strip():
         return None
+    if len(answer) > MAX_ANSWER_CHARS:
+        return "".join(answer.split())
     as_int = normalize_integer(answer)
     if as_int is not None:
         return str(as_int)
@@ -98,23 +102,26 @@ def answer_key(answer: str | None) -> str | None:
 def majority_vote(answers: Sequence[str | None], correct: Sequence[bool]) -> bool:
     """maj@k: is the most frequent answer among the samples correct?
 
-    Ties go to the answer that reached the top count first (sample order), so the result is
-    deterministic. A problem where no sample produced an answer scores 0. The winning answer's
-    correctness is that of its first sample (verification is a function of the answer alone)."""
+    ``answers[i]`` is the answer the verifier judged for sample i (None: no answer, or a sample
+    that was not verified), ``correct[i]`` its verdict. Ties go to the answer that reached the
+    top count first (sample order), so the result is deterministic. A problem where no sample
+    produced an answer scores 0. The winning answer is correct when the verifier accepted it in
+    any of its samples (the samples of one vote key write one value; none of them is judged by
+    another sample's fate)."""
     if len(answers) != len(correct):
         raise ValueError(f"{len(answers)} answers but {len(correct)} correctness flags")
     counts: collections.Counter = collections.Counter()
-    first: dict[str, int] = {}
     best, best_count = None, 0
-    for i, a in enumerate(answers):
+    for a in answers:
         key = answer_key(a)
         if key is None:
             continue
         counts[key] += 1
-        first.setdefault(key, i)
         if counts[key] > best_count:
             best, best_count = key, counts[key]
-    return bool(correct[first[best]]) if best is not None else False
+    if best is None:
+        return False
+    return any(bool(c) for a, c in zip(answers, correct) if answer_key(a) == best)
 
 
 @dataclasses.dataclass
@@ -127,31 +134,59 @@ class ProblemResult:
     correct: list[bool]
     response_lengths: list[int]  # tokens of model + tool text per sample
     samples: list[dict] = dataclasses.field(default_factory=list)  # per-sample details for the JSONL
+    # per sample: ended by a failure of the environment (a dead sandbox, a verifier that never
+    # answered), so never scored; empty: none did
+    infra_errors: list[bool] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
+    @property
+    def scored(self) -> list[int]:
+        """The samples the environment scored: an infrastructure failure is not the model's."""
+        return [i for i in range(len(self.correct)) if not (self.infra_errors and self.infra_errors[i])]
+
 
 def dataset_metrics(results: Sequence[ProblemResult], k: int) -> dict[str, float]:
-    """Table 4 figures over one dataset: pass@1 (mean over k), maj@k, pass@k, mean length."""
+    """Table 4 figures over one dataset: pass@1 (mean over k), maj@k, pass@k, mean length.
+
+    Samples that an infrastructure failure ended are no sample of the model: each problem is
+    scored on its other samples (pass@k on n of them with k capped at n), a problem left with
+    none is left out, and both are counted (``infra_errors`` samples, ``problems_unscored``) so
+    a figure never hides them; every problem unscored is an error."""
     if not results:
         raise ValueError("no problems")
     for r in results:
         if len(r.correct) < k:
             raise ValueError(f"problem {r.uid} has {len(r.correct)} samples, fewer than k={k}")
+    scored = [(r, r.scored) for r in results]
+    scored = [(r, idx) for r, idx in scored if idx]
+    if not scored:
+        raise RuntimeError(f"every sample of all {len(results)} problems ended in an infrastructure failure "
+                           "(the code pool or the verifier): nothing to score")
+
+    def pick(values, idx):
+        return [values[i] for i in idx]
+
     return {
-        "num_problems": len(results),
+        "num_problems": len(scored),
         "k": k,
-        "pass@1": float(np.mean([mean_pass_at_1(r.correct) for r in results])),
-        f"maj@{k}": float(np.mean([majority_vote(r.answers, r.correct) for r in results])),
-        f"pass@{k}": float(np.mean([pass_at_k(len(r.correct), sum(r.correct), k) for r in results])),
-        "mean_response_length": float(np.mean([np.mean(r.response_lengths) for r in results])),
+        "pass@1": float(np.mean([mean_pass_at_1(pick(r.correct, i)) for r, i in scored])),
+        f"maj@{k}": float(np.mean([majority_vote(pick(r.answers, i), pick(r.correct, i)) for r, i in scored])),
+        f"pass@{k}": float(np.mean([pass_at_k(len(i), sum(pick(r.correct, i)), min(k, len(i))) for r, i in scored])),
+        "mean_response_length": float(np.mean([np.mean(pick(r.response_lengths, i)) for r, i in scored])),
+        "infra_errors": sum(len(r.correct) - len(r.scored) for r in results),
+        "problems_unscored": len(results) - len(scored),
     }
 
 
 def problem_result(record: Mapping[str, str], trajectories: Sequence[Trajectory], dataset: str) -> ProblemResult:
-    """One problem's samples -> ProblemResult (reward > 0 is "correct", as in training)."""
-    answers = [extract_final_answer(t.response_text) for t in trajectories]
+    """One problem's samples -> ProblemResult (reward > 0 is "correct", as in training). Each
+    sample's answer is read from the text its verifier judged (the model's own, not a program's
+    output; none for a sample cut at its length, which scores 0 unverified)."""
+    failed = [t.finish == FinishReason.ERROR for t in trajectories]
+    answers = [extract_final_answer(t.graded_text) if t.graded_text is not None and not bad else None
+               for t, bad in zip(trajectories, failed)]
     samples = [
         {
             "response": t.response_text,
@@ -163,6 +198,7 @@ def problem_result(record: Mapping[str, str], trajectories: Sequence[Trajectory]
             "tool_calls": t.tool_calls,
             "tool_errors": t.tool_errors.total,
             "finish": getattr(t.finish, "value", str(t.finish)),
+            "error": t.error,
         }
         for t, a in zip(trajectories, answers)
     ]
@@ -175,6 +211,7 @@ def problem_result(record: Mapping[str, str], trajectories: Sequence[Trajectory]
         correct=[t.reward > 0 for t in trajectories],
         response_lengths=[int(len(t.response_ids)) for t in trajectories],
         samples=samples,
+        infra_errors=failed if any(failed) else [],
     )
 
 
@@ -186,6 +223,10 @@ def format_table(per_dataset: Mapping[str, Mapping[str, float]], k: int) -> str:
     for name, m in per_dataset.items():
         vals = " | ".join(f"{100 * m[c]:.1f}" for c in cols)
         lines.append(f"| {name} | {m['num_problems']} | {vals} | {m['mean_response_length']:.0f} |")
+    failed = {name: m for name, m in per_dataset.items() if m.get("infra_errors")}
+    for name, m in failed.items():  # said under the table, where the figures are read
+        lines.append(f"\n{name}: {m['infra_errors']} samples ended in an infrastructure failure and were not "
+                     f"scored ({m['problems_unscored']} problems left with none, not counted)")
     return "\n".join(lines) + "\n"
 
 
@@ -207,6 +248,9 @@ def evaluate_records(datasets: Mapping[str, Sequence[Mapping[str, str]]],
         per_dataset[name] = dataset_metrics(results, k)
         all_results.extend(results)
         log.info("eval %s: %s", name, per_dataset[name])
+        if per_dataset[name]["infra_errors"]:
+            log.warning("eval %s: %d samples ended in an infrastructure failure and were not scored "
+                        "(eval_samples.jsonl names each error)", name, per_dataset[name]["infra_errors"])
     if out_dir:
         # each file whole or not at all: a kill mid-write left it cut short for whoever reads it next
         files.write_jsonl_atomic(os.path.join(out_dir, "eval_samples.jsonl"), [r.to_json() for r in all_results],

@@ -276,8 +276,10 @@ class AgentEpisode:
                     self.verify_future = self.executor.submit_verify(
                         text, self.request.gold_answer, timeout=self.config.verify_timeout_s, mode="official")
                 else:
+                    text = self.model_text
                     self.verify_future = self.executor.submit_verify(
-                        self.model_text, self.request.gold_answer, timeout=self.config.verify_timeout_s)
+                        text, self.request.gold_answer, timeout=self.config.verify_timeout_s)
+                self.traj.graded_text = text
                 self.verify_submitted = time.monotonic()
             except Exception as e:  # the executor is gone: the environment's failure
                 self._infra_error(f"the verifier could not be reached: {e!r}")
@@ -385,6 +387,7 @@ def _collect_rewards(episodes: Sequence[AgentEpisode], rollouts_end: float) -> d
             counts["verify_infra_errors"] += 1
             ep.traj.error = why
             ep.traj.finish = FinishReason.ERROR
+            ep.traj.graded_text = None
             continue
         counts["verify_timeouts"] += int(bool(getattr(verdict, "timed_out", False)))
         ep.traj.reward = float(bool(verdict))

@@ -79,7 +79,11 @@ class Trajectory:
     # where a later policy sampled it on, one per resume under new weights; empty: every token
     # is ``policy_version``'s
     version_starts: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    response_text: str = ""  # decoded model + tool text, for logs and verification
+    response_text: str = ""  # decoded model + tool text, for logs
+    # the text the verifier was given (the model's own text; the official reward's whole decoded
+    # response), None when the rollout was not verified (cut at its length, or an error): where
+    # evaluation reads each sample's answer, so a vote is the answer its reward judged
+    graded_text: str | None = None
     error: str = ""  # with Finish.ERROR: which part of the infrastructure failed, and how
 
     @property
