@@ -408,6 +408,87 @@ def test_tokens_over_the_gap_threshold_are_counted_and_found_in_the_callers_rows
     assert "train/logprob_gap_tokens_over" not in m and len(tr.logprob_gap_outliers) == 0
 
 
+def test_a_batch_with_the_wrong_rollout_count_is_refused_before_it_is_recorded(tmp_path):
+    """A group short of k (or over it) is a clear error naming the row, and its batch is not on
+    record, so the rerun rolls it out again instead of failing on it forever; a progress line
+    that does not fit its batch (edited, or from an older run) is rolled out again too."""
+    import json
+
+    from rstarjax.recipes import stage3_filter as F
+
+    records = [{"problem": f"p{i}", "answer": str(i)} for i in range(4)]
+    path = str(tmp_path / "f.jsonl.progress.jsonl")
+    extra = {"p2": 0}
+
+    def rollout_fn(recs, n, seed, version):
+        return [_traj(0.0, 0, 0, 1, group=g) for g, r in enumerate(recs) for _ in range(n + extra.get(r["problem"], 0))]
+
+    for wrong in (-1, 1):
+        extra["p2"] = wrong
+        with pytest.raises(ValueError, match=r"expected 8 rollouts .* row 2 \('p2'\): " + str(8 + wrong)):
+            F.filter_problems(records, rollout_fn, k=8, batch_prompts=2, seed=0, progress_path=path)
+        assert len(open(path).read().splitlines()) == 1  # the first batch only
+    extra["p2"] = 0
+    kept, summary = F.filter_problems(records, rollout_fn, k=8, batch_prompts=2, seed=0, progress_path=path)
+    assert len(kept) == 4 and summary["resumed_problems"] == 2
+    rows = [json.loads(x) for x in open(path).read().splitlines()]
+    rows[0]["counts"] = [[7, 7], [0, 8]]  # a short group on record
+    open(path, "w").write("".join(json.dumps(r) + "\n" for r in rows))
+    assert F.filter_problems(records, rollout_fn, k=8, batch_prompts=2, seed=0, progress_path=path)[1][
+        "resumed_problems"] == 2
+
+
+def test_the_filter_s_policy_identity_follows_the_reward_and_the_tool_limits(tmp_path):
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
+    import stage3
+
+    from rstarjax.recipes import stage3_filter as F
+    from rstarjax.recipes.config import parse
+
+    data = tmp_path / "rl.jsonl"
+    data.write_text(json.dumps({"problem": "q", "answer": "1"}) + "\n")
+
+    def identity(**changes):
+        c = stage3.get_config("filter")
+        c.data.train_path, c.model.random_init, c.model.preset = str(data), True, "tiny"
+        for key, value in changes.items():
+            section, name = key.split("__")
+            setattr(getattr(c, section), name, value)
+        return F.policy_identity(parse(c))
+
+    base = identity()
+    assert base == identity(rl__rollout_timeout_s=100.0)  # how long a failure takes decides nothing
+    for change in ({"reward__mode": "official"}, {"reward__time_limit_s": 4.0}, {"rl__tool_timeout_s": 9.0},
+                   {"rl__max_tool_response_chars": 100}):
+        assert identity(**change) != base, change
+
+
+def test_a_filter_that_keeps_nothing_is_an_error_with_its_summary(tmp_path):
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
+    import stage3
+
+    from rstarjax.io.data import DataError
+    from rstarjax.recipes import stage3_filter as F
+    from rstarjax.recipes.config import parse
+
+    data = tmp_path / "rl.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"q{i}", "answer": str(i)}) + "\n" for i in range(3)))
+    c = stage3.get_config("filter")
+    c.data.train_path, c.logging.progress_bar = str(data), False
+    c.model.random_init, c.model.preset = True, "tiny"
+    solved = lambda recs, n, seed, version: [_traj(1.0, 0, 0, 1, group=g) for g in range(len(recs)) for _ in range(n)]
+    with pytest.raises(DataError, match="kept none of 3 problems"):
+        F.run_filter(parse(c), str(tmp_path), rollout_fn=solved)
+    assert not (tmp_path / "filtered.jsonl").exists()
+    assert json.loads((tmp_path / "filtered.jsonl.summary.json").read_text())["dropped_all_correct"] == 3
+
+
 def test_a_resumed_filter_reuses_only_batches_of_the_same_policy(tmp_path):
     """A filter stopped after its first batch, rerun with another ``checkpoint.init_from``: that
     batch is rolled out again (it was reused, so the dataset mixed two policies' pass counts);

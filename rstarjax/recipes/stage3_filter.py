@@ -19,6 +19,7 @@ import tqdm
 
 from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import files
+from rstarjax.io.data import DataError
 from rstarjax.recipes import build, preemption
 from rstarjax.recipes.config import RunConfig
 from rstarjax.rl.trajectory import RolloutFn, group_indices, trajectories_of
@@ -30,6 +31,17 @@ def solve_counts(trajectories, num_groups: int) -> list[tuple[int, int]]:
     """(correct, total) rollouts per group_id in [0, num_groups)."""
     groups = group_indices([t.group_id for t in trajectories], num_groups)
     return [(sum(int(trajectories[i].reward > 0) for i in idx), len(idx)) for idx in groups.values()]
+
+
+def check_counts(chunk: Sequence[dict], counts: Sequence[tuple[int, int]], k: int, start: int) -> None:
+    """Every problem of a batch came back with exactly k rollouts, checked before the batch is
+    recorded (a short group on record would fail every rerun that reads it back)."""
+    wrong = [(start + i, rec.get("uid", rec.get("problem", "")), total)
+             for i, (rec, (_, total)) in enumerate(zip(chunk, counts)) if total != k]
+    if len(counts) != len(chunk) or wrong:
+        named = "; ".join(f"row {row} ({str(uid)[:60]!r}): {total}" for row, uid, total in wrong[:5])
+        raise ValueError(f"expected {k} rollouts for each problem of the batch at row {start}, got {named}"
+                         " (not recorded: a rerun rolls this batch out again)")
 
 
 def keep_problem(correct: int, total: int, k: int) -> bool:
@@ -49,6 +61,16 @@ def batch_key(chunk: Sequence[dict], start: int, k: int, seed: int, policy: str 
     text = json.dumps([start, k, seed, [[r.get("problem"), r.get("answer")] for r in chunk]]
                       + ([policy] if policy else []), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _recorded_counts_fit(row: dict, chunk: Sequence[dict], k: int) -> bool:
+    """A progress line's counts are a (correct <= k, total == k) pair per problem of its batch."""
+    try:
+        counts = [tuple(int(x) for x in c) for c in row["counts"]]
+        int(row["infra"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    return len(counts) == len(chunk) and all(len(c) == 2 and 0 <= c[0] <= k and c[1] == k for c in counts)
 
 
 def read_progress(path: str | None) -> dict[str, dict]:
@@ -89,8 +111,13 @@ def filter_problems(records: Sequence[dict], rollout_fn: RolloutFn, k: int, batc
         for start in range(0, len(records), batch_prompts):
             chunk = list(records[start:start + batch_prompts])
             key = batch_key(chunk, start, k, seed, policy)
-            if key in done:
-                counts, batch_infra = [tuple(c) for c in done[key]["counts"]], int(done[key]["infra"])
+            recorded = done.get(key)
+            if recorded is not None and not _recorded_counts_fit(recorded, chunk, k):
+                log.warning("the progress line of the batch at row %d does not fit it (%s): rolling it out again",
+                            start, recorded.get("counts"))
+                recorded = None
+            if recorded is not None:
+                counts, batch_infra = [tuple(c) for c in recorded["counts"]], int(recorded["infra"])
                 resumed += len(chunk)
             else:
                 try:
@@ -102,6 +129,7 @@ def filter_problems(records: Sequence[dict], rollout_fn: RolloutFn, k: int, batc
                         done=f"{finished} of {len(records)} problems are filtered and kept in {progress_path}"
                         if progress_path else f"{finished} of {len(records)} problems were filtered") from None
                 counts = solve_counts(trajs, len(chunk))
+                check_counts(chunk, counts, k, start)
                 batch_infra = sum(bool(getattr(t, "infra_error", False)) for t in trajs)
                 if log_file is not None:
                     log_file.write(json.dumps({"key": key, "start": start, "counts": counts, "infra": batch_infra}) + "\n")
@@ -131,7 +159,11 @@ def policy_identity(run: RunConfig, init_from_step: int | None = None, meta: dic
                 "arrays": (meta or {}).get(ckpt_lib.FINGERPRINT_KEY)} if run.checkpoint.init_from
                else {"base": run.model.hf_path or run.model.preset, "lora_rank": run.model.lora_rank})
     rl = run.rl
-    sampling = [repr(rl.sampling()), rl.max_turns, rl.max_prompt_len, rl.max_response_len, rl.chat_format]
+    # the agent's settings that decide what counts as solved: the reward (its mode, time limit)
+    # and the tool's limits (waits and retries only decide how long an infrastructure failure takes)
+    agent = run.agent()
+    outcome = [agent.reward_mode, agent.verify_timeout_s, agent.tool_timeout_s, agent.max_tool_response_chars]
+    sampling = [repr(rl.sampling()), rl.max_turns, rl.max_prompt_len, rl.max_response_len, rl.chat_format, outcome]
     return hashlib.sha256(json.dumps([weights, sampling], sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
@@ -181,8 +213,14 @@ def run_filter(run: RunConfig, workdir: str, rollout_fn: RolloutFn | None = None
                 executor.close(drain_timeout=0.0 if guard.request is not None else None)
     summary["data_report"] = str(report)
     # each file whole or not at all: a killed filter never leaves a half-written dataset or summary
-    files.write_jsonl_atomic(out, kept, ensure_ascii=False)
     files.write_json_atomic(out + ".summary.json", summary, indent=1)
+    if not kept:  # stage 3 would have nothing to train on: said now, not at its start
+        raise DataError(f"the stage-3 filter kept none of {summary['total']} problems: the policy solved every one "
+                        f"{run.filter.k}/{run.filter.k} (summary: {out}.summary.json); no dataset written")
+    files.write_jsonl_atomic(out, kept, ensure_ascii=False)
+    if len(kept) < run.rl.prompts_per_step:
+        log.warning("the stage-3 filter kept %d problems, fewer than one stage-3 step's %d prompts "
+                    "(--config.rl.prompts_per_step)", len(kept), run.rl.prompts_per_step)
     # the progress file stays: a rerun of the same command (same problems, settings, policy)
     # rewrites this dataset from it instead of rolling out every problem again
     print(f"rstarjax: stage-3 filter: kept {summary['kept']} of {summary['total']} problems "
