@@ -33,7 +33,20 @@ CORPUS = [
     "e\u0301 cafe\u0301 Å (NFD input: the NFC normaliser composes it)",
     "a" * 300 + " " + "ab" * 200,
     "مرحبا بالعالم שלום עולם नमस्ते दुनिया",
+    # a combining mark right after an added token: HF finds the token in the raw text and
+    # normalises only what follows (NFC of the whole text would merge ">" + U+0338 into "≯")
+    "<|im_end|>\u0338 <think>\u0338 r</tool_call>\u0338\u0301 e\u0301<tool_call>",
 ]
+
+
+def _nfc_between_added_tokens(text):
+    """What decode(encode(text)) gives back: HF normalises (NFC) the text between added tokens,
+    never across one."""
+    import re
+
+    tokens = "|".join(re.escape(t) for t, _ in sorted(QWEN3_ADDED_TOKENS, key=lambda x: -len(x[0])))
+    parts = re.split(f"({tokens})", text)
+    return "".join(p if i % 2 else unicodedata.normalize("NFC", p) for i, p in enumerate(parts))
 
 
 def _random_corpus(n, seed=0):
@@ -112,7 +125,7 @@ def test_hf_tokenizer_encodes_identically(tok, hf_full):
 @pytest.mark.slow
 def test_decode_roundtrip_and_skip_special(tok, hf_full):
     for text in CORPUS + _random_corpus(300, seed=1):
-        assert tok.decode(tok.encode(text)) == unicodedata.normalize("NFC", text)
+        assert tok.decode(tok.encode(text)) == _nfc_between_added_tokens(text)
     ids = tok.encode("<|im_start|>assistant\n<tool_call>x</tool_call><|im_end|><|endoftext|>")
     # HF semantics: special=True tokens are dropped, <tool_call> (special=False) is kept.
     assert tok.decode(ids, skip_special_tokens=True) == hf_full.decode(ids, skip_special_tokens=True)
@@ -174,7 +187,7 @@ def test_small_vocab(small, hf_small):
     for text in CORPUS + _random_corpus(500, seed=2):
         ids = small.encode(text)
         assert all(0 <= i < len(small) for i in ids)
-        assert small.decode(ids) == unicodedata.normalize("NFC", text)
+        assert small.decode(ids) == _nfc_between_added_tokens(text)
         # HF's own BPE over the pruned vocab + merges (an independent implementation).
         assert hf_small.encode(text, add_special_tokens=False) == ids, repr(text)
         # Regular ids are the same tokens as in the full vocabulary.

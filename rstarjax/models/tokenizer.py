@@ -25,6 +25,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import unicodedata
 from collections.abc import Iterable, Sequence
 
@@ -200,7 +201,7 @@ class Tokenizer:
     # ---- text <-> ids ------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         """NFC-normalise, then BPE; added tokens written in the text become their ids."""
-        return self.encoding.encode(_nfc(text), allowed_special="all")
+        return self.encoding.encode(self._normalized(text), allowed_special="all")
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Like encode, but "<|im_end|>" etc. in the text stay plain characters (untrusted text)."""
@@ -208,8 +209,24 @@ class Tokenizer:
 
     def encode_batch(self, texts: Sequence[str], num_threads: int = 2) -> list[list[int]]:
         return self.encoding.encode_batch(
-            [_nfc(t) for t in texts], num_threads=num_threads, allowed_special="all"
+            [self._normalized(t) for t in texts], num_threads=num_threads, allowed_special="all"
         )
+
+    @functools.cached_property
+    def _added_token_pattern(self) -> re.Pattern:
+        return re.compile("|".join(re.escape(t) for t, _ in sorted(self.added_tokens, key=lambda x: -len(x[0]))))
+
+    def _normalized(self, text: str) -> str:
+        """NFC of the text between the added tokens, as HF's tokenizer finds added tokens in the
+        raw text and normalises only what lies between them: "<|im_end|>" + U+0338 keeps its id
+        (NFC of the whole text would merge its ">" and the mark into "≯")."""
+        if _nfc(text) is text:  # already NFC (the common case): nothing can merge
+            return text
+        pieces, start = [], 0
+        for m in self._added_token_pattern.finditer(text):
+            pieces += [_nfc(text[start:m.start()]), m.group()]
+            start = m.end()
+        return "".join(pieces + [_nfc(text[start:])])
 
     def decode(self, ids: Iterable[int] | np.ndarray, skip_special_tokens: bool = False) -> str:
         """Ids -> text. Invalid UTF-8 (a multi-byte character cut between calls) becomes U+FFFD."""
