@@ -27,6 +27,7 @@ from rstarjax.check_config import config_from_argv
 from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
 from rstarjax.io.data import DataError
+from rstarjax.io.metrics_log import MetricsWriteError
 from rstarjax.layout import distributed_trainers
 from rstarjax.recipes import build, demo, demo_compare, evaluate, preemption, rl, sft, stage3_filter
 from rstarjax.recipes.config import MODES, RENAMED, DistributedConfig, RunConfig, as_flags, device_rules, parse
@@ -123,7 +124,7 @@ def workdir_lock(workdir: str, take: bool = True):
 def run_to_exit_status(config, workdir: str, explicit=frozenset()) -> int:
     """``run`` as the command line does: the process's exit status (2: a configuration error,
     printed; 128 + the signal: stopped by SIGTERM / SIGINT after saving, recipes/preemption.py;
-    1: a checkpoint could not be written, e.g. a full disk, or the rollouts' infrastructure
+    1: a checkpoint or the metrics log could not be written, e.g. a full disk, or the rollouts' infrastructure
     failed, e.g. the rollout process died, after saving the last finished step, or the training
     diverged (updates not finite ``max_nonfinite_steps`` times in a row); in one line)."""
     try:
@@ -146,7 +147,8 @@ def run_to_exit_status(config, workdir: str, explicit=frozenset()) -> int:
     except NonFiniteTraining as e:  # a diverged run (RL or SFT): which steps, which settings to change
         print(as_flags(f"rstarjax: {e}"), file=sys.stderr, flush=True)
         return 1
-    except RolloutsFailed as e:  # e.g. the rollout process died: what happened and what was saved
+    except (RolloutsFailed, MetricsWriteError) as e:  # e.g. the rollout process died, a full disk: what
+        # happened and what was saved
         print("rstarjax: " + "\n".join([str(e), *getattr(e, "__notes__", [])]), file=sys.stderr, flush=True)
         return 1
     return 0

@@ -9,6 +9,7 @@ two-process run (``python tests/test_reliability.py two-processes WORKDIR PORT P
 interrupted run (the ``interrupted_runs`` fixture: SIGTERM, then SIGINT twice, then a resume past
 a corrupt checkpoint to the end of its data) serves the tests of several parts.
 """
+import errno
 import glob
 import importlib.util
 import json
@@ -836,3 +837,78 @@ if __name__ == "__main__":
         two_process_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     else:
         stage1_worker(sys.argv[1], json.loads(sys.argv[2]))
+
+
+# ============================================================================ 10. a metrics log that cannot be written
+class _FullDiskLog:
+    """A metrics.jsonl that takes ``room`` lines, then fails as a full disk does (its close too)."""
+
+    def __init__(self, real, room):
+        self.real, self.room = real, room
+
+    def write(self, line):
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= 1
+        return self.real.write(line)
+
+    def fileno(self):
+        return self.real.fileno()
+
+    def close(self):
+        self.real.close()
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_metrics_log_on_a_full_disk_stops_the_run_in_one_line_with_its_steps_saved(tmp_path, monkeypatch, capsys):
+    """The disk fills after two steps' records: the run stops at step 3 with one line naming the
+    log and the full disk, step 3 (trained, not logged) saved for the same command to resume;
+    never a chain of OSErrors with no path, nor the steps lost."""
+    from test_batch_filter import run_config, scripted
+
+    import jax
+
+    from rstarjax import main as main_lib
+    from rstarjax.io import metrics_log
+    from rstarjax.models import sharding as sharding_lib
+    from rstarjax.recipes import build
+    from rstarjax.recipes.config import parse
+    from rstarjax.recipes.rl import run_rl
+
+    monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    opened = metrics_log.MetricsWriter.__init__
+
+    def with_full_disk(self, *a, **k):
+        opened(self, *a, **k)
+        self._jsonl = _FullDiskLog(self._jsonl, room=2)
+
+    monkeypatch.setattr(metrics_log.MetricsWriter, "__init__", with_full_disk)
+    workdir = str(tmp_path)
+    with open(os.path.join(workdir, "train.jsonl"), "w") as f:
+        f.writelines(json.dumps({"problem": f"problem {p}", "answer": str(p)}) + "\n" for p in range(2, 12))
+    c = run_config(workdir, 5)
+    c.checkpoint.every_steps = 100  # no periodic save before the end
+    cfg = parse(c)
+    with pytest.raises(metrics_log.MetricsWriteError) as e:
+        run_rl(cfg, workdir, rollout_fn=scripted(lambda p: [1, 0] * 2))
+    log_path = os.path.join(workdir, "logs", "metrics.jsonl")
+    assert str(e.value) == (f"the metrics log {log_path} could not be written: the disk is full (no space left on "
+                            "device): free space there or give --workdir a larger disk")
+    assert e.value.__notes__ == [f"step 3 is saved in {workdir}: the same command resumes from it"]
+    assert sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit()) == [3]
+    assert [json.loads(x)["step"] for x in open(log_path)] == [1, 2]
+    monkeypatch.setattr(main_lib, "run", lambda *a, **k: (_ for _ in ()).throw(e.value))
+    assert main_lib.run_to_exit_status(None, workdir) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"rstarjax: {e.value}", e.value.__notes__[0]]
+
+
+def test_a_metrics_log_deleted_under_the_run_is_an_error_not_a_silent_loss(tmp_path):
+    from rstarjax.io import metrics_log
+
+    writer = metrics_log.MetricsWriter(str(tmp_path / "logs"), tensorboard=False)
+    writer.write(1, {"a": 1.0})
+    shutil.rmtree(tmp_path / "logs")  # a cleanup that took the workdir with it
+    with pytest.raises(metrics_log.MetricsWriteError, match="metrics.jsonl is gone: it was deleted during the run"):
+        writer.write(2, {"a": 2.0})
+    writer.close()  # said once: closing does not raise it again

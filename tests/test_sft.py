@@ -290,6 +290,29 @@ def test_sigterm_saves_the_step_that_finished_and_stops(tok, tmp_path):
     assert sft.resume_step(str(tmp_path), ckpt_cfg) == 2
 
 
+def test_a_metrics_log_on_a_full_disk_saves_the_step_it_could_not_log(tok, tmp_path):
+    """The metrics log refuses step 2's record (a full disk): the run stops with that error, one
+    line, and step 2, trained, is saved for the same command to resume from."""
+    import errno
+
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.io.metrics_log import MetricsWriteError
+
+    class FullAtStep2:
+        def write(self, step, metrics):
+            if step == 2:
+                raise MetricsWriteError(f"the metrics log x could not be written: {os.strerror(errno.ENOSPC)}")
+
+    convs = [_conversation(i) for i in range(8)]
+    cfg = SFTConfig(epochs=6, batch_size=4, learning_rate=1e-3, warmup_ratio=0.0, seq_len=512)
+    ckpt_cfg = ckpt_lib.CheckpointConfig(every_steps=100, async_save=False)
+    with pytest.raises(MetricsWriteError) as e:
+        sft.train_sft(_tiny_model(tok), tok, convs, cfg, fmt=ct.COMPACT, workdir=str(tmp_path),
+                      mesh=_one_device_mesh(), checkpoint_cfg=ckpt_cfg, metrics_writer=FullAtStep2())
+    assert e.value.__notes__ == [f"step 2 is saved in {tmp_path}: the same command resumes from it"]
+    assert sft.resume_step(str(tmp_path), ckpt_cfg) == 2
+
+
 def tiny_sft_run(tok, tmp_path, conversations: int):
     """``configs/sft.py`` parsed for a tiny float32 model saved under ``tmp_path/hf`` and
     ``conversations`` rows of SFT data: one epoch of batches of 4, no export, no TensorBoard."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import logging
@@ -25,6 +26,22 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` or one in its chain is ENOSPC / EDQUOT (TensorStore reports them as text:
+    ``No space left on device [os_error_code='28']``)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(exc)
+        if any(s in text for s in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT),
+                                   f"os_error_code='{errno.ENOSPC}'", f"os_error_code='{errno.EDQUOT}'")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def write_atomic(path: str, text: str) -> None:

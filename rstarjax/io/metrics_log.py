@@ -63,6 +63,20 @@ def drop_records_after(path: str, step: int) -> int | None:
     return last
 
 
+class MetricsWriteError(RuntimeError):
+    """The metrics log could not be written (the message, one line, says where and why)."""
+
+
+def _write_error(path: str, exc: BaseException | None, what: str = "could not be written") -> MetricsWriteError:
+    if exc is None:
+        cause = "it was deleted during the run (its directory removed?)"
+    elif files.disk_full(exc):
+        cause = "the disk is full (no space left on device): free space there or give --workdir a larger disk"
+    else:
+        cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return MetricsWriteError(f"the metrics log {path} {what}: {cause}")
+
+
 def _scalars(metrics: Mapping) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, np.floating, np.integer))}
 
@@ -88,10 +102,12 @@ class MetricsWriter:
         self._jsonl = None
         self._wandb = None
         self._wandb_has_through = None  # the last step the resumed W&B run already holds
+        self._failed = False  # a write failed and was raised: close() does not raise it again
+        self.path = os.path.join(logdir, "metrics.jsonl")
         if not enabled:
             return
         os.makedirs(logdir, exist_ok=True)
-        path = os.path.join(logdir, "metrics.jsonl")
+        path = self.path
         files.cut_torn_tail(path)  # a record a killed run cut short: appended after, the next one is lost with it
         logged_through = drop_records_after(path, resume_step) if resume_step is not None else None
         self._jsonl = open(path, "a", buffering=1)
@@ -112,7 +128,7 @@ class MetricsWriter:
             return
         record = {"step": int(step), "wall_time": time.time()}
         record.update({k: _jsonable(v) for k, v in metrics.items()})
-        self._jsonl.write(json.dumps(record) + "\n")
+        self._append(json.dumps(record) + "\n")
         scalars = _scalars(metrics)
         if self._tb is not None:
             for k, v in scalars.items():
@@ -120,16 +136,34 @@ class MetricsWriter:
         if self._wandb is not None and (self._wandb_has_through is None or step > self._wandb_has_through):
             self._wandb.log(scalars, step=int(step))  # W&B keeps a step's first values: it refuses older steps
 
+    def _append(self, line: str) -> None:
+        """One record, or ``MetricsWriteError`` in one line: a full disk, or a log deleted under
+        the run (appending to the unlinked file would lose every later record without a word)."""
+        try:
+            if os.fstat(self._jsonl.fileno()).st_nlink == 0:
+                self._failed = True
+                raise _write_error(self.path, None, "is gone")
+            self._jsonl.write(line)  # line-buffered: on disk (or refused) now
+        except OSError as e:
+            self._failed = True
+            raise _write_error(self.path, e) from e
+
     def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-        if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
+        jsonl, self._jsonl = self._jsonl, None
+        try:
+            if jsonl is not None:
+                try:
+                    jsonl.close()
+                except OSError as e:  # raised once: a write that failed already said why
+                    if not self._failed:
+                        raise _write_error(self.path, e) from e
+        finally:
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None
+            if self._wandb is not None:
+                self._wandb.finish()
+                self._wandb = None
 
     def __enter__(self):
         return self

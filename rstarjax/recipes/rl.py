@@ -22,7 +22,7 @@ from rstarjax.processes import any_process
 from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
 from rstarjax.io import data as data_lib
-from rstarjax.io.metrics_log import MetricsWriter, step_line
+from rstarjax.io.metrics_log import MetricsWriteError, MetricsWriter, step_line
 from rstarjax.layout import layout_of
 from rstarjax.models import lora
 from rstarjax.recipes import build, lora_base, preemption, sources
@@ -426,7 +426,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
         if ended:  # a stage that trained nothing still leaves its policy for the next stage's init_from
             saved = _save_last(trainer.step, start, save, finished_data, ckpt, keep_unchanged=True)
             _say_ended(run, ended, len(problems), trainer.step, start, saved, empty, is_main)
-    except RolloutsFailed as failure:  # the rollouts' infrastructure, not the model: keep what finished
+    except (RolloutsFailed, MetricsWriteError) as failure:  # the infrastructure, not the model: keep what finished
         _note_saved(failure, trainer.step, start, save, finished_data, ckpt, workdir)
         raise
     finally:

@@ -34,7 +34,7 @@ from flax import nnx
 from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import files
 from rstarjax.io.data import BadRow, DataError, read_numbered_rows
-from rstarjax.io.metrics_log import MetricsWriter
+from rstarjax.io.metrics_log import MetricsWriteError, MetricsWriter
 from rstarjax.models import chat_template as ct
 from rstarjax.models import save_hf
 from rstarjax.recipes import build, lora_base, preemption
@@ -260,7 +260,11 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
                 last["sft/epoch"] = (s + 1) / steps_per_epoch  # (with sft.max_steps too: it was nan there,
                 # which TensorBoard's writer warned about at every step)
                 if metrics_writer is not None:
-                    metrics_writer.write(s + 1, last)
+                    try:
+                        metrics_writer.write(s + 1, last)
+                    except MetricsWriteError as e:  # a full disk, say: the step trained is kept
+                        _save_after_failure(e, ckpt, s + 1, trainer, base_meta, workdir)
+                        raise
                 if log_every and ((s + 1) % log_every == 0 or s + 1 == total):
                     log.info("sft step %d/%d loss %.4f lr %.2e", s + 1, total, last["sft/loss"], last["sft/lr"])
                 diverged = nonfinite.observe(s + 1, last, ckpt.latest_step() if ckpt is not None else None)
@@ -279,6 +283,20 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
                "final_loss": losses[-1] if losses else float("nan"), "first_loss": losses[0] if losses else float("nan"),
                "seconds": time.time() - t0}
     return trainer, summary
+
+
+def _save_after_failure(failure: Exception, ckpt, step: int, trainer, meta: dict, workdir: str) -> None:
+    """Save ``step``, finished when ``failure`` stopped the run, and note on it whether it is."""
+    if ckpt is None:
+        return
+    try:
+        if step not in ckpt.all_steps():
+            ckpt.save(step, trainer.state, meta)
+        ckpt.wait()
+    except Exception as e:  # (the same full disk, most likely): said, the first failure raised
+        failure.add_note(f"step {step} could not be saved in {workdir}: {str(e).splitlines()[0] if str(e) else e!r}")
+        return
+    failure.add_note(f"step {step} is saved in {workdir}: the same command resumes from it")
 
 
 # ---- entry point -----------------------------------------------------------------------------------
