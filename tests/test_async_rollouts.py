@@ -204,7 +204,7 @@ class StagedRollouts:
         return fake_rollout_fn(records, n, seed, version)
 
     def stage_params(self, model):
-        return self.trainer_ref[0].step  # the version whose weights these are
+        return self.trainer_ref[0].policy_version  # the version whose weights these are
 
     def serve_staged(self, version):
         self.served = version
@@ -269,6 +269,39 @@ def test_the_stage_trains_rounds_within_k_and_resumes_without_training_a_prompt_
     assert len(lags) == 6 and max(lags) == 1.0 and min(lags) == 0.0
     assert all(m["async/rollout_wait_s"] >= 0 for m in logged)
     assert np.isfinite([m["train/loss"] for m in logged]).all()
+
+
+def test_versions_count_weight_sets_not_mini_batch_updates(tmp_path, monkeypatch):
+    """With trainer.mini_batches = 2 each rollout batch moves the step by 2 but publishes one
+    policy: rounds are tagged, lagged and bounded in those versions (AReaL's: one per published
+    policy), so k = 1 keeps its lag at 1 (it read 2 in optimizer updates), and no round starts
+    that no update takes (the thread counted updates left, not batches: 5 started for 4)."""
+    import jax
+
+    from rstarjax.models import sharding as sharding_lib
+    from rstarjax.recipes import build
+    from rstarjax.recipes.config import parse
+    from rstarjax.recipes.rl import run_rl
+    from rstarjax.rl.staleness import rollout_steps_left
+
+    from test_checkpoint import write_data
+
+    assert [rollout_steps_left(8, s, 2) for s in (0, 1, 2, 7, 8)] == [4, 4, 3, 1, 0]
+    monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    workdir = str(tmp_path)
+    write_data(workdir, n=40)
+    ref = []
+    _trainer_spy(monkeypatch, ref)
+    rollouts = StagedRollouts(ref)
+    c = _async_config(workdir, 8)
+    c.trainer.mini_batches, c.trainer.micro_batch_size = 2, 2
+    trainer = run_rl(parse(c), workdir, rollout_fn=rollouts)
+    assert (trainer.step, trainer.policy_version) == (8, 4)
+    assert [v for _, v in rollouts.rounds] == [0, 0, 1, 2]
+    with open(os.path.join(workdir, "logs", "metrics.jsonl")) as f:
+        logged = [json.loads(line) for line in f]
+    assert [m["train/step"] for m in logged] == [2, 4, 6, 8]
+    assert [m["async/policy_lag_max"] for m in logged] == [0.0, 1.0, 1.0, 1.0]
 
 
 def test_prompts_in_flight_at_an_async_checkpoint_start_first_when_resumed_synchronously(tmp_path, monkeypatch):
@@ -469,6 +502,10 @@ def test_config_refuses_staleness_without_a_correction_or_with_released_memory(t
     c = _async_config(str(tmp_path), 2)
     c.loss.tis_cap = None
     with pytest.raises(ConfigError, match="off-policy correction"):
+        parse(c)
+    c = _async_config(str(tmp_path), 2)
+    c.trainer.recompute_old_logprobs = False  # TIS's weight would be exactly 1
+    with pytest.raises(ConfigError, match="tis_cap=2.0 needs --config.trainer.recompute_old_logprobs=True"):
         parse(c)
     c = _async_config(str(tmp_path), 2)
     c.serving.release_during_update = True

@@ -675,6 +675,10 @@ def _run_rules(run: RunConfig) -> list[str]:
             errs.append(f"--config.loss.decoupled_cap={run.loss.decoupled_cap} needs "
                         "--config.trainer.recompute_old_logprobs=True: decoupled PPO's proximal policy is the "
                         "trainer's recomputed log-probs (without them it equals the behaviour policy)")
+        if run.loss.tis_cap is not None and not tr.recompute_old_logprobs:
+            errs.append(f"--config.loss.tis_cap={run.loss.tis_cap} needs --config.trainer.recompute_old_logprobs=True: "
+                        "its weight is the trainer's recomputed log-prob over the sampler's (without them it is "
+                        "exactly 1, no correction)")
         if rl.max_staleness and run.loss.tis_cap is None and run.loss.decoupled_cap is None:
             errs.append(f"--config.rl.max_staleness={rl.max_staleness} trains on rollouts that older policies "
                         "sampled: give it an off-policy correction, --config.loss.decoupled_cap (decoupled PPO, "

@@ -363,7 +363,8 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
     data_iter, base_key, restart, record = _stage_data(run, meta, problems, export_meta)
     if on_update is not None:
         on_update(trainer)  # the engine serves the restored policy from the first rollout on
-    source = sources.make_source(run, rollout_fn, on_update, data_iter, base_key, trainer.step, restart, guard)
+    source = sources.make_source(run, rollout_fn, on_update, data_iter, base_key, trainer.step, restart, guard,
+                                 trainer.policy_version)
     save = _saver(trainer, ckpt, base_key, dict(record, **_reference_record(trainer, run, meta)),
                   source.keeps_in_flight)
     start, is_main = trainer.step, jax.process_index() == 0
@@ -400,7 +401,7 @@ def _train_stage(run: RunConfig, workdir, trainer, ckpt, meta, problems, rollout
                 stop_signal = guard.request.signum
                 break
             attempts += 1
-            metrics = source.settle(metrics, trainer.step, updated=trainer.step > step)
+            metrics = source.settle(metrics, trainer.policy_version, updated=trainer.step > step)
             if metrics is None:  # the round trained nothing yet: its work counts in the step that does
                 continue
             if trainer.step == step:  # every group was rejected: no update, as the official trainer

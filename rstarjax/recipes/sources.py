@@ -32,7 +32,7 @@ from rstarjax.rl.sources.asynchronous import AsyncSource
 from rstarjax.rl.sources.base import PausableRollouts, RolloutSource, StagedRollouts
 from rstarjax.rl.sources.partial import PartialSource
 from rstarjax.rl.sources.synchronous import SynchronousSource
-from rstarjax.rl.staleness import AsyncRollouts
+from rstarjax.rl.staleness import AsyncRollouts, rollout_steps_left
 from rstarjax.rl.trajectory import RolloutsFailed
 
 log = logging.getLogger(__name__)
@@ -58,13 +58,13 @@ def register_mode(mode: Mode) -> Callable[[], None]:
 
 
 def make_source(run: RunConfig, rollout_fn, on_update: Callable | None, data_iter, base_key, step: int,
-                restart: list, guard: preemption.SignalGuard) -> RolloutSource:
+                restart: list, guard: preemption.SignalGuard, version: int = 0) -> RolloutSource:
     """The rollout source of a stage at global step ``step``: ``rollout_fn`` rolls out (a
     ``trajectory.RolloutFn``; partial rollouts need a ``PausableRollouts``, asynchronous ones a
     ``StagedRollouts``), ``on_update(trainer)`` installs new weights in its engines, ``data_iter``
     draws the prompts; ``restart``: the prompts in flight at the checkpoint resumed (rolled out
     first); ``guard``: a stop signal may abandon a step's rollouts (not a rollout thread's round,
-    which is never trained)."""
+    which is never trained); ``version``: the trainer's ``policy_version``, which the engines serve."""
     def guarded(fn):  # the part of a step that a stop signal may abandon; its failure, every process's
         def call(*args, **kwargs):
             with guard.rollouts():
@@ -99,8 +99,9 @@ def make_source(run: RunConfig, rollout_fn, on_update: Callable | None, data_ite
                      "start them first (their unfinished rollouts were never trained)", len(resumed), step)
     if not asynchronous:
         return source
-    thread = start_async_rollouts(run, rollout_fn, data_iter, base_key, step, restart, partial)
-    return AsyncSource(thread, failing_together(thread.next_round), source, rollout_fn, data_iter, run.total_steps)
+    thread = start_async_rollouts(run, rollout_fn, data_iter, base_key, step, restart, partial, version)
+    return AsyncSource(thread, failing_together(thread.next_round), source, rollout_fn, data_iter, run.total_steps,
+                       run.trainer.mini_batches)
 
 
 def with_transport(run: RunConfig, rollout_fn, on_update: Callable | None, train: Callable):
@@ -126,10 +127,10 @@ def with_transport(run: RunConfig, rollout_fn, on_update: Callable | None, train
 
 
 def start_async_rollouts(run: RunConfig, rollout_fn, data_iter, base_key, step: int, restart: list,
-                         partial: PartialRollouts | None = None) -> AsyncRollouts:
+                         partial: PartialRollouts | None = None, version: int = 0) -> AsyncRollouts:
     """The rollout thread of ``rl.max_staleness`` (``rl.staleness``), from global step ``step``;
     ``restart``: the prompts in flight at the checkpoint resumed (rolled out first); ``partial``:
-    each round is one of its rounds (partial rollouts)."""
+    each round is one of its rounds (partial rollouts); ``version``: the trainer's ``policy_version``."""
     if not isinstance(rollout_fn, StagedRollouts):
         raise ValueError("--config.rl.max_staleness needs a rollout function whose weights can be staged and "
                          "installed between rounds (agent_loop.ColocatedRollouts); this one cannot")
@@ -147,8 +148,9 @@ def start_async_rollouts(run: RunConfig, rollout_fn, data_iter, base_key, step: 
                  "their prompts (their rollouts were never trained)", len(restart), step)
     return AsyncRollouts(rollout_fn, data_iter.take, rollout_fn.serve_staged, seed_of, run.rl.max_staleness,
                          prompts_per_process(run), run.rl.rollouts_per_prompt,
-                         version=step,
-                         remaining=run.total_steps - step, restart=list(restart),
+                         version=version,
+                         remaining=rollout_steps_left(run.total_steps, step, run.trainer.mini_batches),
+                         restart=list(restart),
                          wait_s=round_wait_s(run), partial=partial)
 
 

@@ -167,7 +167,8 @@ class CollectedRound:
 
 def policy_lag_metrics(trajectories: Sequence[Trajectory], version: int, prefix: str = "partial/"
                        ) -> dict[str, float]:
-    """How many updates behind ``version`` (the policy being trained) the trained model tokens
+    """How many policy versions (``Trainer.policy_version``: RL updates of a rollout batch)
+    behind ``version`` (the policy being trained) the trained model tokens
     were sampled: the maximum and the token mean, and the share of tokens sampled by an older
     policy (under ``prefix``: ``partial/`` or, asynchronous rollouts, ``async/``)."""
     versions = [t.model_token_versions for t in trajectories]

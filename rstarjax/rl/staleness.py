@@ -64,6 +64,15 @@ def may_start(index: int, consumed: int, busy: bool, max_staleness: int) -> bool
     return index - consumed + int(busy) <= max_staleness
 
 
+def rollout_steps_left(total_steps: int, step: int, updates_per_step: int) -> int:
+    """Rollout batches still to train from optimizer step ``step`` to ``total_steps`` when each
+    trains ``updates_per_step`` mini-batches: a lower bound (a batch with an empty mini-batch
+    moves fewer steps), at least 1 while a step is left, so the rollout thread never starts a
+    round no update takes and never stops while one is still needed (each update publishes it
+    anew)."""
+    return max(0, -(-(total_steps - step) // max(1, updates_per_step)))
+
+
 def lag_bound(max_staleness: int, sampled_round: int, trained_round: int) -> int:
     """The most policy versions a token sampled in round ``sampled_round`` is behind the policy
     that trains it with round ``trained_round`` (>= ``sampled_round``; they differ only for a
@@ -100,8 +109,8 @@ class AsyncRollouts:
     ``partial``: each round is one of its rounds).
     ``draw(n)``: the next at most ``n`` prompts of the data (fewer or none at its end).
     ``install(weights)``: serve weights ``publish`` was given (between rounds, on this thread).
-    ``seed_of(index)``: round ``index``'s sampling seed. ``remaining``: updates still to make
-    (no round starts that no update would take). ``wait_s``: the longest the trainer waits for
+    ``seed_of(index)``: round ``index``'s sampling seed. ``remaining``: rollout batches still to
+    train (``rollout_steps_left``: no round starts that no update would take). ``wait_s``: the longest the trainer waits for
     one round (a bound on top of the rollout function's own)."""
 
     rollout_fn: Callable
@@ -217,7 +226,7 @@ class AsyncRollouts:
     def publish(self, weights: object | None, version: int, remaining: int) -> None:
         """The trainer is done with the round it took: ``weights`` (None: no update ran) are
         policy ``version``'s serving copy, installed before the next round starts; ``remaining``
-        updates are still to make."""
+        rollout batches are still to train (``rollout_steps_left``)."""
         with self.cond:
             if weights is not None:
                 self.pending_weights = (weights, version)

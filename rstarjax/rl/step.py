@@ -134,11 +134,12 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | None, records: list, cfg: 
     dropped, rounds, offset, batch_records = 0, 0, 0, records
     while True:
         if partial is None:
-            out = rollout_fn(batch_records, cfg.rollouts_per_prompt, _round_seed(seed, rounds), trainer.step)
+            out = rollout_fn(batch_records, cfg.rollouts_per_prompt, _round_seed(seed, rounds),
+                             trainer.policy_version)
             trajs, extra = trajectories_of(out), (out[1] if isinstance(out, tuple) else {})
         else:  # the groups that completed, whenever they started
             batch_records, trajs, extra = partial.collect(batch_records, cfg.rollouts_per_prompt, seed,
-                                                          trainer.step)
+                                                          trainer.policy_version)
         selection = select_groups(trajs, len(batch_records), cfg, _round_seed(seed, rounds))
         selections.append(selection)
         all_records += list(batch_records)
@@ -174,9 +175,9 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | None, records: list, cfg: 
         batch, layout = _empty_train_batch(num_rows, cfg.seq_len), None
     metrics, gap_mask = {}, None
     if partial is not None or stale_rollouts:
-        metrics.update(policy_lag_metrics(train_trajs, trainer.step, "async/" if stale_rollouts else "partial/"))
+        metrics.update(policy_lag_metrics(train_trajs, trainer.policy_version, "async/" if stale_rollouts else "partial/"))
         if layout is not None:
-            gap_mask = fresh_token_mask(train_trajs, layout.placements, trainer.step, num_rows, cfg.seq_len,
+            gap_mask = fresh_token_mask(train_trajs, layout.placements, trainer.policy_version, num_rows, cfg.seq_len,
                                         kept_kv=partial is not None and partial.keeps_kv)
     metrics.update(metrics_lib.rollout_metrics(all_trajs, prefix="rollout_all/"))
     metrics.update(metrics_lib.group_metrics(all_trajs, prefix="rollout_all/"))

@@ -346,6 +346,11 @@ class Trainer:
         self.logit_temperature = float(logit_temperature)
         self.cfg = cfg
         self.loss_cfg = loss_cfg
+        # weight sets this trainer made: one per RL update of a rollout batch, whatever its
+        # mini-batches (``step`` counts optimizer updates). The unit of rl.max_staleness and of
+        # every trajectory's policy_version (AReaL's versions: one per published policy); it
+        # counts from 0 in each process, as rollouts in flight never outlive it
+        self.policy_version = 0
         self.policy_loss = loss_lib.policy_micro_loss(loss_cfg) if loss_cfg is not None else None
         self.mesh = mesh if mesh is not None else sharding_lib.make_mesh(1, -1, 1)
         self.optimizer = (optimizer if optimizer is not None
@@ -642,6 +647,8 @@ class Trainer:
                     mini = {k: v[i * rows // n:(i + 1) * rows // n] for k, v in batch.items()}
                     mini = jax.device_put(mini, self._batch_shardings(tuple(batch)))
             per_update.append(self.update(mini, self.policy_loss, denom or 0.0))
+        if per_update:
+            self.policy_version += 1
         host, trained = jax.device_get((per_update, jnp.sum(batch["loss_mask"])))
         metrics["time/update"] = time.perf_counter() - t0 - metrics.get("time/old_logprobs", 0.0)
         for k in host[0] if host else ():

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from rstarjax.processes import any_process
 from rstarjax.rl.sources.base import RolloutSource, StagedRollouts, StepRound
-from rstarjax.rl.staleness import AsyncRollouts
+from rstarjax.rl.staleness import AsyncRollouts, rollout_steps_left
 
 
 @dataclasses.dataclass
@@ -17,7 +17,8 @@ class AsyncSource:
     """``thread``: the rollout thread, started; ``next_of``: its ``next_round`` as the training
     processes call it (failing together); ``inner``: the source whose rounds the thread runs (its
     ``settle`` books them); ``engines``: stages each update's weights for the thread to install
-    between rounds; ``total_steps``: the stage's last step."""
+    between rounds; ``total_steps``: the stage's last step; ``updates_per_step``: the trainer's
+    mini-batches (``total_steps`` counts optimizer updates, the thread rollout batches)."""
 
     thread: AsyncRollouts
     next_of: Callable
@@ -25,6 +26,7 @@ class AsyncSource:
     engines: StagedRollouts
     data: object
     total_steps: int
+    updates_per_step: int = 1
     keeps_in_flight = True
 
     def __post_init__(self):
@@ -46,13 +48,13 @@ class AsyncSource:
     def settle(self, metrics: dict, version: int, updated: bool) -> dict | None:
         metrics.update(self.waited)
         if not updated:  # no update: the rollout thread goes on with the weights it has
-            self.thread.publish(None, version, self.total_steps - version)
+            self.thread.publish(None, version, self.thread.remaining)
         return self.inner.settle(metrics, version, updated)
 
     def after_update(self, trainer) -> None:
         # the serving copy now (the next update overwrites the params), served between rounds
-        self.thread.publish(self.engines.stage_params(trainer.served_model()), trainer.step,
-                            self.total_steps - trainer.step)
+        self.thread.publish(self.engines.stage_params(trainer.served_model()), trainer.policy_version,
+                            rollout_steps_left(self.total_steps, trainer.step, self.updates_per_step))
 
     def snapshot(self) -> tuple[object, list]:
         return self.thread.snapshot(self.data.get_state)
