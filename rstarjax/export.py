@@ -6,7 +6,10 @@
 The checkpoint is an Orbax directory written by ``io.checkpoint.Checkpointer`` (RL or SFT).
 The architecture comes from, in order: ``--model_config`` (a HF config.json), the checkpoint's
 meta ``model_config`` (SFT and the demo store it), a ``config.json`` next to the checkpoint
-directory (``WORKDIR/hf``, ``WORKDIR/config.json``), or ``--preset``. Only the params are read
+directory (``WORKDIR/hf``, ``WORKDIR/config.json``), or ``--preset``. A ``--model_config`` that
+differs from the meta's in any field is refused, naming the fields; a config that lacks a params
+array the checkpoint holds (``tie_word_embeddings=true`` for an untied run) is refused by the
+restore, naming the array, rather than exported without it. Only the params are read
 (never the optimizer state); ``models.save_hf`` writes config.json, safetensors shards and the
 tokenizer (with the chat template of the format the run trained with, recorded in the checkpoint's
 meta ``chat_format``; the rStar2 one for older checkpoints), so ``AutoModelForCausalLM.from_pretrained(HF_DIR)``
@@ -51,12 +54,31 @@ from rstarjax.models.hf import save_peft_adapter
 log = logging.getLogger(__name__)
 
 
+def model_config_differences(given: dict, recorded: dict) -> list[str]:
+    """The fields in which two HF config dicts describe different models, each as ``field
+    (given value, recorded value)``. Both are read as ``ModelConfig`` and written back, so only
+    what the export uses counts: not the transformers 4 / 5 layout, nor fields it ignores
+    (``transformers_version``, ``torch_dtype``)."""
+    a, b = ModelConfig.from_hf_dict(given).to_hf_dict(), ModelConfig.from_hf_dict(recorded).to_hf_dict()
+    return [f"{k} ({json.dumps(a.get(k))} vs {json.dumps(b.get(k))})" for k in sorted(a.keys() | b.keys())
+            if a.get(k) != b.get(k)]
+
+
 def resolve_model_config(checkpoint_dir: str, meta: dict, model_config: str | None = None,
                          preset: str | None = None):
-    """The ModelConfig of the checkpoint (see the module doc for the search order)."""
+    """The ModelConfig of the checkpoint (see the module doc for the search order). A
+    ``model_config`` that differs from the one the checkpoint's meta records is refused: the
+    meta's is the model that was trained, and another (a tied head, say) would export other
+    weights than the run's."""
     if model_config:
         with open(model_config) as f:
-            return ModelConfig.from_hf_dict(json.load(f)), f"--model_config {model_config}"
+            given = json.load(f)
+        differences = model_config_differences(given, meta["model_config"]) if meta.get("model_config") else []
+        if differences:
+            raise ValueError(f"--model_config {model_config} does not match the model_config the checkpoint's "
+                             f"meta records, in {'; '.join(differences)} (--model_config vs meta): drop "
+                             "--model_config, the meta names the model the checkpoint was trained as")
+        return ModelConfig.from_hf_dict(given), f"--model_config {model_config}"
     if meta.get("model_config"):
         return ModelConfig.from_hf_dict(meta["model_config"]), "checkpoint meta"
     parent = os.path.dirname(os.path.abspath(checkpoint_dir))

@@ -604,6 +604,33 @@ def test_a_checkpoint_without_fingerprints_restores_with_a_warning(tmp_path, cap
     assert "records no fingerprints" in caplog.text and str(tmp_path / "4") in caplog.text
 
 
+def test_a_params_restore_refuses_to_leave_a_params_array_behind(tmp_path):
+    """Orbax's partial restore reads only what it is asked for: a params array the model lacks
+    (a trained untied lm_head, read into a model whose config says tied) would be dropped without
+    a word. Refused, naming it; the optimizer state a params-only restore leaves behind on
+    purpose (a stage hand-off, an export) is no such array."""
+    import jax
+    import jax.numpy as jnp
+
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.rl.trainer import TrainState
+
+    params = {"embed": jnp.arange(32.0).reshape(8, 4), "lm_head": jnp.full((4, 8), 2.0)}
+    directory = str(tmp_path / "c")
+    with ckpt_lib.Checkpointer(directory, ckpt_lib.CheckpointConfig(async_save=False)) as ck:
+        ck.save(3, TrainState(params, {"mu": jax.tree.map(jnp.zeros_like, params)}, jnp.int32(3)), {"step": 3})
+    restored, _, _ = ckpt_lib.restore_params(directory, ckpt_lib.abstract_like(params), 3)
+    for name, saved in params.items():
+        np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(saved))
+    tied = ckpt_lib.abstract_like({"embed": params["embed"]})
+    with pytest.raises(ValueError, match=rf"checkpoint {directory}/3 holds params/lm_head, which the model restored "
+                                         "onto lacks: tie_word_embeddings=true would drop it") as info:
+        ckpt_lib.restore_params(directory, tied, 3)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=r"holds params/embed, which the model restored onto lacks \(a partial restore"):
+        ckpt_lib.restore_params(directory, ckpt_lib.abstract_like({"lm_head": params["lm_head"]}), 3)
+
+
 _FAILED_RESTORES = r"""
 import gc, glob, os, sys, time
 import jax, jax.numpy as jnp, numpy as np

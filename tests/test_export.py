@@ -22,11 +22,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
-def tiny_trainer():
+def tiny_trainer(tie_word_embeddings: bool = True):
     """The tiny model (seed 3) on one device, with its tokenizer and a fresh trainer."""
     tok = load_tokenizer(1000)
     cfg = ModelConfig.preset("tiny", vocab_size=tok.num_tokens, dtype=jnp.float32,
-                             bos_token_id=tok.endoftext_id, eos_token_id=tok.eos_id)
+                             bos_token_id=tok.endoftext_id, eos_token_id=tok.eos_id,
+                             tie_word_embeddings=tie_word_embeddings)
     model = Qwen3(cfg, rngs=nnx.Rngs(3))
     trainer = Trainer(model, OptimConfig(), LossConfig(), TrainerConfig(),
                       mesh=make_mesh(1, 1, 1, devices=jax.devices()[:1]))
@@ -235,3 +236,78 @@ def test_a_runs_workdir_given_as_checkpoint_names_its_checkpoints(tmp_path):
     r = subprocess.run([sys.executable, "-m", "rstarjax.export", "--checkpoint", str(tmp_path / "run"),
                         "--out", str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and f"give its checkpoints, --checkpoint {tmp_path / 'run' / 'checkpoints'}" in r.stderr, r.stderr
+
+
+@pytest.fixture(scope="module")
+def untied_checkpoints(tmp_path_factory):
+    """An untied run's step 7 (a trained lm_head), twice: with the meta's model_config, and
+    without it (as an RL checkpoint of an older version: the architecture comes from outside)."""
+    model, tok, trainer = tiny_trainer(tie_word_embeddings=False)
+    root = tmp_path_factory.mktemp("untied")
+    meta = model_meta(model, tok)
+    for name, kept in (("with_meta", meta), ("no_meta", {k: v for k, v in meta.items() if k != "model_config"})):
+        with ckpt_lib.Checkpointer(str(root / name), ckpt_lib.CheckpointConfig(async_save=False)) as c:
+            c.save(7, trainer.state, kept)
+    untied = model.config.to_hf_dict()
+    (root / "untied.json").write_text(json.dumps(untied))
+    (root / "tied.json").write_text(json.dumps(dict(untied, tie_word_embeddings=True)))
+    return root
+
+
+def test_a_model_config_that_differs_from_the_meta_is_refused_naming_the_fields(untied_checkpoints, tmp_path,
+                                                                               capsys):
+    """--model_config saying tied for an untied run: exporting would drop the trained lm_head
+    (transformers then ties the head to the embedding, other logits). One line naming the field,
+    exit 2, nothing written; the config the meta records is accepted."""
+    root = untied_checkpoints
+    args = ["--checkpoint", str(root / "with_meta"), "--out", str(tmp_path / "hf"), "--model_config"]
+    assert export.main(args + [str(root / "tied.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--model_config {root / 'tied.json'} does not match" in err[0], err
+    assert "tie_word_embeddings (true vs false)" in err[0], err
+    assert not (tmp_path / "hf").exists()
+    assert export.main(args + [str(root / "untied.json")]) == 0
+    assert not json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"]
+
+
+def test_a_tied_config_for_an_untied_checkpoint_without_meta_config_is_refused_naming_lm_head(
+        untied_checkpoints, tmp_path):
+    """No model_config in the meta to compare with: the restore itself refuses to leave the
+    checkpoint's lm_head behind (Orbax's partial restore read only what the tied model asked for)."""
+    root = untied_checkpoints
+    with pytest.raises(ValueError, match=r"holds params/lm_head/value, which the model restored onto lacks: "
+                                         r"tie_word_embeddings=true would drop it"):
+        export.export_checkpoint(str(root / "no_meta"), str(tmp_path / "hf"), model_config=str(root / "tied.json"))
+    assert not (tmp_path / "hf").exists()
+    out = export.export_checkpoint(str(root / "no_meta"), str(tmp_path / "hf"), model_config=str(root / "untied.json"))
+    assert out["step"] == 7
+
+
+def test_generation_stops_at_the_turn_end_the_policy_emits_for_a_base_config(tmp_path):
+    """A policy built from a Base checkpoint keeps its config's eos <|endoftext|>, but ends its
+    turns with <|im_end|> (the tokenizer's eos, where the engine stops): the export's
+    generation_config names both, so transformers' generate() stops where our engine does."""
+    from rstarjax.models import save_hf
+
+    tok = load_tokenizer(1000)
+    cfg = ModelConfig.preset("tiny", vocab_size=tok.num_tokens, dtype=jnp.float32, tie_word_embeddings=False,
+                             bos_token_id=tok.endoftext_id, eos_token_id=tok.endoftext_id)
+    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    # a model that always predicts <|im_end|>: the layers add nothing, every embedding is e0, and
+    # only <|im_end|>'s row of the head reads e0
+    model.layers.o_proj.set_value(jnp.zeros_like(model.layers.o_proj[...]))
+    model.layers.down_proj.set_value(jnp.zeros_like(model.layers.down_proj[...]))
+    e0 = jnp.zeros((cfg.hidden_size,)).at[0].set(1.0)
+    model.embed.set_value(jnp.tile(e0, (cfg.vocab_size, 1)))
+    model.lm_head.set_value(jnp.zeros((cfg.hidden_size, cfg.vocab_size)).at[0, tok.eos_id].set(10.0))
+    save_hf(model, str(tmp_path / "hf"), tokenizer=tok)
+
+    gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [tok.eos_id, tok.endoftext_id] and gen["pad_token_id"] == tok.pad_id
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    out = hf.generate(torch.tensor([[100, 200, 300]]), max_new_tokens=6, do_sample=False)
+    assert out[0, 3:].tolist() == [tok.eos_id]
+    # weights only (no tokenizer known): the config's own ids, as before
+    save_hf(model, str(tmp_path / "weights"), tokenizer=False)
+    gen = json.loads((tmp_path / "weights" / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == tok.endoftext_id and "pad_token_id" not in gen

@@ -136,6 +136,65 @@ def test_a_tensor_in_two_shards_is_refused(dirs, tmp_path):
     _refused(path, rf"tensor '{name}' is in both {first.name} and {last.name}")
 
 
+def test_a_directory_with_both_a_single_file_and_an_index_is_refused(dirs, tmp_path):
+    """transformers loads model.safetensors and ignores the index beside it: reading the index's
+    shards would run other weights (here another model's) than the same directory gives it."""
+    from rstarjax.models.hf_check import model_dir_problems
+
+    path = _copy(dirs, "sharded", tmp_path)
+    shutil.copy(dirs["tied"] / "model.safetensors", path / "model.safetensors")
+    message = "holds both model.safetensors and model.safetensors.index.json; transformers would load " \
+              "model.safetensors: remove one"
+    assert _refused(path, re.escape(message)).startswith(str(path))
+    assert model_dir_problems(str(path), num_regular_tokens=N_REGULAR) == [message]
+
+
+def _alias(header):  # layer 1's q_proj pointed at layer 0's bytes
+    header["model.layers.1.self_attn.q_proj.weight"]["data_offsets"] = \
+        header["model.layers.0.self_attn.q_proj.weight"]["data_offsets"]
+
+
+def _shift_back(header):  # layer 1's q_proj starts 8 bytes early: it overlaps the tensor before it
+    header["model.layers.1.self_attn.q_proj.weight"]["data_offsets"] = [
+        x - 8 for x in header["model.layers.1.self_attn.q_proj.weight"]["data_offsets"]]
+
+
+@pytest.mark.parametrize("change, match", [
+    (_alias, (r"starts at byte \d+ of the data, inside 'model\.layers\.0\.self_attn\.q_proj\.weight' "
+              r"\(which ends at \d+\): overlapping or aliased data_offsets")),
+    (_shift_back, r"inside '[^']+' \(which ends at \d+\): overlapping or aliased data_offsets"),
+])
+def test_tensors_that_share_bytes_are_refused_naming_the_file_and_tensor(dirs, tmp_path, change, match):
+    """The safetensors library refuses a file whose tensors do not tile its data ("invalid
+    offset"), so transformers cannot load it; we loaded one weight from another's bytes."""
+    from rstarjax.models.hf_check import model_dir_problems
+
+    path = _copy(dirs, "untied", tmp_path)
+    _edit_header(path / "model.safetensors", change)
+    message = _refused(path, match)
+    assert message.startswith(f"{path / 'model.safetensors'}: tensor 'model.layers.1.self_attn.q_proj.weight' ")
+    [problem] = model_dir_problems(str(path), num_regular_tokens=N_REGULAR)
+    assert problem.startswith("model.safetensors: tensor 'model.layers.1.self_attn.q_proj.weight' ") and \
+        re.search(match, problem), problem
+
+
+def test_bytes_no_tensor_holds_are_refused(dirs, tmp_path):
+    """Past the last tensor, or between two (the last one moved 8 bytes on): the safetensors
+    library refuses both."""
+    path = _copy(dirs, "untied", tmp_path)
+    with open(path / "model.safetensors", "ab") as f:
+        f.write(b"\0" * 8)
+    _refused(path, r"model\.safetensors: the last tensor, '[^']+', ends at byte \d+ of the data but the file "
+                   r"holds \d+ bytes of data: bytes past the last tensor")
+
+    def move_last_on(header):
+        last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+        header[last]["data_offsets"] = [x + 8 for x in header[last]["data_offsets"]]
+    _edit_header(path / "model.safetensors", move_last_on)
+    _refused(path, r"starts at byte \d+ of the data, but the tensor before it, '[^']+', ends at \d+: a gap in "
+                   "data_offsets")
+
+
 @pytest.mark.parametrize("dtype", [np.int8, np.bool_])
 def test_a_weight_of_an_integer_dtype_is_refused(dirs, tmp_path, dtype):
     """An int8 / bool tensor under a weight's name (a quantized or damaged file) was cast to

@@ -233,6 +233,30 @@ def test_unsupported_architecture_is_named(single_file_ckpt, tmp_path):
         load_hf(str(tmp_path))
 
 
+def test_a_config_without_head_dim_means_what_it_means_to_transformers(tmp_path):
+    """Qwen3Config's head_dim defaults to 128 whatever hidden_size / heads is (here 16): a Qwen3
+    config.json without the field is that model, not one of hidden / heads. Qwen2Config has no such
+    field: hidden / heads."""
+    from rstarjax.models import ModelConfig
+
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(str(tmp_path))
+    written = json.loads((tmp_path / "config.json").read_text())
+    del written["head_dim"]
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    tmodel = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert tmodel.model.layers[0].self_attn.head_dim == transformers.Qwen3Config().head_dim == 128
+    model = load_hf(str(tmp_path), dtype=jnp.float32)
+    assert model.config.head_dim == 128
+    tokens = np.arange(10)[None] * 7 % VOCAB
+    np.testing.assert_allclose(_jit_forward(model)(tokens), _torch_logits(tmodel, tokens), atol=ATOL, rtol=0)
+    qwen2 = transformers.Qwen2Config(hidden_size=64, num_attention_heads=8, num_key_value_heads=2).to_dict()
+    qwen2.pop("head_dim", None)
+    assert ModelConfig.from_hf_dict(dict(qwen2, architectures=["Qwen2ForCausalLM"])).head_dim == 8
+
+
 def test_missing_weights_file_is_clear(tmp_path):
     json.dump({"architectures": ["Qwen3ForCausalLM"]}, open(tmp_path / "config.json", "w"))
     with pytest.raises((FileNotFoundError, ValueError)):

@@ -18,7 +18,6 @@ against it, so a damaged checkpoint is never restored silently (``UnreadableChec
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import os
 import sys
@@ -34,6 +33,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from rstarjax import processes
+from rstarjax.io import files
 from rstarjax.validation import require
 
 log = logging.getLogger(__name__)
@@ -109,22 +109,6 @@ def _first_line(exc: BaseException) -> str:
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (the message, one line, says which, where and why)."""
-
-
-def _disk_full(exc: BaseException) -> bool:
-    """Whether ``exc`` or one in its chain is ENOSPC / EDQUOT (TensorStore reports them as text:
-    ``No space left on device [os_error_code='28']``)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(exc)
-        if any(s in text for s in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT),
-                                   f"os_error_code='{errno.ENOSPC}'", f"os_error_code='{errno.EDQUOT}'")):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 class _OrbaxThreadErrorsOneLine(logging.Filter):
@@ -287,6 +271,26 @@ def check_structure(abstract, record: dict | None, step_dir: str) -> None:
         if list(np.shape(x)) != list(arrays[key][2]):
             raise ValueError(f"checkpoint {step_dir} holds {key} of shape {tuple(arrays[key][2])}, not "
                              f"{tuple(np.shape(x))}")
+
+
+def check_nothing_left_behind(abstract_params, record: dict | None, step_dir: str) -> None:
+    """``ValueError`` naming the first ``params/...`` array the checkpoint holds that
+    ``abstract_params`` (what a params restore asks for) lacks: Orbax's partial restore would drop
+    it silently, e.g. a trained untied ``lm_head`` read into a model whose config says
+    ``tie_word_embeddings=true``. Only the params are compared: a params-only restore leaves the
+    optimizer state and the step behind on purpose (a stage hand-off, an export). A LoRA
+    checkpoint's params are its adapters, so adapters onto a base fit. Checkpoints without a
+    record: no check."""
+    if not record:
+        return
+    asked = {_path_key(path) for path, _ in jax.tree_util.tree_flatten_with_path({"params": abstract_params})[0]}
+    left = sorted(k for k in record.get("arrays", {}) if k.startswith("params/") and k not in asked)
+    if not left:
+        return
+    more = f" (and {len(left) - 1} more params)" if len(left) > 1 else ""
+    why = (": tie_word_embeddings=true would drop it (the checkpoint was trained untied)"
+           if left[0].split("/")[1] == "lm_head" else " (a partial restore would drop it silently)")
+    raise ValueError(f"checkpoint {step_dir} holds {left[0]}{more}, which the model restored onto lacks{why}")
 
 
 def verify_fingerprints(tree, record: dict | None, step_dir: str) -> None:
@@ -538,7 +542,7 @@ class Checkpointer:
         self._failed, self._writing = True, None
         complete = [s for s in self._manager.all_steps() if s != step]
         newest = f"the newest complete checkpoint is step {max(complete)}" if complete else "no checkpoint is complete"
-        if _disk_full(exc):
+        if files.disk_full(exc):
             cause = "the disk is full (no space left on device): free space there or give --workdir a larger disk"
         else:
             cause = _first_line(exc)
@@ -722,7 +726,8 @@ def restore_params(directory: str, abstract_params, step: int | None = None):
     """Only the params of a (previous stage's) checkpoint: stage 2 -> 3 hand-off (§4.3).
 
     Reads ``state.params`` and ignores the optimizer state, so a stage can reset the optimizer.
-    A model that does not fit the checkpoint raises ``ValueError``; arrays that cannot be read
+    A model that does not fit the checkpoint (lacks an array of its params, or has one at
+    another shape) raises ``ValueError``; arrays that cannot be read
     or differ from the fingerprints recorded at the save raise ``UnreadableCheckpoint``.
     """
     step, meta = read_checkpoint_meta(directory, step)
@@ -731,6 +736,7 @@ def restore_params(directory: str, abstract_params, step: int | None = None):
     record = meta.get(FINGERPRINT_KEY)
     try:
         check_structure({"params": abstract_params}, record, step_dir)
+        check_nothing_left_behind(abstract_params, record, step_dir)
         try:
             out = ckpt._manager.restore(
                 step,

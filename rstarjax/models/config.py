@@ -19,6 +19,9 @@ ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 PACKED_ATTENTION = ("auto", "dense", "blockwise", "splash", "pallas_gpu", "cudnn")
 # The projections a LoRA adapter may wrap (models/lora.py); all of them by default.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# transformers' Qwen3Config default (models/qwen3/configuration_qwen3.py: head_dim = 128): what a
+# Qwen3 config.json without the field means to transformers, whatever hidden_size / heads is.
+QWEN3_DEFAULT_HEAD_DIM = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +189,7 @@ class ModelConfig:
             num_hidden_layers=hf["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            head_dim=hf.get("head_dim") or default_head_dim(arch, hf["hidden_size"], heads),
             rope_theta=float(rope_theta),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             initializer_range=float(hf.get("initializer_range", 0.02)),
@@ -237,6 +240,14 @@ class ModelConfig:
         if not is_qwen2:
             out["attention_bias"] = self.attention_bias
         return out
+
+
+def default_head_dim(architecture: str, hidden_size: int, num_attention_heads: int) -> int:
+    """The head_dim transformers reads from a config.json that has none: Qwen3Config's default
+    (128) for Qwen3, hidden_size // num_attention_heads for Qwen2 (whose config has no such field)."""
+    if architecture == "Qwen3ForCausalLM":
+        return QWEN3_DEFAULT_HEAD_DIM
+    return hidden_size // num_attention_heads
 
 
 _QWEN3 = dict(vocab_size=151936, head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,

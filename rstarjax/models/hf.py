@@ -126,6 +126,9 @@ class SafetensorsFile:
             problem = header_entry_problem(info, data_bytes)
             if problem:
                 raise CheckpointDirError(f"{path}: tensor {name!r} {problem}")
+        problem = data_layout_problem(header, data_bytes)
+        if problem:
+            raise CheckpointDirError(f"{path}: {problem}")
         self.header = header
         self._data_start = 8 + n
         self._map = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
@@ -189,6 +192,32 @@ def header_entry_problem(info, data_bytes: int | None = None) -> str | None:
     return None
 
 
+def data_layout_problem(header: dict, data_bytes: int) -> str | None:
+    """What is wrong with where a file's tensors lie in its ``data_bytes`` bytes of data, or None.
+    The safetensors library ("invalid offset") and so transformers refuse a file whose tensors,
+    sorted by start, do not tile the data exactly; two tensors that overlap or alias the same
+    bytes would otherwise load here as different weights than theirs. The entries must have
+    passed ``header_entry_problem`` (offsets are ordered non-negative integers)."""
+    spans = sorted((int(info["data_offsets"][0]), int(info["data_offsets"][1]), name)
+                   for name, info in header.items())
+    previous, expected = None, 0
+    for start, end, name in spans:
+        if start < expected:
+            return (f"tensor {name!r} starts at byte {start} of the data, inside {previous!r} (which ends at "
+                    f"{expected}): overlapping or aliased data_offsets, which the safetensors library refuses")
+        if start > expected:
+            before = f"the tensor before it, {previous!r}, ends at {expected}" if previous else "the data starts at 0"
+            return (f"tensor {name!r} starts at byte {start} of the data, but {before}: a gap in data_offsets, "
+                    "which the safetensors library refuses")
+        previous, expected = name, end
+    if previous is None and data_bytes:
+        return f"its header names no tensor, but {data_bytes} bytes of data follow it"
+    if expected != data_bytes:
+        return (f"the last tensor, {previous!r}, ends at byte {expected} of the data but the file holds "
+                f"{data_bytes} bytes of data: bytes past the last tensor, which the safetensors library refuses")
+    return None
+
+
 def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
     """Write tensors (numpy, bf16 via ml_dtypes) in the safetensors format."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -237,13 +266,25 @@ def _no_weights_message(path: str) -> str:
     return f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE}"
 
 
+def two_weight_sets_problem(path: str) -> str | None:
+    """Why the directory ``path`` holds two sets of weights, or None. transformers loads
+    ``model.safetensors`` when it is there and ignores the index beside it, so reading the index's
+    shards here would run other weights than the same directory gives transformers."""
+    if os.path.exists(os.path.join(path, SINGLE_FILE)) and os.path.exists(os.path.join(path, INDEX_FILE)):
+        return f"holds both {SINGLE_FILE} and {INDEX_FILE}; transformers would load {SINGLE_FILE}: remove one"
+    return None
+
+
 def _open_checkpoint(path: str) -> dict[str, SafetensorsFile]:
-    """HF tensor name -> the file holding it (single file or sharded with an index).
+    """HF tensor name -> the file holding it (single file or sharded with an index; never both).
 
     A shard's header is what it holds: a tensor a shard holds that the index forgot is still
     found (as transformers reads whole shards); the index may not send us to the wrong file."""
     index_path = os.path.join(path, INDEX_FILE)
     single_path = os.path.join(path, SINGLE_FILE)
+    problem = two_weight_sets_problem(path)
+    if problem:
+        raise CheckpointDirError(f"{path}: {problem}")
     if os.path.exists(index_path):
         weight_map = _read_weight_map(index_path)
         files = {}
@@ -533,11 +574,35 @@ def save_peft_adapter(model: Qwen3, path: str, base_model_name_or_path: str = ""
         json.dump(config, f, indent=2)
 
 
+def _ids(value) -> list[int]:
+    """A config's token id field (an int, a list of them, or None) as a list."""
+    if value is None:
+        return []
+    return [int(i) for i in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def generation_config(cfg: ModelConfig, tokenizer=False) -> dict:
+    """generation_config.json of a model saved with ``tokenizer`` (``False``: none known).
+
+    With our tokenizer, the ids the engine ends a turn at (``protocol.OFFICIAL_STOP_TOKENS``:
+    ``<|im_end|>``, the chat end the tokenizer_config calls eos_token, and ``<|endoftext|>``), then
+    the config's own eos ids: a policy trained from a Base checkpoint inherits its config's
+    ``<|endoftext|>`` eos, and ``generate()`` stopping there alone would run past every turn's end.
+    The same list as Qwen3's instruct models ship ([151645, 151643]); pad is ``<|endoftext|>``."""
+    gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "do_sample": False}
+    if tokenizer is False or not hasattr(tokenizer, "eos_id"):
+        return gen
+    eos = [tokenizer.eos_id, tokenizer.pad_id]
+    eos += [i for i in _ids(cfg.eos_token_id) if i not in eos]
+    return dict(gen, eos_token_id=eos, pad_token_id=tokenizer.pad_id)
+
+
 def save_hf(model: Qwen3, path: str, tokenizer=None, max_shard_bytes: int = 5 * 2**30,
             dtype=None, chat_format: str = "rstar2") -> None:
-    """Write a transformers-loadable directory: config.json, generation_config.json,
-    ``model-0000k-of-0000n.safetensors`` shards of at most ``max_shard_bytes`` (a single larger
-    tensor gets its own shard), model.safetensors.index.json, and the tokenizer files.
+    """Write a transformers-loadable directory: config.json, generation_config.json (the
+    tokenizer's stop ids: ``generation_config``), ``model-0000k-of-0000n.safetensors`` shards of
+    at most ``max_shard_bytes`` (a single larger tensor gets its own shard),
+    model.safetensors.index.json, and the tokenizer files.
     ``dtype`` (default: the parameters' dtype) is the saved tensor dtype. ``chat_format`` (a name
     of ``chat_template.CHAT_FORMATS``: the one the model was trained with) is the Jinja chat
     template written into tokenizer_config.json.
@@ -606,9 +671,7 @@ def save_hf(model: Qwen3, path: str, tokenizer=None, max_shard_bytes: int = 5 * 
                                                "float16": "float16"}.get(out_dtype.name, "float32")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=2)
-    gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
-           "do_sample": False}
     with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump(gen, f, indent=2)
+        json.dump(generation_config(cfg, tokenizer), f, indent=2)
     if tokenizer is not False:
         tokenizer.save_pretrained(path, chat_template=chat_format)

@@ -12,8 +12,9 @@ import os
 import struct
 
 from rstarjax.models.config import ModelConfig
-from rstarjax.models.hf import (IGNORABLE_SUFFIXES, _expected_hf_shape, config_problem, header_entry_problem,
-                                parse_header, tensor_specs)
+from rstarjax.models.hf import (IGNORABLE_SUFFIXES, CheckpointDirError, _expected_hf_shape, config_problem,
+                                data_layout_problem, header_entry_problem, parse_header, tensor_specs,
+                                two_weight_sets_problem)
 from rstarjax.models.tokenizer import QWEN3_ADDED_TOKENS, QWEN3_NUM_REGULAR_TOKENS, saved_num_regular_tokens
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -23,8 +24,9 @@ MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own bound on a header
 
 def safetensors_header(path: str) -> dict:
     """The header of one ``.safetensors`` file (tensor name -> dtype, shape, data_offsets),
-    after checking that the file's size is what the header says and that every tensor's byte
-    range holds exactly its shape in its dtype; ValueError naming the file otherwise."""
+    after checking that the file's size is what the header says, that every tensor's byte
+    range holds exactly its shape in its dtype and that the ranges tile the data (no overlap,
+    no gap); ValueError naming the file otherwise."""
     name = os.path.basename(path)
     size = os.path.getsize(path)
     with open(path, "rb") as f:
@@ -45,13 +47,19 @@ def safetensors_header(path: str) -> dict:
     if size != 8 + n + end:
         raise ValueError(f"{name} is {size} bytes but its header describes {8 + n + end} "
                          f"({'truncated' if size < 8 + n + end else 'bytes past the last tensor'})")
+    problem = data_layout_problem(header, end)
+    if problem:
+        raise ValueError(f"{name}: {problem}")
     return header
 
 
 def _tensor_files(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """HF tensor name -> (file, shape) over the directory's safetensors (one file, or an index
-    and its shards), each file checked by ``safetensors_header``; ValueError otherwise."""
+    and its shards, never both), each file checked by ``safetensors_header``; ValueError otherwise."""
     index = os.path.join(path, INDEX_FILE)
+    problem = two_weight_sets_problem(path)
+    if problem:
+        raise CheckpointDirError(problem)
     if os.path.isfile(index):
         try:
             with open(index) as f:
