@@ -6,10 +6,13 @@ docs/code_env.md ("Threat model"). Every case also checks that the pool is back 
 afterwards: the same workers, no process under a sandbox uid, nothing left on the host.
 """
 import ctypes
+import json
 import os
 import platform
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -17,7 +20,7 @@ import uuid
 
 import pytest
 
-from rstarjax.env import CodeExecutor, ExecutorConfig, SandboxLimits, format_tool_response, parse_tool_call
+from rstarjax.env import CodeExecutor, ExecutorConfig, SandboxLimits, cgroups, format_tool_response, parse_tool_call
 
 
 def sandbox_processes(ex) -> list[int]:
@@ -541,6 +544,74 @@ def test_a_sandbox_that_cannot_start_is_an_infra_error_not_the_models():
                 continue  # the host never applies this limit, so it cannot fail
             r = ex.run("print(1)")
             assert r.kind == "error" and r.infra_error and r.text.startswith("SandboxError"), r
+
+
+def test_a_sandbox_killed_from_outside_is_an_infra_error_not_the_models(ex):
+    """A running call SIGKILLed from outside (an operator, the host's OOM killer) failed for the
+    environment's reasons: an infra error (retried, never shown to the model), not "Process killed
+    by SIGKILL". Model code cannot send that kill itself: its PID 1 ignores signals from inside."""
+    require_root_isolation(ex)
+    workers = worker_pids(ex)
+    call = ex.submit("import time\nprint('working', flush=True)\ntime.sleep(60)", timeout=60)
+    assert wait_until(lambda: sandbox_processes(ex), timeout=10)
+    time.sleep(0.5)  # well past the uid drop: the model's code runs
+    for pid in sandbox_processes(ex):
+        os.kill(pid, signal.SIGKILL)
+    r = call.result(timeout=10)
+    assert (r.kind, r.infra_error) == ("error", True) and "killed from outside" in r.text, r
+    assert_baseline(ex, workers)
+
+
+# A trainer whose own memory cgroup (a container's, a job's) has a limit below the call's budget.
+# The call uses far less than its budget, but more than the cgroup above it has left.
+TRAINER_IN_A_SMALL_CGROUP = r"""
+import json, sys
+with open(sys.argv[1] + "/cgroup.procs", "w") as f:
+    f.write("0")  # all this process starts from here on is charged to the small cgroup
+from rstarjax.env import CodeExecutor, SandboxLimits
+with CodeExecutor(num_workers=1, lean_workers=0, slots_per_worker=1, limits=SandboxLimits(memory_bytes=4 << 30)) as ex:
+    r = ex.run("b = bytearray(800 << 20)\nfor i in range(0, len(b), 4096):\n    b[i] = 1\nprint('allocated')", timeout=30)
+    print(json.dumps({"kind": r.kind, "infra_error": r.infra_error, "text": r.text, "isolation": ex.isolation}))
+"""
+
+
+def remove_cgroup(directory: str) -> None:
+    for path, _, _ in sorted(os.walk(directory), key=lambda entry: -entry[0].count("/")):  # children first
+        cgroups.kill_members(path)
+        for _ in range(100):
+            try:
+                os.rmdir(path)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.05)
+
+
+def test_an_oom_kill_for_a_limit_above_the_call_is_an_infra_error_not_the_models():
+    """The kernel kills a sandbox first (oom_score_adj 1000) when the trainer's own cgroup runs
+    out, and cgroup v1 counts that kill on the sandbox's cgroup: still not the program's fault
+    when the call stayed within its own budget (here 1 GiB, of which it touched < 512 MiB)."""
+    parents = cgroups._v1_parents() if cgroups._v2_parent() is None else None
+    if parents is None:
+        pytest.skip("needs a writable cgroup v1 memory hierarchy (a v2 host would put the trainer in a leaf)")
+    small = os.path.join(parents["memory"], f"test-small-parent-{os.getpid()}")
+    os.mkdir(small)
+    try:
+        with open(os.path.join(small, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(512 << 20))
+        env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        out = subprocess.run([sys.executable, "-c", TRAINER_IN_A_SMALL_CGROUP, small], capture_output=True, text=True,
+                             timeout=120, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        if not result["isolation"].get("pidns"):
+            pytest.skip("without a PID namespace a SIGKILL may be the program's own (docs/code_env.md)")
+        assert result["isolation"]["call_budget"] == cgroups.V1, result
+        assert (result["kind"], result["infra_error"]) == ("error", True), result
+        assert "killed from outside" in result["text"] and "MemoryError" not in result["text"], result
+    finally:
+        remove_cgroup(small)
 
 
 def rss_bytes(pids) -> int:

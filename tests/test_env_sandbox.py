@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from rstarjax.env import CodeExecutor, ExecutorConfig, SandboxLimits
+from rstarjax.env import CodeExecutor, ExecutorConfig, SandboxLimits, cgroups, sandbox, worker
 
 TIMEOUT = 2.0
 SECRET = "rstarjax-test-secret-" + uuid.uuid4().hex
@@ -175,6 +175,34 @@ def test_memory_bomb(ex):
     # touching the pages too: on a loaded machine this may hit the wall clock first
     r = run_hostile(ex, "chunks = []\nwhile True:\n    chunks.append(b'x' * (64 << 20))")
     assert r.kind == "timeout" or (r.kind == "error" and "MemoryError" in r.text)
+
+
+def test_a_call_over_its_own_memory_budget_is_the_programs_memory_error():
+    """The kernel's OOM killer acting on the call's own budget (its cgroup), not on a limit
+    above it, is the program's fault: a MemoryError, never an infra error, also for the next
+    call in the same slot (each call is judged by its own memory events)."""
+    limits = SandboxLimits(call_memory_bytes=256 << 20)
+    with CodeExecutor(num_workers=1, lean_workers=0, slots_per_worker=1, limits=limits) as ex:
+        if ex.isolation.get("call_budget", "rlimits") == "rlimits":
+            pytest.skip("no cgroup here: a call's processes are limited one by one (docs/code_env.md)")
+        code = "print('touching', flush=True)\nb = bytearray(512 << 20)\nfor i in range(0, len(b), 4096):\n    b[i] = 1"
+        for _ in range(2):
+            r = run_hostile(ex, code, timeout=10)
+            assert (r.kind, r.text) == (
+                "error", "touching\nMemoryError: the call's processes together exceeded its memory budget (256 MiB)"), r
+
+
+def test_a_program_past_its_cpu_rlimit_is_a_timeout_not_an_infra_error():
+    """The sandbox is PID 1 of its namespace, so the kernel drops the SIGXCPU of its soft
+    RLIMIT_CPU and SIGKILLs it at the hard one: that kill is the program's (a timeout), not one
+    from outside. A negative slack puts RLIMIT_CPU (1 s, hard 2 s) far below the wall clock (20 s),
+    as for a program whose threads together outrun the clock."""
+    with CodeExecutor(num_workers=1, lean_workers=0, slots_per_worker=1, limits=SandboxLimits(cpu_slack_s=-19)) as ex:
+        t0 = time.monotonic()
+        r = ex.run("print('spinning', flush=True)\nwhile True:\n    pass", timeout=20)
+        assert time.monotonic() - t0 < 20, r  # the CPU limit stopped it, not the wall clock
+        assert (r.kind, r.text, r.infra_error) == ("timeout", "spinning\nTimeoutError: CPU time limit exceeded", False), r
+        assert ex.run("print(6 * 7)", timeout=20).text == "42\n"
 
 
 def test_infinite_python_loop(ex):
@@ -588,3 +616,56 @@ def test_the_tid_probe_waits_until_its_thread_has_ended():
     thread.join()
     forker.wait_thread_gone(thread.native_id)
     assert not os.path.exists(f"/proc/self/task/{seen['tid']}")
+
+
+# ---------------------------------------------------------------- whose fault a killed sandbox is
+
+
+def test_a_sigkill_the_worker_did_not_send_is_the_programs_only_for_its_own_limits():
+    cause = worker.sigkill_cause
+    assert cause(True, 0.1, 3, pid_namespace=True) == worker.KILLED_BY_MEMORY_BUDGET
+    assert cause(False, 3.0, 3, pid_namespace=True) == worker.KILLED_BY_CPU_LIMIT
+    # in a PID namespace nothing of the call can SIGKILL its PID 1: someone outside did
+    assert cause(False, 0.1, 3, pid_namespace=True) == worker.KILLED_FROM_OUTSIDE
+    # without one the program may have killed itself
+    assert cause(False, 0.1, 3, pid_namespace=False) == worker.KILLED_BY_UNKNOWN
+
+
+def test_the_cpu_rlimit_warns_with_sigxcpu_before_it_kills():
+    assert sandbox.cpu_limits(SandboxLimits(cpu_slack_s=1), 2.5) == (4, 5)
+
+
+def write_files(directory, files: dict) -> None:
+    for name, text in files.items():
+        (directory / name).write_text(text)
+
+
+def test_memory_events_tell_the_calls_own_oom_from_one_above_it_v2(tmp_path):
+    events = "low 0\nhigh 0\nmax {max}\noom {oom}\noom_kill {kill}\noom_group_kill 0\n"
+    write_files(tmp_path, {"memory.events": events.format(max=3, oom=0, kill=0)})
+    before = cgroups.start_memory_window(cgroups.V2, str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["memory.events"]  # nothing written: v2 counts by limit
+    write_files(tmp_path, {"memory.events": events.format(max=9, oom=0, kill=1)})  # an ancestor's OOM
+    assert not cgroups.memory_events(cgroups.V2, str(tmp_path)).own_limit_killed_since(before)
+    write_files(tmp_path, {"memory.events": events.format(max=9, oom=1, kill=1)})  # its own
+    assert cgroups.memory_events(cgroups.V2, str(tmp_path)).own_limit_killed_since(before)
+
+
+def test_memory_events_tell_the_calls_own_oom_from_one_above_it_v1(tmp_path):
+    limit = 256 << 20
+    oom_control = "oom_kill_disable 0\nunder_oom 0\noom_kill {kill}\n"
+    write_files(tmp_path, {"memory.oom_control": oom_control.format(kill=2), "memory.limit_in_bytes": f"{limit}\n",
+                           "memory.max_usage_in_bytes": f"{limit}\n", "memory.memsw.limit_in_bytes": f"{limit}\n",
+                           "memory.memsw.max_usage_in_bytes": f"{limit}\n"})  # an earlier call's OOM
+    before = cgroups.start_memory_window(cgroups.V1, str(tmp_path))
+    # the peaks start again (the kernel sets them to the usage; a file just keeps the "0")
+    assert [(tmp_path / name).read_text() for name in ("memory.max_usage_in_bytes", "memory.memsw.max_usage_in_bytes")] == ["0", "0"]
+    # killed while the call used 100 MiB of its 256: a limit above it ran out
+    write_files(tmp_path, {"memory.oom_control": oom_control.format(kill=3), "memory.memsw.max_usage_in_bytes": f"{100 << 20}\n"})
+    assert not cgroups.memory_events(cgroups.V1, str(tmp_path)).own_limit_killed_since(before)
+    # killed with its usage at its own limit, less than one charge below it
+    write_files(tmp_path, {"memory.memsw.max_usage_in_bytes": f"{limit - 4096}\n"})
+    assert cgroups.memory_events(cgroups.V1, str(tmp_path)).own_limit_killed_since(before)
+    # a peak at the limit without a kill: reclaimed, no OOM
+    write_files(tmp_path, {"memory.oom_control": oom_control.format(kill=2)})
+    assert not cgroups.memory_events(cgroups.V1, str(tmp_path)).own_limit_killed_since(before)

@@ -25,7 +25,8 @@ root, a read-only cgroupfs): then only the per-process limits apply and
 
 Layout: <trainer's cgroup>/rstarjax-<pid>-<n>/w<worker>s<slot>, made by the trainer at start
 (`CgroupTree.create`) and removed at close, after killing whatever is still inside. Only the
-standard library is imported: workers and forkers use `join` and `oom_kills`.
+standard library is imported: workers and forkers use `join`, `start_memory_window`,
+`memory_events` and `cpu_seconds`.
 """
 from __future__ import annotations
 
@@ -298,17 +299,90 @@ def join(directories: list[str]) -> None:
         _write(os.path.join(directory, "cgroup.procs"), "0")
 
 
-def oom_kills(kind: str, memory_dir: str) -> int:
-    """How many processes the kernel has killed in this cgroup for exceeding its memory."""
-    name = "memory.events" if kind == V2 else "memory.oom_control"
+# The largest charge one page fault makes: a PMD-sized folio (2 MiB with 4 KiB pages; a page
+# table holds page_size / 8 entries). A charge that the limit refuses leaves the usage less
+# than this below the limit.
+_LARGEST_CHARGE = os.sysconf("SC_PAGE_SIZE") ** 2 // 8
+
+_V1_PEAKS = (("memory.max_usage_in_bytes", "memory.limit_in_bytes"),
+             ("memory.memsw.max_usage_in_bytes", "memory.memsw.limit_in_bytes"))
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEvents:
+    """Counters of one cgroup's memory, read at two moments to tell what happened in between.
+
+    A process of the cgroup is also OOM-killed when a limit above it runs out (the trainer's
+    container, the host): the kernel then picks a sandbox first (oom_score_adj 1000) and counts
+    the kill on the sandbox's cgroup too. So a kill alone does not say that the call exceeded
+    its own budget; a kill while its own limit ran out does."""
+
+    oom_kills: int  # processes of this cgroup the kernel killed for memory, whichever limit ran out
+    own_limit_hits: int  # times this cgroup's own limit ran out (see memory_events)
+
+    def own_limit_killed_since(self, before: "MemoryEvents") -> bool:
+        """Since `before`, did the kernel kill a process here while this cgroup's own limit ran out?"""
+        return self.oom_kills > before.oom_kills and self.own_limit_hits > before.own_limit_hits
+
+
+def _counters(path: str) -> dict[str, int]:
+    """A flat keyed file ("key value" lines) as numbers; {} when unreadable."""
+    out = {}
     try:
-        for line in _read(os.path.join(memory_dir, name)).splitlines():
+        for line in _read(path).splitlines():
             key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-    except (OSError, ValueError):
+            if value.strip().isdigit():
+                out[key] = int(value)
+    except OSError:
         pass
-    return 0
+    return out
+
+
+def _number(path: str) -> int | None:
+    try:
+        return int(_read(path))
+    except (OSError, ValueError):
+        return None  # e.g. memsw files where swap is not accounted
+
+
+def peak_reached_limit(peak: int | None, limit: int | None) -> bool:
+    """Did a usage peak come as close to a limit as only a refused charge leaves it?"""
+    return peak is not None and limit is not None and peak > limit - _LARGEST_CHARGE
+
+
+def memory_events(kind: str, memory_dir: str) -> MemoryEvents:
+    """The OOM kills and own-limit hits of the cgroup `memory_dir` so far.
+
+    v2: `oom_kill` and `oom` of memory.events; `oom` counts the OOMs whose limit was this
+    cgroup's own (events propagate to ancestors only, and a slot has no children).
+    v1: `oom_kill` of memory.oom_control. v1 counts no OOMs by limit, and its memory.failcnt
+    counts nothing here (Linux 6.x keeps it for the memory counter only, while the memsw
+    counter, which has the same limit, is charged first and refuses first); so a usage peak
+    at the limit since `start_memory_window` stands in, as one hit."""
+    if kind == V2:
+        events = _counters(os.path.join(memory_dir, "memory.events"))
+        return MemoryEvents(events.get("oom_kill", 0), events.get("oom", 0))
+    hit = any(peak_reached_limit(_number(os.path.join(memory_dir, peak)), _number(os.path.join(memory_dir, limit)))
+              for peak, limit in _V1_PEAKS)
+    return MemoryEvents(_v1_oom_kills(memory_dir), int(hit))
+
+
+def _v1_oom_kills(memory_dir: str) -> int:
+    return _counters(os.path.join(memory_dir, "memory.oom_control")).get("oom_kill", 0)
+
+
+def start_memory_window(kind: str, memory_dir: str) -> MemoryEvents:
+    """The counters from which what happens next is judged (`own_limit_killed_since`). v1: its
+    usage peaks start again from the current usage (the kernel's reset), so no hit yet. After
+    every call: a few file operations (about 20 us each), which is why nothing else is read."""
+    if kind == V2:
+        return memory_events(kind, memory_dir)
+    for peak, _ in _V1_PEAKS:
+        try:
+            _write(os.path.join(memory_dir, peak), "0")
+        except OSError:
+            pass
+    return MemoryEvents(_v1_oom_kills(memory_dir), 0)
 
 
 def cpu_seconds(kind: str, cpu_dir: str) -> float:

@@ -51,7 +51,7 @@ class SandboxLimits:
     max_file_bytes: int = 64 << 20  # RLIMIT_FSIZE
     max_open_files: int = 256  # RLIMIT_NOFILE
     max_output_bytes: int = 64 << 10  # per stream kept by the worker (head + tail)
-    cpu_slack_s: int = 1  # RLIMIT_CPU = ceil(timeout) + slack (wall clock is enforced separately)
+    cpu_slack_s: int = 1  # RLIMIT_CPU = ceil(timeout) + slack, hard 1 s above (wall clock is enforced separately)
     nice: int = 10  # sandboxes yield to their worker, so a fork bomb cannot starve the kill
     call_memory_bytes: int = 1 << 30  # all processes of a call together, its files included (cgroup)
     call_cpus: float = 1.0  # CPU time of all processes of a call together: <= call_cpus x timeout (cgroup)
@@ -96,17 +96,28 @@ SAFE_ENV = {
 }
 
 
+def cpu_limits(limits: SandboxLimits, timeout_s: float) -> tuple[int, int]:
+    """RLIMIT_CPU (soft, hard) of a call's processes: ceil(timeout) + slack, and one second more.
+
+    The hard limit is above the soft one so that a process gets SIGXCPU first, as any program
+    does at its CPU limit (a timeout; see worker.py), and SIGKILL only if it survives that. The
+    sandbox itself, PID 1 of its namespace, never gets the SIGXCPU (the kernel drops signals a
+    namespace's init has no handler for): it is SIGKILLed at the hard limit, and the worker tells
+    that kill from an outside one by the CPU time the process used (worker.sigkill_cause)."""
+    soft = int(timeout_s + 0.999) + limits.cpu_slack_s
+    return soft, soft + 1
+
+
 def set_limits(limits: SandboxLimits, timeout_s: float) -> None:
-    cpu = int(timeout_s + 0.999) + limits.cpu_slack_s
     for res, value in (
-        (resource.RLIMIT_CORE, 0),
-        (resource.RLIMIT_CPU, cpu),
-        (resource.RLIMIT_AS, limits.memory_bytes),
-        (resource.RLIMIT_NPROC, limits.max_processes),
-        (resource.RLIMIT_FSIZE, limits.max_file_bytes),
-        (resource.RLIMIT_NOFILE, limits.max_open_files),
+        (resource.RLIMIT_CORE, (0, 0)),
+        (resource.RLIMIT_CPU, cpu_limits(limits, timeout_s)),
+        (resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes)),
+        (resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes)),
+        (resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes)),
+        (resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files)),
     ):
-        resource.setrlimit(res, (value, value))
+        resource.setrlimit(res, value)
 
 
 def drop_privileges(uid: int) -> None:

@@ -42,6 +42,28 @@ CPU_CHECK_EVERY_S = 0.1
 MAX_RESULT_BYTES = 4 << 20  # the child's JSON line on fd 3
 RESULT_STATUSES = ("ok", "display", "error")
 
+# Who SIGKILLed a sandbox's PID 1, where the worker did not (its own kills are timeouts).
+KILLED_BY_MEMORY_BUDGET = "the call's memory budget"  # the program's
+KILLED_BY_CPU_LIMIT = "its RLIMIT_CPU"  # the program's
+KILLED_FROM_OUTSIDE = "outside the call"  # ours: the host's OOM killer, a limit above the call's, an operator
+KILLED_BY_UNKNOWN = "unknown"  # no PID namespace: the program may have killed itself
+
+
+def sigkill_cause(own_memory_budget_ran_out: bool, cpu_used_s: float, cpu_soft_limit_s: float,
+                  pid_namespace: bool) -> str:
+    """Why a sandbox died of a SIGKILL that the worker did not send.
+
+    In a PID namespace nothing of the call can send it: the kernel drops every signal that a
+    namespace's init gets from inside it, SIGKILL included. What remains is the kernel (the OOM
+    killer, RLIMIT_CPU) and processes outside the call. The OOM killer acting on the call's own
+    budget and the CPU limit are the program's doing; anything else (an OOM of a cgroup above
+    the call's, which picks the sandbox first, the host's, an operator's kill) is not."""
+    if own_memory_budget_ran_out:
+        return KILLED_BY_MEMORY_BUDGET
+    if cpu_used_s >= cpu_soft_limit_s:  # killed at the hard limit, or SIGXCPU ignored
+        return KILLED_BY_CPU_LIMIT
+    return KILLED_FROM_OUTSIDE if pid_namespace else KILLED_BY_UNKNOWN
+
 
 class CappedBuffer:
     """Keeps the first and last `cap // 2` bytes of a stream; counts what it drops."""
@@ -79,6 +101,7 @@ class Running:
     __slots__ = (
         "call", "pid", "pidfd", "slot", "workdir", "channel", "stdout", "stderr", "result", "fds", "deadline",
         "t_recv", "t_start", "timed_out", "replied", "done", "cpu_start", "cpu_checked", "over_cpu_budget",
+        "cpu_used_s",
     )
 
 
@@ -101,7 +124,9 @@ class Worker:
         self.seccomp = bool(host.get("seccomp"))
         self.realtime = bool(host.get("worker_realtime"))
         self.cgroup = config.get("cgroup")  # {"kind", "roots", "memory_root", "cpu_root"}, or None
-        self.oom_seen = [0] * self.slots
+        # Each slot's memory counters when its last call ended (a worker replacing a dead one
+        # finds the slots' cgroups with counts of its predecessor's calls).
+        self.memory_seen = [self._new_memory_window(s) for s in range(self.slots)]
         self.cpu_dirs = [None] * self.slots  # where each slot's CPU time is, if accounted
         if self.cgroup is not None and self.cgroup.get("cpu_root"):
             self.cpu_dirs = [os.path.join(self.cgroup["cpu_root"], cgroups.slot_name(index, s)) for s in range(self.slots)]
@@ -291,6 +316,7 @@ class Worker:
         run.fds = {}
         run.timed_out = run.replied = run.done = run.over_cpu_budget = False
         run.cpu_start = None
+        run.cpu_used_s = 0.0
         for name, fd in (("stdout", opened[0]), ("stderr", opened[2]), ("result", opened[4])):
             os.set_blocking(fd, False)
             run.fds[name] = fd
@@ -459,7 +485,8 @@ class Worker:
 
     def _finish(self, run: Running) -> None:
         run.done = True
-        _, status = os.waitpid(run.pid, 0)
+        _, status, usage = os.wait4(run.pid, 0)
+        run.cpu_used_s = usage.ru_utime + usage.ru_stime  # its own and its reaped children's
         t_end = time.monotonic()
         # The sandbox (PID 1 of its namespace) is gone and the kernel killed everything it left;
         # whatever it wrote is already in the pipes.
@@ -486,6 +513,9 @@ class Worker:
         if not self.call_mounts:
             cleanup.remove_tree(run.workdir)
             cleanup.sweep_shm(self.slot_uid(run.slot))
+        # The next call in this slot is judged by its own memory events only (read after the
+        # answer: a child OOM-killed in a call whose PID 1 lived on must not count later).
+        self.memory_seen[run.slot] = self._new_memory_window(run.slot)
         self.cold_slots.append(run.slot)  # the slot (and its uid) is re-warmed only once clean
 
     def _send_result(self, run: Running, status: int, t_end: float) -> None:
@@ -512,15 +542,37 @@ class Worker:
             return None
         return payload
 
-    def _oom_killed(self, slot: int) -> bool:
-        """Did the kernel kill a process of this slot for exceeding the call's memory budget
-        since we last looked?"""
+    def _memory_dir(self, slot: int) -> str:
+        return os.path.join(self.cgroup["memory_root"], cgroups.slot_name(self.index, slot))
+
+    def _memory_events(self, slot: int) -> cgroups.MemoryEvents | None:
         if self.cgroup is None:
-            return False
-        count = cgroups.oom_kills(self.cgroup["kind"], os.path.join(self.cgroup["memory_root"],
-                                                                     cgroups.slot_name(self.index, slot)))
-        seen, self.oom_seen[slot] = self.oom_seen[slot], count
-        return count > seen
+            return None
+        return cgroups.memory_events(self.cgroup["kind"], self._memory_dir(slot))
+
+    def _new_memory_window(self, slot: int) -> cgroups.MemoryEvents | None:
+        """The slot's memory counters now, from which its next call is judged."""
+        if self.cgroup is None:
+            return None
+        return cgroups.start_memory_window(self.cgroup["kind"], self._memory_dir(slot))
+
+    def _ran_out_of_its_memory_budget(self, slot: int) -> bool:
+        """Did the kernel kill a process of the slot's call because the call's own memory budget
+        ran out (not a limit above it)? Never without a cgroup: then each process has only its
+        RLIMIT_AS, which fails allocations (a MemoryError) instead of killing."""
+        before = self.memory_seen[slot]
+        return before is not None and self._memory_events(slot).own_limit_killed_since(before)
+
+    def _sigkill_cause(self, run: Running) -> str:
+        cpu_soft_limit_s, _ = sandbox.cpu_limits(self.limits, float(run.call["timeout"]))
+        return sigkill_cause(self._ran_out_of_its_memory_budget(run.slot), run.cpu_used_s, cpu_soft_limit_s,
+                             self.use_pidns)
+
+    @staticmethod
+    def _cpu_limit_timeout(stdout: str, duration: float) -> dict:
+        msg = "TimeoutError: CPU time limit exceeded"
+        text = f"{stdout.rstrip()}\n{msg}" if stdout.strip() else msg
+        return {"kind": "timeout", "text": text, "duration_s": duration}
 
     def _classify(self, run: Running, status: int) -> dict:
         """Turn raw process outcome + streams into one of the four result kinds."""
@@ -535,7 +587,7 @@ class Worker:
                 return {"op": "verify", "correct": False, "timed_out": False, "error": f"the verifier did not start: {why}"}
             return {"kind": "error", "text": f"SandboxError: the sandbox did not start: {why}", "infra_error": True,
                     "duration_s": duration}
-        if run.timed_out:
+        if run.timed_out:  # the worker killed it (wall clock, CPU budget), and only then
             if call["op"] == "verify":
                 return {"op": "verify", "correct": False, "timed_out": True, "error": f"verifier exceeded {limit:g} s"}
             msg = f"TimeoutError: execution exceeded the {limit:g} s time limit"
@@ -560,12 +612,16 @@ class Worker:
                     name = signal.Signals(-code).name
                 except ValueError:
                     name = f"signal {-code}"
-                if -code == signal.SIGXCPU:
-                    return {"kind": "timeout", "text": "TimeoutError: CPU time limit exceeded", "duration_s": duration}
+                cause = self._sigkill_cause(run) if -code == signal.SIGKILL else None
+                if cause == KILLED_FROM_OUTSIDE:  # ours to retry, never the model's to see
+                    return {"kind": "error", "text": f"SandboxError: the sandbox was killed from {cause} (SIGKILL)",
+                            "infra_error": True, "duration_s": duration}
+                if -code == signal.SIGXCPU or cause == KILLED_BY_CPU_LIMIT:
+                    return self._cpu_limit_timeout(stdout, duration)
                 reason = f"Process killed by {name}"
                 if -code == signal.SIGSEGV:
                     reason += " (segmentation fault)"
-                if -code == signal.SIGKILL and self._oom_killed(run.slot):
+                if cause == KILLED_BY_MEMORY_BUDGET:
                     budget = self.limits.call_memory_bytes >> 20
                     reason = f"MemoryError: the call's processes together exceeded its memory budget ({budget} MiB)"
             else:
