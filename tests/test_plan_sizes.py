@@ -157,7 +157,8 @@ def test_a_one_gpu_rl_run_takes_what_the_command_line_leaves_open_from_the_plan(
     assert build.sized_by_memory_plan(given, explicit=both).model.remat_policy == "dots_attention"
     assert "model.remat_policy=dots_attention (plan)" in capsys.readouterr().out
     given = _stage1_run(tmp_path, both, **{"trainer.micro_batch_size": 2, "serving.kv_memory_fraction": 0.9})
-    assert build.sized_by_memory_plan(given, explicit=both) is given
+    with pytest.raises(ConfigError, match=r"--config\.serving\.kv_memory_fraction, now 0\.9"):
+        build.sized_by_memory_plan(given, explicit=both)  # no policy fits beside its 51.4 GB pool
     # a given share that leaves the update no room: refused at the start, naming the flag
     with pytest.raises(ConfigError, match=r"--config\.serving\.kv_memory_fraction=0\.9"):
         build.sized_by_memory_plan(_stage1_run(tmp_path), explicit={"serving.kv_memory_fraction"})
@@ -197,3 +198,66 @@ def test_rows_the_config_files_micro_batch_does_not_divide_are_sized_by_the_plan
     assert (ran[0].model.remat_policy, ran[0].trainer.micro_batch_size) == (want.remat_policy, want.micro_batch)
     with pytest.raises(ConfigError, match=r"micro_batch_size=64 must divide"):  # given: judged as given
         main.run(c, str(tmp_path / "w"), explicit={"trainer.micro_batch_size"})
+
+
+def test_given_sizes_the_plan_keeps_are_checked_beside_the_runs_own_pool(tmp_path, monkeypatch):
+    """All three sizes given (or both sizes, with no remat policy fitting beside them): the run is
+    kept as given, and judged now by the start check's arithmetic with the pool the engine will
+    take, not one rollout's: issue 45's shape with 0.9 of the free memory (51.4 GB) or 28,000 pages
+    (51.4 GB) leaves 5.7 GB for an update of 37.1 (25.4 at one row) GB: refused naming the flag."""
+    from rstarjax.recipes import build
+    from rstarjax.validation import ConfigError
+    monkeypatch.setattr(build.jax, "device_count", lambda: 1)
+    monkeypatch.setattr(sizing, "device_bytes_limit", lambda device=None: H100)
+    both = {"trainer.micro_batch_size", "serving.kv_memory_fraction"}
+    for explicit in (both, both | {"model.remat_policy"}):
+        run = _stage1_run(tmp_path, explicit, **{"trainer.micro_batch_size": 2, "serving.kv_memory_fraction": 0.9})
+        with pytest.raises(ConfigError, match=r"a 51\.4 GB KV pool.*--config\.serving\.kv_memory_fraction, now 0\.9"):
+            build.sized_by_memory_plan(run, explicit=explicit)
+    pages = {"trainer.micro_batch_size", "serving.kv_pages", "model.remat_policy"}
+    run = _stage1_run(tmp_path, pages, **{"trainer.micro_batch_size": 1, "serving.kv_pages": 28_000})
+    with pytest.raises(ConfigError, match=r"--config\.serving\.kv_pages, now 28000"):
+        build.sized_by_memory_plan(run, explicit=pages)
+    run = _stage1_run(tmp_path, pages, **{"trainer.micro_batch_size": 1, "serving.kv_pages": 5_000})
+    assert build.sized_by_memory_plan(run, explicit=pages) is run  # 9.2 GB of pages: room to spare
+    given = _stage1_run(tmp_path, both | {"model.remat_policy"}, **{"trainer.micro_batch_size": 1,
+                                                                   "serving.kv_memory_fraction": 0.1})
+    assert build.sized_by_memory_plan(given, explicit=both | {"model.remat_policy"}) is given
+
+
+@pytest.mark.parametrize("overrides", [{"loss.kl_coef": 0.001}, {"serving.dtype": "float32"},
+                                       {"model.dtype": "float32"}], ids=["kl", "serving-f32", "model-f32"])
+def test_the_engines_pool_at_the_planned_share_leaves_the_update_its_room(tmp_path, monkeypatch, overrides):
+    """What the trainer and the engine really hold: the KL term's float32 reference copy
+    (loss.kl_coef > 0: 4 bytes per trained parameter), and a serving copy and KV pages in the
+    serving dtype (serving.dtype, else model.dtype). The planned share of the memory they leave
+    gives a pool beside which the planned update still fits the device less its 5 % margin."""
+    import jax.numpy as jnp
+
+    from rstarjax.recipes import build
+    from rstarjax.serving.sizing import serving_weight_bytes
+    monkeypatch.setattr(build.jax, "device_count", lambda: 1)
+    monkeypatch.setattr(sizing, "device_bytes_limit", lambda device=None: H100)
+    run = build.sized_by_memory_plan(_stage1_run(tmp_path, **overrides))
+    cfg = build.model_config(run.model)
+    assert cfg.dtype == jnp.dtype(run.model.dtype)
+    dtype = jnp.dtype(run.serving.dtype or run.model.dtype)
+    trainer_state = (16 if run.loss.kl_coef > 0 else 12) * cfg.num_params  # weights, moments (, reference)
+    free_at_engine = H100 - trainer_state - serving_weight_bytes(cfg, dtype)
+    pool = plan_kv(cfg, max_len=SEQ, kv_memory_fraction=run.serving.kv_memory_fraction,
+                   free_bytes=free_at_engine, dtype=dtype)
+    update = plan_memory(cfg, rows=ROWS, seq_len=SEQ, micro_batch=run.trainer.micro_batch_size,
+                         remat_policy=run.model.remat_policy)
+    assert update.grads + update.activations + 0.05 * H100 <= free_at_engine - pool.kv_bytes
+
+
+def test_a_given_share_the_kl_reference_pushes_past_the_device_names_loss_kl_coef():
+    """1.7B at issue 45's shape, one row, 0.45 of the free memory for the pool: fits, but not beside
+    the KL term's 6.9 GB reference copy; at 0.6 dropping the copy would not help, so it is not named."""
+    kw = dict(rows=ROWS, seq_len=SEQ, device_bytes=H100, micro_batch=1, kv_memory_fraction=0.45)
+    assert not size_colocated(QWEN17, **kw).problems
+    c = size_colocated(QWEN17, **kw, kl_reference=True)
+    assert c.problems and "--config.loss.kl_coef=0" in as_flags(c.problems[0])
+    assert c.plan.reference == 4 * QWEN17.num_params
+    c = size_colocated(QWEN17, **dict(kw, kv_memory_fraction=0.6), kl_reference=True)
+    assert c.problems and "kl_coef" not in c.problems[0]

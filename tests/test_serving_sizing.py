@@ -83,6 +83,18 @@ def test_a_pool_that_cannot_hold_one_rollout_is_refused_with_numbers_and_flags()
         assert part in msg
 
 
+def test_a_given_page_count_too_small_is_refused_naming_only_the_settings_that_help():
+    """With serving.kv_pages given the pool is that many pages whatever kv_memory_fraction says:
+    the refusal asks for more pages or shorter rollouts, not a larger fraction."""
+    cfg = ModelConfig.preset("qwen3-1.7b")
+    with pytest.raises(ValueError) as e:
+        plan_kv(cfg, max_len=10240, kv_pages=639)  # one rollout needs 640 pages of 16 tokens
+    msg = as_flags(str(e.value))
+    assert "--config.serving.kv_pages=640 or more" in msg and "--config.rl.max_response_len" in msg
+    assert "kv_memory_fraction" not in msg
+    assert plan_kv(cfg, max_len=10240, kv_pages=640).num_pages == 640
+
+
 def test_engine_sizes_its_pool_from_the_free_device_memory(monkeypatch):
     cfg = ModelConfig.preset("tiny", dtype=jnp.float32)
     model = Qwen3(cfg, rngs=nnx.Rngs(0))

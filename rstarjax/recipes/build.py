@@ -164,13 +164,45 @@ PLANNED_KEYS = ("model.remat_policy", "trainer.micro_batch_size", "serving.kv_me
 
 
 def model_config(src: ModelSource) -> ModelConfig:
-    """The architecture ``policy`` builds for ``src`` (its HF config.json, else the preset) and its
+    """The architecture ``policy`` builds for ``src`` (its HF config.json, else the preset), its
+    compute dtype (``model.dtype``: the engine serves in it unless ``serving.dtype`` says) and its
     LoRA targets, read without building the model: what the memory plan needs."""
+    dtype = jnp.dtype(src.dtype)
     if src.random_init:
-        cfg = ModelConfig.preset(src.preset, remat_policy=src.remat_policy)
+        cfg = ModelConfig.preset(src.preset, dtype=dtype, remat_policy=src.remat_policy)
     else:
-        cfg = read_config(src.hf_path, remat_policy=src.remat_policy)
+        cfg = read_config(src.hf_path, dtype=dtype, remat_policy=src.remat_policy)
     return cfg.replace(lora_targets=src.lora_target_names) if src.lora_rank else cfg
+
+
+def plan_inputs(run: RunConfig) -> dict[str, Any]:
+    """What the memory plan (``sizing.size_colocated``) and its start check (``sizing.
+    update_room_problems``) read of ``run`` whatever the sizes: a step's trained rows and their
+    length, the page size, LoRA, whether the serving copy and pool are freed for the update, the
+    serving dtype (None: ``model.dtype``, as the engine takes it) and whether the KL term keeps a
+    reference copy."""
+    rl = run.rl
+    return dict(rows=rl.prompts_per_step * rl.group_size // run.trainer.mini_batches,
+                seq_len=rl.max_prompt_len + rl.max_response_len, page_size=run.serving.page_size,
+                lora_rank=run.model.lora_rank, release_during_update=run.serving.release_during_update,
+                serving_dtype=run.serving.dtype or None, kl_reference=run.loss.kl_coef > 0)
+
+
+def check_given_sizes(run: RunConfig, cfg: ModelConfig, device_bytes: int) -> None:
+    """The start check (``sizing.update_room_problems``) of the sizes ``run`` gave, made before any
+    model is loaded at the memory the plan predicts free once the trainer's state is in place: the
+    pool it counts is the run's own (``serving.kv_pages``, or ``serving.kv_memory_fraction`` of what
+    the serving copy leaves), so a pool that leaves the update no room stops the start here, naming
+    the flags. ConfigError when it does not fit."""
+    inputs = plan_inputs(run)
+    state = sizing.plan_memory(cfg, rows=inputs["rows"], seq_len=inputs["seq_len"], lora_rank=inputs["lora_rank"],
+                               kl_reference=inputs["kl_reference"]).state
+    problems = sizing.update_room_problems(
+        cfg, **inputs, micro_batch=run.trainer.micro_batch_size, free_bytes=device_bytes - state,
+        remat_policy=run.model.remat_policy, kv_memory_fraction=run.serving.kv_memory_fraction,
+        kv_pages=run.serving.kv_pages)
+    if problems:
+        raise ConfigError(as_flags("invalid config:\n  " + "\n  ".join(problems)))
 
 
 def parse_sizes_open(config, explicit, error: ConfigError) -> RunConfig:
@@ -194,9 +226,10 @@ def sized_by_memory_plan(run: RunConfig, explicit=frozenset(), deferred: ConfigE
     become the memory plan's (``serving.sizing.size_colocated``: the fastest remat policy that
     costs the rollouts no KV pool, the micro-batch whose update fits beside the serving copy and
     the pool, the pool's share of what the trainer leaves), and one line says them with the
-    predicted peak; ConfigError naming the flags when nothing fits (sizes both given that no
-    policy fits are left to the start check). The config files' values (remat ``full``, 64 rows,
-    0.9) are for CPU and several devices, where ``run`` is kept.
+    predicted peak; ConfigError naming the flags when nothing fits. Sizes kept as given (all three,
+    or both sizes where no remat policy fits beside them) are judged by the start check's
+    arithmetic with the run's own pool (``check_given_sizes``). The config files' values (remat
+    ``full``, 64 rows, 0.9) are for CPU and several devices, where ``run`` is kept.
     ``deferred``: the first parse's error when ``parse_sizes_open`` made ``run``; raised unless the
     plan sets the micro-batch."""
     device = sizing.device_bytes_limit() if run.mode == "rl" and jax.device_count() == 1 \
@@ -209,20 +242,20 @@ def sized_by_memory_plan(run: RunConfig, explicit=frozenset(), deferred: ConfigE
     if run.serving.kv_pages > 0:  # an explicit pool: the fraction is not used
         given.add("serving.kv_memory_fraction")
     planned = tuple(k for k in PLANNED_KEYS if k not in given)
-    if not planned:  # all given: the start check (recipes/rl.py check_update_room) judges them
-        return run  # (deferred: the micro-batch was given, so parse_sizes_open raised already)
+    cfg = model_config(run.model)
+    if not planned:  # all given: judged with the run's own pool (deferred: the micro-batch was
+        check_given_sizes(run, cfg, device)  # given, so parse_sizes_open raised already)
+        return run
     rl = run.rl
     choice = sizing.size_colocated(
-        model_config(run.model), rows=rl.prompts_per_step * rl.group_size // run.trainer.mini_batches,
-        seq_len=rl.max_prompt_len + rl.max_response_len, device_bytes=device,
+        cfg, **plan_inputs(run), device_bytes=device,
         micro_batch=None if "trainer.micro_batch_size" in planned else run.trainer.micro_batch_size,
         kv_memory_fraction=None if "serving.kv_memory_fraction" in planned else run.serving.kv_memory_fraction,
-        kv_pages=run.serving.kv_pages, page_size=run.serving.page_size, lora_rank=run.model.lora_rank,
-        release_during_update=run.serving.release_during_update, remat_policy=run.model.remat_policy,
+        kv_pages=run.serving.kv_pages, remat_policy=run.model.remat_policy,
         remat_policies=sizing.REMAT_BY_SPEED if "model.remat_policy" in planned else (),
         rollouts=rl.prompts_per_step * rl.oversample)
     if choice.problems and planned == ("model.remat_policy",):  # no policy fits the sizes given: the
-        # start check judges them
+        check_given_sizes(run, cfg, device)  # start check's arithmetic judges them with the run's policy
         return run
     if choice.problems:
         raise ConfigError(as_flags("invalid config:\n  " + "\n  ".join(choice.problems)))

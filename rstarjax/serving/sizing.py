@@ -119,13 +119,15 @@ def plan_kv(cfg: ModelConfig, *, max_len: int, page_size: int = 16, kv_pages: in
     if num_pages < per_rollout:
         have = (f"{free_bytes / GB:.2f} GB free on the device after the weights, "
                 if free_bytes is not None else "")
+        # a given page count is used as it is: the fraction then changes nothing, so it is not offered
+        raise_fraction = ("" if source == "kv_pages" else
+                          f"raise serving.kv_memory_fraction (now {kv_memory_fraction}), ")
         raise ConfigError(
             f"the KV pool cannot hold one maximum-length rollout: {max_len} tokens need "
             f"{per_rollout} pages of {page_size} tokens ({per_rollout * page_bytes / GB:.2f} "
             f"GB), the pool has {num_pages} pages ({num_pages * page_bytes / GB:.2f} GB; "
             f"{have}source: {source}). Set serving.kv_pages={per_rollout} or more, "
-            f"raise serving.kv_memory_fraction (now {kv_memory_fraction}), or lower "
-            f"rl.max_prompt_len / rl.max_response_len.")
+            f"{raise_fraction}or lower rl.max_prompt_len / rl.max_response_len.")
     if num_slots <= 0:
         num_slots = min(MAX_AUTO_SLOTS, num_pages) if source != "dense-equivalent" \
             else DEFAULT_CPU_SLOTS
@@ -160,22 +162,46 @@ def lora_trained_params(cfg: ModelConfig, rank: int, targets=None) -> int:
     return cfg.num_hidden_layers * rank * sum(widths[t] for t in targets)
 
 
+def served_dtype(cfg: ModelConfig, serving_dtype=None) -> jnp.dtype:
+    """The dtype of the engine's serving copy and KV pages: ``serving.dtype``, else the model's
+    compute dtype (``model.dtype``), as ``Engine`` picks it (``dtype or model.config.dtype``)."""
+    return jnp.dtype(serving_dtype or cfg.dtype)
+
+
+def page_bytes_of(cfg: ModelConfig, page_size: int, serving_dtype=None) -> int:
+    """K and V of one page over all layers, in the serving dtype."""
+    return kv_bytes_per_token(cfg, served_dtype(cfg, serving_dtype)) * page_size
+
+
+def engine_pool_bytes(*, page_bytes: int, free_after_serving: int, kv_memory_fraction: float | None = None,
+                      kv_pages: int = 0) -> int | None:
+    """The KV pool a run's own settings give the engine (``plan_kv``'s page count, in bytes):
+    ``kv_pages`` pages, else ``kv_memory_fraction`` of the memory free once the serving copy is
+    placed; None when the run leaves the pool to the plan (neither given)."""
+    if kv_pages > 0:
+        return int(kv_pages) * page_bytes
+    if kv_memory_fraction is None:
+        return None
+    return int(kv_memory_fraction * max(0, free_after_serving) // page_bytes) * page_bytes
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """Bytes one device holds in a colocated RL step (the trainer's state, the engine's serving
     copy and KV pool, the update's gradients and activations), and at which phase it peaks."""
     params: int  # float32 master weights that train (LoRA: the adapters) + the frozen bf16 base
     optimizer: int  # AdamW's two float32 moments of the trained weights
+    reference: int  # loss.kl_coef > 0: the KL term's float32 copy of the trained weights (else 0)
     grads: int  # float32 gradients; two copies when micro-steps accumulate
     activations: int  # the update's saved activations: micro rows x row length x per token
-    serving: int  # the engine's bf16 serving copy
+    serving: int  # the engine's serving copy (serving.dtype, else model.dtype)
     kv_pool: int  # the engine's KV pages
     released_in_update: bool  # serving.release_during_update: serving + pool freed for the update
     device: int  # bytes the process may allocate (0: unknown)
 
     @property
     def state(self) -> int:
-        return self.params + self.optimizer
+        return self.params + self.optimizer + self.reference
 
     @property
     def rollout_peak(self) -> int:
@@ -191,7 +217,7 @@ class MemoryPlan:
         return max(self.rollout_peak, self.update_peak)
 
     def as_dict(self) -> dict:
-        names = ("params", "optimizer", "grads", "activations", "serving", "kv_pool", "device")
+        names = ("params", "optimizer", "reference", "grads", "activations", "serving", "kv_pool", "device")
         out = {f"{n}_gb": round(getattr(self, n) / GB, 2) for n in names}
         out.update(state_gb=round(self.state / GB, 2), rollout_peak_gb=round(self.rollout_peak / GB, 2),
                    update_peak_gb=round(self.update_peak / GB, 2), peak_gb=round(self.peak / GB, 2),
@@ -201,15 +227,21 @@ class MemoryPlan:
 
 def plan_memory(cfg: ModelConfig, *, rows: int, seq_len: int, micro_batch: int = 0,
                 remat_policy: str | None = None, lora_rank: int = 0, kv_pool_bytes: int = 0,
-                release_during_update: bool = False, device_bytes: int = 0) -> MemoryPlan:
+                release_during_update: bool = False, device_bytes: int = 0, serving_dtype=None,
+                kl_reference: bool = False) -> MemoryPlan:
     """The memory plan of a colocated step on one device: ``rows`` trained rows of ``seq_len``
     tokens, ``micro_batch`` rows per micro-step (0: all at once), ``kv_pool_bytes`` of KV pages.
 
     Full fine-tuning keeps 16 bytes per parameter for the update (float32 weights, two AdamW
     moments, gradients; 4 more for the accumulator when micro-steps accumulate); LoRA keeps the
-    base in bf16 (2 bytes) and 16 per adapter parameter. The serving copy is 2 bytes per
-    parameter. Activations: ``ACTIVATION_BYTES[remat]`` x layers x hidden per token of a
-    micro-step (measured at Qwen3-1.7B; other shapes predicted)."""
+    base in bf16 (2 bytes) and 16 per adapter parameter. ``kl_reference`` (``loss.kl_coef > 0``):
+    the trainer's frozen reference copy of what trains (``rl/trainer.py`` ``ref_params``: the
+    float32 params it splits off, with LoRA the adapters only), 4 bytes per trained parameter.
+    The serving copy is the bytes of ``served_dtype`` per parameter (2 in bf16).
+    Activations: ``ACTIVATION_BYTES[remat]`` x layers x hidden per token of a micro-step, measured
+    at Qwen3-1.7B in bf16 (other shapes predicted); a model computing in float32 (``cfg.dtype``,
+    ``model.dtype``) is taken at twice that, its saved activations being twice as wide (a
+    prediction, never measured)."""
     remat = remat_policy or cfg.remat_policy
     if remat not in ACTIVATION_BYTES:
         raise ValueError(f"remat_policy={remat!r}: the plan knows {sorted(ACTIVATION_BYTES)}")
@@ -225,11 +257,20 @@ def plan_memory(cfg: ModelConfig, *, rows: int, seq_len: int, micro_batch: int =
         trained = total
         params = 4 * trained
     grads = 4 * trained * (2 if micro < rows else 1)
-    per_token = ACTIVATION_BYTES[remat] * cfg.num_hidden_layers * cfg.hidden_size
-    return MemoryPlan(params=int(params), optimizer=int(8 * trained), grads=int(grads),
-                      activations=int(per_token * micro * seq_len), serving=int(2 * total),
+    # ACTIVATION_BYTES was measured computing in bf16: scale by the compute dtype's width
+    per_token = (ACTIVATION_BYTES[remat] * cfg.num_hidden_layers * cfg.hidden_size
+                 * jnp.dtype(cfg.dtype).itemsize / 2)
+    return MemoryPlan(params=int(params), optimizer=int(8 * trained),
+                      reference=int(4 * trained) if kl_reference else 0, grads=int(grads),
+                      activations=int(per_token * micro * seq_len),
+                      serving=int(served_dtype(cfg, serving_dtype).itemsize * total),
                       kv_pool=int(kv_pool_bytes), released_in_update=bool(release_during_update),
                       device=int(device_bytes))
+
+
+def kl_reference_fix(plan: MemoryPlan) -> str:
+    """The fix of a plan the KL term's reference copy is what keeps from fitting."""
+    return f"loss.kl_coef=0 (no KL term: no {plan.reference / GB:.1f} GB reference copy of the trained weights)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,21 +289,24 @@ class ColocatedChoice:
 def choose_colocated(cfg: ModelConfig, *, rows: int, seq_len: int, device_bytes: int,
                      min_pool_rollouts: int = 8, page_size: int = 16, lora_rank: int = 0,
                      remat_policies=REMAT_BY_SPEED, micro_batches=None,
-                     release_during_update: bool = False, margin: float = 0.05) -> ColocatedChoice:
+                     release_during_update: bool = False, margin: float = 0.05, serving_dtype=None,
+                     kl_reference: bool = False) -> ColocatedChoice:
     """The fastest remat policy (``remat_policies`` in order), then the largest micro-batch (a
     divisor of ``rows``), whose update fits ``device_bytes`` less ``margin`` beside the serving
     copy and a KV pool of at least ``min_pool_rollouts`` rollouts of ``seq_len`` tokens; the pool
     gets the rest. The engine sizes its pool as ``kv_memory_fraction`` of the memory free after
-    the trainer's state and its serving copy; the fraction returned gives the chosen pool."""
+    the trainer's state and its serving copy; the fraction returned gives the chosen pool.
+    ``serving_dtype`` and ``kl_reference``: ``plan_memory``'s."""
     usable = int(device_bytes * (1.0 - margin))
-    rollout_bytes = kv_bytes_per_token(cfg, jnp.bfloat16) * pages_for(seq_len, page_size) * page_size
-    page_bytes = kv_bytes_per_token(cfg, jnp.bfloat16) * page_size
+    page_bytes = page_bytes_of(cfg, page_size, serving_dtype)
+    rollout_bytes = page_bytes * pages_for(seq_len, page_size)
     micro_batches = micro_batches or sorted((m for m in range(1, rows + 1) if rows % m == 0), reverse=True)
     for remat in remat_policies:
         for micro in micro_batches:
             bare = plan_memory(cfg, rows=rows, seq_len=seq_len, micro_batch=micro, remat_policy=remat,
                                lora_rank=lora_rank, release_during_update=release_during_update,
-                               device_bytes=device_bytes)
+                               device_bytes=device_bytes, serving_dtype=serving_dtype,
+                               kl_reference=kl_reference)
             room = usable - (bare.rollout_peak if release_during_update else bare.update_peak)
             if release_during_update:  # the pool only has to fit beside the state and serving copy
                 fits = bare.update_peak <= usable and room >= min_pool_rollouts * rollout_bytes
@@ -278,9 +322,11 @@ def choose_colocated(cfg: ModelConfig, *, rows: int, seq_len: int, device_bytes:
             return ColocatedChoice(remat, micro, pages, fraction, plan)
     smallest = plan_memory(cfg, rows=rows, seq_len=seq_len, micro_batch=1, remat_policy=remat_policies[-1],
                            lora_rank=lora_rank, release_during_update=release_during_update,
-                           device_bytes=device_bytes)
+                           device_bytes=device_bytes, serving_dtype=serving_dtype, kl_reference=kl_reference)
     need = smallest.update_peak + (0 if release_during_update else min_pool_rollouts * rollout_bytes)
     fixes = []
+    if smallest.reference and need - smallest.reference <= usable:  # the KL term's copy is what breaks it
+        fixes.append(kl_reference_fix(smallest))
     if not lora_rank:
         fixes.append("train LoRA adapters only (model.lora_rank=16)")
     if not release_during_update:
@@ -288,10 +334,11 @@ def choose_colocated(cfg: ModelConfig, *, rows: int, seq_len: int, device_bytes:
                      "(serving.release_during_update=True)")
     fixes.append(f"shorter rows (rl.max_response_len, now {seq_len} tokens with the prompt)")
     fixes.append("more devices (mesh.fsdp)")
+    reference = f", KL reference {smallest.reference / GB:.1f}" if smallest.reference else ""
     problem = (f"one micro-batch row (trainer.micro_batch_size=1, "
                f"model.remat_policy={remat_policies[-1]}) needs {need / GB:.1f} GB with a pool of "
-               f"{min_pool_rollouts} rollouts, the device has {usable / GB:.1f} GB usable "
-               f"(state {smallest.state / GB:.1f}, gradients {smallest.grads / GB:.1f}, activations "
+               f"{min_pool_rollouts:g} rollouts, the device has {usable / GB:.1f} GB usable "
+               f"(state {smallest.state / GB:.1f}{reference}, gradients {smallest.grads / GB:.1f}, activations "
                f"{smallest.activations / GB:.1f}, serving copy {smallest.serving / GB:.1f} GB): "
                + "; or ".join(fixes))
     return ColocatedChoice(remat_policies[-1], 1, 0, 0.0, smallest, (problem,))
@@ -300,35 +347,52 @@ def choose_colocated(cfg: ModelConfig, *, rows: int, seq_len: int, device_bytes:
 def update_room_problems(cfg: ModelConfig, *, rows: int, seq_len: int, micro_batch: int,
                          free_bytes: int | None, remat_policy: str | None = None, lora_rank: int = 0,
                          release_during_update: bool = False, page_size: int = 16,
-                         margin: float = 0.05) -> list[str]:
-    """The start check of a colocated run on one device, made once the trainer's weights and
-    AdamW moments are in place: what the step still needs (the update's gradients and
-    activations; unless ``release_during_update``, beside the serving copy and one
-    maximum-length rollout's KV) against ``free_bytes`` less ``margin``. One line naming the
-    settings (``SECTION.KEY``) when it does not fit; [] when it does or the free memory is unknown (CPU)."""
+                         margin: float = 0.05, kv_memory_fraction: float | None = None,
+                         kv_pages: int = 0, serving_dtype=None, kl_reference: bool = False) -> list[str]:
+    """The start check of a colocated run on one device, made once the trainer's state (weights,
+    AdamW moments, the KL reference) is in place: what the step still needs (the update's
+    gradients and activations; unless ``release_during_update``, beside the serving copy and the
+    KV pool) against ``free_bytes`` less ``margin``. The pool is the run's own when it gives one
+    (``kv_pages`` pages, or ``kv_memory_fraction`` of what the serving copy leaves, as the engine
+    takes it), else one maximum-length rollout's (the least any engine holds). One line naming
+    the settings (``SECTION.KEY``) when it does not fit; [] when it does or the free memory is
+    unknown (CPU). ``kl_reference``: the run keeps one (already in ``free_bytes``'s use); named
+    as a fix when the update would fit without it."""
     if free_bytes is None:
         return []
     p = plan_memory(cfg, rows=rows, seq_len=seq_len, micro_batch=micro_batch,
                     remat_policy=remat_policy, lora_rank=lora_rank,
-                    release_during_update=release_during_update)
-    rollout = kv_bytes_per_token(cfg, jnp.bfloat16) * pages_for(seq_len, page_size) * page_size
-    held = 0 if release_during_update else p.serving + rollout
+                    release_during_update=release_during_update, serving_dtype=serving_dtype,
+                    kl_reference=kl_reference)
+    page_bytes = page_bytes_of(cfg, page_size, serving_dtype)
+    pool = engine_pool_bytes(page_bytes=page_bytes, free_after_serving=free_bytes - p.serving,
+                             kv_memory_fraction=kv_memory_fraction, kv_pages=kv_pages)
+    pool_given = pool is not None
+    if not pool_given:
+        pool = page_bytes * pages_for(seq_len, page_size)
+    held = 0 if release_during_update else p.serving + pool
     need = p.grads + p.activations + held
     if need <= free_bytes * (1.0 - margin):
         return []
     micro = micro_batch or rows
-    fixes = [f"fewer rows per micro-step (trainer.micro_batch_size, now {micro})"
-             if micro > 1 else "shorter rows (rl.max_prompt_len / rl.max_response_len)"]
+    fixes = []
+    if held and pool_given:  # the run's pool is beside the update: a smaller one makes room
+        fixes.append(f"a smaller KV pool (serving.kv_pages, now {kv_pages})" if kv_pages > 0 else
+                     f"a smaller KV pool (serving.kv_memory_fraction, now {kv_memory_fraction})")
+    if p.reference and need <= (free_bytes + p.reference) * (1.0 - margin):
+        fixes.append(kl_reference_fix(p))
+    fixes.append(f"fewer rows per micro-step (trainer.micro_batch_size, now {micro})"
+                 if micro > 1 else "shorter rows (rl.max_prompt_len / rl.max_response_len)")
     if (remat_policy or cfg.remat_policy) != "full":
         fixes.append(f"model.remat_policy=full (now {remat_policy or cfg.remat_policy})")
     if not release_during_update:
         fixes.append("serving.release_during_update=True")
     if not lora_rank:
         fixes.append("model.lora_rank=16")
+    kv = (f"a {pool / GB:.1f} GB KV pool" if pool_given else f"one rollout's KV {pool / GB:.1f}")
     return [f"the update does not fit beside the weights and AdamW moments: it needs {need / GB:.1f} GB "
             f"(gradients {p.grads / GB:.1f}, activations {p.activations / GB:.1f} for {micro} row(s) of "
-            f"{seq_len} tokens" + (f", serving copy {p.serving / GB:.1f}, one rollout's KV "
-                                   f"{rollout / GB:.1f}" if held else "")
+            f"{seq_len} tokens" + (f", serving copy {p.serving / GB:.1f}, {kv}" if held else "")
             + f"), the device has {free_bytes / GB:.1f} GB free (memory plan: serving/sizing.py); "
             + "; or ".join(fixes)]
 
@@ -349,7 +413,8 @@ def size_colocated(cfg: ModelConfig, *, rows: int, seq_len: int, device_bytes: i
                    micro_batch: int | None = None, kv_memory_fraction: float | None = None,
                    kv_pages: int = 0, page_size: int = 16, lora_rank: int = 0,
                    release_during_update: bool = False, remat_policy: str | None = None,
-                   remat_policies: tuple[str, ...] = (), rollouts: int = 0) -> ColocatedChoice:
+                   remat_policies: tuple[str, ...] = (), rollouts: int = 0, serving_dtype=None,
+                   kl_reference: bool = False) -> ColocatedChoice:
     """The micro-batch and the KV pool's share of a colocated run on one device of ``device_bytes``,
     each from the memory plan where the run leaves it open (None), the run's own where it set it.
 
@@ -360,29 +425,29 @@ def size_colocated(cfg: ModelConfig, *, rows: int, seq_len: int, device_bytes: i
     rollouts, else of one, and gives the pool the rest. With the pool set (``kv_memory_fraction``
     of the memory the trainer's state and the serving copy leave, or ``kv_pages``), the
     micro-batch is the largest whose update fits beside that pool. ``problems`` (one line, naming
-    the flags) when nothing fits."""
+    the flags) when nothing fits. ``serving_dtype`` and ``kl_reference``: ``plan_memory``'s."""
+    same_run = dict(rows=rows, seq_len=seq_len, device_bytes=device_bytes, micro_batch=micro_batch,
+                    kv_memory_fraction=kv_memory_fraction, kv_pages=kv_pages, page_size=page_size,
+                    lora_rank=lora_rank, release_during_update=release_during_update, serving_dtype=serving_dtype)
     if remat_policies:
-        choices = [size_colocated(cfg, rows=rows, seq_len=seq_len, device_bytes=device_bytes, micro_batch=micro_batch,
-                                  kv_memory_fraction=kv_memory_fraction, kv_pages=kv_pages, page_size=page_size,
-                                  lora_rank=lora_rank, release_during_update=release_during_update,
-                                  remat_policy=remat) for remat in remat_policies]
+        choices = [size_colocated(cfg, **same_run, remat_policy=remat, kl_reference=kl_reference)
+                   for remat in remat_policies]
         return fastest_remat_keeping_the_pool(choices, pages_for(seq_len, page_size), rollouts)
     remat = remat_policy or cfg.remat_policy
     micro_batches = None if micro_batch is None else (micro_batch or rows,)
-    page_bytes = kv_bytes_per_token(cfg, jnp.bfloat16) * page_size
+    page_bytes = page_bytes_of(cfg, page_size, serving_dtype)
     per_rollout = pages_for(seq_len, page_size)
-    pool_bytes = None
-    if kv_pages > 0:
-        pool_bytes = kv_pages * page_bytes
-    elif kv_memory_fraction is not None:
-        bare = plan_memory(cfg, rows=rows, seq_len=seq_len, remat_policy=remat, lora_rank=lora_rank)
-        pool_bytes = int(kv_memory_fraction * max(0, device_bytes - bare.state - bare.serving))
+    bare = plan_memory(cfg, rows=rows, seq_len=seq_len, remat_policy=remat, lora_rank=lora_rank,
+                       serving_dtype=serving_dtype, kl_reference=kl_reference)
+    pool_bytes = engine_pool_bytes(page_bytes=page_bytes, free_after_serving=device_bytes - bare.state - bare.serving,
+                                   kv_memory_fraction=kv_memory_fraction, kv_pages=kv_pages)
     pools = (8, 1) if pool_bytes is None else (pool_bytes / (per_rollout * page_bytes),)
     for pool in pools:
         choice = choose_colocated(cfg, rows=rows, seq_len=seq_len, device_bytes=device_bytes,
                                   min_pool_rollouts=pool, page_size=page_size, lora_rank=lora_rank,
                                   remat_policies=(remat,), micro_batches=micro_batches,
-                                  release_during_update=release_during_update)
+                                  release_during_update=release_during_update, serving_dtype=serving_dtype,
+                                  kl_reference=kl_reference)
         if choice.problems:
             continue
         if pool_bytes is None:
@@ -401,6 +466,8 @@ def size_colocated(cfg: ModelConfig, *, rows: int, seq_len: int, device_bytes: i
                + (f", a {pool_bytes / GB:.1f} GB KV pool" if pool_bytes is not None else "")
                + "): leave " + " and ".join(g.split("=")[0] for g in given) + " out to let the plan size "
                + ("it" if len(given) == 1 else "them") + ", or set smaller values")
+    if kl_reference and not size_colocated(cfg, **same_run, remat_policy=remat).problems:
+        problem += "; or " + kl_reference_fix(choice.plan)  # the KL term's copy is what breaks the fit
     return dataclasses.replace(choice, problems=(problem,))
 
 
@@ -431,9 +498,10 @@ def describe_choice(choice: ColocatedChoice, *, device_bytes: int, planned: tupl
         return "plan" if key in planned else "given"
     pool = (f"serving.kv_pages={kv_pages} (given)" if kv_pages > 0 else
             f"serving.kv_memory_fraction={choice.kv_memory_fraction:.4f} ({tag('serving.kv_memory_fraction')})")
+    reference = f", KL reference {p.reference / GB:.1f}" if p.reference else ""
     return (f"memory plan (serving/sizing.py) for {device_bytes / GB:.1f} GB: "
             f"model.remat_policy={choice.remat_policy} ({tag('model.remat_policy')}), "
             f"trainer.micro_batch_size={choice.micro_batch} ({tag('trainer.micro_batch_size')}), {pool}: "
             f"a {p.kv_pool / GB:.1f} GB KV pool; predicted peak {p.peak / GB:.1f} GB "
-            f"(weights + AdamW {p.state / GB:.1f}, gradients {p.grads / GB:.1f}, activations "
-            f"{p.activations / GB:.1f}, serving copy {p.serving / GB:.1f})")
+            f"(weights + AdamW {(p.params + p.optimizer) / GB:.1f}{reference}, gradients {p.grads / GB:.1f}, "
+            f"activations {p.activations / GB:.1f}, serving copy {p.serving / GB:.1f})")
