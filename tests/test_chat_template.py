@@ -231,6 +231,66 @@ def test_bad_conversations_are_clear_errors():
         ct.render_prompt(None)
 
 
+def test_system_content_must_be_text():
+    """A system message's content is a str ("" is a chosen empty prompt); null, missing, [] or 0
+    became an empty system prompt (``or ""``), silently replacing the format's."""
+    q, a = {"role": "user", "content": "Q"}, {"role": "assistant", "content": "a"}
+    for system in ({"role": "system", "content": None}, {"role": "system"}, {"role": "system", "content": []},
+                   {"role": "system", "content": 0}):
+        with pytest.raises(TypeError, match=r"message 0 \(system\): content must be a str"):
+            ct.render_conversation([system, q, a])
+    assert ct.render_conversation([{"role": "system", "content": ""}, q, a]).startswith(
+        "<|im_start|>system\n<|im_end|>")
+
+
+def test_assistant_content_is_text_or_none():
+    """An assistant message's content is a str, or None / absent beside tool calls; 0, False or []
+    were trained as an empty text (``or ""``). The error names the message."""
+    q = {"role": "user", "content": "Q"}
+    call = {"function": {"name": TOOL_NAME, "arguments": {"code": "print(1)", "input": ""}}}
+    for content in (0, False, [], 5):
+        with pytest.raises(TypeError, match=r"message 1 \(assistant\): assistant content must be a str"):
+            ct.render_conversation([q, {"role": "assistant", "content": content, "tool_calls": [call]}])
+    only_call = ct.render_conversation([q, {"role": "assistant", "content": None, "tool_calls": [call]}])
+    assert only_call == ct.render_conversation([q, {"role": "assistant", "tool_calls": [call]}])
+    assert "assistant\n<tool_call>" in only_call
+
+
+@pytest.mark.parametrize("fmt", [ct.RSTAR2, ct.COMPACT, ct.RSTAR2_OFFICIAL], ids=["rstar2", "compact", "official"])
+def test_a_tool_call_must_be_the_formats_tool_with_an_object_of_arguments(fmt):
+    """A call the format's parser would not run (another tool's name, arguments that are no JSON
+    object) is refused, naming the message: SFT would train calls that never run."""
+    q = {"role": "user", "content": "Q"}
+    (name,) = fmt.tool_names
+
+    def turn(fn_name, arguments):
+        return [q, {"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": fn_name,
+                                                                                        "arguments": arguments}}]}]
+
+    other = "python_code_with_standard_io" if name == TOOL_NAME else TOOL_NAME
+    for bad_name in ("get_weather", other, 7):
+        with pytest.raises(ValueError, match=r"message 1 \(assistant\): tool call .*this chat format's tool is"):
+            ct.render_conversation(turn(bad_name, {"code": "print(1)", "input": ""}), fmt=fmt)
+    for bad_args, says in (([1, 2], "must be a JSON object, got list"), ("[1, 2]", "must be a JSON object"),
+                           ("{not json", "not JSON"), (None, "must be a JSON object")):
+        with pytest.raises(ValueError, match=says):
+            ct.render_conversation(turn(name, bad_args), fmt=fmt)
+    for good in ({"code": "print(1)", "input": ""}, '{"code": "print(1)", "input": ""}'):
+        assert '"arguments": {"code": "print(1)", "input": ""}}' in ct.render_conversation(turn(name, good), fmt=fmt)
+    for calls in ({"function": {"name": name, "arguments": {}}}, "abc", ["abc"]):
+        with pytest.raises(TypeError, match="tool_calls must be a list"):
+            ct.render_conversation([q, {"role": "assistant", "content": "x", "tool_calls": calls}], fmt=fmt)
+
+
+def test_offered_tools_are_the_schemas_of_the_formats_tool_names():
+    from rstarjax.protocol import OFFICIAL_TOOL_SCHEMA, TOOL_SCHEMA
+
+    assert ct.offered_tools(ct.RSTAR2) == ct.offered_tools(ct.COMPACT) == (TOOL_SCHEMA,)
+    assert ct.offered_tools(ct.RSTAR2_OFFICIAL) == (OFFICIAL_TOOL_SCHEMA,)
+    for fmt in ct.CHAT_FORMATS.values():
+        assert [t["function"]["name"] for t in ct.offered_tools(fmt)] == list(fmt.tool_names)
+
+
 def test_compact_prompt_fits_demo_budget(small):
     n = len(ct.encode_prompt(small, "What is 123456789 * 987654321?", ct.COMPACT))
     assert n < 135, n  # leaves ~380 of a 512-token budget for the SFT/RL response

@@ -105,18 +105,24 @@ def test_the_rl_stage_runs_the_start_check_on_one_device(monkeypatch):
     from rstarjax.recipes import rl
     from rstarjax.serving import sizing
     from rstarjax.validation import ConfigError
-    run = SimpleNamespace(
-        rl=SimpleNamespace(prompts_per_step=2, group_size=2, max_prompt_len=16, max_response_len=16),
-        trainer=SimpleNamespace(mini_batches=1, micro_batch_size=0),
-        serving=SimpleNamespace(placement="colocated", trainer_processes=1, rollout_devices=0,
-                                release_during_update=False, page_size=16))
+    def run_with(kv_memory_fraction=None):
+        return SimpleNamespace(
+            rl=SimpleNamespace(prompts_per_step=2, group_size=2, max_prompt_len=16, max_response_len=16),
+            trainer=SimpleNamespace(mini_batches=1, micro_batch_size=0), model=SimpleNamespace(lora_rank=0),
+            loss=SimpleNamespace(kl_coef=0.0),
+            serving=SimpleNamespace(placement="colocated", trainer_processes=1, rollout_devices=0,
+                                    release_during_update=False, page_size=16, dtype=None,
+                                    kv_memory_fraction=kv_memory_fraction, kv_pages=0))
     model = SimpleNamespace(config=TINY.replace(remat_policy="full"))
     monkeypatch.setattr(rl.jax, "device_count", lambda: 1)  # the tests run on 8 simulated devices
     monkeypatch.setattr(sizing, "free_device_bytes", lambda device=None: 10_000)  # a device that is full
     with pytest.raises(ConfigError, match="--config.serving.release_during_update=True"):
-        rl.check_update_room(run, model)
+        rl.check_update_room(run_with(), model)
     monkeypatch.setattr(sizing, "free_device_bytes", lambda device=None: 10**9)
-    rl.check_update_room(run, model)  # room enough: nothing raised
+    rl.check_update_room(run_with(), model)  # room enough: nothing raised
+    # the pool the run gives is what the engine takes: all but 0.1 % of the free memory
+    with pytest.raises(ConfigError, match="--config.serving.kv_memory_fraction, now 0.999"):
+        rl.check_update_room(run_with(kv_memory_fraction=0.999), model)
 
 
 def test_the_start_check_counts_the_pool_the_run_gives_naming_its_flag():

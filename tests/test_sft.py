@@ -1,7 +1,9 @@
 """SFT: loss vs HF transformers (PyTorch fp32, labels=-100 outside assistant turns), the
 schedule vs transformers' get_cosine_schedule_with_warmup, packing, bad input, learning."""
+import dataclasses
 import json
 import os
+import re
 import types
 
 import jax
@@ -136,9 +138,9 @@ def test_bad_input(tok, tmp_path):
         sft.load_conversations(str(p))
     with pytest.raises(FileNotFoundError):
         sft.load_conversations(str(tmp_path / "missing.jsonl"))
-    examples, stats = sft.encode_examples(tok, [_conversation(0)] * 2 + [[{"role": "user", "content": "x"}]],
-                                          seq_len=400, fmt=ct.COMPACT)
-    assert len(examples) == 2 and stats["no_assistant_tokens"] == 1
+    with pytest.raises(ValueError, match="conversation 2: the conversation has no assistant message"):
+        sft.encode_examples(tok, [_conversation(0)] * 2 + [[{"role": "user", "content": "x"}]],
+                            seq_len=400, fmt=ct.COMPACT)
     with pytest.raises(ValueError, match="no usable"):
         sft.encode_examples(tok, [_conversation(0)], seq_len=10, fmt=ct.COMPACT)
     with pytest.raises(ValueError, match="conversation 0"):
@@ -151,7 +153,24 @@ def test_bad_input(tok, tmp_path):
     ({"messages": [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "x"}]}, "role must be"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\nx"}]}, "line break"),
     ({"messages": "[not json"}, "not JSON"),
-    ({"messages": []}, "no 'messages' list")])
+    ({"messages": []}, "no 'messages' list"),
+    # a conversation without an assistant turn was dropped with a warning that named no row
+    ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}, "no assistant message"),
+    # null / missing system content became an empty system prompt; 0 / [] assistant content an empty text
+    ({"messages": [{"role": "system", "content": None}] + _conversation(1)}, r"message 0 \(system\): content must"),
+    ({"messages": [{"role": "system"}] + _conversation(1)}, r"message 0 \(system\): content must"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 0, "tool_calls": _conversation(1)[1]["tool_calls"]}]},
+     r"message 1 \(assistant\): assistant content must be a str"),
+    # calls the format's parser never runs
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "",
+                   "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}]},
+     "tool call 'get_weather': this chat format's tool is"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "",
+                   "tool_calls": [{"function": {"name": TOOL_NAME, "arguments": "[1, 2]"}}]}]},
+     "arguments must be a JSON object"),
+    # a row's own tools are not rendered: its prompt would list the format's tool, not these
+    ({"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+      "messages": _conversation(1)}, r"the row's own 'tools' \['get_weather'\] are not the chat format's")])
 def test_a_bad_conversation_is_one_line_naming_its_row_before_the_model_is_read(tok, tmp_path, monkeypatch,
                                                                               row, says):
     """A conversation the template cannot render stops ``run_sft`` with a DataError (one line,
@@ -167,6 +186,153 @@ def test_a_bad_conversation_is_one_line_naming_its_row_before_the_model_is_read(
     monkeypatch.setattr(build, "policy", lambda *a, **k: pytest.fail("the model was read before the data was checked"))
     with pytest.raises(DataError, match=f"{p}:3: .*{says}"):
         sft.run_sft(run, str(tmp_path / "w"))
+
+
+def test_a_row_with_tools_other_than_the_formats_is_refused_naming_it(tmp_path):
+    """A row's own ``tools`` were ignored: the prompt listed the format's python tool while the
+    row's get_weather calls were trained. Rows listing the format's own tool (or none: null, [],
+    a JSON string of them, as parquet exports write) are read."""
+    from rstarjax.io.data import DataError
+    from rstarjax.protocol import OFFICIAL_TOOL_SCHEMA, TOOL_SCHEMA
+
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "weather",
+                                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    other_description = {"type": "function", "function": dict(TOOL_SCHEMA["function"], description="runs code")}
+    p = tmp_path / "sft.jsonl"
+    for tools in (None, [], [TOOL_SCHEMA], [TOOL_SCHEMA["function"]], json.dumps([TOOL_SCHEMA]), "[]"):
+        p.write_text(json.dumps({"tools": tools, "messages": _conversation(0)}) + "\n")
+        assert sft.conversation_rows(str(p), ct.COMPACT)[1] == [f"{p}:1"], tools
+    cases = [([weather], ct.RSTAR2, r"\['get_weather'\] are not the chat format's \['execute_python"),
+             ([TOOL_SCHEMA, weather], ct.RSTAR2, "get_weather"),
+             ([other_description], ct.RSTAR2, "(with other schemas)"),
+             ([TOOL_SCHEMA], ct.RSTAR2_OFFICIAL, r"are not the chat format's \['python_code_with_standard_io'\]"),
+             ("{not json", ct.RSTAR2, "'tools' is a string that is not JSON"),
+             ({"name": "x"}, ct.RSTAR2, "'tools' must be a list")]
+    for tools, fmt, says in cases:
+        p.write_text(json.dumps({"messages": _conversation(0)}) + "\n" + json.dumps({"tools": tools, "messages": _conversation(1)}) + "\n")
+        with pytest.raises(DataError, match=f"{p}:2: .*" + says):
+            sft.conversation_rows(str(p), fmt)
+    p.write_text(json.dumps({"tools": [OFFICIAL_TOOL_SCHEMA], "messages": _conversation(0)}) + "\n")
+    assert len(sft.conversation_rows(str(p), ct.RSTAR2_OFFICIAL)[0]) == 1
+
+
+def test_lines_that_are_not_json_are_named_with_the_parsers_message(tmp_path):
+    """The first few bad lines, FILE:LINE each with why; before, only a count."""
+    from rstarjax.io.data import DataError
+
+    good = json.dumps({"messages": _conversation(0)})
+    lines = [good] * 3 + ['{"messages": [{"role": "user"'] * 7 + [good]
+    p = tmp_path / "sft.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError) as e:
+        sft.conversation_rows(str(p))
+    message = str(e.value)
+    assert message.startswith(f"{p}: 7 line(s) are not valid JSON or not UTF-8: {p}:4 (bad_json: Expecting")
+    assert all(f"{p}:{n} (bad_json" in message for n in range(4, 9)) and f"{p}:9 " not in message
+    assert message.endswith("and 2 more") and "\n" not in message
+
+
+def test_dropped_too_long_conversations_are_named(tok, caplog):
+    """Conversations longer than seq_len are dropped by design; the warning and the stats (the
+    run's summary) name the first few rows, not only a count."""
+    import logging
+
+    short = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    convs = [_conversation(i) for i in range(7)] + [short]
+    where = [f"f.jsonl:{n}" for n in range(1, 9)]
+    limit = len(sft.encode_examples(tok, [short], 10**6, ct.COMPACT)[0][0].ids)
+    with caplog.at_level(logging.WARNING, logger="rstarjax.recipes.sft"):
+        examples, stats = sft.encode_examples(tok, convs, limit, ct.COMPACT, where)
+    assert len(examples) == 1 and stats["too_long"] == 7
+    assert stats["too_long_rows"] == where[:5]
+    assert ("dropped 7 of 8 conversations longer than --config.sft.seq_len="
+            f"{limit} tokens: f.jsonl:1, f.jsonl:2, f.jsonl:3, f.jsonl:4, f.jsonl:5 and 2 more") in caplog.text
+
+
+def test_turns_with_several_tool_calls_are_warned_in_the_paper_layout(tok, caplog):
+    """The paper layout's engine stops at the first </tool_call>, so the rest of a two-call turn
+    is trained but never sampled: counted and named in a warning (not refused). The official
+    layout runs such turns as the official loop does: no warning there."""
+    import logging
+
+    def two_calls(i, name):
+        msgs = _conversation(i)
+        msgs[1] = dict(msgs[1], tool_calls=[{"function": {"name": name, "arguments": {"code": "print(1)", "input": ""}}}] * 2)
+        return msgs[:2] + [msgs[2], msgs[2]] + msgs[3:]
+
+    convs = [_conversation(0), two_calls(1, TOOL_NAME), two_calls(2, TOOL_NAME)]
+    with caplog.at_level(logging.WARNING, logger="rstarjax.recipes.sft"):
+        examples, stats = sft.encode_examples(tok, convs, 4096, ct.COMPACT, ["f:1", "f:2", "f:3"])
+    assert len(examples) == 3 and stats["multi_call_turns"] == 2 and stats["multi_call_rows"] == ["f:2", "f:3"]
+    assert "2 assistant turns hold several tool calls (f:2, f:3)" in caplog.text
+    caplog.clear()
+    official = [two_calls(1, "python_code_with_standard_io")]
+    with caplog.at_level(logging.WARNING, logger="rstarjax.recipes.sft"):
+        _, stats = sft.encode_examples(tok, official, 4096, ct.RSTAR2_OFFICIAL, ["f:1"])
+    assert stats["multi_call_turns"] == 0 and "several tool calls" not in caplog.text
+
+
+def test_the_sft_identity_tells_another_plan():
+    """``sft_identity``: the encoded data, batch size, seed, seq_len and chat format; another
+    epochs / max_steps is the same plan (extended or cut). ``check_same_plan`` names each field
+    that differs in one line; a checkpoint without the record (older) resumes as before."""
+    from rstarjax.validation import StageError
+
+    examples = [sft.SFTExample(np.array([1, 2, 3], np.int32), np.array([0, 1, 1], bool))] * 3
+    cfg = SFTConfig(batch_size=2, seq_len=512, epochs=1)
+    now = sft.sft_identity(examples, cfg, ct.COMPACT)
+    assert now["chat_format"] == "compact" and now["num_examples"] == 3
+    longer = sft.sft_identity(examples, SFTConfig(batch_size=2, seq_len=512, epochs=5, max_steps=7), ct.COMPACT)
+    assert longer == now
+    sft.check_same_plan({"sft_identity": now}, longer, "/w/checkpoints", 3)
+    sft.check_same_plan({"stage": "sft"}, now, "/w/checkpoints", 3)  # (older checkpoints)
+    other_mask = [sft.SFTExample(np.array([1, 2, 3], np.int32), np.array([0, 0, 1], bool))] * 3
+    assert sft.examples_digest(other_mask) != now["examples_digest"]
+    then = sft.sft_identity(examples[:2], SFTConfig(batch_size=4, seq_len=256, seed=7), ct.RSTAR2)
+    with pytest.raises(StageError) as e:
+        sft.check_same_plan({"sft_identity": then}, now, "/w/checkpoints", 3)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("/w/checkpoints holds checkpoints (step 3) of an SFT run on another plan")
+    for says in ("the data as encoded (2 conversations", "now 3", "--config.sft.batch_size=2 (it was 4)",
+                 "--config.sft.seed=0 (it was 7)", "--config.sft.seq_len=512 (it was 256)",
+                 "--config.sft.chat_format=compact (it was rstar2)", "new --workdir"):
+        assert says in message, says
+
+
+def test_an_sft_resume_on_other_data_or_settings_is_refused(tok, tmp_path, capsys, monkeypatch):
+    """Every SFT checkpoint records the run's ``sft_identity``; resuming with other data or
+    another batch size / seed is refused naming what differs (rstarjax.main: exit 2), while
+    more steps resume, the schedule recomputed over the new total and said. Before, a resume on
+    other data resumed silently at the same step of another plan."""
+    from rstarjax import main
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.validation import StageError
+
+    convs = [_conversation(i) for i in range(8)]
+    ckpt_cfg = ckpt_lib.CheckpointConfig(every_steps=1, async_save=False)
+    cfg = SFTConfig(epochs=1, batch_size=4, learning_rate=1e-3, warmup_ratio=0.0, seq_len=512, max_steps=1)
+
+    def train(conversations, cfg):
+        return sft.train_sft(_tiny_model(tok), tok, conversations, cfg, fmt=ct.COMPACT, workdir=str(tmp_path),
+                             mesh=_one_device_mesh(), checkpoint_cfg=ckpt_cfg)
+
+    train(convs, cfg)
+    _, meta = ckpt_lib.read_checkpoint_meta(str(tmp_path / "checkpoints"))
+    assert meta["sft_identity"] == sft.sft_identity(sft.encode_examples(tok, convs, 512, ct.COMPACT)[0], cfg,
+                                                    ct.COMPACT)
+    for conversations, changed, says in (
+            ([_conversation(i) for i in range(8, 14)], {}, "the data as encoded (8 conversations"),
+            (convs, {"batch_size": 2, "seed": 7}, "--config.sft.batch_size=2 (it was 4); --config.sft.seed=7 (it was 0)")):
+        with pytest.raises(StageError, match=re.escape(says)):
+            train(conversations, dataclasses.replace(cfg, **changed))
+    capsys.readouterr()
+    _, summary = train(convs, dataclasses.replace(cfg, epochs=2, max_steps=0))  # train longer: resumes
+    assert summary["steps"] == 4
+    out = capsys.readouterr().out
+    assert "rstarjax: sft resumed from step 1 (" in out
+    assert "the checkpoint's run was to reach step 1: the learning-rate schedule (warmup + cosine) is recomputed over 4 steps" in out
+    monkeypatch.setattr(main, "run", lambda *a, **k: (_ for _ in ()).throw(StageError("another plan")))
+    assert main.run_to_exit_status(None, str(tmp_path)) == 2
 
 
 @pytest.mark.slow
@@ -219,7 +385,7 @@ def test_a_resumed_sft_run_does_not_read_the_hf_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "policy", policy)
     monkeypatch.setattr(build, "tokenizer", lambda src: None)
     monkeypatch.setattr(build, "vocabulary_of", lambda tok: {})
-    monkeypatch.setattr(sft, "conversation_rows", lambda path: ([], []))
+    monkeypatch.setattr(sft, "conversation_rows", lambda path, fmt=None: ([], []))
     monkeypatch.setattr(sft, "encode_examples", lambda *a: ([], {}))
     c = sft_config.get_config()
     hf, data = tmp_path / "hf", tmp_path / "sft.jsonl"  # checked at start from headers; weights never read here

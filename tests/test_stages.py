@@ -97,6 +97,37 @@ def test_sft_checkpoint_hands_over_params_only(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_an_sft_checkpoint_of_another_chat_format_is_refused(tmp_path):
+    """SFT -> RL: the SFT run's chat format (its meta's ``chat_format``; an older checkpoint
+    without it was the rStar2 format, ``build.model_meta``'s default) must be the stage's
+    ``rl.chat_format``: the policy learned that format's prompts, tool name and layout. Before,
+    RL with another format started silently."""
+    import dataclasses
+
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.recipes import rl as rl_recipe
+    from rstarjax.recipes.config import RLConfig
+    from rstarjax.validation import StageError
+
+    def start(sft_meta, rl_format, name):
+        _save_trained(_trainer(), str(tmp_path / name / "sft"), 5, {"stage": "sft", "total_steps": 5, **sft_meta})
+        run = dataclasses.replace(_stage_config(str(tmp_path / name / "sft")), rl=RLConfig(chat_format=rl_format))
+        own = ckpt_lib.Checkpointer(str(tmp_path / name / "stage1"))
+        try:
+            return rl_recipe.initial_state(_trainer(), own, run)
+        finally:
+            own.close()
+
+    with pytest.raises(StageError, match=r"is an SFT run on chat_format 'compact', and this stage has "
+                                         r"--config\.rl\.chat_format='rstar2_official': run RL with "
+                                         r"--config\.rl\.chat_format=compact \(or the SFT again with "
+                                         r"--config\.sft\.chat_format=rstar2_official\)"):
+        start({"chat_format": "compact"}, "rstar2_official", "a")
+    with pytest.raises(StageError, match="an SFT run on chat_format 'rstar2'"):  # older: the rStar2 format
+        start({}, "compact", "b")
+    assert start({"chat_format": "compact"}, "compact", "c")["init_from_stage"] == "sft"
+
+
 def test_rl_checkpoint_hands_over_params_optimizer_and_step(tmp_path):
     from rstarjax.io import checkpoint as ckpt_lib
     from rstarjax.recipes import rl as rl_recipe
@@ -242,7 +273,8 @@ def test_scripted_chain_steps_warmup_data_order_and_served_weights(tmp_path, mon
         assert first_update < first_rollout  # the engine got the restored weights first ...
         for a, b in zip(events[first_update][1], previous):  # ... and they are the previous stage's final ones
             np.testing.assert_array_equal(a, b)
-        assert events[first_rollout][2] == steps[0] - 1  # policy version = global step
+        # the policy version: the stage's own count of published weights (Trainer.policy_version)
+        assert [e[2] for e in events if e[0] == "rollout"] == list(range(len(steps)))
         # warmup (2 updates) after the SFT hand-off and after stage 3's reset; none in stage 2
         lr = [r["train/lr"] for r in recs]
         assert lr[0] == pytest.approx(1e-3 / 2 if name in ("s1", "s3") else 1e-3)

@@ -167,6 +167,15 @@ def chat_format(name: str) -> ChatFormat:
     return CHAT_FORMATS[name]
 
 
+def offered_tools(fmt: ChatFormat) -> tuple[Mapping[str, Any], ...]:
+    """The tool schemas fmt's prompts offer (one per name of ``fmt.tool_names``): the official
+    layout's tools block; the paper formats offer the paper's python tool (RSTAR2 lists its schema,
+    COMPACT describes the same tool in one line)."""
+    if fmt.tool_schemas:
+        return tuple(fmt.tool_schemas)
+    return tuple(s for s in (TOOL_SCHEMA,) if s["function"]["name"] in fmt.tool_names)
+
+
 
 class TokenizerLike(Protocol):
     added_token_ids: Mapping[str, int]
@@ -280,15 +289,52 @@ def format_tool_call(name: str, arguments: Mapping[str, Any] | str) -> str:
 _MERGES_WITH_PROMPT_NEWLINE = re.compile(r"\s*[\r\n]")
 
 
-def _assistant_text(message: Mapping[str, Any], fmt: ChatFormat = RSTAR2) -> str:
-    content = message.get("content") or ""
+def _assistant_content(message: Mapping[str, Any]) -> str:
+    """An assistant message's text: a str, or None / absent for a turn of tool calls only (0,
+    False or [] are not text: ``or ""`` trained them as an empty turn)."""
+    content = message.get("content")
+    if content is None:
+        return ""
     _check_str("assistant content", content)
-    calls = []
-    for call in message.get("tool_calls") or []:
-        fn = call.get("function", call)
-        if "name" not in fn or "arguments" not in fn:
-            raise ValueError(f"a tool call needs 'name' and 'arguments': {call!r}")
-        calls.append(format_tool_call(fn["name"], fn["arguments"]))
+    return content
+
+
+def _tool_calls(message: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """An assistant message's ``tool_calls``: a list of mappings (None / absent: none)."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return []
+    if not isinstance(calls, list) or not all(isinstance(c, Mapping) for c in calls):
+        raise TypeError(f"tool_calls must be a list of {{'function': {{'name', 'arguments'}}}} objects, got {calls!r:.80}")
+    return calls
+
+
+def _checked_tool_call(call: Mapping[str, Any], fmt: ChatFormat) -> tuple[str, Mapping[str, Any] | str]:
+    """(name, arguments) of one tool call, refused unless the format's parser would run it: a name
+    of ``fmt.tool_names`` and a JSON object of arguments (or a JSON string of one, OpenAI's way).
+    Any other call is text the rollout's parser answers with an error: training it teaches
+    calls that never run."""
+    fn = call.get("function", call)
+    if not isinstance(fn, Mapping) or "name" not in fn or "arguments" not in fn:
+        raise ValueError(f"a tool call needs 'name' and 'arguments': {call!r}")
+    name, arguments = fn["name"], fn["arguments"]
+    if name not in fmt.tool_names:
+        raise ValueError(f"tool call {name!r}: this chat format's tool is {' / '.join(map(repr, fmt.tool_names))} "
+                         "(the only one its prompts offer and its parser runs)")
+    parsed = arguments
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError as e:
+            raise ValueError(f"tool call {name!r}: arguments are a string that is not JSON ({e})") from None
+    if not isinstance(parsed, Mapping):
+        raise ValueError(f"tool call {name!r}: arguments must be a JSON object, got {type(parsed).__name__}")
+    return name, arguments
+
+
+def _assistant_text(message: Mapping[str, Any], fmt: ChatFormat = RSTAR2) -> str:
+    content = _assistant_content(message)
+    calls = [format_tool_call(*_checked_tool_call(call, fmt)) for call in _tool_calls(message)]
     # the official template starts every call on a new line; the paper's traces put the first
     # call right after the text (Fig. 11)
     text = content + "".join("\n" + c for c in calls) if fmt.official_layout else content + "\n".join(calls)
@@ -319,20 +365,26 @@ def conversation_pieces(
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or m.get("role") not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"message {i}: role must be system/user/assistant/tool, got {m!r:.80}")
+    # (message numbers in errors are places in the row's own list, the system message counted)
     custom_system = None
-    if messages and messages[0]["role"] == "system":
-        custom_system = messages.pop(0).get("content") or ""
-        _check_str("system content", custom_system)
-    if not messages or messages[0]["role"] != "user":
+    first = 0
+    if messages and messages[0]["role"] == "system":  # its text must be a str: "" is a chosen empty
+        custom_system = _content(messages[0], 0)  # prompt, a null or missing content is not
+        first = 1
+    if len(messages) <= first or messages[first]["role"] != "user":
         raise ValueError("the conversation must start with the user's question (after an optional system)")
     pieces = _system_user_pieces(_system_text(fmt, custom_system), fmt.user_prompt_prefix,
-                                 _content(messages[0], 0), fmt)
-    i = 1
+                                 _content(messages[first], first), fmt)
+    i = first + 1
     while i < len(messages):
         role = messages[i]["role"]
         if role == "assistant":
             pieces += _generation_prompt_pieces(fmt)
-            pieces += [Piece(_assistant_text(messages[i], fmt), assistant=True), _special(IM_END, assistant=True)]
+            try:
+                text = _assistant_text(messages[i], fmt)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"message {i} (assistant): {e}") from None
+            pieces += [Piece(text, assistant=True), _special(IM_END, assistant=True)]
             i += 1
         elif role == "tool":
             if messages[i - 1]["role"] != "assistant" or not messages[i - 1].get("tool_calls"):

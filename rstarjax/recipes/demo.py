@@ -249,7 +249,7 @@ def train_sft_policy(run: RunConfig, setup: DemoSetup, workdir: str) -> tuple[nn
             model, setup.tokenizer, setup.data["sft_traces"], run.sft, mesh=setup.mesh,
             fmt=chat_format(run.sft.chat_format), workdir=sft_dir,
             checkpoint_cfg=CheckpointConfig(every_steps=10**9, keep=1, async_save=False),
-            meta=build.model_meta(model, setup.tokenizer), metrics_writer=mw, log_every=0)
+            meta=build.model_meta(model, setup.tokenizer, run.sft.chat_format), metrics_writer=mw, log_every=0)
     _say(f"SFT: {sft_summary['steps']} steps, loss {sft_summary['first_loss']:.3f} -> "
          f"{sft_summary['final_loss']:.3f} ({sft_summary['seconds']:.0f}s)")
     return sft_trainer.model(), sft_summary

@@ -127,6 +127,17 @@ def _initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig
     if not init_from:
         return {"step": 0, "stage_start_step": 0}
     src_step, src_meta = build.init_from_checkpoint(run.checkpoint.init_from)
+    if src_meta.get("stage") == "sft":
+        # The SFT policy learned one format's prompts, tool name and turn layout: RL in another
+        # samples from a policy that never saw them. (A checkpoint without the record was
+        # written with build.model_meta's default, the rStar2 format, as rstarjax.export reads it.)
+        sft_format = src_meta.get("chat_format", "rstar2")
+        if sft_format != run.rl.chat_format:
+            raise StageError(
+                f"--config.checkpoint.init_from={run.checkpoint.init_from!r} is an SFT run on chat_format "
+                f"{sft_format!r}, and this stage has --config.rl.chat_format={run.rl.chat_format!r}: run RL with "
+                f"--config.rl.chat_format={sft_format} (or the SFT again with --config.sft.chat_format="
+                f"{run.rl.chat_format})")
     src = ckpt_lib.Checkpointer(init_from, ckpt_lib.CheckpointConfig(async_save=False))
     try:
         from_sft = src_meta.get("stage") == "sft"
@@ -254,12 +265,12 @@ def check_update_room(run: RunConfig, model: nnx.Module) -> None:
     update_room_problems``); nothing on CPU (no memory statistics) or on several devices."""
     if not layout_of(run.serving).one_device:
         return
-    rows = run.rl.prompts_per_step * run.rl.group_size // run.trainer.mini_batches
+    # the pool the engine will take (the run's kv_pages or kv_memory_fraction), in its dtype, and
+    # the KL reference: as the plan counted them before any model was built (build.plan_inputs)
     problems = sizing.update_room_problems(
-        model.config, rows=rows, seq_len=run.rl.max_prompt_len + run.rl.max_response_len,
-        micro_batch=run.trainer.micro_batch_size, free_bytes=sizing.free_device_bytes(),
-        lora_rank=model.config.lora_rank, release_during_update=run.serving.release_during_update,
-        page_size=run.serving.page_size)
+        model.config, **build.plan_inputs(run), micro_batch=run.trainer.micro_batch_size,
+        free_bytes=sizing.free_device_bytes(), kv_memory_fraction=run.serving.kv_memory_fraction,
+        kv_pages=run.serving.kv_pages)
     if problems:
         raise ConfigError(as_flags("invalid config:\n  " + "\n  ".join(problems)))
 
