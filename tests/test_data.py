@@ -282,3 +282,50 @@ def test_a_lone_surrogate_escape_is_a_row_that_is_not_utf8(tmp_path, handling):
     assert dict(report.skipped) == {"not_utf8": 2} and report.rows["not_utf8"][0].startswith("d.jsonl:1 [")
     for r in records:
         json.dumps(r, ensure_ascii=False).encode("utf-8")  # what the filter and the evaluation write
+
+
+def test_a_gold_whose_comparison_hangs_the_verifier_is_skipped_at_load(tmp_path, monkeypatch):
+    """A gold the verifier parses but cannot compare with anything in time (sympy evaluating
+    10^{10^{10}}) would time out every verification, and a timeout scores 0 as the model's wrong
+    answer: data.answer_filter=any skips it as unverifiable_answer, saying why."""
+    from rstarjax.io import data
+
+    monkeypatch.setattr(data, "VERIFIER_COMPARE_TIMEOUT_S", 1)  # the same verdicts, sooner
+    rows = [{"problem": "power", "answer": "10^{10^{10}}"}, {"problem": "tower", "answer": "2^{2^{40}}"},
+            {"problem": "half", "answer": "\\frac{1}{2}"}, {"problem": "seven", "answer": "7"}]
+    records, report = load_problems(write_jsonl(tmp_path / "d.jsonl", rows), answer_filter="any")
+    assert [r["problem"] for r in records] == ["half", "seven"]
+    assert dict(report.skipped) == {"unverifiable_answer": 2}
+    assert report.rows["unverifiable_answer"] == [
+        "d.jsonl:1 [the verifier's comparison with it takes over 1 s]",
+        "d.jsonl:2 [the verifier's comparison with it takes over 1 s]"]
+    assert data.verifier_can_read("10^{10^{10}}") is False and data.verifier_can_read("\\frac{1}{2}") is True
+
+
+def test_integer_golds_pass_the_verifier_check_without_sympy(tmp_path, monkeypatch):
+    """The paper's data is integers: they are compared exactly by the verifier's fast path, so
+    loading them never parses or compares with math-verify (42K rows at load)."""
+    from rstarjax.io import data
+
+    def no_sympy(*args, **kwargs):
+        raise AssertionError("math-verify called for an integer gold")
+
+    monkeypatch.setattr(data, "_parsed_gold", no_sympy)
+    monkeypatch.setattr(data, "_comparison_times_out", no_sympy)
+    rows = [{"problem": f"p{i}", "answer": a} for i, a in enumerate(["7", "-3", "1{,}000", "\\boxed{12}", "4.0"])]
+    records, report = load_problems(write_jsonl(tmp_path / "d.jsonl", rows), answer_filter="any")
+    assert [r["answer"] for r in records] == ["7", "-3", "1000", "12", "4"] and not report.skipped
+    assert all(data.why_unverifiable(r["answer"]) is None for r in rows)  # as written (evaluation)
+
+
+def test_the_gold_check_off_the_main_thread_parses_without_math_verifys_alarm(caplog):
+    """math-verify's alarm exists only in the main thread: elsewhere the parse runs without it and
+    the timed comparison is left out, said once in a warning, instead of failing every row."""
+    import concurrent.futures
+
+    from rstarjax.io import data
+
+    with caplog.at_level("WARNING", logger="rstarjax.io.data"), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert pool.submit(data.why_unverifiable, "\\frac{1}{2}").result(60) is None
+        assert pool.submit(data.why_unverifiable, "\\boxed{}").result(60) == "the verifier cannot parse it"
+    assert any("off the main thread" in r.getMessage() for r in caplog.records)

@@ -379,3 +379,20 @@ def test_equal_numbers_written_differently_share_a_vote():
     assert ev.majority_vote(["12", "12.0", "12.00", "7", "7"], [True, True, True, False, False])
 
 
+
+def test_load_benchmarks_names_golds_the_verifier_cannot_use_and_keeps_every_row(tmp_path, monkeypatch, caplog):
+    """A benchmark is scored over all its problems as published; the rows whose gold the verifier
+    cannot use as a mathematical object (an empty box, text it does not parse, a comparison that
+    would time out) are counted and named in one warning line instead of loading silently."""
+    from rstarjax.io import data as data_lib
+
+    monkeypatch.setattr(data_lib, "VERIFIER_COMPARE_TIMEOUT_S", 1)
+    answers = ["\\boxed{}", "3", "}", "\\frac{1}{2}", "10^{10^{10}}"]
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text("".join(json.dumps({"problem": f"P{i}", "answer": a}) + "\n" for i, a in enumerate(answers)))
+    with caplog.at_level("WARNING", logger="rstarjax.recipes.evaluate"):
+        out = ev.load_benchmarks([str(bench)])
+    assert [r["answer"] for r in out["bench"]] == answers
+    lines = [r.getMessage() for r in caplog.records if "the verifier cannot use" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("benchmark bench: 3 of 5 rows have a gold answer")
+    assert "[the verifier's comparison with it takes over 1 s]" in lines[0]

@@ -266,6 +266,10 @@ _INT_RE = re.compile(r"^[+-]?\d+(?:\.0+)?$", re.ASCII)
 #              it: fractions, expressions, intervals, sets, ...); the rest are skipped and counted
 ANSWER_FILTERS = ("integer", "any")
 VERIFIER_PARSE_TIMEOUT_S = 5  # one gold answer's parse (math-verify's own alarm; main thread only)
+# One non-integer gold's comparison with 0 at load (math-verify's own alarm, whole seconds; main
+# thread only): far below the sandbox's verification limit (reward.time_limit_s, 30 s), far above
+# an ordinary comparison (milliseconds; up to about 0.3 s for the process's first, sympy importing).
+VERIFIER_COMPARE_TIMEOUT_S = 2
 
 
 def integer_answer(answer: str) -> str | None:
@@ -615,22 +619,79 @@ def _load_official(paths: str | Iterable[str]) -> tuple[list[dict[str, str]], Da
 
 
 def verifier_can_read(answer: str) -> bool:
-    """Whether the verifier (math-verify, ``env.verify``) parses ``answer`` as a gold answer into
-    a mathematical object (not only its text, which it could match only character for
-    character): one it cannot read would score nearly every rollout 0. Bounded by math-verify's
-    own alarm where this is the main thread (a parse past ``VERIFIER_PARSE_TIMEOUT_S`` counts as
-    unreadable)."""
+    """Whether the verifier can check answers against ``answer`` as their gold answer
+    (``why_unverifiable`` finds nothing against it)."""
+    return why_unverifiable(answer) is None
+
+
+def why_unverifiable(answer: str) -> str | None:
+    """Why the verifier (``env.verify``) cannot use ``answer`` as a gold answer, or None when it
+    can; a gold it cannot use would score nearly every rollout 0, blamed on the model:
+
+    * math-verify does not parse it into a mathematical object (only its text, which it could
+      match only character for character), or not within ``VERIFIER_PARSE_TIMEOUT_S``;
+    * its comparison with another value (0) does not end within ``VERIFIER_COMPARE_TIMEOUT_S``
+      (``10^{10^{10}}``: sympy evaluates the power), so every verification of it would time out,
+      and a timeout scores 0. Comparing it with itself would prove nothing: equal trees are equal
+      at once.
+
+    An integer passes at once, without sympy: the verifier compares integers exactly (its fast
+    path), and the paper's data is integers. Both time limits are math-verify's alarm, which only
+    the main thread has (where datasets are loaded); elsewhere the parse runs without one and the
+    comparison is not tried."""
+    if integer_answer(answer) is not None:
+        return None
     import threading
 
-    from math_verify import grader, parse, parser  # sympy-heavy: only for data.answer_filter='any'
+    main = threading.current_thread() is threading.main_thread()
+    parsed = _parsed_gold(answer, VERIFIER_PARSE_TIMEOUT_S if main else None)
+    if not any(not isinstance(p, str) for p in parsed):
+        return "the verifier cannot parse it"
+    if not main:
+        _warn_comparison_not_timed()
+        return None
+    if _comparison_times_out(parsed, VERIFIER_COMPARE_TIMEOUT_S):
+        return f"the verifier's comparison with it takes over {VERIFIER_COMPARE_TIMEOUT_S} s"
+    return None
+
+
+def _parsed_gold(answer: str, timeout_s: int | None) -> list:
+    """math-verify's parse of the gold ``\\boxed{answer}`` (as the verifier parses it); [] when it
+    fails or runs past ``timeout_s``."""
+    from math_verify import grader, parser  # sympy-heavy: imported on first use
 
     parser.TIMEOUT_WARNING_SHOWN = grader.TIMEOUT_WARNING_SHOWN = True  # no once-per-process notice
-    main = threading.current_thread() is threading.main_thread()
     try:
-        parsed = parse("\\boxed{" + answer + "}", parsing_timeout=VERIFIER_PARSE_TIMEOUT_S if main else None)
+        return parser.parse("\\boxed{" + answer + "}", parsing_timeout=timeout_s)
     except Exception:  # noqa: BLE001 - math-verify's timeout, or a parser error: unreadable either way
+        return []
+
+
+def _comparison_times_out(parsed_gold: list, timeout_s: int) -> bool:
+    """Whether math-verify's comparison of ``parsed_gold`` with 0 runs past ``timeout_s`` (main
+    thread only). An error it raises came in time: the verifier handles it as it does any."""
+    from math_verify import grader, parser
+    from math_verify.errors import TimeoutException
+
+    try:
+        # raise_on_error: without it math-verify answers a timeout False, as it does "not equal"
+        grader.verify(parsed_gold, parser.parse("\\boxed{0}", parsing_timeout=None), timeout_seconds=timeout_s,
+                      raise_on_error=True)
+    except TimeoutException:
+        return True
+    except Exception:  # noqa: BLE001 - it answered in time
         return False
-    return any(not isinstance(p, str) for p in parsed)
+    return False
+
+
+_comparison_warned = []
+
+
+def _warn_comparison_not_timed() -> None:
+    if not _comparison_warned:
+        _comparison_warned.append(True)
+        log.warning("dataset: loaded off the main thread, where math-verify has no time limit: non-integer gold "
+                    "answers whose comparison would hang the verifier are not detected (load in the main thread)")
 
 
 def _checked_record(row: Any, answer_filter: str) -> dict[str, str]:
@@ -644,8 +705,9 @@ def _checked_record(row: Any, answer_filter: str) -> dict[str, str]:
         if canon is None:
             if answer_filter == "integer":
                 raise BadRow("non_integer_answer")
-            if not verifier_can_read(rec["answer"]):
-                raise BadRow("unverifiable_answer", "the verifier cannot parse it")
+            why = why_unverifiable(rec["answer"])
+            if why:
+                raise BadRow("unverifiable_answer", why)
             return rec
         limit = _int_max_digits()
         if limit and len(canon.lstrip("-")) > limit:  # the verifier's int() would refuse it

@@ -277,7 +277,13 @@ def load_benchmarks(paths: Sequence[str], names: Sequence[str] | None = None,
                     limit: int = 0, handling: str = "paper") -> dict[str, list[dict[str, str]]]:
     """Benchmark files -> {dataset name: records}. Answers are kept as written (MATH-500 has
     non-integer answers; math-verify compares them). Name defaults to the file's stem.
-    ``handling``: ``data.handling`` ("official": problems as written too, repeats kept)."""
+    ``handling``: ``data.handling`` ("official": problems as written too, repeats kept).
+
+    Every row is kept, so a benchmark is scored over all its problems as published; the rows
+    whose gold answer the verifier cannot use as a mathematical object (``io.data.
+    why_unverifiable``: an empty ``\\boxed{}``, text math-verify matches only character for
+    character, a comparison that would time out) are counted and named in one warning line,
+    since their samples score 0 unless written exactly as the gold."""
     if isinstance(paths, str):
         paths = [p for p in paths.split(",") if p]
     if not paths:
@@ -292,7 +298,14 @@ def load_benchmarks(paths: Sequence[str], names: Sequence[str] | None = None,
         if not os.path.exists(path):
             raise FileNotFoundError(f"benchmark file {path!r} does not exist")
         records, _ = load_problems(path, integer_only=False, handling=handling)
-        out[name] = records[:limit] if limit else records
+        records = records[:limit] if limit else records
+        hard = [(rec, why) for rec in records if (why := data_lib.why_unverifiable(rec["answer"]))]
+        if hard:
+            named = "; ".join(f"{rec.get('uid', '')} [{why}]" for rec, why in hard[:5])
+            log.warning("benchmark %s: %d of %d rows have a gold answer the verifier cannot use as a mathematical "
+                        "object (their samples score 0 unless written exactly as the gold): %s%s", name, len(hard),
+                        len(records), named, f"; and {len(hard) - 5} more" if len(hard) > 5 else "")
+        out[name] = records
     return out
 
 
