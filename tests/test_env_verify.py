@@ -101,3 +101,27 @@ def test_digits_of_other_scripts_get_math_verifys_verdict(answer, gold):
     """Python's ``\\d`` is any Unicode digit (Arabic-Indic, full-width, mathematical bold): the
     integer fast path reads ASCII digits only, as math-verify does."""
     assert is_correct(rf"<answer>\boxed{{{answer}}}</answer>", gold) is _math_verify_verdict(answer, gold)
+
+
+def test_the_zygotes_warm_up_leaves_no_import_to_a_forked_verification():
+    """Every verification runs in a sandbox forked from the zygote after ``warm_up``: a module
+    sympy imports on first use would be imported again by each one (0.2 s for a polynomial's
+    comparison). In a fresh process: after warm_up, checks of other answers of each kind import
+    nothing new."""
+    import subprocess
+    import sys
+
+    script = r"""
+import sys
+from rstarjax.env import verify
+verify.warm_up()
+before = set(sys.modules)
+for answer, gold in [("(x-1)^2", "x^2-2x+1"), ("[0, 3)", "[0,3)"), ("\\{3, 4\\}", "\\{4,3\\}"),
+                     ("\\begin{pmatrix}0&1\\\\1&0\\end{pmatrix}", "\\begin{pmatrix}0&1\\\\1&0\\end{pmatrix}"),
+                     ("\\cos(\\pi/3)", "0.5"), ("7\\text{ m}", "7"), ("\\frac{3}{4}", "0.75")]:
+    assert verify.is_correct("<answer>\\boxed{" + answer + "}</answer>", gold), answer
+print(sorted(m for m in set(sys.modules) - before if m.startswith(("sympy", "math_verify", "latex2sympy"))))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

@@ -131,6 +131,17 @@ def _math_verify(answer: str, gold_text: str) -> bool:
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
 
 
+# One comparison of each kind a gold answer takes (a number, an expression, an interval, a set, a
+# matrix, a trigonometric value): sympy imports what each needs on its first use (units,
+# combinatorics, set expressions: 35 modules, 0.2 s for an expression), which every forked
+# verification would otherwise pay again.
+WARM_UP_PAIRS = (("\\frac{1}{2}", "0.5"), ("x^2+2x+1", "(x+1)^2"), ("(1,2]", "(1,2]"), ("\\{1,2\\}", "\\{2,1\\}"),
+                 ("\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}"),
+                 ("\\sin(\\pi/6)", "1/2"), ("5\\text{ cm}", "5"))
+
+
 def warm_up() -> None:
-    """Import math-verify and exercise its parser once (called by the zygote before forking)."""
-    _math_verify("\\frac{1}{2}", "0.5")
+    """Import math-verify and exercise each kind of comparison once (called by the zygote before
+    forking: ``WARM_UP_PAIRS``)."""
+    for answer, gold in WARM_UP_PAIRS:
+        _math_verify(answer, gold)
