@@ -82,27 +82,54 @@ def _load(argv: Sequence[str]):
     return fv, fv(list(argv))
 
 
+def _cannot_load(e: OSError) -> ConfigError:
+    return ConfigError("--config: cannot load the config file: " + str(e).strip().splitlines()[-1].strip())
+
+
 def _without_overrides(argv: Sequence[str]):
-    """The config of ``argv``'s ``--config=FILE[:mode]`` alone (None when it does not load)."""
+    """The config of ``argv``'s ``--config=FILE[:mode]`` alone (None when it does not parse; a file
+    that does not load: ``ConfigError`` saying so)."""
     try:
         fv, _ = _load([a for a in argv if not a.startswith("--config.")])
-        return fv.config
+        config = fv.config
+        if config is not None:
+            config.get("mode")  # config_flags loads the file when the config is first used
+        return config
+    except OSError as e:
+        raise _cannot_load(e) from e
     except Exception:  # noqa: BLE001 - the caller reports the original error
         return None
+
+
+def renamed_flags(argv: Sequence[str]) -> list[str]:
+    """A message for each ``--config.KEY`` override of a key that moved (the flag parser would only
+    say that the key does not exist)."""
+    out = []
+    for arg in argv:
+        key = arg[len("--config."):].split("=")[0] if arg.startswith("--config.") else ""
+        if key in RENAMED:
+            out.append(f"{arg}: --config.{key} was replaced: use {RENAMED[key]}")
+    return out
+
+
+def explicit_keys(argv: Sequence[str]) -> frozenset:
+    """The dotted keys the command line sets (``--config.rl.group_size=4``: ``rl.group_size``),
+    which a profile leaves as given (``recipes.config.parse``'s ``explicit``, as ``rstarjax.main``
+    passes it)."""
+    return frozenset(a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config."))
 
 
 def config_from_argv(argv: Sequence[str]):
     """The ConfigDict that ``rstarjax.main`` would run for these arguments (``--config=FILE[:mode]``
     and ``--config.KEY=VALUE`` overrides; ``--workdir`` accepted). Unknown flags or keys raise."""
-    moved = [a for a in argv if a.startswith("--config.") and a[len("--config."):].split("=")[0] in RENAMED]
+    moved = renamed_flags(argv)
     if moved:
-        raise ConfigError("\n".join(f"{a}: was replaced: use {RENAMED[a[len('--config.'):].split('=')[0]]}"
-                                    for a in moved))
+        raise ConfigError("\n".join(moved))
     argv = ["rstarjax.main", *argv]
     try:
         fv, rest = _load(argv)
     except OSError as e:  # a config file config_flags could not load, met by an override
-        raise ConfigError("--config: cannot load the config file: " + str(e).strip().splitlines()[-1].strip()) from e
+        raise _cannot_load(e) from e
     except (flags.Error, KeyError, AttributeError, TypeError, ValueError) as e:
         config = _without_overrides(argv)
         unknown = unknown_key_errors(argv, config) if config is not None else []
@@ -121,7 +148,7 @@ def config_from_argv(argv: Sequence[str]):
             raise ConfigError("--config=configs/<preset>.py is required")
         config.get("mode")
     except OSError as e:
-        raise ConfigError("--config: cannot load the config file: " + str(e).strip().splitlines()[-1].strip()) from e
+        raise _cannot_load(e) from e
     return config
 
 
@@ -129,7 +156,8 @@ def check(argv: Sequence[str], num_devices: int, num_processes: int | None = Non
     """The typed config of a launch command line on ``num_devices`` devices in ``num_processes``
     processes (default: ``distributed.num_processes``); ConfigError lists every problem."""
     config = config_from_argv(argv)
-    dist = parse(config).distributed
+    explicit = explicit_keys(argv)  # as main passes them: a profile leaves these as given
+    dist = parse(config, explicit=explicit).distributed
     if num_processes is None:
         num_processes = dist.num_processes
     elif dist.num_processes > 1 and num_processes != dist.num_processes:
@@ -137,7 +165,7 @@ def check(argv: Sequence[str], num_devices: int, num_processes: int | None = Non
                           f"{num_processes} processes")
     if num_devices < num_processes or num_devices % num_processes:
         raise ConfigError(f"{num_devices} devices do not split evenly over {num_processes} processes")
-    return parse(config, num_devices, num_processes)
+    return parse(config, num_devices, num_processes, explicit=explicit)
 
 
 def describe(run: RunConfig, num_devices: int, num_processes: int) -> str:

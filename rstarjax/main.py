@@ -23,14 +23,14 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from rstarjax.check_config import config_from_argv
+from rstarjax.check_config import config_from_argv, renamed_flags
 from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import compile_cache
 from rstarjax.io.data import DataError
 from rstarjax.io.metrics_log import MetricsWriteError
 from rstarjax.layout import distributed_trainers
 from rstarjax.recipes import build, demo, demo_compare, evaluate, preemption, rl, sft, stage3_filter
-from rstarjax.recipes.config import MODES, RENAMED, DistributedConfig, RunConfig, as_flags, device_rules, parse
+from rstarjax.recipes.config import MODES, DistributedConfig, RunConfig, as_flags, device_rules, parse
 from rstarjax.recipes.rl import StageError
 from rstarjax.rl import mailbox
 from rstarjax.rl.trainer import NonFiniteTraining
@@ -183,17 +183,6 @@ def exit_now(status: int) -> None:
     os._exit(status)
 
 
-def renamed_flags(argv) -> list[str]:
-    """A message for each ``--config.KEY`` override of a key that moved (the flag parser would only
-    say that the key does not exist)."""
-    out = []
-    for arg in argv:
-        key = arg[len("--config."):].split("=")[0] if arg.startswith("--config.") else ""
-        if key in RENAMED:
-            out.append(f"{arg}: --config.{key} was replaced: use {RENAMED[key]}")
-    return out
-
-
 def config_args(argv) -> list[str]:
     """The ``--config`` arguments of a command line (``--config FILE`` as ``--config=FILE``)."""
     out, argv = [], list(argv)
@@ -221,7 +210,10 @@ def main(argv=None) -> None:
         print(e, file=sys.stderr)
         sys.exit(2)
 
-    def _main(_):
+    def _main(rest):
+        if len(rest) > 1:  # a stray word would otherwise be dropped without a word
+            print(f"unexpected arguments: {rest[1:]}", file=sys.stderr)
+            sys.exit(2)
         if not flags.FLAGS["verbosity"].present:  # Orbax logs every save at INFO; --verbosity=0 shows it
             logging.set_verbosity(logging.WARNING)
         config = flags.FLAGS.config

@@ -58,11 +58,33 @@ def curve(records: Sequence[Mapping], key: str) -> tuple[list[int], list[float]]
     resumed run rewrites the steps after its checkpoint)."""
     by_step: dict[int, float] = {}
     for r in records:
-        v = r.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and "step" in r:
-            by_step[int(r["step"])] = float(v)
+        v, step = r.get(key), r.get("step")
+        if _finite_number(v) and _finite_number(step):  # (a record without a usable step: no point)
+            by_step[int(step)] = float(v)
     steps = sorted(by_step)
     return steps, [by_step[s] for s in steps]
+
+
+def _finite_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def run_labels(workdirs: Sequence[str], labels: Sequence[str] | None = None) -> list[str]:
+    """One label per run: the given ones (as many as runs), else each directory's name, with the
+    path from the runs' common parent where two share a name (``a/run``, ``b/run``)."""
+    if labels:
+        if len(labels) != len(workdirs):
+            raise ValueError(f"{len(labels)} labels for {len(workdirs)} runs: give one label a run")
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"two runs are labelled alike in {list(labels)}: one would hide the other")
+        return list(labels)
+    paths = [os.path.normpath(os.path.abspath(w)) for w in workdirs]
+    names = [os.path.basename(p) for p in paths]
+    if len(set(names)) == len(names):
+        return names
+    parent = os.path.commonpath(paths)
+    return [os.path.relpath(p, os.path.dirname(parent)) if p == parent else os.path.relpath(p, parent)
+            for p in paths]
 
 
 def plot_lines(path: str, title: str, series: Sequence[tuple[str, Sequence[float], Sequence[float]]],
@@ -115,7 +137,7 @@ def render(workdir: str, out_dir: str | None = None) -> list[str]:
 def compare(workdirs: Sequence[str], out_dir: str, labels: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     """Overlay runs (e.g. GRPO-RoC vs GRPO): reward and the tool-error ratio in positive
     trajectories; returns per-run means of the trained batch's figures."""
-    labels = list(labels) if labels else [os.path.basename(os.path.normpath(w)) for w in workdirs]
+    labels = run_labels(workdirs, labels)
     os.makedirs(out_dir, exist_ok=True)
     runs = {}
     for label, w in zip(labels, workdirs):
@@ -153,7 +175,9 @@ def main(argv=None) -> int:
     try:
         if args.compare:
             out = args.out or os.path.join(args.workdir, "plots")
-            print(json.dumps(compare([args.workdir, *args.compare], out, args.labels)))
+            summary = compare([args.workdir, *args.compare], out, args.labels)
+            print(json.dumps({run: {k: (v if _finite_number(v) else None) for k, v in figures.items()}
+                              for run, figures in summary.items()}, allow_nan=False))  # strict JSON: no NaN
         else:
             for path in render(args.workdir, args.out):
                 print(path)

@@ -12,6 +12,7 @@ launch would refuse.
 import os
 import re
 import shlex
+import subprocess
 import sys
 
 import pytest
@@ -204,3 +205,26 @@ def test_the_checker_refuses_a_missing_config_file_and_bad_process_ids(user_path
     with pytest.raises(ConfigError, match="does not exist"):
         check(["--config=configs/stage1.py", "--config.model.hf_path=/no/such/model",
                f"--config.data.train_path={user_paths['DATA']}"], 8, 1)
+
+
+def test_the_checker_keeps_what_the_command_line_sets_under_a_profile_as_main_does(user_paths, monkeypatch):
+    """--config.profile=rstar2_official sets the official sizes unless the command line gives its
+    own, as main parses it (``explicit``): the checker put the profile's 128 prompts back and
+    refused a line main accepts; an override before a --config that does not load is one line,
+    not a traceback."""
+    from rstarjax.check_config import check
+    from rstarjax.validation import ConfigError
+
+    monkeypatch.chdir(ROOT)
+    argv = _argv(user_paths, "--config.profile=rstar2_official", "--config.rl.prompts_per_step=3",
+                 "--config.trainer.micro_batch_size=0", base=["--config=configs/stage1.py"])
+    run = check(argv, 6, 3)
+    assert run.rl.prompts_per_step == 3
+    with pytest.raises(ConfigError, match="cannot load the config file.*nope"):
+        check(["--config.rl.group_size=4", "--config=configs/nope.py"], 1)
+
+
+def test_main_refuses_a_stray_argument_in_one_line():
+    r = subprocess.run([sys.executable, "-m", "rstarjax.main", "--config=configs/demo.py", "stray"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == "unexpected arguments: ['stray']", r.stderr[-2000:]

@@ -69,3 +69,34 @@ def test_bad_input(tmp_path):
     r = subprocess.run([sys.executable, "-m", "rstarjax.report", str(tmp_path / "nothing")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "no metrics.jsonl" in r.stderr
+
+
+def test_compare_keeps_every_run_and_prints_strict_json(tmp_path):
+    """Two runs both named ``run`` were one (the second overwrote the first) and fewer labels than
+    runs dropped the rest, exit 0: now each is labelled by its path, labels must be one a run, and
+    the summary is strict JSON (a figure with no data is null, never NaN)."""
+    _write_run(tmp_path / "a" / "run" / "logs", [0.2, 0.4], [0.1, 0.3])
+    _write_run(tmp_path / "b" / "run" / "logs", [0.8, 1.0], [0.0, 0.0])
+    runs = [str(tmp_path / "a" / "run"), str(tmp_path / "b" / "run")]
+    assert report.run_labels(runs) == ["a/run", "b/run"]
+    out = report.compare(runs, str(tmp_path / "plots"))
+    assert sorted(out) == ["a/run", "b/run"] and out["b/run"]["reward_mean"] == pytest.approx(0.45)
+    with pytest.raises(ValueError, match="1 labels for 2 runs"):
+        report.compare(runs, str(tmp_path / "plots"), ["A"])
+    r = subprocess.run([sys.executable, "-m", "rstarjax.report", runs[0], "--compare", runs[1],
+                        "--out", str(tmp_path / "plots")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    printed = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert sorted(printed) == ["a/run", "b/run"]
+
+
+@pytest.mark.parametrize("line", ["[1, 2]", '{"step": null, "sft/loss": 1.0}'])
+def test_a_record_that_is_no_object_or_has_no_step_is_said_not_a_traceback(tmp_path, line):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "metrics.jsonl").write_text(f'{{"step": 1, "sft/loss": 1.0}}\n{line}\n{{"step": 2, "sft/loss": 0.5}}\n')
+    r = subprocess.run([sys.executable, "-m", "rstarjax.report", str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    if line.startswith("["):
+        assert r.returncode == 2 and "line 2 is not a JSON object" in r.stderr, r.stderr
+    else:  # a record without a usable step draws no point; the others do
+        assert r.returncode == 0 and r.stdout.strip().endswith("sft_loss.png"), r.stderr

@@ -174,17 +174,20 @@ class MetricsWriter:
 
 def read_metrics(path: str) -> list[dict]:
     """The records of a ``metrics.jsonl``; a torn last line (a run killed mid-write) is skipped,
-    any other line that is not JSON raises."""
+    any other line that is not a JSON object (a record) raises."""
     with open(path) as f:
         lines = [line for line in f.read().splitlines() if line.strip()]
     records = []
     for i, line in enumerate(lines):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             if i == len(lines) - 1:
                 continue
             raise ValueError(f"{path}: line {i + 1} is not JSON")
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: line {i + 1} is not a JSON object (a record)")
+        records.append(record)
     return records
 
 
