@@ -528,7 +528,7 @@ def agent_sft_argv(a: AgentShape, hf_dir: str, sft_path: str, workdir: str) -> l
 
 
 def agent_rl_argv(a: AgentShape, plan: dict, hf_dir: str, data_path: str, init_from: str,
-                  workdir: str, unconfined: bool = False) -> list[str]:
+                  workdir: str, unconfined: bool = False, extra: dict | None = None) -> list[str]:
     """configs/stage1.py from the SFT checkpoint, only model, data and sizes overridden (its 8K
     responses kept), as a user runs it: on a device that reports its memory ``rstarjax.main``
     picks the remat policy, the micro-batch and the KV pool's share itself
@@ -538,7 +538,9 @@ def agent_rl_argv(a: AgentShape, plan: dict, hf_dir: str, data_path: str, init_f
     step, the last kept (``checkpoint.keep=1``): the step after the first shows its copy behind
     the rollouts and what its update waited for it (20.6 GB each at 1.7B: the SFT's is removed
     once the job has started, ``removed_once_logged``, so that they fit the 64 GB disk). Rewards
-    of random-ish weights are mostly equal, so rl.reject_equal_reward=False as in ``main``."""
+    of random-ish weights are mostly equal, so rl.reject_equal_reward=False as in ``main``.
+    ``extra``: settings given on top (``--h100-rl-flags``), e.g. a smaller pool share after a
+    refusal by the start check."""
     o = {"model.hf_path": hf_dir, "data.train_path": data_path, "checkpoint.init_from": init_from,
          "total_steps": a.steps, "rl.prompts_per_step": a.prompts, "rl.oversample": a.samples,
          "rl.group_size": a.group, "rl.max_prompt_len": a.prompt_len,
@@ -547,6 +549,7 @@ def agent_rl_argv(a: AgentShape, plan: dict, hf_dir: str, data_path: str, init_f
     if not plan.get("device_reported"):
         o.update({"model.remat_policy": plan["remat_policy"], "trainer.micro_batch_size": plan["micro_batch"]})
     o.update(tiny_overrides(a.model))
+    o.update(extra or {})
     return stage1_argv(workdir, o, unconfined)
 
 
@@ -612,6 +615,19 @@ def agent_model_overrides(args) -> dict:
     return overrides
 
 
+def rl_flag_overrides(args) -> dict:
+    """``--h100-rl-flags KEY=VALUE,...``: dotted config keys given to the ``h100`` part's stage-1
+    run as ``--config.KEY=VALUE`` (e.g. ``serving.kv_memory_fraction=0.15``); the run's own parser
+    checks them."""
+    overrides = {}
+    for item in filter(None, (getattr(args, "h100_rl_flags", "") or "").split(",")):
+        key, _, value = item.partition("=")
+        if "." not in key or not value:
+            raise SystemExit(f"--h100-rl-flags {item!r}: give SECTION.KEY=VALUE")
+        overrides[key] = value
+    return overrides
+
+
 def part_agent(shape: Shape, args, log, env, scratch: str, unconfined: bool = False) -> dict:
     """``h100``: SFT on tool traces, then stage 1's RL steps from it, sized by the memory plan."""
     a = AGENT_SHAPES[args.shape]
@@ -657,7 +673,8 @@ def part_agent(shape: Shape, args, log, env, scratch: str, unconfined: bool = Fa
     rl_env = dict(env, JAX_LOG_COMPILES="1")  # which programs each step compiles (item: step 2 none)
     sft_checkpoints = os.path.join(sft_dir, "checkpoints")
     with removed_once_logged(sft_checkpoints, os.path.join(rl_dir, "logs", "metrics.jsonl")):
-        code, out = run_part("h100", agent_rl_argv(a, plan, paths["hf"], paths["data"], sft_checkpoints, rl_dir, unconfined),
+        code, out = run_part("h100", agent_rl_argv(a, plan, paths["hf"], paths["data"], sft_checkpoints, rl_dir,
+                                                   unconfined, rl_flag_overrides(args)),
                              a.timeouts["rl"], log, rl_env)
     result["job_s"] = round(time.perf_counter() - t2, 1)
     result["exit"] = code
@@ -1558,6 +1575,8 @@ def parse_args(argv=None):
     ap.add_argument("--sft-traces", type=int, default=0, help="h100: SFT traces generated (0: the shape's)")
     ap.add_argument("--agent-model", default="", help="h100: KEY=VALUE,... ModelConfig fields of its random model "
                                                       "(e.g. num_hidden_layers=28,initializer_range=0.08)")
+    ap.add_argument("--h100-rl-flags", default="", help="h100: SECTION.KEY=VALUE,... settings given to its stage-1 "
+                                                        "run (e.g. serving.kv_memory_fraction=0.15)")
     return ap.parse_args(argv)
 
 

@@ -501,6 +501,12 @@ def test_the_agent_model_flag_changes_the_random_models_fields(tmp_path):
     assert overrides == {"num_hidden_layers": 3, "hidden_size": 96, "head_dim": 24, "initializer_range": 0.05}
     with pytest.raises(SystemExit, match="hidden_sise"):
         g.agent_model_overrides(argparse.Namespace(agent_model="hidden_sise=96"))
+    # --h100-rl-flags: settings on top of the stage-1 run's (a smaller pool after a start-check refusal)
+    flags = g.rl_flag_overrides(g.parse_args(["--h100-rl-flags", "serving.kv_memory_fraction=0.15"]))
+    argv = g.agent_rl_argv(g.AGENT_SHAPES["tiny"], {"device_reported": True}, "hf", "d", "i", "w", extra=flags)
+    assert "--config.serving.kv_memory_fraction=0.15" in argv
+    with pytest.raises(SystemExit, match="SECTION.KEY=VALUE"):
+        g.rl_flag_overrides(argparse.Namespace(h100_rl_flags="kv_memory_fraction=0.15"))
     a = g.AGENT_SHAPES["tiny"]
     spec = dict(model=a.model, regular=a.tokenizer_regular_tokens, rows=4, rollouts=8, seq_len=1184,
                 plan_device_gb=80.0, problems=4, traces=4, model_overrides=overrides,
