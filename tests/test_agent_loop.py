@@ -269,12 +269,12 @@ class FlakyExecutor:
         threading.Timer(self.delay_s, lambda: out.set_result(real.result())).start()
         return out
 
-    def submit_verify(self, response_text, gold, timeout=None):
+    def submit_verify(self, response_text, gold, timeout=None, mode="answer"):
         import concurrent.futures
 
         if gold in self.hang_verify:
             return concurrent.futures.Future()  # never answers
-        return self.real.submit_verify(response_text, gold, timeout)
+        return self.real.submit_verify(response_text, gold, timeout, mode)
 
 
 SUCCESS = [call("print(6*7)"), ANSWER]
@@ -406,3 +406,15 @@ def test_official_layout_episodes(tok, engine, executor):
     assert "Failed to decode tool call: " in by["malformed"].response_text  # the official text (issue #50)
     assert (by["printed"].finish, by["printed"].reward) == (FinishReason.NO_TOOL_CALL, 1.0)
     assert "\\boxed{42}" in by["printed"].graded_text  # the official reward's text: tool output included
+
+
+def test_the_reward_mode_reaches_the_verifier(tok, engine, executor):
+    """A box written outside any <answer> block: no answer under the paper's reward (eq. 3 reads
+    the box in <answer>), the answer under reward.mode=boxed."""
+    turns = ["<reason>so it is \\boxed{42}</reason><|im_end|>"]
+    rewards = {}
+    for mode in ("answer", "boxed"):
+        cfg = AgentConfig(max_turns=2, max_response_len=MAX_LEN - 200, reward_mode=mode)
+        trajs, _ = run_rollouts(engine, tok, executor, [request(tok, turns)], cfg)
+        rewards[mode] = trajs[0].reward
+    assert rewards == {"answer": 0.0, "boxed": 1.0}

@@ -19,7 +19,6 @@ from rstarjax.env import extract_final_answer, find_boxed, is_correct
         (r"<answer>\boxed{x^2 + 2x + 1}</answer>", "(x+1)^2"),
         (r"<answer>\boxed{\sqrt{8}}</answer>", r"2\sqrt{2}"),
         (r"<answer>\boxed{\frac{4}{2}}</answer>", "2"),
-        (r"the answer is \boxed{24}", "24"),  # no <answer> block: last box of the response
     ],
 )
 def test_equivalent_forms_are_correct(response, gold):
@@ -41,10 +40,22 @@ def test_equivalent_forms_are_correct(response, gold):
         (r"<answer>\boxed{12</answer>", "12"),  # unbalanced
         # the box outside <answer> does not count when an <answer> block exists
         (r"I guess \boxed{5}. <answer>\boxed{6}</answer>", "5"),
+        # no <answer> block, no answer (paper §2.2: "\boxed{} within the <answer> tag")
+        (r"the answer is \boxed{24}", "24"),
     ],
 )
 def test_wrong_or_missing_answers(response, gold):
     assert is_correct(response, gold) is False
+
+
+def test_reward_mode_boxed_reads_the_last_box_where_there_is_no_answer_block():
+    """reward.mode=boxed, for a policy that writes no <answer> tags: the response's last box;
+    where an <answer> block exists it alone counts, as in the paper's mode."""
+    from rstarjax.env.official_reward import score
+
+    assert score(r"the answer is \boxed{24}", "24", "boxed") and not score(r"the answer is \boxed{24}", "24")
+    assert not score(r"I guess \boxed{5}. <answer>\boxed{6}</answer>", "5", "boxed")
+    assert extract_final_answer(r"so \boxed{7}", outside_answer_block=True) == "7"
 
 
 def test_several_boxes_last_one_counts():

@@ -395,7 +395,8 @@ class CodeExecutor:
                       mode: str = "answer") -> concurrent.futures.Future:
         """Reward of one response, computed in a sandbox under a wall-clock kill.
         Returns a Future[VerifyResult] (`bool(result)` is the reward; a timeout gives False).
-        ``mode``: official_reward.REWARD_MODES ("answer": the paper's eq. 3; "official": the
+        ``mode``: official_reward.REWARD_MODES ("answer": the paper's eq. 3; "boxed": the same, or
+        the response's last box where it wrote no <answer> block; "official": the
         official code's compute_score on the whole text)."""
         if not isinstance(response_text, str):
             raise TypeError(f"response_text must be str, got {type(response_text).__name__}")

@@ -544,14 +544,17 @@ def warm_up() -> None:
         import sympy.parsing.sympy_parser  # noqa: F401
 
 
-REWARD_MODES = ("answer", "official")  # reward.mode: verify.is_correct | official_score
+# reward.mode: verify.is_correct (the box in <answer>; "boxed": or the response's last box without
+# one) | official_score
+REWARD_MODES = ("answer", "boxed", "official")
 
 
 def score(response: str, gold, mode: str = "answer") -> bool:
     """The reward of ``response``: ``mode="answer"`` is the paper's (eq. 3, ``verify.is_correct``),
+    ``"boxed"`` the same with the response's last box where it wrote no <answer> block,
     ``mode="official"`` the official code's (``official_score``)."""
-    if mode == "answer":
-        return is_correct(response, gold)
+    if mode in ("answer", "boxed"):
+        return is_correct(response, gold, outside_answer_block=mode == "boxed")
     if mode == "official":
         return official_score(response, gold)
     raise ValueError(f"reward mode must be one of {REWARD_MODES}, got {mode!r}")

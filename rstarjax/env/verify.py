@@ -62,10 +62,14 @@ def find_boxed(text: str) -> list[str]:
         i = k + 1
 
 
-def extract_final_answer(response_text: str) -> str | None:
-    """The final answer: the last \\boxed{} inside the last <answer> block when there is one
-    (paper §2.2), else the last \\boxed{} of the response. None when there is no box."""
+def extract_final_answer(response_text: str, outside_answer_block: bool = False) -> str | None:
+    """The final answer: the last \\boxed{} inside the last <answer> block (paper §2.2: "we
+    extract the final answer from \\boxed{} within the <answer> tag"). None when there is no box
+    there, or no <answer> block; ``outside_answer_block``: then the last \\boxed{} of the whole
+    response (``reward.mode=boxed``, for a policy that writes no <answer> tags)."""
     blocks = _ANSWER_BLOCK.findall(response_text)
+    if not blocks and not outside_answer_block:
+        return None
     scope = blocks[-1] if blocks else response_text
     boxes = find_boxed(scope)
     if not boxes:
@@ -103,16 +107,17 @@ def _integer_verdict(answer: str | None, gold_text: str) -> bool | None:
     return None
 
 
-def is_correct(response_text: str, gold) -> bool:
-    """rStar2-Agent eq. 3: reward 1 iff the final boxed answer equals `gold`. No time limit:
-    call it only under a wall-clock kill (the sandbox does: `CodeExecutor.verify`).
+def is_correct(response_text: str, gold, outside_answer_block: bool = False) -> bool:
+    """rStar2-Agent eq. 3: reward 1 iff the final boxed answer (``extract_final_answer``) equals
+    `gold`. No time limit: call it only under a wall-clock kill (the sandbox does:
+    `CodeExecutor.verify`).
 
     Integer fast path (the paper trains on integer answers): when both sides are plain integers
     they are compared exactly without sympy. Otherwise math-verify decides (equivalent forms such
     as \\frac{1}{2} vs 0.5).
     """
     gold_text = str(gold).strip()
-    answer = extract_final_answer(response_text)
+    answer = extract_final_answer(response_text, outside_answer_block)
     verdict = _integer_verdict(answer, gold_text)
     return verdict if verdict is not None else _math_verify(answer, gold_text)
 

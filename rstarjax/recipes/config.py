@@ -109,7 +109,9 @@ class RewardConfig:
     """The ``reward`` section: how a finished rollout is scored."""
 
     # env.official_reward.REWARD_MODES: "answer" = rStar2-Agent eq. 3 (the last \boxed{} in the
-    # model's last <answer>, verify.is_correct); "official" = the official code's compute_score
+    # model's last <answer>, verify.is_correct; no <answer> block, no answer); "boxed" = the same,
+    # but the model's last \boxed{} where it wrote no <answer> block (a policy without the
+    # tags); "official" = the official code's compute_score
     # (PRIME grader, then math-verify) on the whole decoded response, tool outputs included
     mode: str = "answer"
     # wall-clock limit of one rollout's scoring in the sandbox (a run past it scores 0); the

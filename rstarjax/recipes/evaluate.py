@@ -180,13 +180,16 @@ def dataset_metrics(results: Sequence[ProblemResult], k: int) -> dict[str, float
     }
 
 
-def problem_result(record: Mapping[str, str], trajectories: Sequence[Trajectory], dataset: str) -> ProblemResult:
+def problem_result(record: Mapping[str, str], trajectories: Sequence[Trajectory], dataset: str,
+                   outside_answer_block: bool = False) -> ProblemResult:
     """One problem's samples -> ProblemResult (reward > 0 is "correct", as in training). Each
     sample's answer is read from the text its verifier judged (the model's own, not a program's
-    output; none for a sample cut at its length, which scores 0 unverified)."""
+    output; none for a sample cut at its length, which scores 0 unverified), as the reward reads it
+    (``outside_answer_block``: the text's last box where it has no <answer> block, as
+    ``reward.mode=boxed`` and the official reward do)."""
     failed = [t.finish == FinishReason.ERROR for t in trajectories]
-    answers = [extract_final_answer(t.graded_text) if t.graded_text is not None and not bad else None
-               for t, bad in zip(trajectories, failed)]
+    answers = [extract_final_answer(t.graded_text, outside_answer_block) if t.graded_text is not None and not bad
+               else None for t, bad in zip(trajectories, failed)]
     samples = [
         {
             "response": t.response_text,
@@ -233,7 +236,7 @@ def format_table(per_dataset: Mapping[str, Mapping[str, float]], k: int) -> str:
 # ---- driver ------------------------------------------------------------------------------------
 def evaluate_records(datasets: Mapping[str, Sequence[Mapping[str, str]]],
                      sample: Callable[[Sequence[Mapping[str, str]], int], Sequence[Sequence[Trajectory]]], k: int,
-                     out_dir: str | None = None) -> dict[str, dict[str, float]]:
+                     out_dir: str | None = None, reward_mode: str = "answer") -> dict[str, dict[str, float]]:
     """Sample k trajectories per problem of every dataset (``sample(records, k)``: for each record
     its k trajectories, rewards computed; ``per_problem`` makes one of a ``RolloutFn``), score them
     and (optionally) write ``eval_samples.jsonl``, ``eval_results.json`` and ``eval_table.md`` into
@@ -244,7 +247,8 @@ def evaluate_records(datasets: Mapping[str, Sequence[Mapping[str, str]]],
         groups = sample(records, k)
         if len(groups) != len(records):
             raise RuntimeError(f"rollouts returned {len(groups)} groups for {len(records)} problems")
-        results = [problem_result(rec, trajs, name) for rec, trajs in zip(records, groups)]
+        results = [problem_result(rec, trajs, name, outside_answer_block=reward_mode != "answer")
+                   for rec, trajs in zip(records, groups)]
         per_dataset[name] = dataset_metrics(results, k)
         all_results.extend(results)
         log.info("eval %s: %s", name, per_dataset[name])
@@ -370,7 +374,7 @@ def run_eval(run: RunConfig, workdir: str) -> dict[str, dict[str, float]]:
             rollouts = build.rollouts(model, tokenizer, executor, run.eval_agent(), e.sampling(), e.max_prompt_len,
                                       e.chat_format, run.serving, num_slots=e.num_slots)
             with guard.rollouts():
-                out = evaluate_records(datasets, per_problem(rollouts, run.seed), e.k, workdir)
+                out = evaluate_records(datasets, per_problem(rollouts, run.seed), e.k, workdir, run.reward.mode)
         except preemption.StepAbandoned:
             raise preemption.Interrupted(guard.request.signum, 0, False, False,
                                          done="abandoned the evaluation in progress; it writes its results once "

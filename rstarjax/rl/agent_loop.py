@@ -200,6 +200,9 @@ class AgentEpisode:
         return int(script[i]) if i < len(script) else -1
 
     def on_turn_end(self, ids, logprobs, reason: DoneReason):
+        """A model turn ended (rStar2-Agent §2.1's rollout): at its length budget the rollout ends
+        (truncated); a turn with a tool call has it run and its response appended for the next
+        turn, up to ``max_turns``; a turn without one ends the rollout, which is then scored."""
         t = self.traj
         self._scripted += len(ids)
         t.segments.append(Segment(SegmentKind.MODEL, list(ids), list(logprobs)))
@@ -278,7 +281,8 @@ class AgentEpisode:
                 else:
                     text = self.model_text
                     self.verify_future = self.executor.submit_verify(
-                        text, self.request.gold_answer, timeout=self.config.verify_timeout_s)
+                        text, self.request.gold_answer, timeout=self.config.verify_timeout_s,
+                        mode=self.config.reward_mode)
                 self.traj.graded_text = text
                 self.verify_submitted = time.monotonic()
             except Exception as e:  # the executor is gone: the environment's failure
