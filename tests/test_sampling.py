@@ -276,3 +276,26 @@ def test_fused_sampler_greedy_limits_forced_and_filters():
     want, want_lp = sample_tokens(jnp.asarray(logits), seeds, counters, t, k, p)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_allclose(np.asarray(lp), np.asarray(want_lp), atol=2e-6)
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth_as_hf():
+    """bf16 logits tie often: HF's TopKLogitsWarper removes only scores below the k-th largest,
+    so every token tied with it stays drawable (vLLM likewise). Rows: a tie straddling k, a tie
+    wholly inside the top k, all tokens equal, and top-k then top-p over a tie."""
+    rows = np.array([
+        [3.0, 1.0, 2.0, 2.0, 2.0, 0.5, -1.0, 2.0],   # k=2: 3.0 and the four 2.0s
+        [3.0, 2.5, 2.5, 1.0, 0.0, 0.0, -2.0, -3.0],  # k=3: exactly 3 (the tie is inside)
+        [1.0] * 8,                                   # k=1: all tied, all kept
+        [4.0, 3.0, 3.0, 3.0, 0.0, -1.0, -1.0, -5.0],  # k=2 then top-p 0.95
+    ], np.float32)
+    settings = [(1.0, 2, 1.0), (0.8, 3, 1.0), (1.0, 1, 1.0), (1.0, 2, 0.95)]
+    t = jnp.array([s[0] for s in settings], jnp.float32)
+    k = jnp.array([s[1] for s in settings], jnp.int32)
+    p = jnp.array([s[2] for s in settings], jnp.float32)
+    ours = np.asarray(filter_logits(jnp.asarray(rows), t, k, p))
+    for b, (tb, kb, pb) in enumerate(settings):
+        ref = _hf_filter(rows[b], tb, kb, pb)
+        np.testing.assert_array_equal(np.isfinite(ours[b]), np.isfinite(ref), err_msg=f"row {b}")
+        kept = np.isfinite(ref)
+        np.testing.assert_allclose(ours[b][kept], ref[kept], rtol=1e-6)
+    assert np.isfinite(ours[0]).sum() == 5 and np.isfinite(ours[2]).sum() == 8

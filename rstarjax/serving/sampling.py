@@ -4,7 +4,8 @@ Everything here is pure and shape-static so it runs inside the engine's jitted s
 compile for any mix of per-slot settings. Each row of a batch carries its own parameters:
 
 - ``temperature[b] <= 0`` means greedy (argmax); otherwise logits are divided by it;
-- ``top_k[b] <= 0`` disables top-k; otherwise only the k most likely tokens may be drawn;
+- ``top_k[b] <= 0`` disables top-k; otherwise only the k most likely tokens may be drawn
+  (and any tied with the k-th, as in HF transformers and vLLM);
 - ``top_p[b] >= 1`` disables nucleus filtering; otherwise the smallest set of most likely
   tokens whose probability reaches ``top_p`` is kept (the token that crosses the threshold
   is included, as in HF transformers' ``TopPLogitsWarper`` and vLLM);
@@ -73,7 +74,9 @@ def filter_logits(
     """Tempered logits with tokens outside top-k / top-p set to -inf. f32[B,V] -> f32[B,V].
 
     Works on the descending sort of each row so per-row k and p need no recompilation.
-    Ties at the k-th value are broken by sort order (so exactly k tokens survive).
+    Top-k keeps every token whose logit equals the k-th largest, as HF transformers'
+    ``TopKLogitsWarper`` (it removes only scores below the k-th) and vLLM do: bf16 logits tie
+    often, and which of the tied tokens survived would otherwise depend on the sort.
     """
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
@@ -81,9 +84,9 @@ def filter_logits(
     scaled = logits / safe_t
     order = jnp.argsort(-scaled, axis=-1)  # descending, stable
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    rank = jnp.arange(vocab)[None, :]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
-    keep = rank < k
+    kth = jnp.take_along_axis(sorted_logits, k - 1, axis=-1)  # the k-th largest, [B, 1]
+    keep = sorted_logits >= kth
     sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     # Probability mass strictly before each token: a token is kept while that mass < top_p,
