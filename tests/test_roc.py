@@ -348,3 +348,32 @@ def test_roc_applied_per_group_of_a_flat_batch():
         sub = [t for t in kept if t.group_id == gid]
         assert len(sub) == 4 and sum(t.reward == 0 for t in sub) == 2  # floor(5/2)
     assert [id(t) for t in select_groups(trajs, 2, cfg, seed=0).kept] == [id(t) for t in kept]
+
+
+def test_zero_penalty_eps_is_the_rl_key_select_groups_draws_with():
+    """``rl.roc_zero_penalty_eps`` reaches the draw: with eps = 1 the weights are 1 / (p + 1),
+    whose inclusion probabilities differ clearly from the default 1 / (p + 0.01)'s."""
+    from rstarjax.rl.config import RLConfig
+    from rstarjax.rl.selection import select_groups
+
+    specs = [(2, 0, 1, 2), (0, 0, 1, 1), (1, 1, 0, 1), (2, 1, 2, 2)]  # p_total 0, 0.5, 2, 1
+    group = [traj(reward=1.0, calls=c, execution=e, answers=a, turns=t) for c, e, a, t in specs * 2]
+    group[-1] = traj(reward=0.0)  # one negative: floor(1/2) = 0 kept, 4 of the 7 positives
+    p = [p_total(t) for t in group[:7]]
+    trials = 3000
+    for eps in (1.0, 0.01):
+        # (the G kept are all positive: equal rewards, which the batch filter would reject)
+        cfg = RLConfig(group_size=4, oversample=8, prompts_per_step=1, roc_zero_penalty_eps=eps,
+                       reject_equal_reward=False)
+        expected = exact_inclusion([1.0 / (x + eps) for x in p], 4)
+        counts = np.zeros(8)
+        for s in range(trials):
+            for t in select_groups(group, 1, cfg, s).kept:
+                counts[next(i for i, g in enumerate(group) if g is t)] += 1
+        freq = counts[:7] / trials
+        se = np.sqrt(expected * (1 - expected) / trials)
+        assert np.all(np.abs(freq - expected) < 4.5 * np.maximum(se, 1e-3)), (eps, freq, expected)
+    # the two settings' predictions are far apart for the p_total = 2 trace
+    assert exact_inclusion([1 / (x + 1.0) for x in p], 4)[2] - exact_inclusion([1 / (x + 0.01) for x in p], 4)[2] > 0.15
+    with pytest.raises(ValueError, match="roc_zero_penalty_eps"):
+        RLConfig(group_size=4, oversample=8, roc_zero_penalty_eps=0.0)

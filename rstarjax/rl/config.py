@@ -8,7 +8,7 @@ import dataclasses
 
 from rstarjax.models.chat_template import CHAT_FORMATS
 from rstarjax.rl.agent_loop import AgentConfig
-from rstarjax.rl.roc import ROC_PENALTIES
+from rstarjax.rl.roc import DEFAULT_ZERO_PENALTY_EPS, ROC_PENALTIES
 from rstarjax.serving.sampling import SamplingParams
 from rstarjax.validation import one_of, require
 
@@ -46,6 +46,9 @@ class RLConfig:
     # counts (eq. 4-5); "official_text" from the decoded response as the official code does
     # (roc.official_text_penalty; with roc_variant="topk": the official kept set)
     roc_penalty: str = "paper"
+    # roc_variant="paper": positives are drawn with weight 1 / (p_total + this) (§2.2.3 says
+    # "inversely proportional to p_total", which is infinite at p_total = 0; ours, roc.py)
+    roc_zero_penalty_eps: float = DEFAULT_ZERO_PENALTY_EPS
     # rStar2-Agent §4.3 / the official run script: groups whose rewards are all equal are dropped
     # before RoC, without refilling (advantages.is_equal_reward_group)
     reject_equal_reward: bool = True
@@ -84,6 +87,10 @@ class RLConfig:
              "baseline samples group_size rollouts and trains on all of them)"),
             one_of("roc_variant", self.roc_variant, ("paper", "topk")),
             one_of("roc_penalty", self.roc_penalty, ROC_PENALTIES),
+            (isinstance(self.roc_zero_penalty_eps, (int, float)) and self.roc_zero_penalty_eps > 0
+             and self.roc_zero_penalty_eps == self.roc_zero_penalty_eps < float("inf"),
+             f"roc_zero_penalty_eps={self.roc_zero_penalty_eps!r} must be a finite number > 0 (a trace with "
+             "p_total = 0 would get an infinite weight)"),
             (not (self.roc and self.roc_variant == "topk")
              or (min(self.roc_min_negatives, self.roc_min_positives) >= 0 and floors <= self.group_size),
              f"roc_min_negatives + roc_min_positives = {floors} must lie in [0, group_size={self.group_size}] "

@@ -69,7 +69,7 @@ def select_groups(trajectories: Sequence[Trajectory], num_groups: int, cfg, seed
         if cfg.roc:
             keep = roc_lib.roc_select(valid, cfg.group_size, np.random.default_rng([seed, g]), variant=cfg.roc_variant,
                                       min_negatives=cfg.roc_min_negatives, min_positives=cfg.roc_min_positives,
-                                      penalty=cfg.roc_penalty)
+                                      penalty=cfg.roc_penalty, zero_penalty_eps=cfg.roc_zero_penalty_eps)
         else:
             keep = range(cfg.group_size)
         kept = [valid[i] for i in keep]
