@@ -260,6 +260,9 @@ def test_a_directory_with_only_pytorch_weights_names_them(dirs, tmp_path):
     (dict(vocab_size=str(VOCAB)), "'vocab_size'='384' must be a positive integer"),
     (dict(tie_word_embeddings="false"), "'tie_word_embeddings'='false' must be true or false"),
     (dict(rope_parameters="default"), "'rope_parameters'='default' is not an object"),
+    # per layer type (transformers' nested form): no Qwen2/3 model reads it; its theta was dropped
+    (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+     r"'rope_parameters' holds parameters per layer type \(\['full_attention'\]\)"),
 ])
 def test_a_config_setting_the_model_would_ignore_is_refused(dirs, tmp_path, changes, match):
     path = _copy(dirs, "untied", tmp_path)
@@ -339,3 +342,23 @@ def test_qwen_tokenizers_still_load(dirs, tmp_path):
     assert load_tokenizer_for(str(path)).num_regular_tokens == N_REGULAR
     _edit_tokenizer(path, lambda d: d.update(added_tokens=d["added_tokens"][:22]))
     assert saved_num_regular_tokens(str(path)) == N_REGULAR
+
+
+@pytest.mark.parametrize("fields", [
+    # rope_scaling, when a non-empty object, replaces rope_parameters whole (theta included)
+    dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rope_scaling={"rope_type": "default"}),
+    dict(rope_theta=1e6, rope_scaling={"rope_type": "default", "rope_theta": 5e5}),
+    dict(rope_theta=2e5, rope_parameters={"rope_type": "default"}),
+    dict(rope_theta=3e5, rope_parameters={"rope_type": "default", "rope_theta": 7e5}),
+    dict(rope_scaling=None, rope_parameters=None),
+])
+def test_rope_theta_is_the_one_transformers_runs(fields):
+    """Which theta a config.json means, against transformers' own reading of the same fields."""
+    import transformers
+
+    from rstarjax.models.config import ModelConfig
+    hf = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=VOCAB, hidden_size=64,
+              intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, **{k: v for k, v in fields.items() if v is not None})
+    want = transformers.Qwen3Config.from_dict(dict(hf)).rope_parameters["rope_theta"]
+    assert ModelConfig.from_hf_dict(dict(hf)).rope_theta == pytest.approx(want)

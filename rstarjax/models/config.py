@@ -165,11 +165,8 @@ class ModelConfig:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"config.json field 'hidden_act'={act!r} is unsupported (silu only)")
-        # transformers 5 moved rope_theta into rope_parameters; 4.x has rope_theta/rope_scaling.
-        rope = hf.get("rope_parameters") or {}
-        rope_scaling = hf.get("rope_scaling")
-        rope_type = rope.get("rope_type") or (rope_scaling or {}).get("rope_type") or (
-            rope_scaling or {}).get("type") or "default"
+        rope = hf_rope_parameters(hf)
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
         if rope_type != "default":
             raise ValueError(f"config.json rope_type={rope_type!r} is unsupported (default only)")
         rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
@@ -240,6 +237,15 @@ class ModelConfig:
         if not is_qwen2:
             out["attention_bias"] = self.attention_bias
         return out
+
+
+def hf_rope_parameters(hf: dict) -> dict:
+    """The RoPE parameters transformers runs a config.json with (``PreTrainedConfig.
+    convert_rope_params_to_dict``): a non-empty ``rope_scaling`` (4.x's field) replaces
+    ``rope_parameters`` (5's) whole, and a theta missing from the one used comes from the
+    top-level ``rope_theta``, else 10,000 (``from_hf_dict`` fills that last step)."""
+    chosen = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    return dict(chosen) if isinstance(chosen, dict) else {}
 
 
 def default_head_dim(architecture: str, hidden_size: int, num_attention_heads: int) -> int:

@@ -350,6 +350,10 @@ def _rope_problem(hf: dict) -> str | None:
             continue
         if not isinstance(value, dict):
             return f"field {field!r}={value!r} is not an object"
+        nested = sorted(str(k) for k, v in value.items() if isinstance(v, dict))
+        if nested:  # per layer type (e.g. {"full_attention": {...}}): read by no Qwen2/3 model
+            return (f"field {field!r} holds parameters per layer type ({nested}): only one set of "
+                    "RoPE parameters for every layer is supported")
         kind = value.get("rope_type", value.get("type"))
         if kind is None and field == "rope_scaling" and value:
             return f"field 'rope_scaling'={value} has no rope_type (transformers cannot run it either)"
