@@ -8,8 +8,10 @@ does the shift, so every [B, L] array here lines up with ``TrainBatch.tokens`` /
 
 Exact micro-batching: every loss returns SUM over the micro-batch's tokens / ``denom`` where
 ``denom`` is computed once for the WHOLE batch (the trainer's step: its token count, eq. 6's
-1 / sum_i |o_i|, not GRPO eq. 1's per-sequence mean; or Dr. GRPO's constant). Summing the losses
-(and metrics, and gradients) of the micro-batches therefore equals the full-batch value.
+1 / sum_i |o_i|, not GRPO eq. 1's per-sequence mean; or Dr. GRPO's constant), or the per-token
+weights of ``LOSS_SCALE_KEY`` are computed on the host for the whole batch (eq. 6's per-group
+token means, ``group_token_mean_scale``; verl's micro-batches, ``verl_loss_scale``). Summing the
+losses (and metrics, and gradients) of the micro-batches therefore equals the full-batch value.
 
 ``loss.policy_loss`` names one of ``POLICY_RATIOS`` (how pi / pi_old is measured and clipped);
 a new loss term is one more pure function here and one field in ``LossConfig``, whose default
@@ -59,9 +61,12 @@ class LossConfig:
     # advantages.ADVANTAGE_ESTIMATORS: "grpo" (eq. 7) or "dr_grpo" (no std, and eq. 6's
     # normaliser becomes the constant of ``dr_grpo_denominator``).
     advantage_estimator: str = "grpo"
-    # TOKEN_MEANS: "batch" = eq. 6, one token mean over the whole (mini-)batch; "micro_batch" = the
-    # official verl actor's: a token mean per micro-batch, weighted by its share of the rows
-    # (``micro_batch_token_mean_scale``)
+    # TOKEN_MEANS: "batch" = eq. 6 as DAPO reads it, one token mean over the whole (mini-)batch (a
+    # group weighs by its tokens); "group" = eq. 6 read literally, a token mean per group (its kept
+    # rollouts' trained tokens in the mini-batch), the groups averaged equally
+    # (``group_token_mean_scale``, per-token weights from the group ids rl_step passes);
+    # "micro_batch" = the official verl actor's: a token mean per micro-batch, weighted by its
+    # share of the rows (``micro_batch_token_mean_scale``)
     token_mean: str = "batch"
     # token_mean="micro_batch" only. MICRO_BATCH_ROWS: what the micro-batches' rows are divided by:
     # "kept", the rows trained (after RoC); "configured", the rows the update was configured for
@@ -98,22 +103,101 @@ class LossConfig:
             (self.micro_batch_tokens >= 0 and self.micro_batch_gpus >= 1,
              f"micro_batch_tokens={self.micro_batch_tokens} must be >= 0 (0 = off) and "
              f"micro_batch_gpus={self.micro_batch_gpus} >= 1"),
-            (self.token_mean == "micro_batch" or (self.micro_batch_rows == "kept" and self.micro_batch_tokens == 0),
+            (self.token_mean != "batch" or (self.micro_batch_rows == "kept" and self.micro_batch_tokens == 0),
              "micro_batch_rows and micro_batch_tokens set how token_mean='micro_batch' normalises: "
              "set loss.token_mean=micro_batch"),
+            (self.token_mean != "group" or (self.micro_batch_rows == "kept" and self.micro_batch_tokens == 0),
+             "token_mean='group' divides each group's token sum by that group's trained tokens: "
+             "micro_batch_rows and micro_batch_tokens (verl's micro-batch token means) do not apply to it; "
+             "use them with loss.token_mean=micro_batch"),
             (self.token_mean == "batch" or self.advantage_estimator != "dr_grpo",
-             "token_mean='micro_batch' replaces eq. 6's normaliser, which dr_grpo fixes to a constant: "
+             f"token_mean={self.token_mean!r} replaces eq. 6's normaliser, which dr_grpo fixes to a constant: "
              "use one of them"),
             (self.policy_loss != "gspo" or (self.token_mean == "batch" and self.advantage_estimator != "dr_grpo"),
              "policy_loss='gspo' averages each sequence's tokens, then the sequences (GSPO's own "
-             "objective; verl's seq-mean-token-mean): token_mean='micro_batch' and dr_grpo's constant "
-             "normaliser do not apply to it"),
+             "objective; verl's seq-mean-token-mean): token_mean='micro_batch' or 'group' and dr_grpo's "
+             "constant normaliser do not apply to it"),
         )
 
+    @property
+    def per_token_weights(self) -> bool:
+        """Whether the loss weighs each token by ``LOSS_SCALE_KEY`` (computed on the host by
+        ``Trainer.train``): verl's token-budget micro-batches, or eq. 6's per-group token means."""
+        return self.micro_batch_tokens > 0 or self.token_mean == "group"
 
-TOKEN_MEANS = ("batch", "micro_batch")
+
+TOKEN_MEANS = ("batch", "group", "micro_batch")
 MICRO_BATCH_ROWS = ("kept", "configured")
-LOSS_SCALE_KEY = "loss_scale"  # [B, L] per-token weights (loss.micro_batch_tokens > 0), added by Trainer.train
+# [B, L] per-token weights (loss.micro_batch_tokens > 0 or token_mean="group"), added by Trainer.train
+LOSS_SCALE_KEY = "loss_scale"
+
+
+def _row_blocks(rows: int, row_block) -> np.ndarray:
+    block = np.zeros(rows, np.int64) if row_block is None else np.asarray(row_block, np.int64).reshape(-1)
+    if block.shape != (rows,) or (block < 0).any():
+        raise ValueError(f"row_block must give each of the {rows} rows a block >= 0, got shape {block.shape}")
+    return block
+
+
+def _group_tokens(loss_mask, group_ids, row_block):
+    """Over the trained tokens (mask > 0): (their [B, L] selector, the distinct (block, group)
+    pairs [2, K], each token's pair index, each pair's mask sum); raises when a trained token
+    has no group."""
+    mask = np.asarray(loss_mask, np.float64)
+    gid = np.asarray(group_ids)
+    if gid.shape != mask.shape or mask.ndim != 2:
+        raise ValueError(f"group_ids {gid.shape} must be laid out as the loss mask {mask.shape} ([B, L])")
+    block = np.broadcast_to(_row_blocks(mask.shape[0], row_block)[:, None], mask.shape)
+    on = mask > 0
+    if (gid[on] <= 0).any():
+        raise ValueError(f"{int(np.sum(gid[on] <= 0))} trained tokens (loss mask > 0) have no group "
+                         "(group id 0): token_mean='group' cannot weigh them")
+    if not on.any():
+        return on, np.zeros((2, 0), np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64)
+    keys, inverse = np.unique(np.stack([block[on], gid[on].astype(np.int64)]), axis=1, return_inverse=True)
+    sums = np.zeros(keys.shape[1], np.float64)
+    np.add.at(sums, inverse.reshape(-1), mask[on])
+    return on, keys, inverse.reshape(-1), sums
+
+
+def trained_groups(loss_mask, group_ids, row_block=None, blocks: int = 1) -> np.ndarray:
+    """int64[blocks]: how many groups (distinct ids > 0 of ``group_ids``) have a trained token
+    in each block of rows (``row_block[r]``, default all rows block 0)."""
+    _, keys, _, _ = _group_tokens(loss_mask, group_ids, row_block)
+    return np.bincount(keys[0], minlength=blocks).astype(np.int64)
+
+
+def group_token_mean_scale(loss_mask, group_ids, row_block=None, block_groups=None) -> np.ndarray:
+    """[B, L] float32 per-token weights (``LOSS_SCALE_KEY``) that make the loss's weighted token
+    sum rStar2-Agent's eq. 6 read literally (arXiv 2508.20722):
+
+        J = E_{(q, a), {o_i}_{i=1}^{2G}} [ 1 / (sum_{i=1}^G |o^_i|) sum_{i=1}^G sum_t min(r A, clip(r) A) ],
+
+    each group's token sum divided by that group's trained tokens (its G kept rollouts' model
+    tokens), the expectation over questions averaging the groups equally. A token of group g in
+    block b (a mini-batch: ``row_block[r]`` of its row, default all rows one block) weighs
+
+        1 / (groups of b with a trained token * trained tokens (loss-mask sum) of g in b),
+
+    so each group's weights sum to 1 / groups and all of b's to 1. ``group_ids`` [B, L] int: the
+    group of each token (any id > 0 per group, one id never two groups; 0 = no group: padding,
+    prompts); packed rows simply hold several ids. A group counts only its tokens in the block
+    (one whose tokens are all masked is no group of the mean). ``block_groups`` [blocks]: the
+    groups to divide by per block instead of those counted here (a multi-process batch: every
+    process's, ``Trainer.group_loss_scale``). Tokens with mask 0 weigh 0."""
+    mask = np.asarray(loss_mask, np.float64)
+    on, keys, inverse, sums = _group_tokens(loss_mask, group_ids, row_block)
+    if block_groups is None:
+        count = np.bincount(keys[0], minlength=int(keys[0].max(initial=-1)) + 1)
+    else:
+        count = np.asarray(block_groups, np.int64).reshape(-1)
+        local = np.bincount(keys[0], minlength=count.size)
+        if local.size > count.size or (local > count).any():
+            raise ValueError(f"block_groups={count.tolist()} counts fewer groups than the rows hold "
+                             f"({local.tolist()})")
+    scale = np.zeros(mask.shape, np.float32)
+    scale[on] = (1.0 / (count[keys[0]] * sums))[inverse]
+    return scale
 
 
 def micro_batch_token_mean_scale(mask: jax.Array, batch_rows) -> jax.Array:
@@ -311,7 +395,8 @@ def policy_loss(
     packed rows. Metrics are sums / denom as well, so they add across micro-batches too.
     With ``cfg.token_mean="micro_batch"``, ``denom`` is the batch's number of trained rows and each
     sum is scaled by ``micro_batch_token_mean_scale`` instead; with ``cfg.micro_batch_tokens > 0``
-    each token by its ``loss_scale`` (``verl_loss_scale``) and ``denom`` is unused. With GSPO each
+    each token by its ``loss_scale`` (``verl_loss_scale``) and ``denom`` is unused, as with
+    ``cfg.token_mean="group"`` (``group_token_mean_scale``: eq. 6's token mean per group). With GSPO each
     token is weighted by 1 / its sequence's trained tokens and ``denom`` is the batch's number of
     trained sequences (``trained_sequences``): GSPO's own objective.
     """
@@ -321,12 +406,14 @@ def policy_loss(
     adv = advantages.astype(f32)
     mask = loss_mask.astype(f32)
     on = mask > 0
-    if cfg.micro_batch_tokens > 0:
+    if cfg.per_token_weights:
         if loss_scale is None:
-            raise ValueError("loss.micro_batch_tokens > 0 needs loss_scale (verl_loss_scale, added by Trainer.train)")
+            what = ("token_mean='group' needs loss_scale (group_token_mean_scale" if cfg.token_mean == "group"
+                    else "micro_batch_tokens > 0 needs loss_scale (verl_loss_scale")
+            raise ValueError(f"loss.{what}, added by Trainer.train)")
         token_weight = mask * loss_scale.astype(f32)
 
-        def total(x):  # verl's micro-batch token means, token by token
+        def total(x):  # verl's micro-batch token means or eq. 6's group token means, token by token
             return jnp.sum(token_weight * x)
     elif cfg.policy_loss == "gspo":  # GSPO's objective: a token mean per sequence, over ``denom`` sequences
         token_weight = mask / jnp.maximum(sequence_sum(jnp.ones_like(mask), mask, segment_ids), 1.0)
@@ -388,7 +475,7 @@ def policy_loss(
     lr_sg = jax.lax.stop_gradient(jnp.where(on, jnp.clip(logp - old, -_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0))
     metrics["approx_kl"] = total(jnp.exp(lr_sg) - lr_sg - 1.0)
     # 1.0 once summed over all micro-batches
-    metrics["token_frac"] = jnp.sum(token_weight) if cfg.micro_batch_tokens > 0 else jnp.sum(mask) * inv_denom
+    metrics["token_frac"] = jnp.sum(token_weight) if cfg.per_token_weights else jnp.sum(mask) * inv_denom
     return loss, metrics
 
 
@@ -418,7 +505,7 @@ def policy_micro_loss(cfg: LossConfig) -> MicroLoss:
                            ref_logprobs=micro.get(REF_KEY), rollout_logprobs=micro["rollout_logprobs"],
                            entropy=entropy, segment_ids=micro["segment_ids"], loss_scale=micro.get(LOSS_SCALE_KEY))
 
-    keys = BATCH_KEYS + ((REF_KEY,) if cfg.kl_coef > 0 else ()) + ((LOSS_SCALE_KEY,) if cfg.micro_batch_tokens > 0 else ())
+    keys = BATCH_KEYS + ((REF_KEY,) if cfg.kl_coef > 0 else ()) + ((LOSS_SCALE_KEY,) if cfg.per_token_weights else ())
     normaliser = "rows" if cfg.token_mean == "micro_batch" else "sequences" if cfg.policy_loss == "gspo" else "tokens"
     return MicroLoss(fn, keys, normaliser=normaliser)
 

@@ -63,6 +63,20 @@ def _prompt_text(records: list, traj) -> str:
     return f"prompt ids {np.asarray(traj.prompt_ids).tolist()}"
 
 
+def group_token_ids(trajectories, placements, num_rows: int, seq_len: int) -> np.ndarray:
+    """int32[num_rows, seq_len]: the group of each token, where ``batch.build_train_batch`` placed
+    its trajectory (``placements``; a truncated one as cut, packed rows holding several): 1 + the
+    rank of its ``group_id`` among the trajectories' (a group is its prompt's kept rollouts,
+    the ids ``advantages.trajectory_advantages`` groups by); 0 = no trajectory (padding).
+    loss.token_mean="group" divides each group's token sum by its own tokens (eq. 6)."""
+    ids = np.zeros((num_rows, seq_len), np.int32)
+    rank: dict[int, int] = {}
+    for traj, place in zip(trajectories, placements):
+        gid = rank.setdefault(int(traj.group_id), len(rank) + 1)
+        ids[place.row, place.start:place.start + place.length] = gid
+    return ids
+
+
 def _empty_train_batch(num_rows: int, seq_len: int) -> TrainBatch:
     """All-padding TrainBatch (mask 0 everywhere): a step where no group carried a signal."""
     z = np.zeros((num_rows, seq_len), np.float32)
@@ -95,6 +109,8 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | None, records: list, cfg: 
     Rejected groups are not refilled (the official trainer's behaviour): their rows are padding
     (loss mask 0), so eq. 6's denominator counts only the kept groups' tokens. When no process has
     a group left, no update runs (``trainer.step`` does not advance; the caller draws new data).
+    With the trainer's ``loss.token_mean="group"`` it gets each token's group too
+    (``group_token_ids``: eq. 6's token mean per group).
 
     With ``cfg.dynamic_sampling`` (DAPO): groups whose kept rewards are all equal are
     dropped, and while fewer than ``len(records)`` informative groups are held (on any process)
@@ -173,7 +189,10 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | None, records: list, cfg: 
                                           overlong_filter=cfg.overlong_filter)
     else:
         batch, layout = _empty_train_batch(num_rows, cfg.seq_len), None
-    metrics, gap_mask = {}, None
+    metrics, gap_mask, group_ids = {}, None, None
+    if getattr(getattr(trainer, "loss_cfg", None), "token_mean", None) == "group":  # eq. 6's per-group means
+        group_ids = (np.zeros((num_rows, cfg.seq_len), np.int32) if layout is None
+                     else group_token_ids(train_trajs, layout.placements, num_rows, cfg.seq_len))
     if partial is not None or stale_rollouts:
         metrics.update(policy_lag_metrics(train_trajs, trainer.policy_version, "async/" if stale_rollouts else "partial/"))
         if layout is not None:
@@ -203,7 +222,8 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | None, records: list, cfg: 
             denom = loss_lib.dr_grpo_denominator(rows_per_update, cfg.max_response_len)
         elif loss_cfg.micro_batch_rows == "configured":  # verl: the rows sampled per update, before RoC
             denom = float(processes.global_rows(quota * cfg.rollouts_per_prompt) // trainer.cfg.mini_batches)
-        metrics.update(trainer.train(batch, denom=denom, gap_threshold=gap_threshold, gap_mask=gap_mask))
+        train_kw = {} if group_ids is None else {"group_ids": group_ids}
+        metrics.update(trainer.train(batch, denom=denom, gap_threshold=gap_threshold, gap_mask=gap_mask, **train_kw))
         over = int(metrics.get("train/logprob_gap_tokens_over", 0))
         if over and serving_dtype is not None and metrics_lib.is_float32(serving_dtype):
             hit = [] if layout is None else metrics_lib.trajectories_at(

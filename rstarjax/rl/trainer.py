@@ -568,8 +568,31 @@ class Trainer:
             parts.append(loss_lib.verl_loss_scale(m, s, rows, cfg.micro_batch_tokens, cfg.micro_batch_gpus))
         return np.concatenate(parts) if parts else np.zeros(mask.shape, np.float32)
 
+    def group_loss_scale(self, arrays: Mapping[str, np.ndarray], group_ids) -> np.ndarray:
+        """``loss.group_token_mean_scale`` of this process's host rows (loss.token_mean="group"):
+        each contiguous mini-batch of the GLOBAL batch (the processes' rows in process order)
+        is its own block. Multi-process: a group's rows are all on one process (``rl_step``
+        splits the prompts by group), so a group's tokens in a mini-batch are counted where it
+        is and only the number of groups per mini-batch is summed over the processes (one small
+        all-gather); the weights are those of the global batch."""
+        mask = np.asarray(arrays["loss_mask"])
+        gid = np.asarray(group_ids)
+        if gid.shape != mask.shape:
+            raise ValueError(f"group_ids {gid.shape} must be laid out as the batch's rows {mask.shape} "
+                             "(this process's rows)")
+        local, count, n = mask.shape[0], processes.training_count(), self.cfg.mini_batches
+        rows = local * count
+        if rows % n:
+            raise ValueError(f"batch of {rows} rows does not split into mini_batches={n}")
+        offset = jax.process_index() * local if count > 1 else 0
+        block = (offset + np.arange(local)) // (rows // n)  # the global mini-batch of each row
+        groups = loss_lib.trained_groups(mask, gid, block, n)
+        if count > 1:
+            groups = processes.allgather(groups).sum(axis=0)
+        return loss_lib.group_token_mean_scale(mask, gid, block, groups)
+
     def train(self, batch, denom: float | None = None, gap_threshold: float | None = None,
-              gap_mask: np.ndarray | None = None) -> dict[str, float]:
+              gap_mask: np.ndarray | None = None, group_ids: np.ndarray | None = None) -> dict[str, float]:
         """The RL update: old log-probs (optionally recomputed), then ``mini_batches`` optimizer
         updates of eq. 6.
 
@@ -580,16 +603,25 @@ class Trainer:
         log-probs differ by more than this (``train/logprob_gap_tokens_over``, global) and keep
         where the first of this process's rows are in ``logprob_gap_outliers``. ``gap_mask`` (host
         [rows, L], this process's rows): measure the gap there instead of on every trained token
-        (partial rollouts: the tokens the current policy sampled).
+        (partial rollouts: the tokens the current policy sampled). ``group_ids`` (host [rows, L]
+        int, this process's rows, 0 = no group; loss.token_mean="group" needs them, other
+        modes ignore them): the group of each token, for eq. 6's per-group token means
+        (``group_loss_scale``; the weights move with their rows when they are reordered).
         """
         self.logprob_gap_outliers = np.zeros((0, 2), np.int64)
         order = None  # the caller's row of each row put on the mesh (None: the same order)
         if gap_mask is not None and _is_global(batch):
             raise ValueError("gap_mask needs the batch as host arrays (it is put on the mesh with them)")
+        by_group = getattr(self.loss_cfg, "token_mean", None) == "group"
+        if by_group and group_ids is None:
+            raise ValueError("loss.token_mean='group' needs group_ids (the group of each token, host [rows, L]; "
+                             "rl_step passes them)")
         scale = None
         if not _is_global(batch):
             arrays = batch_to_dict(batch)
-            if self.policy_loss is not None and loss_lib.LOSS_SCALE_KEY in self.policy_loss.keys:  # verl's micro-batches, as token weights
+            if by_group:  # eq. 6's token mean per group, as token weights
+                arrays[loss_lib.LOSS_SCALE_KEY] = self.group_loss_scale(arrays, group_ids)
+            elif self.policy_loss is not None and loss_lib.LOSS_SCALE_KEY in self.policy_loss.keys:  # verl's micro-batches, as token weights
                 arrays[loss_lib.LOSS_SCALE_KEY] = self.verl_loss_scale(arrays, denom)
             # real rows first in their micro-batches: the padding ones skipped, and with
             # token_mean="micro_batch" the micro-batches verl's actor forms (its rows in order)
@@ -601,7 +633,8 @@ class Trainer:
             scale = arrays.pop(loss_lib.LOSS_SCALE_KEY, None)
             batch = self.put_batch(arrays)
         elif self.policy_loss is not None and loss_lib.LOSS_SCALE_KEY in self.policy_loss.keys:
-            raise ValueError("loss.micro_batch_tokens > 0 needs the batch as host arrays (its weights are computed there)")
+            what = "token_mean='group'" if by_group else "micro_batch_tokens > 0"
+            raise ValueError(f"loss.{what} needs the batch as host arrays (its weights are computed there)")
         batch = {k: batch[k] for k in BATCH_KEYS}
         if scale is not None:
             batch[loss_lib.LOSS_SCALE_KEY] = self._put_rows(scale)
