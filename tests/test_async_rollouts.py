@@ -231,7 +231,7 @@ def _trainer_spy(monkeypatch, ref):
     monkeypatch.setattr(trainer_lib.Trainer, "__init__", spy)
 
 
-def test_the_stage_trains_rounds_within_k_and_resumes_without_training_a_prompt_twice(tmp_path, monkeypatch):
+def test_the_stage_trains_rounds_within_k_and_resumes_without_training_a_prompt_twice(tmp_path, monkeypatch, capsys):
     import jax
 
     from rstarjax.io.checkpoint import read_checkpoint_meta
@@ -258,9 +258,13 @@ def test_the_stage_trains_rounds_within_k_and_resumes_without_training_a_prompt_
     trained_a = {p for problems, _ in first.rounds[:3] for p in problems}
 
     second = StagedRollouts(ref)
+    capsys.readouterr()
     trainer = run_rl(parse(_async_config(workdir, 6)), workdir, rollout_fn=second)
     assert trainer.step == 6
     assert second.rounds[0][0] == pending  # the prompts in flight start again, first
+    # the work redone is said where the user sees it (no metric of this mode counts it)
+    assert f"rstarjax: resumed with {len(pending)} prompts whose rollouts were in flight at step 3" \
+        in capsys.readouterr().out
     assert not {p for problems, _ in second.rounds for p in problems} & trained_a
     assert len(second.rounds) == 3  # no round started that no update took
     with open(os.path.join(workdir, "logs", "metrics.jsonl")) as f:
@@ -304,7 +308,7 @@ def test_versions_count_weight_sets_not_mini_batch_updates(tmp_path, monkeypatch
     assert [m["async/policy_lag_max"] for m in logged] == [0.0, 1.0, 1.0, 1.0]
 
 
-def test_prompts_in_flight_at_an_async_checkpoint_start_first_when_resumed_synchronously(tmp_path, monkeypatch):
+def test_prompts_in_flight_at_an_async_checkpoint_start_first_when_resumed_synchronously(tmp_path, monkeypatch, capsys):
     """A checkpoint of asynchronous rollouts keeps the prompts of the round in flight; resumed
     with rl.max_staleness=0 the synchronous steps start them first (they were once dropped
     without a word, and later prompts trained in their place), and none trained twice."""
@@ -334,8 +338,10 @@ def test_prompts_in_flight_at_an_async_checkpoint_start_first_when_resumed_synch
     second = StagedRollouts(ref)
     c = _async_config(workdir, 6)
     c.rl.max_staleness = 0
+    capsys.readouterr()
     trainer = run_rl(parse(c), workdir, rollout_fn=second)
     assert trainer.step == 6
+    assert f"rstarjax: resumed with {len(pending)} prompts" in capsys.readouterr().out
     assert second.rounds[0][0] == pending
     later = [p for problems, _ in second.rounds for p in problems]
     assert not set(later) & trained_a and len(later) == len(set(later))

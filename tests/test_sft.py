@@ -444,6 +444,9 @@ def test_sigterm_saves_the_step_that_finished_and_stops(tok, tmp_path):
             if step == 2:
                 os.kill(os.getpid(), signal.SIGTERM)
 
+        def flush(self):  # (at each save)
+            pass
+
     convs = [_conversation(i) for i in range(8)]
     cfg = SFTConfig(epochs=6, batch_size=4, learning_rate=1e-3, warmup_ratio=0.0, seq_len=512)
     ckpt_cfg = ckpt_lib.CheckpointConfig(every_steps=100, async_save=False, preemption_grace_s=60.0)
@@ -554,3 +557,53 @@ def test_the_epoch_is_logged_with_max_steps_too(tok, tmp_path):
     recs = read_metrics(str(tmp_path / "run" / "logs" / "metrics.jsonl"))
     assert [r["sft/epoch"] for r in recs] == [0.5, 1.0, 1.5]
     assert all(math.isfinite(v) for r in recs for v in r.values() if isinstance(v, float))
+
+
+def test_an_sft_resume_past_a_damaged_newest_checkpoint_logs_each_step_once(tok, tmp_path):
+    """Checkpoints at steps 2, 4 and 6, the newest damaged: the resume restores step 4 and logs
+    steps 5-8 after the log's 1-4 (the writer opened at the newest checkpoint on disk, 6, kept 5
+    and 6 twice: [1, ..., 6, 5, 6, 7, 8]); the summary's first loss is the run's step 1's, not
+    the resumed segment's first."""
+    import dataclasses
+
+    from test_checkpoint import damage
+
+    from rstarjax.io.metrics_log import read_metrics
+
+    run = tiny_sft_run(tok, tmp_path, conversations=32)  # 8 steps of 4
+    run = dataclasses.replace(
+        run, sft=dataclasses.replace(run.sft, max_steps=6),
+        checkpoint=dataclasses.replace(run.checkpoint, every_steps=2, keep=5, async_save=False))
+    workdir = tmp_path / "run"
+    first = sft.run_sft(run, str(workdir))
+    damage(str(workdir / "checkpoints" / "6"), "cut")
+    again = sft.run_sft(dataclasses.replace(run, sft=dataclasses.replace(run.sft, max_steps=0)), str(workdir))
+    recs = read_metrics(str(workdir / "logs" / "metrics.jsonl"))
+    assert [r["step"] for r in recs] == list(range(1, 9))
+    assert again["start_step"] == 4 and again["first_loss"] == pytest.approx(first["first_loss"])
+    assert again["first_loss"] == pytest.approx(recs[0]["sft/loss"])
+
+
+def test_a_checkpointed_step_has_its_tensorboard_events_on_disk(tmp_path):
+    """``MetricsWriter.flush`` (called at every save): TensorBoard buffers its events, and a
+    resume purges only the steps after its checkpoint, so steps up to it that a SIGKILL left in
+    the buffer were lost for good (SFT writes few scalars a step: none reached the disk)."""
+    import struct
+
+    from rstarjax.io.metrics_log import MetricsWriter
+
+    def records():
+        tb = tmp_path / "tb"
+        [name] = [f for f in os.listdir(tb) if f.startswith("events")]
+        data, n, i = (tb / name).read_bytes(), 0, 0
+        while i + 12 <= len(data):  # TFRecord: length, its CRC, the event, its CRC
+            i, n = i + 12 + struct.unpack("<Q", data[i:i + 8])[0] + 4, n + 1
+        return n
+
+    writer = MetricsWriter(str(tmp_path))
+    writer.write(1, {"sft/loss": 2.0, "sft/lr": 1e-3})
+    writer.write(2, {"sft/loss": 1.5})
+    before = records()
+    writer.flush()
+    assert records() > before and records() >= 1
+    writer.close()

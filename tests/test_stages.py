@@ -148,6 +148,36 @@ def test_rl_checkpoint_hands_over_params_optimizer_and_step(tmp_path):
         assert tr.learning_rate() == pytest.approx(1e-3 / 2 if reset else 1e-3)
 
 
+@pytest.mark.parametrize("source", ["rl", "rl_reset", "sft"])
+def test_a_handoff_past_a_damaged_newest_checkpoint_starts_from_the_newest_that_verifies(tmp_path, caplog, source):
+    """The previous stage's newest checkpoint damaged (its largest array file cut): the hand-off
+    (stage 1 -> 2 keeping the optimizer; stage 2 -> 3 resetting it; SFT -> stage 1) starts from
+    the newest older one that verifies, with one warning naming the damaged one (docs/training.md
+    "Fingerprints"). It crashed with Orbax's OUT_OF_RANGE traceback, or stopped."""
+    import logging
+
+    from test_checkpoint import damage
+
+    from rstarjax.io import checkpoint as ckpt_lib
+    from rstarjax.recipes import rl as rl_recipe
+
+    stage = "sft" if source == "sft" else "rl"
+    older = _save_trained(_trainer(), str(tmp_path / "prev"), 20, {"step": 20, "stage": stage, "total_steps": 30})
+    _save_trained(_trainer(lr=2e-3), str(tmp_path / "prev"), 30, {"step": 30, "stage": stage, "total_steps": 30})
+    damage(str(tmp_path / "prev" / "30"), "cut")
+    tr = _trainer()
+    own = ckpt_lib.Checkpointer(str(tmp_path / "next"))
+    with caplog.at_level(logging.WARNING):
+        meta = rl_recipe.initial_state(tr, own, _stage_config(str(tmp_path / "prev"), reset=source == "rl_reset"))
+    own.close()
+    assert meta["init_from_step"] == 20
+    assert tr.step == (0 if source == "sft" else 20)
+    for a, b in zip(_leaves(tr.state.params), _leaves(older.params)):
+        np.testing.assert_array_equal(a, b)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and os.path.join(str(tmp_path / "prev"), "30") in warned[0], warned
+
+
 def test_the_hf_weights_are_read_only_when_nothing_replaces_them(tmp_path):
     """A stage started from ``init_from`` or resuming its workdir overwrites every parameter, so
     its HF weights are not read (``build.policy(read_weights=False)``); a fresh stage, and any

@@ -722,6 +722,35 @@ def read_checkpoint_meta(directory: str, step: int | None = None) -> tuple[int, 
         ckpt.close()
 
 
+def restore_params_newest(directory: str, abstract_params, newest: int | None = None):
+    """``restore_params`` of the newest checkpoint of ``directory`` (at or before ``newest``)
+    whose params read and verify, for a stage hand-off: a newer damaged one is skipped with one
+    warning line naming it and why (left where it is: the directory is another stage's).
+    ``CheckpointError`` listing each when none restores; a model that does not fit them
+    (``ValueError``) is raised at once."""
+    ckpt = Checkpointer(directory, CheckpointConfig(async_save=False))
+    try:
+        steps = [s for s in sorted(ckpt.all_steps(), reverse=True) if newest is None or s <= newest]
+    finally:
+        ckpt.close()
+    if not steps:
+        raise FileNotFoundError(f"no finished checkpoint in {directory}")
+    unreadable: list[tuple[int, str]] = []
+    for step in steps:
+        try:
+            params, meta, step = restore_params(directory, abstract_params, step=step)
+        except UnreadableCheckpoint as exc:
+            unreadable.append((step, exc.reason))
+            continue
+        if unreadable:
+            log.warning("%s: starting from step %d of %s instead", "; ".join(
+                f"checkpoint {os.path.join(directory, str(s))} does not restore ({why})" for s, why in unreadable),
+                step, directory)
+        return params, meta, step
+    raise CheckpointError(f"no checkpoint in {directory} restores: " + "; ".join(
+        f"step {s}: {reason}" for s, reason in unreadable))
+
+
 def restore_params(directory: str, abstract_params, step: int | None = None):
     """Only the params of a (previous stage's) checkpoint: stage 2 -> 3 hand-off (§4.3).
 

@@ -136,6 +136,13 @@ class MetricsWriter:
         if self._wandb is not None and (self._wandb_has_through is None or step > self._wandb_has_through):
             self._wandb.log(scalars, step=int(step))  # W&B keeps a step's first values: it refuses older steps
 
+    def flush(self) -> None:
+        """Put what was logged so far on disk (TensorBoard buffers its events; the JSONL file is
+        line-buffered). Called when a checkpoint is saved: a resume from it logs only the steps
+        after it again, so the steps up to it must already be on disk if the run is killed."""
+        if self._tb is not None:
+            self._tb.flush()
+
     def _append(self, line: str) -> None:
         """One record, or ``MetricsWriteError`` in one line: a full disk, or a log deleted under
         the run (appending to the unlinked file would lose every later record without a word)."""

@@ -164,14 +164,16 @@ def _initial_state(trainer: Trainer, ckpt: ckpt_lib.Checkpointer, run: RunConfig
             pass  # fresh adapters and optimizer on the new base, set above
         elif from_sft or run.checkpoint.reset_optimizer:
             abstract = ckpt_lib.abstract_like(trainer.state.params, trainer.param_sharding)
-            params, _, _ = ckpt_lib.restore_params(init_from, abstract, step=src_step)
+            # the newest that verifies: a damaged newer one is skipped, said in one warning
+            params, src_meta, src_step = ckpt_lib.restore_params_newest(init_from, abstract, newest=src_step)
             step = 0 if from_sft else int(src_meta.get("step", src_step))
             trainer.state = TrainState(params, trainer.state.opt_state,
                                        jax.device_put(jnp.int32(step), trainer.replicated))
             trainer.reset_optimizer()
         else:
             abstract = ckpt_lib.abstract_like(trainer.state, trainer.state_sharding)
-            trainer.state, _ = src.restore(abstract, step=src_step)
+            # the newest that restores and verifies (a damaged newer one is set aside, one warning)
+            trainer.state, src_meta, src_step = src.restore_newest(abstract)
     finally:
         src.close()
     # a new stage reads its data from the start, in a new order (stage_data_seed)
@@ -540,7 +542,8 @@ def _checkpoint_and_log(run: RunConfig, old_step: int, new_step: int, metrics: d
     if diverged is not None:  # logged, never saved: the newest checkpoint stays the last good one
         writer.write(new_step, metrics)
         raise diverged
-    if ckpt.should_save(new_step, run.total_steps, previous_step=old_step):
+    saving = ckpt.should_save(new_step, run.total_steps, previous_step=old_step)
+    if saving:
         t_save = time.perf_counter()
         save(new_step, finished_data)
         # with async_save, the part the loop waits for: the finite check and fingerprints on the
@@ -556,6 +559,8 @@ def _checkpoint_and_log(run: RunConfig, old_step: int, new_step: int, metrics: d
     metrics.update(device_memory_metrics())
     metrics["time/compile"] = compile_cache.compile_seconds() - compiled_before
     writer.write(new_step, metrics)
+    if saving:  # a resume from this checkpoint logs only the steps after it: these must be on disk
+        writer.flush()
     if is_main and not run.logging.progress_bar:  # the bar's figures, one line per step
         print(step_line(new_step, run.total_steps, metrics), flush=True)
 

@@ -28,7 +28,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -38,7 +38,7 @@ from flax import nnx
 from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import files
 from rstarjax.io.data import EXAMPLE_ROWS, BadRow, DataError, read_numbered_rows
-from rstarjax.io.metrics_log import MetricsWriteError, MetricsWriter
+from rstarjax.io.metrics_log import MetricsWriteError, MetricsWriter, read_metrics
 from rstarjax.models import chat_template as ct
 from rstarjax.models import save_hf
 from rstarjax.recipes import build, lora_base, preemption
@@ -332,11 +332,15 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
               fmt: ct.ChatFormat = ct.RSTAR2, workdir: str | None = None, checkpoint_cfg=None,
               meta: Mapping[str, Any] | None = None, metrics_writer=None, log_every: int = 10,
               encoded: tuple[list[SFTExample], dict[str, int]] | None = None,
+              open_metrics: Callable[[int], Any] | None = None,
               ) -> tuple[SFTTrainer, dict[str, Any]]:
     """Train ``model`` on ``conversations``; returns the trainer (``.model()`` is the SFT policy)
     and a summary. With ``workdir`` + ``checkpoint_cfg`` it checkpoints every ``every_steps``
     and at the end, and resumes from the latest checkpoint there. ``encoded``: what
     ``encode_examples`` already made of ``conversations`` (a run checks its data first).
+    ``open_metrics(start)``: opens the metrics writer (closed here) once the step resumed from is
+    known, so that the steps after it which a killed run logged are logged once (a damaged
+    newest checkpoint resumes from an older step); or an open ``metrics_writer``.
 
     Every checkpoint's meta records ``sft_identity`` (the encoded data, batch size, seed,
     seq_len, chat format); a resume with other ones is refused (``check_same_plan``): its step
@@ -384,6 +388,8 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
               flush=True)
         if start >= total:  # a rerun of a finished run: said, not a silent no-op
             print(f"rstarjax: sft in {workdir} is already at step {start} >= {total}: nothing to train", flush=True)
+    opened = open_metrics(start) if open_metrics is not None else None
+    metrics_writer = opened or metrics_writer
     base_meta = dict(meta or {})
     base_meta.update(stage="sft", total_steps=total, sft_identity=identity)
     t0 = time.time()
@@ -419,12 +425,18 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
                 if ckpt is not None and (stop or ckpt.should_save(s + 1, total)):
                     ckpt.save(s + 1, trainer.state, base_meta)
                     trainer.hold_state(ckpt.wait_copied)  # the copy goes on while the next rows are packed
+                    if metrics_writer is not None:  # a resume logs only the steps after its checkpoint
+                        metrics_writer.flush()
                 if stop:  # (the finally below waits for the save before this reaches the caller)
                     raise preemption.Interrupted(stop, s + 1, True, False)
     finally:
-        if ckpt is not None:
-            ckpt.close()
-    summary = {"steps": total, "examples": len(examples),
+        try:
+            if ckpt is not None:
+                ckpt.close()
+        finally:
+            if opened is not None:
+                opened.close()
+    summary = {"steps": total, "start_step": start, "examples": len(examples),
                "dropped": {k: drop_stats[k] for k in ("too_long", "too_long_rows") if k in drop_stats},
                "multi_call_turns": {k: drop_stats[k] for k in ("multi_call_turns", "multi_call_rows") if k in drop_stats},
                "sft_identity": identity, "rows_per_step": num_rows,
@@ -456,6 +468,16 @@ def _save_after_failure(failure: Exception, ckpt, step: int, trainer, meta: dict
     failure.add_note(f"step {step} is saved in {workdir}: the same command resumes from it")
 
 
+def _logged_first_loss(path: str, otherwise: float) -> float:
+    """``sft/loss`` of step 1 in the metrics log ``path`` (``otherwise`` when it holds none)."""
+    try:
+        records = read_metrics(path)
+    except (OSError, ValueError):
+        return otherwise
+    first = next((r for r in records if r.get("step") == 1 and "sft/loss" in r), None)
+    return float(first["sft/loss"]) if first is not None else otherwise
+
+
 # ---- entry point -----------------------------------------------------------------------------------
 def resume_step(workdir: str, checkpoint_cfg) -> int | None:
     """The step ``train_sft`` in ``workdir`` resumes from (None: it starts afresh)."""
@@ -485,13 +507,18 @@ def run_sft(run: RunConfig, workdir: str) -> dict[str, Any]:
     if model.config.lora_rank:  # which base the adapters in the checkpoints belong to
         meta["lora_base"] = lora_base.with_hash(lora_base.model_record(run.model, run.seed),
                                                 nnx.state(model, nnx.Not(nnx.LoRAParam)))
-    with MetricsWriter(os.path.join(workdir, "logs"), enabled=jax.process_index() == 0,
-                       tensorboard=run.logging.tensorboard, wandb=wandb_init_args(run, workdir),
-                       resume_step=start or 0) as mw:  # where RL writes its metrics too (each step once)
-        trainer, summary = train_sft(
-            model, tokenizer, conversations, run.sft, mesh=mesh, fmt=fmt,
-            workdir=workdir, checkpoint_cfg=run.checkpoint, meta=meta,
-            metrics_writer=mw, encoded=encoded)
+    logdir = os.path.join(workdir, "logs")  # where RL writes its metrics too (each step once)
+
+    def open_metrics(resumed: int) -> MetricsWriter:  # at the step restored (an older one past a damaged newest)
+        return MetricsWriter(logdir, enabled=jax.process_index() == 0, tensorboard=run.logging.tensorboard,
+                             wandb=wandb_init_args(run, workdir), resume_step=resumed)
+
+    trainer, summary = train_sft(
+        model, tokenizer, conversations, run.sft, mesh=mesh, fmt=fmt,
+        workdir=workdir, checkpoint_cfg=run.checkpoint, meta=meta,
+        open_metrics=open_metrics, encoded=encoded)
+    if summary["start_step"]:  # resumed: the run's first loss is its step 1's, logged by the run that began it
+        summary["first_loss"] = _logged_first_loss(os.path.join(logdir, "metrics.jsonl"), summary["first_loss"])
     if run.sft.export_hf:
         # (a LoRA policy unmerged: save_hf merges it into float32 weights, no bf16 rounding)
         with files.staged_dir(os.path.join(workdir, "hf")) as hf_dir:  # whole or not at all

@@ -86,8 +86,8 @@ def make_source(run: RunConfig, rollout_fn, on_update: Callable | None, data_ite
                                   keeps_kv=not rl.partial_reprefill)
         source = PartialSource(partial, data_iter, list(restart), on_update)
         if restart and not rl.max_staleness:  # (the rollout thread says it)
-            log.info("resumed with %d prompts whose rollouts were in flight at step %d: they start again "
-                     "from their prompts (their unfinished rollouts were never trained)", len(restart), step)
+            _say_restarted(len(restart), step, "they start again from their prompts (their unfinished "
+                           "rollouts were never trained)")
     else:
         # prompts in flight at a checkpoint of asynchronous or partial rollouts, resumed without
         # them (or with rl.max_staleness, whose thread takes them): the synchronous steps start them first
@@ -95,8 +95,8 @@ def make_source(run: RunConfig, rollout_fn, on_update: Callable | None, data_ite
         partial, source = None, SynchronousSource(guarded(rollout_fn), data_iter, on_update, resumed,
                                                   keeps_in_flight=processes.any_process(bool(resumed)))
         if resumed:
-            log.info("resumed with %d prompts whose rollouts were in flight at step %d: the next steps "
-                     "start them first (their unfinished rollouts were never trained)", len(resumed), step)
+            _say_restarted(len(resumed), step, "the next steps start them first (their unfinished rollouts "
+                           "were never trained)")
     if not asynchronous:
         return source
     thread = start_async_rollouts(run, rollout_fn, data_iter, base_key, step, restart, partial, version)
@@ -144,14 +144,24 @@ def start_async_rollouts(run: RunConfig, rollout_fn, data_iter, base_key, step: 
         return int(jax.random.randint(jax.random.fold_in(thread_key, index), (), 0, 2**31 - 1))
 
     if restart:
-        log.info("resumed with %d prompts whose rollouts were in flight at step %d: they start again from "
-                 "their prompts (their rollouts were never trained)", len(restart), step)
+        _say_restarted(len(restart), step, "they start again from their prompts (their rollouts were "
+                       "never trained)")
     return AsyncRollouts(rollout_fn, data_iter.take, rollout_fn.serve_staged, seed_of, run.rl.max_staleness,
                          prompts_per_process(run), run.rl.rollouts_per_prompt,
                          version=version,
                          remaining=rollout_steps_left(run.total_steps, step, run.trainer.mini_batches),
                          restart=list(restart),
                          wait_s=round_wait_s(run), partial=partial)
+
+
+def _say_restarted(prompts: int, step: int, what: str) -> None:
+    """Say (process 0 prints, as the start line) that a resumed run rolls out again the prompts
+    in flight at its checkpoint: work redone, which no metric of the synchronous and asynchronous
+    modes counts (partial rollouts log ``partial/restarted_groups``)."""
+    message = f"resumed with {prompts} prompts whose rollouts were in flight at step {step}: {what}"
+    log.info("%s", message)
+    if jax.process_index() == 0:
+        print(f"rstarjax: {message}", flush=True)
 
 
 def prompts_per_process(run: RunConfig) -> int:
