@@ -48,7 +48,9 @@ out of time costs only itself):
   the shipped copy behind the next rollouts (``checkpoint.background_copy``, the rollouts emulated
   by ~10 s of HBM-bound work) and the copy in the loop, each through pinned host memory and
   pageable memory (``checkpoint.pinned_host_transfer``), each write waited for and deleted,
-  beside a plain ``jax.device_get`` of the same arrays (~2.5 min on an H100, predicted).
+  beside a plain ``jax.device_get`` of the same arrays (~150-160 s on an H100, predicted); an arm
+  starts only where its predicted seconds fit what the part's limit leaves, and a part killed in
+  an arm keeps the setup's figures and the arms it finished.
 * ``lora`` (optional, issue 45 item 5): ``configs/stage1.py`` on Qwen3-8B-shaped random weights
   (the preset's, no HF directory written) with LoRA rank 16, sized by the memory plan as
   ``h100`` is (``--h100-mem-fraction`` holds it to 80 GB too): 2 prompts x 2G = 32 rollouts of up
@@ -97,10 +99,16 @@ import tempfile
 import threading
 import time
 
-from hardware import bf16_peak_flops, hbm_peak_gbps  # benchmarks/, this script's folder
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+# ``python benchmarks/gpu_check.py`` puts only benchmarks/ on sys.path: this process imports
+# rstarjax too (agent_model_overrides, best_decode_choices), and a lent device has it installed
+# nowhere (its wheels go to /tmp/site), so the repository root goes on the path here, after this
+# script's folder and before site-packages (the parts' processes get it as PYTHONPATH, main())
+if ROOT not in sys.path:
+    sys.path.insert(1 if sys.path and os.path.abspath(sys.path[0] or os.curdir) == HERE else 0, ROOT)
+
+from hardware import bf16_peak_flops, hbm_peak_gbps  # noqa: E402  (benchmarks/, this script's folder)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,9 +206,15 @@ def run_part(name: str, argv: list[str], timeout_s: float, log, env: dict | None
         out, _ = proc.communicate()
         code = None
     log.write(out or "")
-    log.write(f"===== {name}: exit {code}\n")
+    log.write(f"===== {name}: {ended(code, timeout_s)}\n")
     log.flush()
     return code, out or ""
+
+
+def ended(code: int | None, limit_s: float) -> str:
+    """How a part's process ended, for its error and the table: "exited N", or where
+    ``run_part`` killed it (exit status None) that it ran out of its time limit."""
+    return f"ran out of its {limit_s:.0f} s time limit (killed)" if code is None else f"exited {code}"
 
 
 def json_lines(text: str) -> list[dict]:
@@ -268,12 +282,13 @@ print(json.dumps({"ran": ran, "gap": confinement_gap(iso),
 
 
 def part_env(shape: Shape, args, log, env) -> dict:
-    code, out = run_part("env", [sys.executable, "-c", ENV_SCRIPT], shape.timeouts["env"], log, env)
+    limit = BUDGET.clip(shape.timeouts["env"])
+    code, out = run_part("env", [sys.executable, "-c", ENV_SCRIPT], limit, log, env)
     result = last_json_line(out)
     result.update(nvidia_smi())
     result.update(commit=args.commit, date=datetime.date.today().isoformat(), shape=args.shape)
     if code != 0:
-        raise RuntimeError(f"jax did not start: {tail(out)}")
+        raise RuntimeError(f"jax did not start ({ended(code, limit)}): {tail(out)}")
     code, out = run_part("env/code_pool", [sys.executable, "-c", CODE_POOL_SCRIPT], shape.timeouts["env"], log, env)
     result["code_pool"] = last_json_line(out) if code == 0 else {"ran": False, "error": tail(out)[-300:]}
     return result
@@ -374,15 +389,16 @@ def part_main(shape: Shape, args, log, env, scratch: str, unconfined: bool = Fal
     hf_dir, data_path = os.path.join(scratch, "hf"), os.path.join(scratch, "problems.jsonl")
     workdir = os.path.join(scratch, "run")
     t0 = time.perf_counter()
+    limit = BUDGET.clip(shape.timeouts["main"])
     code, out = run_part("main/inputs", [sys.executable, "-c", MAKE_INPUTS, shape.model,
                                          str(shape.tokenizer_regular_tokens), hf_dir, data_path,
                                          str(4 * shape.prompts * shape.steps)],
-                         shape.timeouts["main"], log, env)
+                         limit, log, env)
     if code != 0:
-        raise RuntimeError(f"writing the random HF model failed: {tail(out)}")
+        raise RuntimeError(f"writing the random HF model failed ({ended(code, limit)}): {tail(out)}")
     result = {"model": shape.model, **last_json_line(out), "inputs_s": round(time.perf_counter() - t0, 1),
               "rollouts_per_step": shape.prompts * shape.samples, "response_len": shape.response_len}
-    left = shape.timeouts["main"] - (time.perf_counter() - t0)
+    left = BUDGET.clip(shape.timeouts["main"] - (time.perf_counter() - t0))
     t1 = time.perf_counter()
     code, out = run_part("main", main_job_argv(shape, hf_dir, data_path, workdir, unconfined), left, log, env)
     result["job_s"] = round(time.perf_counter() - t1, 1)
@@ -399,9 +415,8 @@ def part_main(shape: Shape, args, log, env, scratch: str, unconfined: bool = Fal
     result["steps"] = [step_summary(m, prompt_tokens.get(i, 0)) for i, m in enumerate(lines)]
     ckpts = os.path.join(workdir, "checkpoints")
     result["checkpoints"] = sorted(d for d in os.listdir(ckpts) if d.isdigit()) if os.path.isdir(ckpts) else []
-    if code != 0:
-        raise RuntimeError(f"the main job exited {code}: {tail(out)}"
-                           + f" (after {len(lines)} steps)")
+    if code != 0:  # the steps it finished are kept
+        raise PartFailed(f"the main job {ended(code, left)}: {tail(out)} (after {len(lines)} steps)", result)
     return result
 
 
@@ -460,18 +475,54 @@ AGENT_SHAPES = {
 
 # The memory plan for the job's shape on this device (or ``plan_device_gb`` where it reports no
 # memory), printed as the inputs script's first JSON line; exit 3 when the plan finds no fit.
+# ``a["given"]``: the sizes ``--h100-rl-flags`` gives the run (``SIZING_FLAGS``), kept by the plan
+# as the run's own plan keeps them (recipes/build.sized_by_memory_plan), so a value that cannot fit
+# is refused here, before the model is written and the SFT runs, naming the flag and the largest
+# value that fits (the other sizes as given or planned), beside the plan's own choice left open.
 # Spliced into both inputs scripts below ("{PLAN}"), which define ``a`` and ``cfg`` first.
 PRINT_PLAN = r"""
 device = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
-choice = size_colocated(cfg, rows=a["rows"], seq_len=a["seq_len"], lora_rank=a.get("lora_rank", 0),
-                        device_bytes=device or int(a["plan_device_gb"] * 1e9), remat_policies=REMAT_BY_SPEED,
-                        rollouts=a["rollouts"])
+device_bytes = device or int(a["plan_device_gb"] * 1e9)
+given = a.get("given") or {}
+def plan_with(sizes):
+    return size_colocated(cfg, rows=a["rows"], seq_len=a["seq_len"], lora_rank=a.get("lora_rank", 0),
+                          device_bytes=device_bytes, micro_batch=sizes.get("trainer.micro_batch_size"),
+                          kv_memory_fraction=sizes.get("serving.kv_memory_fraction"),
+                          kv_pages=sizes.get("serving.kv_pages", 0), remat_policy=sizes.get("model.remat_policy"),
+                          remat_policies=() if "model.remat_policy" in sizes else REMAT_BY_SPEED,
+                          rollouts=a["rollouts"])
+choice = plan_with(given)
+problems = [as_flags(p) for p in choice.problems]
+if problems and given:
+    fixes = []
+    if "serving.kv_memory_fraction" in given and not given.get("serving.kv_pages"):
+        def fits(f):
+            return f > 0 and not plan_with({**given, "serving.kv_memory_fraction": f}).problems
+        lo, hi = 0.0, float(given["serving.kv_memory_fraction"])
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        best = int(lo * 1000) / 1000  # rounded down: it fits
+        fixes.append(f"the largest serving.kv_memory_fraction that fits is {best:.3f}" if fits(best) else
+                     "no serving.kv_memory_fraction fits with the other sizes given")
+    if "trainer.micro_batch_size" in given:
+        fit = next((m for m in range(int(given["trainer.micro_batch_size"] or a["rows"]) - 1, 0, -1)
+                    if a["rows"] % m == 0 and not plan_with({**given, "trainer.micro_batch_size": m}).problems), None)
+        fixes.append(f"the largest trainer.micro_batch_size that fits is {fit}" if fit else
+                     "no trainer.micro_batch_size fits with the other sizes given")
+    own = plan_with({})
+    if not own.problems:
+        fixes.append(f"the plan's own, left open: serving.kv_memory_fraction={own.kv_memory_fraction:.4f}, "
+                     f"trainer.micro_batch_size={own.micro_batch}, model.remat_policy={own.remat_policy}")
+    # in SECTION.KEY=VALUE terms, as --h100-rl-flags takes them
+    problems = ["--h100-rl-flags " + ",".join(f"{k}={v}" for k, v in given.items()) + ": "
+                + "; ".join(list(choice.problems) + fixes)]
 print(json.dumps({"plan": {"remat_policy": choice.remat_policy, "micro_batch": choice.micro_batch,
                            "kv_pages": choice.kv_pages, "kv_memory_fraction": choice.kv_memory_fraction,
-                           "device_gb": round((device or a["plan_device_gb"] * 1e9) / 1e9, 2),
+                           "device_gb": round(device_bytes / 1e9, 2), "given": given,
                            "device_reported": bool(device), **choice.plan.as_dict()},
-                  "problems": [as_flags(p) for p in choice.problems]}), flush=True)
-if choice.problems:
+                  "problems": problems}), flush=True)
+if problems:
     sys.exit(3)
 """
 
@@ -617,8 +668,8 @@ def agent_model_overrides(args) -> dict:
 
 def rl_flag_overrides(args) -> dict:
     """``--h100-rl-flags KEY=VALUE,...``: dotted config keys given to the ``h100`` part's stage-1
-    run as ``--config.KEY=VALUE`` (e.g. ``serving.kv_memory_fraction=0.15``); the run's own parser
-    checks them."""
+    run as ``--config.KEY=VALUE`` (e.g. ``serving.kv_memory_fraction=0.2``); the run's own parser
+    checks them, and the part's memory plan the sizes among them first (``planned_flags``)."""
     overrides = {}
     for item in filter(None, (getattr(args, "h100_rl_flags", "") or "").split(",")):
         key, _, value = item.partition("=")
@@ -628,8 +679,32 @@ def rl_flag_overrides(args) -> dict:
     return overrides
 
 
+# the --h100-rl-flags keys the memory plan reads (recipes/build.PLANNED_KEYS and an explicit pool),
+# with their types: the part's plan step keeps them as the run's plan does
+SIZING_FLAGS = {"serving.kv_memory_fraction": float, "trainer.micro_batch_size": int,
+                "serving.kv_pages": int, "model.remat_policy": str}
+
+
+def planned_flags(args) -> dict:
+    """The sizes among ``--h100-rl-flags`` (``SIZING_FLAGS``), typed, for the part's memory plan
+    (``PRINT_PLAN``'s ``given``); SystemExit naming the flag when one does not parse."""
+    given = {}
+    for key, value in rl_flag_overrides(args).items():
+        if key in SIZING_FLAGS:
+            try:
+                given[key] = SIZING_FLAGS[key](value)
+            except ValueError:
+                raise SystemExit(f"--h100-rl-flags {key}={value}: not a {SIZING_FLAGS[key].__name__}") from None
+    fraction = given.get("serving.kv_memory_fraction")
+    if fraction is not None and not 0 < fraction <= 1:
+        raise SystemExit(f"--h100-rl-flags serving.kv_memory_fraction={fraction}: give a share in (0, 1]")
+    return given
+
+
 def part_agent(shape: Shape, args, log, env, scratch: str, unconfined: bool = False) -> dict:
-    """``h100``: SFT on tool traces, then stage 1's RL steps from it, sized by the memory plan."""
+    """``h100``: SFT on tool traces, then stage 1's RL steps from it, sized by the memory plan.
+    Whatever it measured before a phase failed or ran out of time is kept: in the part's result
+    (``PartFailed``) and in ``h100_result.json``."""
     a = AGENT_SHAPES[args.shape]
     a = dataclasses.replace(a, **{k: v for k, v in (("sft_steps", args.sft_steps), ("sft_lr", args.sft_lr),
                                                     ("sft_batch", args.sft_batch),
@@ -640,27 +715,37 @@ def part_agent(shape: Shape, args, log, env, scratch: str, unconfined: bool = Fa
     paths = {k: os.path.join(d, v) for k, v in (("hf", "hf"), ("data", "problems.jsonl"),
                                                 ("sft", "sft.jsonl"))}
     os.makedirs(d, exist_ok=True)
+    result: dict = {"model": a.model}
+
+    def failed(message: str) -> PartFailed:
+        """The part's error with what it measured so far, also written to h100_result.json."""
+        if args.out:
+            with open(os.path.join(args.out, "h100_result.json"), "w") as f:
+                json.dump(result, f, indent=1)
+        return PartFailed(message, result)
+
     t0 = time.perf_counter()
     spec = dict(model=a.model, regular=a.tokenizer_regular_tokens, rows=a.prompts * a.group,
                 rollouts=a.prompts * a.samples,
                 seq_len=a.prompt_len + a.response_len, plan_device_gb=a.plan_device_gb,
                 problems=8 * a.prompts * a.steps, traces=a.sft_traces, model_overrides=agent_model_overrides(args),
-                **paths)
+                given=planned_flags(args), **paths)
+    limit = BUDGET.clip(a.timeouts["inputs"])
     code, out = run_part("h100/inputs", [sys.executable, "-c", MAKE_AGENT_INPUTS, json.dumps(spec)],
-                         a.timeouts["inputs"], log, env)
+                         limit, log, env)
     lines = json_lines(out)
-    plan = lines[0]["plan"] if lines else {}
-    result = {"model": a.model, "plan": plan, "inputs_s": round(time.perf_counter() - t0, 1),
-              "rollouts_per_step": a.prompts * a.samples, "response_len": a.response_len}
-    if code == 3:  # the memory plan refuses the shape, naming the flags
-        raise RuntimeError("the memory plan refuses the shape: " + " ".join(lines[0]["problems"]))
+    plan = lines[0]["plan"] if lines and "plan" in lines[0] else {}
+    result.update({"plan": plan, "inputs_s": round(time.perf_counter() - t0, 1),
+                   "rollouts_per_step": a.prompts * a.samples, "response_len": a.response_len})
+    if code == 3:  # the memory plan refuses the shape (or a size --h100-rl-flags gives), naming the flags
+        raise failed("the memory plan refuses the shape: " + " ".join(lines[0]["problems"]))
     if code != 0:
-        raise RuntimeError(f"writing the inputs failed: {tail(out)}")
-    result.update({k: v for k, v in lines[-1].items()})
+        raise failed(f"writing the inputs {ended(code, limit)}: {tail(out)}")
+    result.update({k: v for k, v in lines[-1].items() if k not in ("plan", "problems")})
     sft_dir, rl_dir = os.path.join(d, "sft"), os.path.join(d, "rl")
     t1 = time.perf_counter()
-    code, out = run_part("h100/sft", agent_sft_argv(a, paths["hf"], paths["sft"], sft_dir),
-                         a.timeouts["sft"], log, env)
+    limit = BUDGET.clip(a.timeouts["sft"])
+    code, out = run_part("h100/sft", agent_sft_argv(a, paths["hf"], paths["sft"], sft_dir), limit, log, env)
     result["sft_s"] = round(time.perf_counter() - t1, 1)
     sft_metrics = read_metrics(os.path.join(sft_dir, "logs", "metrics.jsonl"))
     if sft_metrics:
@@ -668,14 +753,15 @@ def part_agent(shape: Shape, args, log, env, scratch: str, unconfined: bool = Fa
                          "last_loss": sft_metrics[-1].get("sft/loss"),
                          "skipped_nonfinite": sum(m.get("sft/skipped_nonfinite", 0) > 0 for m in sft_metrics)}
     if code != 0:
-        raise RuntimeError(f"the SFT exited {code}: {tail(out)}")
+        raise failed(f"the SFT {ended(code, limit)}: {tail(out)} (after {len(sft_metrics)} steps)")
     t2 = time.perf_counter()
     rl_env = dict(env, JAX_LOG_COMPILES="1")  # which programs each step compiles (item: step 2 none)
     sft_checkpoints = os.path.join(sft_dir, "checkpoints")
+    limit = BUDGET.clip(a.timeouts["rl"])
     with removed_once_logged(sft_checkpoints, os.path.join(rl_dir, "logs", "metrics.jsonl")):
         code, out = run_part("h100", agent_rl_argv(a, plan, paths["hf"], paths["data"], sft_checkpoints, rl_dir,
                                                    unconfined, rl_flag_overrides(args)),
-                             a.timeouts["rl"], log, rl_env)
+                             limit, log, rl_env)
     result["job_s"] = round(time.perf_counter() - t2, 1)
     result["exit"] = code
     # what rstarjax.main sized itself (one device that reports its memory: recipes/build.py), beside
@@ -691,17 +777,22 @@ def part_agent(shape: Shape, args, log, env, scratch: str, unconfined: bool = Fa
     result["compiled_programs"] = {k: [name for name, _ in v] for k, v in by_step.items()}
     # The step-2 compile fix (058d7df): the rollouts' prefill-phase programs compiled on step 2, with
     # their last argument shapes (a tool turn's extend may need a new token bucket: a new shape),
-    # and those compiled again at shapes step 1 had compiled already (the bug: must be none)
-    step2 = [(n, a) for n, a in by_step.get("2", []) if n in PREFILL_PROGRAMS]
-    result["step2_prefill_compiles"] = [f"{n} {' '.join(a[-4:])}" for n, a in step2]
-    result["step2_prefill_recompiles"] = [f"{n} {' '.join(a[-4:])}" for n, a in step2 if (n, a) in by_step.get("1", [])]
+    # and those compiled again at shapes step 1 had compiled already (the bug: must be none). None
+    # where the job did not finish step 2 (nothing compiled there says nothing then)
+    if len(metrics) >= 2:
+        step2 = [(n, a) for n, a in by_step.get("2", []) if n in PREFILL_PROGRAMS]
+        result["step2_prefill_compiles"] = [f"{n} {' '.join(a[-4:])}" for n, a in step2]
+        result["step2_prefill_recompiles"] = [f"{n} {' '.join(a[-4:])}" for n, a in step2
+                                              if (n, a) in by_step.get("1", [])]
+    else:
+        result["step2_prefill_compiles"] = result["step2_prefill_recompiles"] = None
     ckpts = os.path.join(rl_dir, "checkpoints")
     result["checkpoints"] = sorted(x for x in os.listdir(ckpts) if x.isdigit()) if os.path.isdir(ckpts) else []
-    if args.out:  # kept when the job failed too (a failed part's result is not in gpu_check.json)
+    if code != 0:
+        raise failed(f"the stage-1 job {ended(code, limit)}: {tail(out)} (after {len(metrics)} steps)")
+    if args.out:
         with open(os.path.join(args.out, "h100_result.json"), "w") as f:
             json.dump(result, f, indent=1)
-    if code != 0:
-        raise PartFailed(f"the stage-1 job exited {code}: {tail(out)} (after {len(metrics)} steps)", result)
     return result
 
 
@@ -830,20 +921,21 @@ def part_lora(shape: Shape, args, log, env, scratch: str, unconfined: bool = Fal
                 rollouts=l.prompts * l.samples,
                 seq_len=l.prompt_len + l.response_len, lora_rank=l.lora_rank,
                 plan_device_gb=l.plan_device_gb, problems=8 * l.prompts * l.steps, data=data_path)
+    limit = BUDGET.clip(min(120, l.timeout_s))
     code, out = run_part("lora/inputs", [sys.executable, "-c", MAKE_LORA_INPUTS, json.dumps(spec)],
-                         min(120, l.timeout_s), log, env)
+                         limit, log, env)
     lines = json_lines(out)
-    plan = lines[0]["plan"] if lines else {}
+    plan = lines[0]["plan"] if lines and "plan" in lines[0] else {}
     result = {"model": l.preset, "lora_rank": l.lora_rank, "plan": plan, "inputs_s": round(time.perf_counter() - t0, 1),
               "rollouts_per_step": l.prompts * l.samples, "response_len": l.response_len}
     if code == 3:
         raise PartFailed("the memory plan refuses the shape: " + " ".join(lines[0]["problems"]), result)
     if code != 0:
-        raise RuntimeError(f"writing the inputs failed: {tail(out)}")
-    result.update(lines[-1])
+        raise PartFailed(f"writing the inputs {ended(code, limit)}: {tail(out)}", result)
+    result.update({k: v for k, v in lines[-1].items() if k not in ("plan", "problems")})
     t1 = time.perf_counter()
-    code, out = run_part("lora", lora_rl_argv(l, plan, data_path, workdir, unconfined),
-                         l.timeout_s - (time.perf_counter() - t0), log, env)
+    limit = BUDGET.clip(l.timeout_s - (time.perf_counter() - t0))
+    code, out = run_part("lora", lora_rl_argv(l, plan, data_path, workdir, unconfined), limit, log, env)
     result["job_s"], result["exit"] = round(time.perf_counter() - t1, 1), code
     result["run_plan"] = next((x.split("rstarjax: ", 1)[1] for x in out.splitlines()
                                if x.startswith("rstarjax: memory plan")), "")
@@ -853,7 +945,7 @@ def part_lora(shape: Shape, args, log, env, scratch: str, unconfined: bool = Fal
     ckpts = os.path.join(workdir, "checkpoints")
     result["checkpoints"] = sorted(x for x in os.listdir(ckpts) if x.isdigit()) if os.path.isdir(ckpts) else []
     if code != 0:
-        raise PartFailed(f"the LoRA stage-1 job exited {code}: {tail(out)} (after {len(metrics)} steps)", result)
+        raise PartFailed(f"the LoRA stage-1 job {ended(code, limit)}: {tail(out)} (after {len(metrics)} steps)", result)
     return result
 
 
@@ -936,13 +1028,27 @@ def work(calls):
 work(1)
 calls = max(1, int(a["work_s"] / max(work(2) / 2, 1e-6)))
 work_alone_s = work(calls)
-out = {"state_gb": round(nbytes / 1e9, 2), "arrays": len(jax.tree.leaves(state)), "device_get_s": round(get_s, 3),
-       "device_get_gbps": round(nbytes / 1e9 / get_s, 2), "work_alone_s": round(work_alone_s, 3), "runs": []}
-started = time.perf_counter()
+setup = {"state_gb": round(nbytes / 1e9, 2), "arrays": len(jax.tree.leaves(state)), "device_get_s": round(get_s, 3),
+         "device_get_gbps": round(nbytes / 1e9 / get_s, 2), "work_alone_s": round(work_alone_s, 3)}
+print(json.dumps({"setup": True, **setup}), flush=True)  # first: kept when the part is killed in an arm
+out = {**setup, "runs": []}
+walls = {}  # background or not -> the arms' wall seconds so far (save, copy, work, write, delete)
 for i, arm in enumerate(a["arms"]):
-    if i and time.perf_counter() - started > a["budget_s"]:
-        break
     background, pinned = arm.startswith("background"), arm.endswith("pinned")
+    # this arm's predicted seconds: the slowest measured arm of its kind (behind the rollouts or in
+    # the loop); else the slowest of the other kind, the rollouts' work added or taken off; the first
+    # from the plain copy's seconds, the write at write_gbps and the work. Run only where it fits
+    # what the part's time limit leaves (deadline: the parent's clock), so that a killed arm loses nothing
+    other = [w + (work_alone_s if background else -work_alone_s) for w in walls.get(not background, [])]
+    predicted = max(walls.get(background) or other or [
+        get_s + nbytes / 1e9 / a["write_gbps"] + (work_alone_s if background else 0.0)])
+    left = a["deadline"] - time.time()
+    if predicted > left:
+        out["arms_not_run"] = a["arms"][i:]
+        out["arms_not_run_why"] = f"{arm} predicted {predicted:.0f} s, {max(0.0, left):.0f} s of the part's limit left"
+        print(json.dumps({"arms_not_run": out["arms_not_run"], "why": out["arms_not_run_why"]}), flush=True)
+        break
+    arm_started = time.perf_counter()
     directory = os.path.join(a["dir"], f"{i}_{arm}")
     cfg_ck = ckpt_lib.CheckpointConfig(every_steps=1, keep=1, pinned_host_transfer=pinned, background_copy=background)
     ck = ckpt_lib.Checkpointer(directory, cfg_ck)
@@ -961,6 +1067,8 @@ for i, arm in enumerate(a["arms"]):
     run.update(copy_s=round(ck.copy_seconds, 3), write_s=round(ck.write_seconds() or 0.0, 3))
     ck.close()
     shutil.rmtree(directory, ignore_errors=True)  # the lent machine's disk holds few 20 GB states
+    run.update(arm_s=round(time.perf_counter() - arm_started, 3), predicted_s=round(predicted, 3))
+    walls.setdefault(background, []).append(run["arm_s"])
     out["runs"].append(run)
     print(json.dumps(run), flush=True)
 for arm in a["arms"]:
@@ -983,21 +1091,38 @@ def part_ckpt(shape: Shape, args, log, env, scratch: str) -> dict:
     each through Orbax's pinned host memory or pageable memory
     (``checkpoint.pinned_host_transfer``); each write waited for and deleted; and a plain
     ``jax.device_get`` of the same arrays (the link's pageable bandwidth). ``step_increase_s``:
-    the loop's wait at the save, plus the update's wait and the rollouts' slowdown behind a copy."""
+    the loop's wait at the save, plus the update's wait and the rollouts' slowdown behind a copy.
+    The setup's figures are printed first and each arm's as it ends; an arm starts only where its
+    predicted seconds fit what the part's limit leaves (``arms_not_run`` says which did not), and
+    a part killed or failed all the same keeps what it printed (``PartFailed``)."""
     tiny = shape.model == "tiny"
+    limit = BUDGET.clip(shape.timeouts["ckpt"])
     spec = {"model": "tiny" if tiny else "qwen3-1.7b", "dir": os.path.join(scratch, "ckpt"),
-            "arms": list(CKPT_ARMS), "budget_s": 0.6 * BUDGET.clip(shape.timeouts["ckpt"]),
+            "arms": list(CKPT_ARMS), "write_gbps": CKPT_WRITE_GBPS,
+            # the parent's clock: what the limit leaves, less the summary's and the exit's seconds
+            "deadline": time.time() + limit - max(3.0, 0.05 * limit),
             "work_s": 0.3 if tiny else 10.0, "work_elems": 1 << 20 if tiny else 1 << 30}
-    return benchmark_result("ckpt", [sys.executable, "-c", CKPT_AB, json.dumps(spec)], shape.timeouts["ckpt"],
-                            log, env)
+    code, out = run_part("ckpt", [sys.executable, "-c", CKPT_AB, json.dumps(spec)], limit, log, env)
+    lines = json_lines(out)
+    final = next((r for r in reversed(lines) if "runs" in r), None)
+    if code == 0 and final is not None:
+        return final
+    setup = next((r for r in lines if r.get("setup")), {})
+    result = {**{k: v for k, v in setup.items() if k != "setup"}, "runs": [r for r in lines if "arm" in r]}
+    raise PartFailed(f"{ended(code, limit)}: {tail(out)} (after {len(result['runs'])} arms)", result)
+
+
+CKPT_WRITE_GBPS = 1.0  # the first arm's predicted write (20.6 GB: ~20 s) before one was measured
 
 
 # ---- the parts' speed ------------------------------------------------------------------------------
 def benchmark_result(name: str, argv: list[str], timeout_s: float, log, env) -> dict:
-    """A benchmark script's one JSON line; its exit status and output tail when it failed."""
-    code, out = run_part(name, argv, timeout_s, log, env)
+    """A benchmark script's one JSON line; where it failed or ran out of time, ``PartFailed``
+    with its last JSON line (what it printed before) and its output tail."""
+    limit = BUDGET.clip(timeout_s)
+    code, out = run_part(name, argv, limit, log, env)
     if code != 0:
-        raise RuntimeError(f"exit {code}: {tail(out)}")
+        raise PartFailed(f"{ended(code, limit)}: {tail(out)}", last_json_line(out))
     return last_json_line(out)
 
 
@@ -1026,11 +1151,12 @@ def part_kernels(shape: Shape, args, log, env) -> dict:
                  # 64-token pages first: the 16-token ones were measured twice (2026-11-27) and
                  # the part's time ran out before the others both times
                  "--page-sizes", "64,16"]
-    code, out = run_part("kernels", argv, shape.timeouts["kernels"], log, env)
-    if code != 0:
-        raise RuntimeError(f"exit {code}: {tail(out)}")
-    rows = json_lines(out)
-    return {"rows": [r for r in rows if not r.get("best")]}
+    limit = BUDGET.clip(shape.timeouts["kernels"])
+    code, out = run_part("kernels", argv, limit, log, env)
+    rows = {"rows": [r for r in json_lines(out) if not r.get("best")]}
+    if code != 0:  # the rows it printed before are kept
+        raise PartFailed(f"{ended(code, limit)}: {tail(out)}", rows)
+    return rows
 
 
 def part_train(shape: Shape, batch: int, name: str, log, env, trace_dir: str,
@@ -1134,7 +1260,7 @@ def part_kernels2(shape: Shape, args, log, env) -> dict:
                              share * left, log, env)
         rows += json_lines(out)
         if code != 0:  # the rows it printed before are kept
-            raise PartFailed(f"exit {code}: {tail(out)}", {"rows": [r for r in rows if not r.get("best")],
+            raise PartFailed(f"{ended(code, share * left)}: {tail(out)}", {"rows": [r for r in rows if not r.get("best")],
                                                            "mosaic_canary": canary})
     return {"rows": [r for r in rows if not r.get("best")], "mosaic_canary": canary}
 
@@ -1230,7 +1356,7 @@ def part_gemms(shape: Shape, args, log, env) -> dict:
     if best:
         result["best"] = best
     if code != 0:  # the rows it printed before are kept
-        raise PartFailed(f"exit {code}: {tail(out)}", result)
+        raise PartFailed(f"{ended(code, timeout)}: {tail(out)}", result)
     return result
 
 
@@ -1273,7 +1399,7 @@ def part_decode(shape: Shape, args, log, env, trace_dir: str, name: str = "decod
     if composed:
         rows["composed_on"] = composed
     if code != 0:  # the batches it finished are kept
-        raise PartFailed(f"exit {code}: {tail(out)}", rows)
+        raise PartFailed(f"{ended(code, timeout)}: {tail(out)}", rows)
     return rows
 
 
@@ -1380,10 +1506,16 @@ def agent_rows(part: PartResult | None) -> list[tuple[str, str]]:
     r, rows = part.result, []
     p = r.get("plan") or {}
     if p:
-        rows.append(("h100 plan", f"remat {p.get('remat_policy')}, micro-batch {p.get('micro_batch')}, "
-                                  f"KV pool {p.get('kv_pool_gb')} GB (kv_memory_fraction "
-                                  f"{p.get('kv_memory_fraction', 0):.3f}), predicted peak {p.get('peak_gb')} GB "
-                                  f"of {p.get('device_gb')} GB"))
+        given = p.get("given") or {}
+        fraction = (f"kv_pages {given['serving.kv_pages']}, given" if given.get("serving.kv_pages") else
+                    f"kv_memory_fraction {p.get('kv_memory_fraction') or 0:.3f}"
+                    + (", given" if "serving.kv_memory_fraction" in given else ", the plan's"))
+        rows.append(("h100 plan", f"remat {p.get('remat_policy')}"
+                                  + (" (given)" if "model.remat_policy" in given else "")
+                                  + f", micro-batch {p.get('micro_batch')}"
+                                  + (" (given)" if "trainer.micro_batch_size" in given else "")
+                                  + f", KV pool {p.get('kv_pool_gb')} GB ({fraction}), predicted peak "
+                                  f"{p.get('peak_gb')} GB of {p.get('device_gb')} GB"))
     if r.get("run_plan"):
         rows.append(("h100 run sized", r["run_plan"]))
     if r.get("sft"):
@@ -1395,8 +1527,12 @@ def agent_rows(part: PartResult | None) -> list[tuple[str, str]]:
             f"{k}={s[k]:.3g}" if isinstance(s.get(k), float) else f"{k}={s.get(k)}"
             for k in AGENT_ROW_KEYS if k in s)))
     if "step2_prefill_compiles" in r:
-        rows.append(("h100 step-2 prefill compiles", ", ".join(r["step2_prefill_compiles"]) or "none"))
-        rows.append(("h100 step-2 prefill recompiles", ", ".join(r["step2_prefill_recompiles"]) or "none"))
+        if r["step2_prefill_compiles"] is None or len(r.get("steps", [])) < 2:  # nothing to say of step 2
+            missing = f"step 2 not reached ({len(r.get('steps', []))} step(s) finished)"
+            rows += [("h100 step-2 prefill compiles", missing), ("h100 step-2 prefill recompiles", missing)]
+        else:
+            rows.append(("h100 step-2 prefill compiles", ", ".join(r["step2_prefill_compiles"]) or "none"))
+            rows.append(("h100 step-2 prefill recompiles", ", ".join(r["step2_prefill_recompiles"]) or "none"))
     if part.ok:
         rows.append(("h100 job", f"{r.get('job_s')} s, checkpoints {r.get('checkpoints')}"))
     return rows
@@ -1429,7 +1565,21 @@ def lora_rows(part: PartResult | None) -> list[tuple[str, str]]:
 
 
 def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
-    """(figure, value) rows of the table printed last."""
+    """(figure, value) rows of the table printed last, a section at a time: a section that
+    cannot be made (a result of an unforeseen form) is one row saying so, the others stay."""
+    rows = []
+    for section in (env_rows, part_status_rows, main_rows, lambda res: agent_rows(res.get("h100")),
+                    lambda res: lora_rows(res.get("lora")), ckpt_rows, serving_rows, kernels_rows,
+                    decode_rows, train_rows):
+        try:
+            rows += section(results)
+        except Exception as exc:  # noqa: BLE001  (the table is what a loan's reader sees first)
+            name = getattr(section, "__name__", "section")
+            rows.append((f"table ({name})", f"not made: {type(exc).__name__}: {exc}"[:200]))
+    return rows
+
+
+def env_rows(results: dict) -> list[tuple[str, str]]:
     rows = []
     env = results.get("env")
     if env and env.ok:
@@ -1443,11 +1593,21 @@ def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
                                                                                  "call_budget"))
                          if pool.get("gap") is None else
                          f"UNCONFINED ({pool['gap'][:100]}): the RL jobs ran with env.allow_unconfined=True"))
+    return rows
+
+
+def part_status_rows(results: dict) -> list[tuple[str, str]]:
+    rows = []
     for name, part in results.items():
         if part.skipped:
             rows.append((name, part.error))
         elif not part.ok:
             rows.append((name, f"FAILED after {part.seconds:.0f} s: {part.error[:160]}"))
+    return rows
+
+
+def main_rows(results: dict) -> list[tuple[str, str]]:
+    rows = []
     main = results.get("main")
     if main is not None:
         for i, s in enumerate(main.result.get("steps", []), 1):
@@ -1460,10 +1620,13 @@ def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
         if main.ok:
             rows.append(("main job", f"{main.result.get('job_s')} s, checkpoints "
                                      f"{main.result.get('checkpoints')}"))
-    rows += agent_rows(results.get("h100"))
-    rows += lora_rows(results.get("lora"))
+    return rows
+
+
+def ckpt_rows(results: dict) -> list[tuple[str, str]]:
+    rows = []
     ckpt = results.get("ckpt")
-    if ckpt is not None and ckpt.ok:
+    if ckpt is not None and (ckpt.result or {}).get("state_gb") is not None:  # a failed part's rows too
         c = ckpt.result
         rows.append(("ckpt", f"{c.get('state_gb')} GB in {c.get('arrays')} arrays; device_get "
                              f"{c.get('device_get_s')} s ({c.get('device_get_gbps')} GB/s); rollouts alone "
@@ -1472,6 +1635,13 @@ def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
             behind = (f", rollouts {r['work_s']} s, update waited {r['update_wait_s']} s" if "work_s" in r else "")
             rows.append((f"ckpt {r['arm']}", f"step +{r['step_increase_s']} s (save {r['wait_s']} s{behind}); "
                                              f"copy {r['copy_s']} s, write {r['write_s']} s"))
+        if c.get("arms_not_run"):
+            rows.append(("ckpt arms not run", f"{', '.join(c['arms_not_run'])}: {c.get('arms_not_run_why', '')}"))
+    return rows
+
+
+def serving_rows(results: dict) -> list[tuple[str, str]]:
+    rows = []
     for serving in results.values():
         if not (serving.name.startswith(("serving", "blocking")) and serving.ok):
             continue
@@ -1483,13 +1653,22 @@ def summary_rows(results: dict[str, PartResult]) -> list[tuple[str, str]]:
                 rows.append((f"decode {key}{arm}", f"{v:,.0f} tok/s, {serving.result.get(f'{key}_step_ms')} "
                                               f"ms/step" + (f", {100 * frac:.1f} % of HBM roofline"
                                                             if frac else "")))
+    return rows
+
+
+def kernels_rows(results: dict) -> list[tuple[str, str]]:
+    rows = []
     kernels = results.get("kernels")
     for r in (kernels.result.get("rows", []) if kernels is not None else []):
         arm = r["arm"] + (f" {r['per_block']},{r['k_splits']},{r['warps']}" if r["arm"] == "triton" else "")
         rows.append((f"kernel b{r['batch']} ctx{r['context']} page{r['page_size']} {arm}",
                      f"{r['us']} us, {r['gbps']} GB/s, max diff {r['max_diff_vs_reference']:.3g}"
                      if "us" in r else f"error: {r.get('error', '')[:120]}"))
-    rows += decode_rows(results)
+    return rows
+
+
+def train_rows(results: dict) -> list[tuple[str, str]]:
+    rows = []
     for name, part in results.items():
         if name.startswith(("train_", "remat_")) and part.ok:
             r = part.result
@@ -1542,7 +1721,7 @@ def parse_args(argv=None):
                     help="comma-separated subset of env,main,serving,train and the optional "
                          "h100 (stage 1 on one GPU after a short SFT on tool traces, sized by the memory "
                          "plan; about 6.5 min on an H100), ckpt (what a save of the 1.7B state adds to a step: "
-                         "the copy behind the next rollouts or in the loop, pinned or pageable, ~2.5 min), lora (stage 1 of "
+                         "the copy behind the next rollouts or in the loop, pinned or pageable, ~2.5 min; an arm runs where its predicted seconds fit), lora (stage 1 of "
                          "the 8B shape with LoRA rank 16 on the preset's random weights, sized by the memory "
                          "plan; ~3 min predicted), "
                          "blocking (the first serving preset with each --blockings spec), "
@@ -1576,7 +1755,9 @@ def parse_args(argv=None):
     ap.add_argument("--agent-model", default="", help="h100: KEY=VALUE,... ModelConfig fields of its random model "
                                                       "(e.g. num_hidden_layers=28,initializer_range=0.08)")
     ap.add_argument("--h100-rl-flags", default="", help="h100: SECTION.KEY=VALUE,... settings given to its stage-1 "
-                                                        "run (e.g. serving.kv_memory_fraction=0.15)")
+                                                        "run (e.g. serving.kv_memory_fraction=0.2); the sizes among "
+                                                        "them are planned first, before its inputs and SFT: one that "
+                                                        "cannot fit fails the part naming the largest that fits")
     return ap.parse_args(argv)
 
 
@@ -1584,7 +1765,21 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     shape = SHAPES[args.shape]
     parts = args.parts.split(",")
+    # the h100 part's flags are checked before anything runs (a bad one would cost the loan its
+    # inputs and SFT first): SystemExit naming it
+    if args.agent_model:
+        agent_model_overrides(args)
+    planned_flags(args)
     scratch = tempfile.mkdtemp(prefix="gpu_check_")
+    try:
+        return run_parts(args, shape, parts, scratch)
+    finally:  # a failure anywhere (a part, the table) still frees the disk: the models and checkpoints
+        if args.out:  # (~24 GB at 1.7B) go, what is kept is under --out, so a second command has its disk
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run_parts(args, shape: Shape, parts: list[str], scratch: str) -> int:
+    """``main``'s body: the listed parts in order, then the JSON, the traces and the table."""
     out_dir = args.out or scratch
     os.makedirs(out_dir, exist_ok=True)
     trace_dir = os.path.join(scratch, "traces")
@@ -1667,13 +1862,14 @@ def main(argv=None) -> int:
                 break  # no device: nothing else can run
             if name == "env":
                 args.device_kind = res.result.get("device_kind", "")
-    names = pack_traces(trace_dir, os.path.join(out_dir, "traces.tar"))
+    try:
+        names = pack_traces(trace_dir, os.path.join(out_dir, "traces.tar"))
+    except OSError as exc:  # the results matter more than the traces
+        names = [f"not packed: {exc}"]
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
         json.dump({"shape": args.shape, "traces": names,
                    "parts": {k: dataclasses.asdict(v) for k, v in results.items()}}, f, indent=1)
     print_table(summary_rows(results))
-    if args.out:  # what is kept is under --out: the models and checkpoints (~45 GB at 1.7B) go, so a
-        shutil.rmtree(scratch, ignore_errors=True)  # second command on the same lent machine has its disk
     return 0 if all(r.ok or r.skipped for r in results.values()) else 1  # a part the budget skipped is in the table
 
 

@@ -518,3 +518,277 @@ def test_the_agent_model_flag_changes_the_random_models_fields(tmp_path):
     assert (made["layers"], made["hidden"]) == (3, 96)
     saved = json.load(open(tmp_path / "hf" / "config.json"))
     assert saved["initializer_range"] == 0.05 and saved["head_dim"] == 24
+
+
+# ---- a lent device: no rstarjax installed, budgets that run out, flags that do not fit -----------------
+HIDE_EDITABLE = ("import sys\n"  # the editable install's finder gone: rstarjax only where sys.path has it
+                 "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)\n"
+                 "                    and 'editable' not in type(f).__module__]\n")
+
+
+def test_the_command_runs_where_rstarjax_is_importable_only_from_the_repository(tmp_path):
+    """As on a lent device (its wheels in /tmp/site, rstarjax installed nowhere): run from another
+    folder, PYTHONPATH without the repository, the editable install hidden. The script puts the
+    repository root on its own path, so the parent's rstarjax imports (the --agent-model check, the
+    table's decode choice) work, the table is printed whole and the scratch folder is removed."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HIDE_EDITABLE)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**_env(), "PYTHONPATH": str(site), "TMPDIR": str(scratch)}
+    hidden = subprocess.run([sys.executable, "-c", "import rstarjax"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True)
+    assert hidden.returncode != 0 and "No module named 'rstarjax'" in hidden.stderr  # the device's case
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--shape", "tiny",
+                           "--parts", "env", "--agent-model", "num_hidden_layers=2", "--out", str(tmp_path / "out")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    table = proc.stdout[proc.stdout.index("-" * 100):]
+    assert re.search(r"device +cpu driver", table) and "not made" not in table, table
+    assert table.rstrip().endswith("-" * 100)
+    assert json.loads((tmp_path / "out" / "gpu_check.json").read_text())["parts"]["env"]["ok"]
+    assert not list(scratch.iterdir())  # the scratch folder went
+
+
+def _fake_env_part(g, monkeypatch, tmp_path):
+    monkeypatch.setattr(g.BUDGET, "deadline", None)
+    monkeypatch.setattr(g, "part_env", lambda *a: {"device_kind": "cpu"})
+    scratch = tmp_path / "tmp"
+    scratch.mkdir(exist_ok=True)
+    monkeypatch.setattr(g.tempfile, "tempdir", str(scratch))
+    return scratch
+
+
+def test_a_table_section_that_fails_is_a_row_and_the_scratch_goes_whatever_fails(tmp_path, monkeypatch):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check as g
+    scratch = _fake_env_part(g, monkeypatch, tmp_path)
+
+    def broken(results):
+        raise ModuleNotFoundError("No module named 'rstarjax'")
+
+    monkeypatch.setattr(g, "decode_rows", broken)
+    rows = dict(g.summary_rows({"env": g.PartResult("env", True, 1.0, {"device_kind": "cpu", "jax": "x"})}))
+    assert rows["device"].startswith("cpu") and "No module named" in rows["table (broken)"], rows
+    assert g.main(["--shape", "tiny", "--parts", "env", "--out", str(tmp_path / "out")]) == 0
+    assert not list(scratch.iterdir())
+
+    def crash(*a, **k):
+        raise RuntimeError("the disk is full")
+
+    monkeypatch.setattr(g, "pack_traces", lambda *a: crash())
+    monkeypatch.setattr(g, "print_table", crash)
+    with pytest.raises(RuntimeError, match="disk is full"):
+        g.main(["--shape", "tiny", "--parts", "env", "--out", str(tmp_path / "out")])
+    assert not list(scratch.iterdir())  # removed all the same (finally)
+
+
+def test_a_killed_ckpt_part_keeps_the_setup_and_the_arms_it_printed(tmp_path, monkeypatch):
+    """The device's kill (its limit, or what --budget-s left it) mid-arm: the part fails, saying it
+    ran out of its time, with the setup's figures (printed first) and the arms that ended."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check as g
+    _fake_env_part(g, monkeypatch, tmp_path)
+    setup = {"setup": True, "state_gb": 20.6, "arrays": 930, "device_get_s": 5.1, "device_get_gbps": 4.0,
+             "work_alone_s": 10.2}
+    arm = {"arm": "background_pinned", "wait_s": 0.02, "work_s": 10.5, "update_wait_s": 1.2, "step_increase_s": 1.5,
+           "copy_s": 11.0, "write_s": 20.1, "arm_s": 33.0, "predicted_s": 35.6}
+    printed = json.dumps(setup) + "\n" + json.dumps(arm) + '\n{"arm": "pinned", "wait'  # cut by the kill
+    monkeypatch.setattr(g, "run_part", lambda name, argv, timeout_s, *a, **k: (None, printed))
+    assert g.main(["--shape", "tiny", "--parts", "env,ckpt", "--out", str(tmp_path)]) == 1
+    part = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]["ckpt"]
+    assert not part["ok"] and "ran out of its 200 s time limit" in part["error"], part["error"]
+    assert part["result"]["state_gb"] == 20.6 and part["result"]["runs"] == [arm]
+    table = dict(g.summary_rows({"ckpt": g.PartResult(**part)}))
+    assert table["ckpt"].startswith("20.6 GB in 930 arrays") and table["ckpt background_pinned"].startswith("step +1.5 s")
+
+
+def test_a_ckpt_arm_runs_only_where_its_predicted_seconds_fit_the_part(tmp_path, monkeypatch):
+    """The checkpoint A/B itself (tiny state): the setup line comes first; an arm whose predicted
+    seconds do not fit what the part's limit leaves is not started, the first arm included (its
+    prediction from the plain copy and CKPT_WRITE_GBPS), the later ones from the arms measured
+    (here a slow write, 3 s, as 20.6 GB to a lent machine's disk)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check as g
+    monkeypatch.setattr(g.BUDGET, "deadline", None)
+    shape, env = g.SHAPES["tiny"], {**_env(), "PYTHONPATH": ROOT}
+    with open(tmp_path / "log", "w") as log:
+        monkeypatch.setattr(g, "CKPT_WRITE_GBPS", 1e-9)  # the first arm's write predicted to take ages
+        none = g.part_ckpt(shape, None, log, env, str(tmp_path))
+        assert none["runs"] == [] and none["arms_not_run"] == list(g.CKPT_ARMS), none
+        assert none["state_gb"] == 0.0 and "background_pinned predicted" in none["arms_not_run_why"]
+        monkeypatch.setattr(g, "CKPT_WRITE_GBPS", 1.0)
+        # a 3 s write in every arm, and 4.5 s left once the setup is done: the first arm runs, the
+        # second (predicted from it) does not
+        slow = g.CKPT_AB.replace("    ck.wait()\n", "    ck.wait()\n    time.sleep(3)\n")
+        slow = slow.replace('out = {**setup, "runs": []}\n', 'out = {**setup, "runs": []}\na["deadline"] = time.time() + 4.5\n')
+        assert slow.count("time.sleep(3)") == 1 and slow.count("+ 4.5") == 1
+        monkeypatch.setattr(g, "CKPT_AB", slow)
+        one = g.part_ckpt(shape, None, log, env, str(tmp_path))
+    assert [r["arm"] for r in one["runs"]] == ["background_pinned"] and one["runs"][0]["arm_s"] >= 3, one
+    assert one["arms_not_run"] == list(g.CKPT_ARMS[1:]) and "pinned predicted" in one["arms_not_run_why"]
+    lines = [json.loads(x) for x in (tmp_path / "log").read_text().splitlines() if x.startswith("{")]
+    assert lines[0].get("setup") and "runs" not in lines[0]  # the setup's figures first
+    rows = dict(g.summary_rows({"ckpt": g.PartResult("ckpt", True, 1.0, one)}))
+    assert rows["ckpt arms not run"].startswith("pinned, background_pageable, pageable: pinned predicted")
+
+
+def _plan_line(given: dict, device_gb: float = 81.25):
+    """The h100 part's plan step (PRINT_PLAN) for its GPU shape on a device reporting
+    ``device_gb``, the sizes ``given``: (exit status, its JSON line)."""
+    import contextlib
+    import io
+    import types
+
+    import jax.numpy as jnp
+
+    import gpu_check as g
+    from rstarjax.models import ModelConfig
+    from rstarjax.recipes.config import as_flags
+    from rstarjax.serving.sizing import REMAT_BY_SPEED, size_colocated
+
+    s = g.AGENT_SHAPES["gpu"]
+    device = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": int(device_gb * 1e9)})
+    a = dict(rows=s.prompts * s.group, rollouts=s.prompts * s.samples, seq_len=s.prompt_len + s.response_len,
+             plan_device_gb=s.plan_device_gb, given=given)
+    names = dict(a=a, cfg=ModelConfig.preset(s.model, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16),
+                 jax=types.SimpleNamespace(devices=lambda: [device]), json=json, sys=sys,
+                 size_colocated=size_colocated, REMAT_BY_SPEED=REMAT_BY_SPEED, as_flags=as_flags)
+    out, code = io.StringIO(), 0
+    with contextlib.redirect_stdout(out):
+        try:
+            exec(g.PRINT_PLAN, names)
+        except SystemExit as e:
+            code = e.code
+    return code, json.loads(out.getvalue())
+
+
+def test_h100_rl_flags_sizes_are_planned_before_the_inputs_and_sft(tmp_path, monkeypatch):
+    """--h100-rl-flags serving.kv_memory_fraction=0.5 on an H100 (81.25 GB): the stage-1 job's plan
+    refuses it (a 28.6 GB pool), so the part's own plan step does, before the model is written and
+    the SFT runs, naming the flag, the largest value that fits and the plan's own; a value that
+    fits is planned with, and the table's plan row says it was given."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check as g
+    from rstarjax.serving.sizing import size_colocated
+
+    code, line = _plan_line({"serving.kv_memory_fraction": 0.5})
+    assert code == 3 and len(line["problems"]) == 1, line
+    problem = line["problems"][0]
+    assert problem.startswith("--h100-rl-flags serving.kv_memory_fraction=0.5: ") and "28.6 GB KV pool" in problem
+    largest = float(re.search(r"the largest serving.kv_memory_fraction that fits is ([0-9.]+)", problem).group(1))
+    assert "the plan's own, left open: serving.kv_memory_fraction=0.2813" in problem, problem
+    assert 0.2813 < largest < 0.5  # past the plan's own it trades the remat policy for the pool
+    code, fits = _plan_line({"serving.kv_memory_fraction": largest})
+    assert code == 0 and fits["plan"]["kv_memory_fraction"] == largest
+    assert _plan_line({"serving.kv_memory_fraction": round(largest + 0.002, 3)})[0] == 3  # the largest, to 0.001
+    code, given = _plan_line({"serving.kv_memory_fraction": 0.2})
+    assert code == 0 and given["plan"]["kv_memory_fraction"] == 0.2 and given["plan"]["given"]
+    assert size_colocated  # the plan function the job's own plan calls (recipes/build.py)
+    rows = dict(g.agent_rows(g.PartResult("h100", True, 1.0, {"plan": given["plan"]})))
+    assert "(kv_memory_fraction 0.200, given)" in rows["h100 plan"], rows
+    code, open_plan = _plan_line({})
+    assert code == 0 and "(kv_memory_fraction 0.281, the plan's)" in dict(
+        g.agent_rows(g.PartResult("h100", True, 1.0, {"plan": open_plan["plan"]})))["h100 plan"]
+
+    # wired: the inputs step gets the flag's sizes; its refusal ends the part before the SFT
+    _fake_env_part(g, monkeypatch, tmp_path)
+    ran = []
+
+    def run_part(name, argv, timeout_s, log, env=None, cwd=None):
+        ran.append(name)
+        spec = json.loads(argv[-1])
+        assert spec["given"] == {"serving.kv_memory_fraction": 0.5}
+        return 3, json.dumps({**line, "plan": {**line["plan"], "given": spec["given"]}}) + "\n"
+
+    monkeypatch.setattr(g, "run_part", run_part)
+    assert g.main(["--shape", "tiny", "--parts", "env,h100", "--out", str(tmp_path),
+                   "--h100-rl-flags", "serving.kv_memory_fraction=0.5"]) == 1
+    assert ran == ["h100/inputs"]
+    part = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]["h100"]
+    assert "--h100-rl-flags serving.kv_memory_fraction=0.5" in part["error"] and part["result"]["plan"]
+    assert json.loads((tmp_path / "h100_result.json").read_text())["plan"]["given"]
+    # a value that does not parse is refused before anything runs
+    ran.clear()
+    with pytest.raises(SystemExit, match="serving.kv_memory_fraction=half"):
+        g.main(["--shape", "tiny", "--parts", "env,h100", "--h100-rl-flags", "serving.kv_memory_fraction=half"])
+    assert ran == []
+
+
+def _fake_h100(g, monkeypatch, sft_code, rl_code, rl_steps):
+    """run_part for the h100 part's three processes: the inputs as the tiny shape prints them, the
+    SFT and the stage-1 job ending with the given status and metrics."""
+    plan = {"plan": {"remat_policy": "none", "micro_batch": 4, "kv_pages": 99, "kv_memory_fraction": 0.9,
+                     "device_gb": 80.0, "device_reported": False, "peak_gb": 1.0, "kv_pool_gb": 1.0, "given": {}},
+            "problems": []}
+    ran = []
+
+    def run_part(name, argv, timeout_s, log, env=None, cwd=None):
+        ran.append((name, timeout_s))
+        if name == "h100/inputs":
+            return 0, json.dumps(plan) + "\n" + json.dumps({"params_b": 0.1, "prompt_tokens": 30}) + "\n"
+        workdir = next(x.split("=", 1)[1] for x in argv if x.startswith("--workdir="))
+        os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
+        steps = 2 if name == "h100/sft" else rl_steps
+        with open(os.path.join(workdir, "logs", "metrics.jsonl"), "w") as f:
+            for i in range(steps):
+                f.write(json.dumps({"step": i + 1, "sft/loss": 3.0 - i, "wall_time": time.time(),
+                                    "time/rollout": 2.0, "timing/rollout_decode_s": 1.5}) + "\n")
+        return (sft_code if name == "h100/sft" else rl_code), ""
+
+    monkeypatch.setattr(g, "run_part", run_part)
+    return ran
+
+
+def test_an_sft_that_runs_out_of_time_keeps_the_plan_and_its_figures(tmp_path, monkeypatch):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check as g
+    _fake_env_part(g, monkeypatch, tmp_path)
+    ran = _fake_h100(g, monkeypatch, sft_code=None, rl_code=0, rl_steps=0)
+    assert g.main(["--shape", "tiny", "--parts", "env,h100", "--out", str(tmp_path)]) == 1
+    assert [n for n, _ in ran] == ["h100/inputs", "h100/sft"]
+    part = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]["h100"]
+    assert "the SFT ran out of its 1500 s time limit" in part["error"] and "None" not in part["error"], part["error"]
+    for result in (part["result"], json.loads((tmp_path / "h100_result.json").read_text())):
+        assert result["plan"]["micro_batch"] == 4 and result["sft"]["steps"] == 2 and "sft_s" in result
+        assert result["params_b"] == 0.1
+    rows = dict(g.agent_rows(g.PartResult(**part)))
+    assert "h100 plan" in rows and rows["h100 SFT"].startswith("2 steps")
+
+
+def test_a_stage1_job_stopped_before_step_2_says_so(tmp_path, monkeypatch):
+    """The step-2 rows say nothing was compiled on step 2 only where step 2 ran: a job that ran out
+    of time after step 1 (e.g. --budget-s 60) says "step 2 not reached", and its time limit."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check as g
+    _fake_env_part(g, monkeypatch, tmp_path)
+    _fake_h100(g, monkeypatch, sft_code=0, rl_code=None, rl_steps=1)
+    assert g.main(["--shape", "tiny", "--parts", "env,h100", "--out", str(tmp_path)]) == 1
+    part = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]["h100"]
+    assert "the stage-1 job ran out of its 600 s time limit (killed)" in part["error"], part["error"]
+    assert part["result"]["step2_prefill_recompiles"] is None and len(part["result"]["steps"]) == 1
+    rows = dict(g.summary_rows({"h100": g.PartResult(**part)}))
+    assert rows["h100 step-2 prefill recompiles"] == "step 2 not reached (1 step(s) finished)", rows
+    assert "exited None" not in rows["h100"]
+    # where step 2 ran and compiled nothing at step 1's shapes: "none"
+    _fake_h100(g, monkeypatch, sft_code=0, rl_code=0, rl_steps=2)
+    assert g.main(["--shape", "tiny", "--parts", "env,h100", "--out", str(tmp_path)]) == 0
+    part = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]["h100"]
+    assert dict(g.agent_rows(g.PartResult(**part)))["h100 step-2 prefill recompiles"] == "none"
+
+
+def test_the_documented_first_loan_command_parses_and_imports_from_the_repository():
+    """docs/launch.md "What the next lent GPU runs": the first loan's one command runs both issues'
+    parts, issue 46's kernels alone right after the h100 part, with the repository on PYTHONPATH."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check as g
+    doc = open(os.path.join(ROOT, "docs", "launch.md")).read()
+    section = doc[doc.index("### What the next lent GPU runs"):doc.index("## One host with several GPUs")]
+    command = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("\\\n", " ")
+    assert "export PYTHONPATH=/tmp/site:$PWD" in section
+    argv = command.split("gpu_check.py", 1)[1].replace("<the commit, literally>", "abc").split()
+    args = g.parse_args(argv)
+    assert args.parts == "env,h100,kernels2,ckpt,gemms,decode" and 0 < args.budget_s <= 600 - 30
+    assert "kv_memory_fraction=0.5" not in section
