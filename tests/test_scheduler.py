@@ -252,3 +252,18 @@ def test_waiting_on_a_tool_blocks_instead_of_spinning(model):
     cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
     assert wall >= 1.0 and cpu < 0.5 * wall, (cpu, wall)
     assert all(e.received == e.script for e in eps)
+
+
+def test_live_counts_the_rollouts_that_held_pages_during_each_call(model):
+    """A decode step samples at most one token per rollout holding pages, so each call's tokens
+    are at most its live count times its steps, and the run's at most mean_live x steps. The
+    count was taken after the call released the rollouts that finished in it: 4 rollouts ending
+    at once inside a 16-step call logged 0 live for a call that produced 4 x 5 tokens."""
+    eng = make_engine(model, slots=4)
+    eps = [ScriptEpisode([5 + i]) for i in range(4)]  # one turn each, all end inside the first call
+    st = RolloutScheduler([eng], max_rollout_len=MAX_LEN, decode_steps=16).run(eps).slices[0]
+    assert all(e.received == e.script for e in eps)
+    assert [r.live for r in st.timeline][0] == 4 and st.timeline[0].decoding == 4
+    assert st.generated_tokens <= sum(r.live * r.steps for r in st.timeline)
+    assert st.generated_tokens <= st.mean_live * st.decode_steps
+    assert max(r.pages_in_use for r in st.timeline) > 0  # the call's peak, before the releases

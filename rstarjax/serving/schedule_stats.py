@@ -15,9 +15,9 @@ class StepRecord:
 
     t: float  # seconds since the run started
     steps: int  # decode steps the call ran
-    pages_in_use: int
-    live: int  # rollouts holding pages (decoding or waiting on a tool)
-    decoding: int
+    pages_in_use: int  # after the call's steps, before the rollouts that finished in it gave pages back
+    live: int  # rollouts holding pages during the call (decoding or waiting on a tool)
+    decoding: int  # rollouts the call decoded
     waiting: int  # admitted, waiting on a tool
     parked: int  # preempted, waiting to resume
     queued: int  # rollouts not yet admitted (this slice's source)

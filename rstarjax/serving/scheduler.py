@@ -661,10 +661,15 @@ class _SliceDriver:
             for i in range(steps):
                 forced[i, s] = r.episode.forced_token(len(r.turn_ids) + i)
         stop_after = max(1, math.ceil(self.s.stop_fraction * len(decoding)))
+        # what held pages during the call's steps: counted before the tokens are taken, which
+        # releases the rollouts that finished inside the call (counted after, the figures were
+        # too low by every rollout that ended in a call: fewer live than tokens per step)
+        live_during = len(self.live)
         t0 = time.perf_counter()
         self.state, block = e.decode(self.params, self.state, steps=steps, forced=forced,
                                      stop_after=stop_after)
         self.stats.decode_s += time.perf_counter() - t0
+        pages_during = e.pages.num_used  # the call's peak: its pages grown, none released yet
         ran = int(block.valid.any(axis=1).sum())
         self.stats.decode_calls += 1
         self.stats.decode_steps += ran
@@ -678,8 +683,8 @@ class _SliceDriver:
                                     DoneReason(int(block.done[i, s])))
         waiting = sum(r.waiting is not None for r in self.live.values())
         self.stats.timeline.append(StepRecord(
-            t=time.perf_counter() - self.t0, steps=ran, pages_in_use=e.pages.num_used,
-            live=len(self.live), decoding=sum(e.is_decoding(s) for s in self.live),
+            t=time.perf_counter() - self.t0, steps=ran, pages_in_use=pages_during,
+            live=live_during, decoding=len(decoding),
             waiting=waiting, parked=len(self.parked), queued=len(self.source),
             preemptions=self.stats.preemptions))
 
