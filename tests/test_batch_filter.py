@@ -305,3 +305,24 @@ def test_a_policy_that_answers_every_rollout_right_ends_the_stage_cleanly(tmp_pa
     assert "answered every rollout right in 3 batches in a row at step 1" in capsys.readouterr().out
     ckpt_dir = os.path.join(workdir, "checkpoints")
     assert sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit()) == [1]
+
+
+def test_a_bf16_trainer_beside_a_float32_engine_is_judged_at_bf16s_threshold(caplog):
+    """The gap's precision is the coarser side's: a trainer computing in bf16 (model.dtype or
+    trainer.compute_dtype) rounds its own matmuls, so a float32 engine's rollouts are judged at
+    bf16's 1 nat and raise no "different context" warning (the tiny stage-1 run had 1 and 6
+    tokens over 0.01 on rounding alone)."""
+    from rstarjax.rl.metrics import gap_threshold_of
+
+    assert gap_threshold_of("float32", ("float32",)) == 0.01
+    assert gap_threshold_of("float32", ("bfloat16",)) == gap_threshold_of("float32", ("float32", "bfloat16")) == 1.0
+    assert gap_threshold_of("bfloat16", ()) == 1.0
+    shifts = {(3, 0): {0: 0.5}}  # 0.5 nats off: over float32's 0.01, under bf16's 1
+    cfg = rl_cfg(roc=False)
+    tr = make_trainer()
+    tr.forward_dtypes = ("float32", "bfloat16")  # a trainer.compute_dtype=bfloat16 run's
+    off = exact_sampler(tr, REWARDS.get, lambda p, j: shifts.get((p, j), {}))
+    with caplog.at_level("WARNING", logger="rstarjax.rl.step"):
+        m = rl_step(tr, off, records(2, 3), cfg, LossConfig(), seed=6, serving_dtype="float32")
+    assert m["train/logprob_gap_tokens_over"] == 0.0 and not _alarms(caplog)
+    assert make_trainer().forward_dtypes == ("float32",)  # the tiny model computes in float32

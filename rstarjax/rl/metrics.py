@@ -136,6 +136,15 @@ def logprob_gap_threshold(serving_dtype) -> float:
     return LOGPROB_GAP_THRESHOLDS[name]
 
 
+def gap_threshold_of(serving_dtype, forward_dtypes=()) -> float:
+    """The gap threshold of rollouts served in ``serving_dtype`` and recomputed by a trainer whose
+    forward computes in ``forward_dtypes`` (``Trainer.forward_dtypes``): the coarser side's. A
+    bf16 trainer next to a float32 engine rounds its own matmuls (0.019-0.025 nats measured on a
+    tiny model where float32 on both sides stayed under 6.2e-6): judged at float32's 0.01 it
+    raised the "different context" alarm on rounding."""
+    return max(logprob_gap_threshold(d) for d in (serving_dtype, *forward_dtypes))
+
+
 def is_float32(serving_dtype) -> bool:
     return jnp.dtype(serving_dtype) == jnp.float32
 

@@ -124,9 +124,10 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | None, records: list, cfg: 
     e.g. the colocated engine frees its serving memory (``serving.release_during_update``).
 
     ``serving_dtype`` (the dtype the rollouts were served in): count the trained tokens whose
-    sampler and trainer log-probs differ by more than ``metrics.logprob_gap_threshold`` of it
-    (``train/logprob_gap_tokens_over``), and in a float32 run warn with the step and the
-    affected trajectories' prompts when any does (docs/metrics.md).
+    sampler and trainer log-probs differ by more than ``metrics.gap_threshold_of`` it and the
+    trainer's forward dtypes (the coarser side's; ``train/logprob_gap_tokens_over``), and when
+    both sides compute in float32 warn with the step and the affected trajectories' prompts when
+    any does (docs/metrics.md).
 
     Partial rollouts (``rl.partial_rollout_tokens``; ``partial`` a ``rl.partial.PartialRollouts``,
     which rolls out in place of ``rollout_fn``): ``records`` are the prompts this step starts (at
@@ -143,7 +144,8 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | None, records: list, cfg: 
     quota = partial.groups_per_update if partial is not None else len(records)
     num_rows = quota * cfg.group_size
     estimator = loss_cfg.advantage_estimator
-    gap_threshold = None if serving_dtype is None else metrics_lib.logprob_gap_threshold(serving_dtype)
+    gap_threshold = None if serving_dtype is None else metrics_lib.gap_threshold_of(
+        serving_dtype, getattr(trainer, "forward_dtypes", ()))
     t0 = time.perf_counter()
     all_records = []  # every round's records: a trajectory's group_id indexes them
     all_trajs, all_kept, groups, extras, selections = [], [], [], [], []
@@ -225,7 +227,7 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | None, records: list, cfg: 
         train_kw = {} if group_ids is None else {"group_ids": group_ids}
         metrics.update(trainer.train(batch, denom=denom, gap_threshold=gap_threshold, gap_mask=gap_mask, **train_kw))
         over = int(metrics.get("train/logprob_gap_tokens_over", 0))
-        if over and serving_dtype is not None and metrics_lib.is_float32(serving_dtype):
+        if over and gap_threshold == metrics_lib.LOGPROB_GAP_THRESHOLDS["float32"]:  # both sides float32
             hit = [] if layout is None else metrics_lib.trajectories_at(
                 layout.placements, trainer.logprob_gap_outliers)
             prompts = [_prompt_text(all_records, train_trajs[i]) for i in hit]

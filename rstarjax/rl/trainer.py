@@ -357,6 +357,11 @@ class Trainer:
                           else optim_lib.make_optimizer(optim_cfg, cfg.mini_batches))
         self._schedule = optim_lib.lr_schedule(optim_cfg, cfg.mini_batches) if optimizer is None else None
         self.lora = getattr(getattr(model, "config", None), "lora_rank", 0) > 0
+        # the dtypes the forward computes in: the model's (ModelConfig.dtype) and, where set, the
+        # params' cast (trainer.compute_dtype); the coarser bounds how close its log-probs can
+        # come to the sampler's (the log-prob gap alarm, rl/metrics.py)
+        model_dtype = getattr(getattr(model, "config", None), "dtype", None)
+        self.forward_dtypes = tuple(jnp.dtype(d).name for d in (model_dtype, cfg.compute_dtype) if d is not None)
         # What trains: every parameter, or with LoRA the adapters only; the rest (the frozen
         # base with LoRA, else nothing) goes into every program as its first argument.
         self.graphdef, params, frozen = nnx.split(model, nnx.LoRAParam if self.lora else nnx.Param, ...)
