@@ -1,8 +1,10 @@
 """Batch completion of prompts: ``generate`` (a whole scheduled run, not one decode step) drives
 the rollout scheduler's loop, each prompt a one-turn episode, so slot refills, shared prompts,
-page admission and preemption are the same code as for agent rollouts."""
+page admission and preemption are the same code as for agent rollouts. ``TextStream`` turns
+a stream of sampled ids into text pieces (the JetStream server's text responses)."""
 from __future__ import annotations
 
+import codecs
 import dataclasses
 from typing import Sequence
 
@@ -92,3 +94,28 @@ def generate(
     RolloutScheduler([engine], max_rollout_len=engine.max_len, admit_reserve_tokens=0,
                      timeout_s=timeout_s).run(episodes)
     return [ep.out for ep in episodes]
+
+
+class TextStream:
+    """Incremental detokenization of one request's streamed ids: each ``add`` returns the text
+    that is now stable, holding back the bytes of a character split across tokens (an emoji,
+    a rare CJK character: byte-level BPE splits them into partial UTF-8 tokens) until it
+    completes; ``finish`` returns what is left. The pieces joined are always exactly
+    ``tokenizer.decode(every id added)`` (its ``errors="replace"``: bytes that never form a
+    character become U+FFFD there too), where decoding each token alone would turn every
+    split character into U+FFFD. The stable-prefix rule of HF's ``TextStreamer`` and vLLM's
+    detokenizer, on the bytes of the byte-level tokenizer (an incremental UTF-8 decoder), so a
+    token costs its own bytes, not a decode of everything so far."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, ids: Sequence[int]) -> str:
+        ids = [int(t) for t in ids]
+        if not ids:
+            return ""
+        return self._utf8.decode(self.tokenizer.decode_bytes(ids), final=False)
+
+    def finish(self) -> str:
+        return self._utf8.decode(b"", final=True)
