@@ -36,18 +36,24 @@ SETTINGS = [  # (temperature, top_k, top_p)
 ]
 
 
-def test_filter_matches_hf_warpers_per_row():
-    rng = np.random.default_rng(0)
-    logits = rng.normal(size=(len(SETTINGS), 97)).astype(np.float32) * 3
-    t = jnp.array([s[0] for s in SETTINGS], jnp.float32)
-    k = jnp.array([s[1] for s in SETTINGS], jnp.int32)
-    p = jnp.array([s[2] for s in SETTINGS], jnp.float32)
+def _filter_as_hf(logits: np.ndarray, settings) -> np.ndarray:
+    """``filter_logits`` of each row at its (temperature, top_k, top_p), checked against HF's
+    warpers row by row: the same tokens kept, at the same tempered values."""
+    t = jnp.array([s[0] for s in settings], jnp.float32)
+    k = jnp.array([s[1] for s in settings], jnp.int32)
+    p = jnp.array([s[2] for s in settings], jnp.float32)
     ours = np.asarray(filter_logits(jnp.asarray(logits), t, k, p))
-    for b, (tb, kb, pb) in enumerate(SETTINGS):
+    for b, (tb, kb, pb) in enumerate(settings):
         ref = _hf_filter(logits[b], tb, kb, pb)
         np.testing.assert_array_equal(np.isfinite(ours[b]), np.isfinite(ref), err_msg=f"row {b}")
         kept = np.isfinite(ref)
         np.testing.assert_allclose(ours[b][kept], ref[kept], rtol=1e-6)
+    return ours
+
+
+def test_filter_matches_hf_warpers_per_row():
+    rng = np.random.default_rng(0)
+    _filter_as_hf(rng.normal(size=(len(SETTINGS), 97)).astype(np.float32) * 3, SETTINGS)
 
 
 def _np_log_softmax(x):
@@ -288,14 +294,5 @@ def test_top_k_keeps_every_token_tied_with_the_kth_as_hf():
         [1.0] * 8,                                   # k=1: all tied, all kept
         [4.0, 3.0, 3.0, 3.0, 0.0, -1.0, -1.0, -5.0],  # k=2 then top-p 0.95
     ], np.float32)
-    settings = [(1.0, 2, 1.0), (0.8, 3, 1.0), (1.0, 1, 1.0), (1.0, 2, 0.95)]
-    t = jnp.array([s[0] for s in settings], jnp.float32)
-    k = jnp.array([s[1] for s in settings], jnp.int32)
-    p = jnp.array([s[2] for s in settings], jnp.float32)
-    ours = np.asarray(filter_logits(jnp.asarray(rows), t, k, p))
-    for b, (tb, kb, pb) in enumerate(settings):
-        ref = _hf_filter(rows[b], tb, kb, pb)
-        np.testing.assert_array_equal(np.isfinite(ours[b]), np.isfinite(ref), err_msg=f"row {b}")
-        kept = np.isfinite(ref)
-        np.testing.assert_allclose(ours[b][kept], ref[kept], rtol=1e-6)
+    ours = _filter_as_hf(rows, [(1.0, 2, 1.0), (0.8, 3, 1.0), (1.0, 1, 1.0), (1.0, 2, 0.95)])
     assert np.isfinite(ours[0]).sum() == 5 and np.isfinite(ours[2]).sum() == 8
