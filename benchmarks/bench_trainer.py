@@ -468,9 +468,13 @@ def memory_scan(args) -> dict:
 # ---------------------------------------------------------------------------------------------
 # --plan: per-device memory at the paper's scale
 # ---------------------------------------------------------------------------------------------
-def abstract_train_step(cfg: ModelConfig, mesh, rows: int, seq: int):
+def abstract_train_step(cfg: ModelConfig, mesh, rows: int, seq: int, grads_only: bool = False):
     """The Trainer's step for ``cfg`` on ``mesh``, compiled from shapes alone (no parameter is
-    allocated): (compiled, abstract params, their shardings, abstract opt state, shardings)."""
+    allocated): (compiled, abstract params, their shardings, abstract opt state, shardings).
+
+    ``grads_only``: the step's forward and backward alone (its micro-batch scan summing the
+    float32 gradient, which is the output), without the optimizer update: XLA's temp is then
+    the activations and nothing else (``plan_one``)."""
     abstract = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
     # LoRA: the adapters train, the bf16 base is an argument (as Trainer.step_fn passes it)
     graphdef, params, frozen = nnx.split(abstract, nnx.LoRAParam if cfg.lora_rank else nnx.Param, ...)
@@ -499,10 +503,30 @@ def abstract_train_step(cfg: ModelConfig, mesh, rows: int, seq: int):
         return trainer_lib.make_train_step(graphdef, rest, optimizer, micro_loss, 1, None, micro_sh)(
             state, batch, denom)
 
-    jitted = jax.jit(step, in_shardings=(frozen_sh, state_sh, {k: batch_sh for k in keys}, replicated),
-                     out_shardings=(state_sh, replicated), donate_argnums=(1,))
+    def grads_step(rest, params, batch, denom):  # make_train_step's scan, without the update
+        def loss_of(p, micro):
+            logprobs, entropy = trainer_lib.forward_logprobs(graphdef, rest, p, micro, None,
+                                                             micro_loss.with_entropy)
+            return micro_loss.fn(logprobs, entropy, micro, denom)
+
+        grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+        micros = jax.lax.with_sharding_constraint(
+            {k: trainer_lib.split_micro_batches(v, 1) for k, v in batch.items()}, micro_sh)
+
+        def accumulate(grads, micro):
+            return jax.tree.map(jnp.add, grads, grad_fn(params, micro)[1]), None
+        return jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), micros)[0]
+
+    if grads_only:
+        jitted = jax.jit(grads_step, in_shardings=(frozen_sh, param_sh, {k: batch_sh for k in keys},
+                                                   replicated), out_shardings=param_sh)
+        args = (frozen, params)
+    else:
+        jitted = jax.jit(step, in_shardings=(frozen_sh, state_sh, {k: batch_sh for k in keys}, replicated),
+                         out_shardings=(state_sh, replicated), donate_argnums=(1,))
+        args = (frozen, state)
     with jax.set_mesh(mesh):
-        compiled = jitted.lower(frozen, state, batch, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+        compiled = jitted.lower(*args, batch, jax.ShapeDtypeStruct((), jnp.float32)).compile()
     return compiled, params, param_sh, opt_state, opt_sh
 
 
@@ -517,13 +541,24 @@ def plan_one(name: str, mesh_name: str, args) -> dict:
     remat = args.remat or "full"
     full = ModelConfig.preset(name, dtype=jnp.bfloat16, remat_policy=remat,
                               packed_attention="blockwise", lora_rank=args.lora_rank)
-    # XLA's analysis of the real widths at depth 2 and 3; temp (grads + activations) is linear
-    # in depth under scan-over-layers, so depth L is extrapolated from the two. (Depth 1 is no
-    # use: XLA simplifies a one-trip loop and assigns its buffers differently.)
-    temps = [memory_stats(abstract_train_step(full.replace(num_hidden_layers=depth), mesh, rows,
-                                              args.plan_seq)[0])["temp_bytes"] for depth in (2, 3)]
-    per_layer_temp = temps[1] - temps[0]
-    temp_full = temps[0] + (full.num_hidden_layers - 2) * per_layer_temp
+    # XLA's analysis of the real widths at depth 2 and 3; temp is linear in depth under
+    # scan-over-layers, so depth L is extrapolated from the two. (Depth 1 is no use: XLA
+    # simplifies a one-trip loop and assigns its buffers differently.) Two programs: the whole
+    # step (its temp at its peak: the train peak) and its forward and backward alone (temp =
+    # the activations). The step's temp is gradient + activations only where the backward pass
+    # is its peak: its optimizer update computes the new AdamW moments (and the updates, in the
+    # gradient's place) beside the old ones before the non-finite guard's branch picks them,
+    # 3 x the trained float32 bytes, the peak of a 1-device step whenever the moments outweigh
+    # the activations (step temp - gradient then came out as the optimizer's bytes exactly, and
+    # the plan printed that as the activations).
+    def extrapolated(grads_only):
+        temps = [memory_stats(abstract_train_step(full.replace(num_hidden_layers=depth), mesh, rows,
+                                                  args.plan_seq, grads_only)[0])["temp_bytes"]
+                 for depth in (2, 3)]
+        return temps[0] + (full.num_hidden_layers - 2) * (temps[1] - temps[0]), temps[1] - temps[0]
+    temp_full, _ = extrapolated(False)
+    act_bytes, per_layer_act = extrapolated(True)
+    act_bytes = max(act_bytes, 0)
     # params / optimizer / gradients of the full depth: shapes (jax.eval_shape) x shardings
     abstract = nnx.eval_shape(lambda: Qwen3(full, rngs=nnx.Rngs(0)))
     _, params, frozen = nnx.split(abstract, nnx.LoRAParam if full.lora_rank else nnx.Param, ...)
@@ -537,7 +572,9 @@ def plan_one(name: str, mesh_name: str, args) -> dict:
     p_bytes = trained_bytes + frozen_bytes  # resident weights: trained (f32) + frozen base (LoRA: bf16)
     o_bytes = per_device_bytes(opt_state, opt_sh)
     g_bytes = trained_bytes  # the f32 gradient accumulator of the micro-batch scan
-    act_bytes = max(temp_full - g_bytes, 0)
+    # the step's peak in its optimizer update, if there, beyond the gradient: the new moments
+    # and the updates (0 where the backward pass is the peak, the update hidden under it)
+    update_bytes = temp_full - g_bytes if temp_full - g_bytes > 1.001 * act_bytes else 0
     kv_token = full.num_hidden_layers * 2 * full.num_key_value_heads * full.head_dim * 2  # bf16
     kv_slot = kv_token * args.plan_seq
     kv_bytes = args.kv_slots * kv_slot
@@ -547,7 +584,7 @@ def plan_one(name: str, mesh_name: str, args) -> dict:
     # what the engine holds through the update unless serving.release_during_update frees it
     held_in_update = serving_bytes + kv_bytes if count_serving and not args.release_serving else 0
     usable = usable_frac * hbm_gb * GB
-    train_peak = p_bytes + o_bytes + temp_full + held_in_update
+    train_peak = p_bytes + o_bytes + g_bytes + max(act_bytes, update_bytes) + held_in_update
     # colocated: weights and optimizer stay resident next to the serving copy and the KV pool
     rollout_peak = p_bytes + o_bytes + serving_bytes + kv_bytes
     max_slots = int(max(usable - p_bytes - o_bytes - serving_bytes, 0) // kv_slot)
@@ -557,6 +594,16 @@ def plan_one(name: str, mesh_name: str, args) -> dict:
         problems.append(f"params+optimizer+grads alone need {(p_bytes + o_bytes + g_bytes) / GB:.1f} GB "
                         f"of {usable / GB:.0f} GB: shard over more devices (a larger mesh, fsdp) or "
                         f"add tensor parallelism (--config.mesh.tensor){lora_hint}")
+    elif update_bytes and p_bytes + o_bytes + g_bytes + update_bytes + held_in_update > usable:
+        fixes = ["shard over more devices (a larger mesh, fsdp) or add tensor parallelism "
+                 f"(--config.mesh.tensor){lora_hint}"]
+        if held_in_update and p_bytes + o_bytes + g_bytes + update_bytes <= usable:
+            fixes.insert(0, "free the serving copy and KV during the update (--config.serving."
+                            "release_during_update=true, --release-serving here)")
+        problems.append(f"train step needs {train_peak / GB:.1f} GB of {usable / GB:.0f} GB: the "
+                        f"optimizer update holds {update_bytes / GB:.1f} GB of new AdamW moments and "
+                        "updates beside the weights, moments and gradients, whatever the rows; "
+                        + "; or ".join(fixes))
     elif train_peak > usable:
         per_row = act_bytes / args.micro_rows
         rows_fit = int(max(usable - p_bytes - o_bytes - g_bytes - held_in_update, 0) // per_row)
@@ -584,7 +631,8 @@ def plan_one(name: str, mesh_name: str, args) -> dict:
             "trained_params": int(sum(x.size for x in jax.tree.leaves(params))),
             "params_gb": r(p_bytes), "frozen_gb": r(frozen_bytes), "optimizer_gb": r(o_bytes), "grads_gb": r(g_bytes),
             "serving_copy_gb": r(serving_bytes), "serving_released_in_update": bool(args.release_serving),
-            "activations_gb": r(act_bytes), "activations_per_layer_gb": r(per_layer_temp),
+            "activations_gb": r(act_bytes), "activations_per_layer_gb": r(per_layer_act),
+            "update_gb": r(update_bytes),
             "train_peak_gb": r(train_peak), "rollout_kv_gb": r(kv_bytes),
             "kv_slots": args.kv_slots, "kv_per_slot_gb": r(kv_slot),
             "max_kv_slots": max_slots, "rollout_peak_gb": r(rollout_peak),
@@ -601,12 +649,15 @@ def plan(args) -> dict:
             status = "fits" if p["fits"] else "DOES NOT FIT: " + "; ".join(p["problems"])
             print(f"{name} on {mesh_name}: train {p['train_peak_gb']} GB (params "
                   f"{p['params_gb']}, optimizer {p['optimizer_gb']}, grads {p['grads_gb']}, "
-                  f"activations {p['activations_gb']}), rollout {p['rollout_peak_gb']} GB "
+                  f"activations {p['activations_gb']}"
+                  + (f", update {p['update_gb']}" if p["update_gb"] else "") +
+                  f"), rollout {p['rollout_peak_gb']} GB "
                   f"(KV {p['rollout_kv_gb']}) of {p['usable_gb']} GB usable: {status}",
                   file=sys.stderr)
             plans.append(p)
     return {"bench": "trainer_plan", "method": "XLA:CPU memory analysis at depth 2 and 3 on a "
-            "simulated mesh, extrapolated in depth; params/optimizer from jax.eval_shape",
+            "simulated mesh, extrapolated in depth, of the step (train peak) and of its forward and "
+            "backward alone (activations); params/optimizer from jax.eval_shape",
             "plans": plans, "all_fit": all(p["fits"] for p in plans)}
 
 

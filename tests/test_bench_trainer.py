@@ -45,6 +45,30 @@ def test_plan_refuses_what_cannot_fit_and_names_the_fix():
 
 
 @pytest.mark.slow
+def test_plan_activations_on_one_device_are_not_the_optimizer_update():
+    """On one device the step's peak is its optimizer update (the new AdamW moments and the
+    updates, 3 x the float32 weights, held beside the old ones until the non-finite guard picks
+    them), not its backward pass: step temp - gradient came out exactly the optimizer's bytes and
+    was printed as the activations (4.77 GB for Qwen3-0.6B at 512 tokens). The activations are
+    the forward and backward's own temp: within 3x of plan_memory's (measured on an H100)."""
+    import jax.numpy as jnp
+    from rstarjax.serving.sizing import plan_memory
+    out = _bench("--plan", "--models", "qwen3-0.6b", "--meshes", "h100x1", "--plan-seq", "512",
+                 "--kv-slots", "4")
+    assert out.returncode == 0, out.stderr[-2000:]
+    plan = json.loads(out.stdout.strip().splitlines()[-1])["plans"][0]
+    assert plan["activations_gb"] != plan["optimizer_gb"]
+    cfg = ModelConfig.preset("qwen3-0.6b", dtype=jnp.bfloat16)
+    analytic = plan_memory(cfg, rows=1, seq_len=512, remat_policy="full").activations / 1e9
+    assert analytic / 3 <= plan["activations_gb"] <= 3 * analytic, (plan["activations_gb"], analytic)
+    # the update is the peak here: what it holds beyond the gradient is the new moments
+    assert plan["update_gb"] == pytest.approx(plan["optimizer_gb"], abs=0.02)
+    parts = plan["params_gb"] + plan["optimizer_gb"] + plan["grads_gb"]
+    assert plan["train_peak_gb"] == pytest.approx(parts + max(plan["activations_gb"], plan["update_gb"]), abs=0.03)
+    assert f"activations {plan['activations_gb']}, update {plan['update_gb']})" in out.stderr
+
+
+@pytest.mark.slow
 def test_memory_scan_prints_peak_bytes_per_length():
     out = _bench("--memory-scan", "--lengths", "256,512", "--vocab", "512", "--no-baseline")
     assert out.returncode == 0, out.stderr[-2000:]
