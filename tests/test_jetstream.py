@@ -224,6 +224,12 @@ def test_jetstream_server_greedy_matches_generate(tmp_path):
                 _decode(stub, MAX_TOKENS, **bad)
             assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failed.value
         assert "no content" in failed.value.details()
+        # a session_cache JetStream's prefill thread would pad as an array (and die on the list)
+        request = _request(MAX_TOKENS, [5, 6, 7])
+        request.session_cache = "earlier"
+        with pytest.raises(grpc.RpcError) as failed:
+            list(stub.Decode(request, timeout=60))
+        assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "session_cache" in failed.value.details()
 
         # More requests than slots, concurrently: slots are refilled as requests finish.
         got: dict[int, list[int]] = {}

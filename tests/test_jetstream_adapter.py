@@ -152,6 +152,38 @@ def test_a_failing_decode_step_fails_its_requests_not_the_server(model_and_tok, 
     assert valid[1] and again.error is None
 
 
+def test_a_failing_decode_step_keeps_the_pages_of_prompts_in_flight(model_and_tok, monkeypatch):
+    """A prompt prefilled (in JetStream's queues) while a decode step fails keeps its pages: the
+    state was rebuilt by returning every page to the pool, so a later prompt got the same pages
+    (two requests on one KV region) and the second release raised in generate, which kills the
+    server. The in-flight prompt then decodes as it would have."""
+    adapter = _adapter(model_and_tok)
+    state = adapter.init_decode_state()
+    first = _prefill(adapter, [5, 6, 7])
+    state = adapter.insert(first, state, 0)
+    state, _, _ = _step(adapter, state)
+    in_flight = _prefill(adapter, [9, 10, 11])
+    held = set(in_flight.prefix.pages)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(adapter.engine, "generate", broken)
+    state, _, _ = _step(adapter, state)
+    monkeypatch.undo()
+    assert first.error is not None and in_flight.error is None
+    later = _prefill(adapter, [12, 13, 14])
+    assert not set(later.prefix.pages) & held  # the pool did not hand its pages out again
+    state = adapter.insert(in_flight, state, 0)
+    state = adapter.insert(later, state, 1)
+    for _ in range(2 * MAX_LEN):  # to the end of both, without raising
+        state, _, valid = _step(adapter, state)
+        if not valid.any():
+            break
+    assert in_flight.error is None and later.error is None
+    assert adapter.engine.live_slots() == [] and adapter.engine.pages.num_used == 0
+
+
 def test_a_failing_insert_fails_its_request(model_and_tok, monkeypatch):
     adapter = _adapter(model_and_tok)
     state = adapter.init_decode_state()

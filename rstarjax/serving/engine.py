@@ -237,6 +237,16 @@ class Engine:
         state = self.placement.put(empty_decode_state(self.num_slots))
         return self._insert(state, list(keep), [], []) if keep else state
 
+    def blank_decode_state(self) -> DecodeState:
+        """A fresh device decode state for a slot table with no slot in use, the page pool left
+        as it is: after a failed step whose slots were all freed, the pages of prefills not yet
+        inserted (held by their prefixes) stay theirs, which ``init_decode_state`` would return
+        to the pool while they are still in use."""
+        busy = [s for s in range(self.num_slots) if self.slots[s] is not None]
+        if busy:
+            raise ValueError(f"slots {busy} are in use: free them first (or init_decode_state)")
+        return self.placement.put(empty_decode_state(self.num_slots))
+
     def hold(self, state: DecodeState, slot: int) -> DecodeState:
         """Stop ``slot`` decoding and keep its pages, pending token and RNG position: a partial
         rollout paused with its KV. ``resume`` continues it, in this decode state or in a later

@@ -249,9 +249,11 @@ class JetStreamEngine(engine_api.Engine):
     def init_decode_state(self, *args, **kwargs):
         with self._lock:
             for slot in self.engine.live_slots():
-                self.engine.free_resource(slot)
+                self._free_quietly(slot)
             self._reset()
-            return self.engine.init_decode_state()
+            # the pool as it is: a prompt prefilled before the generate thread asked for its
+            # state (a request at the server's first moment) keeps its pages
+            return self.engine.blank_decode_state()
 
     def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int) -> Request:
         """The request's prompt into pages and its first token sampled: a ``Request`` (with
@@ -326,7 +328,7 @@ class JetStreamEngine(engine_api.Engine):
                 self._age[slot] = self._inserted
                 if request.prefix.done != DoneReason.NOT_DONE:
                     request.done(request.prefix.done)
-                    self.engine.free_resource(slot)
+                    self._free_quietly(slot)
                 else:
                     self._live[slot] = request
             self._parked = {}
@@ -343,7 +345,7 @@ class JetStreamEngine(engine_api.Engine):
             if request is not None and request.prefix is not None:
                 self._drop(slot, request.prefix)
             self._live.pop(slot, None)
-            self.engine.free_resource(slot)
+            self._free_quietly(slot)
 
     def get_prefix_destination_sharding(self):
         """Prefixes live in the engine's page pool: there is nothing to transfer (interleaved
@@ -405,8 +407,8 @@ class JetStreamEngine(engine_api.Engine):
                 log.exception("JetStream decode step failed")
                 for s in self.engine.live_slots():
                     self._fail_slot(s, "INTERNAL", f"decode step failed: {type(e).__name__}: {e}")
-                try:
-                    decode_state = self.engine.init_decode_state()
+                try:  # the device state anew; the pool keeps the pages of prompts still in flight
+                    decode_state = self.engine.blank_decode_state()
                 except Exception:  # noqa: BLE001
                     log.exception("JetStream: rebuilding the decode state failed")
                 return decode_state
@@ -416,13 +418,18 @@ class JetStreamEngine(engine_api.Engine):
                 request = self._live.pop(int(s), None)
                 if request is not None:
                     request.done(step.done[s])
-                self.engine.free_resource(int(s))  # ends the request at the next step
+                self._free_quietly(int(s))  # ends the request at the next step
             return decode_state
 
     def _fail_slot(self, slot: int, code: str, why: str) -> None:
         request = self._live.pop(slot, None)
         if request is not None:
             request.fail(code, why)
+        self._free_quietly(slot)
+
+    def _free_quietly(self, slot: int) -> None:
+        """Free ``slot``'s pages; a failure is logged, never raised (JetStream's thread would
+        kill the server)."""
         try:
             self.engine.free_resource(slot)
         except Exception:  # noqa: BLE001
@@ -464,6 +471,8 @@ class ShutDown(Exception):
     """Ends the stream of a request still running when the server stops (``stop_server``)."""
 
 
+NO_SESSION_CACHE = ("session_cache is not supported: this server keeps no state between requests "
+                    "(send the whole conversation as the prompt)")
 NO_CONTENT = ("the DecodeRequest has no content: set token_content.token_ids (ids in, ids out) "
               "or text_content.text")
 SHUTTING_DOWN = "the server is shutting down: retry on another replica or after it restarts"
@@ -519,6 +528,8 @@ def serving_orchestrator_class():
         async def Decode(self, request, context=None):  # noqa: N802 - gRPC's name
             if request.WhichOneof("content") is None:
                 await abort(context, grpc.StatusCode.INVALID_ARGUMENT, NO_CONTENT)
+            if request.session_cache:  # JetStream's prefill thread pads it as an array and dies
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, NO_SESSION_CACHE)
             if self.draining:
                 await abort(context, grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
             channel = async_multifuture.AsyncMultifuture()
