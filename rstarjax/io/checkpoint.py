@@ -602,15 +602,13 @@ class Checkpointer:
                 continue
             if unreadable:
                 moved = self._set_aside([s for s, _ in unreadable])
-                log.warning("%s: resuming from step %d of %s; set aside %s", "; ".join(
-                    f"checkpoint {self.step_dir(s)} does not restore ({why})" for s, why in unreadable),
-                    step, self.directory, ", ".join(f"{self.step_dir(s)} (moved to {m})"
-                                                    for (s, _), m in zip(unreadable, moved)))
+                log.warning("%s: resuming from step %d of %s; set aside %s", _skipped(self.directory, unreadable),
+                            step, self.directory, ", ".join(f"{self.step_dir(s)} (moved to {m})"
+                                                            for (s, _), m in zip(unreadable, moved)))
             return state, meta, step
         if not unreadable:
             raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
-        raise CheckpointError(f"no checkpoint in {self.directory} restores: " + "; ".join(
-            f"step {s}: {reason}" for s, reason in unreadable))
+        raise _none_restores(self.directory, unreadable)
 
     def _set_aside(self, steps: list[int]) -> list[str]:
         """Rename these step directories ``STEP.unreadable`` (``-N`` added when taken; process
@@ -743,11 +741,18 @@ def restore_params_newest(directory: str, abstract_params, newest: int | None = 
             unreadable.append((step, exc.reason))
             continue
         if unreadable:
-            log.warning("%s: starting from step %d of %s instead", "; ".join(
-                f"checkpoint {os.path.join(directory, str(s))} does not restore ({why})" for s, why in unreadable),
-                step, directory)
+            log.warning("%s: starting from step %d of %s instead", _skipped(directory, unreadable), step, directory)
         return params, meta, step
-    raise CheckpointError(f"no checkpoint in {directory} restores: " + "; ".join(
+    raise _none_restores(directory, unreadable)
+
+
+def _skipped(directory: str, unreadable: list[tuple[int, str]]) -> str:
+    """The warning's words for the checkpoints of ``directory`` that did not restore, and why."""
+    return "; ".join(f"checkpoint {os.path.join(directory, str(s))} does not restore ({why})" for s, why in unreadable)
+
+
+def _none_restores(directory: str, unreadable: list[tuple[int, str]]) -> CheckpointError:
+    return CheckpointError(f"no checkpoint in {directory} restores: " + "; ".join(
         f"step {s}: {reason}" for s, reason in unreadable))
 
 
