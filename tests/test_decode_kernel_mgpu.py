@@ -98,6 +98,67 @@ def test_the_mosaic_kernel_refuses_what_it_cannot_run_in_one_line():
         decode_attention_mosaic_append(q, new, new, lengths - 1, k, v, table, lengths, interpret=True)
 
 
+@pytest.mark.parametrize("page, refused", [(48, True), (80, True), (256, True), (64, False)])
+def test_the_mosaic_kernel_refuses_pages_over_hopper_s_shared_memory(page, refused):
+    """Page sizes whose blocks (whole pages, multiples of 64 tokens) times the stages in flight
+    overflow an H100/H200 program's 227 KiB of shared memory are refused in one line (48-token
+    pages: 4-page blocks of 192 tokens, ~306 KiB), not by Mosaic GPU's lowering; the engine's
+    64-token pages still lower for CUDA."""
+    from rstarjax.models.decode_kernel_mgpu import MOSAIC_BLOCKING, SHARED_MEMORY_BYTES, problems
+
+    shape = (16, 8, 128, page, jnp.bfloat16, 8)
+    assert bool(problems(*shape)) == refused
+    assert (MOSAIC_BLOCKING.shared_bytes(8, page, 128) > SHARED_MEMORY_BYTES) == refused
+    sd = jax.ShapeDtypeStruct
+    pool = sd((1, 16, page, 128), jnp.bfloat16)
+    args = (sd((1, 2, 128), jnp.bfloat16), pool, pool, sd((1, 8), jnp.int32), sd((1,), jnp.int32))
+    lower = lambda: export.export(decode_attention_mosaic, platforms=["cuda"])(*args)  # noqa: E731
+    if refused:
+        with pytest.raises(ValueError, match=f"cannot run page_size {page} .*KiB of shared memory"):
+            lower()
+    else:
+        assert "mosaic_gpu_v2" in lower().mlir_module()
+
+
+def test_shared_bytes_is_what_mosaic_gpu_counts(monkeypatch):
+    """``MosaicBlocking.shared_bytes`` (what ``problems`` holds against the limit) is the count
+    Mosaic GPU's lowering refuses a kernel by, to the byte: the writing, rotating kernel (every
+    buffer, the angles and norm weights too) lowered past ``problems`` at 48-token pages."""
+    import re
+
+    from rstarjax.models import decode_kernel_mgpu
+
+    monkeypatch.setattr(decode_kernel_mgpu, "problems", lambda *a, **k: [])
+    blocking = decode_kernel_mgpu.MOSAIC_APPEND_BLOCKING
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    pool, new, lengths = sd((1, 16, 48, 128), bf), sd((1, 1, 128), bf), sd((1,), jnp.int32)
+    angles, norm = sd((1, 64), jnp.float32), sd((128,), bf)
+
+    def kernel(q, k_new, v_new, slots, k, v, table, lengths, sin, cos, w_q, w_k):
+        return decode_attention_mosaic_append(q, k_new, v_new, slots, k, v, table, lengths,
+                                              rope=(sin, cos), qk_norm=(w_q, w_k), blocking=blocking)
+    with pytest.raises(ValueError, match="exceeds available shared memory") as over:
+        export.export(jax.jit(kernel), platforms=["cuda"])(
+            sd((1, 2, 128), bf), new, new, lengths, pool, pool, sd((1, 8), jnp.int32), lengths,
+            angles, angles, norm, norm)
+    counted = int(re.search(r"smem_bytes=(\d+)", str(over.value)).group(1))
+    assert counted == blocking.shared_bytes(8, 48, 128, append=True, rope=True)
+
+
+def test_the_engine_refuses_the_mosaic_arm_it_was_given_by_name(tiny_bf16):
+    """The engine checks a Mosaic GPU arm's shapes when it is built and names the arm chosen:
+    ``pallas_mgpu_packed_layer`` runs ``pallas_mgpu_packed_rope``'s kernel, whose own refusal
+    cannot tell the two apart."""
+    from rstarjax.serving import Engine
+
+    _, model = tiny_bf16  # head_dim 16: 32-byte rows, no rotary embedding in the kernel
+    for arm in ("pallas_mgpu_packed_layer", "pallas_mgpu_packed_rope"):
+        with pytest.raises(ValueError, match=f"^decode_attention '{arm}' cannot run .*head_dim 16 "
+                                             f"with the rotary embedding.*serving.decode_attention"):
+            Engine(model, max_len=64, num_slots=2, page_size=16, kv_pages=8, dtype=jnp.bfloat16,
+                   decode_attention=arm, interpret=True)
+
+
 def test_the_mosaic_kernel_names_a_gpu_without_wgmma():
     """An A100, a Blackwell or an AMD GPU is refused in one line before Mosaic GPU compiles
     anything; a Hopper GPU and a CPU (lowering for CUDA from here) are not."""

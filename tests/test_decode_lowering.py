@@ -176,6 +176,97 @@ def test_packed_kernel_variants_lower_for_cuda_at_qwen3_shapes(blocking):
             _assert_kernels_profile_as(text, "decode_attention_", "attention")
 
 
+@pytest.mark.parametrize("group", [3, 5, 6])
+def test_packed_kernels_lower_for_gpus_at_any_gqa_group(group):
+    """Query heads per kv head that are not a power of two (Qwen3-14B and Qwen2.5-32B: 40 / 8 = 5;
+    Qwen2.5's 6 and 7) lower for CUDA and ROCm: Pallas' Triton lowering takes power-of-two blocks
+    only, so the kernel pads the [G, H] queries (``decode_kernel.query_rows``). Each kernel the
+    ``pallas_gpu_packed*`` arms run, on CUDA-core products and on the tensor cores, tiny shapes."""
+    from rstarjax.models.decode_kernel import (PackedBlocking, decode_attention_append,
+                                               decode_attention_packed)
+
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    rows, kv_heads, h = 4, 2, 64
+    pool = sd((kv_heads, 16, 16, h), bf)
+    q, new = sd((rows, kv_heads * group, h), bf), sd((rows, kv_heads, h), bf)
+    table, lengths = sd((rows, 8), jnp.int32), sd((rows,), jnp.int32)
+    angles, norms = (sd((rows, h // 2), jnp.float32),) * 2, (sd((h,), bf),) * 2
+    for blocking in (PackedBlocking(), PackedBlocking(tensor_cores=1)):
+        calls = [
+            (lambda *a: decode_attention_packed(*a, blocking=blocking), (q, pool, pool, table, lengths)),
+            (lambda *a: decode_attention_append(*a[:8], rope=a[8], qk_norm=a[9], blocking=blocking),
+             (q, new, new, lengths, pool, pool, table, lengths, angles, norms)),
+        ]
+        for (fn, args), platform in [(c, p) for c in calls for p in ("cuda", "rocm")]:
+            text = export.export(jax.jit(fn), platforms=[platform], disabled_checks=[TRITON])(
+                *args).mlir_module()
+            assert "__gpu$xla.gpu.triton" in text
+
+
+# (arm, platform, head_dim, page_size): shapes each kernel takes and shapes it refuses
+KERNEL_SHAPES = [("pallas_gpu", "cuda", 64, 16), ("pallas_gpu", "cuda", 64, 48),
+                 ("pallas_gpu", "cuda", 80, 16), ("pallas_gpu_packed", "cuda", 64, 96),
+                 ("pallas_gpu_packed", "cuda", 96, 16), ("pallas_tpu", "tpu", 128, 16),
+                 ("pallas_tpu", "tpu", 64, 16)]
+
+
+@pytest.mark.parametrize("arm, platform, head_dim, page", KERNEL_SHAPES)
+def test_kernel_problems_are_what_fails_to_lower(arm, platform, head_dim, page):
+    """``paged_attention.kernel_problems`` (what ``auto`` avoids and the engine refuses in one
+    line) names a shape exactly when the kernel does not lower for it: Triton's power-of-two
+    blocks (48- and 96-token pages, Qwen2's head_dim 80 and 96), the TPU kernel's 128 lanes."""
+    from rstarjax.models.paged_attention import kernel_problems, paged_decode_attention
+
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    pool = sd((2, 16, page, head_dim), bf)
+    args = (sd((4, 4, head_dim), bf), pool, pool, sd((4, 8), jnp.int32), sd((4,), jnp.int32))
+    try:
+        export.export(jax.jit(lambda *a: paged_decode_attention(*a, implementation=arm)),
+                      platforms=[platform], disabled_checks=[TRITON, TPU_KERNEL])(*args)
+        lowers = True
+    except ValueError:
+        lowers = False
+    assert lowers == (not kernel_problems(arm, head_dim=head_dim, page_size=page))
+
+
+@pytest.mark.parametrize("head_dim, page", [(128, 48), (128, 96), (80, 16), (96, 16), (128, 16)])
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float32])
+def test_auto_on_cuda_picks_a_kernel_that_lowers(head_dim, page, kv_dtype):
+    """``auto`` on CUDA never picks a kernel the shapes cannot lower (page sizes that are
+    multiples of 16 but not powers of two fell to jax's Triton kernel, which then failed at the
+    first decode on the GPU): those take the portable path."""
+    from rstarjax.models.paged_attention import paged_decode_attention
+
+    arm = default_decode_implementation("cuda", head_dim=head_dim, page_size=page, kv_dtype=kv_dtype)
+    assert (arm == "ragged") == ((head_dim, page) != (128, 16))
+    if arm != "ragged":  # the pick lowers (a float32 pool's: our kernel, float32 throughout)
+        sd = jax.ShapeDtypeStruct
+        pool = sd((2, 16, page, head_dim), kv_dtype)
+        args = (sd((4, 10, head_dim), kv_dtype), pool, pool, sd((4, 8), jnp.int32), sd((4,), jnp.int32))
+        text = export.export(jax.jit(lambda *a: paged_decode_attention(*a, implementation=arm)),
+                             platforms=["cuda"], disabled_checks=[TRITON])(*args).mlir_module()
+        assert "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("arm, head_dim, page, reason", [
+    ("pallas_gpu", 128, 48, "page_size 48.*or choose another serving.page_size"),
+    ("pallas_gpu_packed_rope", 128, 96, "page_size 96.*or choose another serving.page_size"),
+    ("pallas_gpu_packed", 80, 16, "head_dim 80.*'auto' or 'ragged'$"),
+    ("pallas_tpu", 64, 16, "head_dim 64.*'auto' or 'ragged'$")])
+def test_the_engine_refuses_a_named_kernel_its_shapes_cannot_lower(arm, head_dim, page, reason):
+    """A kernel named in ``serving.decode_attention`` that cannot lower for the engine's pool is
+    refused when the engine is built, in one line naming the setting to change (not at the first
+    decode's lowering on the GPU); interpreted (CPU tests) it runs any shape."""
+    cfg = ModelConfig.preset("tiny", head_dim=head_dim, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    build = dict(max_len=96, num_slots=2, page_size=page, kv_pages=8, dtype=jnp.bfloat16,
+                 decode_attention=arm)
+    with pytest.raises(ValueError, match=f"decode_attention '{arm}' cannot run.*{reason}") as refused:
+        Engine(model, **build)
+    assert "\n" not in str(refused.value)
+    assert Engine(model, interpret=True, **build).decode_attention == arm
+
+
 def _assert_kernels_profile_as(text: str, prefix: str, group: str) -> None:
     """The Pallas kernels named ``prefix...`` in a lowered program fall in ``group`` when
     benchmarks/profile_summary.py reads a trace of them (it goes by kernel names)."""

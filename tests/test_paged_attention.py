@@ -288,7 +288,14 @@ def test_default_kernel_per_platform():
     assert default_decode_implementation("tpu", head_dim=64) == "ragged"
     # The TPU kernel rounds K and V to bf16 inside: a float32 pool takes the exact path.
     assert default_decode_implementation("tpu", kv_dtype=jnp.float32) == "ragged"
-    assert default_decode_implementation("cuda", kv_dtype=jnp.float32) == "pallas_gpu"
+    # jax's Triton kernel's dots are TF32 on CUDA (so would XLA's einsums of the ragged path be):
+    # a float32 pool takes our kernel, whose products are float32 multiply-adds (no dots) ...
+    assert default_decode_implementation("cuda", kv_dtype=jnp.float32) == "pallas_gpu_packed"
+    # ... where its Triton blocks lower (power-of-two pages and heads), else the portable path
+    assert default_decode_implementation("cuda", page_size=48, kv_dtype=jnp.float32) == "ragged"
+    # Triton's blocks are powers of two: 48- or 96-token pages, head_dim 80 or 96 take ragged
+    for shape in (dict(page_size=48), dict(page_size=96), dict(head_dim=80), dict(head_dim=96)):
+        assert default_decode_implementation("cuda", **shape) == "ragged", shape
     assert default_decode_implementation("rocm") == "ragged"
 
 
@@ -333,14 +340,16 @@ def _packed_case(seed, n, kh=2, h=16, page=4, width=8, num_pages=40):
 
 
 @pytest.mark.parametrize("n, blocking", [(4, (4, 8, 1 << 20)), (4, (2, 8, 1)), (8, (1, 3, 1 << 20)),
-                                         (4, (4, 8, 1 << 20, 4, 3, 1)), (8, (2, 8, 1, 4, 3, 1))],
+                                         (4, (4, 8, 1 << 20, 4, 3, 1)), (8, (2, 8, 1, 4, 3, 1)),
+                                         (10, (4, 8, 1 << 20)), (10, (2, 8, 1))],
                          ids=["g2_4pages_splits", "g2_2pages_one_split", "g4_1page_3splits",
-                              "g2_tensor_cores_splits", "g4_tensor_cores_one_split"])
+                              "g2_tensor_cores_splits", "g4_tensor_cores_one_split",
+                              "g5_padded_splits", "g5_padded_one_split"])
 def test_packed_decode_kernel_interpreted_equals_reference(n, blocking):
-    """All query heads of a kv head in one block (GQA 2 and 4); several pages per iteration or
-    one; split-K over the live pages (short rows leave later splits empty) or one split
-    normalised in the kernel; CUDA-core products or tensor-core dots (heads padded to 16 rows):
-    each exactly the reference's attention."""
+    """All query heads of a kv head in one block (GQA 2 and 4; 5, as Qwen3-14B, padded to 8
+    rows); several pages per iteration or one; split-K over the live pages (short rows leave
+    later splits empty) or one split normalised in the kernel; CUDA-core products or tensor-core
+    dots (heads padded to 16 rows): each exactly the reference's attention."""
     from rstarjax.models.decode_kernel import PackedBlocking, decode_attention_packed
 
     q, k, v, table, lengths, ref = _packed_case(7, n)
@@ -353,9 +362,10 @@ def test_packed_decode_kernel_interpreted_equals_reference(n, blocking):
 @pytest.mark.parametrize("n, blocking, prepare", [
     (4, (4, 8, 1 << 20), ""), (4, (2, 8, 1), ""), (8, (1, 3, 1 << 20), ""),
     (4, (4, 8, 1 << 20, 4, 3, 1), ""), (4, (4, 8, 1 << 20), "norm"), (8, (2, 8, 1), "norm"),
-    (4, (4, 8, 1 << 20, 4, 3, 1), "norm"), (4, (2, 8, 1 << 20), "rope")],
+    (4, (4, 8, 1 << 20, 4, 3, 1), "norm"), (4, (2, 8, 1 << 20), "rope"), (10, (2, 8, 1 << 20), "norm")],
     ids=["g2_4pages_splits", "g2_2pages_one_split", "g4_1page_3splits", "g2_tensor_cores_splits",
-         "rope_norm_g2_splits", "rope_norm_g4_one_split", "rope_norm_tensor_cores", "rope_only"])
+         "rope_norm_g2_splits", "rope_norm_g4_one_split", "rope_norm_tensor_cores", "rope_only",
+         "rope_norm_g5_padded"])
 def test_append_kernel_interpreted_equals_write_then_reference(n, blocking, prepare):
     """The kernel that writes the step's K/V itself (``pallas_gpu_packed_append``): its output
     is the reference attention after ``write_kv_pages`` of the same token, and its pools are
@@ -450,5 +460,8 @@ def test_packed_blocking_splits_follow_the_batch():
     assert blocking.for_shape(256, 8, 72, page_size=64) == (2, 1)
     assert PackedBlocking(pages_per_block=8).for_shape(256, 8, 288, page_size=16) == (8, 1)
     assert PackedBlocking(pages_per_block=8).for_shape(256, 8, 36, page_size=128) == (1, 1)
+    # a float32 pool's tokens are twice the bytes: half as many a block (the same shared memory)
+    assert blocking.for_shape(256, 8, 144, page_size=32) == (4, 1)
+    assert blocking.for_shape(256, 8, 144, page_size=32, itemsize=4) == (2, 1)
 
 

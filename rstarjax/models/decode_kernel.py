@@ -6,7 +6,8 @@ K and V ``[kv heads, pages, page size, head dim]``). What it does differently fr
 Qwen3-1.7B decode (docs/serving.md, "Our decode kernel"):
 
 - **GQA packing without padding.** A program holds all G query heads of one kv head (G = 2 for
-  Qwen3-1.7B, 4 for 8B) as a ``[G, head dim]`` block and reads that kv head's pages once.
+  Qwen3-1.7B, 4 for 8B) as a ``[G, head dim]`` block and reads that kv head's pages once (a G
+  that is not a power of two, 5 for Qwen3-14B, is padded to the next one: Triton's blocks are).
   jax's kernel feeds the tensor cores, whose smallest block is 16 rows, so it pads G to 16 and
   writes 16-row split partials (8x the partial traffic at G = 2). Here the logits
   ``q . k`` and ``p . v`` are broadcast multiply-reduce on the CUDA cores: decode reads each K/V
@@ -54,11 +55,13 @@ class PackedBlocking:
     num_stages: int = 3
     tensor_cores: int = 0
 
-    def for_shape(self, rows: int, kv_heads: int, width: int, page_size: int = 16
-                  ) -> tuple[int, int]:
+    def for_shape(self, rows: int, kv_heads: int, width: int, page_size: int = 16,
+                  itemsize: int = 2) -> tuple[int, int]:
         """(pages per block, k splits) for a batch of ``rows`` and a table ``width`` wide; at
-        most ``MAX_BLOCK_TOKENS`` tokens an iteration, so larger pages take fewer per block."""
-        most = max(1, min(self.pages_per_block, MAX_BLOCK_TOKENS // page_size))
+        most ``MAX_BLOCK_TOKENS`` tokens an iteration (half as many of a float32 pool: the same
+        bytes in flight), so larger pages take fewer per block."""
+        tokens = MAX_BLOCK_TOKENS * 2 // max(2, itemsize)
+        most = max(1, min(self.pages_per_block, tokens // page_size))
         per_block = max(d for d in range(1, most + 1) if width % d == 0)
         wanted = -(-self.target_programs // max(1, rows * kv_heads))
         splits = max(1, min(self.max_k_splits, wanted, width // per_block))
@@ -66,7 +69,8 @@ class PackedBlocking:
 
 
 # Tokens a program gathers per loop iteration, at most: K and V of 128 tokens x 128 dims in bf16
-# are 64 KB, 192 KB over 3 pipeline stages, under an H100/H200 SM's 228 KB of shared memory.
+# are 64 KB, 192 KB over 3 pipeline stages, under an H100/H200 SM's 228 KB of shared memory
+# (a float32 pool's tokens are twice the bytes: half as many, ``PackedBlocking.for_shape``).
 MAX_BLOCK_TOKENS = 128
 
 # Read when a decode program is traced (benchmarks/serving.py --packed-blocking sets it).
@@ -74,6 +78,15 @@ PACKED_BLOCKING = PackedBlocking()
 
 
 TILE_ROWS = 16  # the tensor cores' smallest tile: G query heads are padded to it for dots
+
+
+def query_rows(group: int, tensor_cores: bool) -> int:
+    """Rows of a program's q block for ``group`` query heads a kv head: the next power of two
+    (Pallas' Triton lowering takes only power-of-two blocks, so Qwen3-14B's G = 5 goes in 8
+    rows), at least the 16-row tile for tensor-core dots. The padding rows are zero queries
+    (finite through the norm, rope and softmax) whose outputs are sliced off."""
+    rows = 1 << (group - 1).bit_length()
+    return max(rows, TILE_ROWS) if tensor_cores else rows
 
 
 def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, page_size: int,
@@ -118,6 +131,9 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, page_size: int,
     half = h // 2
     tokens = per_block * page_size
     pool_dtype = refs[-1].dtype if append else k_ref.dtype
+    # a float32 pool's tensor-core dots in full float32: without a precision Pallas' Triton
+    # lowering makes them TF32 (~1e-3 off), and a float32 pool is here to be exact
+    exact_dots = jax.lax.Precision.HIGHEST if pool_dtype == jnp.float32 else None
 
     def prepared(x_ref, norm_ref):
         """(x1, x2) float32 halves of x after the RMSNorm and the rotary embedding."""
@@ -139,7 +155,8 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, page_size: int,
         total = 0.0
         for qp, kp in zip(qs, ks):
             if dots:  # q rounded to the pool's dtype, float32 accumulation
-                total = total + jnp.dot(qp.astype(kp.dtype), kp.T, preferred_element_type=jnp.float32)
+                total = total + jnp.dot(qp.astype(kp.dtype), kp.T, precision=exact_dots,
+                                        preferred_element_type=jnp.float32)
             else:
                 total = total + jnp.sum(qp[:, None, :] * kp.astype(jnp.float32)[None, :, :], axis=2)
         return total
@@ -167,7 +184,8 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, page_size: int,
         p = jnp.exp(logits - m_new[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
         if tensor_cores:  # p rounded to the pool's dtype, as the reference does
-            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            pv = jnp.dot(p.astype(v.dtype), v, precision=exact_dots,
+                         preferred_element_type=jnp.float32)
         else:
             pv = jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
         o = o * alpha[:, None] + pv
@@ -269,17 +287,14 @@ def _packed_call(q, k_pages, v_pages, page_table, lengths, new_kv, *, blocking, 
     kh, _, page_size, _ = k_pages.shape
     g = n // kh
     width = page_table.shape[1]
-    per_block, k_splits = blocking.for_shape(b, kh, width, page_size)
+    per_block, k_splits = blocking.for_shape(b, kh, width, page_size, k_pages.dtype.itemsize)
     append = new_kv is not None
     kernel = functools.partial(_kernel, page_size=page_size, per_block=per_block,
                                k_splits=k_splits, scale=h ** -0.5 if scale is None else scale,
                                tensor_cores=bool(blocking.tensor_cores), append=append,
                                rope=rope is not None, norm=qk_norm is not None, eps=eps)
-    rows = g  # query rows per program: G, or the 16-row tile for the tensor cores
-    q4 = q.reshape(b, kh, g, h)
-    if blocking.tensor_cores and g < TILE_ROWS:
-        rows = TILE_ROWS
-        q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+    rows = query_rows(g, bool(blocking.tensor_cores))
+    q4 = jnp.pad(q.reshape(b, kh, g, h), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
     pool = pl.BlockSpec((None, *k_pages.shape[1:]), lambda r, j, s: (j, 0, 0, 0))
     in_specs = [pl.BlockSpec((None, 1), lambda r, j, s: (r, 0)),  # lengths [B, 1]
                 pl.BlockSpec((None, width), lambda r, j, s: (r, 0)),  # the row's table

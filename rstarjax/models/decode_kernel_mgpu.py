@@ -44,6 +44,15 @@ from jax import lax
 
 TILE_ROWS = 64  # WGMMA's height: the query heads of a kv head are the first rows of the tile
 Q_ROWS = 8  # the query heads of a kv head, padded to one 8-row tile (G <= 8)
+# Shared memory a program may hold on Hopper (H100, H200: 227 KiB opted in per block), the limit
+# Mosaic GPU's lowering enforces (its default where no GPU is attached)
+SHARED_MEMORY_BYTES = 227 * 1024
+# How Mosaic GPU lays out a program's shared memory: each buffer starts on a 1 KiB boundary,
+# Pallas reserves 2 KiB of scratch for cross-warp reductions (``CompilerParams``' default
+# ``reduction_scratch_bytes``), and each barrier takes 8 bytes
+SHARED_ALIGNMENT = 1024
+REDUCTION_SCRATCH_BYTES = 2048
+BARRIER_BYTES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +81,22 @@ class MosaicBlocking:
 
     def shared_bytes(self, width: int, page_size: int, head_dim: int, dtype=jnp.bfloat16, *,
                      append: bool = False, rope: bool = False) -> int:
-        """Shared memory a program holds for a table ``width`` wide: the q/output tile and the
-        K and V slots; with ``append`` the untiled rows the new token's K and V are copied into
-        the pool from (64 rows of K with ``rope``, else 8; 8 of V)."""
+        """Shared memory a program holds for a table ``width`` wide, as Mosaic GPU counts it
+        (``SHARED_ALIGNMENT``): the q/output tile and the K and V slots; with ``append`` the
+        untiled rows the new token's K and V are copied into the pool from (64 rows of K with
+        ``rope``, else 8; 8 of V); with ``rope`` the float32 angles and the q/k norm weights
+        (counted whether or not the model norms q and k); the reduction scratch and barriers."""
         per_block = self.pages_per_block(width, page_size, head_dim, dtype) or 0
-        rows = TILE_ROWS + 2 * self.stages * per_block * page_size
+        row = head_dim * jnp.dtype(dtype).itemsize
+        slot = per_block * page_size * row
+        buffers = [TILE_ROWS * row] + [slot] * (2 * self.stages)
         if append:
-            rows += (TILE_ROWS if rope else Q_ROWS) + Q_ROWS
-        return rows * head_dim * jnp.dtype(dtype).itemsize
+            buffers += [(TILE_ROWS if rope else Q_ROWS) * row, Q_ROWS * row]
+        if rope:
+            buffers += [head_dim // 2 * 4] * 2 + [row] * 2
+        aligned = sum(-(-size // SHARED_ALIGNMENT) * SHARED_ALIGNMENT for size in buffers)
+        barriers = 2 * self.stages + 1
+        return aligned + REDUCTION_SCRATCH_BYTES + barriers * BARRIER_BYTES
 
 
 # Read when a decode program is traced (benchmarks/decode_kernel_sweep.py --mosaic-blocking).
@@ -119,10 +136,17 @@ def problems(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype,
     if page_size % 8:
         out.append(f"page_size {page_size} (a multiple of 8: one page is whole 8-row tiles)")
     elif width is not None and not out:
-        if (blocking or MOSAIC_BLOCKING).pages_per_block(width, page_size, head_dim, dtype) is None:
+        blocking = blocking or MOSAIC_BLOCKING
+        per_block = blocking.pages_per_block(width, page_size, head_dim, dtype)
+        if per_block is None:
             quantum = swizzle_bytes(head_dim, dtype) // jnp.dtype(dtype).itemsize
             out.append(f"a page table {width} pages wide (no divisor of it makes a multiple of "
                        f"{quantum} tokens of {page_size}-token pages)")
+        elif (need := blocking.shared_bytes(width, page_size, head_dim, dtype, append=append,
+                                            rope=rope)) > SHARED_MEMORY_BYTES:
+            out.append(f"page_size {page_size} ({per_block}-page blocks of "
+                       f"{per_block * page_size} tokens, {blocking.stages} in flight: {need // 1024} "
+                       f"KiB of shared memory, over Hopper's {SHARED_MEMORY_BYTES // 1024} KiB)")
     return out
 
 
@@ -394,14 +418,15 @@ def _mosaic_call(q, k_pages, v_pages, page_table, lengths, new_kv, *, blocking, 
     group = n // kh
     width = page_table.shape[1]
     append = new_kv is not None
-    switch = "pallas_mgpu_packed_rope" if rope is not None else (
-        "pallas_mgpu_packed_append" if append else "pallas_mgpu_packed")
+    # the rotary kernel is the attention of two switches (the engine names the one chosen)
+    switch = "'pallas_mgpu_packed_rope' or 'pallas_mgpu_packed_layer'" if rope is not None else (
+        "'pallas_mgpu_packed_append'" if append else "'pallas_mgpu_packed'")
     refused = problems(n, kh, dim, page_size, k_pages.dtype, width, blocking, append=append,
                        rope=rope is not None)
     if not interpret and (on_device := device_problem()):
         refused.append(on_device)
     if refused:
-        raise ValueError(f"decode_attention={switch!r} cannot run " + "; ".join(refused))
+        raise ValueError(f"decode_attention={switch} cannot run " + "; ".join(refused))
     dtype = k_pages.dtype
     per_block = blocking.pages_per_block(width, page_size, dim, dtype)
 

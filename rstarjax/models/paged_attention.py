@@ -20,7 +20,8 @@
   cannot run on CPU in this jax, so it could not be tested against the reference here).
   ``pallas_gpu_packed`` is our own kernel (``decode_kernel.py``): all query heads of a kv head
   in one block without padding, split-K over the live pages; chosen by name until a GPU
-  measures it against ``pallas_gpu`` (docs/serving.md, "Our decode kernel").
+  measures it against ``pallas_gpu`` (docs/serving.md, "Our decode kernel"), and by
+  ``default_decode_implementation`` for a float32 pool on CUDA (its products are float32).
 - ``paged_decode_append``: the same kernel writing the step's K/V itself
   (``pallas_gpu_packed_append``: no scatter kernels between the projections and attention),
   and also applying the q/k RMSNorm and the rotary embedding (``pallas_gpu_packed_rope``: the
@@ -181,18 +182,54 @@ def ragged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     return out.reshape(b, n, h).astype(q.dtype)
 
 
+# jax's Triton kernel and ours (decode_kernel.py): Pallas' Triton lowering takes their blocks
+TRITON_IMPLEMENTATIONS = ("pallas_gpu", "pallas_gpu_packed", "pallas_gpu_packed_append",
+                          "pallas_gpu_packed_rope", "pallas_gpu_packed_layer")
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def kernel_problems(implementation: str, *, head_dim: int, page_size: int) -> list[str]:
+    """Why ``implementation`` cannot lower for a pool of ``head_dim`` and ``page_size`` (empty: it
+    can, or it is no Triton/TPU kernel; the Mosaic GPU kernel has its own,
+    ``decode_kernel_mgpu.problems``), each reason naming the dimension first. Pallas' Triton
+    lowering takes only blocks of a power-of-two size (a block of pages [pages, page_size,
+    head_dim], the [G, head_dim] queries), so a 48-token page or Qwen2's head_dim 80 fails there
+    at the first decode; the TPU kernel's blocks end in 128 lanes of head_dim."""
+    out = []
+    if implementation in TRITON_IMPLEMENTATIONS:
+        out += [f"{name} {value} (Pallas' Triton lowering takes power-of-two blocks only)"
+                for name, value in (("head_dim", head_dim), ("page_size", page_size))
+                if not _power_of_two(value)]
+    if implementation == "pallas_tpu" and head_dim % 128:
+        out.append(f"head_dim {head_dim} (the TPU kernel's blocks are multiples of 128 lanes)")
+    return out
+
+
 def default_decode_implementation(platform: str | None = None, *, head_dim: int = 128,
                                   page_size: int = 16, kv_dtype=jnp.bfloat16) -> str:
     """The decode attention for a platform ("cuda", "rocm", "tpu", "cpu"; default: the first
-    device's) and a pool of ``kv_dtype``: the shipped Pallas kernel where its constraints hold,
-    else the portable ``ragged`` path. Not the TPU kernel for a float32 pool: it rounds K and V
-    to bfloat16 inside (jax's ``paged_attention_kernel``, ``_maybe_dequantize``), so a float32
-    engine's log-probs would be off by ~1e-3 from the trainer's (tests/test_engine_differential.py)."""
+    device's) and a pool of ``kv_dtype``: the shipped Pallas kernel where its constraints hold
+    (``kernel_problems``; 16-token multiples for its tensor-core tiles), else the portable
+    ``ragged`` path. A float32 pool is kept off both shipped kernels, whose products are not
+    float32, so a float32 engine's log-probs would be off by ~1e-3 from the trainer's
+    (tests/test_engine_differential.py): the TPU kernel rounds K and V to bfloat16 inside (jax's
+    ``paged_attention_kernel``, ``_maybe_dequantize``), and on CUDA jax's kernel's dots carry no
+    precision, which Pallas' Triton lowering makes TF32. There a float32 pool takes our
+    ``pallas_gpu_packed``, whose products are float32 multiply-adds on the CUDA cores (no dots;
+    the ``ragged`` path's einsums would be XLA's TF32 GEMMs on the GPU too)."""
     platform = platform or jax.devices()[0].platform
-    if platform in ("cuda", "gpu") and head_dim % 16 == 0 and page_size % 16 == 0:
-        return "pallas_gpu"
-    if platform == "tpu" and head_dim % 128 == 0 and page_size % 16 == 0 and \
-            jnp.dtype(kv_dtype).itemsize <= 2:
+    shape = dict(head_dim=head_dim, page_size=page_size)
+    half_width = jnp.dtype(kv_dtype).itemsize <= 2
+    tiles = head_dim % 16 == 0 and page_size % 16 == 0
+    if platform in ("cuda", "gpu"):
+        if not half_width:
+            return "ragged" if kernel_problems("pallas_gpu_packed", **shape) else "pallas_gpu_packed"
+        if tiles and not kernel_problems("pallas_gpu", **shape):
+            return "pallas_gpu"
+    if platform == "tpu" and tiles and half_width and not kernel_problems("pallas_tpu", **shape):
         return "pallas_tpu"
     return "ragged"  # CPU; ROCm (the Triton kernel is untested there); odd shapes
 

@@ -163,8 +163,8 @@ class Engine:
                 first_device.platform, head_dim=self.cfg.head_dim,
                 page_size=self.page_size, kv_dtype=self.cache_dtype)
         self._kv_split = kv_split
-        choice = self._checked_choice(decode_attention)
         self.interpret = bool(interpret)  # CPU tests: the Pallas kernels in their interpreter
+        choice = self._checked_choice(decode_attention)
         self.decode_steps = int(decode_steps)
         self.table_width = pages_for(self.max_len, self.page_size)
         if choice.names != ("reference",):  # the kernels split the table in blocks of pages
@@ -220,7 +220,34 @@ class Engine:
                     f"decode_attention {name!r} runs its projections as single-device "
                     f"kernels; on a slice of {self.tensor_parallel} devices use "
                     f"{name.removesuffix('_layer') + '_rope'!r} (the same attention, XLA's split GEMMs)")
+            if problems := self._kernel_shape_problems(name):
+                other_pages = any(p.startswith("page_size") for p in problems)
+                raise ValueError(
+                    f"decode_attention {name!r} cannot run this engine's pool: "
+                    f"{'; '.join(problems)}: set serving.decode_attention to 'auto' or 'ragged'"
+                    + (" or choose another serving.page_size" if other_pages else ""))
         return choice
+
+    def _kernel_shape_problems(self, name: str) -> list[str]:
+        """Why the decode kernel ``name`` cannot run this engine's pool shapes (empty: it can):
+        refused here in one line, not at the first decode's lowering on the device. The Triton
+        and TPU kernels' limits are their lowerings' (their interpreters take any shape); the
+        Mosaic GPU kernel refuses the same shapes interpreted or not."""
+        from rstarjax.models import decode_kernel_mgpu
+        from rstarjax.models.paged_attention import kernel_problems
+
+        if name.startswith("pallas_mgpu"):
+            writes = name != "pallas_mgpu_packed"  # _rope and _layer: the writing, rotating kernel
+            blocking = (decode_kernel_mgpu.MOSAIC_APPEND_BLOCKING if writes
+                        else decode_kernel_mgpu.MOSAIC_BLOCKING)
+            width = -(-pages_for(self.max_len, self.page_size) // 8) * 8  # the kernels' table
+            return decode_kernel_mgpu.problems(
+                self.model_config.num_attention_heads, self.model_config.num_key_value_heads,
+                self.cfg.head_dim, self.page_size, self.cache_dtype, width, blocking,
+                append=writes, rope=writes)
+        if self.interpret:
+            return []
+        return kernel_problems(name, head_dim=self.cfg.head_dim, page_size=self.page_size)
 
     # ---- slots and their decode state ------------------------------------------------------
     def init_decode_state(self, keep: Sequence[int] = ()) -> DecodeState:
