@@ -1,7 +1,6 @@
 """Data pipeline: every layout, bad rows counted, host shards, epochs, resume from iterator state."""
 import json
 
-import numpy as np
 import pytest
 
 from rstarjax.io.data import (
@@ -54,10 +53,21 @@ def test_layouts_normalised():
      ("١٢", None), ("１２", None), ("1٢", None),
      # thousands in SI groups are the integer; other splits are two numbers, never joined
      ("1 000", "1000"), ("1\\,000", "1000"), ("-12 345 678", "-12345678"), ("32, 349", None), ("1 2", None),
-     ("3 5", None), ("10 00", None)],
+     ("3 5", None), ("10 00", None),
+     # read as the reward reads them (verify.integer_text): a text style, a bare decimal point, the
+     # typeset minus sign (U+2212); "{,}" only in thousands groups, as ","
+     ("\\text{42}", "42"), ("42.", "42"), ("\u22125", "-5"), ("$\\boxed{\\text{7}}$", "7"), ("1{,}00", None)],
 )
 def test_integer_answer(raw, canon):
     assert integer_answer(raw) == canon
+
+
+def test_integer_golds_the_reward_reads_are_kept(tmp_path):
+    """Golds the reward compares as integers were once skipped as non-integer answers."""
+    rows = [{"problem": f"p{i}", "answer": a} for i, a in enumerate(["\\text{42}", "42.", "\u22125", "7"])]
+    records, report = load_problems(write_jsonl(tmp_path / "d.jsonl", rows))
+    assert [r["answer"] for r in records] == ["42", "42", "-5", "7"]
+    assert "non_integer_answer" not in report.skipped
 
 
 def test_bad_rows_counted(tmp_path):

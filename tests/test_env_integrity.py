@@ -5,7 +5,6 @@ Each test names the property it protects; together they cover what the sandbox g
 docs/code_env.md ("Threat model"). Every case also checks that the pool is back to its baseline
 afterwards: the same workers, no process under a sandbox uid, nothing left on the host.
 """
-import ctypes
 import json
 import os
 import platform
@@ -103,11 +102,12 @@ def test_model_code_cannot_read_gold_answers_or_other_calls_from_memory():
     secrets = {what: f"rstarjax-{what}-{uuid.uuid4().hex}" for what in ("gold", "code", "stdin", "output", "own")}
     with CodeExecutor(num_workers=1, lean_workers=0, slots_per_worker=2) as ex:
         assert ex.run(f"print({secrets['output']!r})").text == secrets["output"] + "\n"
-        sibling = ex.submit(f"# {secrets['code']}\nimport time\ntime.sleep(3)", stdin=secrets["stdin"], timeout=20)
-        # sympy never finishes this comparison: the verification runs until its timeout, so its
-        # gold answer is live in the worker while the scanner starts (the "%" part is a comment)
+        sibling = ex.submit(f"# {secrets['code']}\nimport time\ntime.sleep(1)", stdin=secrets["stdin"], timeout=20)
+        # sympy never finishes this comparison: the verification runs until its timeout (4 s, under
+        # math-verify's own 5 s limit, so the pool's kill ends it), and its gold answer is live in
+        # the worker while the scanner starts (the "%" part is a comment)
         slow_verify = ex.submit_verify(r"<answer>\boxed{9^{9^{9^{9}}}}</answer>", rf"\frac{{1}}{{3}} % {secrets['gold']}",
-                                       timeout=8)
+                                       timeout=4)
         time.sleep(0.5)  # both slots busy: the scanner is forked when the sibling ends
         r = ex.run(f"import sys\nown = sys.stdin.read()\n{MEMORY_SCANNER}", stdin=secrets["own"], timeout=30)
         assert sibling.result(timeout=30).kind == "display"

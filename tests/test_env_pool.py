@@ -150,6 +150,16 @@ def test_verify_in_the_pool(ex):
     assert bool(ex.verify("so the answer is 8", "8")) is False
 
 
+@pytest.mark.slow
+def test_the_sandboxs_verifier_has_math_verifys_own_time_limit(ex):
+    """The sandbox runs the verifier on its main thread, where math-verify's alarm works: the
+    comparison sympy never finishes gives up after its 5 s (verify.MATH_VERIFY_TIMEOUT_S), not at
+    the pool's kill (here 25 s): reward 0, no timeout."""
+    t0 = time.monotonic()
+    r = ex.verify(r"<answer>\boxed{9^{9^{9^{9}}}}</answer>", r"\frac{1}{3}", timeout=25.0)
+    assert r == VerifyResult(False) and time.monotonic() - t0 < 15.0
+
+
 def test_pathological_verification_times_out_as_reward_zero(ex):
     before = ex.stats["verify_timeouts"]
     t0 = time.monotonic()

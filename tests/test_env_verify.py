@@ -136,3 +136,140 @@ print(sorted(m for m in set(sys.modules) - before if m.startswith(("sympy", "mat
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+# ---- the verifier's self-check at start ---------------------------------------------------------
+@pytest.fixture
+def broken_latex_backend(monkeypatch):
+    """math-verify with its LaTeX backend failing (as with an antlr4 runtime latex2sympy2_extended
+    does not support): it logs the error and returns no parse. Its parse caches are emptied before
+    and after, so no cached parse hides the breakage or outlives it."""
+    import logging
+
+    from math_verify import parser
+
+    def broken(*args, **kwargs):
+        raise ImportError("antlr4 runtime version mismatch (simulated)")
+
+    def clear_caches():
+        for cached in (parser.parse_latex_cached, parser.parse_expr_cached, parser.extract_latex):
+            cached.cache_clear()
+
+    clear_caches()
+    monkeypatch.setattr(parser, "latex2sympy", broken)
+    logging.disable(logging.CRITICAL)
+    yield
+    logging.disable(logging.NOTSET)
+    monkeypatch.undo()
+    clear_caches()
+
+
+def test_warm_up_refuses_a_broken_latex_backend_naming_the_pair(broken_latex_backend):
+    """Without the check the pool would start and every non-integer answer would score 0. The
+    broken backend still gets \\frac{1}{2} = 0.5 right (math-verify reads the number without
+    it), so the first pair to fail is the polynomial: x^2+2x+1 = (x+1)^2."""
+    from rstarjax.env import verify
+
+    with pytest.raises(RuntimeError, match=r"self-check failed: math-verify judges 'x\^2\+2x\+1' unequal to "
+                                           r"'\(x\+1\)\^2'"):
+        verify.warm_up()
+
+
+def test_warm_up_passes_on_a_working_install():
+    from rstarjax.env import verify
+
+    verify.warm_up()
+
+
+# ---- math-verify's own time limits where its alarm works ----------------------------------------
+@pytest.mark.slow
+def test_a_pathological_answer_scores_0_within_math_verifys_limit_on_the_main_thread():
+    """sympy evaluates the tower (it ran past the pool's 30 s kill without a limit); on the main
+    thread math-verify's own 5 s limit gives up first: not equal, well before the kill. In a
+    child process, on its main thread, so that a hang fails the test instead of stalling it."""
+    import subprocess
+    import sys
+
+    script = r"""
+import threading, time
+from rstarjax.env.verify import is_correct
+assert threading.current_thread() is threading.main_thread()
+start = time.monotonic()
+print(is_correct(r"<answer>\boxed{9^{9^{9^{9}}}}</answer>", "5"), time.monotonic() - start)
+"""
+    try:
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the verification ran past 60 s: math-verify's own time limit did not apply")
+    assert out.returncode == 0, out.stderr[-2000:]
+    verdict, seconds = out.stdout.split()
+    assert verdict == "False" and float(seconds) < 10
+
+
+def test_math_verify_time_limit_only_on_the_main_thread():
+    import concurrent.futures
+
+    from rstarjax.env.verify import MATH_VERIFY_TIMEOUT_S, math_verify_timeout_s
+
+    assert MATH_VERIFY_TIMEOUT_S == 5  # math-verify's own default (parse and verify)
+    assert math_verify_timeout_s() == 5
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert pool.submit(math_verify_timeout_s).result(10) is None
+
+
+# ---- which <answer> block holds the answer ------------------------------------------------------
+@pytest.mark.parametrize("response, answer", [
+    # a later mention of the tag opens a box-less block that runs to the end of the text
+    (r"<answer>\boxed{42}</answer> (I wrapped it in an <answer> tag as asked.)", "42"),
+    (r"<answer>\boxed{42}</answer><answer>", "42"),
+    (r"<answer>\boxed{41}</answer> no, <answer>\boxed{42}</answer>", "42"),
+    (r"<answer>\boxed{41}</answer> then <answer>\boxed{42", "41"),  # the last box is not complete
+    (r"<answer>\boxed{41 is wrong; \boxed{42}</answer>", None),  # no complete box anywhere
+    (r"<answer>\boxed 42</answer>", None),
+    (r"<answer>42</answer>", None),
+])
+def test_the_last_answer_block_holding_a_complete_box_counts(response, answer):
+    assert extract_final_answer(response) == answer
+
+
+def test_a_stray_answer_tag_after_the_answer_keeps_the_reward():
+    assert is_correct(r"<answer>\boxed{42}</answer> (I wrapped it in an <answer> tag.)", "42") is True
+    assert is_correct(r"<answer>\boxed{42}</answer><answer>", "42") is True
+    # with no <answer> block holding a box, still no answer (reward.mode=answer)
+    assert is_correct(r"\boxed{42} <answer>42</answer>", "42") is False
+
+
+# ---- integers of any length ---------------------------------------------------------------------
+def test_a_gold_past_pythons_int_string_limit_is_compared_not_raised():
+    """int() refuses over 4,300 digits (sys.get_int_max_str_digits): every rollout of such a
+    problem was an infrastructure error. Compared as digits, no answer the verifier reads
+    (at most MAX_ANSWER_CHARS characters) equals it."""
+    import sys
+
+    from rstarjax.env.verify import integer_text, normalize_integer
+
+    huge = "9" * 5000
+    assert is_correct(r"<answer>\boxed{5}</answer>", huge) is False
+    assert is_correct(r"<answer>\boxed{" + "9" * 900 + "}</answer>", huge) is False
+    assert integer_text(huge) == huge and integer_text("-000" + huge) == "-" + huge
+    if hasattr(sys, "get_int_max_str_digits"):
+        assert normalize_integer(huge) is None
+    assert normalize_integer("9" * 900) == 10**900 - 1
+
+
+@pytest.mark.parametrize("text, digits", [
+    (r"\text{42}", "42"), ("42.", "42"), ("42.0", "42"), ("0042.000", "42"), ("\u22125", "-5"), ("-0", "0"),
+    (r"\boxed{1{,}000}", "1000"), (r"$\boxed{\text{7}}$", "7"), ("12,345.00", "12345"), ("+5", "5"),
+    ("1,00", None), ("1{,}00", None), ("4 2", None), ("1e3", None), ("42^\\circ", None), ("\u0664\u0662", None),
+])
+def test_integer_text_reads_integers_as_the_reward_and_the_data_filter_do(text, digits):
+    from rstarjax.env.verify import integer_text
+
+    assert integer_text(text) == digits
+
+
+@pytest.mark.parametrize("answer, gold", [("\u22125", "-5"), ("-5", "\u22125"), ("42.0", "42"), (r"\boxed{42}", "42")])
+def test_new_integer_spellings_keep_math_verifys_verdict(answer, gold):
+    """Spellings the integer fast path now reads, which math-verify already judged equal."""
+    assert is_correct(rf"<answer>\boxed{{{answer}}}</answer>", gold) is True
+    assert _math_verify_verdict(answer, gold) is True

@@ -1,6 +1,7 @@
 """reward.mode=official (issue #27): ``env.official_reward.official_score`` against the official
 ``compute_score`` itself (tests/fixtures/rstar2_official/compute_score.py: microsoft/rStar
-rstar2_agent/reward/compute_score.py, with verl's prime_math and math_verify graders it calls) on
+fused_compute_score/__init__.py, the scorer rstar2_agent/reward/server.py imports, with the
+prime_math and math_verify graders it calls; the fixtures' README says how the copies match it) on
 responses where reading the whole text and reading only the <answer> block disagree, and on the
 answer forms the PRIME grader normalises."""
 import pytest
@@ -110,3 +111,55 @@ def test_official_score_scores_the_dead_branch_as_shipped(response, gold):
     """``2**5`` scores 0 in the official reward (math-verify does not read ``**`` in a box either);
     ``5!`` scores 1 only because math-verify reads the factorial."""
     assert official_score(response, gold) == bool(official_compute_score(response, gold))
+
+
+# The official handle_pi ``eval``s the pi-substituted answer (fused_compute_score/prime_math/grader.py
+# ``handle_pi``): a membership or identity test among literals evaluates to a bool, and
+# ``math_equal`` then matches its text ("True", "False") with a gold written so. Expected values by
+# Python's own rules, which that eval follows: "3 in (3, 3.14...)" is True; "1 in [3.14...]" is
+# False; "1*3.14... is 1*3.14..." is True (the compiler folds both products into one constant
+# object); two list displays are two objects, so "is" between them is False.
+MEMBERSHIP_AND_IDENTITY = [
+    ("3 in (3, \\pi)", "True", True), ("2 not in (1, \\pi)", "True", True), ("1 in [\\pi]", "False", True),
+    ("3 in (3, \\pi)", "False", False), ("\\pi is \\pi", "True", True), ("\\pi is \\pi", "False", False),
+    ("\\pi is not \\pi", "False", True), ("[\\pi] is [\\pi]", "False", True), ("(\\pi, 1) is (\\pi, 1)", "True", True),
+]
+
+
+@pytest.mark.parametrize("prediction, reference, expected", MEMBERSHIP_AND_IDENTITY)
+def test_math_equal_evaluates_in_and_is_as_the_official_eval(prediction, reference, expected):
+    from fixtures.rstar2_official.prime_math import grader as official_grader
+    from rstarjax.env.official_reward import math_equal
+
+    assert math_equal(prediction, reference) is expected
+    assert official_grader.math_equal(prediction, reference) is expected
+
+
+@pytest.mark.parametrize("response, gold, expected", [
+    ("The answer is 3 in (3, \\pi)", "True", True), ("The answer is 2 not in (1, \\pi)", "True", True),
+    ("The answer is 1 in [\\pi]", "False", True), ("The answer is 3 in (3, \\pi)", "False", False)])
+def test_official_score_reads_in_and_not_in_as_the_official_compute_score(response, gold, expected):
+    assert official_score(response, gold) is expected
+    assert bool(official_compute_score(response, gold)) is expected
+
+
+def test_the_literal_evaluator_runs_no_names_calls_or_subscripts():
+    from rstarjax.env.official_reward import _literal_value
+
+    assert _literal_value("(1*3.14, 2)") == (3.14, 2)
+    for text in ("abs(2)", "x", "(1, 2)[0]", "__import__('os')", "().__class__", "[i for i in (1, 2)]"):
+        with pytest.raises(ValueError):
+            _literal_value(text)
+
+
+# PRIME's math_equal accepts a number within rel_tol 1e-4 of the gold, the gold / 100 or the gold
+# x 100 (include_percentage): wrong integers score 1 in the official reward (docs/algorithm.md).
+# Expected by that rule: 500 = 5 x 100, 0.05 = 5 / 100, 4200 = 42 x 100, 100001 / 100000 - 1 = 1e-5,
+# 123456789 / 123450000 - 1 = 5.5e-5; 501 and 4201 are none of them.
+@pytest.mark.parametrize("answer, gold, expected", [
+    ("500", "5", True), ("0.05", "5", True), ("4200", "42", True), ("100001", "100000", True),
+    ("123456789", "123450000", True), ("501", "5", False), ("4201", "42", False)])
+def test_official_score_credits_the_gold_times_or_over_100_as_the_official_code(answer, gold, expected):
+    response = "so \\boxed{" + answer + "}"
+    assert official_score(response, gold) is expected
+    assert bool(official_compute_score(response, gold)) is expected

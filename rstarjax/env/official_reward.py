@@ -1,13 +1,18 @@
 """The official rStar2-Agent reward (``reward.mode=official``), reimplemented: repository
-microsoft/rStar, ``rstar2_agent/reward/compute_score.py``, which scores the WHOLE decoded response
-(model turns and tool outputs, special tokens dropped; ``rstar2_agent/reward/server.py``) with
+microsoft/rStar at ecbfb94, ``fused_compute_score/__init__.py`` ``compute_score``, the scorer that
+the reward manager (``rstar2_agent/reward/server.py``) imports in the program it sends to
+code-judge, run on the WHOLE decoded response (model turns and tool outputs, special tokens
+dropped). (``rstar2_agent/reward/compute_score.py`` has the same function over verl's copies of
+the graders, but nothing imports it.) It scores with
 
-1. the PRIME grader (verl ``verl/utils/reward_score/prime_math``: ``compute_score``, which pulls
-   an answer out of the text with ``match_answer`` and compares it with ``grade_answer`` (PRM800K's
-   normalisation + sympy) and then ``math_equal`` (numeric; its symbolic branch is dead as
-   shipped, see ``_symbolic_equal``), and when that fails
-2. math-verify (verl ``verl/utils/reward_score/math_verify.py``: the gold as ``\\boxed{gold}``,
-   the prediction extracted from the whole text as an expression or LaTeX).
+1. the PRIME grader (``fused_compute_score/prime_math``, verl's ``verl/utils/reward_score/prime_math``
+   with its own ``timeout_limit``: ``compute_score``, which pulls an answer out of the text with
+   ``match_answer`` and compares it with ``grade_answer`` (PRM800K's normalisation + sympy) and
+   then ``math_equal`` (numeric; its symbolic branch is dead as shipped, see ``_symbolic_equal``),
+   and when that fails
+2. math-verify (``fused_compute_score/math_verify.py``, verl's ``verl/utils/reward_score/math_verify.py``:
+   the gold as ``\\boxed{gold}``, the prediction extracted from the whole text as an expression or
+   LaTeX).
 
 Reward 1.0 if either says correct, else 0.0; an exception in a grader counts as "not correct".
 Unlike the paper's reward (``verify.is_correct``: the last ``\\boxed{}`` inside the last
@@ -18,13 +23,15 @@ Each rule below is one function named after the official one it mirrors, written
 project; tests/test_official_reward.py runs the official files (a copy in tests/fixtures) on the
 same inputs. Deliberate differences, none of which changes a verdict on a well-behaved input:
 
-* no per-call time limits (the official wraps sympy in 10 s ``timeout_limit``s and math-verify in
-  its own): the whole reward runs in a sandbox under the pool's wall-clock kill, and a kill is
-  reward 0 (``verify.py`` explains why alarm-based timeouts cannot be used there);
-* ``handle_pi`` evaluates the pi-substituted answer with an evaluator of literal expressions
-  (numbers, operators, tuples, lists, sets: ``_literal_value``), not Python's ``eval`` (the
-  official evals model text); where the text calls a builtin (``abs(2*pi)``) the official value
-  and ours differ;
+* no time limit of the PRIME grader's own (the official runs ``are_equal_under_sympy`` under a
+  10 s ``timeout_limit``, in a child process): the whole reward runs in a sandbox under the
+  pool's wall-clock kill, and a kill is reward 0. math-verify keeps its own limits where they
+  work, on the main thread (``verify.math_verify_timeout_s``; the sandbox's verifier runs there);
+* ``handle_pi`` evaluates the pi-substituted answer only when it is an expression of literals and
+  their operators (``_literal_value``: numbers, strings, comparisons, tuples, lists, sets), which
+  it evaluates exactly as the official ``eval``; any other text (a builtin's call ``abs(2*pi)``, a
+  name, a subscript, a dict, an f-string) stays the string, where the official ``eval`` of model
+  text may give a value;
 * ``math_equal``'s two ``\\begin{pmatrix}`` branches are left out: the official tests for
   ``"\\begin{pmatrix}"`` in a non-raw string, i.e. with a backspace character, which no answer
   contains, so they never run.
@@ -38,10 +45,10 @@ from __future__ import annotations
 import ast
 import contextlib
 import math
-import operator
 import re
+import warnings
 
-from rstarjax.env.verify import is_correct
+from rstarjax.env.verify import is_correct, math_verify_timeout_s
 
 # ---- 1. PRIME: match_answer ---------------------------------------------------------------------
 _LEADING_MARKERS = ("answer:", "answer is", "answers are")
@@ -332,53 +339,39 @@ def grade_answer(given: str | None, gold: str) -> bool:
 
 
 # ---- 1. PRIME: math_equal (grader.py) --------------------------------------------------------------
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-           ast.BitXor: operator.xor, ast.BitAnd: operator.and_, ast.BitOr: operator.or_,
-           ast.LShift: operator.lshift, ast.RShift: operator.rshift}
-_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Invert: operator.invert, ast.Not: operator.not_}
-_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
-            ast.Gt: operator.gt, ast.GtE: operator.ge}
-_DISPLAYS = {ast.Tuple: tuple, ast.List: list, ast.Set: set}
+# The node kinds of an expression of literals and their operators: numbers, strings, True /
+# False / None, arithmetic, bitwise, ``not`` / ``and`` / ``or``, every comparison (``in``, ``is``
+# and their negations too), tuple, list and set displays. Nothing else: no names, calls,
+# attributes, subscripts, comprehensions, lambdas, starred items or f-strings.
+_LITERAL_NODES = (ast.Expression, ast.Constant, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.Tuple,
+                  ast.List, ast.Set, ast.Load, ast.operator, ast.unaryop, ast.boolop, ast.cmpop)
+
+
+def _is_literal_expression(tree: ast.AST) -> bool:
+    """Whether every node of ``tree`` is one of ``_LITERAL_NODES`` (constants: not ``...`` nor
+    bytes)."""
+    def allowed(node):
+        if isinstance(node, ast.Constant):
+            return node.value is not Ellipsis and not isinstance(node.value, bytes)
+        return isinstance(node, _LITERAL_NODES)
+    return all(allowed(node) for node in ast.walk(tree))
 
 
 def _literal_value(text: str):
-    """What Python's ``eval`` gives for an expression of literals (numbers, strings, True /
-    False / None), their operators (arithmetic, bitwise, ``not`` / ``and`` / ``or``, chained
-    comparisons) and tuple, list and set displays: "(1*3.14, 2)" -> (3.14, 2); ValueError for
-    anything else (names, calls, attributes, subscripts, ...). Stands in for the official ``eval``
-    of model text (module docstring): the same value wherever that value depends on the text
-    alone, without running what is not data."""
-    def value(node):
-        kind = type(node)
-        if kind is ast.Expression:
-            return value(node.body)
-        if kind is ast.Constant and node.value is not Ellipsis and not isinstance(node.value, bytes):
-            return node.value
-        if kind is ast.BinOp and type(node.op) in _BINARY:
-            return _BINARY[type(node.op)](value(node.left), value(node.right))
-        if kind is ast.UnaryOp and type(node.op) in _UNARY:
-            return _UNARY[type(node.op)](value(node.operand))
-        if kind in _DISPLAYS and not any(isinstance(e, ast.Starred) for e in node.elts):
-            return _DISPLAYS[kind](value(e) for e in node.elts)
-        if kind is ast.BoolOp:  # short-circuit, returning the deciding operand, as Python
-            result = value(node.values[0])
-            for operand in node.values[1:]:
-                if bool(result) != isinstance(node.op, ast.And):
-                    return result
-                result = value(operand)
-            return result
-        if kind is ast.Compare and all(type(op) in _COMPARE for op in node.ops):
-            left = value(node.left)
-            for op, right_node in zip(node.ops, node.comparators):
-                right = value(right_node)
-                outcome = _COMPARE[type(op)](left, right)
-                if not outcome:
-                    return outcome
-                left = right
-            return outcome
+    """What Python's ``eval`` gives for ``text`` when it is an expression of literals and their
+    operators (``_LITERAL_NODES``): "(1*3.14, 2)" -> (3.14, 2), "3 in (3, 3.14)" -> True;
+    ValueError for anything else (names, calls, attributes, subscripts, ...). Stands in for the
+    official ``eval`` of model text (module docstring): Python itself evaluates the expression,
+    but only once its tree is checked to hold data and operators alone, so what is not data never
+    runs. The value is the official one, ``is`` included: CPython's compiler folds and merges
+    equal constants ("1*3.14 is 1*3.14" is True), which only compiling the expression repeats."""
+    tree = ast.parse(text, mode="eval")
+    if not _is_literal_expression(tree):
         raise ValueError("not a literal expression")
-    return value(ast.parse(text, mode="eval"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)  # '"is" with a literal', as the official eval warns
+        code = compile(tree, "<answer>", "eval")
+    return eval(code, {"__builtins__": {}}, {})  # noqa: S307 - a tree of literals and operators only
 
 
 def _handle_pi(s, pi: float):
@@ -433,10 +426,10 @@ def _format_intervals(prediction: str) -> str:
 def _symbolic_equal(a: str, b: str, tolerance: float) -> bool:
     """grader ``symbolic_equal`` AS SHIPPED: always False. The official code parses both sides and
     tries ``simplify(a - b) == 0`` and a numeric ``isclose``, each inside
-    ``with timeout_limit(seconds=timeout):``; but verl's ``timeout_limit``
-    (``verl/utils/py_functional.py``) is only a decorator: ``timeout_limit(...)`` returns a plain
-    function, ``with`` on it raises TypeError before anything is compared, and each branch's
-    ``except Exception`` swallows it. So the released reward never judges two spellings equal here
+    ``with timeout_limit(seconds=timeout):``; but that ``timeout_limit`` (the fused grader's own,
+    ``fused_compute_score/prime_math/grader.py``, as verl's ``verl/utils/py_functional.py``) is
+    only a decorator: ``timeout_limit(...)`` returns a plain function, ``with`` on it raises
+    TypeError before anything is compared, and each branch's ``except Exception`` swallows it. So the released reward never judges two spellings equal here
     (``2**5`` vs 32, ``5!`` vs 120 score 0 unless math-verify accepts them); tests/test_official_reward.py
     runs the official grader with a decorator-only stand-in to show it. The paper's reward
     (``verify.is_correct``, reward.mode=answer) compares with math-verify and is unaffected."""
@@ -524,13 +517,14 @@ def math_verify_score(response: str, gold: str) -> bool:
     from math_verify import grader, parser
     from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig
 
-    parser.TIMEOUT_WARNING_SHOWN = grader.TIMEOUT_WARNING_SHOWN = True  # time limits: see the module doc
+    timeout_s = math_verify_timeout_s()  # the official's default limits, where they work (module doc)
+    parser.TIMEOUT_WARNING_SHOWN = grader.TIMEOUT_WARNING_SHOWN = True
     try:
-        gold_parsed = parser.parse("\\boxed{" + gold + "}", (LatexExtractionConfig(),), parsing_timeout=None)
+        gold_parsed = parser.parse("\\boxed{" + gold + "}", (LatexExtractionConfig(),), parsing_timeout=timeout_s)
         if not gold_parsed:
             return False
-        pred_parsed = parser.parse(response, (ExprExtractionConfig(), LatexExtractionConfig()), parsing_timeout=None)
-        return bool(grader.verify(gold_parsed, pred_parsed, 6, timeout_seconds=None))
+        pred_parsed = parser.parse(response, (ExprExtractionConfig(), LatexExtractionConfig()), parsing_timeout=timeout_s)
+        return bool(grader.verify(gold_parsed, pred_parsed, 6, timeout_seconds=timeout_s))
     except Exception:  # noqa: BLE001
         return False
 
@@ -561,7 +555,7 @@ def score(response: str, gold, mode: str = "answer") -> bool:
 
 
 def official_score(response: str, gold) -> bool:
-    """microsoft/rStar ``rstar2_agent/reward/compute_score.py``: the PRIME grader, then
+    """microsoft/rStar ``fused_compute_score/__init__.py`` ``compute_score``: the PRIME grader, then
     math-verify, on the whole response text (``response``: the decoded response without special
     tokens, tool outputs included). An error in the PRIME grader falls through to math-verify."""
     if not isinstance(response, str):

@@ -91,6 +91,9 @@ def preload(tier: str) -> None:
         import scipy  # noqa: F401  (submodules are lazy; scipy.special alone would double fork cost)
         import sympy  # noqa: F401
 
+        # checks its verdicts too: where math-verify cannot read LaTeX it raises, and the pool
+        # refuses to start (its message on the trainer's stderr) instead of scoring every
+        # non-integer answer 0
         verify.warm_up()
         official_reward.warm_up()
         warm_up_libraries()

@@ -16,8 +16,8 @@ skipped and COUNTED by reason in ``DataReport``, with their first rows (``FILE:R
 and canonicalises as below, "official" keeps prompt and answer as written and every repeat, as the
 official rStar2-Agent code does. The answers kept (paper handling) are ``answer_filter``'s
 (``ANSWER_FILTERS``: "integer", rStar2-Agent §4.2's and the default, or "any" the verifier can
-compare), and integers past Python's int-string limit (4,300 digits), which the verifier could not
-read, are counted too. docs/data.md is the user's guide.
+compare), and integers past Python's int-string limit (4,300 digits), which no answer the verifier
+reads can equal, are counted too. docs/data.md is the user's guide.
 The pipeline is then: per-host shard (process_index::process_count) -> seeded shuffle, reshuffled
 every epoch -> repeat(num_epochs) -> batches of rows (official handling: the official loader's
 order, ``OfficialOrder``). Its iterator's ``get_state()`` /
@@ -44,7 +44,7 @@ import jax
 import numpy as np
 
 from rstarjax import processes
-from rstarjax.protocol import join_space_groups
+from rstarjax.env.verify import integer_text
 
 log = logging.getLogger(__name__)
 
@@ -256,9 +256,6 @@ def normalize_row(row: Any) -> dict[str, str]:
     return {"problem": problem, "answer": answer}
 
 
-# ASCII digits only (Python's \d is any Unicode digit): the verifier reads no "１２" as an integer
-_INT_RE = re.compile(r"^[+-]?\d+(?:\.0+)?$", re.ASCII)
-
 # data.answer_filter: which answers an RL run trains on (docs/data.md "Answers")
 #   "integer": integers only, written canonically (rStar2-Agent §4.2: equivalence of expressions is
 #              unreliable to verify); the paper's and the default
@@ -276,22 +273,10 @@ def integer_answer(answer: str) -> str | None:
     """The canonical integer string of an answer ("\\boxed{1{,}000}" -> "1000"), or None.
 
     rStar2-Agent §4.2 trains only on integer answers (equivalence of expressions is unreliable).
+    The verifier's own reading (``verify.integer_text``), so a gold kept here as an integer is
+    the integer the reward compares with, and no integer gold the reward reads is skipped.
     """
-    a = answer.strip().strip("$").strip()
-    m = re.fullmatch(r"\\boxed\{(.*)\}", a, re.S)
-    if m:
-        a = m.group(1).strip()
-    a = join_space_groups(a.replace("{,}", "").replace("\\!", ""))
-    if re.search(r",\s|\d\s+\d", a, re.ASCII):  # "32, 349" and "1 2" are two numbers, not 32349 or 12
-        return None
-    a = a.replace(" ", "")
-    if re.fullmatch(r"[+-]?\d{1,3}(,\d{3})+(\.0+)?", a, re.ASCII):
-        a = a.replace(",", "")
-    if not _INT_RE.match(a):
-        return None
-    # canonical by hand: int() refuses strings over sys.get_int_max_str_digits() (4,300) digits
-    digits = a.lstrip("+-").split(".")[0].lstrip("0") or "0"
-    return ("-" if a.startswith("-") and digits != "0" else "") + digits
+    return integer_text(answer)
 
 
 def _int_max_digits() -> int:
@@ -710,7 +695,9 @@ def _checked_record(row: Any, answer_filter: str) -> dict[str, str]:
                 raise BadRow("unverifiable_answer", why)
             return rec
         limit = _int_max_digits()
-        if limit and len(canon.lstrip("-")) > limit:  # the verifier's int() would refuse it
+        # int() refuses it, and no answer can equal it: the verifier reads none over
+        # verify.MAX_ANSWER_CHARS (1,000) characters
+        if limit and len(canon.lstrip("-")) > limit:
             raise BadRow("answer_too_long", f"{len(canon.lstrip('-'))} digits, Python's limit is {limit}")
         rec["answer"] = canon
     return rec

@@ -67,7 +67,8 @@ PROFILES: dict[str, dict[str, object]] = {
         # what the model sees: the official template, tool name, <reason> prefill, tool turn
         "rl.chat_format": "rstar2_official", "sft.chat_format": "rstar2_official",
         "eval.chat_format": "rstar2_official",
-        # rstar2_agent/reward/compute_score.py on the whole response, run by reward/server.py on
+        # fused_compute_score's compute_score (microsoft/rStar ecbfb94, fused_compute_score/__init__.py)
+        # on the whole response, imported by the program rstar2_agent/reward/server.py runs on
         # code-judge (MAX_EXECUTION_TIME=4: the whole scoring program, its imports included)
         "reward.mode": "official", "reward.time_limit_s": 4.0,
         # examples/run_qwen3-14b_rstar2_agent_weave.sh: data.train_batch_size=128 prompts a step (the
@@ -109,10 +110,11 @@ class RewardConfig:
     """The ``reward`` section: how a finished rollout is scored."""
 
     # env.official_reward.REWARD_MODES: "answer" = rStar2-Agent eq. 3 (the last \boxed{} in the
-    # model's last <answer>, verify.is_correct; no <answer> block, no answer); "boxed" = the same,
-    # but the model's last \boxed{} where it wrote no <answer> block (a policy without the
-    # tags); "official" = the official code's compute_score
-    # (PRIME grader, then math-verify) on the whole decoded response, tool outputs included
+    # model's last <answer> that holds one, verify.is_correct; no <answer> block, no answer);
+    # "boxed" = the same, but the model's last \boxed{} where it wrote no <answer> block (a
+    # policy without the tags); "official" = the official code's compute_score
+    # (fused_compute_score: PRIME grader, then math-verify) on the whole decoded response, tool
+    # outputs included
     mode: str = "answer"
     # wall-clock limit of one rollout's scoring in the sandbox (a run past it scores 0); the
     # official reward runs on code-judge under its 4 s limit (rstar2_official sets it)
