@@ -418,3 +418,68 @@ def test_the_reward_mode_reaches_the_verifier(tok, engine, executor):
         trajs, _ = run_rollouts(engine, tok, executor, [request(tok, turns)], cfg)
         rewards[mode] = trajs[0].reward
     assert rewards == {"answer": 0.0, "boxed": 1.0}
+
+
+# ---- edges the scheduler reaches -----------------------------------------------------------------
+class AnsweredByTheTest:
+    """Tool calls answered with ``result``: at once, or (``held``) only when the test calls
+    ``answer_all``; verifications at once (correct)."""
+
+    def __init__(self, result, held=True):
+        import concurrent.futures
+
+        self.result, self.held, self.pending, self.futures = result, held, [], concurrent.futures
+
+    def submit(self, code, stdin="", timeout=None):
+        fut = self.futures.Future()
+        self.pending.append(fut)
+        if not self.held:
+            fut.set_result(self.result)
+        return fut
+
+    def answer_all(self):
+        for fut in self.pending:
+            fut.set_result(self.result)
+
+    def submit_verify(self, response_text, gold, timeout=None, mode="answer"):
+        from rstarjax.env.results import VerifyResult
+
+        fut = self.futures.Future()
+        fut.set_result(VerifyResult(True))
+        return fut
+
+
+def test_a_tool_answer_after_the_scheduler_gave_up_leaves_the_trajectory_as_it_was(tok, engine):
+    """The scheduler stops waiting (tool_wait_s) and ends the episode as ERROR; the sandbox's
+    answer, a timeout, comes after run_rollouts returned: the returned trajectory stays as it was."""
+    late = AnsweredByTheTest(ExecResult("timeout", "TimeoutError: execution exceeded the 5 s time limit"))
+    trajs, timings = run_rollouts(engine, tok, late, [request(tok, SUCCESS)],
+                                  AgentConfig(max_turns=3, max_response_len=300, tool_wait_s=0.3))
+    t = trajs[0]
+    before = (t.finish, t.error, dict(vars(t.tool_errors)), t.tool_calls, len(t.segments))
+    assert t.finish == FinishReason.ERROR and "did not return within" in t.error
+    late.answer_all()
+    assert (t.finish, t.error, dict(vars(t.tool_errors)), t.tool_calls, len(t.segments)) == before
+    assert t.tool_errors.total == 0 and timings["rollout/infra_errors"] == 1
+
+
+def test_prompt_and_response_never_exceed_the_slot(tok, model):
+    """An engine whose slot is shorter than prompt + max_response_len (no rollout length cap: the
+    slot's end is it). A tool response that leaves room for exactly one more token, and a first
+    turn that runs into the slot's end: each ends with prompt + response == max_len, not one more
+    (the token sampled when the slot was full was never fed)."""
+    output = "B " * 40
+    tool_ids = tool_turn(tok, ExecResult("stdout", output))
+    first = call("X")
+    prompt = len(request(tok, [first]).prompt_ids)
+    max_len = prompt + len(tok.encode(first)) + len(tool_ids) + 1
+    small = Engine(model, num_slots=2, max_len=max_len, buckets=(64, max_len), cache_dtype=jnp.float32)
+    tools = AnsweredByTheTest(ExecResult("stdout", output), held=False)
+    long_first_turn = "<reason>" + "a " * max_len
+    reqs = [request(tok, [first, ANSWER], group=0), request(tok, [long_first_turn], group=1)]
+    trajs, _ = run_rollouts(small, tok, tools, reqs,
+                            AgentConfig(max_turns=3, max_response_len=2 * max_len, tool_timeout_s=1.0))
+    for t in trajs:
+        assert t.finish == FinishReason.MAX_LENGTH, t.finish
+        assert len(t.prompt_ids) + len(t.response_ids) == max_len, (len(t.prompt_ids), len(t.response_ids))
+    assert [s.kind for s in trajs[0].segments] == [SegmentKind.MODEL, SegmentKind.TOOL, SegmentKind.MODEL]

@@ -53,6 +53,10 @@ from rstarjax.protocol import OFFICIAL_TOOL_NAME, TOOL_CALL_CLOSE, TOOL_CALL_OPE
 from .results import DISPLAY, ERROR, STDOUT, TIMEOUT, ExecResult
 
 TIME_LIMIT_S = 4  # code-judge MAX_EXECUTION_TIME as the rStar README starts its server and workers
+# code-judge kills a program this long after its own limit: the sandbox's limit for a call is
+# time_limit_s + this, which must itself be within the code pool's limit per call
+# (rl.agent_loop.require_tool_timeout_fits checks it once, when the rollouts are set up)
+SANDBOX_GRACE_S = 1.0
 MAX_STREAM_CHARS = 1000  # code-judge MAX_STDOUT_ERROR_LENGTH: each stream is cut to its head
 # the BufferedWriter python3 puts under stdout on a pipe (its size is the pipe's st_blksize on
 # Linux); the TextIOWrapper above it holds text until 8192 bytes (its chunk size) or a flush
@@ -400,6 +404,11 @@ def _pydantic_string_error(value) -> str:
             f"    For further information visit https://errors.pydantic.dev/{PYDANTIC_DOCS_VERSION}/v/string_type")
 
 
+def sandbox_timeout_s(time_limit_s: float) -> float:
+    """The sandbox's wall-clock limit for a program that stops itself at ``time_limit_s``."""
+    return time_limit_s + SANDBOX_GRACE_S
+
+
 def official_call(body: str, time_limit_s: float = TIME_LIMIT_S):
     """One call's body as the official code answers it: a ``ToolCall`` whose ``code`` is the
     wrapped program to run, or a ``ToolCallError`` whose message IS the tool response (shown
@@ -442,4 +451,4 @@ def official_call(body: str, time_limit_s: float = TIME_LIMIT_S):
         return ToolCallError("Error when executing tool: run_tool_calls_on_server_async failed for 1 tool calls "
                              "after 4 attempts.")
     return ToolCall(code=wrap_program(code, time_limit_s), stdin=stdin or "", name=name,
-                    sandbox_timeout_s=time_limit_s + 1.0)
+                    sandbox_timeout_s=sandbox_timeout_s(time_limit_s))

@@ -70,6 +70,9 @@ class Confinement:
     # its own writable /tmp holding workdir, these entries of the fresh root's /tmp bound back
     # (isolation.call_tmp_binds); None: the zygote's /tmp, read-only to the call
     tmp_binds: tuple[str, ...] | None = None
+    # under its forker's seccomp filter: once the call's limits are set, it locks those whose
+    # excess is a SIGKILL (seccomp.install_limits_filter)
+    seccomp: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,7 +106,10 @@ def cpu_limits(limits: SandboxLimits, timeout_s: float) -> tuple[int, int]:
     does at its CPU limit (a timeout; see worker.py), and SIGKILL only if it survives that. The
     sandbox itself, PID 1 of its namespace, never gets the SIGXCPU (the kernel drops signals a
     namespace's init has no handler for): it is SIGKILLed at the hard limit, and the worker tells
-    that kill from an outside one by the CPU time the process used (worker.sigkill_cause)."""
+    that kill from an outside one by the CPU time the process used (worker.sigkill_cause). Model
+    code cannot change these limits where seccomp is available (seccomp.LOCKED_LIMITS); where it
+    is not, the worker judges by the hard limit the sandbox really had when it died
+    (worker.cpu_kill_threshold)."""
     soft = int(timeout_s + 0.999) + limits.cpu_slack_s
     return soft, soft + 1
 
@@ -199,6 +205,10 @@ def confine_for_call(confinement: Confinement, limits: SandboxLimits, timeout_s:
     """The rest of the confinement, once the call (and so its timeout) is known; then the
     model's code runs. Any failure aborts the child."""
     set_limits(limits, timeout_s)
+    if confinement.seccomp:
+        # The model's code runs in this process: it must not lower the CPU limit it is judged by
+        # (a kill below the configured limit would read as one from outside the call).
+        seccomp.install_limits_filter()
     if confinement.uid is not None:
         drop_privileges(confinement.uid)
         set_parent_death_signal()  # the uid change cleared it

@@ -30,12 +30,26 @@ afterwards), and inherited by every sandbox it clones: the kernel compiles a fil
 installed, which per sandbox was a measurable part of a trivial call. The forker's own work
 (receiving fds, cloning into PID and mount namespaces) and each sandbox's setup (mounts, the uid
 drop) are all allowed. Known for x86_64 and aarch64; elsewhere `prepare()` is False.
+
+A second, tiny filter (`install_limits_filter`) is stacked by each sandbox once it has set its
+call's limits: from then on no process of the call can set a `LOCKED_LIMITS` limit (setrlimit,
+or prlimit64 with a new limit; reading one stays allowed). Why: the sandbox is PID 1 of its
+namespace, and the kernel drops the signals a limit sends to an init without a handler
+(SIGXCPU, SIGXFSZ), so the only way the kernel ends it for a limit is the SIGKILL at
+RLIMIT_CPU's hard limit (RLIMIT_RTTIME's likewise, for a real-time task). The worker tells that kill, the program's, from a kill from outside the
+call (ours: an infrastructure error, retried and never shown) by the CPU time the sandbox used;
+a program that lowered its own limit would be killed below the configured one and look like
+the second. This rule cannot be in the forker's filter: the sandbox itself sets these limits
+when its call (and so its timeout) arrives, in the same process that then runs the model's code.
+Other limits cannot cause such a kill: RLIMIT_FSIZE's SIGXFSZ is dropped for an init (the write
+fails with EFBIG), the memory and file limits fail calls.
 """
 from __future__ import annotations
 
 import ctypes
 import errno
 import platform
+import resource
 import socket
 import struct
 
@@ -63,6 +77,10 @@ NR, ARCH = 0, 4
 
 def arg(i: int) -> int:
     return 16 + 8 * i  # low 32 bits of args[i]
+
+
+def arg_high(i: int) -> int:
+    return arg(i) + 4  # high 32 bits of args[i]
 
 
 # every CLONE_NEW* flag except NEWNS and NEWPID, which forkers use (and model code cannot)
@@ -96,7 +114,7 @@ SYSCALLS = {
         "modify_ldt": 154, "iopl": 172, "ioperm": 173, "shmget": 29, "shmat": 30, "shmctl": 31, "shmdt": 67,
         "semget": 64, "semop": 65, "semctl": 66, "semtimedop": 220, "msgget": 68, "msgsnd": 69, "msgrcv": 70,
         "msgctl": 71, "mq_open": 240, "mq_unlink": 241, "mq_timedsend": 242, "mq_timedreceive": 243,
-        "mq_notify": 244, "mq_getsetattr": 245,
+        "mq_notify": 244, "mq_getsetattr": 245, "setrlimit": 160, "prlimit64": 302,
     }),
     "aarch64": (0xC00000B7, {
         "socket": 198, "socketpair": 199, "clone": 220, "clone3": 435, "unshare": 97, "setns": 268, "mount": 40,
@@ -112,8 +130,13 @@ SYSCALLS = {
         "shmget": 194, "shmat": 196, "shmctl": 195, "shmdt": 197, "semget": 190, "semop": 193, "semctl": 191,
         "semtimedop": 192, "msgget": 186, "msgsnd": 189, "msgrcv": 188, "msgctl": 187, "mq_open": 180,
         "mq_unlink": 181, "mq_timedsend": 182, "mq_timedreceive": 183, "mq_notify": 184, "mq_getsetattr": 185,
+        "setrlimit": 164, "prlimit64": 261,
     }),
 }
+
+# The limits whose excess the kernel punishes with SIGKILL, the one signal of a limit that ends a
+# PID 1 (see the module docstring): fixed for the rest of a call once its sandbox has set them.
+LOCKED_LIMITS = (resource.RLIMIT_CPU, resource.RLIMIT_RTTIME)
 
 
 def ins(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
@@ -152,22 +175,66 @@ def build_program(machine: str | None = None) -> bytes | None:
     return b"".join(prog)
 
 
+def _is_locked_limit(resource_arg: int, jump_if_locked: int, jump_if_not: int) -> list[bytes]:
+    """Load the syscall's resource argument (an unsigned int to the kernel: its low half is all
+    it reads) and jump by whether it names a LOCKED_LIMITS entry (offsets from the last
+    instruction)."""
+    prog = [ins(LD_ABS, arg(resource_arg))]
+    n = len(LOCKED_LIMITS)
+    for i, limit in enumerate(LOCKED_LIMITS):
+        left = n - 1 - i  # comparisons after this one
+        prog.append(ins(JEQ, limit, left + jump_if_locked, 0 if left else jump_if_not))
+    return prog
+
+
+def build_limits_program(machine: str | None = None) -> bytes | None:
+    """The filter a sandbox stacks once its limits are set: setrlimit of a LOCKED_LIMITS limit,
+    and prlimit64 that sets one (a non-NULL new limit, either half of the pointer), get EPERM;
+    getrlimit and prlimit64 with new=NULL (what `resource.getrlimit` calls) are allowed. As raw
+    `struct sock_filter` instructions, or None on an unknown architecture."""
+    machine = machine or platform.machine()
+    if machine not in SYSCALLS:
+        return None
+    arch, nr = SYSCALLS[machine]
+    eperm, allow = refuse(errno.EPERM), ins(RET, RET_ALLOW)
+    prog = [ins(LD_ABS, ARCH), ins(JEQ, arch, 1, 0), ins(RET, RET_KILL_PROCESS), ins(LD_ABS, NR)]
+    if machine == "x86_64":  # the x32 ABI's numbers would bypass the table (the forker's filter refuses it too)
+        prog += [ins(JGE, X32_SYSCALL_BIT, 0, 1), eperm]
+    # setrlimit(resource, rlim)
+    check = _is_locked_limit(0, 0, 1) + [eperm, allow]
+    prog += [ins(JEQ, nr["setrlimit"], 0, len(check))] + check
+    # prlimit64(pid, resource, new, old): only a non-NULL `new` sets anything
+    new_limit_set = [ins(LD_ABS, arg(2)), ins(JEQ, 0, 0, 2), ins(LD_ABS, arg_high(2)), ins(JEQ, 0, 1, 0),
+                     eperm, allow]
+    check = _is_locked_limit(1, 0, len(new_limit_set) - 1) + new_limit_set
+    prog += [ins(JEQ, nr["prlimit64"], 0, len(check) - 1)] + check
+    return b"".join(prog)
+
+
 class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
 _program: ctypes.Array | None = None
 _fprog: _SockFprog | None = None
+_limits_program: ctypes.Array | None = None
+_limits_fprog: _SockFprog | None = None
+
+
+def _loadable(raw: bytes) -> tuple[ctypes.Array, _SockFprog]:
+    """A program as prctl(PR_SET_SECCOMP) takes it (the buffer must live as long as the header)."""
+    buffer = ctypes.create_string_buffer(raw, len(raw))
+    return buffer, _SockFprog(len(raw) // 8, ctypes.addressof(buffer))
 
 
 def prepare() -> bool:
-    """Build the filter once (in the zygote); forkers inherit it ready to install."""
-    global _program, _fprog
-    raw = build_program()
-    if raw is None:
+    """Build both filters once (in the zygote); forkers and sandboxes inherit them ready to install."""
+    global _program, _fprog, _limits_program, _limits_fprog
+    raw, limits_raw = build_program(), build_limits_program()
+    if raw is None or limits_raw is None:
         return False
-    _program = ctypes.create_string_buffer(raw, len(raw))
-    _fprog = _SockFprog(len(raw) // 8, ctypes.addressof(_program))
+    _program, _fprog = _loadable(raw)
+    _limits_program, _limits_fprog = _loadable(limits_raw)
     return True
 
 
@@ -182,3 +249,13 @@ def install() -> None:
         raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
     if _fprog is not None and prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(_fprog)) != 0:
         raise OSError(ctypes.get_errno(), "PR_SET_SECCOMP")
+
+
+def install_limits_filter() -> None:
+    """Lock LOCKED_LIMITS for this process and all it starts (a sandbox, once it has set its
+    call's limits; no new privileges is already set, by its forker's `install`). Small, so the
+    kernel compiles it in microseconds per call."""
+    if _limits_fprog is None:
+        raise OSError(errno.ENOSYS, "the limits filter was not prepared")
+    if prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(_limits_fprog)) != 0:
+        raise OSError(ctypes.get_errno(), "PR_SET_SECCOMP (limits)")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import resource
 import selectors
 import signal
 import socket
@@ -51,7 +52,8 @@ KILLED_BY_UNKNOWN = "unknown"  # no PID namespace: the program may have killed i
 
 def sigkill_cause(own_memory_budget_ran_out: bool, cpu_used_s: float, cpu_soft_limit_s: float,
                   pid_namespace: bool) -> str:
-    """Why a sandbox died of a SIGKILL that the worker did not send.
+    """Why a sandbox died of a SIGKILL that the worker did not send (`cpu_soft_limit_s`: the CPU
+    time from which such a kill is its RLIMIT_CPU's, `cpu_kill_threshold`).
 
     In a PID namespace nothing of the call can send it: the kernel drops every signal that a
     namespace's init gets from inside it, SIGKILL included. What remains is the kernel (the OOM
@@ -63,6 +65,31 @@ def sigkill_cause(own_memory_budget_ran_out: bool, cpu_used_s: float, cpu_soft_l
     if cpu_used_s >= cpu_soft_limit_s:  # killed at the hard limit, or SIGXCPU ignored
         return KILLED_BY_CPU_LIMIT
     return KILLED_FROM_OUTSIDE if pid_namespace else KILLED_BY_UNKNOWN
+
+
+def cpu_hard_limit_of(pid: int) -> float | None:
+    """The hard RLIMIT_CPU of our child `pid`, alive or dead but not yet reaped (its limits live
+    until it is), in seconds; None where it cannot be read or is unlimited."""
+    try:
+        _, hard = resource.prlimit(pid, resource.RLIMIT_CPU)
+    except (OSError, ValueError):
+        return None
+    return None if hard == resource.RLIM_INFINITY else float(hard)
+
+
+def cpu_kill_threshold(configured: tuple[int, int], hard_it_had: float | None) -> float:
+    """The CPU time (wait4's) from which a sandbox's SIGKILL counts as the kernel's at its hard
+    RLIMIT_CPU. The kernel measures that limit in scheduler ticks, and the runtime wait4 reports
+    at the kill falls short of it (by up to 0.25 s on a 2-core VM, at limits of 1-5 s): so a kill
+    is judged against the soft limit, the margin (`sandbox.cpu_limits`) below the hard one. A
+    sandbox whose hard limit was lowered (model code runs in it and, without
+    seccomp.LOCKED_LIMITS, may do so) is judged by that limit less the same margin: the kill at
+    it is the program's, not one from outside. A raised soft limit changes nothing (the kill
+    still comes at the hard one)."""
+    soft, hard = configured
+    if hard_it_had is None or hard_it_had >= hard:
+        return float(soft)
+    return max(0.0, hard_it_had - (hard - soft))
 
 
 class CappedBuffer:
@@ -101,7 +128,7 @@ class Running:
     __slots__ = (
         "call", "pid", "pidfd", "slot", "workdir", "channel", "stdout", "stderr", "result", "fds", "deadline",
         "t_recv", "t_start", "timed_out", "replied", "done", "cpu_start", "cpu_checked", "over_cpu_budget",
-        "cpu_used_s",
+        "cpu_used_s", "cpu_hard_limit_s",
     )
 
 
@@ -152,7 +179,7 @@ class Worker:
     def confinement(self, slot: int, workdir: str) -> Confinement:
         return Confinement(workdir=workdir, uid=self.slot_uid(slot), call_mounts=self.call_mounts,
                            own_proc=self.call_mounts and self.use_pidns, drop_caps=self.drop_caps,
-                           tmp_binds=self.tmp_binds)
+                           tmp_binds=self.tmp_binds, seccomp=self.seccomp)
 
     def start_forkers(self) -> None:
         """One forker per slot, forked now, while this process has read nothing."""
@@ -317,6 +344,7 @@ class Worker:
         run.timed_out = run.replied = run.done = run.over_cpu_budget = False
         run.cpu_start = None
         run.cpu_used_s = 0.0
+        run.cpu_hard_limit_s = None
         for name, fd in (("stdout", opened[0]), ("stderr", opened[2]), ("result", opened[4])):
             os.set_blocking(fd, False)
             run.fds[name] = fd
@@ -485,6 +513,7 @@ class Worker:
 
     def _finish(self, run: Running) -> None:
         run.done = True
+        run.cpu_hard_limit_s = cpu_hard_limit_of(run.pid)  # before the reap, which frees its limits
         _, status, usage = os.wait4(run.pid, 0)
         run.cpu_used_s = usage.ru_utime + usage.ru_stime  # its own and its reaped children's
         t_end = time.monotonic()
@@ -564,9 +593,9 @@ class Worker:
         return before is not None and self._memory_events(slot).own_limit_killed_since(before)
 
     def _sigkill_cause(self, run: Running) -> str:
-        cpu_soft_limit_s, _ = sandbox.cpu_limits(self.limits, float(run.call["timeout"]))
-        return sigkill_cause(self._ran_out_of_its_memory_budget(run.slot), run.cpu_used_s, cpu_soft_limit_s,
-                             self.use_pidns)
+        configured = sandbox.cpu_limits(self.limits, float(run.call["timeout"]))
+        return sigkill_cause(self._ran_out_of_its_memory_budget(run.slot), run.cpu_used_s,
+                             cpu_kill_threshold(configured, run.cpu_hard_limit_s), self.use_pidns)
 
     @staticmethod
     def _cpu_limit_timeout(stdout: str, duration: float) -> dict:

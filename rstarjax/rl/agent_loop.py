@@ -5,10 +5,18 @@ One episode: prompt (system + question, paper Fig. 3) -> decode until ``</tool_c
 response turn -> decode on, until one of:
 
 - a turn ends with ``<|im_end|>``/EOS: ``ANSWERED`` if the model's text has an ``<answer>``
-  block, else ``NO_TOOL_CALL`` (the paper ends the rollout when a turn has no tool call);
+  block, else ``NO_TOOL_CALL`` (the paper ends the rollout when a turn has no tool call). A
+  ``<tool_call>`` such a turn opened but never closed with ``</tool_call>`` is not run: it is
+  counted as a tool call with a parse error (``tool_calls`` and ``tool_errors.parse``), and the
+  episode still ends as the model chose, ``ANSWERED`` or ``NO_TOOL_CALL`` (no call was run);
 - the ``max_turns``-th turn asks for a tool: ``MAX_TURNS`` (that call is not executed);
 - the response budget (model + tool tokens) or the slot's context is exhausted:
-  ``MAX_LENGTH`` (truncated, reward 0);
+  ``MAX_LENGTH`` (truncated, reward 0). Prompt + response stay within the slot (``max_len``):
+  a turn after a tool response is budgeted to the slot's room, and the token sampled when the
+  slot was already full (a CONTEXT stop), which was never fed, is dropped. (Left: a first turn
+  whose stop token is sampled just as the slot fills keeps it: max_len + 1 tokens, where the
+  scheduler has no rollout cap below the slot. Never with ``ColocatedRollouts``: its slots hold
+  max_prompt_len + max_response_len, so the response budget ends a turn first);
 - the infrastructure fails (SkyRL-Agent §3.4 "terminal" conditions): ``ERROR``, with
   ``Trajectory.error`` saying what failed. An infrastructure answer of the code environment
   (``ExecResult.infra_error``: a worker died, the queue timed out, overload) is retried up to
@@ -16,7 +24,11 @@ response turn -> decode on, until one of:
   executor is gone, a tool wait or the verification exceeds its bound, the episode ends. The
   trainer excludes ``ERROR`` trajectories from the update and counts them: they are the
   environment's errors, not the model's. Recoverable conditions (a malformed call, code that
-  raises or times out) go back to the model inside ``<tool_response>``.
+  raises or times out) go back to the model inside ``<tool_response>``. A tool answer that
+  arrives after the episode ended (the scheduler stopped waiting for it) changes nothing. The
+  executor refusing a call's arguments (``ValueError``/``TypeError``: a time limit above the
+  pool's) is a bug of ours, not of the environment: it is raised, not counted as ``ERROR``;
+  ``require_tool_timeout_fits`` refuses such a configuration when the rollouts are set up.
 
 Token bookkeeping (token-in/token-out, never re-tokenized):
 
@@ -117,6 +129,20 @@ class AgentConfig:
                  f"verify_wait_s={self.verify_wait_s} must cover verify_timeout_s={self.verify_timeout_s}"))
 
 
+def require_tool_timeout_fits(config: AgentConfig, fmt: ChatFormat) -> None:
+    """The code-judge protocol's sandbox runs each call ``code_judge.SANDBOX_GRACE_S`` past the
+    program's own limit (``tool_timeout_s``): that too must be within the code pool's limit per
+    call, or the pool would refuse every call. (AgentConfig alone cannot know the protocol.)"""
+    if fmt.tool_protocol != CODE_JUDGE:
+        return
+    pool_limit = ExecutorConfig.max_timeout
+    most = pool_limit - code_judge.SANDBOX_GRACE_S
+    require((config.tool_timeout_s <= most,
+             f"rl.tool_timeout_s={config.tool_timeout_s} must be <= {most:g} seconds with the code_judge tool "
+             f"protocol: its sandbox runs each call {code_judge.SANDBOX_GRACE_S:g} s longer, within the code "
+             f"pool's limit of {pool_limit:g} s per call"))
+
+
 class InfrastructureError(RuntimeError):
     """A tool call the environment could not serve (after retries): ends the episode as ``ERROR``."""
 
@@ -169,6 +195,7 @@ class AgentEpisode:
 
     def __init__(self, request: RolloutRequest, tokenizer, executor, config: AgentConfig,
                  stops: StopIds, fmt: ChatFormat = RSTAR2):
+        require_tool_timeout_fits(config, fmt)
         self.request = request
         self.fmt = fmt
         self.tokenizer = tokenizer
@@ -205,7 +232,8 @@ class AgentEpisode:
         turn, up to ``max_turns``; a turn without one ends the rollout, which is then scored."""
         t = self.traj
         self._scripted += len(ids)
-        t.segments.append(Segment(SegmentKind.MODEL, list(ids), list(logprobs)))
+        ids, logprobs = fed_tokens(ids, logprobs, reason)
+        t.segments.append(Segment(SegmentKind.MODEL, ids, logprobs))
         t.turns += 1
         text = self.tokenizer.decode(ids)
         self.model_text += text
@@ -220,7 +248,11 @@ class AgentEpisode:
             call = ToolCallError("Tool call has no opening <tool_call> tag.") if call is None else call
         else:
             call = None
-        if call is None:  # <|im_end|> or EOS without a call: the episode is over
+            unclosed = unterminated_call(text, self.fmt.tool_names)
+            if unclosed is not None:  # a call the model opened, then ended its turn: never run
+                t.tool_calls += 1
+                self._count_error(unclosed)
+        if call is None:  # <|im_end|> or EOS without a call to run: the episode is over
             return self._finish(FinishReason.ANSWERED if t.answer_tags else FinishReason.NO_TOOL_CALL)
         if t.turns >= self.config.max_turns:
             return self._finish(FinishReason.MAX_TURNS)
@@ -247,7 +279,9 @@ class AgentEpisode:
             return self._finish(FinishReason.MAX_LENGTH)
         self.traj.segments.append(Segment(SegmentKind.TOOL, list(ids)))
         self.traj.response_text += self.tokenizer.decode(ids)
-        return Extend(ids, max_new_tokens=room - len(ids))
+        # to the slot's room too: the turn then stops at its budget with prompt + response at
+        # most the slot's size, never at a full slot (CONTEXT) with a token it could not feed
+        return Extend(ids, max_new_tokens=min(room, free_tokens_in_slot) - len(ids))
 
     def on_abort(self, why: str) -> None:
         self._infra_error(why)
@@ -267,8 +301,9 @@ class AgentEpisode:
         self._finish(FinishReason.ERROR)
 
     def _finish(self, finish: FinishReason):
-        self.traj.finish = finish
-        self.done = True
+        with self._lock:  # a tool answer's bookkeeping (an executor thread) sees it finished or not at all
+            self.traj.finish = finish
+            self.done = True
         official = self.config.reward_mode == "official"
         # the official reward manager scores every response, truncated ones too
         unscored = (FinishReason.ERROR,) if official else (FinishReason.MAX_LENGTH, FinishReason.ERROR)
@@ -304,10 +339,28 @@ class AgentEpisode:
             return
         try:
             fut = self.executor.submit(call.code, call.stdin, timeout=call.sandbox_timeout_s or self.config.tool_timeout_s)
-        except Exception as e:  # executor closed: infrastructure
+        except (ValueError, TypeError):
+            # the executor refused our arguments (e.g. a time limit above the pool's): a bug or a
+            # configuration of ours that no retry fixes; blamed on the environment, every episode
+            # would end as ERROR in silence
+            raise
+        except Exception as e:  # the executor is closed or broken: infrastructure
             _settle(out, exc=InfrastructureError(f"code environment unavailable: {e!r}"))
             return
         fut.add_done_callback(lambda f: self._on_tool_result(f, call, out, attempt, t0))
+
+    def _retry_tool(self, call, out: concurrent.futures.Future, attempt: int, t0: float) -> None:
+        """A retry, on a timer thread: nothing above it would see an exception, so whatever fails
+        ends the episode through ``out``."""
+        try:
+            self._submit_tool(call, out, attempt, t0)
+        except BaseException as e:  # noqa: BLE001 - reported through the future the scheduler waits on
+            _settle(out, exc=e)
+
+    def _gave_up_on(self, out: concurrent.futures.Future) -> bool:
+        """Has the scheduler stopped waiting for ``out`` (it cancels it) or the episode ended? Then
+        a tool answer changes nothing: the trajectory is final. (Call with ``_lock`` held.)"""
+        return self.done or out.done()
 
     def _on_tool_result(self, f: concurrent.futures.Future, call, out: concurrent.futures.Future,
                         attempt: int, t0: float) -> None:
@@ -315,29 +368,38 @@ class AgentEpisode:
         try:
             result = f.result()
             if getattr(result, "infra_error", False):
-                if attempt < self.config.infra_retries and not out.done():
+                if attempt < self.config.infra_retries:
                     with self._lock:
+                        if self._gave_up_on(out):
+                            return
                         self.infra_retries += 1
-                    timer = threading.Timer(self.config.infra_retry_delay_s * (attempt + 1), self._submit_tool,
+                    timer = threading.Timer(self.config.infra_retry_delay_s * (attempt + 1), self._retry_tool,
                                             args=(call, out, attempt + 1, t0))
                     timer.daemon = True
                     timer.start()
                     return
                 raise InfrastructureError(f"code environment failed {attempt + 1} time(s): {result.text[:300]}")
-            with self._lock:
-                self.tool_wait_s += time.monotonic() - t0
             result = tool_result(result, self.fmt.tool_protocol)
-            self._count_error(result)
-            _settle(out, result=self._tool_turn_ids(result))
+            ids = self._tool_turn_ids(result)
+            with self._lock:
+                if self._gave_up_on(out):
+                    return
+                self.tool_wait_s += time.monotonic() - t0
+                self._add_error(result)
+            _settle(out, result=ids)
         except BaseException as e:  # executor failure, or our own: the episode ends as ERROR
             _settle(out, exc=e)
 
     def _count_error(self, outcome) -> None:
+        with self._lock:
+            self._add_error(outcome)
+
+    def _add_error(self, outcome) -> None:
+        """Count a failed call's error by kind (with ``_lock`` held)."""
         kind = classify_tool_error(outcome)
         if kind is not None:
-            with self._lock:
-                errs = self.traj.tool_errors
-                setattr(errs, kind, getattr(errs, kind) + 1)
+            errs = self.traj.tool_errors
+            setattr(errs, kind, getattr(errs, kind) + 1)
 
     def _tool_turn_ids(self, outcome) -> list[int]:
         text = format_tool_response(outcome, max_chars=self.config.max_tool_response_chars,
@@ -361,6 +423,29 @@ def official_turn_call(text: str, tool_names: tuple[str, ...], protocol: str = "
         return None
     calls = parse_tool_calls(text, tool_names)
     return calls[0] if calls else None
+
+
+def unterminated_call(text: str, tool_names: tuple[str, ...]) -> ToolCallError | None:
+    """The parse error of a ``<tool_call>`` in a turn that ended without the ``</tool_call>`` stop
+    (paper layout: the engine dispatches a call at that token, so such a call never runs), or None
+    when the turn opened no call."""
+    if TOOL_CALL_OPEN not in text:
+        return None
+    call = parse_tool_call(text, tool_names)
+    if isinstance(call, ToolCallError):
+        return call  # e.g. "Tool call is not terminated: ..."
+    # a closing tag spelled in plain tokens, not the stop token: still not a call that ran
+    return ToolCallError(f"Tool call is not terminated: expected the {TOOL_CALL_CLOSE} token.")
+
+
+def fed_tokens(ids, logprobs, reason: DoneReason) -> tuple[list[int], list[float]]:
+    """A turn's tokens and log-probs that belong to the trajectory. At a CONTEXT stop the slot was
+    already full when the last token was sampled: that token could never be fed, and kept it
+    would make prompt + response one longer than the slot (``max_len``)."""
+    ids, logprobs = list(ids), list(logprobs)
+    if reason == DoneReason.CONTEXT and len(ids) > 1:
+        return ids[:-1], logprobs[:-1]
+    return ids, logprobs
 
 
 def _collect_rewards(episodes: Sequence[AgentEpisode], rollouts_end: float) -> dict[str, int]:
@@ -477,6 +562,7 @@ class ColocatedRollouts:
                  max_prompt_len: int, fmt: ChatFormat = RSTAR2, serving: ServingConfig = ServingConfig(),
                  num_slots: int | None = None):
         """``num_slots`` (> 0) overrides ``serving.num_slots`` (evaluation and the demo)."""
+        require_tool_timeout_fits(agent, fmt)  # before any engine is built
         self.agent_config = agent
         self.sampling = sampling
         self.max_prompt_len = int(max_prompt_len)
