@@ -22,7 +22,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from rstarjax.recipes.config import RENAMED, RunConfig, parse, trainer_device_count
+from rstarjax.recipes.config import RENAMED, RunConfig, device_rules, parse, trainer_device_count
 from rstarjax.validation import ConfigError
 
 
@@ -157,7 +157,8 @@ def check(argv: Sequence[str], num_devices: int, num_processes: int | None = Non
     processes (default: ``distributed.num_processes``); ConfigError lists every problem."""
     config = config_from_argv(argv)
     explicit = explicit_keys(argv)  # as main passes them: a profile leaves these as given
-    dist = parse(config, explicit=explicit).distributed
+    run = parse(config, explicit=explicit)  # once: its warnings (config.run_warnings) said once
+    dist = run.distributed
     if num_processes is None:
         num_processes = dist.num_processes
     elif dist.num_processes > 1 and num_processes != dist.num_processes:
@@ -165,7 +166,10 @@ def check(argv: Sequence[str], num_devices: int, num_processes: int | None = Non
                           f"{num_processes} processes")
     if num_devices < num_processes or num_devices % num_processes:
         raise ConfigError(f"{num_devices} devices do not split evenly over {num_processes} processes")
-    return parse(config, num_devices, num_processes, explicit=explicit)
+    errors = device_rules(run, num_devices, num_processes)  # what parse(config, num_devices, ...) adds
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    return run
 
 
 def describe(run: RunConfig, num_devices: int, num_processes: int) -> str:

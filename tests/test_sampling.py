@@ -191,7 +191,7 @@ def test_vocab_limit_never_samples_padding_ids_but_keeps_policy_logprob():
 # ---- the fused sampler (serving sampler "fused"): one chunked pass, logits of any dtype ------
 
 from rstarjax.models.logprobs import logprobs_and_entropy_of_logits  # noqa: E402
-from rstarjax.serving.sampling import sample_tokens_fused  # noqa: E402
+from rstarjax.serving.sampling import clamp_logprob, sample_tokens_fused  # noqa: E402
 
 
 def _fused(logits, temperature, *, seeds=None, counters=None, top_k=None, top_p=None, chunk=16,
@@ -259,8 +259,9 @@ def test_fused_sampler_is_reproducible_per_request_not_per_batch_position():
 
 def test_fused_sampler_greedy_limits_forced_and_filters():
     """Greedy takes the first maximum across chunks; ids >= vocab_limit are never chosen but
-    the log-prob stays the full vocabulary's; forced tokens keep the policy's log-prob; a batch
-    with a top-k / top-p row draws exactly what ``sample_tokens`` draws."""
+    the log-prob stays the full vocabulary's; forced tokens keep the policy's log-prob; a
+    top-k / top-p row draws exactly what ``sample_tokens`` draws, an unfiltered row beside it
+    its own fused draw."""
     vocab, limit = 16, 12
     logits = np.tile(np.arange(vocab, dtype=np.float32)[None] * 0.3, (4, 1))
     logits[2, 3] = logits[2, 9] = 10.0  # a tie across chunks: the first one wins
@@ -280,8 +281,72 @@ def test_fused_sampler_greedy_limits_forced_and_filters():
     seeds, counters = jnp.arange(len(SETTINGS), dtype=jnp.int32), jnp.zeros(len(SETTINGS), jnp.int32)
     got, lp = _fused(logits, t, seeds=seeds, counters=counters, top_k=k, top_p=p, chunk=32)
     want, want_lp = sample_tokens(jnp.asarray(logits), seeds, counters, t, k, p)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    np.testing.assert_allclose(np.asarray(lp), np.asarray(want_lp), atol=2e-6)
+    unfiltered = np.asarray((k == 0) & (p >= 1.0))
+    alone, _ = _fused(logits, t, seeds=seeds, counters=counters, chunk=32)  # no row filters
+    want = np.where(unfiltered, np.asarray(alone), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_allclose(np.asarray(lp), _np_log_softmax(logits / np.asarray(t)[:, None])[
+        np.arange(len(SETTINGS)), want], atol=2e-6)
+    assert unfiltered.any() and not unfiltered.all()  # both kinds of row are checked
+
+
+def test_fused_sampler_row_draws_do_not_depend_on_the_other_rows_settings():
+    """A request's tokens are its own (seed, counter, logits, settings): an unfiltered row draws
+    the same token whether or not another row of its batch uses top-k / top-p (the whole batch
+    used to take the exact path then, with other noise: a different token for nearly every seed)."""
+    rng = np.random.default_rng(0)
+    row = rng.normal(size=(1, 200)).astype(np.float32)
+    seeds = jnp.arange(40, dtype=jnp.int32)
+    ones = np.ones(40, np.float32)
+    alone, _ = _fused(np.repeat(row, 40, 0), ones, seeds=seeds, chunk=64)
+    # each request beside a top-k 5 row (seed 99), in one batch of 80
+    batch = np.repeat(row, 80, 0)
+    mixed, _ = _fused(batch, np.ones(80, np.float32), seeds=jnp.concatenate([seeds, jnp.full(40, 99, jnp.int32)]),
+                      top_k=jnp.array([0] * 40 + [5] * 40, jnp.int32), chunk=64)
+    np.testing.assert_array_equal(np.asarray(mixed)[:40], np.asarray(alone))
+
+
+def test_an_unfiltered_row_keeps_its_tail_when_another_row_filters():
+    """The exact sampler runs ``filter_logits`` on every row once one row filters: a row at
+    top_p 1 keeps every token, even where the float32 cumulative mass reaches 1.0 before its
+    tail (a confident row: the others' mass is below float32's resolution of 1)."""
+    logits = np.zeros((2, 8), np.float32)
+    logits[:, 0] = 30.0  # p(others) ~ 1e-13 each
+    out = filter_logits(jnp.asarray(logits), jnp.ones(2), jnp.array([0, 2], jnp.int32), jnp.ones(2))
+    np.testing.assert_array_equal(np.asarray(out)[0], logits[0])  # nothing cut
+    assert np.isfinite(np.asarray(out)[1]).sum() == 8  # top-k 2 over a 7-way tie keeps the tie (HF)
+
+
+def test_fused_sampler_logprob_after_an_all_masked_chunk():
+    """A vocabulary chunk whose logits are all -inf (masked ids) leaves the running log-sum-exp
+    at its start: the log-prob is the log-softmax's, not exp(-inf - -inf) = NaN."""
+    row = (np.random.default_rng(0).standard_normal(50) * 2).astype(np.float32)
+    row[:16] = -np.inf  # exactly the first chunk of 16
+    logits = np.repeat(row[None], 4, 0)
+    want = _np_log_softmax(row)
+    for temperature in (1.0, 0.0):
+        tokens, lp = _fused(logits, np.full(4, temperature, np.float32), chunk=16)
+        assert np.all(np.asarray(tokens) >= 16)
+        np.testing.assert_allclose(np.asarray(lp), want[np.asarray(tokens)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("sampler", [sample_tokens, sample_tokens_fused], ids=["exact", "fused"])
+def test_nan_logits_give_a_nan_logprob_at_any_batch_size(sampler):
+    """NaN logits must reach the train batch's finite check as a NaN log-prob: capping the
+    log-prob at 0 with ``jnp.minimum`` turned it into 0.0 in the compiled fused sampler on CPU
+    from 4096 rows on."""
+    rows = 4096
+    row = (np.random.default_rng(0).standard_normal(50) * 2).astype(np.float32)
+    row[5] = np.nan
+    run = jax.jit(lambda x: sampler(x, jnp.arange(rows, dtype=jnp.int32), jnp.zeros(rows, jnp.int32),
+                                    jnp.ones(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows)))
+    _, lp = run(jnp.broadcast_to(jnp.asarray(row), (rows, 50)))
+    assert np.isnan(np.asarray(lp)).all()
+
+
+def test_clamp_logprob_caps_at_zero_and_keeps_nan():
+    x = jnp.array([-1.5, 0.0, 3e-7, np.nan, -np.inf], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(clamp_logprob(x)), [-1.5, 0.0, 0.0, np.nan, -np.inf])
 
 
 def test_top_k_keeps_every_token_tied_with_the_kth_as_hf():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import math
 import os
 import re
@@ -39,6 +40,8 @@ from rstarjax.rl.trainer import TrainerConfig
 from rstarjax.serving.colocated import ServingConfig
 from rstarjax.serving.sampling import SamplingParams
 from rstarjax.validation import ConfigError, one_of, require
+
+log = logging.getLogger(__name__)
 
 # config.mode -> rstarjax.main.RECIPES (the function that runs it)
 MODES = ("rl", "filter", "sft", "eval", "demo", "demo_compare")
@@ -618,6 +621,8 @@ def parse(config, num_devices: int | None = None, num_processes: int = 1, explic
         errors = device_rules(run, num_devices, num_processes)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    for warning in run_warnings(run):  # valid, but likely not what was meant: said at the start
+        log.warning(warning)
     return run
 
 
@@ -646,6 +651,35 @@ def _require_file(path: str, flag: str, what: str) -> list[str]:
 def _problems_file(path: str, flag: str, what: str, kind: str = "problems") -> list[str]:
     """``_require_file``, then what its first rows say (``io.data.dataset_problems``)."""
     return _require_file(path, flag, what) or [as_flags(f"{flag}={path!r} {p}") for p in dataset_problems(path, kind)]
+
+
+def run_warnings(run: RunConfig) -> list[str]:
+    """What a valid config does that its user may not mean: ``parse`` logs each line at the start
+    of the run (and ``check_config`` shows them), without refusing it."""
+    warning = truncated_sampling_warning(run)
+    return [warning] if warning else []
+
+
+def truncated_sampling_warning(run: RunConfig) -> str | None:
+    """The warning of an RL stage that samples with top-p < 1 or top-k > 0, else None.
+
+    The rollouts are then drawn from the truncated distribution pi / Z (Z: the mass top-p /
+    top-k keep), while the log-prob the sampler records and the trainer recomputes is the
+    untruncated ``log_softmax(logits / T)`` (verl's choice, docs/algorithm.md): the importance
+    ratio and the loss leave the truncation out. Allowed (some want it), but said."""
+    rl = run.rl
+    flags = [flag for flag, on in ((f"--config.rl.top_p={rl.top_p:g}", rl.top_p < 1.0),
+                                   (f"--config.rl.top_k={rl.top_k}", rl.top_k > 0)) if on]
+    if run.mode not in RL_MODES or not flags:
+        return None
+    # top-p keeps at least top_p of the mass (the token crossing it included); top-k any share
+    bound = f"at most -log(top_p) = {-math.log(rl.top_p):.3g} nats" if rl.top_k <= 0 else "unbounded with top-k"
+    return (f"{' and '.join(flags)}: the RL rollouts are drawn from the truncated distribution, but the "
+            "log-prob the sampler records and the trainer recomputes is the untruncated "
+            "log_softmax(logits / rl.temperature) (as verl's), so the importance ratio ignores the truncation: "
+            f"each drawn token's behaviour log-prob is understated by -log(the mass kept), {bound}, and the "
+            "sampler/trainer log-prob gap metrics cannot show it (both sides agree). Set --config.rl.top_p=1.0 "
+            "--config.rl.top_k=-1 (the defaults) to train on the distribution sampled (docs/algorithm.md).")
 
 
 def _run_rules(run: RunConfig) -> list[str]:

@@ -123,17 +123,21 @@ def throughput_metrics(num_tokens: int, timings: Mapping[str, float]) -> dict[st
 LOGPROB_GAP_THRESHOLDS = {"float32": 1e-2, "bfloat16": 1.0, "float16": 0.25}
 
 
+def _known_dtype_name(dtype, table: Mapping[str, float], what: str) -> str:
+    try:  # the dtype names jax knows (bfloat16 among them)
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = str(dtype)
+    if name not in table:
+        raise ValueError(f"no {what} for serving dtype {dtype!r}; known: {sorted(table)}")
+    return name
+
+
 def logprob_gap_threshold(serving_dtype) -> float:
     """The gap above which a trained token counts as off, for rollouts served in ``serving_dtype``
     (a name or a dtype)."""
-    try:  # the dtype names jax knows (bfloat16 among them)
-        name = jnp.dtype(serving_dtype).name
-    except TypeError:
-        name = str(serving_dtype)
-    if name not in LOGPROB_GAP_THRESHOLDS:
-        raise ValueError(f"no log-prob gap threshold for serving dtype {serving_dtype!r}; known: "
-                         f"{sorted(LOGPROB_GAP_THRESHOLDS)}")
-    return LOGPROB_GAP_THRESHOLDS[name]
+    return LOGPROB_GAP_THRESHOLDS[_known_dtype_name(serving_dtype, LOGPROB_GAP_THRESHOLDS,
+                                                    "log-prob gap threshold")]
 
 
 def gap_threshold_of(serving_dtype, forward_dtypes=()) -> float:
@@ -143,6 +147,46 @@ def gap_threshold_of(serving_dtype, forward_dtypes=()) -> float:
     tiny model where float32 on both sides stayed under 6.2e-6): judged at float32's 0.01 it
     raised the "different context" alarm on rounding."""
     return max(logprob_gap_threshold(d) for d in (serving_dtype, *forward_dtypes))
+
+
+# The batch's mean k3 KL(sampler || trainer) (``train/logprob_gap_kl``) above which ``rl_step``
+# warns, per dtype, the coarser side's for a run (``logprob_gap_kl_level``). The per-token count
+# above misses a sampler and trainer that disagree on the whole distribution in bf16: a
+# temperature mismatch (sampler 0.6, trainer 1.0) puts 2-12 % of tokens over 1 nat, 1.0 against
+# 1.05 none. The mean separates the two. Measured noise: float32 on CPU |d| <= 3.2e-6 (k3 ~ d^2/2
+# < 1e-11); bf16 on both sides, the H200 stage-1 job (a random bf16 Qwen3-1.7B at temperature 1:
+# 11.5 nats of entropy a token, the noisiest kind of row) 5.3e-4 at every step of its three runs
+# (benchmarks/profiles/h200-2026-11-2*/main_metrics.jsonl); LM-like synthetic rows with bf16-
+# rounded sampler logits 3.2e-4. Mismatch, on those synthetic rows: sampler / trainer temperature
+# 0.7 / 1.0, 1.0 / 0.7, 1.0 / 1.3, 0.6 / 1.0 give 0.11-0.20; 1.0 / 1.05 gives 4.8e-3.
+# - bfloat16 1e-2: 19x over the measured noise, 10x under the smallest of those mismatches (a 5 %
+#   temperature difference stays under it: bf16's noise leaves no wide margin that low);
+# - float16 1e-3: rounding 8x finer than bf16's (10 mantissa bits to 7), k3 ~64x lower (~1e-5);
+# - float32 1e-4: float noise on CPU, but a GPU's float32 matmuls may run in TF32 (float16's
+#   mantissa): kept 10x over float16's scaled noise, 48x under the 5 % mismatch.
+LOGPROB_GAP_KL_LEVELS = {"float32": 1e-4, "bfloat16": 1e-2, "float16": 1e-3}
+
+
+def logprob_gap_kl_level(serving_dtype, forward_dtypes=()) -> float:
+    """The ``train/logprob_gap_kl`` level above which a run served in ``serving_dtype`` and
+    recomputed in ``forward_dtypes`` warns: the coarser side's (as ``gap_threshold_of``)."""
+    return max(LOGPROB_GAP_KL_LEVELS[_known_dtype_name(d, LOGPROB_GAP_KL_LEVELS, "log-prob gap KL level")]
+               for d in (serving_dtype, *forward_dtypes))
+
+
+def logprob_gap_kl_warning(step: int, gap_kl: float, level: float) -> str | None:
+    """The warning of a step whose batch-mean sampler / trainer k3 KL (``train/logprob_gap_kl``)
+    passes ``level`` (``logprob_gap_kl_level``; NaN passes too), else None. Rounding noise sits
+    far under the level in every dtype; a mean this high says the trainer recomputes another
+    distribution than the one the sampler drew from."""
+    if gap_kl <= level:
+        return None
+    return (f"step {step}: the sampler/trainer log-prob gap's mean k3 KL is {gap_kl:.3g} nats a token "
+            f"(train/logprob_gap_kl), above this run's {level:g}, which rounding noise stays far "
+            f"under: the trainer is not recomputing the distribution the rollouts were sampled from. "
+            f"Check that the trainer divides its logits by the sampler's temperature (rl.temperature), "
+            f"that both hold the same weights (hand-off, LoRA merge, policy version) and that the engine "
+            f"fed the trajectory's context (docs/metrics.md, 'Sampler / trainer log-prob gap').")
 
 
 def is_float32(serving_dtype) -> bool:

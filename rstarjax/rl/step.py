@@ -127,7 +127,9 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | None, records: list, cfg: 
     sampler and trainer log-probs differ by more than ``metrics.gap_threshold_of`` it and the
     trainer's forward dtypes (the coarser side's; ``train/logprob_gap_tokens_over``), and when
     both sides compute in float32 warn with the step and the affected trajectories' prompts when
-    any does (docs/metrics.md).
+    any does; in any dtypes, warn when the batch's mean k3 KL between the two
+    (``train/logprob_gap_kl``) passes ``metrics.logprob_gap_kl_level``, which a sampler / trainer
+    temperature mismatch does and rounding noise does not (docs/metrics.md).
 
     Partial rollouts (``rl.partial_rollout_tokens``; ``partial`` a ``rl.partial.PartialRollouts``,
     which rolls out in place of ``rollout_fn``): ``records`` are the prompts this step starts (at
@@ -144,8 +146,9 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | None, records: list, cfg: 
     quota = partial.groups_per_update if partial is not None else len(records)
     num_rows = quota * cfg.group_size
     estimator = loss_cfg.advantage_estimator
-    gap_threshold = None if serving_dtype is None else metrics_lib.gap_threshold_of(
-        serving_dtype, getattr(trainer, "forward_dtypes", ()))
+    forward_dtypes = getattr(trainer, "forward_dtypes", ())
+    gap_threshold = None if serving_dtype is None else metrics_lib.gap_threshold_of(serving_dtype, forward_dtypes)
+    gap_kl_level = None if serving_dtype is None else metrics_lib.logprob_gap_kl_level(serving_dtype, forward_dtypes)
     t0 = time.perf_counter()
     all_records = []  # every round's records: a trajectory's group_id indexes them
     all_trajs, all_kept, groups, extras, selections = [], [], [], [], []
@@ -233,6 +236,11 @@ def rl_step(trainer: Trainer, rollout_fn: RolloutFn | None, records: list, cfg: 
             prompts = [_prompt_text(all_records, train_trajs[i]) for i in hit]
             log.warning(metrics_lib.logprob_gap_alarm(trainer.step, over, gap_threshold,
                                                       list(dict.fromkeys(prompts))))
+        if gap_kl_level is not None and "train/logprob_gap_kl" in metrics:  # bf16 included: see the level
+            kl_warning = metrics_lib.logprob_gap_kl_warning(trainer.step, metrics["train/logprob_gap_kl"],
+                                                            gap_kl_level)
+            if kl_warning:
+                log.warning(kl_warning)
     t3 = time.perf_counter()
     timings = {"rollout": t1 - t0, "prepare": t2 - t1, "train": t3 - t2}
     metrics.update(metrics_lib.throughput_metrics(int(sum(len(t.response_ids) for t in all_trajs)), timings))

@@ -10,8 +10,10 @@ compile for any mix of per-slot settings. Each row of a batch carries its own pa
   tokens whose probability reaches ``top_p`` is kept (the token that crosses the threshold
   is included, as in HF transformers' ``TopPLogitsWarper`` and vLLM);
 - the random key of a draw is ``fold_in(PRNGKey(seed[b]), counter[b])`` where ``counter`` is
-  the number of tokens this request has sampled so far. A request therefore draws the same
-  tokens whatever slot, batch or engine it runs in: reproducible from its seed alone.
+  the number of tokens this request has sampled so far, and a row's draw reads only its own
+  logits, settings and key. A request therefore draws the same tokens whatever slot, batch or
+  engine it runs in (given its logits and the sampler, ``"exact"`` or ``"fused"``: the two draw
+  different tokens for one key): reproducible from its seed alone.
 
 The returned log-prob is the log-prob of the distribution the token was drawn from, before
 filtering: ``log_softmax(logits / temperature)[token]`` in float32 (greedy rows: temperature 1,
@@ -92,7 +94,10 @@ def filter_logits(
     # Probability mass strictly before each token: a token is kept while that mass < top_p,
     # so the token that crosses the threshold is kept and the top-1 token always is.
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = keep & (mass_before < top_p[:, None])
+    # top_p >= 1 keeps every token outright: the float32 cumsum can reach 1.0 before the tail, and
+    # a row's draw must not lose its tail because another row of the batch filters (this function
+    # then runs on every row)
+    keep = keep & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
     sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
     # Scatter back to vocabulary order.
     inverse = jnp.argsort(order, axis=-1)
@@ -144,9 +149,16 @@ def sample_tokens(
     behaviour_logits = policy_logits / jnp.where(sampled_rows, temperature, 1.0)[:, None]
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(behaviour_logits, axis=-1), tokens[:, None],
                                    axis=-1)[:, 0]
-    # <= 0 by definition; at temperatures near 0 the compiled division can round a sure token's
-    # log-prob a few ulps above it, which the train batch would refuse
-    return tokens, jnp.minimum(logprobs, 0.0)
+    return tokens, clamp_logprob(logprobs)
+
+
+def clamp_logprob(logprobs: jax.Array) -> jax.Array:
+    """Log-probs capped at 0, NaN kept NaN. <= 0 by definition; at temperatures near 0 the
+    compiled division can round a sure token's log-prob a few ulps above it, which the train batch
+    would refuse. Not ``jnp.minimum``: compiled into the fused sampler, XLA CPU's min returned 0.0
+    for a NaN log-prob at 4096 rows and more, hiding NaN logits from the train batch's finite
+    check; the comparison keeps NaN (NaN > 0 is false)."""
+    return jnp.where(logprobs > 0, 0.0, logprobs)
 
 
 # ---- the fused sampler: one pass over the logits in vocabulary chunks ---------------------------
@@ -182,8 +194,10 @@ def sample_tokens_fused(
     from ``fold_in(request key, c)``, so a request's draws are reproducible from its seed and
     counter as before but are NOT the tokens ``sample_tokens`` draws for the same key (hence a
     switch: ``serving`` sampler ``"fused"``; ``"exact"`` is the default). Rows filtered by top-k
-    or top-p need the sorted vocabulary: when any row of the batch is, the batch takes the exact
-    path (``lax.cond``; the RL recipes sample at top-k 0, top-p 1)."""
+    or top-p need the sorted vocabulary: such a row takes ``sample_tokens``' token (computed,
+    under a ``lax.cond``, only when the batch holds one; the RL recipes sample at top-k 0,
+    top-p 1), every other row keeps its fused draw, so a request's tokens never depend on the
+    settings of the other rows of its batch."""
     b, vocab = logits.shape
     sampled_rows = temperature > 0
     scale = jnp.where(sampled_rows, temperature, 1.0).astype(jnp.float32)[:, None]
@@ -196,7 +210,10 @@ def sample_tokens_fused(
         x = logits[:, start:start + chunk].astype(jnp.float32) / scale  # [B, C] in registers
         width = x.shape[1]
         m_new = jnp.maximum(m, jnp.max(x, axis=1))
-        s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(x - m_new[:, None]), axis=1)
+        # a row with no finite logit yet (a chunk all -inf, e.g. masked ids) would take
+        # exp(-inf - -inf) = NaN: shift it by 0 instead, its sum stays 0
+        shift = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        s = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - shift[:, None]), axis=1)
         m = m_new
         noise = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, c), (width,)))(keys)
         col = start + jnp.arange(width)
@@ -206,19 +223,21 @@ def sample_tokens_fused(
         top = jnp.max(score, axis=1)
         better = top > best
         best, best_at = jnp.where(better, top, best), jnp.where(better, start + at, best_at)
-    tokens = best_at.astype(jnp.int32)
-    needs_filter = jnp.any(sampled_rows & ((top_k > 0) | (top_p < 1.0)))
-    tokens = jax.lax.cond(
-        needs_filter,
+    fused_tokens = best_at.astype(jnp.int32)
+    filtered_rows = sampled_rows & ((top_k > 0) | (top_p < 1.0))
+    exact_tokens = jax.lax.cond(  # the sort only when some row filters
+        jnp.any(filtered_rows),
         lambda: sample_tokens(logits, seeds, counters, temperature, top_k, top_p, None,
                               vocab_limit)[0],
-        lambda: tokens)
+        lambda: fused_tokens)
+    # per row: a filtered row's token is the exact sampler's, any other row's its own fused draw
+    tokens = jnp.where(filtered_rows, exact_tokens, fused_tokens)
     if forced is not None:
         tokens = jnp.where(forced >= 0, forced, tokens).astype(jnp.int32)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=1)[:, 0].astype(jnp.float32)
     # (x - max) first: at temperatures near 0 both terms are huge and their difference small
     logprobs = (chosen / scale[:, 0] - m) - jnp.log(s)
-    return tokens, jnp.minimum(logprobs, 0.0)
+    return tokens, clamp_logprob(logprobs)
 
 
 def sampler(name: str):
