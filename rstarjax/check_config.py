@@ -164,6 +164,11 @@ def check(argv: Sequence[str], num_devices: int, num_processes: int | None = Non
     elif dist.num_processes > 1 and num_processes != dist.num_processes:
         raise ConfigError(f"--config.distributed.num_processes={dist.num_processes} but the cluster has "
                           f"{num_processes} processes")
+    elif num_processes > 1 and dist.num_processes == 1 and not dist.auto:
+        # launched as written, each host would run a single-process job of its own into one workdir
+        raise ConfigError(f"the cluster has {num_processes} processes but the command starts a single-process run: "
+                          f"set --config.distributed.num_processes={num_processes} (with process_id and "
+                          "coordinator_address per host) or --config.distributed.auto=True")
     if num_devices < num_processes or num_devices % num_processes:
         raise ConfigError(f"{num_devices} devices do not split evenly over {num_processes} processes")
     errors = device_rules(run, num_devices, num_processes)  # what parse(config, num_devices, ...) adds

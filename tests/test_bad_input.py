@@ -471,3 +471,51 @@ def test_check_config_counts_that_are_no_count_are_one_line(arg, capsys):
     assert check_config.main(["--devices=8", arg, "--config=configs/stage1.py"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"check_config: {arg!r}: ") and "takes a count >= 1" in line, line
+
+
+def _refusal_on(inputs, mode, devices, processes, *extra) -> list[str]:
+    """check_config's refusal lines for a ``mode`` command line on ``devices`` in ``processes``."""
+    from rstarjax.validation import ConfigError
+    paths = dict(data=inputs / "problems.jsonl", sft=inputs / "sft.jsonl", dir=inputs)
+    tiny = [] if mode == "demo" else ["--config.model.preset=tiny", "--config.model.random_init=True"]
+    argv = [a.format(**paths) for a in (*MODE_ARGS[mode], *tiny, *extra)]
+    with pytest.raises(ConfigError) as e:
+        check_config.check(argv, devices, processes)
+    return [line.strip() for line in str(e.value).splitlines() if line.strip() != "invalid config:"]
+
+
+@pytest.mark.parametrize("mode", ["sft", "demo"])
+def test_an_sft_micro_batch_the_mesh_cannot_split_is_refused_by_the_checker(inputs, mode):
+    """check_config said ok; the run then built the model, encoded the data and died in the
+    trainer with a traceback that named no flag."""
+    assert _refusal_on(inputs, mode, 8, 1, "--config.sft.micro_batch_size=3") == [
+        "--config.sft.micro_batch_size=3 must be a multiple of data*fsdp=8 (each device takes an equal share "
+        "of every micro-batch; 0 takes the step's rows whole)"]
+    check_config.check([a.format(sft=inputs / "sft.jsonl") for a in MODE_ARGS["sft"]]
+                       + ["--config.model.preset=tiny", "--config.model.random_init=True",
+                          "--config.sft.micro_batch_size=16"], 8, 1)
+
+
+def test_a_multi_process_cluster_needs_a_multi_process_command(inputs):
+    """With neither distributed.num_processes nor distributed.auto each host would run a
+    single-process job of its own into the same workdir; the checker said ok."""
+    [line] = _refusal_on(inputs, "rl", 16, 2)
+    assert line.startswith("the cluster has 2 processes but the command starts a single-process run: "
+                           "set --config.distributed.num_processes=2"), line
+    from rstarjax.validation import ConfigError
+    argv = [a.format(data=inputs / "problems.jsonl") for a in MODE_ARGS["rl"]] + [
+        "--config.model.preset=tiny", "--config.model.random_init=True", "--config.distributed.auto=True"]
+    try:
+        check_config.check(argv, 16, 2)
+    except ConfigError as e:  # other rules may apply; not this one
+        assert "single-process run" not in str(e)
+
+
+@pytest.mark.parametrize("flags, hint", [
+    (["--config.mesh.data=3"], ": --config.mesh.data=3 does not divide 8"),
+    (["--config.mesh.fsdp=2", "--config.mesh.tensor=2"], ", e.g. --config.mesh.fsdp=-1"),
+])
+def test_a_mesh_that_does_not_fit_names_the_axis_to_change(inputs, flags, hint):
+    """The hint was always '--config.mesh.fsdp=-1', already set when data=3 was the problem."""
+    [line] = _refusal_on(inputs, "rl", 8, 1, *flags)
+    assert line.startswith("mesh (data, fsdp, tensor)=") and hint in line, line

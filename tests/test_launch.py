@@ -217,7 +217,8 @@ def test_the_checker_keeps_what_the_command_line_sets_under_a_profile_as_main_do
 
     monkeypatch.chdir(ROOT)
     argv = _argv(user_paths, "--config.profile=rstar2_official", "--config.rl.prompts_per_step=3",
-                 "--config.trainer.micro_batch_size=0", base=["--config=configs/stage1.py"])
+                 "--config.trainer.micro_batch_size=0", "--config.distributed.auto=True",
+                 base=["--config=configs/stage1.py"])
     run = check(argv, 6, 3)
     assert run.rl.prompts_per_step == 3
     with pytest.raises(ConfigError, match="cannot load the config file.*nope"):

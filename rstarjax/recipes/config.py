@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 # config.mode -> rstarjax.main.RECIPES (the function that runs it)
 MODES = ("rl", "filter", "sft", "eval", "demo", "demo_compare")
 RL_MODES = ("rl", "demo", "demo_compare")  # the modes that run an RL stage
+SFT_MODES = ("sft", "demo", "demo_compare")  # the modes that run SFT (the demo's first phase)
 DEMO_MODES = ("demo", "demo_compare")  # the modes of configs/demo.py
 
 # Keys that moved: the flag to use instead (an old key fails with this message).
@@ -831,6 +832,19 @@ def trainer_device_count(sv, num_devices: int, num_processes: int = 1) -> int:
     return num_devices - sv.rollout_devices if sv.disaggregated else num_devices
 
 
+def mesh_hint(sizes: tuple[int, ...], num_devices: int) -> str:
+    """A fix for mesh axis ``sizes`` (data, fsdp, tensor; -1 = the rest) that do not fit
+    ``num_devices``: name the fixed axes that do not divide the devices, or else suggest leaving
+    fsdp to take the rest (when it does not already)."""
+    names = ("data", "fsdp", "tensor")
+    odd = [f"--config.mesh.{n}={v}" for n, v in zip(names, sizes) if v not in (-1, 0) and num_devices % v]
+    if odd:
+        return f": {' and '.join(odd)} {'does' if len(odd) == 1 else 'do'} not divide {num_devices}"
+    if sizes[1] != -1 and -1 not in sizes:
+        return ", e.g. --config.mesh.fsdp=-1 (the devices the other axes leave)"
+    return ": the axes set take more devices than there are, or a product that does not divide them"
+
+
 def device_rules(run: RunConfig, num_devices: int, num_processes: int = 1) -> list[str]:
     """The rules the devices and processes put on the mesh and the batch sizes."""
     sv = run.serving
@@ -859,8 +873,12 @@ def device_rules(run: RunConfig, num_devices: int, num_processes: int = 1) -> li
     if sizes is None:
         return [f"mesh (data, fsdp, tensor)={list(run.mesh.sizes)} does not fit the {num_devices} devices "
                 f"{'the rollout slices leave' if sv.disaggregated else 'present'}: "
-                f"make data*fsdp*tensor == {num_devices}, e.g. --config.mesh.fsdp=-1"]
+                f"make data*fsdp*tensor == {num_devices}{mesh_hint(run.mesh.sizes, num_devices)}"]
     errs = []
+    if run.mode in SFT_MODES and run.sft.micro_batch_size % (sizes["data"] * sizes["fsdp"]):
+        errs.append(f"--config.sft.micro_batch_size={run.sft.micro_batch_size} must be a multiple of "
+                    f"data*fsdp={sizes['data'] * sizes['fsdp']} (each device takes an equal share of every "
+                    "micro-batch; 0 takes the step's rows whole)")
     if run.mode in RL_MODES:
         rl, tr = run.rl, run.trainer
         if rl.prompts_per_step % max(num_processes, 1):
