@@ -113,7 +113,7 @@ def test_segment_offsets_for_cudnn_match_a_python_reference():
 
 def test_auto_choice_per_backend_and_errors():
     assert attn.choose_implementation("auto", 100_000, "tpu") == "splash"
-    assert attn.choose_implementation("auto", 100_000, "cuda") == "cudnn"
+    assert attn.choose_implementation("auto", 100_000, "cuda", jnp.bfloat16, 9.0) == "cudnn"
     assert attn.choose_implementation("auto", attn.DENSE_MAX_LEN, "cpu") == "dense"
     assert attn.choose_implementation("auto", attn.DENSE_MAX_LEN + 1, "cpu") == "blockwise"
     assert attn.choose_implementation("auto", 100_000, "rocm") == "blockwise"
@@ -197,3 +197,51 @@ def test_sharded_model_with_fused_attention_equals_single_device(mesh, impl):
     np.testing.assert_allclose(logits, ref_logits, atol=2e-5, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, capability, expected", [
+    (jnp.bfloat16, 9.0, "cudnn"), (jnp.float16, 10.0, "cudnn"),  # H100 / H200, B200
+    (jnp.bfloat16, 8.0, "pallas_gpu"), (jnp.bfloat16, 8.9, "pallas_gpu"),  # A100, L40S / RTX 4090
+    (jnp.float32, 9.0, "blockwise"), (jnp.float32, 8.0, "blockwise"),  # cuDNN takes no float32
+])
+def test_auto_on_cuda_picks_what_the_gpu_and_dtype_can_run(dtype, capability, expected):
+    """auto was cuDNN on every NVIDIA GPU: its packed layout raised 'requires a GPU with at least
+    Hopper architecture' on an A100 and 'Q must be fp16/bf16' for a float32 model (the demo's) at
+    the first step's trace."""
+    assert attn.choose_implementation("auto", 8192, "cuda", dtype, capability) == expected
+
+
+def test_auto_on_cuda_lowers_where_cudnn_refuses(monkeypatch):
+    """What auto picks for an A100 in bf16 and for a float32 model exports for CUDA, where cuDNN's
+    packed layout is refused by jax itself (its check, run with the GPU generation faked)."""
+    import jax._src.cudnn.fused_attention_stablehlo as cudnn
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
+    q, k, v, seg, _ = _inputs(t=128, h=64)
+    for dtype, capability in ((jnp.bfloat16, 8.0), (jnp.float32, 9.0)):
+        impl = attn.choose_implementation("auto", q.shape[1], "cuda", dtype, capability)
+        fn = jax.jit(lambda q, k, v, s, impl=impl: attn.packed_attention(q, k, v, s, impl, interpret=False))
+        args = [x.astype(dtype) for x in (q, k, v)] + [seg]
+        monkeypatch.setattr(attn, "_platform", lambda: "cuda")
+        jax.export.export(fn, platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    with pytest.raises(Exception, match="Hopper|compute capability"):  # what auto used to pick
+        monkeypatch.setattr(cudnn, "check_compute_capability", lambda *a, **k: False)
+        fn = jax.jit(lambda q, k, v, s: attn.packed_attention(q, k, v, s, "cudnn", interpret=False))
+        jax.export.export(fn, platforms=["cuda"])(*[x.astype(jnp.bfloat16) for x in (q, k, v)], seg)
+
+
+def test_a_named_kernel_off_its_accelerator_or_with_tiles_it_cannot_take_is_one_line():
+    """cudnn on ROCm or TPU failed at lowering ('MLIR translation rule ... not found'), pallas_gpu
+    on TPU with a NameError; a splash block of 64 or a Triton block of 100 deep in the kernel."""
+    with pytest.raises(ValueError, match="runs on cuda, not rocm"):
+        attn.choose_implementation("cudnn", 1024, "rocm")
+    with pytest.raises(ValueError, match="runs on tpu/cpu, not cuda"):
+        attn.choose_implementation("splash", 1024, "cuda")
+    with pytest.raises(ValueError, match="runs on cuda/rocm/cpu, not tpu"):
+        attn.choose_implementation("pallas_gpu", 1024, "tpu")
+    assert attn.choose_implementation("pallas_gpu", 1024, "cpu") == "pallas_gpu"  # the interpreter
+    assert attn.block_problem("splash", 64) and not attn.block_problem("splash", 256)
+    assert attn.block_problem("pallas_gpu", 100) and not attn.block_problem("pallas_gpu", 64)
+    q, k, v, seg, _ = _inputs()
+    with pytest.raises(ValueError, match="attention_block_size=100: the Pallas GPU kernel"):
+        attn.packed_attention(q, k, v, seg, "pallas_gpu", block=100)

@@ -25,10 +25,12 @@ empty and no NaN appears (callers ignore padding outputs).
   takes per-row lengths (padding), not several segments per row, so this goes through the
   function underneath it. A row with more contiguous runs than ``max_segments`` (static shapes)
   is computed by the Pallas kernel instead, under ``lax.cond``: never a wrong answer.
-* ``auto``: ``splash`` on TPU, ``cudnn`` on CUDA GPUs (a Qwen3-1.7B train step at 8K tokens on
-  an H100 runs 1.35x faster than with ``pallas_gpu``; docs/training.md), and elsewhere (CPU,
+* ``auto``: ``splash`` on TPU, ``cudnn`` on Hopper and later NVIDIA GPUs in bf16/f16 (a
+  Qwen3-1.7B train step at 8K tokens on an H100 runs 1.35x faster than with ``pallas_gpu``;
+  docs/training.md), ``pallas_gpu`` on earlier ones (cuDNN's packed layout needs Hopper),
+  ``blockwise`` for a float32 model on CUDA (cuDNN takes no float32), and elsewhere (CPU,
   ROCm) ``dense`` up to ``DENSE_MAX_LEN`` tokens and ``blockwise`` above (docs/model.md has the
-  measurements).
+  measurements). A named kernel on an accelerator it does not lower for is refused.
 
 All take ``q[B, T, N, H]`` and ``k, v[B, T, K, H]`` with ``N % K == 0`` (grouped-query attention:
 query head n uses key/value head ``n // (N // K)``) and return ``[B, T, N, H]`` in q's dtype.
@@ -378,17 +380,53 @@ def _platform() -> str:
     return backend
 
 
-def choose_implementation(implementation: str, seq_len: int, platform: str | None = None) -> str:
-    """Resolve ``auto`` for this backend and row length (docstring of this module)."""
+# cuDNN's fused attention in the packed (several segments a row) layout: jax's
+# ``fused_attention_stablehlo`` accepts it only on Hopper and later, in half precision
+CUDNN_PACKED_MIN_CAPABILITY = 9.0
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+# the accelerators each kernel lowers for (CPU runs the Pallas ones in their interpreter, tests)
+KERNEL_PLATFORMS = {"splash": ("tpu", "cpu"), "pallas_gpu": ("cuda", "rocm", "cpu"), "cudnn": ("cuda",)}
+
+
+def _cuda_capability() -> float | None:
+    """The first device's CUDA compute capability (9.0 on an H100), None where it has none."""
+    try:
+        return float(jax.devices()[0].compute_capability)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def cuda_default(dtype, capability: float | None) -> str:
+    """``auto`` on an NVIDIA GPU: cuDNN where its packed layout runs (Hopper or later, bf16/f16:
+    1.35x the Pallas kernel's step on an H100, docs/training.md), else the Pallas flash kernel
+    (an A100, an L40S: cuDNN's packed layout is refused there), and for float32 the blockwise
+    path (cuDNN takes no float32; a float32 model is a precision check, where XLA's own dots
+    are the plain reference)."""
+    if dtype is not None and jnp.dtype(dtype) not in [jnp.dtype(d) for d in CUDNN_DTYPES]:
+        return "blockwise"
+    if capability is not None and capability < CUDNN_PACKED_MIN_CAPABILITY:
+        return "pallas_gpu"
+    return "cudnn"
+
+
+def choose_implementation(implementation: str, seq_len: int, platform: str | None = None,
+                          dtype=None, capability: float | None = None) -> str:
+    """Resolve ``auto`` for this backend, row length and compute ``dtype`` (docstring of this
+    module; ``capability``: the CUDA compute capability, default the first device's), and refuse
+    a named kernel on an accelerator it cannot lower for, in one line."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation {implementation!r} not in {IMPLEMENTATIONS}")
-    if implementation != "auto":
-        return implementation
     platform = platform or _platform()
+    if implementation != "auto":
+        where = KERNEL_PLATFORMS.get(implementation)
+        if where is not None and platform not in where:
+            raise ValueError(f"packed_attention={implementation!r} runs on {'/'.join(where)}, not {platform}: "
+                             "use 'auto', 'blockwise' or 'dense'")
+        return implementation
     if platform == "tpu":
         return "splash"
     if platform == "cuda":
-        return "cudnn"
+        return cuda_default(dtype, _cuda_capability() if capability is None else capability)
     return "dense" if seq_len <= DENSE_MAX_LEN else "blockwise"
 
 
@@ -407,6 +445,16 @@ def _per_device(fn, q, k, v, segment_ids):
                          check_vma=False)(q, k, v, segment_ids)
 
 
+def block_problem(implementation: str, block: int) -> str | None:
+    """Why the kernel ``implementation`` cannot take tiles of ``block`` tokens (None: it can):
+    splash's key/value blocks are multiples of 128 lanes, Pallas' Triton blocks powers of two."""
+    if implementation == "splash" and block % 128:
+        return "the splash kernel's blocks are multiples of 128"
+    if implementation == "pallas_gpu" and (block < 16 or block & (block - 1)):
+        return "the Pallas GPU kernel's blocks are powers of two from 16"
+    return None
+
+
 def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
                      implementation: str = "auto", *, block: int | None = None,
                      dense_implementation: str | None = None, interpret: bool | None = None,
@@ -421,7 +469,9 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
         raise ValueError(f"q {q.shape} must be [B,T,N,H] and k/v {k.shape} [B,T,K,H], N % K == 0")
     if segment_ids.shape != q.shape[:2]:
         raise ValueError(f"segment_ids {segment_ids.shape} must be [B, T] = {q.shape[:2]}")
-    impl = choose_implementation(implementation, q.shape[1])
+    impl = choose_implementation(implementation, q.shape[1], dtype=q.dtype)
+    if block is not None and (problem := block_problem(impl, block)):
+        raise ValueError(f"attention_block_size={block}: {problem}")
     if impl == "dense":
         return dense_attention(q, k, v, segment_ids, dense_implementation)
     if impl == "blockwise":

@@ -52,8 +52,9 @@ class ModelConfig:
     remat_policy: str = "none"
     scan_layers: bool = True  # lax.scan over the stacked layers (fast compile) vs unrolled
     attention_impl: str | None = None  # jax.nn.dot_product_attention implementation
-    # Training/scoring forward (models/attention.py): auto = splash on TPU, the Pallas flash kernel
-    # on CUDA, dense for short rows else blockwise elsewhere; memory linear in T except "dense".
+    # Training/scoring forward (models/attention.py): auto = splash on TPU, cuDNN on Hopper+ GPUs
+    # in bf16/f16 (the Pallas flash kernel before Hopper, blockwise for float32), dense for short
+    # rows else blockwise elsewhere; memory linear in T except "dense".
     packed_attention: str = "auto"
     attention_block_size: int | None = None  # tile of the fused kernels; None = theirs
     # Token log-probs (models/logprobs.py): positions projected onto the vocabulary at a time,
