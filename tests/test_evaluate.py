@@ -396,3 +396,87 @@ def test_load_benchmarks_names_golds_the_verifier_cannot_use_and_keeps_every_row
     lines = [r.getMessage() for r in caplog.records if "the verifier cannot use" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("benchmark bench: 3 of 5 rows have a gold answer")
     assert "[the verifier's comparison with it takes over 1 s]" in lines[0]
+
+
+def test_the_prompt_format_is_the_models_recorded_one_unless_named():
+    """eval.chat_format unset: the model's recorded format (else rstar2, a plain HF model's case);
+    named: that one, with a warning when the model records another."""
+    assert ev.choose_chat_format("", "compact", "meta") == ("compact", None)
+    assert ev.choose_chat_format("", None, "meta") == ("rstar2", None)
+    assert ev.choose_chat_format("compact", "compact", "meta") == ("compact", None)
+    chat, warning = ev.choose_chat_format("rstar2", "compact", "the checkpoint's meta")
+    assert chat == "rstar2" and "compact" in warning and "the checkpoint's meta" in warning
+    assert ev.choose_chat_format("rstar2_official", None, "meta") == ("rstar2_official", None)
+
+
+def test_a_hf_directory_records_the_format_its_chat_template_is(tmp_path):
+    """save_hf writes the trained format's Jinja template: that names the format; a template of
+    no known format (a plain HF model's own) or no tokenizer_config.json names none."""
+    from rstarjax.models import load_tokenizer
+
+    tok = load_tokenizer(1000)
+    for name in ("compact", "rstar2", "rstar2_official"):
+        tok.save_pretrained(tmp_path / name, chat_template=name)
+        assert ev.hf_dir_chat_format(str(tmp_path / name)) == name
+    tok.save_pretrained(tmp_path / "plain", chat_template="{{ messages[0]['content'] }}")
+    assert ev.hf_dir_chat_format(str(tmp_path / "plain")) is None
+    assert ev.hf_dir_chat_format(str(tmp_path / "nowhere")) is None
+    assert ev.recorded_chat_format(str(tmp_path / "compact"), {"chat_format": "rstar2"})[0] == "rstar2"
+    assert ev.recorded_chat_format(str(tmp_path / "compact"), {})[0] is None  # a checkpoint older than the record
+    assert ev.recorded_chat_format(str(tmp_path / "compact"), None)[0] == "compact"
+
+
+def test_eval_results_keep_the_prompt_format(tmp_path):
+    rec = [{"uid": "p", "problem": "1+1?", "answer": "2"}]
+    group = [_traj(r"\boxed{2}", 1.0, 3)]
+    out = ev.evaluate_records({"d": rec}, lambda recs, k: [group], k=1, out_dir=str(tmp_path),
+                              chat_format_used="compact")
+    assert out["d"]["chat_format"] == "compact"
+    assert json.loads((tmp_path / "eval_results.json").read_text())["d"]["chat_format"] == "compact"
+    assert "| d |" in (tmp_path / "eval_table.md").read_text()
+
+
+def test_run_eval_asks_in_the_format_the_model_was_trained_with(tmp_path, monkeypatch, caplog):
+    """A model exported with the compact format (the demo's) is evaluated in it when
+    eval.chat_format is not given; a named other format is used, with one warning line."""
+    import sys
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from rstarjax.models import ModelConfig, Qwen3, load_tokenizer, save_hf
+    from rstarjax.recipes.config import parse
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "configs"))
+    import eval as eval_config
+
+    tok = load_tokenizer(1000)
+    cfg = ModelConfig.preset("tiny", vocab_size=tok.num_tokens, dtype=jnp.float32,
+                             bos_token_id=tok.endoftext_id, eos_token_id=tok.eos_id)
+    save_hf(Qwen3(cfg, rngs=nnx.Rngs(0)), str(tmp_path / "hf"), tokenizer=tok, chat_format="compact")
+    bench = tmp_path / "toy.jsonl"
+    bench.write_text(json.dumps({"problem": "Compute 1 + 1.", "answer": "2"}) + "\n")
+
+    class Built(Exception):
+        pass
+
+    def rollouts(model, tokenizer, executor, agent, sampling, max_prompt_len, chat, *args, **kwargs):
+        raise Built(chat)  # where the run starts sampling: the format its prompts are in
+
+    class NoPool:
+        def close(self, drain_timeout=None):
+            pass
+
+    monkeypatch.setattr(ev.build, "rollouts", rollouts)
+    monkeypatch.setattr(ev.build, "executor", lambda *a, **k: NoPool())
+    c = eval_config.get_config()
+    c.model.hf_path, c.model.dtype, c.model.tokenizer_num_regular_tokens = str(tmp_path / "hf"), "float32", 1000
+    c.eval.paths, c.mesh.fsdp = str(bench), -1
+    with pytest.raises(Built) as e:
+        ev.run_eval(parse(c), str(tmp_path / "eval"))
+    assert e.value.args[0] == "compact"
+    c.eval.chat_format = "rstar2"
+    with caplog.at_level("WARNING"), pytest.raises(Built) as e:
+        ev.run_eval(parse(c), str(tmp_path / "eval"))
+    assert e.value.args[0] == "rstar2"
+    assert "--config.eval.chat_format=rstar2 differs from the format the model was trained with (compact" in caplog.text

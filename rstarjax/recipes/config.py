@@ -363,7 +363,10 @@ class EvalConfig:
     max_prompt_len: int = 2048
     num_slots: int = 64
     timeout_s: float = 24 * 3600.0
-    chat_format: str = "rstar2"
+    # "": the format the model records (its checkpoint's meta, its HF export's chat template),
+    # else "rstar2" (a plain HF model). Prompts of another format than the model was trained on
+    # score it low with no error, so only a format named here (or by a profile) overrides it.
+    chat_format: str = ""
 
     @property
     def path_list(self) -> list[str]:
@@ -377,7 +380,7 @@ class EvalConfig:
                  (not self.names or len(self.names) == len(self.path_list),
                   f"names={','.join(self.names)!r} gives {len(self.names)} names for the {len(self.path_list)} "
                   "files of eval.paths: one name per file, in order (or none: the file stems)"),
-                 one_of("chat_format", self.chat_format, CHAT_FORMATS)]
+                 one_of("chat_format", self.chat_format, {"", *CHAT_FORMATS})]
         try:  # the rollout layer's own rules on the values it takes from this section
             RLConfig().agent(**self.budgets()), self.sampling()
         except ValueError as e:  # (in this section's names: its timeout_s is the agent's rollout_timeout_s)

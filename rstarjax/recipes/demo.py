@@ -42,7 +42,7 @@ from rstarjax import report
 from rstarjax.io import checkpoint as ckpt_lib
 from rstarjax.io import files
 from rstarjax.io.checkpoint import CheckpointConfig
-from rstarjax.io.metrics_log import MetricsWriter
+from rstarjax.io.metrics_log import MetricsWriter, read_metrics
 from rstarjax.models import save_hf
 from rstarjax.models.chat_template import chat_format
 from rstarjax.recipes import build, demo_tasks
@@ -203,7 +203,7 @@ def prepare(run: RunConfig, workdir: str, summary_name: str) -> DemoSetup:
     os.makedirs(workdir, exist_ok=True)
     summary_path = os.path.join(workdir, summary_name)
     if os.path.exists(summary_path) and not run.demo.overwrite:
-        raise FileExistsError(f"{summary_path} exists: pick a new --workdir (the demo is not resumable)")
+        raise FileExistsError(f"{summary_path} exists: that run finished; pick a new --workdir")
     files.write_atomic(os.path.join(workdir, "config.json"), config_json(run))
     prov = provenance(run)
     tokenizer = build.tokenizer(run.model)
@@ -237,21 +237,128 @@ def load_sft_policy(run: RunConfig, setup: DemoSetup) -> tuple[nnx.Module, dict[
     return nnx.merge(graphdef, restored, rest), summary
 
 
+# The full demo's SFT is ~1,000 steps (15-40 min on a laptop or a free Colab GPU): a progress
+# line every SFT_PROGRESS_EVERY steps shows it is alive, and a checkpoint every
+# SFT_CHECKPOINT_EVERY steps lets a re-run after a disconnect resume instead of starting over.
+# The CI-sized demo's few steps print no progress line (the summary line follows at once).
+SFT_PROGRESS_EVERY = 50
+SFT_CHECKPOINT_EVERY = 200
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` as people read an ETA: "45s", "12m05s", "1h03m"."""
+    if not math.isfinite(seconds):
+        return "?"
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def sft_progress_line(step: int, total: int, loss: float, steps_per_s: float) -> str:
+    """One SFT progress line: where it is, its loss, its pace and the time left at that pace."""
+    eta = (total - step) / steps_per_s if steps_per_s > 0 else float("nan")
+    return f"SFT step {step}/{total}: loss {loss:.3f}, {steps_per_s:.2f} steps/s, ETA {duration(eta)}"
+
+
+class SFTProgress:
+    """``train_sft``'s ``on_step``: a progress line through ``say`` every ``every`` steps (never at
+    the last step, which the summary line reports). The pace counts from the end of the first
+    step this process trained, so the compile it waited for is not spread over the ETA."""
+
+    def __init__(self, every: int, say=_say, clock=time.monotonic):
+        self.every, self.say, self.clock = every, say, clock
+        self.first: tuple[int, float] | None = None  # (step, time) at the end of this process's first step
+
+    def __call__(self, step: int, total: int, metrics: Mapping[str, float]) -> None:
+        now = self.clock()
+        if self.first is None:
+            self.first = (step, now)
+        if step % self.every or step >= total:
+            return
+        done, elapsed = step - self.first[0], now - self.first[1]
+        self.say(sft_progress_line(step, total, metrics["sft/loss"], done / elapsed if done and elapsed > 0 else 0.0))
+
+
+def logged_sft_losses(log_path: str) -> dict[int, float]:
+    """``sft/loss`` by step in the SFT metrics log (empty when there is none): the losses of the
+    steps an earlier process trained."""
+    try:
+        records = read_metrics(log_path)
+    except (OSError, ValueError):
+        return {}
+    return {int(r["step"]): float(r["sft/loss"]) for r in records if "sft/loss" in r}
+
+
+def resumed_sft_summary(fresh: Mapping[str, Any], saved: Mapping[str, Any] | None,
+                        logged_losses: Mapping[int, float]) -> dict[str, Any]:
+    """The demo's SFT summary when ``train_sft`` resumed from a checkpoint (``fresh``: what this
+    process's call returned; its losses and seconds cover only the steps it trained). SFT already
+    finished with its summary saved (``saved``, of the same length): that summary, its loss and
+    time those of the run that trained it. Otherwise the run's first and last losses from the
+    metrics log, and ``seconds`` this process's, said by ``seconds_from_step``."""
+    start, steps = int(fresh.get("start_step", 0)), int(fresh["steps"])
+    if not start:
+        return dict(fresh)
+    if start >= steps and saved is not None and int(saved.get("steps", -1)) == steps:
+        return {**saved, "resumed_at_step": start}
+    out = dict(fresh, resumed_at_step=start, seconds_from_step=start)
+    out["first_loss"] = logged_losses.get(1, out["first_loss"])
+    if start >= steps:  # nothing trained here: the last loss is the one logged at the last step
+        out["final_loss"] = logged_losses.get(steps, out["final_loss"])
+    return out
+
+
+def sft_time_covered(summary: Mapping[str, Any]) -> str:
+    """What an SFT summary's ``seconds`` are: all its steps, the steps after ``seconds_from_step``
+    (a run resumed mid-SFT), or nothing known (a run resumed after SFT, its summary lost)."""
+    steps, since = int(summary["steps"]), summary.get("seconds_from_step")
+    if since is None:
+        return f"{summary['seconds']:.0f}s"
+    if int(since) >= steps:
+        return "time unknown: an earlier run trained it"
+    return f"{summary['seconds']:.0f}s for steps {int(since) + 1}-{steps}"
+
+
+def sft_summary_line(summary: Mapping[str, Any]) -> str:
+    """What the demo prints after SFT: its steps, loss and time; after a resume, where it resumed
+    and what its time covers."""
+    steps, start = int(summary["steps"]), int(summary.get("resumed_at_step", 0))
+    loss = f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
+    if not start:
+        return f"SFT: {steps} steps, {loss} ({summary['seconds']:.0f}s)"
+    if start >= steps:
+        return f"SFT: resumed at step {start} of {steps} (nothing left to train); {loss} ({sft_time_covered(summary)})"
+    return f"SFT: resumed at step {start}, trained to step {steps}; {loss} ({sft_time_covered(summary)})"
+
+
 def train_sft_policy(run: RunConfig, setup: DemoSetup, workdir: str) -> tuple[nnx.Module, dict[str, Any]]:
-    """Non-reasoning SFT of a fresh demo model on the generated traces (logs in ``workdir/sft``);
-    with ``demo.sft_checkpoint``, that checkpoint's params instead (``load_sft_policy``)."""
+    """Non-reasoning SFT of a fresh demo model on the generated traces (logs, checkpoints and
+    ``sft_summary.json`` in ``workdir/sft``; a re-run resumes from its newest checkpoint); with
+    ``demo.sft_checkpoint``, that checkpoint's params instead (``load_sft_policy``)."""
     if run.demo.sft_checkpoint:
         return load_sft_policy(run, setup)
     model = demo_policy(run, setup.tokenizer, setup.mesh)
     sft_dir = os.path.join(workdir, "sft")
-    with MetricsWriter(os.path.join(sft_dir, "logs"), tensorboard=False) as mw:
-        sft_trainer, sft_summary = sft_lib.train_sft(
-            model, setup.tokenizer, setup.data["sft_traces"], run.sft, mesh=setup.mesh,
-            fmt=chat_format(run.sft.chat_format), workdir=sft_dir,
-            checkpoint_cfg=CheckpointConfig(every_steps=10**9, keep=1, async_save=False),
-            meta=build.model_meta(model, setup.tokenizer, run.sft.chat_format), metrics_writer=mw, log_every=0)
-    _say(f"SFT: {sft_summary['steps']} steps, loss {sft_summary['first_loss']:.3f} -> "
-         f"{sft_summary['final_loss']:.3f} ({sft_summary['seconds']:.0f}s)")
+    logdir = os.path.join(sft_dir, "logs")
+    summary_path = os.path.join(sft_dir, "sft_summary.json")
+    saved = None
+    if os.path.exists(summary_path):  # read before this run could change it
+        with open(summary_path) as f:
+            saved = json.load(f)
+    sft_trainer, fresh = sft_lib.train_sft(
+        model, setup.tokenizer, setup.data["sft_traces"], run.sft, mesh=setup.mesh,
+        fmt=chat_format(run.sft.chat_format), workdir=sft_dir,
+        checkpoint_cfg=CheckpointConfig(every_steps=SFT_CHECKPOINT_EVERY, keep=1, async_save=False),
+        meta=build.model_meta(model, setup.tokenizer, run.sft.chat_format), log_every=0,
+        # opened at the step resumed from, so steps a killed run logged past its checkpoint are logged once
+        open_metrics=lambda start: MetricsWriter(logdir, tensorboard=False, resume_step=start),
+        on_step=SFTProgress(SFT_PROGRESS_EVERY))
+    sft_summary = resumed_sft_summary(fresh, saved, logged_sft_losses(os.path.join(logdir, "metrics.jsonl")))
+    files.write_json_atomic(summary_path, sft_summary)
+    _say(sft_summary_line(sft_summary))
     return sft_trainer.model(), sft_summary
 
 
@@ -307,7 +414,9 @@ def run_demo(run: RunConfig, workdir: str) -> dict[str, Any]:
     _write_eval_samples(os.path.join(workdir, "heldout_samples.jsonl"), data["eval_rows"], sft_trajs, rl_trajs)
     if run.demo.export_hf:
         with files.staged_dir(os.path.join(workdir, "hf")) as hf_dir:  # whole or not at all
-            save_hf(trainer.lora_model(), hf_dir, tokenizer=setup.tokenizer)  # LoRA: merged in f32
+            # LoRA: merged in f32; the template of the format the policy was trained in (what
+            # mode=eval reads to ask in that format)
+            save_hf(trainer.lora_model(), hf_dir, tokenizer=setup.tokenizer, chat_format=run.sft.chat_format)
     summary = {
         "sft_accuracy": sft_acc,
         "rl_accuracy": rl_acc,
@@ -315,6 +424,7 @@ def run_demo(run: RunConfig, workdir: str) -> dict[str, Any]:
         "wall_seconds": time.time() - setup.t_start,
         "sft_steps": sft_summary["steps"],
         "sft_seconds": sft_summary["seconds"],
+        **resumed_timing_note(sft_summary),
         "rl_steps": trainer.step,
         "rl_seconds": rl_seconds,
         "roc": bool(run.rl.roc),
@@ -330,6 +440,17 @@ def run_demo(run: RunConfig, workdir: str) -> dict[str, Any]:
     files.write_json_atomic(summary_path, summary)  # whole or not at all: seed_table reads it
     _say(f"summary: {json.dumps({k: summary[k] for k in ('sft_accuracy', 'rl_accuracy', 'num_eval_problems', 'wall_seconds')})}")
     return summary
+
+
+def resumed_timing_note(sft_summary: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``demo_summary.json`` adds when this process resumed SFT: where, and what its
+    ``sft_seconds`` cover (``wall_seconds`` and ``rl_seconds`` are always this process's)."""
+    start = int(sft_summary.get("resumed_at_step", 0))
+    if not start:
+        return {}
+    return {"sft_resumed_at_step": start,
+            "timing_note": f"resumed at SFT step {start}: wall_seconds and rl_seconds are this process's; "
+                           f"sft_seconds: {sft_time_covered(sft_summary)}"}
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:

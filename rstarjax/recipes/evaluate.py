@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import fractions
+import json
 import logging
 import os
 import re
@@ -24,7 +25,7 @@ from rstarjax.env.verify import MAX_ANSWER_CHARS, extract_final_answer, normaliz
 from rstarjax.io import data as data_lib
 from rstarjax.io import files
 from rstarjax.io.data import DataError, load_problems
-from rstarjax.models.chat_template import chat_format, encode_prompt
+from rstarjax.models.chat_template import CHAT_FORMATS, chat_format, encode_prompt, jinja_chat_template
 from rstarjax.recipes import build, preemption
 from rstarjax.recipes.config import RunConfig
 from rstarjax.rl.trajectory import FinishReason, RolloutFn, Trajectory, group_indices, trajectories_of
@@ -236,11 +237,13 @@ def format_table(per_dataset: Mapping[str, Mapping[str, float]], k: int) -> str:
 # ---- driver ------------------------------------------------------------------------------------
 def evaluate_records(datasets: Mapping[str, Sequence[Mapping[str, str]]],
                      sample: Callable[[Sequence[Mapping[str, str]], int], Sequence[Sequence[Trajectory]]], k: int,
-                     out_dir: str | None = None, reward_mode: str = "answer") -> dict[str, dict[str, float]]:
+                     out_dir: str | None = None, reward_mode: str = "answer", chat_format_used: str | None = None,
+                     ) -> dict[str, dict[str, float]]:
     """Sample k trajectories per problem of every dataset (``sample(records, k)``: for each record
     its k trajectories, rewards computed; ``per_problem`` makes one of a ``RolloutFn``), score them
     and (optionally) write ``eval_samples.jsonl``, ``eval_results.json`` and ``eval_table.md`` into
-    ``out_dir``."""
+    ``out_dir``. ``chat_format_used``: the prompts' format, kept with each dataset's figures (a
+    score is only comparable with one asked in the same format)."""
     per_dataset: dict[str, dict[str, float]] = {}
     all_results: list[ProblemResult] = []
     for name, records in datasets.items():
@@ -250,6 +253,8 @@ def evaluate_records(datasets: Mapping[str, Sequence[Mapping[str, str]]],
         results = [problem_result(rec, trajs, name, outside_answer_block=reward_mode != "answer")
                    for rec, trajs in zip(records, groups)]
         per_dataset[name] = dataset_metrics(results, k)
+        if chat_format_used:
+            per_dataset[name]["chat_format"] = chat_format_used
         all_results.extend(results)
         log.info("eval %s: %s", name, per_dataset[name])
         if per_dataset[name]["infra_errors"]:
@@ -329,6 +334,40 @@ def without_long_prompts(datasets: Mapping[str, list[dict]], tokenizer, chat: st
     return out
 
 
+def hf_dir_chat_format(hf_path: str) -> str | None:
+    """The chat format whose template a HF directory's ``tokenizer_config.json`` holds (what
+    ``save_hf`` writes for the format the model was trained with), or None: no such file, or a
+    template of none of ``CHAT_FORMATS`` (a plain HF model's own)."""
+    try:
+        with open(os.path.join(hf_path, "tokenizer_config.json"), encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return next((name for name, fmt in CHAT_FORMATS.items() if template == jinja_chat_template(fmt)), None)
+
+
+def recorded_chat_format(hf_path: str, checkpoint_meta: Mapping | None) -> tuple[str | None, str]:
+    """``(format, where it is recorded)`` of the evaluated policy: with a checkpoint
+    (``checkpoint.init_from``), its meta's ``chat_format`` (None for one older than the record);
+    else the chat template of the HF directory ``hf_path``."""
+    if checkpoint_meta is not None:
+        return checkpoint_meta.get("chat_format"), "the checkpoint's meta"
+    return (hf_dir_chat_format(hf_path) if hf_path else None), f"{hf_path}/tokenizer_config.json"
+
+
+def choose_chat_format(given: str, recorded: str | None, where: str) -> tuple[str, str | None]:
+    """``(format, a warning line or None)``: the one ``eval.chat_format`` names (``given``), else
+    the model's ``recorded`` one, else "rstar2". Naming another than the recorded one is allowed
+    (comparing formats is a real experiment) but warned about: it scores the model on prompts it
+    was not trained on."""
+    if not given:
+        return recorded or "rstar2", None
+    if recorded and recorded != given:
+        return given, (f"--config.eval.chat_format={given} differs from the format the model was trained with "
+                       f"({recorded}, recorded in {where}): its scores are of prompts it never saw in training")
+    return given, None
+
+
 def per_problem(rollout_fn: RolloutFn, seed: int = 0):
     """``(records, k) -> k trajectories per record`` from a ``RolloutFn`` (whose trajectories
     carry ``group_id`` = record index)."""
@@ -349,15 +388,25 @@ def run_eval(run: RunConfig, workdir: str) -> dict[str, dict[str, float]]:
     through the agent loop, with the evaluation's sampling and budgets (§5.1: T=0.6, 30K tokens,
     30 turns); writes eval_table.md, eval_results.json, eval_samples.jsonl. The policy is
     ``model.hf_path``'s, or with ``checkpoint.init_from`` (a run's WORKDIR/checkpoints) that
-    checkpoint's newest, on the architecture and tokenizer of ``model.hf_path``."""
+    checkpoint's newest, on the architecture and tokenizer of ``model.hf_path``. Prompts are in
+    the chat format the policy records (``recorded_chat_format``) unless ``eval.chat_format``
+    names one (``choose_chat_format``)."""
     e = run.eval
     datasets = load_benchmarks(e.path_list, list(e.names) if e.names else None, e.limit, run.data.handling)
     init_from = run.checkpoint.init_from
+    checkpoint_meta = None
     if init_from:  # a run's checkpoint, checked before the model is built (a missing one: one line)
-        build.init_from_checkpoint(init_from)
+        _, checkpoint_meta = build.init_from_checkpoint(init_from)
+    recorded, where = recorded_chat_format(run.model.hf_path, checkpoint_meta)
+    chat, warning = choose_chat_format(e.chat_format, recorded, where)
+    if warning:
+        log.warning(warning)
+    elif recorded and not e.chat_format:
+        print(f"rstarjax: eval prompts in chat_format {chat}, recorded in {where} "
+              "(--config.eval.chat_format overrides it)", flush=True)
     mesh = build.mesh(run.mesh)
     tokenizer = build.tokenizer(run.model)
-    datasets = without_long_prompts(datasets, tokenizer, e.chat_format, e.max_prompt_len)
+    datasets = without_long_prompts(datasets, tokenizer, chat, e.max_prompt_len)
     # with init_from its weights replace the built ones (LoRA: the adapters' base is read)
     model = build.policy(run.model, mesh, run.seed, read_weights=not init_from or run.model.lora_rank > 0,
                          **build.vocabulary_of(tokenizer))
@@ -372,9 +421,10 @@ def run_eval(run: RunConfig, workdir: str) -> dict[str, dict[str, float]]:
         executor = build.executor(run.rl.num_tool_workers, run.env.allow_unconfined)
         try:
             rollouts = build.rollouts(model, tokenizer, executor, run.eval_agent(), e.sampling(), e.max_prompt_len,
-                                      e.chat_format, run.serving, num_slots=e.num_slots)
+                                      chat, run.serving, num_slots=e.num_slots)
             with guard.rollouts():
-                out = evaluate_records(datasets, per_problem(rollouts, run.seed), e.k, workdir, run.reward.mode)
+                out = evaluate_records(datasets, per_problem(rollouts, run.seed), e.k, workdir, run.reward.mode,
+                                       chat_format_used=chat)
         except preemption.StepAbandoned:
             raise preemption.Interrupted(guard.request.signum, 0, False, False,
                                          done="abandoned the evaluation in progress; it writes its results once "

@@ -333,6 +333,7 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
               meta: Mapping[str, Any] | None = None, metrics_writer=None, log_every: int = 10,
               encoded: tuple[list[SFTExample], dict[str, int]] | None = None,
               open_metrics: Callable[[int], Any] | None = None,
+              on_step: Callable[[int, int, Mapping[str, float]], None] | None = None,
               ) -> tuple[SFTTrainer, dict[str, Any]]:
     """Train ``model`` on ``conversations``; returns the trainer (``.model()`` is the SFT policy)
     and a summary. With ``workdir`` + ``checkpoint_cfg`` it checkpoints every ``every_steps``
@@ -341,6 +342,7 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
     ``open_metrics(start)``: opens the metrics writer (closed here) once the step resumed from is
     known, so that the steps after it which a killed run logged are logged once (a damaged
     newest checkpoint resumes from an older step); or an open ``metrics_writer``.
+    ``on_step(step, total, metrics)``: called after each step trained (a caller's progress line).
 
     Every checkpoint's meta records ``sft_identity`` (the encoded data, batch size, seed,
     seq_len, chat format); a resume with other ones is refused (``check_same_plan``): its step
@@ -418,6 +420,8 @@ def train_sft(model: nnx.Module, tokenizer, conversations, cfg: SFTConfig, *, me
                         raise
                 if log_every and ((s + 1) % log_every == 0 or s + 1 == total):
                     log.info("sft step %d/%d loss %.4f lr %.2e", s + 1, total, last["sft/loss"], last["sft/lr"])
+                if on_step is not None:
+                    on_step(s + 1, total, last)
                 diverged = nonfinite.observe(s + 1, last, ckpt.latest_step() if ckpt is not None else None)
                 if diverged is not None:
                     raise diverged
