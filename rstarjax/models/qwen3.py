@@ -33,7 +33,7 @@ from rstarjax.models.lora import adapter_names, init_adapters, lora_delta, merge
 from rstarjax.models.paged_attention import (paged_attention_reference, paged_decode_append,
                                              paged_decode_attention, ragged_decode_attention,
                                              write_kv_pages)
-from rstarjax.models.sharding import constrain
+from rstarjax.models.sharding import constrain, logical_to_spec
 
 # Names of the stacked per-layer parameters, in the order HF lists them.
 LAYER_PARAM_NAMES = ("input_norm", "q_proj", "q_bias", "k_proj", "k_bias", "v_proj", "v_bias",
@@ -190,6 +190,29 @@ def decode_layer_fused(cfg: ModelConfig, p: dict, x: jax.Array,
 # ---------------------------------------------------------------------------------------------
 # Modules
 # ---------------------------------------------------------------------------------------------
+def _hidden_sharded(table: jax.Array) -> bool:
+    """Whether the embedding table [V, D] has its hidden dim split (over fsdp) on the current mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and logical_to_spec(("vocab", "embed"), table.shape, mesh)[1] is not None
+
+
+def embed_lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
+    """Rows of ``table`` [V, D] at ``tokens`` [B, T] -> [B, T, D] in ``dtype``, sharded on batch.
+
+    With the table's D split over fsdp, a lookup has D split over fsdp too: asked straight for
+    rows over (data, fsdp), XLA cannot get there on a data x fsdp mesh without gathering the
+    whole micro-batch activation onto every device (and its gradient, in the scatter-add).
+    So each fsdp group first looks up its data shard's rows with D kept on fsdp (local, no
+    weight gather), then one all-to-all inside the group trades D for rows; the backward is the
+    reverse all-to-all and a local scatter-add into the table's shard."""
+    if _hidden_sharded(table):
+        tokens = constrain(tokens, ("lookup_batch", "seq"))
+        x = constrain(jnp.take(table, tokens, axis=0), ("lookup_batch", "seq", "embed"))
+    else:
+        x = jnp.take(table, tokens, axis=0)
+    return constrain(x.astype(dtype), ("batch", "seq", "act_embed"))
+
+
 def _param(rngs: nnx.Rngs | None, shape, dtype, axes, init: str, std: float = 0.02) -> nnx.Param:
     if init == "ones":
         value = jnp.ones(shape, dtype)
@@ -256,8 +279,7 @@ class Qwen3(nnx.Module):
 
     # ---- shared pieces ---------------------------------------------------------------------
     def _embed(self, tokens: jax.Array) -> jax.Array:
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.config.dtype)
-        return constrain(x, ("batch", "seq", "act_embed"))
+        return embed_lookup(self.embed[...], tokens, self.config.dtype)
 
     def _logits(self, x: jax.Array) -> jax.Array:
         cfg = self.config
@@ -306,7 +328,7 @@ class Qwen3(nnx.Module):
             raise ValueError(f"positions {positions.shape} and segment_ids {segment_ids.shape} "
                              f"must match tokens {tokens.shape}")
         sin, cos = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
-        impl = choose_implementation(cfg.packed_attention, t)
+        impl = choose_implementation(cfg.packed_attention, t, dtype=cfg.dtype)
         if impl == "dense":  # short rows: one [B,1,T,T] mask shared by every layer
             mask = segment_causal_mask(segment_ids)
             attention = lambda q, k, v: (attend(q, k, v, mask, cfg.attention_impl), None)

@@ -37,6 +37,9 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("norm", None),
     # activations
     ("batch", ("data", "fsdp")),
+    # The embedding lookup's rows: over data only, so its output can keep the hidden dim on fsdp
+    # like the table (Qwen3._embed) and reach "batch" by an all-to-all inside each fsdp group.
+    ("lookup_batch", "data"),
     ("seq", None),
     ("act_embed", None),
     ("act_mlp", "tensor"),
