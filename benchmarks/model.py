@@ -184,7 +184,7 @@ result = {
     "benchmark": "model_fwd_bwd", "device": jax.devices()[0].device_kind,
     "preset": args.preset, "layers": cfg.num_hidden_layers, "vocab": cfg.vocab_size,
     "params": cfg.num_params, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
-    "remat": args.remat, "attention": attention_lib.choose_implementation(args.attention, args.seq),
+    "remat": args.remat, "attention": attention_lib.choose_implementation(args.attention, args.seq, dtype=cfg.dtype),
     "scan_layers": cfg.scan_layers, "iters": args.iters,
 }
 if args.only != "torch":

@@ -245,3 +245,21 @@ def test_a_named_kernel_off_its_accelerator_or_with_tiles_it_cannot_take_is_one_
     q, k, v, seg, _ = _inputs()
     with pytest.raises(ValueError, match="attention_block_size=100: the Pallas GPU kernel"):
         attn.packed_attention(q, k, v, seg, "pallas_gpu", block=100)
+
+
+def test_the_platform_of_a_gpu_device_tells_rocm_from_cuda():
+    """jax names both GPU kinds 'gpu' in places; the engine's decode default read
+    ``device.platform`` alone and took 'gpu' for CUDA, so a ROCm device would have been sent to the
+    Triton kernels the docs keep it off (and a float32 pool to ours)."""
+    import types
+    from rstarjax.models.paged_attention import default_decode_implementation
+
+    def device(platform, version=""):
+        return types.SimpleNamespace(platform=platform, client=types.SimpleNamespace(platform_version=version))
+
+    assert attn.device_platform(device("gpu", "rocm 6.3.1")) == "rocm"
+    assert attn.device_platform(device("gpu", "cuda 12080")) == "cuda"
+    assert attn.device_platform(device("rocm")) == "rocm" and attn.device_platform(device("tpu")) == "tpu"
+    for kv_dtype in (jnp.bfloat16, jnp.float32):
+        platform = attn.device_platform(device("gpu", "rocm 6.3.1"))
+        assert default_decode_implementation(platform, kv_dtype=kv_dtype) == "ragged"

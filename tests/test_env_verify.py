@@ -181,6 +181,26 @@ def test_warm_up_passes_on_a_working_install():
     verify.warm_up()
 
 
+def test_warm_up_puts_no_time_limit_on_its_self_check(monkeypatch):
+    """The zygote warms up on its main thread, where math-verify's 5 s limit applies, and a timed
+    out comparison reads as "unequal": a first comparison slowed by a busy machine would have
+    stopped the pool as a broken install. Each warm-up comparison runs with no limit."""
+    from math_verify import grader
+    from rstarjax.env import verify
+
+    limits = []
+    real_verify = grader.verify
+
+    def recording_verify(*args, timeout_seconds=None, **kwargs):
+        limits.append(timeout_seconds)
+        return real_verify(*args, timeout_seconds=timeout_seconds, **kwargs)
+
+    monkeypatch.setattr("math_verify.verify", recording_verify)
+    monkeypatch.setattr(verify, "math_verify_timeout_s", lambda: 1)
+    verify.warm_up()
+    assert limits and all(limit is None for limit in limits), limits
+
+
 # ---- math-verify's own time limits where its alarm works ----------------------------------------
 @pytest.mark.slow
 def test_a_pathological_answer_scores_0_within_math_verifys_limit_on_the_main_thread():

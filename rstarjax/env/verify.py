@@ -177,11 +177,17 @@ def math_verify_timeout_s() -> int | None:
     return MATH_VERIFY_TIMEOUT_S if on_main_thread and hasattr(signal, "SIGALRM") else None
 
 
-def _math_verify(answer: str, gold_text: str) -> bool:
+_DEFAULT_LIMIT = object()
+
+
+def _math_verify(answer: str, gold_text: str, timeout_s=_DEFAULT_LIMIT) -> bool:
+    """math-verify's verdict, under ``timeout_s`` per parse and comparison (default
+    ``math_verify_timeout_s()``; None: no limit)."""
     # Imported here: sympy-heavy, and this module is loaded where it must not be (the lean zygote).
     from math_verify import grader, parse, parser, verify
 
-    timeout_s = math_verify_timeout_s()
+    if timeout_s is _DEFAULT_LIMIT:
+        timeout_s = math_verify_timeout_s()
     # Silence math-verify's once-per-process warning that its timeouts are off (off the main thread).
     parser.TIMEOUT_WARNING_SHOWN = grader.TIMEOUT_WARNING_SHOWN = True
     gold_parsed = parse("\\boxed{" + gold_text + "}", parsing_timeout=timeout_s)
@@ -207,9 +213,11 @@ def warm_up() -> None:
     Every pair is equal, so a pair judged unequal means math-verify cannot read LaTeX here (a
     broken install, e.g. an antlr4 runtime that latex2sympy2_extended does not support: math-verify
     logs the parse error and returns nothing). Then every non-integer answer would score 0, blamed
-    on the model; instead the verifier pool refuses to start (RuntimeError, naming the pair)."""
+    on the model; instead the verifier pool refuses to start (RuntimeError, naming the pair).
+    Without a time limit: a first comparison slowed by a busy machine (math-verify reads a
+    timeout as "unequal") must not pass for a broken install."""
     for answer, gold in WARM_UP_PAIRS:
-        if not _math_verify(answer, gold):
+        if not _math_verify(answer, gold, timeout_s=None):
             raise RuntimeError(
                 f"the verifier's self-check failed: math-verify judges {answer!r} unequal to {gold!r}, "
                 "which are equal. Its LaTeX parsing is broken in this Python environment (check that "

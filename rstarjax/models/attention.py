@@ -371,13 +371,20 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
 # ---------------------------------------------------------------------------------------------
 # The entry point
 # ---------------------------------------------------------------------------------------------
+def device_platform(device=None) -> str:
+    """'tpu', 'cuda', 'rocm' or 'cpu' for ``device`` (default: the default backend's first): jax
+    names both GPU kinds 'gpu' in places, and the client's platform version tells ROCm apart."""
+    device = device or jax.devices()[0]
+    platform = device.platform
+    if platform == "gpu":
+        version = getattr(device.client, "platform_version", "").lower()
+        return "rocm" if "rocm" in version else "cuda"
+    return platform
+
+
 def _platform() -> str:
     """'tpu', 'cuda', 'rocm' or 'cpu' for the default backend."""
-    backend = jax.default_backend()
-    if backend == "gpu":
-        version = getattr(jax.devices()[0].client, "platform_version", "").lower()
-        return "rocm" if "rocm" in version else "cuda"
-    return backend
+    return device_platform()
 
 
 # cuDNN's fused attention in the packed (several segments a row) layout: jax's

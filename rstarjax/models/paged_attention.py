@@ -42,6 +42,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from rstarjax.models.attention import device_platform
 from rstarjax.models.kv_cache import NO_PAGE
 
 DECODE_IMPLEMENTATIONS = ("reference", "ragged", "pallas_gpu", "pallas_gpu_packed",
@@ -220,7 +221,7 @@ def default_decode_implementation(platform: str | None = None, *, head_dim: int 
     precision, which Pallas' Triton lowering makes TF32. There a float32 pool takes our
     ``pallas_gpu_packed``, whose products are float32 multiply-adds on the CUDA cores (no dots;
     the ``ragged`` path's einsums would be XLA's TF32 GEMMs on the GPU too)."""
-    platform = platform or jax.devices()[0].platform
+    platform = platform or device_platform()
     shape = dict(head_dim=head_dim, page_size=page_size)
     half_width = jnp.dtype(kv_dtype).itemsize <= 2
     tiles = head_dim % 16 == 0 and page_size % 16 == 0

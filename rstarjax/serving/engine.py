@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from rstarjax.models.attention import device_platform
 from rstarjax.models.kv_cache import NO_PAGE, pages_for
 from rstarjax.models.paged_attention import (RAGGED_CHUNK, RAGGED_LIST_STEP,
                                              default_decode_implementation, split_kv_axis)
@@ -160,7 +161,7 @@ class Engine:
             decode_attention = "ragged"
         elif decode_attention == "auto":
             decode_attention = default_decode_implementation(
-                first_device.platform, head_dim=self.cfg.head_dim,
+                device_platform(first_device), head_dim=self.cfg.head_dim,
                 page_size=self.page_size, kv_dtype=self.cache_dtype)
         self._kv_split = kv_split
         self.interpret = bool(interpret)  # CPU tests: the Pallas kernels in their interpreter
