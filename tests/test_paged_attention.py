@@ -288,10 +288,9 @@ def test_default_kernel_per_platform():
     assert default_decode_implementation("tpu", head_dim=64) == "ragged"
     # The TPU kernel rounds K and V to bf16 inside: a float32 pool takes the exact path.
     assert default_decode_implementation("tpu", kv_dtype=jnp.float32) == "ragged"
-    # jax's Triton kernel's dots are TF32 on CUDA (so would XLA's einsums of the ragged path be):
-    # a float32 pool takes our kernel, whose products are float32 multiply-adds (no dots) ...
-    assert default_decode_implementation("cuda", kv_dtype=jnp.float32) == "pallas_gpu_packed"
-    # ... where its Triton blocks lower (power-of-two pages and heads), else the portable path
+    # jax's Triton kernel's dots are TF32 on CUDA: a float32 pool takes the portable path, whose
+    # dots follow jax's matmul precision like the rest of the engine and the trainer
+    assert default_decode_implementation("cuda", kv_dtype=jnp.float32) == "ragged"
     assert default_decode_implementation("cuda", page_size=48, kv_dtype=jnp.float32) == "ragged"
     # Triton's blocks are powers of two: 48- or 96-token pages, head_dim 80 or 96 take ragged
     for shape in (dict(page_size=48), dict(page_size=96), dict(head_dim=80), dict(head_dim=96)):

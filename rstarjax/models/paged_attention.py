@@ -20,8 +20,7 @@
   cannot run on CPU in this jax, so it could not be tested against the reference here).
   ``pallas_gpu_packed`` is our own kernel (``decode_kernel.py``): all query heads of a kv head
   in one block without padding, split-K over the live pages; chosen by name until a GPU
-  measures it against ``pallas_gpu`` (docs/serving.md, "Our decode kernel"), and by
-  ``default_decode_implementation`` for a float32 pool on CUDA (its products are float32).
+  measures it against ``pallas_gpu`` (docs/serving.md, "Our decode kernel").
 - ``paged_decode_append``: the same kernel writing the step's K/V itself
   (``pallas_gpu_packed_append``: no scatter kernels between the projections and attention),
   and also applying the q/k RMSNorm and the rotary embedding (``pallas_gpu_packed_rope``: the
@@ -218,17 +217,16 @@ def default_decode_implementation(platform: str | None = None, *, head_dim: int 
     float32, so a float32 engine's log-probs would be off by ~1e-3 from the trainer's
     (tests/test_engine_differential.py): the TPU kernel rounds K and V to bfloat16 inside (jax's
     ``paged_attention_kernel``, ``_maybe_dequantize``), and on CUDA jax's kernel's dots carry no
-    precision, which Pallas' Triton lowering makes TF32. There a float32 pool takes our
-    ``pallas_gpu_packed``, whose products are float32 multiply-adds on the CUDA cores (no dots;
-    the ``ragged`` path's einsums would be XLA's TF32 GEMMs on the GPU too)."""
+    precision, which Pallas' Triton lowering makes TF32. There a float32 pool takes the ``ragged``
+    path, whose einsums are XLA's dots at the precision of every other matmul of the engine and
+    the trainer (``jax_default_matmul_precision``): not our ``pallas_gpu_packed``, exact in its
+    interpreter but not yet run on a GPU (docs/serving.md)."""
     platform = platform or device_platform()
     shape = dict(head_dim=head_dim, page_size=page_size)
     half_width = jnp.dtype(kv_dtype).itemsize <= 2
     tiles = head_dim % 16 == 0 and page_size % 16 == 0
     if platform in ("cuda", "gpu"):
-        if not half_width:
-            return "ragged" if kernel_problems("pallas_gpu_packed", **shape) else "pallas_gpu_packed"
-        if tiles and not kernel_problems("pallas_gpu", **shape):
+        if half_width and tiles and not kernel_problems("pallas_gpu", **shape):
             return "pallas_gpu"
     if platform == "tpu" and tiles and half_width and not kernel_problems("pallas_tpu", **shape):
         return "pallas_tpu"
