@@ -519,3 +519,13 @@ def test_a_mesh_that_does_not_fit_names_the_axis_to_change(inputs, flags, hint):
     """The hint was always '--config.mesh.fsdp=-1', already set when data=3 was the problem."""
     [line] = _refusal_on(inputs, "rl", 8, 1, *flags)
     assert line.startswith("mesh (data, fsdp, tensor)=") and hint in line, line
+
+
+def test_a_tool_timeout_the_code_judge_sandbox_cannot_take_is_refused_at_start(inputs):
+    """The official protocol runs each call's sandbox 1 s past rl.tool_timeout_s, within the code
+    pool's 600 s cap: 599.5 made every call an infrastructure error; refused when the rollouts
+    were built, after the model. Now one line at start, naming the flag."""
+    [line] = _refusal(inputs, "rl", "--config.profile=rstar2_official", "--config.rl.tool_timeout_s=599.5")
+    assert line.startswith("--config.rl.tool_timeout_s=599.5 must be <= 599 seconds with the code_judge"), line
+    _parse(inputs, "rl", "--config.profile=rstar2_official", "--config.rl.tool_timeout_s=599")
+    _parse(inputs, "rl", "--config.rl.tool_timeout_s=599.5")  # the paper's protocol has no such margin

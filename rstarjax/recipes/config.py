@@ -27,12 +27,12 @@ from rstarjax.env.official_reward import REWARD_MODES
 from rstarjax.io.checkpoint import CheckpointConfig
 from rstarjax.io.data import ANSWER_FILTERS, DATA_HANDLINGS, dataset_problems
 from rstarjax.layout import Layout, layout_of
-from rstarjax.models.chat_template import CHAT_FORMATS
+from rstarjax.models.chat_template import CHAT_FORMATS, chat_format
 from rstarjax.models.config import DTYPES, LORA_TARGETS, PRESETS, REMAT_POLICIES, ModelConfig
 from rstarjax.models.hf_check import model_dir_problems
 from rstarjax.models.kv_cache import pages_for
 from rstarjax.recipes import demo_tasks
-from rstarjax.rl.agent_loop import AgentConfig
+from rstarjax.rl.agent_loop import AgentConfig, require_tool_timeout_fits
 from rstarjax.rl.config import RLConfig
 from rstarjax.rl.loss import LossConfig
 from rstarjax.rl.optim import OptimConfig
@@ -686,6 +686,24 @@ def truncated_sampling_warning(run: RunConfig) -> str | None:
             "--config.rl.top_k=-1 (the defaults) to train on the distribution sampled (docs/algorithm.md).")
 
 
+def _tool_timeout_rules(run: RunConfig) -> list[str]:
+    """The code-judge protocol's own limit on ``rl.tool_timeout_s`` (``require_tool_timeout_fits``),
+    said at start, not when the rollouts are built after the model."""
+    if run.mode in (*RL_MODES, "filter"):
+        agent, fmt = run.agent(), run.rl.chat_format
+    elif run.mode == "eval" and run.eval is not None and run.eval.chat_format:
+        agent, fmt = run.eval_agent(), run.eval.chat_format
+    else:
+        return []
+    if fmt not in CHAT_FORMATS:  # refused by its section's own rule
+        return []
+    try:
+        require_tool_timeout_fits(agent, chat_format(fmt))
+    except ConfigError as e:
+        return [as_flags(str(e))]
+    return []
+
+
 def _run_rules(run: RunConfig) -> list[str]:
     """The rules a mode puts on several sections or on files."""
     errs: list[str] = []
@@ -762,6 +780,7 @@ def _run_rules(run: RunConfig) -> list[str]:
     if mode == "sft" and run.sft is not None:
         errs += _problems_file(run.sft.data_path, "--config.sft.data_path",
                                'a jsonl/parquet of {"messages": [...]} chat records', "conversations")
+    errs += _tool_timeout_rules(run)
     if mode == "eval" and run.eval is not None:
         if not run.eval.path_list:
             errs.append("--config.eval.paths is empty: set --config.eval.paths=aime24.jsonl,math500.parquet")
