@@ -556,14 +556,18 @@ def test_fallback_without_namespaces_or_uid_drop_still_cleans_up():
         escaped = int(r.text)
         deadline = time.monotonic() + 3
         while os.path.exists(f"/proc/{escaped}") and time.monotonic() < deadline:
-            with open(f"/proc/{escaped}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    break
+            try:
+                with open(f"/proc/{escaped}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        break
+            except (FileNotFoundError, ProcessLookupError):  # reaped between the check and the read
+                break
             time.sleep(0.05)
-        alive = os.path.exists(f"/proc/{escaped}")
-        if alive:
+        try:
             with open(f"/proc/{escaped}/stat") as f:
                 alive = f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, ProcessLookupError):  # gone: reaped
+            alive = False
         assert not alive, "the double-forked grandchild survived its call"
         assert ex.run("print(2)").text == "2\n"
 
