@@ -321,13 +321,14 @@ def inputs(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _parse(inputs, mode, *extra):
+def _parse(inputs, mode, *extra, devices=1, processes=1):
     """check_config's typed config of a ``mode`` command line with ``extra`` flags (``{data}``,
-    ``{sft}``, ``{dir}``: the fixture's files) on one device; ConfigError when refused."""
+    ``{sft}``, ``{dir}``: the fixture's files) on ``devices`` in ``processes``; ConfigError when
+    refused."""
     paths = dict(data=inputs / "problems.jsonl", sft=inputs / "sft.jsonl", dir=inputs)
     tiny = [] if mode == "demo" else ["--config.model.preset=tiny", "--config.model.random_init=True"]
     argv = [a.format(**paths) for a in (*MODE_ARGS[mode], *tiny, *extra)]
-    return check_config.check(argv, 1, 1)
+    return check_config.check(argv, devices, processes)
 
 
 def _refusal(inputs, mode, *extra) -> list[str]:
@@ -476,11 +477,8 @@ def test_check_config_counts_that_are_no_count_are_one_line(arg, capsys):
 def _refusal_on(inputs, mode, devices, processes, *extra) -> list[str]:
     """check_config's refusal lines for a ``mode`` command line on ``devices`` in ``processes``."""
     from rstarjax.validation import ConfigError
-    paths = dict(data=inputs / "problems.jsonl", sft=inputs / "sft.jsonl", dir=inputs)
-    tiny = [] if mode == "demo" else ["--config.model.preset=tiny", "--config.model.random_init=True"]
-    argv = [a.format(**paths) for a in (*MODE_ARGS[mode], *tiny, *extra)]
     with pytest.raises(ConfigError) as e:
-        check_config.check(argv, devices, processes)
+        _parse(inputs, mode, *extra, devices=devices, processes=processes)
     return [line.strip() for line in str(e.value).splitlines() if line.strip() != "invalid config:"]
 
 
