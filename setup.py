@@ -39,7 +39,9 @@ EXTRAS = {
     # grpcio: tests/test_reliability.py checks with real gRPC that the policy server's default
     # credentials refuse a peer on another address; prometheus_client: tests/test_serve_metrics.py
     # checks the metrics port admits loopback only (both skipped without them).
-    "test": ["pytest<9.2", "pytest-xdist", "torch==2.13.0", "transformers", "tokenizers", "pyarrow", "wandb",
+    # pytest-timeout: a test that hangs fails alone, with every thread's stack (pytest.ini),
+    # instead of holding CI until its own limit kills the run with no summary.
+    "test": ["pytest<9.2", "pytest-xdist", "pytest-timeout", "torch==2.13.0", "transformers", "tokenizers", "pyarrow", "wandb",
              "nbclient", "ipykernel", "peft", "grpcio", "prometheus_client"],
     "cuda": ["jax[cuda13]"],
     "cuda12": ["jax[cuda12]"],
