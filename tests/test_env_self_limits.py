@@ -12,12 +12,13 @@ import json
 import os
 import platform
 import resource
+import subprocess
+import sys
 import time
 
 import pytest
 
 from rstarjax.env import CodeExecutor, seccomp, worker
-from rstarjax.env.isolation import prctl
 
 LOWERS_ITS_CPU_LIMIT = "import resource\nresource.setrlimit(resource.RLIMIT_CPU, (1, 1))\nwhile True:\n    pass"
 SYSCALLS = {"x86_64": {"setrlimit": 160, "prlimit64": 302}, "aarch64": {"setrlimit": 164, "prlimit64": 261}}
@@ -26,26 +27,23 @@ PROT_READ_WRITE = 0x3
 
 
 def run_in_filtered_child(check) -> dict:
-    """`check()` (-> a JSON-able dict) in a forked child under the limits filter alone."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        status = 1
-        try:
-            os.close(read_end)
-            if prctl(seccomp.PR_SET_NO_NEW_PRIVS, 1) != 0:
-                raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
-            seccomp.install_limits_filter()
-            os.write(write_end, json.dumps(check()).encode())
-            status = 0
-        finally:
-            os._exit(status)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, data
-    return json.loads(data)
+    """`check()` (-> a JSON-able dict) in a fresh interpreter under the limits filter alone. Not a
+    fork of this test process: it runs XLA's and other libraries' threads, and a fork's child
+    can block on a lock one of them held (dlopen's, for ctypes), which would hang the suite."""
+    script = (
+        "import ctypes, json, sys\n"
+        f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+        "import test_env_self_limits as t\n"
+        "from rstarjax.env import seccomp\n"
+        "from rstarjax.env.isolation import prctl\n"
+        "assert seccomp.prepare()\n"
+        "if prctl(seccomp.PR_SET_NO_NEW_PRIVS, 1) != 0:\n"
+        "    raise OSError(ctypes.get_errno(), 'PR_SET_NO_NEW_PRIVS')\n"
+        "seccomp.install_limits_filter()\n"
+        f"print(json.dumps(t.{check.__name__}()))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.splitlines()[-1])
 
 
 def refused(fn) -> bool:
@@ -142,12 +140,15 @@ def test_a_sigkill_at_a_cpu_limit_the_sandbox_lowered_is_the_programs():
 
 
 def test_the_cpu_limit_of_a_dead_child_is_read_before_it_is_reaped():
-    pid = os.fork()
-    if pid == 0:
-        resource.setrlimit(resource.RLIMIT_CPU, (2, 3))
-        os._exit(0)
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import resource; resource.setrlimit(resource.RLIMIT_CPU, (2, 3))"])
     try:
-        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # dead, not reaped
-        assert worker.cpu_hard_limit_of(pid) == 3.0
+        deadline = time.monotonic() + 60
+        # dead, not reaped (WNOWAIT), waited for with a bound (WNOHANG polls)
+        while os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.01)
+        assert worker.cpu_hard_limit_of(child.pid) == 3.0
     finally:
-        os.waitpid(pid, 0)
+        child.kill()
+        child.wait(timeout=10)
