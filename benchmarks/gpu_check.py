@@ -203,7 +203,10 @@ def run_part(name: str, argv: list[str], timeout_s: float, log, env: dict | None
         code = proc.returncode
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)  # the main job's code pool and verifier too
-        out, _ = proc.communicate()
+        try:  # the pool's zygote runs in its own session and may still hold the pipe
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            out = "(the part's output pipe stayed open after the kill: its log is lost)\n"
         code = None
     log.write(out or "")
     log.write(f"===== {name}: {ended(code, timeout_s)}\n")

@@ -59,6 +59,64 @@ def worker_env(devices: int, **extra) -> dict:
                 PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))
 
 
+def output_of(proc: subprocess.Popen, timeout: float = 30.0) -> str:
+    """What a process started with ``stdout=PIPE`` printed, killing it first: for a failure
+    message. Bounded: a grandchild that inherited the pipe cannot hold it open forever."""
+    proc.kill()
+    try:
+        return proc.communicate(timeout=timeout)[0] or ""
+    except subprocess.TimeoutExpired:
+        return f"(its output pipe was still held open {timeout:.0f} s after the kill)"
+
+
+def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Each process's output, all of them within one ``timeout`` from now (not ``timeout`` each,
+    one after another); the ones still running then are killed and TimeoutExpired raised."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs
+
+
+def read_lines_until(proc: subprocess.Popen, done, timeout: float) -> list[str]:
+    """Lines of ``proc``'s stdout up to and including the first for which ``done(line)``, read
+    with a bound: raises TimeoutError (with what it read) if that line has not come within
+    ``timeout`` s, EOFError if the output ended first. A daemon thread reads, so a child that
+    stops printing cannot block the test."""
+    import queue
+    import threading
+
+    lines: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    import time
+
+    deadline, got = time.monotonic() + timeout, []
+    while True:
+        try:
+            line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError(f"no such line within {timeout:.0f} s:\n" + "".join(got)[-3000:]) from None
+        if line is None:
+            raise EOFError("the output ended first:\n" + "".join(got)[-3000:])
+        got.append(line)
+        if done(line):
+            return got
+
+
 def run_processes(script: str, argvs: list[list[str]], devices: int = 1, timeout: float = 300.0
                   ) -> list[tuple[int, str]]:
     """``script`` started once per argument list, each process with ``devices`` CPU devices and
@@ -66,12 +124,5 @@ def run_processes(script: str, argvs: list[list[str]], devices: int = 1, timeout
     ``timeout`` s. Each one's (return code, output)."""
     procs = [subprocess.Popen([sys.executable, script, *map(str, argv)], env=worker_env(devices), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for argv in argvs]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outs = communicate_all(procs, timeout)
     return [(p.returncode, out) for p, out in zip(procs, outs)]

@@ -266,7 +266,9 @@ class FlakyExecutor:
         real = self.real.submit(code, stdin, timeout)
         if not self.delay_s:
             return real
-        threading.Timer(self.delay_s, lambda: out.set_result(real.result())).start()
+        timer = threading.Timer(self.delay_s, lambda: out.set_result(real.result(timeout=120)))
+        timer.daemon = True
+        timer.start()
         return out
 
     def submit_verify(self, response_text, gold, timeout=None, mode="answer"):

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from process_support import worker_env
+from process_support import output_of, worker_env
 from tiny_run import tiny_rl_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,9 +92,7 @@ def finished(proc, timeout):
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"worker timed out:\n{out[-3000:]}")
+        pytest.fail(f"worker timed out:\n{output_of(proc)[-3000:]}")
     assert proc.returncode == 0, out[-3000:]
     return out
 
@@ -118,7 +116,7 @@ def test_sigkill_and_resume_reaches_the_same_parameters(tmp_path):
     ref_proc = launch(ref, steps)
     deadline = time.time() + 400
     while not any(s >= 2 for s in committed_steps(os.path.join(killed, "checkpoints"))):
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert proc.poll() is None, output_of(proc)[-3000:]
         assert time.time() < deadline, "no checkpoint appeared"
         time.sleep(0.2)
     os.kill(proc.pid, signal.SIGKILL)

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from process_support import worker_env
+from process_support import read_lines_until, worker_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORN = '{"step": 3, "wall_time": 17.5, "train/lo'  # a record a kill cut short: no closing brace, no newline
@@ -222,13 +222,10 @@ def test_a_run_killed_mid_save_resumes_from_the_last_committed_step_and_saves_th
     proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_SAVE, directory], env=worker_env(1),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("writing step 2"):
-                break
-        else:
-            pytest.fail("the save never reached its commit:\n" + "".join(lines)[-3000:])
+        try:
+            read_lines_until(proc, lambda line: line.startswith("writing step 2"), timeout=300)
+        except (TimeoutError, EOFError) as e:
+            pytest.fail(f"the save never reached its commit: {e}")
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -256,7 +253,7 @@ def test_a_workdir_whose_run_was_killed_holding_its_lock_starts_the_next_run(tmp
                                "with workdir_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)",
                                str(tmp_path)], env=worker_env(1), stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "held"
+        assert read_lines_until(holder, lambda line: True, timeout=120)[-1].strip() == "held"
         stale = (tmp_path / LOCK_NAME).read_text().strip()
     finally:
         os.kill(holder.pid, signal.SIGKILL)
@@ -302,7 +299,7 @@ def test_an_export_killed_mid_write_leaves_a_staging_folder_the_next_export_remo
                                 stdout=subprocess.PIPE, text=True) for _ in range(2)]
     killed, live = writers
     try:
-        killed_path, live_path = (w.stdout.readline().strip() for w in writers)
+        killed_path, live_path = (read_lines_until(w, lambda line: True, timeout=120)[-1].strip() for w in writers)
         os.kill(killed.pid, signal.SIGKILL)
         killed.wait(timeout=30)
         assert os.path.isdir(killed_path)  # what a kill leaves

@@ -511,11 +511,12 @@ def test_a_decode_program_compiled_ahead_is_the_one_the_call_runs(model):
     state, [first] = eng.start(eng.params, state, [StartRequest(
         0, prompt, SamplingParams(temperature=0, max_new_tokens=8))])
     lowered = [eng.lower_decode(eng.params, state, attention=a) for a in ("ragged", "reference")]
-    threads = [threading.Thread(target=low.compile) for low in lowered]
+    threads = [threading.Thread(target=low.compile, daemon=True) for low in lowered]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=600)
+        assert not t.is_alive(), "a compile did not finish in 600 s"
     jax.monitoring.register_event_duration_secs_listener(count)
     try:
         tokens = [int(first.token)]

@@ -433,7 +433,7 @@ def test_unix_sockets_of_host_services_are_unreachable(ex):
     try:
         r = ex.run(code)
     finally:
-        t.join()
+        t.join(timeout=30)
         server.close()
         os.unlink(path)
         os.rmdir(directory)

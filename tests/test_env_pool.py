@@ -313,7 +313,7 @@ def test_soak_10k_mixed_calls_with_random_worker_kills():
                 if h is not None and h.alive:
                     h.kill()
 
-        t = threading.Thread(target=killer)
+        t = threading.Thread(target=killer, daemon=True)
         t.start()
         futs = []
         for i in range(n):
@@ -328,9 +328,11 @@ def test_soak_10k_mixed_calls_with_random_worker_kills():
                 code, want = f"print({i})\nimport time\ntime.sleep(0.05)", ("stdout", f"{i}\n")
             futs.append(ex.submit(code))
             kinds.append(want)
-        results = [f.result(timeout=300) for f in futs]
-        stop.set()
-        t.join()
+        try:
+            results = [f.result(timeout=300) for f in futs]
+        finally:
+            stop.set()
+            t.join(timeout=10)
         stats = dict(ex.stats)
     lost = infra = 0
     for r, (kind, text) in zip(results, kinds):

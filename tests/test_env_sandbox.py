@@ -378,7 +378,7 @@ def test_no_network_to_a_local_port(ex):
         "    print('blocked', type(e).__name__)"
     )
     r = run_hostile(ex, code)
-    t.join()
+    t.join(timeout=30)
     server.close()
     assert r.text.startswith("blocked") and not accepted
 

@@ -538,7 +538,7 @@ def test_the_command_runs_where_rstarjax_is_importable_only_from_the_repository(
     scratch.mkdir()
     env = {**_env(), "PYTHONPATH": str(site), "TMPDIR": str(scratch)}
     hidden = subprocess.run([sys.executable, "-c", "import rstarjax"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, timeout=120)
     assert hidden.returncode != 0 and "No module named 'rstarjax'" in hidden.stderr  # the device's case
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--shape", "tiny",
                            "--parts", "env", "--agent-model", "num_hidden_layers=2", "--out", str(tmp_path / "out")],

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from process_support import free_port, worker_env
+from process_support import communicate_all, free_port, worker_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -84,13 +84,11 @@ def test_two_processes_match_one_process(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     # the 1-process reference on the whole batch while the workers run
     ref, ref_metrics = run_training(batches(), sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
-    for p in procs:
-        try:
-            log, _ = p.communicate(timeout=500)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("multi-process workers timed out")
+    try:
+        logs = communicate_all(procs, 500)
+    except subprocess.TimeoutExpired:
+        pytest.fail("multi-process workers timed out")
+    for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
     got = np.load(out)
     np.testing.assert_allclose(got["grad_norm"], [m["train/grad_norm"] for m in ref_metrics], rtol=1e-4)

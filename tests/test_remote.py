@@ -92,7 +92,8 @@ def test_a_rollout_process_stopped_by_a_signal_or_failing_to_start_tells_its_tra
     monkeypatch.setattr(remote, "_serve", serve)
     failed = []
     thread = threading.Thread(target=lambda: failed.append(pytest.raises(remote.RolloutProcessStopped,
-                                                                         remote.serve_remote, None, 600)))
+                                                                         remote.serve_remote, None, 600)),
+                              daemon=True)
     thread.start()
     with pytest.raises(mailbox.RolloutsFailed, match="rollout process 1 failed a round:\nrollout process 1 stopped on SIGTERM"):
         rollouts([{"problem": "p"}], 2, 0, 1)

@@ -21,7 +21,7 @@ import threading
 import numpy as np
 import pytest
 
-from process_support import free_port, worker_env
+from process_support import communicate_all, free_port, output_of, worker_env
 
 STEPS = int(os.environ.get("RJ_STEPS", 3))  # the death test runs longer
 WAIT_S = 300  # one 2-process run; past it the workers are killed and the test fails
@@ -205,13 +205,7 @@ def launch(port, pid, workdir, staleness, devices, per_process, **env_vars):
 
 
 def finish(procs):
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=WAIT_S)[0])
-    finally:
-        for p in procs:
-            p.kill()
+    outs = communicate_all(procs, WAIT_S)
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-4000:]
 
@@ -344,11 +338,12 @@ def test_the_trainer_saves_what_it_finished_when_the_rollout_process_dies(tmp_pa
     try:
         log, t0 = os.path.join(workdir, "logs", "metrics.jsonl"), time.monotonic()
         while not (os.path.exists(log) and len(metrics_of(workdir)) >= 2):
-            assert time.monotonic() - t0 < WAIT_S and first.poll() is None, first.communicate()[0][-3000:]
+            if time.monotonic() - t0 > WAIT_S or first.poll() is not None:
+                pytest.fail("two steps were not logged:\n" + output_of(first)[-3000:])
             time.sleep(0.2)
         dying.kill()
         t_kill = time.monotonic()
-        outs = [p.communicate(timeout=120)[0] for p in procs[:-1]]
+        outs = communicate_all(procs[:-1], 120)
         waited = time.monotonic() - t_kill
     finally:
         for p in procs:

@@ -74,14 +74,14 @@ def test_a_real_certificate_passes_the_tls_check(tmp_path):
     key, cert = tmp_path / "server.key", tmp_path / "server.pem"
     r = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
                         "-out", str(cert), "-days", "1", "-subj", "/CN=localhost"],
-                       capture_output=True, text=True) if _has_openssl() else None
+                       capture_output=True, text=True, timeout=60) if _has_openssl() else None
     if r is None or r.returncode != 0:
         pytest.skip("no openssl to make a certificate")
     args = parse(["--hf_path", "m", "--expose", "--tls_cert", str(cert), "--tls_key", str(key),
                   "--tls_client_ca", str(cert)])
     assert serve.tls_errors(args) == []
     mismatched = tmp_path / "other.key"
-    subprocess.run(["openssl", "genrsa", "-out", str(mismatched), "2048"], capture_output=True, check=True)
+    subprocess.run(["openssl", "genrsa", "-out", str(mismatched), "2048"], capture_output=True, check=True, timeout=60)
     errors = serve.tls_errors(parse(["--hf_path", "m", "--expose", "--tls_cert", str(cert),
                                      "--tls_key", str(mismatched)]))
     assert len(errors) == 1 and "matching unencrypted private key" in errors[0], errors

@@ -89,13 +89,10 @@ def wandb_records(path):
 
 
 def read_wandb_run(run_dir):
-    """(run record, {step: {key: value}}) of an offline W&B run directory. W&B's service process
-    writes the run file, and may still hold its last records when ``finish()`` has returned (a
-    CI run read a resumed run's file with none of its steps): ``wandb.teardown()`` first waits
-    for the service to close every run it writes."""
-    import wandb
-
-    wandb.teardown()
+    """(run record, {step: {key: value}}) of an offline W&B run directory, once the process that
+    wrote it has called ``wandb.teardown()``: W&B's service process writes the run file, and may
+    still hold its last records when ``finish()`` has returned (a CI run read a resumed run's
+    file with none of its steps)."""
     [path] = glob.glob(os.path.join(run_dir, "*.wandb"))
     run, history = None, {}
     for r in wandb_records(path):
@@ -127,33 +124,48 @@ def read_tensorboard(tb_dir):
     return out
 
 
+# Two RL steps logging to offline W&B, in a process of its own: W&B's service and its waits
+# (finish, teardown: no time limits of their own) never run in the test process, and the
+# subprocess's timeout bounds them.
+WANDB_RUN = """
+import sys
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
+import jax
+import wandb
+from rstarjax.models import sharding as sharding_lib
+from rstarjax.recipes import build
+from rstarjax.recipes.config import parse
+from rstarjax.recipes.rl import run_rl
+from test_checkpoint import fake_rollout_fn
+from test_stages import _scripted_config
+
+build.mesh = lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+c = _scripted_config(sys.argv[1], total_steps=2)
+c.logging.tensorboard = True
+c.logging.wandb = True
+c.logging.wandb_project = "rstarjax-test"
+c.logging.wandb_tags = "qwen3, tiny"
+run_rl(parse(c), sys.argv[1], rollout_fn=fake_rollout_fn)
+wandb.teardown()  # the service has closed the run file
+"""
+
+
 @pytest.mark.skipif(not HAS_WANDB, reason='the optional wandb extra is not installed (pip install -e ".[wandb]")')
-def test_offline_wandb_logs_what_tensorboard_logs_plus_the_config(tmp_path, monkeypatch):
-    import jax
+def test_offline_wandb_logs_what_tensorboard_logs_plus_the_config(tmp_path):
+    from process_support import worker_env
 
     from rstarjax.io.metrics_log import read_metrics
-    from rstarjax.models import sharding as sharding_lib
-    from rstarjax.recipes import build
-    from rstarjax.recipes.config import parse
-    from rstarjax.recipes.rl import run_rl
-    from test_checkpoint import fake_rollout_fn
-    from test_stages import _scripted_config
 
-    for var, sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
-        monkeypatch.setenv(var, str(tmp_path / "wandb_home" / sub))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setattr(build, "mesh", lambda *_: sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    env = worker_env(1, WANDB_MODE="offline", **{var: str(tmp_path / "wandb_home" / sub) for var, sub in (
+        ("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data"))})
+    env.pop("WANDB_API_KEY", None)
     with open(tmp_path / "train.jsonl", "w") as f:
         for i in range(8):
             f.write(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n")
     workdir = str(tmp_path / "stage1-run")
-    c = _scripted_config(workdir, total_steps=2)
-    c.logging.tensorboard = True
-    c.logging.wandb = True
-    c.logging.wandb_project = "rstarjax-test"
-    c.logging.wandb_tags = "qwen3, tiny"
-    run_rl(parse(c), workdir, rollout_fn=fake_rollout_fn)
+    r = subprocess.run([sys.executable, "-c", WANDB_RUN, workdir, os.path.join(ROOT, "tests"), os.path.join(ROOT, "configs")],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
 
     logs = os.path.join(workdir, "logs")
     [run_dir] = glob.glob(os.path.join(logs, "wandb", "offline-run-*"))

@@ -284,7 +284,10 @@ def run_programs(codes: Sequence[str], timeout: float | None = None) -> list[str
         stdout, stderr = proc.communicate(json.dumps(list(codes)), timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.communicate()
+        try:
+            proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass  # a grandchild holds the pipes: the runner itself is dead
         raise TimeoutError(f"{len(codes)} demo programs did not finish within {timeout} s") from None
     if proc.returncode != 0:
         raise RuntimeError(f"demo program runner failed (exit {proc.returncode}): {stderr[-500:]}")
