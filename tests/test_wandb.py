@@ -231,3 +231,17 @@ def test_docs_metrics_lists_every_logged_key():
     missing = sorted(k for k in keys if k not in documented
                      and not (k.split("/", 1)[0] in ("rollout", "rollout_all") and k.split("/", 1)[1] in documented))
     assert not missing, f"docs/metrics.md does not describe: {missing}"
+
+
+@pytest.mark.skipif(not HAS_WANDB, reason='the optional wandb extra is not installed (pip install -e ".[wandb]")')
+def test_the_end_of_a_run_waits_for_wandb_within_a_limit(monkeypatch, tmp_path):
+    """W&B's ``finish`` waits for its uploads without a limit by default: a run whose network
+    stalls would never end. The run is started with a finish timeout."""
+    import wandb
+
+    from rstarjax.io import metrics_log
+
+    seen = {}
+    monkeypatch.setattr(wandb, "init", lambda **kw: seen.update(kw))
+    metrics_log._start_wandb({"project": "p"}, str(tmp_path))
+    assert 0 < seen["settings"].finish_timeout <= 600 and seen["project"] == "p"

@@ -23,9 +23,15 @@ def _jsonable(v):
     return v
 
 
+# The longest the end of a run waits for W&B to upload what it has not yet sent (its default
+# waits without a limit); what is past it stays in metrics.jsonl and TensorBoard.
+WANDB_FINISH_TIMEOUT_S = 300.0
+
+
 def _start_wandb(init_args: Mapping, logdir: str):
     """A W&B run that a restart of the same workdir continues: its id is kept in
-    ``logdir/wandb_run_id`` and the run resumed with it."""
+    ``logdir/wandb_run_id`` and the run resumed with it. Its ``finish`` waits at most
+    ``WANDB_FINISH_TIMEOUT_S`` (W&B says so when it gives up)."""
     try:  # lazily: an optional extra, which the base install never imports
         import wandb
     except ImportError as e:
@@ -37,7 +43,8 @@ def _start_wandb(init_args: Mapping, logdir: str):
     else:
         run_id = uuid.uuid4().hex[:12]  # W&B ids: letters and digits
         files.write_atomic(id_path, run_id + "\n")  # (an empty id left by a kill would start another run)
-    return wandb.init(dir=logdir, id=run_id, resume="allow", **init_args)
+    return wandb.init(dir=logdir, id=run_id, resume="allow",
+                      settings=wandb.Settings(finish_timeout=WANDB_FINISH_TIMEOUT_S), **init_args)
 
 
 def drop_records_after(path: str, step: int) -> int | None:
