@@ -799,37 +799,48 @@ def test_the_policy_server_admits_loopback_only_unless_exposed_over_tls(tmp_path
     assert calls["credentials"] == ("local", "local_tcp") and calls["port"] == 9000
 
 
+# A gRPC server and two clients, in a process of their own: gRPC's core threads and fork
+# handlers would otherwise live in the pytest worker for the rest of its tests.
+GRPC_PEERS = """
+import sys
+from concurrent.futures import ThreadPoolExecutor
+import grpc
+from rstarjax import serve
+
+other = sys.argv[1]
+server = grpc.server(ThreadPoolExecutor(2))
+echo = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Echo", {"Echo": echo}),))
+port = server.add_secure_port("[::]:0", serve.server_credentials(serve.build_parser().parse_args(
+    ["--hf_path", "m"]), grpc))
+server.start()
+
+def call(host):
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        try:
+            return channel.unary_unary("/test.Echo/Echo")(b"ping", timeout=10)
+        except grpc.RpcError as e:
+            return e.code()
+
+try:
+    print(call("127.0.0.1"), call(other))
+finally:
+    server.stop(0)
+"""
+
+
 def test_the_default_credentials_refuse_a_peer_on_another_address():
     """With real gRPC: a server on every interface (as JetStream binds) with the default
     credentials answers a client over loopback (an insecure channel, as JetStream's own clients
     use) and refuses the same client at another address of this machine."""
-    grpc = pytest.importorskip("grpc")
-    from concurrent.futures import ThreadPoolExecutor
-
-    from rstarjax import serve
-
+    pytest.importorskip("grpc")
     other = own_other_address()
     if other is None:
         pytest.skip("no address but loopback here")
-    server = grpc.server(ThreadPoolExecutor(2))
-    echo = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Echo", {"Echo": echo}),))
-    port = server.add_secure_port("[::]:0", serve.server_credentials(serve.build_parser().parse_args(
-        ["--hf_path", "m"]), grpc))
-    server.start()
-
-    def call(host):
-        with grpc.insecure_channel(f"{host}:{port}") as channel:
-            try:
-                return channel.unary_unary("/test.Echo/Echo")(b"ping", timeout=10)
-            except grpc.RpcError as e:
-                return e.code()
-
-    try:
-        assert call("127.0.0.1") == b"ping"
-        assert call(other) == grpc.StatusCode.UNAVAILABLE
-    finally:
-        server.stop(0)
+    r = subprocess.run([sys.executable, "-c", GRPC_PEERS, other], env=worker_env(1), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["b'ping'", "StatusCode.UNAVAILABLE"], r.stdout
 
 
 if __name__ == "__main__":
