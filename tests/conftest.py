@@ -15,14 +15,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _share_compiled_programs_for_this_run() -> None:
-    """jax's persistent compilation cache in one fresh directory for the whole test run, so a
-    program compiled once (the tiny model's forward, a train step, an engine bucket) is loaded,
-    not compiled again, by later tests, by the other pytest-xdist worker and by the subprocesses
-    the end-to-end tests start (``python -m rstarjax.main`` inherits the variables, and main's
-    own ``compilation_cache_dir`` yields to them: rstarjax/io/compile_cache.py). Every program is
-    kept, however fast it compiled: the tiny shapes compile in well under jax's default 1 s
-    threshold. The run that made the directory removes it (xdist workers find it already set);
-    a cache the user chose (JAX_COMPILATION_CACHE_DIR set beforehand) is used as it is."""
+    """Opt-in (``RSTARJAX_TEST_COMPILE_CACHE=1``): jax's persistent compilation cache in one fresh
+    directory for the whole test run, so a program compiled once (the tiny model's forward, a
+    train step, an engine bucket) is loaded, not compiled again, by later tests, by the other
+    pytest-xdist worker and by the subprocesses the end-to-end tests start (``python -m
+    rstarjax.main`` inherits the variables, and main's own ``compilation_cache_dir`` yields to
+    them: rstarjax/io/compile_cache.py). Every program is kept, however fast it compiled. The
+    run that made the directory removes it (xdist workers find it already set); a cache the user
+    chose (JAX_COMPILATION_CACHE_DIR set beforehand) is used as it is.
+
+    Off by default: with it, loading a cached CPU executable (jax 0.10.2's
+    ``deserialize_executable``) crashed a worker in two clean-clone runs of the suite (a
+    segfault in a train step's load, an abort), and pytest-xdist 3.8 then never scheduled the
+    crashed worker's remaining tests: the run hung to CI's limit."""
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
     import atexit
@@ -36,8 +41,10 @@ def _share_compiled_programs_for_this_run() -> None:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
-if os.environ.get("RSTARJAX_TEST_COMPILE_CACHE", "1") != "0":
+if os.environ.get("RSTARJAX_TEST_COMPILE_CACHE", "0") == "1":
     _share_compiled_programs_for_this_run()
+else:  # no test process, nor anything it starts (main's own default cache too), loads a program
+    os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 
 
 def _own_temp_dir_per_xdist_worker() -> None:
@@ -162,6 +169,15 @@ def pytest_collection_modifyitems(config, items):
         elif item.get_closest_marker("slow") is not None:
             first.add(item.nodeid)
     items.sort(key=lambda item: item.nodeid not in first)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist a crashed worker ends the run (its test named, the others' results
+    kept) instead of being replaced: with ``--dist loadgroup``, xdist 3.8 re-queues a crashed
+    worker's tests but never hands them out again, and the run waits forever. An explicit
+    ``--max-worker-restart`` is left as given."""
+    if getattr(config.option, "numprocesses", None) and getattr(config.option, "maxworkerrestart", "") is None:
+        config.option.maxworkerrestart = 0
 
 
 @pytest.hookimpl(optionalhook=True)
