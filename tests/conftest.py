@@ -171,6 +171,23 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.nodeid not in first)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test file's last test (and its fixtures' teardown), drop jax's compiled programs:
+    a worker otherwise keeps thousands of loaded CPU executables for the rest of the run, and
+    XLA:CPU crashed loading one more (a train step, segfault/abort) late in three runs of the
+    suite, never in the same test alone."""
+    result = yield
+    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
+    return result
+
+
 def pytest_configure(config):
     """Under pytest-xdist a crashed worker ends the run (its test named, the others' results
     kept) instead of being replaced: with ``--dist loadgroup``, xdist 3.8 re-queues a crashed
