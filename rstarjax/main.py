@@ -80,7 +80,7 @@ def run(config, workdir: str, explicit=frozenset()) -> None:
     errors = device_rules(typed, jax.device_count(), jax.process_count())
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-    compile_cache.enable_persistent_cache(typed.compilation_cache_dir, jax.default_backend())
+    compile_cache.enable_persistent_cache(typed.compilation_cache_dir)
     with workdir_lock(workdir, take=jax.process_index() == 0):
         RECIPES[typed.mode](typed, workdir)
 

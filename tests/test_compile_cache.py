@@ -46,19 +46,6 @@ def test_persistent_cache_is_set_off_or_left_to_the_user(tmp_path):
     assert out == str(mine)
 
 
-def test_the_cpu_keeps_the_default_cache_off_unless_the_user_chose_one(tmp_path):
-    """Loading cached CPU executables crashed test processes (jax 0.10.2): the configured
-    default is not used on the CPU, a directory the user set still is."""
-    target, mine = tmp_path / "xla", tmp_path / "mine"
-    assert _in_fresh_process(f"""
-        print(repr(compile_cache.enable_persistent_cache({str(target)!r}, "cpu")))
-        print(repr(jax.config.jax_compilation_cache_dir))""").splitlines() == ["''", "None"]
-    assert not target.exists()
-    assert _in_fresh_process(f"print(compile_cache.enable_persistent_cache({str(target)!r}, 'gpu'))") == str(target)
-    assert _in_fresh_process(f"print(compile_cache.enable_persistent_cache({str(target)!r}, 'cpu'))",
-                             {"JAX_COMPILATION_CACHE_DIR": str(mine)}) == str(mine)
-
-
 def test_an_unusable_directory_compiles_without_a_cache(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

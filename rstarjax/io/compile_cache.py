@@ -43,21 +43,15 @@ def compile_seconds() -> float:
         return _seconds
 
 
-def enable_persistent_cache(path: str, platform: str | None = None) -> str:
+def enable_persistent_cache(path: str) -> str:
     """Use ``path`` (``~`` expanded) as jax's persistent compilation cache; "" leaves it off. A
     cache the user already chose (``JAX_COMPILATION_CACHE_DIR`` or jax's config) wins. A
     directory that cannot be made is a warning, not a failure: the run compiles as usual.
-    On the CPU (``platform`` "cpu") the default stays off: loading a cached CPU executable
-    (jax 0.10.2) crashed test processes twice in one run of this project's suite (a segfault, an
-    abort), and a CPU run's programs are small; a cache the user chose is still used.
     Returns the directory in use ("" when none)."""
     chosen = jax.config.jax_compilation_cache_dir
     if chosen:
         return chosen
     if not path:
-        return ""
-    if platform == "cpu":
-        logging.info("compilation cache %s not used on the CPU (set JAX_COMPILATION_CACHE_DIR to use one)", path)
         return ""
     path = os.path.expanduser(path)
     try:

@@ -438,7 +438,7 @@ class RunConfig:
     seed: int = 0
     profile: str = "paper"  # PROFILES: the group of settings the run started from
     total_steps: int = 300  # optimizer steps at the end of this stage (the global step count)
-    # jax's persistent compilation cache ("" = off; not used on the CPU: rstarjax/io/compile_cache.py)
+    # jax's persistent compilation cache ("" = off; rstarjax/io/compile_cache.py)
     compilation_cache_dir: str = "~/.cache/rstarjax/xla"
     model: ModelSource = dataclasses.field(default_factory=ModelSource)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
