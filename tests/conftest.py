@@ -24,10 +24,10 @@ def _share_compiled_programs_for_this_run() -> None:
     run that made the directory removes it (xdist workers find it already set); a cache the user
     chose (JAX_COMPILATION_CACHE_DIR set beforehand) is used as it is.
 
-    Off by default: with it, loading a cached CPU executable (jax 0.10.2's
-    ``deserialize_executable``) crashed a worker in two clean-clone runs of the suite (a
-    segfault in a train step's load, an abort), and pytest-xdist 3.8 then never scheduled the
-    crashed worker's remaining tests: the run hung to CI's limit."""
+    Off by default: a worker crashed loading a train step from it once (a segfault in jax
+    0.10.2's ``deserialize_executable``, late in a run; XLA:CPU crashed the same way compiling
+    one with no cache in another run: docs/testing.md), and the few seconds it saves are not
+    worth a second way to crash."""
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
     import atexit
