@@ -1,8 +1,11 @@
 """Test support: a test file run as several jax.distributed worker processes on CPU."""
 import os
+import queue
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -72,8 +75,6 @@ def output_of(proc: subprocess.Popen, timeout: float = 30.0) -> str:
 def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     """Each process's output, all of them within one ``timeout`` from now (not ``timeout`` each,
     one after another); the ones still running then are killed and TimeoutExpired raised."""
-    import time
-
     deadline = time.monotonic() + timeout
     outs = []
     try:
@@ -91,9 +92,6 @@ def read_lines_until(proc: subprocess.Popen, done, timeout: float) -> list[str]:
     with a bound: raises TimeoutError (with what it read) if that line has not come within
     ``timeout`` s, EOFError if the output ended first. A daemon thread reads, so a child that
     stops printing cannot block the test."""
-    import queue
-    import threading
-
     lines: queue.Queue = queue.Queue()
 
     def pump():
@@ -102,8 +100,6 @@ def read_lines_until(proc: subprocess.Popen, done, timeout: float) -> list[str]:
         lines.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
-    import time
-
     deadline, got = time.monotonic() + timeout, []
     while True:
         try:
